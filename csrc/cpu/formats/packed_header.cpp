@@ -1,0 +1,133 @@
+#include "packed_header.h"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "bf16_layout.h"
+
+namespace kt::cpu {
+namespace {
+
+// Byte offsets of the header fields (little-endian).
+struct Field {
+  static constexpr size_t kMagic = 0, kVersion = 8, kFormat = 12, kExperts = 16, kHidden = 20,
+                          kIntermediate = 24, kGroupSize = 28, kNumaParts = 32,
+                          kGateUpOffset = 40, kGateUpExpertBytes = 48, kDownOffset = 56,
+                          kDownExpertBytes = 64, kTotalBytes = 72, kChecksum = 248;
+};
+
+template <typename T>
+void put(uint8_t* blob, size_t offset, T value) {
+  std::memcpy(blob + offset, &value, sizeof(T));
+}
+
+template <typename T>
+T get(const uint8_t* blob, size_t offset) {
+  T value;
+  std::memcpy(&value, blob + offset, sizeof(T));
+  return value;
+}
+
+// FNV-1a over the header bytes before the checksum.
+uint64_t header_checksum(const uint8_t* blob) {
+  uint64_t hash = 1469598103934665603ull;
+  for (size_t i = 0; i < Field::kChecksum; ++i) hash = (hash ^ blob[i]) * 1099511628211ull;
+  return hash;
+}
+
+[[noreturn]] void corrupt(const std::string& why) {
+  throw std::invalid_argument("packed experts: " + why);
+}
+
+}  // namespace
+
+const char* packed_format_name(PackedFormat format) {
+  switch (format) {
+    case PackedFormat::kBf16: return "bf16";
+  }
+  throw std::invalid_argument("unknown packed format id " +
+                              std::to_string(static_cast<uint32_t>(format)));
+}
+
+PackedFormat parse_packed_format(const std::string& name) {
+  if (name == "bf16") return PackedFormat::kBf16;
+  throw std::invalid_argument("unknown packed format '" + name + "'; expected one of: bf16");
+}
+
+PackedLayout packed_layout(const PackedShape& shape) {
+  if (shape.num_experts == 0 || shape.hidden_size == 0 || shape.intermediate_size == 0)
+    throw std::invalid_argument("packed experts need E, H and I >= 1, got E=" +
+                                std::to_string(shape.num_experts) + " H=" +
+                                std::to_string(shape.hidden_size) + " I=" +
+                                std::to_string(shape.intermediate_size));
+  if (shape.numa_parts != 1)
+    throw std::invalid_argument("numa_parts other than 1 is not supported yet, got " +
+                                std::to_string(shape.numa_parts));
+  PackedLayout layout;
+  layout.shape = shape;
+  switch (shape.format) {
+    case PackedFormat::kBf16: {
+      const bf16_layout::Dims dims(shape.hidden_size, shape.intermediate_size);
+      layout.gate_up_expert_bytes = dims.gate_up_expert_bytes();
+      layout.down_expert_bytes = dims.down_expert_bytes();
+      break;
+    }
+    default: packed_format_name(shape.format);  // throws for unknown ids
+  }
+  layout.gate_up_offset = kPackedHeaderBytes;
+  layout.down_offset = layout.gate_up_offset + shape.num_experts * layout.gate_up_expert_bytes;
+  layout.total_bytes = layout.down_offset + shape.num_experts * layout.down_expert_bytes;
+  return layout;
+}
+
+void write_packed_header(const PackedLayout& layout, uint8_t* blob) {
+  std::memset(blob, 0, kPackedHeaderBytes);
+  std::memcpy(blob + Field::kMagic, kPackedMagic, sizeof(kPackedMagic));
+  put<uint32_t>(blob, Field::kVersion, kPackedVersion);
+  put<uint32_t>(blob, Field::kFormat, static_cast<uint32_t>(layout.shape.format));
+  put<uint32_t>(blob, Field::kExperts, layout.shape.num_experts);
+  put<uint32_t>(blob, Field::kHidden, layout.shape.hidden_size);
+  put<uint32_t>(blob, Field::kIntermediate, layout.shape.intermediate_size);
+  put<uint32_t>(blob, Field::kGroupSize, layout.shape.group_size);
+  put<uint32_t>(blob, Field::kNumaParts, layout.shape.numa_parts);
+  put<uint64_t>(blob, Field::kGateUpOffset, layout.gate_up_offset);
+  put<uint64_t>(blob, Field::kGateUpExpertBytes, layout.gate_up_expert_bytes);
+  put<uint64_t>(blob, Field::kDownOffset, layout.down_offset);
+  put<uint64_t>(blob, Field::kDownExpertBytes, layout.down_expert_bytes);
+  put<uint64_t>(blob, Field::kTotalBytes, layout.total_bytes);
+  put<uint64_t>(blob, Field::kChecksum, header_checksum(blob));
+}
+
+PackedLayout read_packed_header(const uint8_t* blob, size_t blob_bytes) {
+  if (blob_bytes < kPackedHeaderBytes)
+    corrupt("blob has " + std::to_string(blob_bytes) + " bytes, less than the " +
+            std::to_string(kPackedHeaderBytes) + "-byte header");
+  if (std::memcmp(blob, kPackedMagic, sizeof(kPackedMagic)) != 0)
+    corrupt("bad magic: this tensor was not made by kt_ops.pack_experts");
+  const uint32_t version = get<uint32_t>(blob, Field::kVersion);
+  if (version != kPackedVersion)
+    corrupt("header version " + std::to_string(version) + ", this build reads version " +
+            std::to_string(kPackedVersion) + "; repack the weights");
+  if (get<uint64_t>(blob, Field::kChecksum) != header_checksum(blob))
+    corrupt("header checksum mismatch (corrupted header)");
+  PackedShape shape;
+  shape.format = static_cast<PackedFormat>(get<uint32_t>(blob, Field::kFormat));
+  shape.num_experts = get<uint32_t>(blob, Field::kExperts);
+  shape.hidden_size = get<uint32_t>(blob, Field::kHidden);
+  shape.intermediate_size = get<uint32_t>(blob, Field::kIntermediate);
+  shape.group_size = get<uint32_t>(blob, Field::kGroupSize);
+  shape.numa_parts = get<uint32_t>(blob, Field::kNumaParts);
+  const PackedLayout layout = packed_layout(shape);
+  if (layout.gate_up_offset != get<uint64_t>(blob, Field::kGateUpOffset) ||
+      layout.gate_up_expert_bytes != get<uint64_t>(blob, Field::kGateUpExpertBytes) ||
+      layout.down_offset != get<uint64_t>(blob, Field::kDownOffset) ||
+      layout.down_expert_bytes != get<uint64_t>(blob, Field::kDownExpertBytes) ||
+      layout.total_bytes != get<uint64_t>(blob, Field::kTotalBytes))
+    corrupt("header offsets disagree with its shape (E, H, I, format)");
+  if (blob_bytes != layout.total_bytes)
+    corrupt("blob has " + std::to_string(blob_bytes) + " bytes, its header says " +
+            std::to_string(layout.total_bytes) + " (truncated or padded)");
+  return layout;
+}
+
+}  // namespace kt::cpu

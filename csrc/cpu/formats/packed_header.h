@@ -1,0 +1,54 @@
+// [NOTE] The packed-experts blob: one uint8 tensor per MoE layer.
+//   [0, 256)                  PackedHeader (little-endian, checksummed)
+//   [gate_up_offset, ...)     E experts x gate_up_expert_bytes  (kernel-ready blocks)
+//   [down_offset, ...)        E experts x down_expert_bytes
+// The header makes a blob self-describing: a kernel refuses a blob whose magic,
+// version, checksum, format or sizes disagree with the call, instead of computing
+// garbage from it. Offsets are multiples of 64 bytes from the blob start.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace kt::cpu {
+
+enum class PackedFormat : uint32_t { kBf16 = 1 };
+
+// "bf16" for kBf16; throws std::invalid_argument for unknown names / values.
+const char* packed_format_name(PackedFormat format);
+PackedFormat parse_packed_format(const std::string& name);
+
+constexpr char kPackedMagic[8] = {'K', 'T', 'O', 'P', 'S', 'P', 'K', '\0'};
+constexpr uint32_t kPackedVersion = 1;
+constexpr size_t kPackedHeaderBytes = 256;
+
+struct PackedShape {
+  PackedFormat format = PackedFormat::kBf16;
+  uint32_t num_experts = 0;
+  uint32_t hidden_size = 0;
+  uint32_t intermediate_size = 0;
+  uint32_t group_size = 0;  // 0 for formats without groups
+  uint32_t numa_parts = 1;  // parts the intermediate dimension is split into (1: none)
+};
+
+struct PackedLayout {
+  PackedShape shape;
+  uint64_t gate_up_offset = 0;
+  uint64_t gate_up_expert_bytes = 0;
+  uint64_t down_offset = 0;
+  uint64_t down_expert_bytes = 0;
+  uint64_t total_bytes = 0;
+};
+
+// Throws std::invalid_argument for impossible shapes (zero sizes, unknown format).
+PackedLayout packed_layout(const PackedShape& shape);
+
+// Writes the 256-byte header of `layout` at `blob`.
+void write_packed_header(const PackedLayout& layout, uint8_t* blob);
+
+// Parses and validates a blob of `blob_bytes` bytes. Throws std::invalid_argument with
+// the reason (too small, bad magic, version, checksum, sizes) on any mismatch.
+PackedLayout read_packed_header(const uint8_t* blob, size_t blob_bytes);
+
+}  // namespace kt::cpu

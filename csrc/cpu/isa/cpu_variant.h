@@ -1,0 +1,30 @@
+// [NOTE] CPU variants: the instruction-set levels kernels are compiled for, detected at
+// run time from CPUID and the OS's XCR0 state (and, for AMX, the Linux permission to
+// use tile state). The best supported variant is active unless KT_OPS_CPU_VARIANT or
+// set_cpu_variant() asks for another; asking for an unsupported one is an error.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kt::cpu {
+
+// Ordered from oldest to newest; each level implies the ones before it.
+enum class CpuVariant { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmx = 3 };
+constexpr int kNumCpuVariants = 4;
+
+const char* cpu_variant_name(CpuVariant variant);
+// Throws std::invalid_argument for an unknown name.
+CpuVariant parse_cpu_variant(const std::string& name);
+
+// Empty when supported, otherwise what is missing ("avx512_bf16 (CPUID)").
+std::string missing_features(CpuVariant variant);
+std::vector<CpuVariant> supported_cpu_variants();
+
+// The active variant. Throws std::runtime_error when none is supported (pre-AVX2 CPU).
+CpuVariant active_cpu_variant();
+// Throws std::invalid_argument (unknown) or std::runtime_error (unsupported, with the
+// missing features named).
+void set_active_cpu_variant(CpuVariant variant);
+
+}  // namespace kt::cpu

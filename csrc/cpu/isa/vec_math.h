@@ -1,0 +1,34 @@
+// Elementwise math written once against the Vec interface (vec_avx512.h, vec_avx2.h).
+#pragma once
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+// exp(x) with relative error ~2e-7 on [-87, 88] (Cephes polynomial); inputs outside
+// are clamped, so the result stays finite; NaN propagates through silu's division.
+template <class V>
+typename V::Reg vec_exp(typename V::Reg x) {
+  using Reg = typename V::Reg;
+  x = V::max(V::min(x, V::set1(88.0f)), V::set1(-87.0f));
+  const Reg n = V::round_nearest(V::mul(x, V::set1(1.44269504088896341f)));
+  Reg r = V::fma(n, V::set1(-0.693359375f), x);  // x - n * ln2, in two parts
+  r = V::fma(n, V::set1(2.12194440e-4f), r);
+  Reg p = V::set1(1.9875691500e-4f);
+  p = V::fma(p, r, V::set1(1.3981999507e-3f));
+  p = V::fma(p, r, V::set1(8.3334519073e-3f));
+  p = V::fma(p, r, V::set1(4.1665795894e-2f));
+  p = V::fma(p, r, V::set1(1.6666665459e-1f));
+  p = V::fma(p, r, V::set1(5.0000001201e-1f));
+  p = V::fma(V::mul(p, r), r, V::add(r, V::set1(1.0f)));
+  return V::mul(p, V::pow2(n));
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u
+template <class V>
+typename V::Reg vec_silu_mul(typename V::Reg g, typename V::Reg u) {
+  const typename V::Reg one = V::set1(1.0f);
+  return V::mul(V::div(g, V::add(one, vec_exp<V>(V::sub(V::zero(), g)))), u);
+}
+
+}  // namespace
+}  // namespace kt::cpu

@@ -1,0 +1,50 @@
+// [NOTE] BF16 micro-GEMM for AVX-512F without BF16 instructions: each 64-byte weight
+// line is widened in registers (low halves shifted up, high halves masked) into two
+// fp32 vectors for k and k + 1, then two FMAs with fp32 activations. Up to 4 rows x 4
+// blocks: 16 accumulators + 8 widened weights + 2 broadcasts of 32 registers.
+#pragma once
+
+#include <immintrin.h>
+
+#include "../../isa/vec_avx512.h"
+#include "micro_gemm.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+struct MicroBf16Avx512 {
+  using Vec = VecAvx512;
+  using Act = float;
+  static constexpr int kMaxRows = 4;
+  static constexpr int kMaxBlocks = 4;
+
+  template <int M, int NB>
+  static void tile(const TileArgs<Act>& t) {
+    __m512 acc[M][NB];
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < NB; ++b)
+        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.c + m * t.ldc + b * 16) : _mm512_setzero_ps();
+    const __m512i high_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    for (int64_t p = 0; p < t.pairs; ++p) {
+      __m512 even[NB], odd[NB];
+      for (int b = 0; b < NB; ++b) {
+        const __m512i line = _mm512_loadu_si512(t.w + b * t.block_stride + p * 32);
+        even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+        odd[b] = _mm512_castsi512_ps(_mm512_and_si512(line, high_mask));
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512 x0 = _mm512_set1_ps(t.a[m][2 * p]);
+        const __m512 x1 = _mm512_set1_ps(t.a[m][2 * p + 1]);
+        for (int b = 0; b < NB; ++b) {
+          acc[m][b] = _mm512_fmadd_ps(even[b], x0, acc[m][b]);
+          acc[m][b] = _mm512_fmadd_ps(odd[b], x1, acc[m][b]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.c + m * t.ldc + b * 16, acc[m][b]);
+  }
+};
+
+}  // namespace
+}  // namespace kt::cpu

@@ -1,0 +1,43 @@
+// [NOTE] BF16 micro-GEMM with vdpbf16ps (AVX512_BF16): one instruction multiplies a
+// 64-byte weight line (16 outputs x 2 k) by a broadcast activation pair and adds both
+// products into 16 fp32 accumulators. Activations are bf16. Up to 6 rows x 4 blocks:
+// 24 accumulators + 4 weight registers of 32.
+#pragma once
+
+#include <immintrin.h>
+
+#include "../../isa/vec_avx512.h"
+#include "micro_gemm.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+struct MicroBf16Avx512Bf16 {
+  using Vec = VecAvx512;
+  using Act = uint16_t;
+  static constexpr int kMaxRows = 6;
+  static constexpr int kMaxBlocks = 4;
+
+  template <int M, int NB>
+  static void tile(const TileArgs<Act>& t) {
+    __m512 acc[M][NB];
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < NB; ++b)
+        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.c + m * t.ldc + b * 16) : _mm512_setzero_ps();
+    for (int64_t p = 0; p < t.pairs; ++p) {
+      __m512i w[NB];
+      for (int b = 0; b < NB; ++b)
+        w[b] = _mm512_loadu_si512(t.w + b * t.block_stride + p * 32);
+      for (int m = 0; m < M; ++m) {
+        const __m512i x = _mm512_set1_epi32(load_pair(t.a[m] + 2 * p));
+        for (int b = 0; b < NB; ++b)
+          acc[m][b] = _mm512_dpbf16_ps(acc[m][b], (__m512bh)w[b], (__m512bh)x);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.c + m * t.ldc + b * 16, acc[m][b]);
+  }
+};
+
+}  // namespace
+}  // namespace kt::cpu

@@ -1,0 +1,41 @@
+// [NOTE] The BF16 micro-GEMM interface every ISA implements (micro_avx512_bf16.h,
+// micro_avx512.h, micro_avx2.h):
+//
+//   struct Micro {
+//     using Vec = ...;           // fp32 vector ops (isa/vec_*.h)
+//     using Act = ...;           // activation element: uint16_t (bf16 bits) or float
+//     static constexpr int kMaxRows, kMaxBlocks;
+//     template <int M, int NB> static void tile(const TileArgs<Act>&);
+//   };
+//
+// tile<M, NB> computes, for rows m < M and output blocks b < NB (16 columns each),
+//   c[m][16 b + n] (+)= sum_{p < pairs} a[m][2p] w_b[p][n][0] + a[m][2p + 1] w_b[p][n][1]
+// where w_b = w + b * block_stride is a packed block (formats/bf16_layout.h).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+template <typename Act>
+struct TileArgs {
+  const Act* const* a;   // [M] row pointers, each at the tile's first k-pair (2 elements)
+  const uint16_t* w;     // first 64-byte line of block 0 in this k range
+  int64_t block_stride;  // uint16 elements between consecutive blocks
+  int64_t pairs;         // k-pairs to accumulate
+  float* c;              // [M][ldc] fp32 output tile, NB * 16 columns used
+  int64_t ldc;
+  bool accumulate;       // add to c instead of overwriting it
+};
+
+// A bf16 pair (two consecutive activations) as one 32-bit lane value.
+inline int32_t load_pair(const uint16_t* p) {
+  int32_t value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
+}
+
+}  // namespace
+}  // namespace kt::cpu

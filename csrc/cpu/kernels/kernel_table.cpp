@@ -1,0 +1,34 @@
+#include "kernel_table.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "variants/variant_entries.h"
+
+namespace kt::cpu {
+namespace {
+
+struct FormatRow {
+  PackedFormat format;
+  MoeKernel by_variant[kNumCpuVariants];  // indexed by CpuVariant
+};
+
+const FormatRow kRows[] = {
+    {PackedFormat::kBf16,
+     {{moe_forward_bf16_avx2, "bf16/avx2 (fp32 FMA on widened bf16)"},
+      {moe_forward_bf16_avx512, "bf16/avx512 (fp32 FMA on widened bf16)"},
+      {moe_forward_bf16_avx512_bf16, "bf16/avx512_bf16 (vdpbf16ps)"},
+      // No AMX tile kernel for BF16 yet: the amx variant runs the AVX512_BF16 one.
+      {moe_forward_bf16_avx512_bf16, "bf16/avx512_bf16 (vdpbf16ps; no AMX kernel for bf16 yet)"}}},
+};
+
+}  // namespace
+
+MoeKernel moe_kernel(PackedFormat format, CpuVariant variant) {
+  for (const FormatRow& row : kRows)
+    if (row.format == format) return row.by_variant[static_cast<int>(variant)];
+  throw std::invalid_argument("no MoE kernel for packed format id " +
+                              std::to_string(static_cast<uint32_t>(format)));
+}
+
+}  // namespace kt::cpu

@@ -1,0 +1,27 @@
+// The arguments of one MoE forward call, as plain pointers and sizes (no torch types),
+// checked by the operator glue (csrc/ops) before a kernel sees them.
+#pragma once
+
+#include <cstdint>
+
+#include "../formats/packed_header.h"
+
+namespace kt::cpu {
+
+enum class ElementType { kF32, kBf16, kF16 };
+
+struct MoeArgs {
+  const void* hidden = nullptr;  // [tokens, hidden_size] of hidden_type, row-major
+  ElementType hidden_type = ElementType::kBf16;
+  int64_t tokens = 0;
+  const void* topk_ids = nullptr;  // [tokens, top_k] int32 or int64, each in [-1, E)
+  bool topk_ids_int64 = false;
+  int64_t top_k = 0;
+  const void* topk_weights = nullptr;  // [tokens, top_k] of weights_type
+  ElementType weights_type = ElementType::kF32;
+  const uint8_t* packed = nullptr;  // blob described by `layout` (header validated)
+  PackedLayout layout;
+  void* output = nullptr;  // [tokens, hidden_size] of hidden_type
+};
+
+}  // namespace kt::cpu

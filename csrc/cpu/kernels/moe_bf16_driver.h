@@ -1,0 +1,259 @@
+// [NOTE] The BF16 MoE forward, written once and instantiated per ISA with a micro-GEMM
+// (bf16/micro_gemm.h). Include only from a variant translation unit (variants/*.cpp),
+// after its target pragma.
+//
+// For every token t: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),
+// e = ids[t, j], slots with e = -1 skipped. Four phases, each a parallel_for on the
+// Engine:
+//   1. activations: x converted once per token to the micro-kernel's element type.
+//   2. gate+up:     jobs (expert, 4 interleaved gate/up blocks); SiLU(gate) * up in fp32,
+//                   stored per (token, slot) pair.
+//   3. down:        jobs (expert, 4 blocks of 16 hidden rows); fp32 per pair.
+//   4. combine:     out[t] = sum_j w[t, j] * down_out[pair(t, j)], cast to the output type.
+// Jobs of phases 2 and 3 read equal weight bytes. Per expert the path follows its token
+// count m: m <= kMaxRows streams each weight line once for all m tokens (decode,
+// memory-bound); larger m runs the k-blocked GEMM, where a block of weight lines stays
+// in L1 while every row tile of the expert reuses it (prefill, compute-bound).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../engine/engine.h"
+#include "../engine/scratch.h"
+#include "../formats/bf16_layout.h"
+#include "../isa/scalar_convert.h"
+#include "../isa/vec_math.h"
+#include "bf16/micro_gemm.h"
+#include "moe_args.h"
+#include "moe_plan.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+constexpr int kTileBlocks = 4;         // output blocks (64 columns) per job
+constexpr int64_t kKBlockPairs = 128;  // GEMM k block: 4 blocks x 128 pairs = 32 KiB of weights
+constexpr int64_t kRowChunk = 48;      // rows per epilogue chunk (multiple of 6 and 4)
+
+template <class Micro, int M, int NB = Micro::kMaxBlocks>
+void tile_blocks(int blocks, const TileArgs<typename Micro::Act>& t) {
+  if constexpr (NB >= 1) {
+    if (blocks == NB) return Micro::template tile<M, NB>(t);
+    tile_blocks<Micro, M, NB - 1>(blocks, t);
+  }
+}
+
+template <class Micro, int M = Micro::kMaxRows>
+void tile_any(int rows, int blocks, const TileArgs<typename Micro::Act>& t) {
+  if constexpr (M >= 1) {
+    if (rows == M) return tile_blocks<Micro, M>(blocks, t);
+    tile_any<Micro, M - 1>(rows, blocks, t);
+  }
+}
+
+// c[m][0, 16 * blocks) = a[m] x blocks of w, for rows m < rows, over `pairs` k-pairs.
+template <class Micro>
+void gemm_rows(const typename Micro::Act* const* a, int64_t rows, const uint16_t* w,
+               int64_t block_stride, int64_t pairs, int blocks, float* c, int64_t ldc) {
+  using Act = typename Micro::Act;
+  constexpr int kMaxBlocks = Micro::kMaxBlocks;
+  if (rows <= Micro::kMaxRows) {  // decode: each weight line read once, all k at once
+    for (int b0 = 0; b0 < blocks; b0 += kMaxBlocks)
+      tile_any<Micro>(static_cast<int>(rows), std::min(kMaxBlocks, blocks - b0),
+                      {a, w + b0 * block_stride, block_stride, pairs, c + b0 * 16, ldc, false});
+    return;
+  }
+  const Act* row_at[Micro::kMaxRows];
+  for (int64_t p0 = 0; p0 < pairs; p0 += kKBlockPairs) {
+    const int64_t block_pairs = std::min(kKBlockPairs, pairs - p0);
+    for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
+      for (int m = 0; m < tile_rows; ++m) row_at[m] = a[m0 + m] + 2 * p0;
+      for (int b0 = 0; b0 < blocks; b0 += kMaxBlocks)
+        tile_any<Micro>(tile_rows, std::min(kMaxBlocks, blocks - b0),
+                        {row_at, w + b0 * block_stride + p0 * 32, block_stride, block_pairs,
+                         c + m0 * ldc + b0 * 16, ldc, p0 > 0});
+    }
+  }
+}
+
+template <class V>
+void store_act(uint16_t* p, typename V::Reg v) { V::store_bf16(p, v); }
+template <class V>
+void store_act(float* p, typename V::Reg v) { V::store(p, v); }
+
+// dst[0, cols) = src[0, n) converted, zero past n.
+template <class V, typename Act>
+void convert_row(const void* src, ElementType type, int64_t n, Act* dst, int64_t cols) {
+  constexpr int W = V::kWidth;
+  int64_t i = 0;
+  float tail[W];
+  for (; i + W <= n; i += W) {
+    typename V::Reg v;
+    switch (type) {
+      case ElementType::kF32: v = V::load(static_cast<const float*>(src) + i); break;
+      case ElementType::kBf16: v = V::load_bf16(static_cast<const uint16_t*>(src) + i); break;
+      default: v = V::load_f16(static_cast<const uint16_t*>(src) + i); break;
+    }
+    store_act<V>(dst + i, v);
+  }
+  if (i == cols) return;
+  for (int j = 0; j < W; ++j) {
+    const int64_t k = i + j;
+    float value = 0.0f;
+    if (k < n) {
+      switch (type) {
+        case ElementType::kF32: value = static_cast<const float*>(src)[k]; break;
+        case ElementType::kBf16: value = bf16_to_float(static_cast<const uint16_t*>(src)[k]); break;
+        default: value = f16_to_float(static_cast<const uint16_t*>(src)[k]); break;
+      }
+    }
+    tail[j] = value;
+  }
+  Act converted[W];
+  store_act<V>(converted, V::load(tail));
+  std::copy(converted, converted + std::min<int64_t>(W, cols - i), dst + i);
+  std::fill(dst + std::min(cols, i + W), dst + cols, Act{});
+}
+
+// out[0, n) = v (first n lanes), in the output element type.
+template <class V>
+void store_output(void* out, ElementType type, int64_t offset, int64_t n, typename V::Reg v) {
+  constexpr int W = V::kWidth;
+  if (n == W) {
+    switch (type) {
+      case ElementType::kF32: return V::store(static_cast<float*>(out) + offset, v);
+      case ElementType::kBf16: return V::store_bf16(static_cast<uint16_t*>(out) + offset, v);
+      default: return V::store_f16(static_cast<uint16_t*>(out) + offset, v);
+    }
+  }
+  float lanes[W];
+  uint16_t halves[W];
+  V::store(lanes, v);
+  switch (type) {
+    case ElementType::kF32:
+      std::copy(lanes, lanes + n, static_cast<float*>(out) + offset);
+      return;
+    case ElementType::kBf16: V::store_bf16(halves, v); break;
+    default: V::store_f16(halves, v); break;
+  }
+  std::copy(halves, halves + n, static_cast<uint16_t*>(out) + offset);
+}
+
+float weight_at(const void* weights, ElementType type, int64_t index) {
+  switch (type) {
+    case ElementType::kF32: return static_cast<const float*>(weights)[index];
+    case ElementType::kBf16: return bf16_to_float(static_cast<const uint16_t*>(weights)[index]);
+    default: return f16_to_float(static_cast<const uint16_t*>(weights)[index]);
+  }
+}
+
+struct ExpertTile {
+  int32_t expert;
+  int32_t first_block;
+};
+
+// (expert, first block) jobs covering `blocks` blocks of every active expert.
+void build_tiles(const std::vector<int32_t>& experts, int64_t blocks,
+                 std::vector<ExpertTile>& tiles) {
+  tiles.clear();
+  for (int32_t expert : experts)
+    for (int64_t b = 0; b < blocks; b += kTileBlocks)
+      tiles.push_back({expert, static_cast<int32_t>(b)});
+}
+
+template <class Micro>
+void moe_forward_bf16(const MoeArgs& args) {
+  using Act = typename Micro::Act;
+  using V = typename Micro::Vec;
+  constexpr int W = V::kWidth;
+  const PackedLayout& layout = args.layout;
+  const int64_t E = layout.shape.num_experts;
+  const bf16_layout::Dims dims(layout.shape.hidden_size, layout.shape.intermediate_size);
+  const int64_t H = dims.hidden, T = args.tokens, K = args.top_k;
+  const int64_t act_cols = 2 * dims.hidden_pairs, inter_cols = dims.intermediate16,
+                out_cols = dims.hidden16;
+
+  thread_local MoePlan plan;
+  plan.build(args.topk_ids, args.topk_ids_int64, T, K, E);
+  const int64_t P = plan.num_pairs;
+
+  ScratchLayout carve;
+  const size_t acts_at = carve.add<Act>(T * act_cols);           // 1. activations : [T, H2]
+  const size_t inter_at = carve.add<Act>(P * inter_cols);        // 2. intermediate: [P, I16]
+  const size_t down_at = carve.add<float>(P * out_cols);         // 3. down_out    : [P, H16]
+  const size_t weights_at = carve.add<float>(T * K);             // 4. weights     : [T, K]
+  const size_t rows_at = carve.add<const Act*>(P);               // 5. row pointers: [P]
+  uint8_t* scratch = thread_scratch(carve.bytes());
+  Act* acts = reinterpret_cast<Act*>(scratch + acts_at);
+  Act* inter = reinterpret_cast<Act*>(scratch + inter_at);
+  float* down_out = reinterpret_cast<float*>(scratch + down_at);
+  float* weights = reinterpret_cast<float*>(scratch + weights_at);
+  const Act** rows = reinterpret_cast<const Act**>(scratch + rows_at);
+  for (int64_t s = 0; s < T * K; ++s) weights[s] = weight_at(args.topk_weights, args.weights_type, s);
+
+  Engine& engine = Engine::instance();
+  const size_t in_bytes = args.hidden_type == ElementType::kF32 ? 4 : 2;
+  engine.parallel_for(T, [&](int64_t t) {
+    convert_row<V>(static_cast<const uint8_t*>(args.hidden) + t * H * in_bytes, args.hidden_type,
+                   H, acts + t * act_cols, act_cols);
+  });
+  for (int64_t p = 0; p < P; ++p) rows[p] = acts + plan.pair_token[p] * act_cols;
+
+  thread_local std::vector<ExpertTile> tiles;
+  build_tiles(plan.active_experts, dims.gate_up_blocks, tiles);
+  const int64_t gate_up_stride = dims.gate_up_block_bytes() / sizeof(uint16_t);
+  engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
+    const ExpertTile tile = tiles[job];
+    const int blocks = static_cast<int>(std::min<int64_t>(kTileBlocks, dims.gate_up_blocks - tile.first_block));
+    const auto* w = reinterpret_cast<const uint16_t*>(
+        args.packed + layout.gate_up_offset + tile.expert * layout.gate_up_expert_bytes +
+        tile.first_block * dims.gate_up_block_bytes());
+    alignas(64) float c[kRowChunk * kTileBlocks * 16];
+    constexpr int64_t ldc = kTileBlocks * 16;
+    const int64_t begin = plan.expert_begin[tile.expert], end = plan.expert_begin[tile.expert + 1];
+    for (int64_t p0 = begin; p0 < end; p0 += kRowChunk) {
+      const int64_t chunk = std::min(kRowChunk, end - p0);
+      gemm_rows<Micro>(rows + p0, chunk, w, gate_up_stride, dims.hidden_pairs, blocks, c, ldc);
+      // Row layout [gate 16 | up 16] per intermediate block -> silu(gate) * up.
+      for (int64_t m = 0; m < chunk; ++m) {
+        Act* out = inter + (p0 + m) * inter_cols + (tile.first_block / 2) * 16;
+        for (int pair = 0; pair < blocks / 2; ++pair)
+          for (int v = 0; v < 16; v += W)
+            store_act<V>(out + pair * 16 + v,
+                         vec_silu_mul<V>(V::load(c + m * ldc + pair * 32 + v),
+                                         V::load(c + m * ldc + pair * 32 + 16 + v)));
+      }
+    }
+  });
+
+  for (int64_t p = 0; p < P; ++p) rows[p] = inter + p * inter_cols;
+  build_tiles(plan.active_experts, dims.down_blocks, tiles);
+  const int64_t down_stride = dims.down_block_bytes() / sizeof(uint16_t);
+  engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
+    const ExpertTile tile = tiles[job];
+    const int blocks = static_cast<int>(std::min<int64_t>(kTileBlocks, dims.down_blocks - tile.first_block));
+    const auto* w = reinterpret_cast<const uint16_t*>(
+        args.packed + layout.down_offset + tile.expert * layout.down_expert_bytes +
+        tile.first_block * dims.down_block_bytes());
+    const int64_t begin = plan.expert_begin[tile.expert], end = plan.expert_begin[tile.expert + 1];
+    gemm_rows<Micro>(rows + begin, end - begin, w, down_stride, dims.down_pairs, blocks,
+                     down_out + begin * out_cols + tile.first_block * 16, out_cols);
+  });
+
+  engine.parallel_for(T, [&](int64_t t) {
+    for (int64_t h = 0; h < H; h += W) {
+      typename V::Reg acc = V::zero();
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t pair = plan.slot_pair[t * K + j];
+        if (pair >= 0)
+          acc = V::fma(V::set1(weights[t * K + j]), V::load(down_out + pair * out_cols + h), acc);
+      }
+      store_output<V>(args.output, args.hidden_type, t * H + h, std::min<int64_t>(W, H - h), acc);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace kt::cpu

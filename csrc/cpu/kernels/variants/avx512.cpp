@@ -1,0 +1,32 @@
+// The avx512 variant (AVX-512F/BW/VL/DQ): the generic kernels instantiated with this ISA's
+// micro-kernels. Everything after the target pragma is compiled for avx512 only and
+// lives in an anonymous namespace, so no other translation unit can pick up its code;
+// headers before the pragma keep the baseline target.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../../engine/engine.h"
+#include "../../engine/scratch.h"
+#include "../../formats/bf16_layout.h"
+#include "../../isa/scalar_convert.h"
+#include "../moe_args.h"
+#include "../moe_plan.h"
+#include "variant_entries.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+
+#include "../bf16/micro_avx512.h"
+#include "../moe_bf16_driver.h"
+
+namespace kt::cpu {
+
+void moe_forward_bf16_avx512(const MoeArgs& args) { moe_forward_bf16<MicroBf16Avx512>(args); }
+
+}  // namespace kt::cpu
+
+#pragma GCC pop_options

@@ -1,0 +1,15 @@
+// [NOTE] The one TORCH_LIBRARY block of kt_ops: every schema, in one place. The fake
+// (meta) implementations live in the Python module named by set_python_module; a test
+// checks that every schema has exactly one fake and vice versa.
+#include <torch/library.h>
+
+TORCH_LIBRARY(kt, m) {
+  m.set_python_module("kt_ops.fakes");
+  // hidden_states [T, H] f32|bf16|f16, topk_ids [T, K] i32|i64 (-1 = skip),
+  // topk_weights [T, K] f32|bf16|f16, packed uint8 [n] -> [T, H] (hidden dtype)
+  m.def(
+      "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed)"
+      " -> Tensor");
+  // gate_proj, up_proj [E, I, H], down_proj [E, H, I] (f32|bf16|f16) -> packed uint8 [n]
+  m.def("pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format) -> Tensor");
+}

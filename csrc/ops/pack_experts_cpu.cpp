@@ -1,0 +1,60 @@
+// CPU implementation of kt::pack_experts: Hugging Face expert weights -> packed blob.
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
+
+#include "../cpu/formats/pack_bf16.h"
+#include "../cpu/formats/packed_header.h"
+#include "checks.h"
+
+namespace kt::ops {
+namespace {
+
+at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                            const at::Tensor& down_proj, c10::string_view format) {
+  RECORD_FUNCTION("kt::pack_experts", std::vector<c10::IValue>({gate_proj, down_proj}));
+  const cpu::PackedFormat packed_format =
+      translate_errors([&] { return cpu::parse_packed_format(std::string(format)); });
+  const auto float_types = {at::kBFloat16, at::kHalf, at::kFloat};
+  check_dtype(gate_proj, "gate_proj", float_types);
+  check_dtype(up_proj, "up_proj", float_types);
+  check_dtype(down_proj, "down_proj", float_types);
+  check_dim(gate_proj, "gate_proj", 3);
+  check_dim(up_proj, "up_proj", 3);
+  check_dim(down_proj, "down_proj", 3);
+  for (const auto& [t, name] : {std::pair{&gate_proj, "gate_proj"}, {&up_proj, "up_proj"},
+                                {&down_proj, "down_proj"}})
+    TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be on the CPU; got ", t->device());
+  const int64_t E = gate_proj.size(0), I = gate_proj.size(1), H = gate_proj.size(2);
+  TORCH_CHECK_VALUE(up_proj.sizes() == gate_proj.sizes(), "up_proj must have the shape of gate_proj [E, I, H] = ",
+                    gate_proj.sizes(), "; got ", up_proj.sizes());
+  TORCH_CHECK_VALUE(down_proj.size(0) == E && down_proj.size(1) == H && down_proj.size(2) == I,
+                    "down_proj must have shape [E, H, I] = [", E, ", ", H, ", ", I,
+                    "] to match gate_proj ", gate_proj.sizes(), "; got ", down_proj.sizes());
+  constexpr int64_t kMaxDim = int64_t{1} << 31;
+  TORCH_CHECK_VALUE(E > 0 && I > 0 && H > 0 && E < kMaxDim && I < kMaxDim && H < kMaxDim,
+                    "expert weights need E, I, H in [1, 2^31); got gate_proj ", gate_proj.sizes());
+
+  cpu::PackedShape shape;
+  shape.format = packed_format;
+  shape.num_experts = static_cast<uint32_t>(E);
+  shape.hidden_size = static_cast<uint32_t>(H);
+  shape.intermediate_size = static_cast<uint32_t>(I);
+  const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
+  at::Tensor packed = at::empty({static_cast<int64_t>(layout.total_bytes)},
+                                gate_proj.options().dtype(at::kByte));
+  const at::Tensor gate = gate_proj.to(at::kBFloat16).contiguous();
+  const at::Tensor up = up_proj.to(at::kBFloat16).contiguous();
+  const at::Tensor down = down_proj.to(at::kBFloat16).contiguous();
+  cpu::pack_bf16_experts(reinterpret_cast<const uint16_t*>(gate.const_data_ptr()),
+                         reinterpret_cast<const uint16_t*>(up.const_data_ptr()),
+                         reinterpret_cast<const uint16_t*>(down.const_data_ptr()), layout,
+                         packed.data_ptr<uint8_t>());
+  return packed;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("pack_experts", &pack_experts_cpu); }
+
+}  // namespace kt::ops

@@ -1,0 +1,86 @@
+// kt_ops._C: the control plane that is not an operator (CPU variant, threads, packed
+// header inspection, the bench's bandwidth probe). Importing it also registers the
+// torch.ops.kt operators (static initialisers of the other translation units).
+#include <torch/extension.h>
+
+#include "../cpu/bench/read_bandwidth.h"
+#include "../cpu/engine/engine.h"
+#include "../cpu/isa/cpu_variant.h"
+#include "../cpu/kernels/kernel_table.h"
+#include "checks.h"
+#include "packed_blob.h"
+
+namespace kt::ops {
+namespace {
+
+std::vector<std::string> supported_names() {
+  std::vector<std::string> names;
+  for (cpu::CpuVariant v : cpu::supported_cpu_variants()) names.emplace_back(cpu::cpu_variant_name(v));
+  return names;
+}
+
+py::dict packed_info(const at::Tensor& packed) {
+  const cpu::PackedLayout layout = read_packed(packed, "packed");
+  py::dict info;
+  info["format"] = cpu::packed_format_name(layout.shape.format);
+  info["num_experts"] = layout.shape.num_experts;
+  info["hidden_size"] = layout.shape.hidden_size;
+  info["intermediate_size"] = layout.shape.intermediate_size;
+  info["group_size"] = layout.shape.group_size;
+  info["numa_parts"] = layout.shape.numa_parts;
+  info["nbytes"] = layout.total_bytes;
+  return info;
+}
+
+int64_t packed_nbytes(const std::string& format, int64_t experts, int64_t hidden,
+                      int64_t intermediate) {
+  return translate_errors([&] {
+    cpu::PackedShape shape;
+    shape.format = cpu::parse_packed_format(format);
+    shape.num_experts = static_cast<uint32_t>(experts);
+    shape.hidden_size = static_cast<uint32_t>(hidden);
+    shape.intermediate_size = static_cast<uint32_t>(intermediate);
+    return static_cast<int64_t>(cpu::packed_layout(shape).total_bytes);
+  });
+}
+
+std::string kernel_name(const std::string& format, const std::string& variant) {
+  return translate_errors([&] {
+    return std::string(
+        cpu::moe_kernel(cpu::parse_packed_format(format), cpu::parse_cpu_variant(variant)).name);
+  });
+}
+
+std::vector<double> time_read_passes(const at::Tensor& buffer, int repeats) {
+  check_dtype(buffer, "buffer", {at::kByte});
+  check_cpu_contiguous(buffer, "buffer");
+  py::gil_scoped_release no_gil;
+  return cpu::time_read_passes(buffer.const_data_ptr<uint8_t>(),
+                               static_cast<size_t>(buffer.numel()), repeats);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kt_ops native control plane; the operators are torch.ops.kt.*";
+  m.def("cpu_variant", [] { return std::string(cpu::cpu_variant_name(cpu::active_cpu_variant())); });
+  m.def("set_cpu_variant", [](const std::string& name) {
+    cpu::set_active_cpu_variant(cpu::parse_cpu_variant(name));
+  });
+  m.def("supported_cpu_variants", &supported_names);
+  m.def("missing_features", [](const std::string& name) {
+    return cpu::missing_features(cpu::parse_cpu_variant(name));
+  });
+  m.def("get_num_threads", [] { return cpu::Engine::instance().num_threads(); });
+  m.def("set_num_threads", [](int n) {
+    py::gil_scoped_release no_gil;
+    cpu::Engine::instance().set_num_threads(n);
+  });
+  m.def("num_pools", [] { return cpu::Engine::instance().num_pools(); });
+  m.def("packed_info", &packed_info);
+  m.def("packed_nbytes", &packed_nbytes);
+  m.def("kernel_name", &kernel_name);
+  m.def("time_read_passes", &time_read_passes);
+}
+
+}  // namespace kt::ops

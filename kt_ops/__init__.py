@@ -1,0 +1,41 @@
+"""kt_ops: PyTorch operators for Mixture-of-Experts layers on the CPU.
+
+The routed experts of an MoE layer are packed once (:func:`pack_experts`) and run by
+``torch.ops.kt.moe_forward`` (:func:`moe_forward`), which eager PyTorch and
+``torch.compile(fullgraph=True)`` call directly. Kernels exist for every CPU variant
+(AVX2, AVX-512, AVX512_BF16, AMX); the best one the CPU supports is chosen at import
+(:func:`cpu_variant`) unless ``KT_OPS_CPU_VARIANT`` forces another.
+"""
+
+from kt_ops import reference
+from kt_ops.cpu import (
+    CPU_VARIANTS,
+    cpu_variant,
+    get_num_threads,
+    missing_features,
+    set_cpu_variant,
+    set_num_threads,
+    supported_cpu_variants,
+)
+from kt_ops.doctor import doctor
+from kt_ops.formats import METHOD_FORMATS
+from kt_ops.ops import moe_forward, pack_experts
+from kt_ops.packed import PackedExperts
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPU_VARIANTS",
+    "METHOD_FORMATS",
+    "PackedExperts",
+    "cpu_variant",
+    "doctor",
+    "get_num_threads",
+    "missing_features",
+    "moe_forward",
+    "pack_experts",
+    "reference",
+    "set_cpu_variant",
+    "set_num_threads",
+    "supported_cpu_variants",
+]

@@ -1,0 +1,49 @@
+"""CPU variant selection and the engine's thread count."""
+
+from kt_ops._native import _C
+
+CPU_VARIANTS: tuple[str, ...] = ("avx2", "avx512", "avx512_bf16", "amx")
+
+
+def cpu_variant() -> str:
+    """The active CPU variant: ``avx2``, ``avx512``, ``avx512_bf16`` or ``amx``."""
+    return _C.cpu_variant()
+
+
+def supported_cpu_variants() -> list[str]:
+    """Variants this CPU and OS can run, oldest first (CPUID, XCR0, AMX permission)."""
+    return list(_C.supported_cpu_variants())
+
+
+def set_cpu_variant(name: str) -> None:
+    """Makes ``name`` the active variant for every later call in this process.
+
+    Raises ``ValueError`` for an unknown name and ``RuntimeError`` naming the missing
+    CPU/OS features for an unsupported one. ``KT_OPS_CPU_VARIANT`` does the same at import.
+    """
+    if name not in CPU_VARIANTS:
+        raise ValueError(f"unknown CPU variant {name!r}; expected one of {', '.join(CPU_VARIANTS)}")
+    _C.set_cpu_variant(name)
+
+
+def missing_features(name: str) -> str:
+    """What the CPU/OS lacks for variant ``name`` (empty when it is supported)."""
+    if name not in CPU_VARIANTS:
+        raise ValueError(f"unknown CPU variant {name!r}; expected one of {', '.join(CPU_VARIANTS)}")
+    return _C.missing_features(name)
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the engine's thread count (the caller plus ``n - 1`` pinned helpers).
+
+    The default is ``KT_OPS_NUM_THREADS`` or the number of physical cores the process may
+    use. Waits for a running kernel; raises ``ValueError`` for ``n < 1``.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    _C.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """The engine's thread count, the calling thread included."""
+    return _C.get_num_threads()

@@ -1,0 +1,87 @@
+"""PackedExperts: one MoE layer's routed experts in a kernel-ready packed format."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kt_ops._native import _C
+
+_TENSOR_KEY = "packed"
+_METADATA = {"producer": "kt_ops", "content": "packed_experts"}
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """The routed experts of one MoE layer, packed for ``torch.ops.kt.moe_forward``.
+
+    ``data`` is a contiguous 1-D ``uint8`` CPU tensor: a 256-byte versioned, checksummed
+    header (format, E, H, I, group size, NUMA split) followed by the kernel-ready weight
+    blocks. It is the only state, so it can be registered as an ``nn.Module`` buffer and
+    saved with safetensors. Construction validates the header; the other attributes are
+    read from it.
+    """
+
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, torch.Tensor):
+            raise TypeError(f"data must be a torch.Tensor, got {type(self.data).__name__}")
+        info = _C.packed_info(self.data)  # raises ValueError/TypeError on a bad blob
+        object.__setattr__(self, "_info", info)
+
+    @property
+    def format(self) -> str:
+        """Packed format name, e.g. ``"bf16"``."""
+        return self._info["format"]
+
+    @property
+    def num_experts(self) -> int:
+        return self._info["num_experts"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self._info["hidden_size"]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self._info["intermediate_size"]
+
+    @property
+    def nbytes(self) -> int:
+        return self._info["nbytes"]
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """``{"packed": data}``: the tensors to store (e.g. with safetensors)."""
+        return {_TENSOR_KEY: self.data}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> PackedExperts:
+        """Inverse of :meth:`to_tensors`; raises ``KeyError`` if ``"packed"`` is missing."""
+        if _TENSOR_KEY not in tensors:
+            raise KeyError(f"tensors has no {_TENSOR_KEY!r} entry; keys: {sorted(tensors)}")
+        return cls(tensors[_TENSOR_KEY])
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes a safetensors file holding the packed blob."""
+        save_file(self.to_tensors(), os.fspath(path), metadata=_METADATA)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PackedExperts:
+        """Opens a file written by :meth:`save`; the blob is memory-mapped, not copied."""
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as file:
+            metadata = file.metadata() or {}
+            if metadata.get("content") != _METADATA["content"]:
+                raise ValueError(f"{os.fspath(path)!r} is not a kt_ops packed-experts file")
+            return cls.from_tensors({key: file.get_tensor(key) for key in file.keys()})
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedExperts(format={self.format!r}, num_experts={self.num_experts}, "
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"nbytes={self.nbytes})"
+        )

@@ -1,0 +1,1 @@
+"""kt-kernel-compatible wrappers (KTMoEWrapper) and nn.Module MoE layers live here."""
