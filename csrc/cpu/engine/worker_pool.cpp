@@ -89,7 +89,9 @@ void WorkerPool::helper_loop(int cpu) {
     CPU_SET(cpu, &mask);
     pthread_setaffinity_np(pthread_self(), sizeof(mask), &mask);
   }
-  uint32_t seen = generation_.load(std::memory_order_acquire);
+  // Generation 0 is the pool's state at construction; reading it here instead could
+  // miss a job started before this thread ran.
+  uint32_t seen = 0;
   for (;;) {
     wait_for_generation(seen);
     seen = generation_.load(std::memory_order_acquire);

@@ -35,6 +35,7 @@ namespace {  // ISA header: each variant translation unit owns its copy
 constexpr int kTileBlocks = 4;         // output blocks (64 columns) per job
 constexpr int64_t kKBlockPairs = 128;  // GEMM k block: 4 blocks x 128 pairs = 32 KiB of weights
 constexpr int64_t kRowChunk = 48;      // rows per epilogue chunk (multiple of 6 and 4)
+constexpr int64_t kDecodePrefetch = 32;  // decode: prefetch weight lines 2 KiB ahead
 
 template <class Micro, int M, int NB = Micro::kMaxBlocks>
 void tile_blocks(int blocks, const TileArgs<typename Micro::Act>& t) {
@@ -61,7 +62,8 @@ void gemm_rows(const typename Micro::Act* const* a, int64_t rows, const uint16_t
   if (rows <= Micro::kMaxRows) {  // decode: each weight line read once, all k at once
     for (int b0 = 0; b0 < blocks; b0 += kMaxBlocks)
       tile_any<Micro>(static_cast<int>(rows), std::min(kMaxBlocks, blocks - b0),
-                      {a, w + b0 * block_stride, block_stride, pairs, c + b0 * 16, ldc, false});
+                      {a, w + b0 * block_stride, block_stride, pairs, c + b0 * 16, ldc, false,
+                       kDecodePrefetch});
     return;
   }
   const Act* row_at[Micro::kMaxRows];
@@ -73,7 +75,7 @@ void gemm_rows(const typename Micro::Act* const* a, int64_t rows, const uint16_t
       for (int b0 = 0; b0 < blocks; b0 += kMaxBlocks)
         tile_any<Micro>(tile_rows, std::min(kMaxBlocks, blocks - b0),
                         {row_at, w + b0 * block_stride + p0 * 32, block_stride, block_pairs,
-                         c + m0 * ldc + b0 * 16, ldc, p0 > 0});
+                         c + m0 * ldc + b0 * 16, ldc, p0 > 0, 0});
     }
   }
 }
@@ -175,7 +177,12 @@ void moe_forward_bf16(const MoeArgs& args) {
   const int64_t act_cols = 2 * dims.hidden_pairs, inter_cols = dims.intermediate16,
                 out_cols = dims.hidden16;
 
-  thread_local MoePlan plan;
+  // Per calling thread, reused across calls. Bound to references so the lambdas below
+  // (run on helper threads) capture the caller's objects, not their own thread_locals.
+  thread_local MoePlan thread_plan;
+  thread_local std::vector<ExpertTile> thread_tiles;
+  MoePlan& plan = thread_plan;
+  std::vector<ExpertTile>& tiles = thread_tiles;
   plan.build(args.topk_ids, args.topk_ids_int64, T, K, E);
   const int64_t P = plan.num_pairs;
 
@@ -201,7 +208,6 @@ void moe_forward_bf16(const MoeArgs& args) {
   });
   for (int64_t p = 0; p < P; ++p) rows[p] = acts + plan.pair_token[p] * act_cols;
 
-  thread_local std::vector<ExpertTile> tiles;
   build_tiles(plan.active_experts, dims.gate_up_blocks, tiles);
   const int64_t gate_up_stride = dims.gate_up_block_bytes() / sizeof(uint16_t);
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {

@@ -27,6 +27,7 @@ struct MicroBf16Avx2 {
     const __m256i high_mask = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
     for (int64_t p = 0; p < t.pairs; ++p) {
       __m256 even[2], odd[2];
+      maybe_prefetch(t.w, p, t.prefetch);
       for (int h = 0; h < 2; ++h) {
         const __m256i line =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.w + p * 32 + h * 16));

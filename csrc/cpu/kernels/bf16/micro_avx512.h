@@ -29,6 +29,7 @@ struct MicroBf16Avx512 {
       __m512 even[NB], odd[NB];
       for (int b = 0; b < NB; ++b) {
         const __m512i line = _mm512_loadu_si512(t.w + b * t.block_stride + p * 32);
+        maybe_prefetch(t.w + b * t.block_stride, p, t.prefetch);
         even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
         odd[b] = _mm512_castsi512_ps(_mm512_and_si512(line, high_mask));
       }

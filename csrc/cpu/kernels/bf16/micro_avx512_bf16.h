@@ -26,8 +26,10 @@ struct MicroBf16Avx512Bf16 {
         acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.c + m * t.ldc + b * 16) : _mm512_setzero_ps();
     for (int64_t p = 0; p < t.pairs; ++p) {
       __m512i w[NB];
-      for (int b = 0; b < NB; ++b)
+      for (int b = 0; b < NB; ++b) {
         w[b] = _mm512_loadu_si512(t.w + b * t.block_stride + p * 32);
+        maybe_prefetch(t.w + b * t.block_stride, p, t.prefetch);
+      }
       for (int m = 0; m < M; ++m) {
         const __m512i x = _mm512_set1_epi32(load_pair(t.a[m] + 2 * p));
         for (int b = 0; b < NB; ++b)

@@ -1,0 +1,110 @@
+"""python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16] [--tokens 1 8 64 512]
+[--layers N] [--threads N] [--json PATH]
+
+Prints, per row: microseconds per MoE layer forward (median), the activated experts'
+weight bytes read per second, GFLOP/s, the roofline fraction of the machine limit that
+binds (read bandwidth or the bf16 GEMM reference, both measured in this run), and the
+speed-up over the plain-PyTorch layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+import kt_ops
+from kt_ops.bench.limits import bf16_gemm_gflops, read_bandwidth_gbs
+from kt_ops.bench.runner import BYTES_PER_WEIGHT, SHAPES, Row, make_layers, measure_row
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kt_ops.bench", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--quick", action="store_true", help="S1 only, tokens 1 and 64, 2 layers (< 1 min)")
+    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None)
+    parser.add_argument("--method", nargs="+", choices=sorted(BYTES_PER_WEIGHT), default=["BF16"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 2 with --quick)")
+    parser.add_argument("--threads", type=int, default=None, help="engine threads (default: physical cores)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 30; 10 with --quick)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows and limits as JSON")
+    args = parser.parse_args(argv)
+    args.shape = args.shape or (["S1"] if args.quick else ["S1", "S2"])
+    args.tokens = args.tokens or ([1, 64] if args.quick else [1, 8, 64, 512])
+    args.layers = args.layers or (2 if args.quick else 3)
+    args.repeats = args.repeats or (10 if args.quick else 30)
+    if any(t < 1 for t in args.tokens):
+        parser.error("--tokens must be >= 1")
+    return args
+
+
+def progress(message: str) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r\033[K{message}")
+    else:
+        sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+def format_table(rows: list[Row]) -> str:
+    header = (
+        f"{'shape':5} {'method':6} {'tokens':>6} {'us/layer':>10} {'torch us':>10} {'speedup':>8} "
+        f"{'GB/s':>7} {'GFLOP/s':>8} {'bound':>9} {'of limit':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.shape:5} {r.method:6} {r.tokens:>6} {r.us:>10.0f} {r.torch_us:>10.0f} {r.speedup:>7.2f}x "
+            f"{r.weight_gbs:>7.1f} {r.gflops:>8.1f} {r.limit:>9} {100 * r.limit_fraction:>7.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        kt_ops.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    progress("measuring read bandwidth and the bf16 GEMM reference ...")
+    read_gbs = read_bandwidth_gbs()
+    gemm_gflops = bf16_gemm_gflops()
+    print(
+        f"kt_ops {kt_ops.__version__} | torch {torch.__version__} | variant {kt_ops.cpu_variant()} | "
+        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()})"
+    )
+    print(f"machine limits: read bandwidth {read_gbs:.1f} GB/s, bf16 GEMM (torch.matmul) {gemm_gflops:.0f} GFLOP/s")
+    rows: list[Row] = []
+    total = len(args.shape) * len(args.method) * len(args.tokens)
+    for shape_name in args.shape:
+        shape = SHAPES[shape_name]
+        for method in args.method:
+            progress(f"[{len(rows)}/{total}] packing {args.layers} {shape.name} layers ({shape.model}) as {method} ...")
+            layers = make_layers(shape, method, args.layers)
+            for tokens in args.tokens:
+                progress(f"[{len(rows)}/{total}] {shape.name} {method} tokens={tokens} ...")
+                rows.append(measure_row(shape, method, tokens, layers, read_gbs, gemm_gflops, args.repeats))
+            del layers
+    progress(f"done in {time.perf_counter() - started:.0f} s\n")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "read_bandwidth_gbs": read_gbs,
+                    "bf16_gemm_gflops": gemm_gflops,
+                    "cpu_variant": kt_ops.cpu_variant(),
+                    "threads": kt_ops.get_num_threads(),
+                    "rows": [r.as_dict() for r in rows],
+                },
+                f,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

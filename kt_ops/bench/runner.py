@@ -1,0 +1,138 @@
+"""Benchmark rows: one MoE layer forward per (shape, method, tokens)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from kt_ops.bench.baseline import torch_moe_forward
+from kt_ops.ops import moe_forward, pack_experts
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    model: str
+
+    def expert_bytes(self, bytes_per_weight: float) -> float:
+        return 3 * self.hidden * self.intermediate * bytes_per_weight
+
+
+SHAPES: dict[str, Shape] = {
+    "S1": Shape("S1", 128, 8, 2048, 768, "Qwen3-30B-A3B"),
+    "S2": Shape("S2", 64, 6, 2048, 1408, "DeepSeek-V2-Lite"),
+}
+
+BYTES_PER_WEIGHT: dict[str, float] = {"BF16": 2.0}
+
+
+@dataclass
+class Row:
+    shape: str
+    method: str
+    tokens: int
+    us: float  # median microseconds per layer forward (ours)
+    torch_us: float  # median microseconds, plain-PyTorch layer
+    weight_gbs: float  # bytes of the activated experts' weights / time
+    gflops: float
+    limit: str  # "bandwidth" or "gemm": the roofline bound that applies
+    limit_fraction: float  # roofline time / measured time
+    speedup: float  # torch_us / us
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Layer:
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    packed: object
+
+
+def make_layers(shape: Shape, method: str, count: int) -> list[Layer]:
+    """``count`` distinct layers with random bf16 weights (std 0.02), packed."""
+    layers = []
+    for _ in range(count):
+        gate = torch.randn(shape.num_experts, shape.intermediate, shape.hidden, dtype=torch.bfloat16) * 0.02
+        up = torch.randn(shape.num_experts, shape.intermediate, shape.hidden, dtype=torch.bfloat16) * 0.02
+        down = torch.randn(shape.num_experts, shape.hidden, shape.intermediate, dtype=torch.bfloat16) * 0.02
+        layers.append(Layer(gate, up, down, pack_experts(gate, up, down, method)))
+    return layers
+
+
+def random_routing(shape: Shape, tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform routing: ``top_k`` distinct experts per token, softmax-normalised weights."""
+    scores = torch.rand(tokens, shape.num_experts, generator=generator)
+    weights, ids = scores.topk(shape.top_k, dim=-1)
+    return ids.to(torch.int32), torch.softmax(weights, dim=-1)
+
+
+def time_calls(call: Callable[[int], object], repeats: int, min_seconds: float) -> float:
+    """Median seconds of ``call(i)`` over at least ``repeats`` calls (or ``min_seconds``)."""
+    call(0)
+    seconds: list[float] = []
+    started = time.perf_counter()
+    i = 1
+    while len(seconds) < repeats or (time.perf_counter() - started < min_seconds and len(seconds) < 200):
+        start = time.perf_counter()
+        call(i)
+        seconds.append(time.perf_counter() - start)
+        i += 1
+    return statistics.median(seconds)
+
+
+def measure_row(
+    shape: Shape,
+    method: str,
+    tokens: int,
+    layers: list[Layer],
+    read_gbs: float,
+    gemm_gflops: float,
+    repeats: int,
+) -> Row:
+    generator = torch.Generator().manual_seed(tokens)
+    inputs = []
+    for i in range(max(repeats, 8)):
+        x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.bfloat16)
+        ids, weights = random_routing(shape, tokens, generator)
+        inputs.append((x, ids, weights, layers[i % len(layers)]))
+
+    def ours(i: int) -> object:
+        x, ids, weights, layer = inputs[i % len(inputs)]
+        return moe_forward(x, ids, weights, layer.packed)
+
+    def plain(i: int) -> object:
+        x, ids, weights, layer = inputs[i % len(inputs)]
+        return torch_moe_forward(x, ids, weights, layer.gate, layer.up, layer.down)
+
+    min_seconds = 1.0
+    seconds = time_calls(ours, repeats, min_seconds)
+    torch_seconds = time_calls(plain, max(3, repeats // 4), min_seconds / 2)
+
+    activated = statistics.mean(len(torch.unique(ids)) for _, ids, _, _ in inputs)
+    weight_bytes = activated * shape.expert_bytes(BYTES_PER_WEIGHT[method])
+    flops = 2.0 * 3 * tokens * shape.top_k * shape.hidden * shape.intermediate
+    bandwidth_time = weight_bytes / (read_gbs * 1e9)
+    compute_time = flops / (gemm_gflops * 1e9)
+    return Row(
+        shape=shape.name,
+        method=method,
+        tokens=tokens,
+        us=seconds * 1e6,
+        torch_us=torch_seconds * 1e6,
+        weight_gbs=weight_bytes / seconds / 1e9,
+        gflops=flops / seconds / 1e9,
+        limit="bandwidth" if bandwidth_time >= compute_time else "gemm",
+        limit_fraction=max(bandwidth_time, compute_time) / seconds,
+        speedup=torch_seconds / seconds,
+    )
