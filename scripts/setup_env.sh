@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) with torch and the test tools, and builds kt_ops into it
+# against that torch. Safe to re-run. KT_OPS_TORCH_SPEC overrides the torch requirement
+# (default: the CPU build torch==2.13.0; any torch >= 2.4 works).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+pip install --quiet --upgrade pip setuptools wheel
+pip install --quiet "${KT_OPS_TORCH_SPEC:-torch==2.13.0}" numpy safetensors ninja pytest expecttest
+pip install --quiet --no-build-isolation -e .
+python -c "import kt_ops; print('kt_ops ready:', kt_ops.cpu_variant(), 'variant,', kt_ops.get_num_threads(), 'threads')"

@@ -1,0 +1,72 @@
+"""Shared fixtures: CPU variants, random experts, error measures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import kt_ops
+
+
+def variant_params() -> list:
+    """Every variant kt_ops knows, skipped with the reason where this CPU lacks it."""
+    params = []
+    for name in kt_ops.CPU_VARIANTS:
+        missing = kt_ops.missing_features(name)
+        marks = [pytest.mark.skip(reason=f"{name} unsupported here: missing {missing}")] if missing else []
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+@pytest.fixture(params=variant_params())
+def variant(request: pytest.FixtureRequest):
+    """Runs the test under one CPU variant, restoring the previous one afterwards."""
+    previous = kt_ops.cpu_variant()
+    kt_ops.set_cpu_variant(request.param)
+    yield request.param
+    kt_ops.set_cpu_variant(previous)
+
+
+@dataclass
+class Experts:
+    gate: torch.Tensor  # [E, I, H] bf16
+    up: torch.Tensor  # [E, I, H] bf16
+    down: torch.Tensor  # [E, H, I] bf16
+    packed: kt_ops.PackedExperts
+
+
+def make_experts(num_experts: int, hidden: int, intermediate: int, seed: int = 0) -> Experts:
+    """Random bf16 experts scaled like a trained layer (output ~ unit variance), packed.
+
+    The weights are bf16 already, so the BF16 format stores them exactly and the
+    reference on the same tensors sees only the kernels' own error.
+    """
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(num_experts, intermediate, hidden, generator=g) / hidden**0.5).bfloat16()
+    up = (torch.randn(num_experts, intermediate, hidden, generator=g) / hidden**0.5).bfloat16()
+    down = (torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate**0.5 * 2).bfloat16()
+    return Experts(gate, up, down, kt_ops.pack_experts(gate, up, down, "BF16"))
+
+
+def random_routing(tokens: int, num_experts: int, top_k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct top-k experts per token (int32) and positive fp32 weights."""
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.rand(tokens, num_experts, generator=g).argsort(dim=-1)[:, :top_k].to(torch.int32)
+    weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    return ids.contiguous(), weights
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ||out - ref|| / ||ref|| (0 when both are zero)."""
+    denom = ref.float().norm().item()
+    diff = (out.float() - ref.float()).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest elementwise error relative to the largest reference magnitude."""
+    scale = ref.float().abs().max().item()
+    diff = (out.float() - ref.float()).abs().max().item()
+    return diff / scale if scale > 0 else diff

@@ -1,0 +1,25 @@
+"""The benchmark's machinery on a tiny shape (speed targets live in the benchmark)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kt_ops.bench.__main__ import format_table
+from kt_ops.bench.runner import Shape, make_layers, measure_row
+
+
+def test_measure_row_on_a_tiny_shape() -> None:
+    shape = Shape("tiny", num_experts=8, top_k=2, hidden=64, intermediate=32, model="test")
+    layers = make_layers(shape, "BF16", 2)
+    row = measure_row(shape, "BF16", 4, layers, read_gbs=10.0, gemm_gflops=100.0, repeats=3)
+    assert row.us > 0 and row.torch_us > 0 and row.weight_gbs > 0 and row.gflops > 0
+    assert row.limit in ("bandwidth", "gemm")
+    assert "tiny" in format_table([row])
+
+
+def test_cli_help() -> None:
+    result = subprocess.run([sys.executable, "-m", "kt_ops.bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    for option in ("--quick", "--json", "--method", "--shape", "--tokens"):
+        assert option in result.stdout

@@ -1,0 +1,112 @@
+"""The worker engine: thread count, determinism across thread counts, concurrent
+callers, and no spinning while idle (helpers sleep after a short window)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import kt_ops
+from conftest import make_experts, random_routing
+
+
+@pytest.fixture
+def restore_threads():
+    previous = kt_ops.get_num_threads()
+    yield
+    kt_ops.set_num_threads(previous)
+
+
+def task_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_set_and_get(restore_threads) -> None:
+    for n in (1, 2, 3):
+        kt_ops.set_num_threads(n)
+        assert kt_ops.get_num_threads() == n
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            kt_ops.set_num_threads(bad)
+
+
+def test_one_thread_means_no_helpers(restore_threads) -> None:
+    kt_ops.set_num_threads(1)
+    one = task_count()
+    kt_ops.set_num_threads(3)
+    assert task_count() - one == 2
+
+
+def test_same_bits_for_any_thread_count(restore_threads) -> None:
+    """Each output element is computed by one job, whichever thread runs it."""
+    experts = make_experts(8, 200, 136)
+    ids, weights = random_routing(70, 8, 3)
+    x = torch.randn(70, 200).bfloat16()
+    outputs = []
+    for n in (1, 2, 3):
+        kt_ops.set_num_threads(n)
+        outputs.append(kt_ops.moe_forward(x, ids, weights, experts.packed))
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+def test_concurrent_callers_get_their_own_results() -> None:
+    experts = make_experts(6, 96, 64)
+    cases = []
+    for seed in range(4):
+        ids, weights = random_routing(5 + 7 * seed, 6, 2, seed=seed)
+        x = torch.randn(5 + 7 * seed, 96)
+        cases.append((x, ids, weights, kt_ops.moe_forward(x, ids, weights, experts.packed)))
+    failures = []
+
+    def worker(index: int) -> None:
+        x, ids, weights, expected = cases[index]
+        for _ in range(30):
+            if not torch.equal(kt_ops.moe_forward(x, ids, weights, experts.packed), expected):
+                failures.append(index)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_no_oversubscription(restore_threads, threads: int) -> None:
+    """While a call runs, CPU time stays within threads x wall time; once it returns,
+    helpers stop spinning (well under 10% of a core over the next 300 ms)."""
+    kt_ops.set_num_threads(threads)
+    experts = make_experts(16, 512, 384)
+    ids, weights = random_routing(64, 16, 4)
+    x = torch.randn(64, 512).bfloat16()
+    kt_ops.moe_forward(x, ids, weights, experts.packed)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for _ in range(10):
+        kt_ops.moe_forward(x, ids, weights, experts.packed)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    assert cpu <= threads * wall * 1.1 + 0.01, f"{cpu:.3f} s CPU in {wall:.3f} s wall on {threads} thread(s)"
+    time.sleep(0.05)  # past the spin window (KT_OPS_SPIN_US, 200 us by default)
+    idle0 = time.process_time()
+    time.sleep(0.3)
+    idle = time.process_time() - idle0
+    assert idle < 0.03, f"{idle:.3f} s of CPU burnt while idle"
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_num_threads_environment_variable() -> None:
+    result = run_python("import kt_ops; print(kt_ops.get_num_threads())", KT_OPS_NUM_THREADS="3")
+    assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr
+    result = run_python("import kt_ops; kt_ops.get_num_threads()", KT_OPS_NUM_THREADS="many")
+    assert result.returncode != 0 and "KT_OPS_NUM_THREADS must be a positive integer" in result.stderr

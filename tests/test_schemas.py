@@ -1,0 +1,37 @@
+"""The operator schemas, pinned (EXPECTTEST_ACCEPT=1 rewrites them after a deliberate
+change), and the one-to-one match between schemas and fake implementations."""
+
+from __future__ import annotations
+
+import expecttest
+import torch
+
+import kt_ops  # noqa: F401  (registers the operators and fakes)
+
+
+def kt_schemas() -> dict[str, str]:
+    return {
+        str(schema.name): str(schema)
+        for schema in torch._C._jit_get_all_schemas()
+        if str(schema.name).startswith("kt::")
+    }
+
+
+class TestSchemas(expecttest.TestCase):
+    def test_schemas_are_pinned(self) -> None:
+        text = "\n".join(sorted(kt_schemas().values()))
+        self.assertExpectedInline(
+            text,
+            """\
+kt::moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed) -> Tensor
+kt::pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format) -> Tensor""",
+        )
+
+
+def test_every_schema_has_one_fake_and_every_fake_a_schema() -> None:
+    from torch._library.simple_registry import singleton
+
+    schema_ops = set(kt_schemas())
+    fake_ops = {name for name, entry in singleton._data.items() if name.startswith("kt::") and entry.fake_impl.kernel is not None}
+    assert schema_ops, "no kt:: schemas registered"
+    assert schema_ops == fake_ops, f"schemas without fakes: {schema_ops - fake_ops}; fakes without schemas: {fake_ops - schema_ops}"
