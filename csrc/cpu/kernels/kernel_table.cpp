@@ -18,8 +18,7 @@ const FormatRow kRows[] = {
      {{moe_forward_bf16_avx2, "bf16/avx2 (fp32 FMA on widened bf16)"},
       {moe_forward_bf16_avx512, "bf16/avx512 (fp32 FMA on widened bf16)"},
       {moe_forward_bf16_avx512_bf16, "bf16/avx512_bf16 (vdpbf16ps)"},
-      // No AMX tile kernel for BF16 yet: the amx variant runs the AVX512_BF16 one.
-      {moe_forward_bf16_avx512_bf16, "bf16/avx512_bf16 (vdpbf16ps; no AMX kernel for bf16 yet)"}}},
+      {moe_forward_bf16_amx, "bf16/amx (tdpbf16ps tiles; vdpbf16ps for decode and tails)"}}},
 };
 
 }  // namespace

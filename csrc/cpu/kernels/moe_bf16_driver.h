@@ -5,7 +5,8 @@
 // For every token t: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),
 // e = ids[t, j], slots with e = -1 skipped. Four phases, each a parallel_for on the
 // Engine:
-//   1. activations: x converted once per token to the micro-kernel's element type.
+//   1. activations: x converted to the micro-kernel's element type, one row per
+//                   (token, slot) pair in expert order (an expert's rows contiguous).
 //   2. gate+up:     jobs (expert, 4 interleaved gate/up blocks); SiLU(gate) * up in fp32,
 //                   stored per (token, slot) pair.
 //   3. down:        jobs (expert, 4 blocks of 16 hidden rows); fp32 per pair.
@@ -18,6 +19,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../engine/engine.h"
@@ -34,7 +37,8 @@ namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int kTileBlocks = 4;         // output blocks (64 columns) per job
 constexpr int64_t kKBlockPairs = 128;  // GEMM k block: 4 blocks x 128 pairs = 32 KiB of weights
-constexpr int64_t kRowChunk = 48;      // rows per epilogue chunk (multiple of 6 and 4)
+constexpr int64_t kRowChunk = 96;      // rows per epilogue chunk (multiple of 32, 6 and 4)
+constexpr int64_t kPadRows = 32;       // readable rows past the last pair (AMX row tiles)
 constexpr int64_t kDecodePrefetch = 32;  // decode: prefetch weight lines 2 KiB ahead
 
 template <class Micro, int M, int NB = Micro::kMaxBlocks>
@@ -53,31 +57,58 @@ void tile_any(int rows, int blocks, const TileArgs<typename Micro::Act>& t) {
   }
 }
 
-// c[m][0, 16 * blocks) = a[m] x blocks of w, for rows m < rows, over `pairs` k-pairs.
+// The k-blocked vector GEMM: c[m][16 b0, 16 b1) (+)= a[m] x blocks [b0, b1) over k-pairs
+// [p_begin, p_end), for m < rows. A block of weight lines (kKBlockPairs) stays in L1 while
+// every row tile reuses it. `accumulate` adds to c from the first k block on.
 template <class Micro>
-void gemm_rows(const typename Micro::Act* const* a, int64_t rows, const uint16_t* w,
+void vector_gemm(const typename Micro::Act* a, int64_t lda, int64_t rows, const uint16_t* w,
+                 int64_t block_stride, int64_t p_begin, int64_t p_end, int b0, int b1, float* c,
+                 int64_t ldc, bool accumulate) {
+  using Act = typename Micro::Act;
+  const Act* row_at[Micro::kMaxRows];
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += kKBlockPairs) {
+    const int64_t block_pairs = std::min(kKBlockPairs, p_end - p0);
+    for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
+      for (int m = 0; m < tile_rows; ++m) row_at[m] = a + (m0 + m) * lda + 2 * p0;
+      for (int b = b0; b < b1; b += Micro::kMaxBlocks)
+        tile_any<Micro>(tile_rows, std::min(Micro::kMaxBlocks, b1 - b),
+                        {row_at, w + b * block_stride + p0 * 32, block_stride, block_pairs,
+                         c + m0 * ldc + b * 16, ldc, accumulate || p0 > p_begin, 0});
+    }
+  }
+}
+
+// Micro-kernel sets with a whole-GEMM tile path (AMX) provide tile_gemm.
+template <class Micro, class = void>
+struct HasTileGemm : std::false_type {};
+template <class Micro>
+struct HasTileGemm<Micro, std::void_t<decltype(&Micro::tile_gemm)>> : std::true_type {};
+
+// c[m][0, 16 * blocks) = a[m] x blocks of w over `pairs` k-pairs, for m < rows; row m
+// of a starts at a + m * lda. Rows up to the next multiple of kPadRows after `rows` must
+// be readable (tiles may compute them; their results are discarded).
+template <class Micro>
+void gemm_rows(const typename Micro::Act* a, int64_t lda, int64_t rows, const uint16_t* w,
                int64_t block_stride, int64_t pairs, int blocks, float* c, int64_t ldc) {
   using Act = typename Micro::Act;
   constexpr int kMaxBlocks = Micro::kMaxBlocks;
   if (rows <= Micro::kMaxRows) {  // decode: each weight line read once, all k at once
+    const Act* row_at[Micro::kMaxRows];
+    for (int m = 0; m < rows; ++m) row_at[m] = a + m * lda;
     for (int b0 = 0; b0 < blocks; b0 += kMaxBlocks)
       tile_any<Micro>(static_cast<int>(rows), std::min(kMaxBlocks, blocks - b0),
-                      {a, w + b0 * block_stride, block_stride, pairs, c + b0 * 16, ldc, false,
+                      {row_at, w + b0 * block_stride, block_stride, pairs, c + b0 * 16, ldc, false,
                        kDecodePrefetch});
     return;
   }
-  const Act* row_at[Micro::kMaxRows];
-  for (int64_t p0 = 0; p0 < pairs; p0 += kKBlockPairs) {
-    const int64_t block_pairs = std::min(kKBlockPairs, pairs - p0);
-    for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
-      const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
-      for (int m = 0; m < tile_rows; ++m) row_at[m] = a[m0 + m] + 2 * p0;
-      for (int b0 = 0; b0 < blocks; b0 += kMaxBlocks)
-        tile_any<Micro>(tile_rows, std::min(kMaxBlocks, blocks - b0),
-                        {row_at, w + b0 * block_stride + p0 * 32, block_stride, block_pairs,
-                         c + m0 * ldc + b0 * 16, ldc, p0 > 0, 0});
-    }
-  }
+  TileCoverage done{0, 0};
+  if constexpr (HasTileGemm<Micro>::value)
+    done = Micro::tile_gemm(a, lda, rows, w, block_stride, pairs, blocks, c, ldc);
+  if (done.pairs < pairs && done.blocks > 0)  // k tail of the tiled blocks
+    vector_gemm<Micro>(a, lda, rows, w, block_stride, done.pairs, pairs, 0, done.blocks, c, ldc, true);
+  if (done.blocks < blocks)  // blocks no tile covered: everything
+    vector_gemm<Micro>(a, lda, rows, w, block_stride, 0, pairs, done.blocks, blocks, c, ldc, false);
 }
 
 template <class V>
@@ -187,26 +218,27 @@ void moe_forward_bf16(const MoeArgs& args) {
   const int64_t P = plan.num_pairs;
 
   ScratchLayout carve;
-  const size_t acts_at = carve.add<Act>(T * act_cols);           // 1. activations : [T, H2]
-  const size_t inter_at = carve.add<Act>(P * inter_cols);        // 2. intermediate: [P, I16]
-  const size_t down_at = carve.add<float>(P * out_cols);         // 3. down_out    : [P, H16]
-  const size_t weights_at = carve.add<float>(T * K);             // 4. weights     : [T, K]
-  const size_t rows_at = carve.add<const Act*>(P);               // 5. row pointers: [P]
+  // Rows are (token, slot) pairs grouped by expert, so an expert's rows are contiguous;
+  // kPadRows zeroed rows follow the last pair for row tiles that run past it.
+  const size_t acts_at = carve.add<Act>((P + kPadRows) * act_cols);    // 1. activations : [P, H2]
+  const size_t inter_at = carve.add<Act>((P + kPadRows) * inter_cols); // 2. intermediate: [P, I16]
+  const size_t down_at = carve.add<float>(P * out_cols);               // 3. down_out    : [P, H16]
+  const size_t weights_at = carve.add<float>(T * K);                   // 4. weights     : [T, K]
   uint8_t* scratch = thread_scratch(carve.bytes());
   Act* acts = reinterpret_cast<Act*>(scratch + acts_at);
   Act* inter = reinterpret_cast<Act*>(scratch + inter_at);
   float* down_out = reinterpret_cast<float*>(scratch + down_at);
   float* weights = reinterpret_cast<float*>(scratch + weights_at);
-  const Act** rows = reinterpret_cast<const Act**>(scratch + rows_at);
   for (int64_t s = 0; s < T * K; ++s) weights[s] = weight_at(args.topk_weights, args.weights_type, s);
+  std::memset(acts + P * act_cols, 0, kPadRows * act_cols * sizeof(Act));
+  std::memset(inter + P * inter_cols, 0, kPadRows * inter_cols * sizeof(Act));
 
   Engine& engine = Engine::instance();
   const size_t in_bytes = args.hidden_type == ElementType::kF32 ? 4 : 2;
-  engine.parallel_for(T, [&](int64_t t) {
-    convert_row<V>(static_cast<const uint8_t*>(args.hidden) + t * H * in_bytes, args.hidden_type,
-                   H, acts + t * act_cols, act_cols);
+  engine.parallel_for(P, [&](int64_t p) {
+    convert_row<V>(static_cast<const uint8_t*>(args.hidden) + plan.pair_token[p] * H * in_bytes,
+                   args.hidden_type, H, acts + p * act_cols, act_cols);
   });
-  for (int64_t p = 0; p < P; ++p) rows[p] = acts + plan.pair_token[p] * act_cols;
 
   build_tiles(plan.active_experts, dims.gate_up_blocks, tiles);
   const int64_t gate_up_stride = dims.gate_up_block_bytes() / sizeof(uint16_t);
@@ -221,7 +253,8 @@ void moe_forward_bf16(const MoeArgs& args) {
     const int64_t begin = plan.expert_begin[tile.expert], end = plan.expert_begin[tile.expert + 1];
     for (int64_t p0 = begin; p0 < end; p0 += kRowChunk) {
       const int64_t chunk = std::min(kRowChunk, end - p0);
-      gemm_rows<Micro>(rows + p0, chunk, w, gate_up_stride, dims.hidden_pairs, blocks, c, ldc);
+      gemm_rows<Micro>(acts + p0 * act_cols, act_cols, chunk, w, gate_up_stride, dims.hidden_pairs,
+                       blocks, c, ldc);
       // Row layout [gate 16 | up 16] per intermediate block -> silu(gate) * up.
       for (int64_t m = 0; m < chunk; ++m) {
         Act* out = inter + (p0 + m) * inter_cols + (tile.first_block / 2) * 16;
@@ -234,7 +267,6 @@ void moe_forward_bf16(const MoeArgs& args) {
     }
   });
 
-  for (int64_t p = 0; p < P; ++p) rows[p] = inter + p * inter_cols;
   build_tiles(plan.active_experts, dims.down_blocks, tiles);
   const int64_t down_stride = dims.down_block_bytes() / sizeof(uint16_t);
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
@@ -244,8 +276,9 @@ void moe_forward_bf16(const MoeArgs& args) {
         args.packed + layout.down_offset + tile.expert * layout.down_expert_bytes +
         tile.first_block * dims.down_block_bytes());
     const int64_t begin = plan.expert_begin[tile.expert], end = plan.expert_begin[tile.expert + 1];
-    gemm_rows<Micro>(rows + begin, end - begin, w, down_stride, dims.down_pairs, blocks,
-                     down_out + begin * out_cols + tile.first_block * 16, out_cols);
+    gemm_rows<Micro>(inter + begin * inter_cols, inter_cols, end - begin, w, down_stride,
+                     dims.down_pairs, blocks, down_out + begin * out_cols + tile.first_block * 16,
+                     out_cols);
   });
 
   engine.parallel_for(T, [&](int64_t t) {

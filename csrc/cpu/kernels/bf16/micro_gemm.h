@@ -6,6 +6,8 @@
 //     using Act = ...;           // activation element: uint16_t (bf16 bits) or float
 //     static constexpr int kMaxRows, kMaxBlocks;
 //     template <int M, int NB> static void tile(const TileArgs<Act>&);
+//     // optional, for matrix units (AMX): computes what it can of a whole GEMM
+//     static TileCoverage tile_gemm(a, lda, rows, w, block_stride, pairs, blocks, c, ldc);
 //   };
 //
 // tile<M, NB> computes, for rows m < M and output blocks b < NB (16 columns each),
@@ -39,6 +41,12 @@ struct TileArgs {
 inline void maybe_prefetch(const uint16_t* block, int64_t p, int64_t ahead) {
   if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(block + (p + ahead) * 32), _MM_HINT_T0);
 }
+
+// What a whole-GEMM tile path (AMX) computed: k-pairs [0, pairs) of blocks [0, blocks).
+struct TileCoverage {
+  int64_t pairs;
+  int blocks;
+};
 
 // A bf16 pair (two consecutive activations) as one 32-bit lane value.
 inline int32_t load_pair(const uint16_t* p) {

@@ -1,0 +1,104 @@
+// [NOTE] BF16 GEMM on AMX tiles (tdpbf16ps) for experts with more tokens than one
+// vector micro-tile. The packed layout is already AMX's B layout: 16 consecutive
+// 64-byte lines of a block (16 k-pairs x 16 columns x 2) are one B tile, loaded with a
+// 64-byte stride. A tiles are 16 rows x 32 bf16 of the expert's activation rows.
+// Tiles: C0..C3 = tmm0..3 (32 rows x 32 columns, fp32), A = tmm4..5, B = tmm6..7.
+// What tiles do not cover — the decode path, a k tail of fewer than 16 pairs, an odd
+// last block — the driver runs with the AVX512_BF16 micro-kernel this struct inherits.
+// The tile configuration is loaded on every call (other AMX users on the thread, such
+// as oneDNN, change it) and released after (so the OS need not save tile state).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "micro_avx512_bf16.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+struct MicroBf16Amx : MicroBf16Avx512Bf16 {
+  static constexpr int64_t kTilePairs = 16;  // k-pairs per A/B tile (64 bytes per row)
+
+  // c[m][0, 16 * blocks_done) = a[m] x blocks of w over k-pairs [0, pairs_done) for
+  // m < rows, where row m of a is at a + m * lda (bf16) and rows up to round_up(rows, 32)
+  // are readable. Returns what it covered; the caller does the rest.
+  static TileCoverage tile_gemm(const uint16_t* a, int64_t lda, int64_t rows, const uint16_t* w,
+                                int64_t block_stride, int64_t pairs, int blocks, float* c,
+                                int64_t ldc) {
+    const TileCoverage done{pairs / kTilePairs * kTilePairs, blocks / 2 * 2};
+    if (done.pairs == 0 || done.blocks == 0) return {0, 0};
+    configure();
+    for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+      const int64_t tile_rows = std::min<int64_t>(32, rows - m0);
+      for (int b0 = 0; b0 < done.blocks; b0 += 2)
+        tile_pass(a + m0 * lda, lda, tile_rows, w + b0 * block_stride, block_stride, done.pairs,
+                  c + m0 * ldc + b0 * 16, ldc);
+    }
+    _tile_release();
+    return done;
+  }
+
+ private:
+  static void configure() {
+    AmxTileConfig config;
+    for (int t = 0; t < 8; ++t) {
+      config.rows[t] = 16;
+      config.bytes_per_row[t] = 64;
+    }
+    _tile_loadconfig(&config);
+  }
+
+  // 32 (or 16) rows x 2 blocks over tile_pairs k-pairs, stored to c[0, tile_rows).
+  static void tile_pass(const uint16_t* a, int64_t lda, int64_t tile_rows, const uint16_t* w,
+                        int64_t block_stride, int64_t tile_pairs, float* c, int64_t ldc) {
+    const uint16_t* a1 = a + 16 * lda;
+    const uint16_t* w1 = w + block_stride;
+    const int64_t a_stride = lda * sizeof(uint16_t);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (tile_rows > 16) {
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t p = 0; p < tile_pairs; p += kTilePairs) {
+        _tile_loadd(4, a + 2 * p, a_stride);
+        _tile_loadd(6, w + p * 32, 64);
+        _tile_loadd(7, w1 + p * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, a1 + 2 * p, a_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    } else {
+      for (int64_t p = 0; p < tile_pairs; p += kTilePairs) {
+        _tile_loadd(4, a + 2 * p, a_stride);
+        _tile_loadd(6, w + p * 32, 64);
+        _tile_loadd(7, w1 + p * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+    }
+    alignas(64) float out[32 * 32];  // [32 rows][2 blocks x 16]
+    _tile_stored(0, out, 128);
+    _tile_stored(1, out + 16, 128);
+    if (tile_rows > 16) {
+      _tile_stored(2, out + 16 * 32, 128);
+      _tile_stored(3, out + 16 * 32 + 16, 128);
+    }
+    for (int64_t m = 0; m < tile_rows; ++m) std::memcpy(c + m * ldc, out + m * 32, 32 * sizeof(float));
+  }
+};
+
+}  // namespace
+}  // namespace kt::cpu

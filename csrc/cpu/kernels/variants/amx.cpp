@@ -1,0 +1,37 @@
+// The amx variant (AVX-512 + AVX512_BF16 + AMX-BF16 tiles): the generic kernels instantiated with this ISA's
+// micro-kernels. Everything after the target pragma is compiled for amx only and
+// lives in an anonymous namespace, so no other translation unit can pick up its code;
+// headers before the pragma keep the baseline target.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../../engine/engine.h"
+#include "../../engine/scratch.h"
+#include "../../formats/bf16_layout.h"
+#include "../../isa/scalar_convert.h"
+#include "../moe_args.h"
+#include "../moe_plan.h"
+#include "variant_entries.h"
+
+#pragma GCC push_options
+// GCC 12 reports -Wmaybe-uninitialized inside its own shift intrinsics (their
+// _mm*_undefined_* operand): a false positive, silenced for the ISA code only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,amx-tile,amx-bf16,amx-int8,avx2,fma,f16c,bmi2")
+
+#include "../bf16/micro_amx.h"
+#include "../moe_bf16_driver.h"
+
+namespace kt::cpu {
+
+void moe_forward_bf16_amx(const MoeArgs& args) { moe_forward_bf16<MicroBf16Amx>(args); }
+
+}  // namespace kt::cpu
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
