@@ -12,7 +12,9 @@ from kt_ops.bench.runner import Shape, make_layers, measure_row
 def test_measure_row_on_a_tiny_shape() -> None:
     shape = Shape("tiny", num_experts=8, top_k=2, hidden=64, intermediate=32, model="test")
     layers = make_layers(shape, "BF16", 2)
-    row = measure_row(shape, "BF16", 4, layers, read_gbs=10.0, gemm_gflops=100.0, repeats=3)
+    flushes = []
+    row = measure_row(shape, "BF16", 4, layers, read_gbs=10.0, gemm_gflops=100.0, repeats=3, flush=lambda: flushes.append(1))
+    assert len(flushes) >= 6  # before every timed call of both implementations
     assert row.us > 0 and row.torch_us > 0 and row.weight_gbs > 0 and row.gflops > 0
     assert row.limit in ("bandwidth", "gemm")
     assert "tiny" in format_table([row])

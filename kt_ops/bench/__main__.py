@@ -1,10 +1,12 @@
 """python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16] [--tokens 1 8 64 512]
 [--layers N] [--threads N] [--json PATH]
 
-Prints, per row: microseconds per MoE layer forward (median), the activated experts'
+Prints, per row: microseconds per MoE layer forward (median; the caches are evicted
+before every timed call, as a real model's other layers would), the activated experts'
 weight bytes read per second, GFLOP/s, the roofline fraction of the machine limit that
-binds (read bandwidth or the bf16 GEMM reference, both measured in this run), and the
-speed-up over the plain-PyTorch layer.
+binds (read bandwidth, measured again next to each row and shown as "read GB/s", or the
+bf16 GEMM reference, both measured in this run), and the speed-up over the plain-PyTorch
+layer.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 import torch
 
 import kt_ops
-from kt_ops.bench.limits import bf16_gemm_gflops, read_bandwidth_gbs
+from kt_ops.bench.limits import CacheFlusher, bf16_gemm_gflops, last_level_cache_bytes, read_bandwidth_gbs
 from kt_ops.bench.runner import BYTES_PER_WEIGHT, SHAPES, Row, make_layers, measure_row
 
 
@@ -52,13 +54,13 @@ def progress(message: str) -> None:
 def format_table(rows: list[Row]) -> str:
     header = (
         f"{'shape':5} {'method':6} {'tokens':>6} {'us/layer':>10} {'torch us':>10} {'speedup':>8} "
-        f"{'GB/s':>7} {'GFLOP/s':>8} {'bound':>9} {'of limit':>8}"
+        f"{'GB/s':>7} {'GFLOP/s':>8} {'bound':>9} {'of limit':>8} {'read GB/s':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r.shape:5} {r.method:6} {r.tokens:>6} {r.us:>10.0f} {r.torch_us:>10.0f} {r.speedup:>7.2f}x "
-            f"{r.weight_gbs:>7.1f} {r.gflops:>8.1f} {r.limit:>9} {100 * r.limit_fraction:>7.0f}%"
+            f"{r.weight_gbs:>7.1f} {r.gflops:>8.1f} {r.limit:>9} {100 * r.limit_fraction:>7.0f}% {r.read_gbs:>9.1f}"
         )
     return "\n".join(lines)
 
@@ -70,13 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     started = time.perf_counter()
     progress("measuring read bandwidth and the bf16 GEMM reference ...")
-    read_gbs = read_bandwidth_gbs()
+    flush = CacheFlusher()
+    read_gbs = read_bandwidth_gbs(flush.buffer)
     gemm_gflops = bf16_gemm_gflops()
     print(
         f"kt_ops {kt_ops.__version__} | torch {torch.__version__} | variant {kt_ops.cpu_variant()} | "
         f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()})"
     )
-    print(f"machine limits: read bandwidth {read_gbs:.1f} GB/s, bf16 GEMM (torch.matmul) {gemm_gflops:.0f} GFLOP/s")
+    print(
+        f"machine limits: read bandwidth {read_gbs:.1f} GB/s ({flush.buffer.numel() >> 20} MiB buffer; "
+        f"LLC {last_level_cache_bytes() >> 20} MiB, evicted before every timed call), "
+        f"bf16 GEMM (torch.matmul) {gemm_gflops:.0f} GFLOP/s"
+    )
     rows: list[Row] = []
     total = len(args.shape) * len(args.method) * len(args.tokens)
     for shape_name in args.shape:
@@ -86,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             layers = make_layers(shape, method, args.layers)
             for tokens in args.tokens:
                 progress(f"[{len(rows)}/{total}] {shape.name} {method} tokens={tokens} ...")
-                rows.append(measure_row(shape, method, tokens, layers, read_gbs, gemm_gflops, args.repeats))
+                # The machine is shared: measure the bandwidth again next to each row.
+                row_read_gbs = read_bandwidth_gbs(flush.buffer, repeats=3)
+                rows.append(measure_row(shape, method, tokens, layers, row_read_gbs, gemm_gflops, args.repeats, flush))
             del layers
     progress(f"done in {time.perf_counter() - started:.0f} s\n")
     print(format_table(rows))

@@ -46,6 +46,7 @@ class Row:
     limit: str  # "bandwidth" or "gemm": the roofline bound that applies
     limit_fraction: float  # roofline time / measured time
     speedup: float  # torch_us / us
+    read_gbs: float  # the read bandwidth measured next to this row
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -77,13 +78,17 @@ def random_routing(shape: Shape, tokens: int, generator: torch.Generator) -> tup
     return ids.to(torch.int32), torch.softmax(weights, dim=-1)
 
 
-def time_calls(call: Callable[[int], object], repeats: int, min_seconds: float) -> float:
-    """Median seconds of ``call(i)`` over at least ``repeats`` calls (or ``min_seconds``)."""
+def time_calls(
+    call: Callable[[int], object], repeats: int, min_seconds: float, before: Callable[[], None]
+) -> float:
+    """Median seconds of ``call(i)`` over at least ``repeats`` calls (or ``min_seconds``),
+    running ``before()`` untimed ahead of each."""
     call(0)
     seconds: list[float] = []
     started = time.perf_counter()
     i = 1
     while len(seconds) < repeats or (time.perf_counter() - started < min_seconds and len(seconds) < 200):
+        before()
         start = time.perf_counter()
         call(i)
         seconds.append(time.perf_counter() - start)
@@ -99,6 +104,7 @@ def measure_row(
     read_gbs: float,
     gemm_gflops: float,
     repeats: int,
+    flush: Callable[[], None],
 ) -> Row:
     generator = torch.Generator().manual_seed(tokens)
     inputs = []
@@ -116,8 +122,8 @@ def measure_row(
         return torch_moe_forward(x, ids, weights, layer.gate, layer.up, layer.down)
 
     min_seconds = 1.0
-    seconds = time_calls(ours, repeats, min_seconds)
-    torch_seconds = time_calls(plain, max(3, repeats // 4), min_seconds / 2)
+    seconds = time_calls(ours, repeats, min_seconds, flush)
+    torch_seconds = time_calls(plain, max(3, repeats // 4), min_seconds / 2, flush)
 
     activated = statistics.mean(len(torch.unique(ids)) for _, ids, _, _ in inputs)
     weight_bytes = activated * shape.expert_bytes(BYTES_PER_WEIGHT[method])
@@ -135,4 +141,5 @@ def measure_row(
         limit="bandwidth" if bandwidth_time >= compute_time else "gemm",
         limit_fraction=max(bandwidth_time, compute_time) / seconds,
         speedup=torch_seconds / seconds,
+        read_gbs=read_gbs,
     )

@@ -59,6 +59,18 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
     _tile_loadconfig(&config);
   }
 
+  // The B tiles kPrefetchTiles k-steps ahead: weights stream from DRAM once per
+  // expert, and a tile load that misses stalls the matrix unit.
+  static constexpr int64_t kPrefetchTiles = 8;
+  static void prefetch_b_tiles(const uint16_t* w, const uint16_t* w1, int64_t p, int64_t tile_pairs) {
+    const int64_t ahead = p + kPrefetchTiles * kTilePairs;
+    if (ahead >= tile_pairs) return;
+    for (int line = 0; line < kTilePairs; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + line) * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + (ahead + line) * 32), _MM_HINT_T0);
+    }
+  }
+
   // 32 (or 16) rows x 2 blocks over tile_pairs k-pairs, stored to c[0, tile_rows).
   static void tile_pass(const uint16_t* a, int64_t lda, int64_t tile_rows, const uint16_t* w,
                         int64_t block_stride, int64_t tile_pairs, float* c, int64_t ldc) {
@@ -71,6 +83,7 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t p = 0; p < tile_pairs; p += kTilePairs) {
+        prefetch_b_tiles(w, w1, p, tile_pairs);
         _tile_loadd(4, a + 2 * p, a_stride);
         _tile_loadd(6, w + p * 32, 64);
         _tile_loadd(7, w1 + p * 32, 64);
@@ -82,6 +95,7 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
       }
     } else {
       for (int64_t p = 0; p < tile_pairs; p += kTilePairs) {
+        prefetch_b_tiles(w, w1, p, tile_pairs);
         _tile_loadd(4, a + 2 * p, a_stride);
         _tile_loadd(6, w + p * 32, 64);
         _tile_loadd(7, w1 + p * 32, 64);
