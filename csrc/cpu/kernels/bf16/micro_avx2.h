@@ -20,10 +20,15 @@ struct MicroBf16Avx2 {
   template <int M, int NB>
   static void tile(const TileArgs<Act>& t) {
     static_assert(NB == 1, "the AVX2 micro-GEMM computes one block at a time");
-    __m256 acc[M][2];
+    // With 1-2 rows (decode) the FMA latency, not the loads, would bound the loop: the
+    // even and odd k products then go to separate accumulators (4 chains per row).
+    constexpr int S = M <= 2 ? 2 : 1;
+    __m256 acc[M][2][S];
     for (int m = 0; m < M; ++m)
-      for (int h = 0; h < 2; ++h)
-        acc[m][h] = t.accumulate ? _mm256_loadu_ps(t.c + m * t.ldc + h * 8) : _mm256_setzero_ps();
+      for (int h = 0; h < 2; ++h) {
+        acc[m][h][0] = t.accumulate ? _mm256_loadu_ps(t.c + m * t.ldc + h * 8) : _mm256_setzero_ps();
+        if constexpr (S == 2) acc[m][h][S - 1] = _mm256_setzero_ps();
+      }
     const __m256i high_mask = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
     for (int64_t p = 0; p < t.pairs; ++p) {
       __m256 even[2], odd[2];
@@ -38,13 +43,17 @@ struct MicroBf16Avx2 {
         const __m256 x0 = _mm256_broadcast_ss(t.a[m] + 2 * p);
         const __m256 x1 = _mm256_broadcast_ss(t.a[m] + 2 * p + 1);
         for (int h = 0; h < 2; ++h) {
-          acc[m][h] = _mm256_fmadd_ps(even[h], x0, acc[m][h]);
-          acc[m][h] = _mm256_fmadd_ps(odd[h], x1, acc[m][h]);
+          acc[m][h][0] = _mm256_fmadd_ps(even[h], x0, acc[m][h][0]);
+          acc[m][h][S - 1] = _mm256_fmadd_ps(odd[h], x1, acc[m][h][S - 1]);
         }
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(t.c + m * t.ldc + h * 8, acc[m][h]);
+      for (int h = 0; h < 2; ++h) {
+        __m256 sum = acc[m][h][0];
+        if constexpr (S == 2) sum = _mm256_add_ps(sum, acc[m][h][S - 1]);
+        _mm256_storeu_ps(t.c + m * t.ldc + h * 8, sum);
+      }
   }
 };
 
