@@ -182,6 +182,25 @@ float weight_at(const void* weights, ElementType type, int64_t index) {
   }
 }
 
+// One packed weight matrix (gate_up or down) of every expert in the blob.
+struct PackedMatrix {
+  const uint8_t* first_expert;
+  uint64_t expert_bytes;
+  size_t block_bytes;
+  int64_t blocks;  // 16-row blocks per expert
+  int64_t pairs;   // k-pairs per block
+
+  const uint16_t* block(int64_t expert, int64_t first_block) const {
+    return reinterpret_cast<const uint16_t*>(first_expert + expert * expert_bytes +
+                                             first_block * block_bytes);
+  }
+  int64_t block_stride() const { return static_cast<int64_t>(block_bytes / sizeof(uint16_t)); }
+  // Blocks in the job tile starting at first_block (kTileBlocks, fewer at the end).
+  int tile_blocks(int64_t first_block) const {
+    return static_cast<int>(std::min<int64_t>(kTileBlocks, blocks - first_block));
+  }
+};
+
 struct ExpertTile {
   int32_t expert;
   int32_t first_block;
@@ -240,21 +259,23 @@ void moe_forward_bf16(const MoeArgs& args) {
                    args.hidden_type, H, acts + p * act_cols, act_cols);
   });
 
-  build_tiles(plan.active_experts, dims.gate_up_blocks, tiles);
-  const int64_t gate_up_stride = dims.gate_up_block_bytes() / sizeof(uint16_t);
+  const PackedMatrix gate_up{args.packed + layout.gate_up_offset, layout.gate_up_expert_bytes,
+                             dims.gate_up_block_bytes(), dims.gate_up_blocks, dims.hidden_pairs};
+  const PackedMatrix down{args.packed + layout.down_offset, layout.down_expert_bytes,
+                          dims.down_block_bytes(), dims.down_blocks, dims.down_pairs};
+
+  build_tiles(plan.active_experts, gate_up.blocks, tiles);
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
     const ExpertTile tile = tiles[job];
-    const int blocks = static_cast<int>(std::min<int64_t>(kTileBlocks, dims.gate_up_blocks - tile.first_block));
-    const auto* w = reinterpret_cast<const uint16_t*>(
-        args.packed + layout.gate_up_offset + tile.expert * layout.gate_up_expert_bytes +
-        tile.first_block * dims.gate_up_block_bytes());
+    const int blocks = gate_up.tile_blocks(tile.first_block);
+    const uint16_t* w = gate_up.block(tile.expert, tile.first_block);
     alignas(64) float c[kRowChunk * kTileBlocks * 16];
     constexpr int64_t ldc = kTileBlocks * 16;
     const int64_t begin = plan.expert_begin[tile.expert], end = plan.expert_begin[tile.expert + 1];
     for (int64_t p0 = begin; p0 < end; p0 += kRowChunk) {
       const int64_t chunk = std::min(kRowChunk, end - p0);
-      gemm_rows<Micro>(acts + p0 * act_cols, act_cols, chunk, w, gate_up_stride, dims.hidden_pairs,
-                       blocks, c, ldc);
+      gemm_rows<Micro>(acts + p0 * act_cols, act_cols, chunk, w, gate_up.block_stride(),
+                       gate_up.pairs, blocks, c, ldc);
       // Row layout [gate 16 | up 16] per intermediate block -> silu(gate) * up.
       for (int64_t m = 0; m < chunk; ++m) {
         Act* out = inter + (p0 + m) * inter_cols + (tile.first_block / 2) * 16;
@@ -267,18 +288,14 @@ void moe_forward_bf16(const MoeArgs& args) {
     }
   });
 
-  build_tiles(plan.active_experts, dims.down_blocks, tiles);
-  const int64_t down_stride = dims.down_block_bytes() / sizeof(uint16_t);
+  build_tiles(plan.active_experts, down.blocks, tiles);
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
     const ExpertTile tile = tiles[job];
-    const int blocks = static_cast<int>(std::min<int64_t>(kTileBlocks, dims.down_blocks - tile.first_block));
-    const auto* w = reinterpret_cast<const uint16_t*>(
-        args.packed + layout.down_offset + tile.expert * layout.down_expert_bytes +
-        tile.first_block * dims.down_block_bytes());
     const int64_t begin = plan.expert_begin[tile.expert], end = plan.expert_begin[tile.expert + 1];
-    gemm_rows<Micro>(inter + begin * inter_cols, inter_cols, end - begin, w, down_stride,
-                     dims.down_pairs, blocks, down_out + begin * out_cols + tile.first_block * 16,
-                     out_cols);
+    gemm_rows<Micro>(inter + begin * inter_cols, inter_cols, end - begin,
+                     down.block(tile.expert, tile.first_block), down.block_stride(), down.pairs,
+                     down.tile_blocks(tile.first_block),
+                     down_out + begin * out_cols + tile.first_block * 16, out_cols);
   });
 
   engine.parallel_for(T, [&](int64_t t) {

@@ -77,36 +77,28 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
     const uint16_t* a1 = a + 16 * lda;
     const uint16_t* w1 = w + block_stride;
     const int64_t a_stride = lda * sizeof(uint16_t);
+    const bool two_row_tiles = tile_rows > 16;
     _tile_zero(0);
     _tile_zero(1);
-    if (tile_rows > 16) {
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t p = 0; p < tile_pairs; p += kTilePairs) {
-        prefetch_b_tiles(w, w1, p, tile_pairs);
-        _tile_loadd(4, a + 2 * p, a_stride);
-        _tile_loadd(6, w + p * 32, 64);
-        _tile_loadd(7, w1 + p * 32, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t p = 0; p < tile_pairs; p += kTilePairs) {
+      prefetch_b_tiles(w, w1, p, tile_pairs);
+      _tile_loadd(4, a + 2 * p, a_stride);
+      _tile_loadd(6, w + p * 32, 64);
+      _tile_loadd(7, w1 + p * 32, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two_row_tiles) {  // rows 16..31
         _tile_loadd(5, a1 + 2 * p, a_stride);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
-      }
-    } else {
-      for (int64_t p = 0; p < tile_pairs; p += kTilePairs) {
-        prefetch_b_tiles(w, w1, p, tile_pairs);
-        _tile_loadd(4, a + 2 * p, a_stride);
-        _tile_loadd(6, w + p * 32, 64);
-        _tile_loadd(7, w1 + p * 32, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
       }
     }
     alignas(64) float out[32 * 32];  // [32 rows][2 blocks x 16]
     _tile_stored(0, out, 128);
     _tile_stored(1, out + 16, 128);
-    if (tile_rows > 16) {
+    if (two_row_tiles) {
       _tile_stored(2, out + 16 * 32, 128);
       _tile_stored(3, out + 16 * 32 + 16, 128);
     }

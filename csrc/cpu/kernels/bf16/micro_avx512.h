@@ -21,9 +21,7 @@ struct MicroBf16Avx512 {
   template <int M, int NB>
   static void tile(const TileArgs<Act>& t) {
     __m512 acc[M][NB];
-    for (int m = 0; m < M; ++m)
-      for (int b = 0; b < NB; ++b)
-        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.c + m * t.ldc + b * 16) : _mm512_setzero_ps();
+    load_accumulators<Vec>(acc, t);
     const __m512i high_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
     for (int64_t p = 0; p < t.pairs; ++p) {
       __m512 even[NB], odd[NB];
@@ -42,8 +40,7 @@ struct MicroBf16Avx512 {
         }
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.c + m * t.ldc + b * 16, acc[m][b]);
+    store_accumulators<Vec>(acc, t);
   }
 };
 

@@ -21,9 +21,7 @@ struct MicroBf16Avx512Bf16 {
   template <int M, int NB>
   static void tile(const TileArgs<Act>& t) {
     __m512 acc[M][NB];
-    for (int m = 0; m < M; ++m)
-      for (int b = 0; b < NB; ++b)
-        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.c + m * t.ldc + b * 16) : _mm512_setzero_ps();
+    load_accumulators<Vec>(acc, t);
     for (int64_t p = 0; p < t.pairs; ++p) {
       __m512i w[NB];
       for (int b = 0; b < NB; ++b) {
@@ -36,8 +34,7 @@ struct MicroBf16Avx512Bf16 {
           acc[m][b] = _mm512_dpbf16_ps(acc[m][b], (__m512bh)w[b], (__m512bh)x);
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.c + m * t.ldc + b * 16, acc[m][b]);
+    store_accumulators<Vec>(acc, t);
   }
 };
 

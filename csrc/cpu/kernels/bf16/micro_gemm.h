@@ -48,6 +48,20 @@ struct TileCoverage {
   int blocks;
 };
 
+// Accumulators of a tile whose blocks are one vector each (16-lane ISAs): start from c
+// (accumulate) or zero, and the final store.
+template <class V, int M, int NB, typename Act>
+void load_accumulators(typename V::Reg (&acc)[M][NB], const TileArgs<Act>& t) {
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = t.accumulate ? V::load(t.c + m * t.ldc + b * 16) : V::zero();
+}
+
+template <class V, int M, int NB, typename Act>
+void store_accumulators(const typename V::Reg (&acc)[M][NB], const TileArgs<Act>& t) {
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) V::store(t.c + m * t.ldc + b * 16, acc[m][b]);
+}
+
 // A bf16 pair (two consecutive activations) as one 32-bit lane value.
 inline int32_t load_pair(const uint16_t* p) {
   int32_t value;
