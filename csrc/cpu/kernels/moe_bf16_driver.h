@@ -40,6 +40,9 @@ constexpr int64_t kKBlockPairs = 128;  // GEMM k block: 4 blocks x 128 pairs = 3
 constexpr int64_t kRowChunk = 96;      // rows per epilogue chunk (multiple of 32, 6 and 4)
 constexpr int64_t kPadRows = 32;       // readable rows past the last pair (AMX row tiles)
 constexpr int64_t kDecodePrefetch = 32;  // decode: prefetch weight lines 2 KiB ahead
+constexpr int64_t kRowsPerJob = 16;      // convert / combine rows per job
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <class Micro, int M, int NB = Micro::kMaxBlocks>
 void tile_blocks(int blocks, const TileArgs<typename Micro::Act>& t) {
@@ -254,9 +257,10 @@ void moe_forward_bf16(const MoeArgs& args) {
 
   Engine& engine = Engine::instance();
   const size_t in_bytes = args.hidden_type == ElementType::kF32 ? 4 : 2;
-  engine.parallel_for(P, [&](int64_t p) {
-    convert_row<V>(static_cast<const uint8_t*>(args.hidden) + plan.pair_token[p] * H * in_bytes,
-                   args.hidden_type, H, acts + p * act_cols, act_cols);
+  engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+    for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p)
+      convert_row<V>(static_cast<const uint8_t*>(args.hidden) + plan.pair_token[p] * H * in_bytes,
+                     args.hidden_type, H, acts + p * act_cols, act_cols);
   });
 
   const PackedMatrix gate_up{args.packed + layout.gate_up_offset, layout.gate_up_expert_bytes,
@@ -298,15 +302,17 @@ void moe_forward_bf16(const MoeArgs& args) {
                      down_out + begin * out_cols + tile.first_block * 16, out_cols);
   });
 
-  engine.parallel_for(T, [&](int64_t t) {
-    for (int64_t h = 0; h < H; h += W) {
-      typename V::Reg acc = V::zero();
-      for (int64_t j = 0; j < K; ++j) {
-        const int32_t pair = plan.slot_pair[t * K + j];
-        if (pair >= 0)
-          acc = V::fma(V::set1(weights[t * K + j]), V::load(down_out + pair * out_cols + h), acc);
+  engine.parallel_for(ceil_div(T, kRowsPerJob), [&](int64_t job) {
+    for (int64_t t = job * kRowsPerJob; t < std::min(T, (job + 1) * kRowsPerJob); ++t) {
+      for (int64_t h = 0; h < H; h += W) {
+        typename V::Reg acc = V::zero();
+        for (int64_t j = 0; j < K; ++j) {
+          const int32_t pair = plan.slot_pair[t * K + j];
+          if (pair >= 0)
+            acc = V::fma(V::set1(weights[t * K + j]), V::load(down_out + pair * out_cols + h), acc);
+        }
+        store_output<V>(args.output, args.hidden_type, t * H + h, std::min<int64_t>(W, H - h), acc);
       }
-      store_output<V>(args.output, args.hidden_type, t * H + h, std::min<int64_t>(W, H - h), acc);
     }
   });
 }

@@ -41,9 +41,13 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
     configure();
     for (int64_t m0 = 0; m0 < rows; m0 += 32) {
       const int64_t tile_rows = std::min<int64_t>(32, rows - m0);
-      for (int b0 = 0; b0 < done.blocks; b0 += 2)
+      for (int b0 = 0; b0 < done.blocks; b0 += 2) {
+        // The next pass's weights, fetched during this one's last steps (the first row
+        // tile streams them from DRAM; later row tiles find them in cache).
+        const bool next_pass = m0 == 0 && b0 + 2 < done.blocks;
         tile_pass(a + m0 * lda, lda, tile_rows, w + b0 * block_stride, block_stride, done.pairs,
-                  c + m0 * ldc + b0 * 16, ldc);
+                  next_pass ? w + (b0 + 2) * block_stride : nullptr, c + m0 * ldc + b0 * 16, ldc);
+      }
     }
     _tile_release();
     return done;
@@ -62,18 +66,26 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
   // The B tiles kPrefetchTiles k-steps ahead: weights stream from DRAM once per
   // expert, and a tile load that misses stalls the matrix unit.
   static constexpr int64_t kPrefetchTiles = 8;
-  static void prefetch_b_tiles(const uint16_t* w, const uint16_t* w1, int64_t p, int64_t tile_pairs) {
-    const int64_t ahead = p + kPrefetchTiles * kTilePairs;
-    if (ahead >= tile_pairs) return;
+  // Past the end of this pass it continues into `next` (the next pass's first block
+  // pair, block_stride apart), if any.
+  static void prefetch_b_tiles(const uint16_t* w, const uint16_t* next, int64_t block_stride,
+                               int64_t p, int64_t tile_pairs) {
+    int64_t ahead = p + kPrefetchTiles * kTilePairs;
+    if (ahead >= tile_pairs) {
+      if (next == nullptr) return;
+      w = next;
+      ahead -= tile_pairs;
+    }
     for (int line = 0; line < kTilePairs; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + line) * 32), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1 + (ahead + line) * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + line) * 32), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + block_stride + (ahead + line) * 32), _MM_HINT_T1);
     }
   }
 
   // 32 (or 16) rows x 2 blocks over tile_pairs k-pairs, stored to c[0, tile_rows).
   static void tile_pass(const uint16_t* a, int64_t lda, int64_t tile_rows, const uint16_t* w,
-                        int64_t block_stride, int64_t tile_pairs, float* c, int64_t ldc) {
+                        int64_t block_stride, int64_t tile_pairs, const uint16_t* next, float* c,
+                        int64_t ldc) {
     const uint16_t* a1 = a + 16 * lda;
     const uint16_t* w1 = w + block_stride;
     const int64_t a_stride = lda * sizeof(uint16_t);
@@ -83,7 +95,7 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t p = 0; p < tile_pairs; p += kTilePairs) {
-      prefetch_b_tiles(w, w1, p, tile_pairs);
+      prefetch_b_tiles(w, next, block_stride, p, tile_pairs);
       _tile_loadd(4, a + 2 * p, a_stride);
       _tile_loadd(6, w + p * 32, 64);
       _tile_loadd(7, w1 + p * 32, 64);
