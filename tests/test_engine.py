@@ -110,3 +110,26 @@ def test_num_threads_environment_variable() -> None:
     assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr
     result = run_python("import kt_ops; kt_ops.get_num_threads()", KT_OPS_NUM_THREADS="many")
     assert result.returncode != 0 and "KT_OPS_NUM_THREADS must be a positive integer" in result.stderr
+
+
+def test_forked_child_can_run_kernels() -> None:
+    """After fork() only the forking thread exists; the engine must rebuild its helpers
+    instead of waiting forever for threads the child does not have."""
+    code = """
+import os, signal, torch, kt_ops
+kt_ops.set_num_threads(2)
+g = torch.randn(4, 16, 32).bfloat16()
+packed = kt_ops.pack_experts(g, g, g.transpose(1, 2).contiguous())
+x, ids, w = torch.randn(5, 32), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+expected = kt_ops.moe_forward(x, ids, w, packed)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)
+    ok = torch.equal(kt_ops.moe_forward(x, ids, w, packed), expected) and kt_ops.get_num_threads() == 2
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0", "forked child hung or computed a different result"

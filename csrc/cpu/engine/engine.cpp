@@ -1,6 +1,9 @@
 #include "engine.h"
 
+#include <pthread.h>
+
 #include <cstdlib>
+#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -30,6 +33,14 @@ Engine& Engine::instance() {
 Engine::Engine()
     : topology_(read_topology()), spin_ns_(env_int("KT_OPS_SPIN_US", 200) * 1000) {
   build_pools(static_cast<int>(env_int("KT_OPS_NUM_THREADS", topology_.num_physical_cores())));
+  pthread_atfork(nullptr, nullptr, [] { instance().forget_threads_after_fork(); });
+}
+
+void Engine::forget_threads_after_fork() {
+  new (&mutex_) std::mutex();
+  for (auto& pool : pools_) static_cast<void>(pool.release());
+  pools_.clear();
+  rebuild_pools_ = true;
 }
 
 int Engine::num_threads() const {
@@ -45,7 +56,8 @@ int Engine::num_pools() const {
 void Engine::set_num_threads(int n) {
   if (n < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
   std::lock_guard<std::mutex> lock(mutex_);
-  if (n != num_threads_) build_pools(n);
+  if (n != num_threads_ || rebuild_pools_) build_pools(n);
+  rebuild_pools_ = false;
 }
 
 // Thread 0 is the caller (not pinned; it keeps the first physical core free for
@@ -81,6 +93,10 @@ void Engine::parallel_for(int64_t n, FunctionRef<void(int64_t)> fn) {
     return;
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  if (rebuild_pools_) {
+    rebuild_pools_ = false;
+    build_pools(num_threads_);
+  }
   inside_parallel_region = true;
   job_.count = n;
   job_.fn = &fn;

@@ -34,6 +34,10 @@ class Engine {
  private:
   Engine();
   void build_pools(int num_threads);
+  // fork() child: only the forking thread survives, so the helpers are gone and the
+  // mutex may be held by a thread that no longer exists. Drops both (the pools leak:
+  // their threads cannot be joined) and rebuilds the pools on the next parallel_for.
+  void forget_threads_after_fork();
 
   Topology topology_;
   int64_t spin_ns_;
@@ -41,6 +45,7 @@ class Engine {
   mutable std::mutex mutex_;
   std::vector<std::unique_ptr<WorkerPool>> pools_;
   Job job_;
+  bool rebuild_pools_ = false;
 };
 
 }  // namespace kt::cpu
