@@ -40,10 +40,11 @@ class CacheFlusher:
 
 def read_bandwidth_gbs(buffer: torch.Tensor | None = None, repeats: int = 7) -> float:
     """Read bandwidth in GB/s: every engine thread streams its share of a buffer several
-    times the last-level cache; median of ``repeats`` passes after one warm-up."""
+    times the last-level cache with the widest loads the CPU has; median of ``repeats``
+    passes after two warm-up passes."""
     if buffer is None:
         buffer = torch.ones(streaming_buffer_bytes(), dtype=torch.uint8)
-    seconds = _C.time_read_passes(buffer, repeats + 1)[1:]
+    seconds = _C.time_read_passes(buffer, repeats + 2)[2:]
     return buffer.numel() / statistics.median(seconds) / 1e9
 
 
