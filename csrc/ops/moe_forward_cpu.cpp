@@ -4,6 +4,8 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "../cpu/isa/cpu_variant.h"
 #include "../cpu/kernels/kernel_table.h"
 #include "checks.h"
@@ -52,6 +54,9 @@ at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& to
                     layout.shape.hidden_size);
   TORCH_CHECK_VALUE(topk_ids.size(1) <= experts, "top-k = ", topk_ids.size(1),
                     " exceeds the number of experts E = ", experts);
+  TORCH_CHECK_VALUE(topk_ids.numel() < std::numeric_limits<int32_t>::max(), "tokens x top-k = ",
+                    topk_ids.numel(), " (token, slot) pairs is more than one call handles (2^31 - 1);"
+                    " split the batch");
   if (topk_ids.scalar_type() == at::kLong)
     check_ids_in_range<int64_t>(topk_ids, experts);
   else

@@ -60,6 +60,9 @@ PackedLayout packed_layout(const PackedShape& shape) {
                                 std::to_string(shape.num_experts) + " H=" +
                                 std::to_string(shape.hidden_size) + " I=" +
                                 std::to_string(shape.intermediate_size));
+  constexpr uint32_t kMaxDim = 0x7fffffffu;
+  if (shape.num_experts > kMaxDim || shape.hidden_size > kMaxDim || shape.intermediate_size > kMaxDim)
+    throw std::invalid_argument("packed experts need E, H and I below 2^31");
   if (shape.numa_parts != 1)
     throw std::invalid_argument("numa_parts other than 1 is not supported yet, got " +
                                 std::to_string(shape.numa_parts));
