@@ -17,7 +17,7 @@ from kt_ops.cpu import (
     set_num_threads,
     supported_cpu_variants,
 )
-from kt_ops.doctor import doctor
+from kt_ops.diagnostics import doctor
 from kt_ops.formats import METHOD_FORMATS
 from kt_ops.ops import moe_forward, pack_experts
 from kt_ops.packed import PackedExperts
