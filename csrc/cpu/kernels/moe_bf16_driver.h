@@ -241,7 +241,7 @@ void moe_forward_bf16(const MoeArgs& args) {
 
   ScratchLayout carve;
   // Rows are (token, slot) pairs grouped by expert, so an expert's rows are contiguous;
-  // kPadRows zeroed rows follow the last pair for row tiles that run past it.
+  // kPadRows rows follow the last pair for row tiles (AMX) that run past it.
   const size_t acts_at = carve.add<Act>((P + kPadRows) * act_cols);    // 1. activations : [P, H2]
   const size_t inter_at = carve.add<Act>((P + kPadRows) * inter_cols); // 2. intermediate: [P, I16]
   const size_t down_at = carve.add<float>(P * out_cols);               // 3. down_out    : [P, H16]
@@ -252,8 +252,10 @@ void moe_forward_bf16(const MoeArgs& args) {
   float* down_out = reinterpret_cast<float*>(scratch + down_at);
   float* weights = reinterpret_cast<float*>(scratch + weights_at);
   for (int64_t s = 0; s < T * K; ++s) weights[s] = weight_at(args.topk_weights, args.weights_type, s);
-  std::memset(acts + P * act_cols, 0, kPadRows * act_cols * sizeof(Act));
-  std::memset(inter + P * inter_cols, 0, kPadRows * inter_cols * sizeof(Act));
+  if constexpr (HasTileGemm<Micro>::value) {  // only row tiles read past the last pair
+    std::memset(acts + P * act_cols, 0, kPadRows * act_cols * sizeof(Act));
+    std::memset(inter + P * inter_cols, 0, kPadRows * inter_cols * sizeof(Act));
+  }
 
   Engine& engine = Engine::instance();
   const size_t in_bytes = args.hidden_type == ElementType::kF32 ? 4 : 2;
