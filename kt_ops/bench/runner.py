@@ -11,6 +11,7 @@ import torch
 
 from kt_ops.bench.baseline import torch_moe_forward
 from kt_ops.ops import moe_forward, pack_experts
+from kt_ops.packed import PackedExperts
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Layer:
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
-    packed: object
+    packed: PackedExperts
 
 
 def make_layers(shape: Shape, method: str, count: int) -> list[Layer]:

@@ -2,20 +2,7 @@
 // micro-kernels. Everything after the target pragma is compiled for avx512_bf16 only and
 // lives in an anonymous namespace, so no other translation unit can pick up its code;
 // headers before the pragma keep the baseline target.
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-#include "../../engine/engine.h"
-#include "../../engine/scratch.h"
-#include "../../formats/bf16_layout.h"
-#include "../../isa/scalar_convert.h"
-#include "../moe_args.h"
-#include "../moe_plan.h"
-#include "variant_entries.h"
+#include "baseline_includes.h"
 
 #pragma GCC push_options
 // GCC 12 reports -Wmaybe-uninitialized inside its own shift intrinsics (their
