@@ -32,10 +32,15 @@ def _moe_forward_fake(
 
 @torch.library.register_fake("kt::pack_experts")
 def _pack_experts_fake(
-    gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor, format: str
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    format: str,
+    group_size: int = 0,
+    scale_search: bool = False,
 ) -> torch.Tensor:
     experts, intermediate, hidden = gate_proj.shape
-    nbytes = _C.packed_nbytes(format, int(experts), int(hidden), int(intermediate))
+    nbytes = _C.packed_nbytes(format, int(experts), int(hidden), int(intermediate), int(group_size))
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 

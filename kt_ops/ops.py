@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kt_ops import fakes  # noqa: F401  (registers the fake implementations)
-from kt_ops.formats import format_for_method
+from kt_ops.formats import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, format_for_method
 from kt_ops.packed import PackedExperts
 
 
@@ -14,20 +14,41 @@ def pack_experts(
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     method: str = "BF16",
+    group_size: int = DEFAULT_GROUP_SIZE,
+    zero_point: bool = False,
+    scale_search: bool = False,
 ) -> PackedExperts:
-    """Packs one layer's routed experts for :func:`moe_forward`.
+    """Packs (and, for INT8/INT4, quantizes) one layer's routed experts for :func:`moe_forward`.
+
+    Formats are described in docs/formats.md; each runs on every CPU variant.
 
     Args:
         gate_proj: ``[E, I, H]`` (Hugging Face ``nn.Linear`` layout), bf16/fp16/fp32, CPU.
         up_proj: ``[E, I, H]``, same dtype rules.
         down_proj: ``[E, H, I]``.
-        method: kt-kernel method name; ``"BF16"`` stores the weights as bf16 (fp16/fp32
-            inputs are rounded to bf16).
+        method: kt-kernel method name. ``"BF16"`` stores bf16 (fp16/fp32 inputs rounded);
+            ``"AMXINT8"``/``"MOE_INT8"`` int8 symmetric per output channel;
+            ``"AMXINT4"``/``"MOE_INT4"`` int4 in k-groups of ``group_size``.
+        group_size: INT4 k-group, 32, 64 or 128 (default); it must divide H and I
+            (``ValueError`` otherwise). Other methods take only the default.
+        zero_point: INT4 only: asymmetric groups (``w = scale * q + minimum``).
+        scale_search: quantized methods: per row/group, try candidate scales (with a
+            least-squares refit) and keep the one with the smallest squared error,
+            instead of round-to-nearest from the extreme value. Slower to pack.
 
     Returns:
         A :class:`PackedExperts` whose ``data`` is a new uint8 CPU tensor.
     """
-    return PackedExperts(torch.ops.kt.pack_experts(gate_proj, up_proj, down_proj, format_for_method(method)))
+    fmt = format_for_method(method, zero_point)
+    if fmt in GROUPED_FORMATS:
+        group = group_size
+    elif group_size != DEFAULT_GROUP_SIZE:
+        raise ValueError(f"method {method!r} has no k-groups; group_size applies to the INT4 methods")
+    else:
+        group = 0
+    return PackedExperts(
+        torch.ops.kt.pack_experts(gate_proj, up_proj, down_proj, fmt, group, scale_search)
+    )
 
 
 def moe_forward(

@@ -52,6 +52,19 @@ class PackedExperts:
         return self._info["intermediate_size"]
 
     @property
+    def group_size(self) -> int:
+        """INT4 k-group size; 0 for formats without groups."""
+        return self._info["group_size"]
+
+    def require_format(self, *formats: str) -> None:
+        """Raises ``ValueError`` unless this blob's format is one of ``formats`` (e.g.
+        a wrapper built for ``AMXINT8`` given INT4 weights)."""
+        if self.format not in formats:
+            raise ValueError(
+                f"packed experts are in format {self.format!r}; this call needs {' or '.join(map(repr, formats))}"
+            )
+
+    @property
     def nbytes(self) -> int:
         return self._info["nbytes"]
 

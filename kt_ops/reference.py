@@ -39,3 +39,105 @@ def moe_forward(
         y = inter @ down_proj[expert].float().T
         out.index_add_(0, tokens, y * weights[tokens, slots, None])
     return out
+
+
+def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> torch.Tensor:
+    """Round-to-nearest quantization of ``weight`` ``[..., K]`` along its last dimension,
+    returned dequantized (fp32, same shape): what ``pack_experts(..., scale_search=False)``
+    stores, computed independently in torch.
+
+    ``int8``: symmetric per row (``scale = max|w| / 127``, levels ``[-127, 127]``).
+    ``int4``: symmetric per group of ``group_size`` (``scale = extreme / -8`` with the
+    signed extreme value, levels ``[-8, 7]``). ``int4_asym``: per group
+    ``scale = (max - min) / 15``, ``w ~ scale * q + min``, levels ``[0, 15]``.
+    """
+    w = weight.float()
+    if format == "int8":
+        scale = w.abs().amax(dim=-1, keepdim=True) / 127.0
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        return torch.clamp(torch.round(w * inv), -127, 127) * scale
+    shape = w.shape
+    g = w.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    if format == "int4":
+        index = g.abs().argmax(dim=-1, keepdim=True)
+        scale = torch.gather(g, -1, index) / -8.0
+        inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+        q = torch.clamp(torch.round(g * inv), -8, 7)
+        return (q * scale).reshape(shape)
+    if format == "int4_asym":
+        lo = g.amin(dim=-1, keepdim=True)
+        scale = (g.amax(dim=-1, keepdim=True) - lo) / 15.0
+        inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+        q = torch.clamp(torch.round((g - lo) * inv), 0, 15)
+        return (q * scale + lo).reshape(shape)
+    raise ValueError(f"fake_quantize: unknown format {format!r}")
+
+
+def _int_matrix(blob: torch.Tensor, offset: int, experts: int, blocks: int, k: int, format: str,
+                group: int) -> torch.Tensor:
+    """One packed int8/int4 matrix -> ``[E, 16 * blocks, padded k]`` fp32 (docs/formats.md)."""
+    int4 = format.startswith("int4")
+    padded_k = k if int4 else -(-k // 32) * 32
+    lines = padded_k // (8 if int4 else 4)
+    groups = padded_k // group if int4 else 1
+    block_bytes = 64 * (lines + groups * (2 if format == "int4_asym" else 1))
+    data = blob[offset : offset + experts * blocks * block_bytes].view(experts, blocks, block_bytes)
+    raw = data[..., : lines * 64].reshape(experts, blocks, lines, 16, 4).to(torch.int32)
+
+    def floats(start: int) -> torch.Tensor:  # [E, blocks, groups, 16]
+        chunk = data[..., start : start + groups * 64].contiguous().view(torch.float32)
+        return chunk.reshape(experts, blocks, groups, 16)
+
+    scales = floats(lines * 64)
+    if not int4:
+        q = (raw - 128).permute(0, 1, 3, 2, 4).reshape(experts, blocks, 16, padded_k)
+        return (q.float() * scales[:, :, 0, :, None]).reshape(experts, blocks * 16, padded_k)
+    # byte 4n + i of line l: low nibble k = 8l + i, high nibble k = 8l + 4 + i
+    q = torch.stack((raw & 15, raw >> 4), dim=4)  # [E, blocks, lines, 16, 2, 4]
+    q = q.permute(0, 1, 3, 2, 4, 5).reshape(experts, blocks, 16, padded_k).float()
+    per_k = scales.permute(0, 1, 3, 2).repeat_interleave(group, dim=-1)  # [E, blocks, 16, K]
+    if format == "int4":
+        w = (q - 8) * per_k
+    else:
+        minimums = floats(lines * 64 + groups * 64).permute(0, 1, 3, 2).repeat_interleave(group, dim=-1)
+        w = q * per_k + minimums
+    return w.reshape(experts, blocks * 16, padded_k)
+
+
+def dequantize(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights a packed blob (``PackedExperts.data``) holds, as fp32 Hugging Face
+    tensors ``gate [E, I, H]``, ``up [E, I, H]``, ``down [E, H, I]``.
+
+    Decodes the byte layout of docs/formats.md in torch, independently of the C++
+    kernels, so tests can compare a kernel with :func:`moe_forward` on exactly the
+    weights it multiplies. bf16 blobs are supported too.
+    """
+    from kt_ops._native import _C
+
+    info = _C.packed_info(packed)
+    fmt, E, H, I, G = (info[key] for key in ("format", "num_experts", "hidden_size", "intermediate_size", "group_size"))
+    i16, h16 = -(-I // 16) * 16, -(-H // 16) * 16
+    gate_up_offset = 256
+    if fmt == "bf16":
+        hp, ip = -(-H // 2), i16 // 2
+        gu = packed[gate_up_offset : gate_up_offset + E * (2 * i16 // 16) * hp * 64]
+        gu = gu.view(torch.bfloat16).reshape(E, 2 * i16 // 16, hp, 16, 2).permute(0, 1, 3, 2, 4)
+        gu = gu.reshape(E, i16 // 16, 2, 16, 2 * hp)
+        down_offset = gate_up_offset + gu.numel() * 2
+        d = packed[down_offset : down_offset + E * (h16 // 16) * ip * 64].view(torch.bfloat16)
+        d = d.reshape(E, h16 // 16, ip, 16, 2).permute(0, 1, 3, 2, 4).reshape(E, h16, 2 * ip)
+        gate = gu[:, :, 0].reshape(E, i16, 2 * hp)[:, :I, :H].float()
+        up = gu[:, :, 1].reshape(E, i16, 2 * hp)[:, :I, :H].float()
+        return gate, up, d[:, :H, :I].float()
+    gate_up_blocks, down_blocks = 2 * i16 // 16, h16 // 16
+    gu = _int_matrix(packed, gate_up_offset, E, gate_up_blocks, H, fmt, G)
+    int4 = fmt.startswith("int4")
+    hk = H if int4 else -(-H // 32) * 32
+    groups = hk // G if int4 else 1
+    block_bytes = 64 * (hk // (8 if int4 else 4) + groups * (2 if fmt == "int4_asym" else 1))
+    down_offset = gate_up_offset + E * gate_up_blocks * block_bytes
+    d = _int_matrix(packed, down_offset, E, down_blocks, I, fmt, G)
+    gu = gu.reshape(E, i16 // 16, 2, 16, hk)
+    gate = gu[:, :, 0].reshape(E, i16, hk)[:, :I, :H]
+    up = gu[:, :, 1].reshape(E, i16, hk)[:, :I, :H]
+    return gate.contiguous(), up.contiguous(), d[:, :H, :I].contiguous()

@@ -10,6 +10,9 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed)"
       " -> Tensor");
-  // gate_proj, up_proj [E, I, H], down_proj [E, H, I] (f32|bf16|f16) -> packed uint8 [n]
-  m.def("pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format) -> Tensor");
+  // gate_proj, up_proj [E, I, H], down_proj [E, H, I] (f32|bf16|f16) -> packed uint8 [n];
+  // format bf16|int8|int4|int4_asym, group_size: int4 k-group (32|64|128), else 0.
+  m.def(
+      "pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format,"
+      " int group_size=0, bool scale_search=False) -> Tensor");
 }

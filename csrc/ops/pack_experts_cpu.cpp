@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../cpu/formats/pack_bf16.h"
+#include "../cpu/formats/pack_int.h"
 #include "../cpu/formats/packed_header.h"
 #include "checks.h"
 
@@ -11,7 +12,8 @@ namespace kt::ops {
 namespace {
 
 at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_proj,
-                            const at::Tensor& down_proj, c10::string_view format) {
+                            const at::Tensor& down_proj, c10::string_view format,
+                            int64_t group_size, bool scale_search) {
   RECORD_FUNCTION("kt::pack_experts", std::vector<c10::IValue>({gate_proj, down_proj}));
   const cpu::PackedFormat packed_format =
       translate_errors([&] { return cpu::parse_packed_format(std::string(format)); });
@@ -35,14 +37,35 @@ at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_pr
   TORCH_CHECK_VALUE(E > 0 && I > 0 && H > 0 && E < kMaxDim && I < kMaxDim && H < kMaxDim,
                     "expert weights need E, I, H in [1, 2^31); got gate_proj ", gate_proj.sizes());
 
+  TORCH_CHECK_VALUE(group_size >= 0 && group_size <= 128, "group_size must be 0 (none), 32, 64 or 128; got ",
+                    group_size);
+  TORCH_CHECK_VALUE(!scale_search || packed_format != cpu::PackedFormat::kBf16,
+                    "scale_search applies to quantized formats, not bf16");
+
   cpu::PackedShape shape;
   shape.format = packed_format;
   shape.num_experts = static_cast<uint32_t>(E);
   shape.hidden_size = static_cast<uint32_t>(H);
   shape.intermediate_size = static_cast<uint32_t>(I);
+  shape.group_size = static_cast<uint32_t>(group_size);
   const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
   at::Tensor packed = at::empty({static_cast<int64_t>(layout.total_bytes)},
                                 gate_proj.options().dtype(at::kByte));
+  if (packed_format != cpu::PackedFormat::kBf16) {
+    // Quantized formats read the source dtype directly (no full-size fp32 copy).
+    const at::ScalarType type = gate_proj.scalar_type();
+    const at::Tensor gate = gate_proj.contiguous();
+    const at::Tensor up = up_proj.to(type).contiguous();
+    const at::Tensor down = down_proj.to(type).contiguous();
+    cpu::QuantOptions options;
+    options.scale_search = scale_search;
+    const cpu::ElementType element = type == at::kFloat  ? cpu::ElementType::kF32
+                                     : type == at::kHalf ? cpu::ElementType::kF16
+                                                         : cpu::ElementType::kBf16;
+    cpu::pack_int_experts(gate.const_data_ptr(), up.const_data_ptr(), down.const_data_ptr(), element,
+                          layout, options, packed.data_ptr<uint8_t>());
+    return packed;
+  }
   const at::Tensor gate = gate_proj.to(at::kBFloat16).contiguous();
   const at::Tensor up = up_proj.to(at::kBFloat16).contiguous();
   const at::Tensor down = down_proj.to(at::kBFloat16).contiguous();

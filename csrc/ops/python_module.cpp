@@ -33,13 +33,14 @@ py::dict packed_info(const at::Tensor& packed) {
 }
 
 int64_t packed_nbytes(const std::string& format, int64_t experts, int64_t hidden,
-                      int64_t intermediate) {
+                      int64_t intermediate, int64_t group_size) {
   return translate_errors([&] {
     cpu::PackedShape shape;
     shape.format = cpu::parse_packed_format(format);
     shape.num_experts = static_cast<uint32_t>(experts);
     shape.hidden_size = static_cast<uint32_t>(hidden);
     shape.intermediate_size = static_cast<uint32_t>(intermediate);
+    shape.group_size = static_cast<uint32_t>(group_size);
     return static_cast<int64_t>(cpu::packed_layout(shape).total_bytes);
   });
 }
@@ -78,7 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("num_pools", [] { return cpu::Engine::instance().num_pools(); });
   m.def("packed_info", &packed_info);
-  m.def("packed_nbytes", &packed_nbytes);
+  m.def("packed_nbytes", &packed_nbytes, py::arg("format"), py::arg("experts"), py::arg("hidden"),
+        py::arg("intermediate"), py::arg("group_size") = 0);
   m.def("kernel_name", &kernel_name);
   m.def("time_read_passes", &time_read_passes);
 }

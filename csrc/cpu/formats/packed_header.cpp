@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "bf16_layout.h"
+#include "int_layout.h"
 
 namespace kt::cpu {
 namespace {
@@ -39,19 +40,48 @@ uint64_t header_checksum(const uint8_t* blob) {
   throw std::invalid_argument("packed experts: " + why);
 }
 
+// int4: group 32, 64 or 128 dividing H and I. int8: no group (0); its int32 sums need
+// H, I <= 65536 (|sum| <= 255 * 127 * 65536 < 2^31).
+void check_group_size(const PackedShape& shape) {
+  const std::string name = packed_format_name(shape.format);
+  if (shape.format == PackedFormat::kInt8) {
+    if (shape.group_size != 0)
+      throw std::invalid_argument("format int8 is per output channel; group_size must be 0, got " +
+                                  std::to_string(shape.group_size));
+    if (shape.hidden_size > int_layout::kInt8MaxK || shape.intermediate_size > int_layout::kInt8MaxK)
+      throw std::invalid_argument("format int8 needs H and I <= 65536 (int32 accumulation)");
+    return;
+  }
+  const uint32_t g = shape.group_size;
+  if (g != 32 && g != 64 && g != 128)
+    throw std::invalid_argument("format " + name + " needs group_size 32, 64 or 128, got " +
+                                std::to_string(g));
+  if (shape.hidden_size % g != 0 || shape.intermediate_size % g != 0)
+    throw std::invalid_argument("format " + name + ": group_size " + std::to_string(g) +
+                                " must divide hidden_size H = " + std::to_string(shape.hidden_size) +
+                                " and intermediate_size I = " +
+                                std::to_string(shape.intermediate_size));
+}
+
 }  // namespace
 
 const char* packed_format_name(PackedFormat format) {
   switch (format) {
     case PackedFormat::kBf16: return "bf16";
+    case PackedFormat::kInt8: return "int8";
+    case PackedFormat::kInt4: return "int4";
+    case PackedFormat::kInt4Asym: return "int4_asym";
   }
   throw std::invalid_argument("unknown packed format id " +
                               std::to_string(static_cast<uint32_t>(format)));
 }
 
 PackedFormat parse_packed_format(const std::string& name) {
-  if (name == "bf16") return PackedFormat::kBf16;
-  throw std::invalid_argument("unknown packed format '" + name + "'; expected one of: bf16");
+  for (PackedFormat format : {PackedFormat::kBf16, PackedFormat::kInt8, PackedFormat::kInt4,
+                              PackedFormat::kInt4Asym})
+    if (name == packed_format_name(format)) return format;
+  throw std::invalid_argument("unknown packed format '" + name +
+                              "'; expected one of: bf16, int8, int4, int4_asym");
 }
 
 PackedLayout packed_layout(const PackedShape& shape) {
@@ -75,8 +105,20 @@ PackedLayout packed_layout(const PackedShape& shape) {
       layout.down_expert_bytes = dims.down_expert_bytes();
       break;
     }
+    case PackedFormat::kInt8:
+    case PackedFormat::kInt4:
+    case PackedFormat::kInt4Asym: {
+      check_group_size(shape);
+      const int_layout::Dims dims(shape);
+      layout.gate_up_expert_bytes = dims.gate_up.expert_bytes();
+      layout.down_expert_bytes = dims.down.expert_bytes();
+      break;
+    }
     default: packed_format_name(shape.format);  // throws for unknown ids
   }
+  if (shape.format == PackedFormat::kBf16 && shape.group_size != 0)
+    throw std::invalid_argument("format bf16 has no groups; group_size must be 0, got " +
+                                std::to_string(shape.group_size));
   layout.gate_up_offset = kPackedHeaderBytes;
   layout.down_offset = layout.gate_up_offset + shape.num_experts * layout.gate_up_expert_bytes;
   layout.total_bytes = layout.down_offset + shape.num_experts * layout.down_expert_bytes;

@@ -13,9 +13,16 @@
 
 namespace kt::cpu {
 
-enum class PackedFormat : uint32_t { kBf16 = 1 };
+// Weight formats (formats/bf16_layout.h, formats/int_layout.h, docs/formats.md).
+enum class PackedFormat : uint32_t {
+  kBf16 = 1,       // bf16
+  kInt8 = 2,       // int8, symmetric per output channel
+  kInt4 = 3,       // int4, symmetric per k-group
+  kInt4Asym = 4,   // int4 with a per-group minimum (zero point)
+};
 
-// "bf16" for kBf16; throws std::invalid_argument for unknown names / values.
+// Names: "bf16", "int8", "int4", "int4_asym". Throws std::invalid_argument for unknown
+// names / values.
 const char* packed_format_name(PackedFormat format);
 PackedFormat parse_packed_format(const std::string& name);
 
@@ -28,7 +35,7 @@ struct PackedShape {
   uint32_t num_experts = 0;
   uint32_t hidden_size = 0;
   uint32_t intermediate_size = 0;
-  uint32_t group_size = 0;  // 0 for formats without groups
+  uint32_t group_size = 0;  // int4 formats: 32, 64 or 128 (dividing H and I); else 0
   uint32_t numa_parts = 1;  // parts the intermediate dimension is split into (1: none)
 };
 
@@ -41,7 +48,8 @@ struct PackedLayout {
   uint64_t total_bytes = 0;
 };
 
-// Throws std::invalid_argument for impossible shapes (zero sizes, unknown format).
+// Throws std::invalid_argument for impossible shapes (zero sizes, unknown format, a
+// group size the format does not allow or that does not divide H and I).
 PackedLayout packed_layout(const PackedShape& shape);
 
 // Writes the 256-byte header of `layout` at `blob`.

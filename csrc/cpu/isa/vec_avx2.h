@@ -48,6 +48,19 @@ struct VecAvx2 {
                      _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
+  static Reg abs(Reg x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+  static float reduce_max(Reg x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+  }
+  // Rounds to nearest even and saturates to [-128, 127].
+  static void store_int8(int8_t* p, Reg v) {
+    const __m256i i32 = _mm256_cvtps_epi32(v);
+    const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(i16, i16));
+  }
+
   static Reg round_nearest(Reg x) {
     return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }

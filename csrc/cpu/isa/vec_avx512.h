@@ -49,6 +49,13 @@ struct VecAvx512 {
                         _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
+  static Reg abs(Reg x) { return _mm512_abs_ps(x); }
+  static float reduce_max(Reg x) { return _mm512_reduce_max_ps(x); }
+  // Rounds to nearest even and saturates to [-128, 127].
+  static void store_int8(int8_t* p, Reg v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+
   static Reg round_nearest(Reg x) {
     return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }

@@ -19,6 +19,21 @@ const FormatRow kRows[] = {
       {moe_forward_bf16_avx512, "bf16/avx512 (fp32 FMA on widened bf16)"},
       {moe_forward_bf16_avx512_bf16, "bf16/avx512_bf16 (vdpbf16ps)"},
       {moe_forward_bf16_amx, "bf16/amx (tdpbf16ps tiles; vdpbf16ps for decode and tails)"}}},
+    {PackedFormat::kInt8,
+     {{moe_forward_int8_avx2, "int8/avx2 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int8_avx512, "int8/avx512 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int8_avx512_bf16, "int8/avx512_bf16 (vpdpbusd)"},
+      {moe_forward_int8_amx, "int8/amx (vpdpbusd)"}}},
+    {PackedFormat::kInt4,
+     {{moe_forward_int4_avx2, "int4/avx2 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int4_avx512, "int4/avx512 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int4_avx512_bf16, "int4/avx512_bf16 (vpdpbusd)"},
+      {moe_forward_int4_amx, "int4/amx (vpdpbusd)"}}},
+    {PackedFormat::kInt4Asym,
+     {{moe_forward_int4_asym_avx2, "int4_asym/avx2 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int4_asym_avx512, "int4_asym/avx512 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int4_asym_avx512_bf16, "int4_asym/avx512_bf16 (vpdpbusd)"},
+      {moe_forward_int4_asym_amx, "int4_asym/amx (vpdpbusd)"}}},
 };
 
 }  // namespace

@@ -30,19 +30,16 @@
 #include "../isa/vec_math.h"
 #include "bf16/micro_gemm.h"
 #include "moe_args.h"
+#include "moe_driver_common.h"
 #include "moe_plan.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-constexpr int kTileBlocks = 4;         // output blocks (64 columns) per job
 constexpr int64_t kKBlockPairs = 128;  // GEMM k block: 4 blocks x 128 pairs = 32 KiB of weights
 constexpr int64_t kRowChunk = 96;      // rows per epilogue chunk (multiple of 32, 6 and 4)
 constexpr int64_t kPadRows = 32;       // readable rows past the last pair (AMX row tiles)
 constexpr int64_t kDecodePrefetch = 32;  // decode: prefetch weight lines 2 KiB ahead
-constexpr int64_t kRowsPerJob = 16;      // convert / combine rows per job
-
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <class Micro, int M, int NB = Micro::kMaxBlocks>
 void tile_blocks(int blocks, const TileArgs<typename Micro::Act>& t) {
@@ -114,77 +111,6 @@ void gemm_rows(const typename Micro::Act* a, int64_t lda, int64_t rows, const ui
     vector_gemm<Micro>(a, lda, rows, w, block_stride, 0, pairs, done.blocks, blocks, c, ldc, false);
 }
 
-template <class V>
-void store_act(uint16_t* p, typename V::Reg v) { V::store_bf16(p, v); }
-template <class V>
-void store_act(float* p, typename V::Reg v) { V::store(p, v); }
-
-// dst[0, cols) = src[0, n) converted, zero past n.
-template <class V, typename Act>
-void convert_row(const void* src, ElementType type, int64_t n, Act* dst, int64_t cols) {
-  constexpr int W = V::kWidth;
-  int64_t i = 0;
-  float tail[W];
-  for (; i + W <= n; i += W) {
-    typename V::Reg v;
-    switch (type) {
-      case ElementType::kF32: v = V::load(static_cast<const float*>(src) + i); break;
-      case ElementType::kBf16: v = V::load_bf16(static_cast<const uint16_t*>(src) + i); break;
-      default: v = V::load_f16(static_cast<const uint16_t*>(src) + i); break;
-    }
-    store_act<V>(dst + i, v);
-  }
-  if (i == cols) return;
-  for (int j = 0; j < W; ++j) {
-    const int64_t k = i + j;
-    float value = 0.0f;
-    if (k < n) {
-      switch (type) {
-        case ElementType::kF32: value = static_cast<const float*>(src)[k]; break;
-        case ElementType::kBf16: value = bf16_to_float(static_cast<const uint16_t*>(src)[k]); break;
-        default: value = f16_to_float(static_cast<const uint16_t*>(src)[k]); break;
-      }
-    }
-    tail[j] = value;
-  }
-  Act converted[W];
-  store_act<V>(converted, V::load(tail));
-  std::copy(converted, converted + std::min<int64_t>(W, cols - i), dst + i);
-  std::fill(dst + std::min(cols, i + W), dst + cols, Act{});
-}
-
-// out[0, n) = v (first n lanes), in the output element type.
-template <class V>
-void store_output(void* out, ElementType type, int64_t offset, int64_t n, typename V::Reg v) {
-  constexpr int W = V::kWidth;
-  if (n == W) {
-    switch (type) {
-      case ElementType::kF32: return V::store(static_cast<float*>(out) + offset, v);
-      case ElementType::kBf16: return V::store_bf16(static_cast<uint16_t*>(out) + offset, v);
-      default: return V::store_f16(static_cast<uint16_t*>(out) + offset, v);
-    }
-  }
-  float lanes[W];
-  uint16_t halves[W];
-  V::store(lanes, v);
-  switch (type) {
-    case ElementType::kF32:
-      std::copy(lanes, lanes + n, static_cast<float*>(out) + offset);
-      return;
-    case ElementType::kBf16: V::store_bf16(halves, v); break;
-    default: V::store_f16(halves, v); break;
-  }
-  std::copy(halves, halves + n, static_cast<uint16_t*>(out) + offset);
-}
-
-float weight_at(const void* weights, ElementType type, int64_t index) {
-  switch (type) {
-    case ElementType::kF32: return static_cast<const float*>(weights)[index];
-    case ElementType::kBf16: return bf16_to_float(static_cast<const uint16_t*>(weights)[index]);
-    default: return f16_to_float(static_cast<const uint16_t*>(weights)[index]);
-  }
-}
-
 // One packed weight matrix (gate_up or down) of every expert in the blob.
 struct PackedMatrix {
   const uint8_t* first_expert;
@@ -203,20 +129,6 @@ struct PackedMatrix {
     return static_cast<int>(std::min<int64_t>(kTileBlocks, blocks - first_block));
   }
 };
-
-struct ExpertTile {
-  int32_t expert;
-  int32_t first_block;
-};
-
-// (expert, first block) jobs covering `blocks` blocks of every active expert.
-void build_tiles(const std::vector<int32_t>& experts, int64_t blocks,
-                 std::vector<ExpertTile>& tiles) {
-  tiles.clear();
-  for (int32_t expert : experts)
-    for (int64_t b = 0; b < blocks; b += kTileBlocks)
-      tiles.push_back({expert, static_cast<int32_t>(b)});
-}
 
 template <class Micro>
 void moe_forward_bf16(const MoeArgs& args) {
@@ -304,19 +216,7 @@ void moe_forward_bf16(const MoeArgs& args) {
                      down_out + begin * out_cols + tile.first_block * 16, out_cols);
   });
 
-  engine.parallel_for(ceil_div(T, kRowsPerJob), [&](int64_t job) {
-    for (int64_t t = job * kRowsPerJob; t < std::min(T, (job + 1) * kRowsPerJob); ++t) {
-      for (int64_t h = 0; h < H; h += W) {
-        typename V::Reg acc = V::zero();
-        for (int64_t j = 0; j < K; ++j) {
-          const int32_t pair = plan.slot_pair[t * K + j];
-          if (pair >= 0)
-            acc = V::fma(V::set1(weights[t * K + j]), V::load(down_out + pair * out_cols + h), acc);
-        }
-        store_output<V>(args.output, args.hidden_type, t * H + h, std::min<int64_t>(W, H - h), acc);
-      }
-    }
-  });
+  combine_outputs<V>(args, plan, weights, nullptr, down_out, out_cols);
 }
 
 }  // namespace

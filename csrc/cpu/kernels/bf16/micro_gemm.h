@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../tile_coverage.h"
+
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
@@ -41,12 +43,6 @@ struct TileArgs {
 inline void maybe_prefetch(const uint16_t* block, int64_t p, int64_t ahead) {
   if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(block + (p + ahead) * 32), _MM_HINT_T0);
 }
-
-// What a whole-GEMM tile path (AMX) computed: k-pairs [0, pairs) of blocks [0, blocks).
-struct TileCoverage {
-  int64_t pairs;
-  int blocks;
-};
 
 // Accumulators of a tile whose blocks are one vector each (16-lane ISAs): start from c
 // (accumulate) or zero, and the final store.

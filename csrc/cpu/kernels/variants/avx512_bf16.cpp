@@ -13,10 +13,21 @@
 
 #include "../bf16/micro_avx512_bf16.h"
 #include "../moe_bf16_driver.h"
+#include "../moe_quant_driver.h"
+#include "../quant/int_ops_avx512_vnni.h"
 
 namespace kt::cpu {
 
 void moe_forward_bf16_avx512_bf16(const MoeArgs& args) { moe_forward_bf16<MicroBf16Avx512Bf16>(args); }
+void moe_forward_int8_avx512_bf16(const MoeArgs& args) {
+  moe_forward_quant<MicroQuant<IntOpsAvx512Vnni, QuantKind::kInt8>>(args);
+}
+void moe_forward_int4_avx512_bf16(const MoeArgs& args) {
+  moe_forward_quant<MicroQuant<IntOpsAvx512Vnni, QuantKind::kInt4>>(args);
+}
+void moe_forward_int4_asym_avx512_bf16(const MoeArgs& args) {
+  moe_forward_quant<MicroQuant<IntOpsAvx512Vnni, QuantKind::kInt4Asym>>(args);
+}
 
 }  // namespace kt::cpu
 

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -14,6 +15,7 @@
 #include "../../engine/engine.h"
 #include "../../engine/scratch.h"
 #include "../../formats/bf16_layout.h"
+#include "../../formats/int_layout.h"
 #include "../../isa/scalar_convert.h"
 #include "../moe_args.h"
 #include "../moe_plan.h"

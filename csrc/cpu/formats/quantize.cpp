@@ -1,0 +1,151 @@
+#include "quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace kt::cpu {
+namespace {
+
+// Candidate scales of the search, as fractions of the round-to-nearest scale.
+constexpr int kCandidates = 16;
+constexpr float kCandidateStep = 0.015f;  // 1.0, 0.985, ..., 0.775
+
+inline int round_int(float x) { return static_cast<int>(std::lrint(x)); }
+
+// Symmetric: q = clamp(round(w / scale), lo, hi); returns the squared error.
+float quantize_symmetric(const float* w, int64_t n, float scale, int lo, int hi, int* q) {
+  const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+  float error = 0.0f;
+  for (int64_t k = 0; k < n; ++k) {
+    q[k] = std::clamp(round_int(w[k] * inv), lo, hi);
+    const float d = w[k] - scale * static_cast<float>(q[k]);
+    error += d * d;
+  }
+  return error;
+}
+
+// Asymmetric: q = clamp(round((w - minimum) / scale), 0, 15); returns the squared error.
+float quantize_asymmetric(const float* w, int64_t n, float scale, float minimum, int* q) {
+  const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+  float error = 0.0f;
+  for (int64_t k = 0; k < n; ++k) {
+    q[k] = std::clamp(round_int((w[k] - minimum) * inv), 0, 15);
+    const float d = w[k] - (scale * static_cast<float>(q[k]) + minimum);
+    error += d * d;
+  }
+  return error;
+}
+
+// The scale minimising sum (w - scale * q)^2 for fixed q (least squares), or `fallback`.
+float refit_scale(const float* w, const int* q, int64_t n, float fallback) {
+  double wq = 0.0, qq = 0.0;
+  for (int64_t k = 0; k < n; ++k) {
+    wq += static_cast<double>(w[k]) * q[k];
+    qq += static_cast<double>(q[k]) * q[k];
+  }
+  return qq > 0.0 ? static_cast<float>(wq / qq) : fallback;
+}
+
+// Symmetric group/row: RTN scale from the extreme value, optionally searched.
+// `extreme_levels` maps the extreme value to a level: -8 for int4 (the sign-keeping
+// trick of GGML's Q4_0, which uses all 16 levels), 127 for int8 (by magnitude).
+float quantize_symmetric_block(const float* w, int64_t n, int lo, int hi, bool signed_extreme,
+                               bool search, int* q, int* best_q) {
+  float extreme = 0.0f;
+  for (int64_t k = 0; k < n; ++k)
+    if (std::fabs(w[k]) > std::fabs(extreme)) extreme = w[k];
+  if (extreme == 0.0f) {
+    std::fill(q, q + n, 0);
+    return 0.0f;
+  }
+  const float base = signed_extreme ? extreme / static_cast<float>(lo) : std::fabs(extreme) / hi;
+  float best_scale = base;
+  float best_error = quantize_symmetric(w, n, base, lo, hi, q);
+  if (!search) return best_scale;
+  std::copy(q, q + n, best_q);
+  for (int c = 0; c < kCandidates; ++c) {
+    float scale = base * (1.0f - kCandidateStep * c);
+    if (c > 0) quantize_symmetric(w, n, scale, lo, hi, q);
+    scale = refit_scale(w, q, n, scale);
+    const float error = quantize_symmetric(w, n, scale, lo, hi, q);
+    if (error < best_error) {
+      best_error = error;
+      best_scale = scale;
+      std::copy(q, q + n, best_q);
+    }
+  }
+  std::copy(best_q, best_q + n, q);
+  return best_scale;
+}
+
+// Asymmetric group: RTN over [min, max], optionally searched over narrowed ranges with a
+// least-squares refit of (scale, minimum) for each candidate's q.
+void quantize_asymmetric_block(const float* w, int64_t n, bool search, int* q, int* best_q,
+                               float* scale_out, float* minimum_out) {
+  const auto [lo_it, hi_it] = std::minmax_element(w, w + n);
+  const float lo = *lo_it, hi = *hi_it;
+  float best_scale = (hi - lo) / 15.0f, best_minimum = lo;
+  float best_error = quantize_asymmetric(w, n, best_scale, best_minimum, q);
+  if (search && hi > lo) {
+    std::copy(q, q + n, best_q);
+    for (int c = 0; c < kCandidates; ++c) {
+      const float shrink = kCandidateStep * c;  // narrow the range from both ends
+      const float c_lo = lo + 0.5f * shrink * (hi - lo), c_hi = hi - 0.5f * shrink * (hi - lo);
+      float scale = (c_hi - c_lo) / 15.0f, minimum = c_lo;
+      quantize_asymmetric(w, n, scale, minimum, q);
+      // Least squares for w ~ scale * q + minimum with q fixed.
+      double sq = 0, sqq = 0, sw = 0, swq = 0;
+      for (int64_t k = 0; k < n; ++k) {
+        sq += q[k];
+        sqq += static_cast<double>(q[k]) * q[k];
+        sw += w[k];
+        swq += static_cast<double>(w[k]) * q[k];
+      }
+      const double det = n * sqq - sq * sq;
+      if (det > 0) {
+        scale = static_cast<float>((n * swq - sq * sw) / det);
+        minimum = static_cast<float>((sw - scale * sq) / n);
+      }
+      const float error = quantize_asymmetric(w, n, scale, minimum, q);
+      if (error < best_error) {
+        best_error = error;
+        best_scale = scale;
+        best_minimum = minimum;
+        std::copy(q, q + n, best_q);
+      }
+    }
+    std::copy(best_q, best_q + n, q);
+  }
+  *scale_out = best_scale;
+  *minimum_out = best_minimum;
+}
+
+}  // namespace
+
+void quantize_int8_row(const float* w, int64_t n, const QuantOptions& options, int8_t* q,
+                       float* scale) {
+  thread_local std::vector<int> levels, best;
+  levels.resize(n);
+  best.resize(n);
+  *scale = quantize_symmetric_block(w, n, -127, 127, false, options.scale_search, levels.data(),
+                                    best.data());
+  for (int64_t k = 0; k < n; ++k) q[k] = static_cast<int8_t>(levels[k]);
+}
+
+void quantize_int4_row(const float* w, int64_t n, int64_t group, const QuantOptions& options,
+                       uint8_t* q, float* scales, float* minimums) {
+  int levels[128], best[128];
+  for (int64_t g = 0; g * group < n; ++g) {
+    const float* wg = w + g * group;
+    if (minimums == nullptr) {
+      scales[g] = quantize_symmetric_block(wg, group, -8, 7, true, options.scale_search, levels, best);
+      for (int64_t k = 0; k < group; ++k) q[g * group + k] = static_cast<uint8_t>(levels[k] + 8);
+    } else {
+      quantize_asymmetric_block(wg, group, options.scale_search, levels, best, &scales[g], &minimums[g]);
+      for (int64_t k = 0; k < group; ++k) q[g * group + k] = static_cast<uint8_t>(levels[k]);
+    }
+  }
+}
+
+}  // namespace kt::cpu

@@ -1,0 +1,41 @@
+// [NOTE] Dynamic activation quantization for the INT8 / INT4 kernels: a row of fp32
+// activations -> int8 in [-127, 127] with one fp32 scale (symmetric, scale = max|x| / 127)
+// and the int32 sum of each 32 consecutive levels (the kernels' offset corrections).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "../../formats/int_layout.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+// x[0, n) -> q[0, cols) (zero past n), sums[0, cols / 32); returns the scale
+// (x ~ scale * q). cols is a multiple of 32.
+template <class V>
+float quantize_activation_row(const float* x, int64_t n, int64_t cols, int8_t* q, int32_t* sums) {
+  constexpr int W = V::kWidth;
+  const int64_t body = n / W * W;
+  typename V::Reg top = V::zero();
+  for (int64_t i = 0; i < body; i += W) top = V::max(top, V::abs(V::load(x + i)));
+  float amax = V::reduce_max(top);
+  for (int64_t i = body; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const typename V::Reg vinv = V::set1(inv);
+  for (int64_t i = 0; i < body; i += W) V::store_int8(q + i, V::mul(V::load(x + i), vinv));
+  for (int64_t i = body; i < n; ++i)
+    q[i] = static_cast<int8_t>(std::clamp(static_cast<int>(std::lrint(x[i] * inv)), -127, 127));
+  std::fill(q + n, q + cols, int8_t{0});
+  for (int64_t s = 0; s < cols / int_layout::kKAlign; ++s) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < int_layout::kKAlign; ++i) sum += q[s * int_layout::kKAlign + i];
+    sums[s] = sum;
+  }
+  return scale;
+}
+
+}  // namespace
+}  // namespace kt::cpu

@@ -1,0 +1,44 @@
+// [NOTE] Integer operations for MicroQuant (micro_quant.h) on AVX2: vpmaddubsw (u8 x s8
+// -> pairs of int16) then vpmaddwd by ones (-> int32), two 32-byte registers per
+// 64-byte line (outputs 0-7, 8-15). int8 weights are multiplied as |w| x sign(a, w)
+// (vpsignb), so no int16 pair sum saturates and the dot carries no offset.
+#pragma once
+
+#include <immintrin.h>
+
+#include "../../isa/vec_avx2.h"
+#include "micro_quant.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+struct IntOpsAvx2 {
+  using Vec = VecAvx2;
+  using IReg = __m256i;
+  static constexpr int kRegsPerLine = 2;
+  static constexpr int kMaxRows = 2;
+  static constexpr int kMaxBlocks = 1;
+  static constexpr int32_t kInt8Bias = 0;
+
+  static IReg zero() { return _mm256_setzero_si256(); }
+  static IReg load(const uint8_t* line, int r) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * r));
+  }
+  static IReg broadcast4(const int8_t* a) { return _mm256_set1_epi32(load_i32(a)); }
+  static IReg low_nibbles(IReg v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+  static IReg high_nibbles(IReg v) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+  }
+  static IReg dot(IReg acc, IReg w, IReg a) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+  }
+  static IReg dot_int8(IReg acc, IReg w, IReg a) {
+    const IReg s = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // q
+    return dot(acc, _mm256_abs_epi8(s), _mm256_sign_epi8(a, s));
+  }
+  static IReg sub(IReg v, int32_t s) { return _mm256_sub_epi32(v, _mm256_set1_epi32(s)); }
+  static Vec::Reg to_float(IReg v) { return _mm256_cvtepi32_ps(v); }
+};
+
+}  // namespace
+}  // namespace kt::cpu

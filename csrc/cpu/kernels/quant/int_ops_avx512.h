@@ -1,0 +1,46 @@
+// [NOTE] Integer operations for MicroQuant (micro_quant.h) on AVX-512 without VNNI
+// (Skylake-SP class): vpmaddubsw (u8 x s8 -> pairs of int16) then vpmaddwd by ones
+// (-> int32). int4 levels are < 16, so the int16 pair sums cannot saturate. int8
+// weights (offset binary) are made signed and multiplied as |w| x sign(a, w) (the
+// products keep their value and a pair sum stays <= 2 * 128 * 127 < 2^15); that dot
+// carries no offset (kInt8Bias = 0).
+#pragma once
+
+#include <immintrin.h>
+
+#include "../../isa/vec_avx512.h"
+#include "micro_quant.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+struct IntOpsAvx512 {
+  using Vec = VecAvx512;
+  using IReg = __m512i;
+  static constexpr int kRegsPerLine = 1;
+  static constexpr int kMaxRows = 4;
+  static constexpr int kMaxBlocks = 2;
+  static constexpr int32_t kInt8Bias = 0;
+
+  static IReg zero() { return _mm512_setzero_si512(); }
+  static IReg load(const uint8_t* line, int) { return _mm512_loadu_si512(line); }
+  static IReg broadcast4(const int8_t* a) { return _mm512_set1_epi32(load_i32(a)); }
+  static IReg low_nibbles(IReg v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+  static IReg high_nibbles(IReg v) {
+    return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+  }
+  static IReg dot(IReg acc, IReg w, IReg a) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
+  }
+  static IReg dot_int8(IReg acc, IReg w, IReg a) {
+    const IReg s = _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));  // q
+    const __mmask64 negative = _mm512_movepi8_mask(s);
+    const IReg signed_a = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
+    return dot(acc, _mm512_abs_epi8(s), signed_a);
+  }
+  static IReg sub(IReg v, int32_t s) { return _mm512_sub_epi32(v, _mm512_set1_epi32(s)); }
+  static Vec::Reg to_float(IReg v) { return _mm512_cvtepi32_ps(v); }
+};
+
+}  // namespace
+}  // namespace kt::cpu

@@ -1,0 +1,164 @@
+// [NOTE] The INT8 / INT4 micro-GEMM, written once over a small set of integer vector
+// operations each ISA provides (int_ops_avx512_vnni.h, int_ops_avx512.h, int_ops_avx2.h):
+//
+//   struct IntOps {
+//     using Vec = ...;  using IReg = ...;       // fp32 vector ops, integer register
+//     static constexpr int kRegsPerLine;        // registers per 64-byte line (1 or 2)
+//     static constexpr int kMaxRows, kMaxBlocks;
+//     static constexpr int kInt8Bias;           // what dot_int8 adds: 128 * sum(a) or 0
+//     IReg load(const uint8_t* line, int r);    // register r of a 64-byte line
+//     IReg broadcast4(const int8_t* a);         // 4 activation bytes in every 32-bit lane
+//     IReg low_nibbles(IReg), high_nibbles(IReg);
+//     IReg dot(IReg acc, IReg w_u8, IReg a_s8);       // acc + sum of 4 products, w < 16
+//     IReg dot_int8(IReg acc, IReg w_u8, IReg a_s8);  // acc + sum (w - 128) a + kInt8Bias sum a
+//     IReg sub(IReg, int32_t); Vec::Reg to_float(IReg); IReg zero();
+//   };
+//
+// Activations are int8 rows a (per-token symmetric, scale applied by the driver) with
+// their sums per 32 k (a_sums). tile<M, NB> computes for rows m < M, blocks b < NB:
+//   c[m][16 b + n] (+)= sum_g scale[g][n] * (sum_{k in g} q(n, k) a[m][k] - z sum_{k in g} a[m][k])
+//                       (+ minimum[g][n] * sum_{k in g} a[m][k])
+// with int32 sums per group flushed to fp32 (int_layout.h has q, z, scale, minimum).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "../../formats/int_layout.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+enum class QuantKind { kInt8, kInt4, kInt4Asym };
+
+struct QuantTileArgs {
+  const int8_t* const* a;        // [M] activation row pointers at the tile's first k
+  const int32_t* const* a_sums;  // [M] pointers to the rows' sums per 32 k, same first k
+  const uint8_t* w;              // block 0's first line in this k range
+  const float* scales;           // block 0's scale row of the range's first group
+  const float* minimums;         // same for int4_asym (nullptr otherwise)
+  int64_t block_stride;          // bytes between consecutive blocks (lines and scales)
+  int64_t k;                     // k to accumulate: a multiple of group
+  int64_t group;                 // k per scale row (int8: == k, one row)
+  float* c;                      // [M][ldc] fp32 output tile, NB * 16 columns used
+  int64_t ldc;
+  bool accumulate;               // add to c instead of overwriting it
+  int64_t prefetch;              // lines ahead to prefetch (0: none; decode streams DRAM)
+};
+
+inline int32_t load_i32(const void* p) {
+  int32_t value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
+}
+
+template <class Ops, QuantKind Kind>
+struct MicroQuant {
+  using Vec = typename Ops::Vec;
+  using IReg = typename Ops::IReg;
+  using FReg = typename Vec::Reg;
+  static constexpr int kMaxRows = Ops::kMaxRows;
+  static constexpr int kMaxBlocks = Ops::kMaxBlocks;
+  static constexpr int R = Ops::kRegsPerLine;
+  static constexpr int W = Vec::kWidth;  // 16 / R
+  static constexpr bool kInt4 = Kind != QuantKind::kInt8;
+  static constexpr int kKPerLine = kInt4 ? 8 : 4;
+  // What the integer sums carry per unit of sum(a): 128 (int8 offset binary, when the
+  // dot keeps it), 8 (symmetric int4), 0 (asymmetric int4: handled by the minimum).
+  static constexpr int32_t kBias = Kind == QuantKind::kInt8   ? Ops::kInt8Bias
+                                   : Kind == QuantKind::kInt4 ? int_layout::kInt4Zero
+                                                              : 0;
+
+  template <int M, int NB>
+  static void tile(const QuantTileArgs& t) {
+    FReg acc[M][NB][R];
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < NB; ++b)
+        for (int r = 0; r < R; ++r) acc[m][b][r] = Vec::zero();
+    const int64_t groups = t.k / t.group;
+    const int64_t lines_per_group = t.group / kKPerLine;
+    for (int64_t g = 0; g < groups; ++g) {
+      IReg sums[M][NB][R];
+      for (int m = 0; m < M; ++m)
+        for (int b = 0; b < NB; ++b)
+          for (int r = 0; r < R; ++r) sums[m][b][r] = Ops::zero();
+      const int64_t first_line = g * lines_per_group;
+      for (int64_t l = first_line; l < first_line + lines_per_group; ++l) {
+        const int64_t k = l * kKPerLine;
+        if constexpr (kInt4) {
+          IReg lo[NB][R], hi[NB][R];
+          for (int b = 0; b < NB; ++b) {
+            const uint8_t* line = t.w + b * t.block_stride + l * 64;
+            if (t.prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(line + t.prefetch * 64), _MM_HINT_T0);
+            for (int r = 0; r < R; ++r) {
+              const IReg v = Ops::load(line, r);
+              lo[b][r] = Ops::low_nibbles(v);
+              hi[b][r] = Ops::high_nibbles(v);
+            }
+          }
+          for (int m = 0; m < M; ++m) {
+            const IReg a0 = Ops::broadcast4(t.a[m] + k), a1 = Ops::broadcast4(t.a[m] + k + 4);
+            for (int b = 0; b < NB; ++b)
+              for (int r = 0; r < R; ++r) {
+                sums[m][b][r] = Ops::dot(sums[m][b][r], lo[b][r], a0);
+                sums[m][b][r] = Ops::dot(sums[m][b][r], hi[b][r], a1);
+              }
+          }
+        } else {
+          IReg w[NB][R];
+          for (int b = 0; b < NB; ++b) {
+            const uint8_t* line = t.w + b * t.block_stride + l * 64;
+            if (t.prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(line + t.prefetch * 64), _MM_HINT_T0);
+            for (int r = 0; r < R; ++r) w[b][r] = Ops::load(line, r);
+          }
+          for (int m = 0; m < M; ++m) {
+            const IReg a = Ops::broadcast4(t.a[m] + k);
+            for (int b = 0; b < NB; ++b)
+              for (int r = 0; r < R; ++r) sums[m][b][r] = Ops::dot_int8(sums[m][b][r], w[b][r], a);
+          }
+        }
+      }
+      flush_group<M, NB>(t, g, sums, acc);
+    }
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < NB; ++b)
+        for (int r = 0; r < R; ++r) {
+          float* c = t.c + m * t.ldc + b * 16 + r * W;
+          Vec::store(c, t.accumulate ? Vec::add(Vec::load(c), acc[m][b][r]) : acc[m][b][r]);
+        }
+  }
+
+ private:
+  // acc += the group's int32 sums, unbiased and scaled to fp32.
+  template <int M, int NB>
+  static void flush_group(const QuantTileArgs& t, int64_t g, IReg (&sums)[M][NB][R],
+                          FReg (&acc)[M][NB][R]) {
+    const int64_t first_sum = g * t.group / int_layout::kKAlign;
+    const int64_t n_sums = t.group / int_layout::kKAlign;
+    for (int m = 0; m < M; ++m) {
+      int32_t a_sum = 0;
+      for (int64_t s = 0; s < n_sums; ++s) a_sum += t.a_sums[m][first_sum + s];
+      for (int b = 0; b < NB; ++b) {
+        const auto* block = reinterpret_cast<const uint8_t*>(t.scales) + b * t.block_stride;
+        const float* scale = reinterpret_cast<const float*>(block) + (Kind == QuantKind::kInt8 ? 0 : g * 16);
+        for (int r = 0; r < R; ++r) {
+          const FReg s = Vec::load(scale + r * W);
+          if constexpr (Kind == QuantKind::kInt4Asym) {
+            const float* minimum = reinterpret_cast<const float*>(
+                reinterpret_cast<const uint8_t*>(t.minimums) + b * t.block_stride) + g * 16;
+            acc[m][b][r] = Vec::fma(Vec::set1(static_cast<float>(a_sum)), Vec::load(minimum + r * W),
+                                    acc[m][b][r]);
+            acc[m][b][r] = Vec::fma(Ops::to_float(sums[m][b][r]), s, acc[m][b][r]);
+          } else {
+            acc[m][b][r] = Vec::fma(Ops::to_float(Ops::sub(sums[m][b][r], kBias * a_sum)), s, acc[m][b][r]);
+          }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace
+}  // namespace kt::cpu
