@@ -16,6 +16,7 @@ def moe_forward(
     gate_proj: torch.Tensor,
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    quantize_activations: bool = False,
 ) -> torch.Tensor:
     """Reference MoE forward in fp32.
 
@@ -25,20 +26,35 @@ def moe_forward(
         topk_weights: ``[T, K]`` any float dtype.
         gate_proj, up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]`` (unpacked weights,
             e.g. dequantized ones for a quantized format).
+        quantize_activations: also round each token's input row and each (token, slot)
+            intermediate row to int8 as the INT8/INT4 kernels do
+            (:func:`fake_quantize_activations`), isolating their arithmetic error.
 
     Returns:
         ``[T, H]`` float32: ``sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``.
     """
     x = hidden_states.float()
+    if quantize_activations:
+        x = fake_quantize_activations(x)
     weights = topk_weights.float()
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
         tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
         h = x[tokens]
         inter = F.silu(h @ gate_proj[expert].float().T) * (h @ up_proj[expert].float().T)
+        if quantize_activations:
+            inter = fake_quantize_activations(inter)
         y = inter @ down_proj[expert].float().T
         out.index_add_(0, tokens, y * weights[tokens, slots, None])
     return out
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """Per-row symmetric int8 of ``x [..., K]`` (fp32), dequantized: the kernels'
+    dynamic activation quantization (``scale = max|x| / 127``, round to nearest even)."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.clamp(torch.round(x * inv), -127, 127) * (amax / 127.0)
 
 
 def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> torch.Tensor:
@@ -48,7 +64,7 @@ def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> t
 
     ``int8``: symmetric per row (``scale = max|w| / 127``, levels ``[-127, 127]``).
     ``int4``: symmetric per group of ``group_size`` (``scale = extreme / -8`` with the
-    signed extreme value, levels ``[-8, 7]``). ``int4_asym``: per group
+    signed extreme value, the positive one on ties; levels ``[-8, 7]``). ``int4_asym``: per group
     ``scale = (max - min) / 15``, ``w ~ scale * q + min``, levels ``[0, 15]``.
     """
     w = weight.float()
@@ -59,8 +75,8 @@ def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> t
     shape = w.shape
     g = w.reshape(*shape[:-1], shape[-1] // group_size, group_size)
     if format == "int4":
-        index = g.abs().argmax(dim=-1, keepdim=True)
-        scale = torch.gather(g, -1, index) / -8.0
+        hi, lo = g.amax(dim=-1, keepdim=True), g.amin(dim=-1, keepdim=True)
+        scale = torch.where(hi >= -lo, hi, lo) / -8.0  # the extreme value -> level -8
         inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
         q = torch.clamp(torch.round(g * inv), -8, 7)
         return (q * scale).reshape(shape)

@@ -13,6 +13,44 @@ constexpr float kCandidateStep = 0.015f;  // 1.0, 0.985, ..., 0.775
 
 inline int round_int(float x) { return static_cast<int>(std::lrint(x)); }
 
+// Round-to-nearest fast path, written so the compiler vectorizes it for the baseline
+// ISA (SSE2): lane-wise max/min reductions and magic-number rounding (ties to even).
+constexpr int kLanes = 8;
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
+
+struct Range {
+  float lo, hi;
+};
+
+Range value_range(const float* w, int64_t n) {
+  if (n == 0) return {0.0f, 0.0f};
+  float lo[kLanes], hi[kLanes];
+  for (int j = 0; j < kLanes; ++j) lo[j] = hi[j] = w[0];
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      lo[j] = w[k + j] < lo[j] ? w[k + j] : lo[j];
+      hi[j] = w[k + j] > hi[j] ? w[k + j] : hi[j];
+    }
+  Range r{lo[0], hi[0]};
+  for (int j = 1; j < kLanes; ++j) r = {std::min(r.lo, lo[j]), std::max(r.hi, hi[j])};
+  for (; k < n; ++k) r = {std::min(r.lo, w[k]), std::max(r.hi, w[k])};
+  return r;
+}
+
+// q[k] = clamp(round((w[k] - shift) * inv), lo, hi) + offset as bytes (two's complement
+// for negative levels). The clamped value is below 2^22 in magnitude, where the magic
+// rounding is exact.
+void round_levels(const float* w, int64_t n, float shift, float inv, float lo, float hi, int offset,
+                  uint8_t* q) {
+  for (int64_t k = 0; k < n; ++k) {
+    float x = (w[k] - shift) * inv;
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    q[k] = static_cast<uint8_t>(static_cast<int>((x + kRoundMagic) - kRoundMagic) + offset);
+  }
+}
+
 // Symmetric: q = clamp(round(w / scale), lo, hi); returns the squared error.
 float quantize_symmetric(const float* w, int64_t n, float scale, int lo, int hi, int* q) {
   const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
@@ -125,6 +163,14 @@ void quantize_asymmetric_block(const float* w, int64_t n, bool search, int* q, i
 
 void quantize_int8_row(const float* w, int64_t n, const QuantOptions& options, int8_t* q,
                        float* scale) {
+  if (!options.scale_search) {
+    const Range r = value_range(w, n);
+    const float amax = std::max(-r.lo, r.hi);
+    *scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 1.0f / *scale : 0.0f;
+    round_levels(w, n, 0.0f, inv, -127.0f, 127.0f, 0, reinterpret_cast<uint8_t*>(q));
+    return;
+  }
   thread_local std::vector<int> levels, best;
   levels.resize(n);
   best.resize(n);
@@ -138,6 +184,21 @@ void quantize_int4_row(const float* w, int64_t n, int64_t group, const QuantOpti
   int levels[128], best[128];
   for (int64_t g = 0; g * group < n; ++g) {
     const float* wg = w + g * group;
+    if (!options.scale_search) {
+      const Range r = value_range(wg, group);
+      if (minimums == nullptr) {  // the extreme value becomes level -8 (positive on ties)
+        const float extreme = r.hi >= -r.lo ? r.hi : r.lo;
+        scales[g] = extreme / -8.0f;
+        const float inv = extreme != 0.0f ? 1.0f / scales[g] : 0.0f;
+        round_levels(wg, group, 0.0f, inv, -8.0f, 7.0f, 8, q + g * group);
+      } else {
+        scales[g] = (r.hi - r.lo) / 15.0f;
+        minimums[g] = r.lo;
+        const float inv = scales[g] != 0.0f ? 1.0f / scales[g] : 0.0f;
+        round_levels(wg, group, r.lo, inv, 0.0f, 15.0f, 0, q + g * group);
+      }
+      continue;
+    }
     if (minimums == nullptr) {
       scales[g] = quantize_symmetric_block(wg, group, -8, 7, true, options.scale_search, levels, best);
       for (int64_t k = 0; k < group; ++k) q[g * group + k] = static_cast<uint8_t>(levels[k] + 8);
