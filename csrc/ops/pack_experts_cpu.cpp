@@ -3,6 +3,7 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include "../cpu/engine/huge_pages.h"
 #include "../cpu/formats/pack_bf16.h"
 #include "../cpu/formats/pack_int.h"
 #include "../cpu/formats/packed_header.h"
@@ -51,6 +52,7 @@ at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_pr
   const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
   at::Tensor packed = at::empty({static_cast<int64_t>(layout.total_bytes)},
                                 gate_proj.options().dtype(at::kByte));
+  cpu::advise_huge_pages(packed.data_ptr(), static_cast<size_t>(packed.numel()));  // before first touch
   if (packed_format != cpu::PackedFormat::kBf16) {
     // Quantized formats read the source dtype directly (no full-size fp32 copy).
     const at::ScalarType type = gate_proj.scalar_type();

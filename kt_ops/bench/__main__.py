@@ -1,4 +1,4 @@
-"""python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16] [--tokens 1 8 64 512]
+"""python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16 AMXINT8 AMXINT4] [--tokens 1 8 64 512]
 [--layers N] [--threads N] [--json PATH]
 
 Prints, per row: microseconds per MoE layer forward (median; the caches are evicted
@@ -20,14 +20,14 @@ import torch
 
 import kt_ops
 from kt_ops.bench.limits import CacheFlusher, bf16_gemm_gflops, last_level_cache_bytes, read_bandwidth_gbs
-from kt_ops.bench.runner import BYTES_PER_WEIGHT, SHAPES, Row, make_layers, measure_row
+from kt_ops.bench.runner import METHODS, SHAPES, Row, make_layers, measure_row
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kt_ops.bench", description=__doc__.split("\n\n")[1])
     parser.add_argument("--quick", action="store_true", help="S1 only, tokens 1 and 64, 2 layers (< 1 min)")
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None)
-    parser.add_argument("--method", nargs="+", choices=sorted(BYTES_PER_WEIGHT), default=["BF16"])
+    parser.add_argument("--method", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 2 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="engine threads (default: physical cores)")
@@ -53,13 +53,13 @@ def progress(message: str) -> None:
 
 def format_table(rows: list[Row]) -> str:
     header = (
-        f"{'shape':5} {'method':6} {'tokens':>6} {'us/layer':>10} {'torch us':>10} {'speedup':>8} "
+        f"{'shape':5} {'method':7} {'tokens':>6} {'us/layer':>10} {'torch us':>10} {'speedup':>8} "
         f"{'GB/s':>7} {'GFLOP/s':>8} {'bound':>9} {'of limit':>8} {'read GB/s':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.shape:5} {r.method:6} {r.tokens:>6} {r.us:>10.0f} {r.torch_us:>10.0f} {r.speedup:>7.2f}x "
+            f"{r.shape:5} {r.method:7} {r.tokens:>6} {r.us:>10.0f} {r.torch_us:>10.0f} {r.speedup:>7.2f}x "
             f"{r.weight_gbs:>7.1f} {r.gflops:>8.1f} {r.limit:>9} {100 * r.limit_fraction:>7.0f}% {r.read_gbs:>9.1f}"
         )
     return "\n".join(lines)

@@ -32,7 +32,14 @@ SHAPES: dict[str, Shape] = {
     "S2": Shape("S2", 64, 6, 2048, 1408, "DeepSeek-V2-Lite"),
 }
 
-BYTES_PER_WEIGHT: dict[str, float] = {"BF16": 2.0}
+# Methods the benchmark runs (kt-kernel names); INT4 uses the default k-group (128).
+METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4")
+
+
+def bytes_per_weight(layer_packed: PackedExperts, shape: Shape) -> float:
+    """Packed bytes per weight, scales included (2 for BF16, ~1.0 INT8, ~0.53 INT4)."""
+    weights = shape.num_experts * 3 * shape.hidden * shape.intermediate
+    return (layer_packed.nbytes - 256) / weights
 
 
 @dataclass
@@ -62,7 +69,8 @@ class Layer:
 
 
 def make_layers(shape: Shape, method: str, count: int) -> list[Layer]:
-    """``count`` distinct layers with random bf16 weights (std 0.02), packed."""
+    """``count`` distinct layers with random bf16 weights (std 0.02), packed (and
+    quantized) with ``method``; the plain-PyTorch baseline uses the bf16 weights."""
     layers = []
     for _ in range(count):
         gate = torch.randn(shape.num_experts, shape.intermediate, shape.hidden, dtype=torch.bfloat16) * 0.02
@@ -127,7 +135,7 @@ def measure_row(
     torch_seconds = time_calls(plain, max(3, repeats // 4), min_seconds / 2, flush)
 
     activated = statistics.mean(len(torch.unique(ids)) for _, ids, _, _ in inputs)
-    weight_bytes = activated * shape.expert_bytes(BYTES_PER_WEIGHT[method])
+    weight_bytes = activated * shape.expert_bytes(bytes_per_weight(layers[0].packed, shape))
     flops = 2.0 * 3 * tokens * shape.top_k * shape.hidden * shape.intermediate
     bandwidth_time = weight_bytes / (read_gbs * 1e9)
     compute_time = flops / (gemm_gflops * 1e9)

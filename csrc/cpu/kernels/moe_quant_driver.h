@@ -145,12 +145,18 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
       sums_at[m] = a.sums + m * a.sums_stride;
     }
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
-    for (int b0 = 0; b0 < blocks; b0 += Micro::kMaxBlocks) {
+    // One token streams all of the job's blocks at once (more streams in flight: 1-token
+    // S1 int4 from 17.9 to 19.7 GB/s, int8 23.6 to 25.2); more rows need the registers for their sums.
+    const int max_blocks = rows == 1 ? kTileBlocks : Micro::kMaxBlocks;
+    for (int b0 = 0; b0 < blocks; b0 += max_blocks) {
       QuantTileArgs t = quant_args<Micro>(dims, w + b0 * block_bytes, 0, K, c + b0 * 16, ldc, false,
                                           kQuantPrefetchLines);
       t.a = row_at;
       t.a_sums = sums_at;
-      quant_tile_any<Micro>(static_cast<int>(rows), std::min(Micro::kMaxBlocks, blocks - b0), t);
+      if (rows == 1)
+        quant_tile_blocks<Micro, 1, kTileBlocks>(std::min(max_blocks, blocks - b0), t);
+      else
+        quant_tile_any<Micro>(static_cast<int>(rows), std::min(max_blocks, blocks - b0), t);
     }
     return;
   }

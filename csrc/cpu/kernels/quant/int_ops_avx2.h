@@ -36,6 +36,7 @@ struct IntOpsAvx2 {
     const IReg s = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // q
     return dot(acc, _mm256_abs_epi8(s), _mm256_sign_epi8(a, s));
   }
+  static IReg add(IReg a, IReg b) { return _mm256_add_epi32(a, b); }
   static IReg sub(IReg v, int32_t s) { return _mm256_sub_epi32(v, _mm256_set1_epi32(s)); }
   static Vec::Reg to_float(IReg v) { return _mm256_cvtepi32_ps(v); }
 };

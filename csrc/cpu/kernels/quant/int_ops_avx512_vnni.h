@@ -30,6 +30,7 @@ struct IntOpsAvx512Vnni {
   }
   static IReg dot(IReg acc, IReg w, IReg a) { return _mm512_dpbusd_epi32(acc, w, a); }
   static IReg dot_int8(IReg acc, IReg w, IReg a) { return _mm512_dpbusd_epi32(acc, w, a); }
+  static IReg add(IReg a, IReg b) { return _mm512_add_epi32(a, b); }
   static IReg sub(IReg v, int32_t s) { return _mm512_sub_epi32(v, _mm512_set1_epi32(s)); }
   static Vec::Reg to_float(IReg v) { return _mm512_cvtepi32_ps(v); }
 };

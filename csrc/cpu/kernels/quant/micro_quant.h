@@ -11,7 +11,7 @@
 //     IReg low_nibbles(IReg), high_nibbles(IReg);
 //     IReg dot(IReg acc, IReg w_u8, IReg a_s8);       // acc + sum of 4 products, w < 16
 //     IReg dot_int8(IReg acc, IReg w_u8, IReg a_s8);  // acc + sum (w - 128) a + kInt8Bias sum a
-//     IReg sub(IReg, int32_t); Vec::Reg to_float(IReg); IReg zero();
+//     IReg add(IReg, IReg), sub(IReg, int32_t); Vec::Reg to_float(IReg); IReg zero();
 //   };
 //
 // Activations are int8 rows a (per-token symmetric, scale applied by the driver) with
@@ -80,10 +80,14 @@ struct MicroQuant {
     const int64_t groups = t.k / t.group;
     const int64_t lines_per_group = t.group / kKPerLine;
     for (int64_t g = 0; g < groups; ++g) {
-      IReg sums[M][NB][R];
+      // Decode (one or two rows) would chain every dot of a block on one register's
+      // latency; int4 then keeps the high nibbles' sums apart (no measurable change on
+      // this memory-bound machine; it costs nothing).
+      constexpr bool kSplit = kInt4 && M <= 2;
+      IReg sums[M][NB][R], high_sums[M][NB][R];
       for (int m = 0; m < M; ++m)
         for (int b = 0; b < NB; ++b)
-          for (int r = 0; r < R; ++r) sums[m][b][r] = Ops::zero();
+          for (int r = 0; r < R; ++r) sums[m][b][r] = high_sums[m][b][r] = Ops::zero();
       const int64_t first_line = g * lines_per_group;
       for (int64_t l = first_line; l < first_line + lines_per_group; ++l) {
         const int64_t k = l * kKPerLine;
@@ -103,7 +107,10 @@ struct MicroQuant {
             for (int b = 0; b < NB; ++b)
               for (int r = 0; r < R; ++r) {
                 sums[m][b][r] = Ops::dot(sums[m][b][r], lo[b][r], a0);
-                sums[m][b][r] = Ops::dot(sums[m][b][r], hi[b][r], a1);
+                if constexpr (kSplit)  // two dependency chains where few rows give few
+                  high_sums[m][b][r] = Ops::dot(high_sums[m][b][r], hi[b][r], a1);
+                else
+                  sums[m][b][r] = Ops::dot(sums[m][b][r], hi[b][r], a1);
               }
           }
         } else {
@@ -120,6 +127,10 @@ struct MicroQuant {
           }
         }
       }
+      if constexpr (kSplit)
+        for (int m = 0; m < M; ++m)
+          for (int b = 0; b < NB; ++b)
+            for (int r = 0; r < R; ++r) sums[m][b][r] = Ops::add(sums[m][b][r], high_sums[m][b][r]);
       flush_group<M, NB>(t, g, sums, acc);
     }
     for (int m = 0; m < M; ++m)
