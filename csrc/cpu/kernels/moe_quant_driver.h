@@ -53,14 +53,6 @@ struct QuantMatrix {
   }
 };
 
-// Activation rows for a GEMM: int8 levels and their sums per 32 k.
-struct QuantRows {
-  const int8_t* levels;
-  int64_t stride;  // bytes between rows
-  const int32_t* sums;
-  int64_t sums_stride;  // int32 between rows
-};
-
 template <class Micro, int M, int NB = Micro::kMaxBlocks>
 void quant_tile_blocks(int blocks, const QuantTileArgs& t) {
   if constexpr (NB >= 1) {

@@ -27,6 +27,14 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC 12 does not treat ldtilecfg as reading its operand and dropped the stores of a
+// config filled in a loop (all-zero rows: tilezero then faults with SIGILL). The empty
+// asm with a memory clobber makes the stores visible before the load.
+inline void load_tile_config(const AmxTileConfig& config) {
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
 struct MicroBf16Amx : MicroBf16Avx512Bf16 {
   static constexpr int64_t kTilePairs = 16;  // k-pairs per A/B tile (64 bytes per row)
 
@@ -60,7 +68,7 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
       config.rows[t] = 16;
       config.bytes_per_row[t] = 64;
     }
-    _tile_loadconfig(&config);
+    load_tile_config(config);
   }
 
   // The B tiles kPrefetchTiles k-steps ahead: weights stream from DRAM once per

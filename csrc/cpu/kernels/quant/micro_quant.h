@@ -48,6 +48,14 @@ struct QuantTileArgs {
   int64_t prefetch;              // lines ahead to prefetch (0: none; decode streams DRAM)
 };
 
+// Activation rows for a GEMM: int8 levels and their sums per 32 k.
+struct QuantRows {
+  const int8_t* levels;
+  int64_t stride;  // bytes between rows
+  const int32_t* sums;
+  int64_t sums_stride;  // int32 between rows
+};
+
 inline int32_t load_i32(const void* p) {
   int32_t value;
   std::memcpy(&value, p, sizeof(value));
