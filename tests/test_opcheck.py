@@ -32,10 +32,20 @@ def test_opcheck_moe_forward(index: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_opcheck_pack_experts(dtype: torch.dtype) -> None:
-    experts = make_experts(3, 40, 24)
-    args = (experts.gate.to(dtype), experts.up.to(dtype), experts.down.to(dtype), "bf16")
+@pytest.mark.parametrize("fmt,group,search", [("bf16", 0, False), ("int8", 0, True), ("int4", 32, False), ("int4_asym", 64, True)])
+def test_opcheck_pack_experts(dtype: torch.dtype, fmt: str, group: int, search: bool) -> None:
+    experts = make_experts(3, 128, 64)
+    args = (experts.gate.to(dtype), experts.up.to(dtype), experts.down.to(dtype), fmt, group, search)
     torch.library.opcheck(torch.ops.kt.pack_experts.default, args)
+
+
+@pytest.mark.parametrize("method,group,zero_point", [("AMXINT8", 128, False), ("AMXINT4", 32, True)])
+def test_opcheck_moe_forward_quantized(method: str, group: int, zero_point: bool) -> None:
+    experts = make_experts(6, 128, 64)
+    packed = kt_ops.pack_experts(experts.gate, experts.up, experts.down, method=method, group_size=group,
+                                 zero_point=zero_point)
+    ids, weights = random_routing(9, 6, 2)
+    torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(9, 128), ids, weights, packed.data))
 
 
 def test_backward_is_refused_loudly() -> None:

@@ -25,7 +25,7 @@ from kt_ops.bench.runner import METHODS, SHAPES, Row, make_layers, measure_row
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kt_ops.bench", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--quick", action="store_true", help="S1 only, tokens 1 and 64, 2 layers (< 1 min)")
+    parser.add_argument("--quick", action="store_true", help="S1 only, tokens 1 and 64, 2 layers (~1-2 min)")
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None)
     parser.add_argument("--method", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
