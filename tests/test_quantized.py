@@ -90,18 +90,20 @@ def test_every_input_dtype(method: str, zero_point: bool, dtype: torch.dtype) ->
     packed = kt_ops.pack_experts(gate, up, down, method=method, group_size=group, zero_point=zero_point)
     dq = reference.dequantize(packed.data)
     ids, weights = random_routing(11, 4, 2)
-    x = torch.randn(11, 128).to(dtype)
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(11)).to(dtype)
     out = kt_ops.moe_forward(x, ids, weights.to(dtype), packed)
     assert out.dtype == dtype
     ref = reference.moe_forward(x, ids, weights.to(dtype), *dq, quantize_activations=True)
-    assert rel_err(out, ref) <= 4e-3
+    # bf16/fp16 outputs add one rounding (<= 2^-9 relative); over 11 tokens a one-level
+    # flip of an intermediate int8 also shows (unseeded runs measured up to 6e-3).
+    assert rel_err(out, ref) <= (1e-3 if dtype == torch.float32 else 1e-2)
 
 
 def test_variants_agree() -> None:
     """Integer dot products are exact, so every variant gives (nearly) the same bits."""
     gate, up, down = make_weights(6, 256, 128, seed=9)
     ids, weights = random_routing(70, 6, 3)
-    x = torch.randn(70, 256)
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(70))
     previous = kt_ops.cpu_variant()
     try:
         for method, zero_point, _ in METHODS:
@@ -140,7 +142,7 @@ def test_skipped_slots_and_repeated_experts() -> None:
     packed = kt_ops.pack_experts(gate, up, down, method="AMXINT4", group_size=32)
     ids = torch.tensor([[0, -1], [-1, -1], [2, 2], [3, 0]], dtype=torch.int64)
     weights = torch.rand(4, 2)
-    x = torch.randn(4, 128)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(4))
     out = kt_ops.moe_forward(x, ids, weights, packed)
     assert torch.equal(out[1], torch.zeros(128))
     ref = reference.moe_forward(x, ids, weights, *reference.dequantize(packed.data), quantize_activations=True)
