@@ -23,17 +23,17 @@ const FormatRow kRows[] = {
      {{moe_forward_int8_avx2, "int8/avx2 (vpmaddubsw + vpmaddwd)"},
       {moe_forward_int8_avx512, "int8/avx512 (vpmaddubsw + vpmaddwd)"},
       {moe_forward_int8_avx512_bf16, "int8/avx512_bf16 (vpdpbusd)"},
-      {moe_forward_int8_amx, "int8/amx (vpdpbusd)"}}},
+      {moe_forward_int8_amx, "int8/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}}},
     {PackedFormat::kInt4,
      {{moe_forward_int4_avx2, "int4/avx2 (vpmaddubsw + vpmaddwd)"},
       {moe_forward_int4_avx512, "int4/avx512 (vpmaddubsw + vpmaddwd)"},
       {moe_forward_int4_avx512_bf16, "int4/avx512_bf16 (vpdpbusd)"},
-      {moe_forward_int4_amx, "int4/amx (vpdpbusd)"}}},
+      {moe_forward_int4_amx, "int4/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}}},
     {PackedFormat::kInt4Asym,
      {{moe_forward_int4_asym_avx2, "int4_asym/avx2 (vpmaddubsw + vpmaddwd)"},
       {moe_forward_int4_asym_avx512, "int4_asym/avx512 (vpmaddubsw + vpmaddwd)"},
       {moe_forward_int4_asym_avx512_bf16, "int4_asym/avx512_bf16 (vpdpbusd)"},
-      {moe_forward_int4_asym_amx, "int4_asym/amx (vpdpbusd)"}}},
+      {moe_forward_int4_asym_amx, "int4_asym/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}}},
 };
 
 }  // namespace
