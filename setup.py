@@ -23,7 +23,7 @@ setup(
     description="PyTorch operators for Mixture-of-Experts layers on the CPU (kt-kernel compatible)",
     packages=find_packages(include=["kt_ops", "kt_ops.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy", "safetensors"],
+    install_requires=["torch>=2.4", "numpy", "safetensors", "gguf"],
     ext_modules=[
         CppExtension(
             "kt_ops._C",

@@ -19,6 +19,7 @@ from kt_ops.cpu import (
 )
 from kt_ops.diagnostics import doctor
 from kt_ops.formats import METHOD_FORMATS
+from kt_ops.gguf_loader import GgufModelInfo, load_gguf_experts, read_gguf_config
 from kt_ops.ops import moe_forward, pack_experts
 from kt_ops.packed import PackedExperts
 
@@ -26,14 +27,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPU_VARIANTS",
+    "GgufModelInfo",
     "METHOD_FORMATS",
     "PackedExperts",
     "cpu_variant",
     "doctor",
     "get_num_threads",
+    "load_gguf_experts",
     "missing_features",
     "moe_forward",
     "pack_experts",
+    "read_gguf_config",
     "reference",
     "set_cpu_variant",
     "set_num_threads",

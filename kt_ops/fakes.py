@@ -44,6 +44,18 @@ def _pack_experts_fake(
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 
+@torch.library.register_fake("kt::pack_gguf_experts")
+def _pack_gguf_experts_fake(
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gguf_types: list[int],
+) -> torch.Tensor:
+    experts, intermediate, hidden = gate_proj.shape
+    nbytes = _C.gguf_packed_nbytes(list(gguf_types), int(experts), int(hidden), int(intermediate))
+    return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
+
+
 def _inference_only(ctx: object, grad: torch.Tensor) -> None:
     raise RuntimeError("kt::moe_forward is an inference kernel and has no backward")
 

@@ -7,6 +7,7 @@ METHOD_FORMATS: dict[str, str] = {
     "MOE_INT8": "int8",
     "AMXINT4": "int4",
     "MOE_INT4": "int4",
+    "LLAMAFILE": "gguf",
 }
 
 # Formats quantized in k-groups (they take group_size and zero_point).

@@ -6,6 +6,7 @@ import torch
 
 from kt_ops import fakes  # noqa: F401  (registers the fake implementations)
 from kt_ops.formats import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, format_for_method
+from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
 from kt_ops.packed import PackedExperts
 
 
@@ -17,6 +18,7 @@ def pack_experts(
     group_size: int = DEFAULT_GROUP_SIZE,
     zero_point: bool = False,
     scale_search: bool = False,
+    gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None = None,
 ) -> PackedExperts:
     """Packs (and, for INT8/INT4, quantizes) one layer's routed experts for :func:`moe_forward`.
 
@@ -28,18 +30,35 @@ def pack_experts(
         down_proj: ``[E, H, I]``.
         method: kt-kernel method name. ``"BF16"`` stores bf16 (fp16/fp32 inputs rounded);
             ``"AMXINT8"``/``"MOE_INT8"`` int8 symmetric per output channel;
-            ``"AMXINT4"``/``"MOE_INT4"`` int4 in k-groups of ``group_size``.
+            ``"AMXINT4"``/``"MOE_INT4"`` int4 in k-groups of ``group_size``;
+            ``"LLAMAFILE"`` GGUF blocks of ``gguf_type`` (round-to-nearest).
         group_size: INT4 k-group, 32, 64 or 128 (default); it must divide H and I
             (``ValueError`` otherwise). Other methods take only the default.
         zero_point: INT4 only: asymmetric groups (``w = scale * q + minimum``).
         scale_search: quantized methods: per row/group, try candidate scales (with a
             least-squares refit) and keep the one with the smallest squared error,
             instead of round-to-nearest from the extreme value. Slower to pack.
+        gguf_type: ``LLAMAFILE`` only (and required there): a ``gguf.GGMLQuantizationType``,
+            its name (``"Q4_K"``) or integer value, or a ``(gate, up, down)`` tuple of
+            those (as Q4_K_M files mix Q4_K and Q6_K). A row length (H for gate/up, I for
+            down) must be a multiple of the type's block (32, or 256 for K-quants);
+            otherwise ``ValueError`` names llama.cpp's fallback type.
 
     Returns:
         A :class:`PackedExperts` whose ``data`` is a new uint8 CPU tensor.
     """
     fmt = format_for_method(method, zero_point)
+    if fmt == "gguf":
+        if gguf_type is None:
+            raise ValueError("method 'LLAMAFILE' needs gguf_type, e.g. 'Q4_K' or ('Q4_K', 'Q4_K', 'Q6_K')")
+        if group_size != DEFAULT_GROUP_SIZE or scale_search:
+            raise ValueError("method 'LLAMAFILE' takes neither group_size nor scale_search")
+        types = gguf_type_ids(gguf_type)
+        if gate_proj.dim() == 3 and down_proj.dim() == 3:
+            check_row_lengths(types, int(gate_proj.shape[2]), int(down_proj.shape[2]))
+        return PackedExperts(torch.ops.kt.pack_gguf_experts(gate_proj, up_proj, down_proj, list(types)))
+    if gguf_type is not None:
+        raise ValueError(f"gguf_type applies to method 'LLAMAFILE', not {method!r}")
     if fmt in GROUPED_FORMATS:
         group = group_size
     elif group_size != DEFAULT_GROUP_SIZE:

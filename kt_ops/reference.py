@@ -16,7 +16,7 @@ def moe_forward(
     gate_proj: torch.Tensor,
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
-    quantize_activations: bool = False,
+    quantize_activations: bool | tuple[int | None, int | None, int | None] = False,
 ) -> torch.Tensor:
     """Reference MoE forward in fp32.
 
@@ -28,30 +28,42 @@ def moe_forward(
             e.g. dequantized ones for a quantized format).
         quantize_activations: also round each token's input row and each (token, slot)
             intermediate row to int8 as the INT8/INT4 kernels do
-            (:func:`fake_quantize_activations`), isolating their arithmetic error.
+            (:func:`fake_quantize_activations`), isolating their arithmetic error. A
+            ``(gate, up, down)`` tuple gives the block size of the activations each
+            matrix multiplies, as the GGUF kernels use them: ``None`` unquantized, ``0``
+            one scale per row, ``32`` / ``256`` one per block.
 
     Returns:
         ``[T, H]`` float32: ``sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``.
     """
     x = hidden_states.float()
-    if quantize_activations:
-        x = fake_quantize_activations(x)
+    if isinstance(quantize_activations, tuple):
+        blocks = quantize_activations
+    else:
+        blocks = (0, 0, 0) if quantize_activations else (None, None, None)
+
+    def quantized(v: torch.Tensor, block: int | None) -> torch.Tensor:
+        return v if block is None else fake_quantize_activations(v, block)
+
     weights = topk_weights.float()
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
         tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
         h = x[tokens]
-        inter = F.silu(h @ gate_proj[expert].float().T) * (h @ up_proj[expert].float().T)
-        if quantize_activations:
-            inter = fake_quantize_activations(inter)
-        y = inter @ down_proj[expert].float().T
+        gate = quantized(h, blocks[0]) @ gate_proj[expert].float().T
+        inter = F.silu(gate) * (quantized(h, blocks[1]) @ up_proj[expert].float().T)
+        y = quantized(inter, blocks[2]) @ down_proj[expert].float().T
         out.index_add_(0, tokens, y * weights[tokens, slots, None])
     return out
 
 
-def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """Per-row symmetric int8 of ``x [..., K]`` (fp32), dequantized: the kernels'
+def fake_quantize_activations(x: torch.Tensor, block_size: int = 0) -> torch.Tensor:
+    """Symmetric int8 of ``x [..., K]`` (fp32) per row (``block_size=0``) or per block
+    of ``block_size`` values along K (which it must divide), dequantized: the kernels'
     dynamic activation quantization (``scale = max|x| / 127``, round to nearest even)."""
+    if block_size:
+        shape = x.shape
+        return fake_quantize_activations(x.reshape(*shape[:-1], shape[-1] // block_size, block_size)).reshape(shape)
     amax = x.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return torch.clamp(torch.round(x * inv), -127, 127) * (amax / 127.0)
@@ -126,11 +138,14 @@ def dequantize(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
     Decodes the byte layout of docs/formats.md in torch, independently of the C++
     kernels, so tests can compare a kernel with :func:`moe_forward` on exactly the
-    weights it multiplies. bf16 blobs are supported too.
+    weights it multiplies. bf16 blobs are supported too; gguf blobs are decoded by the
+    ``gguf`` package's own ``gguf.quants.dequantize``.
     """
     from kt_ops._native import _C
 
     info = _C.packed_info(packed)
+    if info["format"] == "gguf":
+        return _gguf_dequantize(packed, info)
     fmt, E, H, I, G = (info[key] for key in ("format", "num_experts", "hidden_size", "intermediate_size", "group_size"))
     i16, h16 = -(-I // 16) * 16, -(-H // 16) * 16
     gate_up_offset = 256
@@ -157,3 +172,36 @@ def dequantize(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     gate = gu[:, :, 0].reshape(E, i16, hk)[:, :I, :H]
     up = gu[:, :, 1].reshape(E, i16, hk)[:, :I, :H]
     return gate.contiguous(), up.contiguous(), d[:, :H, :I].contiguous()
+
+
+def gguf_activation_blocks(packed: torch.Tensor) -> tuple[int | None, int | None, int | None]:
+    """The activation block sizes the GGUF kernel uses for a gguf blob's gate, up and down
+    (``quantize_activations`` of :func:`moe_forward`): the weight type's block, ``None``
+    for float types."""
+    from kt_ops._native import _C
+
+    types = _C.packed_info(packed)["gguf_types"]
+    blocks = tuple(None if t in ("F32", "F16", "BF16") else (256 if t.endswith("_K") else 32) for t in types)
+    return blocks[0], blocks[1], blocks[2]
+
+
+def _gguf_dequantize(packed: torch.Tensor, info: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    import gguf
+    import numpy as np
+
+    E, H, I = info["num_experts"], info["hidden_size"], info["intermediate_size"]
+    out = []
+    for name, offset, rows, k in zip(info["gguf_types"], info["matrix_offsets"], (I, I, H), (H, H, I)):
+        qtype = gguf.GGMLQuantizationType[name]
+        block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = E * rows * k // block * type_bytes
+        raw = packed[offset : offset + nbytes].numpy()
+        if qtype == gguf.GGMLQuantizationType.F32:
+            data = raw.view(np.float32)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            data = raw.view(np.float16)
+        else:
+            data = raw
+        values = gguf.quants.dequantize(data.reshape(E * rows, -1), qtype)
+        out.append(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(E, rows, k))
+    return out[0], out[1], out[2]

@@ -55,3 +55,15 @@ def test_backward_is_refused_loudly() -> None:
     out = kt_ops.moe_forward(x, ids, weights, experts.packed)
     with pytest.raises(RuntimeError, match="inference kernel"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("types", [["Q4_K", "Q4_K", "Q6_K"], ["Q8_0", "F16", "Q4_0"]])
+def test_opcheck_gguf(types: list[str]) -> None:
+    import gguf
+
+    experts = make_experts(4, 256, 256)
+    ids_ = [int(gguf.GGMLQuantizationType[t]) for t in types]
+    torch.library.opcheck(torch.ops.kt.pack_gguf_experts.default, (experts.gate, experts.up, experts.down, ids_))
+    packed = torch.ops.kt.pack_gguf_experts(experts.gate, experts.up, experts.down, ids_)
+    ids, weights = random_routing(5, 4, 2)
+    torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(5, 256), ids, weights, packed))

@@ -15,4 +15,10 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format,"
       " int group_size=0, bool scale_search=False) -> Tensor");
+  // gate_proj, up_proj [E, I, H], down_proj [E, H, I] (f32|bf16|f16) -> packed uint8 [n]
+  // (format gguf): each matrix quantized into GGUF blocks of its ggml type id
+  // (gguf_types = [gate, up, down], e.g. Q4_K = 12, Q6_K = 14).
+  m.def(
+      "pack_gguf_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, int[] gguf_types)"
+      " -> Tensor");
 }

@@ -3,7 +3,10 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <tuple>
+
 #include "../cpu/engine/huge_pages.h"
+#include "../cpu/formats/gguf_quantize.h"
 #include "../cpu/formats/pack_bf16.h"
 #include "../cpu/formats/pack_int.h"
 #include "../cpu/formats/packed_header.h"
@@ -12,12 +15,11 @@
 namespace kt::ops {
 namespace {
 
-at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_proj,
-                            const at::Tensor& down_proj, c10::string_view format,
-                            int64_t group_size, bool scale_search) {
-  RECORD_FUNCTION("kt::pack_experts", std::vector<c10::IValue>({gate_proj, down_proj}));
-  const cpu::PackedFormat packed_format =
-      translate_errors([&] { return cpu::parse_packed_format(std::string(format)); });
+// Checks gate_proj, up_proj [E, I, H] and down_proj [E, H, I] (float dtypes, CPU) and
+// returns (E, I, H).
+std::tuple<int64_t, int64_t, int64_t> check_expert_weights(const at::Tensor& gate_proj,
+                                                           const at::Tensor& up_proj,
+                                                           const at::Tensor& down_proj) {
   const auto float_types = {at::kBFloat16, at::kHalf, at::kFloat};
   check_dtype(gate_proj, "gate_proj", float_types);
   check_dtype(up_proj, "up_proj", float_types);
@@ -37,6 +39,25 @@ at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_pr
   constexpr int64_t kMaxDim = int64_t{1} << 31;
   TORCH_CHECK_VALUE(E > 0 && I > 0 && H > 0 && E < kMaxDim && I < kMaxDim && H < kMaxDim,
                     "expert weights need E, I, H in [1, 2^31); got gate_proj ", gate_proj.sizes());
+
+  return {E, I, H};
+}
+
+cpu::ElementType source_type(at::ScalarType type) {
+  return type == at::kFloat ? cpu::ElementType::kF32
+         : type == at::kHalf ? cpu::ElementType::kF16
+                             : cpu::ElementType::kBf16;
+}
+
+at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                            const at::Tensor& down_proj, c10::string_view format,
+                            int64_t group_size, bool scale_search) {
+  RECORD_FUNCTION("kt::pack_experts", std::vector<c10::IValue>({gate_proj, down_proj}));
+  const cpu::PackedFormat packed_format =
+      translate_errors([&] { return cpu::parse_packed_format(std::string(format)); });
+  TORCH_CHECK_VALUE(packed_format != cpu::PackedFormat::kGguf,
+                    "format gguf needs a ggml type per matrix: use kt::pack_gguf_experts");
+  const auto [E, I, H] = check_expert_weights(gate_proj, up_proj, down_proj);
 
   TORCH_CHECK_VALUE(group_size >= 0 && group_size <= 128, "group_size must be 0 (none), 32, 64 or 128; got ",
                     group_size);
@@ -61,9 +82,7 @@ at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_pr
     const at::Tensor down = down_proj.to(type).contiguous();
     cpu::QuantOptions options;
     options.scale_search = scale_search;
-    const cpu::ElementType element = type == at::kFloat  ? cpu::ElementType::kF32
-                                     : type == at::kHalf ? cpu::ElementType::kF16
-                                                         : cpu::ElementType::kBf16;
+    const cpu::ElementType element = source_type(type);
     cpu::pack_int_experts(gate.const_data_ptr(), up.const_data_ptr(), down.const_data_ptr(), element,
                           layout, options, packed.data_ptr<uint8_t>());
     return packed;
@@ -78,8 +97,39 @@ at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_pr
   return packed;
 }
 
+at::Tensor pack_gguf_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                                 const at::Tensor& down_proj, at::IntArrayRef gguf_types) {
+  RECORD_FUNCTION("kt::pack_gguf_experts", std::vector<c10::IValue>({gate_proj, down_proj}));
+  const auto [E, I, H] = check_expert_weights(gate_proj, up_proj, down_proj);
+  TORCH_CHECK_VALUE(gguf_types.size() == 3, "gguf_types must hold 3 ggml type ids (gate, up, down); got ",
+                    gguf_types.size());
+  cpu::PackedShape shape;
+  shape.format = cpu::PackedFormat::kGguf;
+  shape.num_experts = static_cast<uint32_t>(E);
+  shape.hidden_size = static_cast<uint32_t>(H);
+  shape.intermediate_size = static_cast<uint32_t>(I);
+  for (int m = 0; m < 3; ++m) {
+    TORCH_CHECK_VALUE(gguf_types[m] >= 0 && gguf_types[m] < 1024, "gguf_types[", m, "] = ", gguf_types[m],
+                      " is not a ggml type id");
+    shape.gguf_types[m] = static_cast<uint32_t>(gguf_types[m]);
+  }
+  const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
+  at::Tensor packed = at::empty({static_cast<int64_t>(layout.total_bytes)}, gate_proj.options().dtype(at::kByte));
+  cpu::advise_huge_pages(packed.data_ptr(), static_cast<size_t>(packed.numel()));
+  const at::ScalarType type = gate_proj.scalar_type();
+  const at::Tensor gate = gate_proj.contiguous();
+  const at::Tensor up = up_proj.to(type).contiguous();
+  const at::Tensor down = down_proj.to(type).contiguous();
+  cpu::pack_gguf_experts(gate.const_data_ptr(), up.const_data_ptr(), down.const_data_ptr(), source_type(type),
+                         layout, packed.data_ptr<uint8_t>());
+  return packed;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("pack_experts", &pack_experts_cpu); }
+TORCH_LIBRARY_IMPL(kt, CPU, m) {
+  m.impl("pack_experts", &pack_experts_cpu);
+  m.impl("pack_gguf_experts", &pack_gguf_experts_cpu);
+}
 
 }  // namespace kt::ops

@@ -7,7 +7,9 @@
 #include "../cpu/engine/engine.h"
 #include "../cpu/isa/cpu_variant.h"
 #include "../cpu/kernels/kernel_table.h"
+#include "../cpu/formats/gguf_types.h"
 #include "checks.h"
+#include "gguf_blob.h"
 #include "packed_blob.h"
 
 namespace kt::ops {
@@ -29,6 +31,15 @@ py::dict packed_info(const at::Tensor& packed) {
   info["group_size"] = layout.shape.group_size;
   info["numa_parts"] = layout.shape.numa_parts;
   info["nbytes"] = layout.total_bytes;
+  if (layout.shape.format == cpu::PackedFormat::kGguf) {
+    py::list types, offsets;
+    for (int m = 0; m < 3; ++m) {
+      types.append(cpu::ggml_type_info(layout.shape.gguf_types[m]).name);
+      offsets.append(layout.matrix_offset[m]);
+    }
+    info["gguf_types"] = types;
+    info["matrix_offsets"] = offsets;
+  }
   return info;
 }
 
@@ -42,6 +53,29 @@ int64_t packed_nbytes(const std::string& format, int64_t experts, int64_t hidden
     shape.intermediate_size = static_cast<uint32_t>(intermediate);
     shape.group_size = static_cast<uint32_t>(group_size);
     return static_cast<int64_t>(cpu::packed_layout(shape).total_bytes);
+  });
+}
+
+int64_t gguf_packed_nbytes(const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
+                           int64_t intermediate) {
+  return translate_errors([&] {
+    TORCH_CHECK_VALUE(types.size() == 3, "need 3 ggml type ids (gate, up, down), got ", types.size());
+    cpu::PackedShape shape;
+    shape.format = cpu::PackedFormat::kGguf;
+    shape.num_experts = static_cast<uint32_t>(experts);
+    shape.hidden_size = static_cast<uint32_t>(hidden);
+    shape.intermediate_size = static_cast<uint32_t>(intermediate);
+    for (int m = 0; m < 3; ++m) shape.gguf_types[m] = static_cast<uint32_t>(types[m]);
+    return static_cast<int64_t>(cpu::packed_layout(shape).total_bytes);
+  });
+}
+
+// (name, block elements, block bytes) of a ggml type kt_ops computes; ValueError otherwise.
+py::tuple ggml_type(int64_t id) {
+  return translate_errors([&] {
+    TORCH_CHECK_VALUE(id >= 0 && id < 1024, "ggml type id ", id, " is out of range");
+    const cpu::GgmlTypeInfo& info = cpu::ggml_type_info(static_cast<uint32_t>(id));
+    return py::make_tuple(std::string(info.name), info.block_elems, info.block_bytes);
   });
 }
 
@@ -81,6 +115,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_info", &packed_info);
   m.def("packed_nbytes", &packed_nbytes, py::arg("format"), py::arg("experts"), py::arg("hidden"),
         py::arg("intermediate"), py::arg("group_size") = 0);
+  m.def("gguf_packed_nbytes", &gguf_packed_nbytes);
+  m.def("ggml_type", &ggml_type);
+  m.def("map_gguf_experts", &map_gguf_experts);
+  m.def("gguf_experts_from_blocks", &gguf_experts_from_blocks);
   m.def("kernel_name", &kernel_name);
   m.def("time_read_passes", &time_read_passes);
 }

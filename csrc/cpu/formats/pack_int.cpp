@@ -7,32 +7,13 @@
 #include "../engine/engine.h"
 #include "../isa/scalar_convert.h"
 #include "int_layout.h"
+#include "source_rows.h"
 
 namespace kt::cpu {
 namespace {
 
 using int_layout::kBlockRows;
 using int_layout::MatrixDims;
-
-// Row `row` of a [rows, cols] matrix of `type` as fp32.
-void load_row(const void* matrix, ElementType type, int64_t row, int64_t cols, float* out) {
-  const int64_t begin = row * cols;
-  switch (type) {
-    case ElementType::kF32:
-      std::memcpy(out, static_cast<const float*>(matrix) + begin, cols * sizeof(float));
-      return;
-    case ElementType::kBf16: {
-      const uint16_t* p = static_cast<const uint16_t*>(matrix) + begin;
-      for (int64_t k = 0; k < cols; ++k) out[k] = bf16_to_float(p[k]);
-      return;
-    }
-    default: {
-      const uint16_t* p = static_cast<const uint16_t*>(matrix) + begin;
-      for (int64_t k = 0; k < cols; ++k) out[k] = f16_to_float(p[k]);
-      return;
-    }
-  }
-}
 
 uint32_t load_u32(const uint8_t* p) {
   uint32_t v;

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "bf16_layout.h"
+#include "gguf_types.h"
 #include "int_layout.h"
 
 namespace kt::cpu {
@@ -14,7 +15,8 @@ struct Field {
   static constexpr size_t kMagic = 0, kVersion = 8, kFormat = 12, kExperts = 16, kHidden = 20,
                           kIntermediate = 24, kGroupSize = 28, kNumaParts = 32,
                           kGateUpOffset = 40, kGateUpExpertBytes = 48, kDownOffset = 56,
-                          kDownExpertBytes = 64, kTotalBytes = 72, kChecksum = 248;
+                          kDownExpertBytes = 64, kTotalBytes = 72, kGgufTypes = 80,
+                          kMatrixOffsets = 96, kMatrixExpertBytes = 120, kChecksum = 248;
 };
 
 template <typename T>
@@ -35,6 +37,8 @@ uint64_t header_checksum(const uint8_t* blob) {
   for (size_t i = 0; i < Field::kChecksum; ++i) hash = (hash ^ blob[i]) * 1099511628211ull;
   return hash;
 }
+
+const char* gguf_matrix_name(int m) { return m == 0 ? "gate_proj" : m == 1 ? "up_proj" : "down_proj"; }
 
 [[noreturn]] void corrupt(const std::string& why) {
   throw std::invalid_argument("packed experts: " + why);
@@ -71,6 +75,7 @@ const char* packed_format_name(PackedFormat format) {
     case PackedFormat::kInt8: return "int8";
     case PackedFormat::kInt4: return "int4";
     case PackedFormat::kInt4Asym: return "int4_asym";
+    case PackedFormat::kGguf: return "gguf";
   }
   throw std::invalid_argument("unknown packed format id " +
                               std::to_string(static_cast<uint32_t>(format)));
@@ -78,10 +83,10 @@ const char* packed_format_name(PackedFormat format) {
 
 PackedFormat parse_packed_format(const std::string& name) {
   for (PackedFormat format : {PackedFormat::kBf16, PackedFormat::kInt8, PackedFormat::kInt4,
-                              PackedFormat::kInt4Asym})
+                              PackedFormat::kInt4Asym, PackedFormat::kGguf})
     if (name == packed_format_name(format)) return format;
   throw std::invalid_argument("unknown packed format '" + name +
-                              "'; expected one of: bf16, int8, int4, int4_asym");
+                              "'; expected one of: bf16, int8, int4, int4_asym, gguf");
 }
 
 PackedLayout packed_layout(const PackedShape& shape) {
@@ -96,6 +101,17 @@ PackedLayout packed_layout(const PackedShape& shape) {
   if (shape.numa_parts != 1)
     throw std::invalid_argument("numa_parts other than 1 is not supported yet, got " +
                                 std::to_string(shape.numa_parts));
+  if (shape.format == PackedFormat::kGguf) {
+    // Canonical placement: gate, up, down one after the other, each 64-byte aligned.
+    uint64_t offsets[3], at = kPackedHeaderBytes;
+    const uint64_t E = shape.num_experts, H = shape.hidden_size, I = shape.intermediate_size;
+    const uint64_t rows[3] = {I, I, H}, cols[3] = {H, H, I};
+    for (int m = 0; m < 3; ++m) {
+      offsets[m] = at;
+      at += (E * rows[m] * ggml_row_bytes(shape.gguf_types[m], cols[m], gguf_matrix_name(m)) + 63) / 64 * 64;
+    }
+    return gguf_layout(shape, offsets, at);
+  }
   PackedLayout layout;
   layout.shape = shape;
   switch (shape.format) {
@@ -125,6 +141,32 @@ PackedLayout packed_layout(const PackedShape& shape) {
   return layout;
 }
 
+PackedLayout gguf_layout(const PackedShape& shape, const uint64_t offsets[3], uint64_t total_bytes) {
+  if (shape.group_size != 0)
+    throw std::invalid_argument("format gguf has no groups; group_size must be 0, got " +
+                                std::to_string(shape.group_size));
+  PackedLayout layout;
+  layout.shape = shape;
+  const uint64_t E = shape.num_experts, H = shape.hidden_size, I = shape.intermediate_size;
+  const uint64_t rows[3] = {I, I, H}, cols[3] = {H, H, I};
+  for (int m = 0; m < 3; ++m) {
+    const uint64_t bytes = rows[m] * ggml_row_bytes(shape.gguf_types[m], cols[m], gguf_matrix_name(m));
+    if (offsets[m] < kPackedHeaderBytes || offsets[m] > total_bytes || E * bytes > total_bytes - offsets[m])
+      throw std::invalid_argument(std::string("packed experts: gguf ") + gguf_matrix_name(m) +
+                                  " at offset " + std::to_string(offsets[m]) + " (" +
+                                  std::to_string(E * bytes) + " bytes) lies outside the " +
+                                  std::to_string(total_bytes) + "-byte blob");
+    layout.matrix_offset[m] = offsets[m];
+    layout.matrix_expert_bytes[m] = bytes;
+  }
+  layout.gate_up_offset = offsets[kGgufGate];
+  layout.gate_up_expert_bytes = layout.matrix_expert_bytes[kGgufGate];
+  layout.down_offset = offsets[kGgufDown];
+  layout.down_expert_bytes = layout.matrix_expert_bytes[kGgufDown];
+  layout.total_bytes = total_bytes;
+  return layout;
+}
+
 void write_packed_header(const PackedLayout& layout, uint8_t* blob) {
   std::memset(blob, 0, kPackedHeaderBytes);
   std::memcpy(blob + Field::kMagic, kPackedMagic, sizeof(kPackedMagic));
@@ -140,6 +182,11 @@ void write_packed_header(const PackedLayout& layout, uint8_t* blob) {
   put<uint64_t>(blob, Field::kDownOffset, layout.down_offset);
   put<uint64_t>(blob, Field::kDownExpertBytes, layout.down_expert_bytes);
   put<uint64_t>(blob, Field::kTotalBytes, layout.total_bytes);
+  for (int m = 0; m < 3; ++m) {
+    put<uint32_t>(blob, Field::kGgufTypes + 4 * m, layout.shape.gguf_types[m]);
+    put<uint64_t>(blob, Field::kMatrixOffsets + 8 * m, layout.matrix_offset[m]);
+    put<uint64_t>(blob, Field::kMatrixExpertBytes + 8 * m, layout.matrix_expert_bytes[m]);
+  }
   put<uint64_t>(blob, Field::kChecksum, header_checksum(blob));
 }
 
@@ -162,7 +209,19 @@ PackedLayout read_packed_header(const uint8_t* blob, size_t blob_bytes) {
   shape.intermediate_size = get<uint32_t>(blob, Field::kIntermediate);
   shape.group_size = get<uint32_t>(blob, Field::kGroupSize);
   shape.numa_parts = get<uint32_t>(blob, Field::kNumaParts);
-  const PackedLayout layout = packed_layout(shape);
+  uint64_t offsets[3];
+  for (int m = 0; m < 3; ++m) {
+    shape.gguf_types[m] = get<uint32_t>(blob, Field::kGgufTypes + 4 * m);
+    offsets[m] = get<uint64_t>(blob, Field::kMatrixOffsets + 8 * m);
+  }
+  const PackedLayout layout =
+      shape.format == PackedFormat::kGguf
+          ? gguf_layout(shape, offsets, get<uint64_t>(blob, Field::kTotalBytes))
+          : packed_layout(shape);
+  for (int m = 0; m < 3; ++m)
+    if (layout.matrix_offset[m] != offsets[m] ||
+        layout.matrix_expert_bytes[m] != get<uint64_t>(blob, Field::kMatrixExpertBytes + 8 * m))
+      corrupt("header gguf matrix fields disagree with its shape");
   if (layout.gate_up_offset != get<uint64_t>(blob, Field::kGateUpOffset) ||
       layout.gate_up_expert_bytes != get<uint64_t>(blob, Field::kGateUpExpertBytes) ||
       layout.down_offset != get<uint64_t>(blob, Field::kDownOffset) ||

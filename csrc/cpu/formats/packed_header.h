@@ -2,6 +2,9 @@
 //   [0, 256)                  PackedHeader (little-endian, checksummed)
 //   [gate_up_offset, ...)     E experts x gate_up_expert_bytes  (kernel-ready blocks)
 //   [down_offset, ...)        E experts x down_expert_bytes
+// The gguf format instead holds three matrices (gate, up, down) as GGUF stores them,
+// each at its own offset (a memory-mapped blob places them where the file's pages
+// land, so their offsets need not be multiples of 64).
 // The header makes a blob self-describing: a kernel refuses a blob whose magic,
 // version, checksum, format or sizes disagree with the call, instead of computing
 // garbage from it. Offsets are multiples of 64 bytes from the blob start.
@@ -19,9 +22,10 @@ enum class PackedFormat : uint32_t {
   kInt8 = 2,       // int8, symmetric per output channel
   kInt4 = 3,       // int4, symmetric per k-group
   kInt4Asym = 4,   // int4 with a per-group minimum (zero point)
+  kGguf = 5,       // GGUF blocks, a ggml type per matrix (formats/gguf_types.h)
 };
 
-// Names: "bf16", "int8", "int4", "int4_asym". Throws std::invalid_argument for unknown
+// Names: "bf16", "int8", "int4", "int4_asym", "gguf". Throws std::invalid_argument for unknown
 // names / values.
 const char* packed_format_name(PackedFormat format);
 PackedFormat parse_packed_format(const std::string& name);
@@ -37,7 +41,10 @@ struct PackedShape {
   uint32_t intermediate_size = 0;
   uint32_t group_size = 0;  // int4 formats: 32, 64 or 128 (dividing H and I); else 0
   uint32_t numa_parts = 1;  // parts the intermediate dimension is split into (1: none)
+  uint32_t gguf_types[3] = {0, 0, 0};  // gguf: ggml type ids of gate, up, down
 };
+
+enum GgufMatrix { kGgufGate = 0, kGgufUp = 1, kGgufDown = 2 };
 
 struct PackedLayout {
   PackedShape shape;
@@ -46,11 +53,19 @@ struct PackedLayout {
   uint64_t down_offset = 0;
   uint64_t down_expert_bytes = 0;
   uint64_t total_bytes = 0;
+  // gguf: blob offset and per-expert bytes of gate [E, I, H], up [E, I, H], down [E, H, I].
+  uint64_t matrix_offset[3] = {0, 0, 0};
+  uint64_t matrix_expert_bytes[3] = {0, 0, 0};
 };
 
 // Throws std::invalid_argument for impossible shapes (zero sizes, unknown format, a
 // group size the format does not allow or that does not divide H and I).
 PackedLayout packed_layout(const PackedShape& shape);
+
+// A gguf layout whose matrices start at `offsets` in a blob of `total_bytes` bytes.
+// Throws std::invalid_argument if a type is unsupported, a row length is not a multiple
+// of its type's block, or a matrix overlaps the header or runs past the end.
+PackedLayout gguf_layout(const PackedShape& shape, const uint64_t offsets[3], uint64_t total_bytes);
 
 // Writes the 256-byte header of `layout` at `blob`.
 void write_packed_header(const PackedLayout& layout, uint8_t* blob);

@@ -51,6 +51,7 @@ struct VecAvx512 {
 
   static Reg abs(Reg x) { return _mm512_abs_ps(x); }
   static float reduce_max(Reg x) { return _mm512_reduce_max_ps(x); }
+  static float reduce_add(Reg x) { return _mm512_reduce_add_ps(x); }
   // Rounds to nearest even and saturates to [-128, 127].
   static void store_int8(int8_t* p, Reg v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));

@@ -13,7 +13,9 @@
 
 #include "../bf16/micro_amx.h"
 #include "../moe_bf16_driver.h"
+#include "../moe_gguf_driver.h"
 #include "../moe_quant_driver.h"
+#include "../quant/int_ops_avx512_vnni.h"
 #include "../quant/micro_amx_int.h"
 
 namespace kt::cpu {
@@ -28,6 +30,8 @@ void moe_forward_int4_amx(const MoeArgs& args) {
 void moe_forward_int4_asym_amx(const MoeArgs& args) {
   moe_forward_quant<MicroQuantAmx<QuantKind::kInt4Asym>>(args);
 }
+
+void moe_forward_gguf_amx(const MoeArgs& args) { moe_forward_gguf<IntOpsAvx512Vnni>(args); }
 
 }  // namespace kt::cpu
 

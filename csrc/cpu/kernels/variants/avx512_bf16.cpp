@@ -13,6 +13,7 @@
 
 #include "../bf16/micro_avx512_bf16.h"
 #include "../moe_bf16_driver.h"
+#include "../moe_gguf_driver.h"
 #include "../moe_quant_driver.h"
 #include "../quant/int_ops_avx512_vnni.h"
 
@@ -28,6 +29,8 @@ void moe_forward_int4_avx512_bf16(const MoeArgs& args) {
 void moe_forward_int4_asym_avx512_bf16(const MoeArgs& args) {
   moe_forward_quant<MicroQuant<IntOpsAvx512Vnni, QuantKind::kInt4Asym>>(args);
 }
+
+void moe_forward_gguf_avx512_bf16(const MoeArgs& args) { moe_forward_gguf<IntOpsAvx512Vnni>(args); }
 
 }  // namespace kt::cpu
 

@@ -15,6 +15,7 @@
 #include "../../engine/engine.h"
 #include "../../engine/scratch.h"
 #include "../../formats/bf16_layout.h"
+#include "../../formats/gguf_types.h"
 #include "../../formats/int_layout.h"
 #include "../../isa/scalar_convert.h"
 #include "../moe_args.h"

@@ -21,5 +21,9 @@ void moe_forward_int4_asym_avx2(const MoeArgs& args);
 void moe_forward_int4_asym_avx512(const MoeArgs& args);
 void moe_forward_int4_asym_avx512_bf16(const MoeArgs& args);
 void moe_forward_int4_asym_amx(const MoeArgs& args);
+void moe_forward_gguf_avx2(const MoeArgs& args);
+void moe_forward_gguf_avx512(const MoeArgs& args);
+void moe_forward_gguf_avx512_bf16(const MoeArgs& args);
+void moe_forward_gguf_amx(const MoeArgs& args);
 
 }  // namespace kt::cpu

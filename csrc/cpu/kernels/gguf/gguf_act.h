@@ -1,0 +1,57 @@
+// [NOTE] Activations for the GGUF kernels, quantized once per row (token or pair):
+// 8-bit blocks matching the weight type's block, as ggml pairs Q8_0 (32) with the
+// 32-weight types and Q8_K (256) with the K-quants. Per block: scale = max|x| / 127,
+// q = round-to-nearest-even(x * 127 / max|x|). Stored for the dot micro-kernel as
+// q[kp], scale per 4 values (kp / 4 floats) and scale * sum(q) per 16 values
+// (kp / 16 floats; the weights' minimums multiply these), and -128 * sum(q) per 4
+// values (int32; the vpdpbusd kernels start Q8_0's offset-binary dot products there,
+// so the offset cancels exactly in integers). kp is a multiple of 256 and
+// the row is zero past its length. Float weight types use the fp32 row unquantized.
+#pragma once
+
+#include <cstdint>
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+// Rows of activations in one matrix's format; row r at q + r * kp etc.
+struct GgufActs {
+  int64_t kp = 0;
+  int block = 0;             // 32 or 256; 0: fp32 rows (float weight types)
+  int8_t* q = nullptr;       // [rows, kp]
+  float* scale = nullptr;    // [rows, kp / 4]
+  float* sum16 = nullptr;    // [rows, kp / 16]
+  int32_t* bias4 = nullptr;  // [rows, kp / 4]
+  const float* f = nullptr;  // block 0: [rows, kp] fp32
+};
+
+// x[0, kp) (zero past the row's length) -> row r of `acts` (block 32 or 256).
+template <class V>
+void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
+  constexpr int W = V::kWidth;
+  const int64_t kp = acts.kp;
+  int8_t* q = acts.q + r * kp;
+  float* scale = acts.scale + r * (kp / 4);
+  float* sum16 = acts.sum16 + r * (kp / 16);
+  int32_t* bias4 = acts.bias4 + r * (kp / 4);
+  for (int64_t b0 = 0; b0 < kp; b0 += acts.block) {
+    typename V::Reg top = V::zero();
+    for (int64_t i = b0; i < b0 + acts.block; i += W) top = V::max(top, V::abs(V::load(x + i)));
+    const float amax = V::reduce_max(top);
+    const float d = amax / 127.0f;
+    const typename V::Reg inv = V::set1(amax > 0.0f ? 127.0f / amax : 0.0f);
+    for (int64_t i = b0; i < b0 + acts.block; i += W) V::store_int8(q + i, V::mul(V::load(x + i), inv));
+    for (int64_t i = b0 / 4; i < (b0 + acts.block) / 4; ++i) {
+      scale[i] = d;
+      bias4[i] = -128 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+    }
+    for (int64_t s = b0 / 16; s < (b0 + acts.block) / 16; ++s) {
+      int32_t sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
+      sum16[s] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kt::cpu

@@ -1,0 +1,340 @@
+// [NOTE] GGUF block decoders: each quantized type's blocks -> one common form per 256
+// weights, so a single dot-product micro-kernel (gguf_dot.h) serves every type:
+//   w[e] = scale[e / 4] * q[e] - minimum[e / 16]       (q unsigned bytes)
+// Sub-block scales become per-lane (4 weights) floats, zero points and signed offsets
+// (Q4_0's -8, Q6_K's -32, Q3_K's -4, Q8_0's offset binary) become per-16 minimums that
+// the kernel removes with the activation sums. Q8_0 keeps its levels as offset binary
+// (q + 128): the vpdpbusd kernels cancel the offset in integers (gguf_act.h's bias4),
+// the vpmaddubsw paths multiply signed levels directly; either way no minimum.
+// The types the benchmark targets (Q4_0, Q8_0, Q4_K, Q6_K) have AVX2 decoders (every
+// variant has AVX2 + F16C); the others are plain loops over fixed-size arrays that each
+// variant's compiler vectorizes. Include only from a variant translation unit, after
+// its target pragma.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "../../formats/gguf_types.h"
+#include "../../isa/scalar_convert.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+constexpr int kGgufSuper = 256;  // weights per decoded unit
+
+struct alignas(64) GgufDecoded {
+  uint8_t q[kGgufSuper];
+  float scale[kGgufSuper / 4];
+  float minimum[kGgufSuper / 16];
+};
+
+inline float gguf_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store256(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+
+// scale[8j, 8j + 8) = s[j] (sub-blocks of 32) for the 8 values of s.
+inline void spread8x8(__m256 s, float* scale) {
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(scale + 8 * j, _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(j)));
+}
+// minimum[2j] = minimum[2j + 1] = m[j] for the 8 values of m.
+inline void spread8x2(__m256 m, float* minimum) {
+  _mm256_storeu_ps(minimum, _mm256_permutevar8x32_ps(m, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+  _mm256_storeu_ps(minimum + 8, _mm256_permutevar8x32_ps(m, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
+}
+// scale[4j, 4j + 4) = s[j] for 16 sub-blocks of 16 (s_lo: 0-7, s_hi: 8-15).
+inline void spread16x4(__m256 s_lo, __m256 s_hi, float* scale) {
+  for (int j = 0; j < 8; j += 2) {
+    const __m256i idx = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
+    _mm256_storeu_ps(scale + 4 * j, _mm256_permutevar8x32_ps(s_lo, idx));
+    _mm256_storeu_ps(scale + 32 + 4 * j, _mm256_permutevar8x32_ps(s_hi, idx));
+  }
+}
+
+// Full units (8 blocks / one super-block) of the hot types.
+void decode_q8_0_full(const uint8_t* b, GgufDecoded& out) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  alignas(32) float d[8];
+  for (int k = 0; k < 8; ++k, b += 34) {
+    d[k] = gguf_f16(b);
+    store256(out.q + 32 * k, _mm256_xor_si256(load256(b + 2), flip));
+  }
+  spread8x8(_mm256_load_ps(d), out.scale);
+  std::memset(out.minimum, 0, sizeof(out.minimum));
+}
+
+void decode_q4_0_full(const uint8_t* b, GgufDecoded& out) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  alignas(32) float d[8];
+  for (int k = 0; k < 8; ++k, b += 18) {
+    d[k] = gguf_f16(b);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    store256(out.q + 32 * k, _mm256_setr_m128i(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low)));
+  }
+  const __m256 dv = _mm256_load_ps(d);
+  spread8x8(dv, out.scale);
+  spread8x2(_mm256_mul_ps(dv, _mm256_set1_ps(8.0f)), out.minimum);
+}
+
+void decode_q4_k_full(const uint8_t* b, GgufDecoded& out) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = load256(b + 16 + 32 * c);
+    store256(out.q + 64 * c, _mm256_and_si256(v, low));
+    store256(out.q + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+  }
+  // 8 6-bit scales and 8 6-bit minimums from 12 bytes (as ggml's AVX2 kernels do).
+  uint32_t u[4];
+  std::memcpy(u, b + 4, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+  const uint32_t mins_low = u[1] & k6;
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  u[2] = mins_low;
+  u[0] &= k6;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // sc[0..7], m[0..7]
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+  spread8x8(_mm256_mul_ps(sc, _mm256_set1_ps(gguf_f16(b))), out.scale);
+  spread8x2(_mm256_mul_ps(m, _mm256_set1_ps(gguf_f16(b + 2))), out.minimum);
+}
+
+void decode_q6_k_full(const uint8_t* b, GgufDecoded& out) {
+  const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+  for (int n = 0; n < 2; ++n) {
+    const __m256i l0 = load256(b + 64 * n), l1 = load256(b + 64 * n + 32), h = load256(b + 128 + 32 * n);
+    auto high = [&](int shift) {
+      return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), two), 4);
+    };
+    uint8_t* q = out.q + 128 * n;
+    store256(q, _mm256_or_si256(_mm256_and_si256(l0, low), high(0)));
+    store256(q + 32, _mm256_or_si256(_mm256_and_si256(l1, low), high(2)));
+    store256(q + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), high(4)));
+    store256(q + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), high(6)));
+  }
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  const __m256 d = _mm256_set1_ps(gguf_f16(b + 208));
+  const __m256 s_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+  const __m256 s_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+  spread16x4(s_lo, s_hi, out.scale);
+  const __m256 k32 = _mm256_set1_ps(32.0f);
+  _mm256_storeu_ps(out.minimum, _mm256_mul_ps(s_lo, k32));
+  _mm256_storeu_ps(out.minimum + 8, _mm256_mul_ps(s_hi, k32));
+}
+
+// Per-lane scales of sub-blocks of `size` weights: scale[e / 4] = values[e / size].
+template <int kSize>
+void spread_scales(const float* values, int subblocks, float* scale, float* minimum, const float* mins) {
+  for (int j = 0; j < subblocks; ++j) {
+    for (int i = 0; i < kSize / 4; ++i) scale[j * (kSize / 4) + i] = values[j];
+    for (int i = 0; i < kSize / 16; ++i) minimum[j * (kSize / 16) + i] = mins[j];
+  }
+}
+
+// --- 32-weight block types: `blocks` (1..8) blocks into one unit, the rest zero ---
+
+void decode_q8_0(const uint8_t* b, int blocks, GgufDecoded& out) {
+  float d[8], m[8];
+  for (int k = 0; k < blocks; ++k, b += 34) {
+    d[k] = gguf_f16(b);
+    m[k] = 0.0f;
+    for (int l = 0; l < 32; ++l) out.q[32 * k + l] = static_cast<uint8_t>(b[2 + l] ^ 0x80);
+  }
+  spread_scales<32>(d, blocks, out.scale, out.minimum, m);
+}
+
+// Q4_0 / Q4_1: nibbles (low: weight l, high: weight l + 16).
+template <bool kHasMin>
+void decode_q4_01(const uint8_t* b, int blocks, GgufDecoded& out) {
+  constexpr int kBytes = kHasMin ? 20 : 18, kQs = kHasMin ? 4 : 2;
+  float d[8], m[8];
+  for (int k = 0; k < blocks; ++k, b += kBytes) {
+    d[k] = gguf_f16(b);
+    m[k] = kHasMin ? -gguf_f16(b + 2) : 8.0f * d[k];
+    for (int l = 0; l < 16; ++l) {
+      out.q[32 * k + l] = b[kQs + l] & 15;
+      out.q[32 * k + 16 + l] = b[kQs + l] >> 4;
+    }
+  }
+  spread_scales<32>(d, blocks, out.scale, out.minimum, m);
+}
+
+// Q5_0 / Q5_1: nibbles plus bit j of a 32-bit word as bit 4 of weight j.
+template <bool kHasMin>
+void decode_q5_01(const uint8_t* b, int blocks, GgufDecoded& out) {
+  constexpr int kBytes = kHasMin ? 24 : 22, kQh = kHasMin ? 4 : 2;
+  float d[8], m[8];
+  for (int k = 0; k < blocks; ++k, b += kBytes) {
+    d[k] = gguf_f16(b);
+    m[k] = kHasMin ? -gguf_f16(b + 2) : 16.0f * d[k];
+    uint32_t high;
+    std::memcpy(&high, b + kQh, 4);
+    const uint8_t* qs = b + kQh + 4;
+    for (int l = 0; l < 16; ++l) {
+      out.q[32 * k + l] = static_cast<uint8_t>((qs[l] & 15) | (((high >> l) & 1) << 4));
+      out.q[32 * k + 16 + l] = static_cast<uint8_t>((qs[l] >> 4) | (((high >> (l + 16)) & 1) << 4));
+    }
+  }
+  spread_scales<32>(d, blocks, out.scale, out.minimum, m);
+}
+
+// --- 256-weight super-blocks (one per unit) ---
+
+void decode_q2_k(const uint8_t* b, GgufDecoded& out) {
+  const float d = gguf_f16(b + 80), dmin = gguf_f16(b + 82);
+  float sc[16], m[16];
+  for (int j = 0; j < 16; ++j) {
+    sc[j] = d * static_cast<float>(b[j] & 15);
+    m[j] = dmin * static_cast<float>(b[j] >> 4);
+  }
+  const uint8_t* qs = b + 16;
+  for (int n = 0; n < 2; ++n)
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l) out.q[128 * n + 32 * j + l] = (qs[32 * n + l] >> (2 * j)) & 3;
+  spread_scales<16>(sc, 16, out.scale, out.minimum, m);
+}
+
+void decode_q3_k(const uint8_t* b, GgufDecoded& out) {
+  const float d = gguf_f16(b + 108);
+  const uint8_t* hmask = b;
+  const uint8_t* qs = b + 32;
+  const uint8_t* s = b + 96;
+  float sc[16], m[16];
+  for (int i = 0; i < 16; ++i) {
+    const int low = i < 8 ? s[i] & 15 : s[i - 8] >> 4;
+    const int high = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+    sc[i] = d * static_cast<float>((low | (high << 4)) - 32);
+    m[i] = 4.0f * sc[i];
+  }
+  for (int n = 0; n < 2; ++n)
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l)
+        out.q[128 * n + 32 * j + l] = static_cast<uint8_t>(((qs[32 * n + l] >> (2 * j)) & 3) |
+                                                           (((hmask[l] >> (4 * n + j)) & 1) << 2));
+  spread_scales<16>(sc, 16, out.scale, out.minimum, m);
+}
+
+// Q4_K / Q5_K 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <bool kFiveBit>
+void decode_q45_k(const uint8_t* b, GgufDecoded& out) {
+  const float d = gguf_f16(b), dmin = gguf_f16(b + 2);
+  float sc[8], m[8];
+  for (int j = 0; j < 8; ++j) {
+    int s, mm;
+    scale_min_k4(j, b + 4, s, mm);
+    sc[j] = d * static_cast<float>(s);
+    m[j] = dmin * static_cast<float>(mm);
+  }
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (kFiveBit ? 48 : 16);
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      uint8_t lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
+      if (kFiveBit) {
+        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      }
+      out.q[64 * c + l] = lo;
+      out.q[64 * c + 32 + l] = hi;
+    }
+  spread_scales<32>(sc, 8, out.scale, out.minimum, m);
+}
+
+void decode_q6_k(const uint8_t* b, GgufDecoded& out) {
+  const float d = gguf_f16(b + 208);
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  float sc[16], m[16];
+  for (int j = 0; j < 16; ++j) {
+    sc[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
+    m[j] = 32.0f * sc[j];
+  }
+  for (int n = 0; n < 2; ++n)
+    for (int p = 0; p < 4; ++p)
+      for (int l = 0; l < 32; ++l)
+        out.q[128 * n + 32 * p + l] =
+            static_cast<uint8_t>(((ql[64 * n + 32 * (p % 2) + l] >> (4 * (p / 2))) & 15) |
+                                 (((qh[32 * n + l] >> (2 * p)) & 3) << 4));
+  spread_scales<16>(sc, 16, out.scale, out.minimum, m);
+}
+
+// One unit of `type` at `src`; `blocks` (1..8) is the number of 32-weight blocks for the
+// 32-weight types (8 unless it is a row's last, partial unit).
+template <GgmlType kType>
+void decode_unit(const uint8_t* src, int blocks, GgufDecoded& o) {
+  if constexpr (kType == GgmlType::kQ8_0) {
+    if (blocks == 8) return decode_q8_0_full(src, o);
+    decode_q8_0(src, blocks, o);
+  } else if constexpr (kType == GgmlType::kQ4_0) {
+    if (blocks == 8) return decode_q4_0_full(src, o);
+    decode_q4_01<false>(src, blocks, o);
+  } else if constexpr (kType == GgmlType::kQ4_1) {
+    decode_q4_01<true>(src, blocks, o);
+  } else if constexpr (kType == GgmlType::kQ5_0) {
+    decode_q5_01<false>(src, blocks, o);
+  } else if constexpr (kType == GgmlType::kQ5_1) {
+    decode_q5_01<true>(src, blocks, o);
+  } else if constexpr (kType == GgmlType::kQ2_K) {
+    decode_q2_k(src, o);
+  } else if constexpr (kType == GgmlType::kQ3_K) {
+    decode_q3_k(src, o);
+  } else if constexpr (kType == GgmlType::kQ4_K) {
+    decode_q4_k_full(src, o);
+  } else if constexpr (kType == GgmlType::kQ5_K) {
+    decode_q45_k<true>(src, o);
+  } else {
+    decode_q6_k_full(src, o);
+  }
+}
+
+// Decodes a row of k weights of kType into ceil(k / 256) units; the part of the last
+// unit past k is zero (zero levels, scales and minimums).
+template <GgmlType kType, uint32_t kBlockElems, uint32_t kBlockBytes>
+void gguf_decode_row_of(const uint8_t* row, int64_t k, GgufDecoded* out) {
+  constexpr int64_t kUnitBytes = kGgufSuper / kBlockElems * kBlockBytes;
+  const int64_t full = k / kGgufSuper;
+  for (int64_t u = 0; u < full; ++u) decode_unit<kType>(row + u * kUnitBytes, 8, out[u]);
+  if (full * kGgufSuper < k) {  // 32-weight types only (K-quant rows are multiples of 256)
+    std::memset(&out[full], 0, sizeof(GgufDecoded));
+    decode_unit<kType>(row + full * kUnitBytes, static_cast<int>((k - full * kGgufSuper) / 32), out[full]);
+  }
+}
+
+using GgufDecodeRowFn = void (*)(const uint8_t* row, int64_t k, GgufDecoded* out);
+
+// The row decoder of a quantized type (nullptr for float types).
+GgufDecodeRowFn gguf_decoder(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ8_0: return gguf_decode_row_of<GgmlType::kQ8_0, 32, 34>;
+    case GgmlType::kQ4_0: return gguf_decode_row_of<GgmlType::kQ4_0, 32, 18>;
+    case GgmlType::kQ4_1: return gguf_decode_row_of<GgmlType::kQ4_1, 32, 20>;
+    case GgmlType::kQ5_0: return gguf_decode_row_of<GgmlType::kQ5_0, 32, 22>;
+    case GgmlType::kQ5_1: return gguf_decode_row_of<GgmlType::kQ5_1, 32, 24>;
+    case GgmlType::kQ2_K: return gguf_decode_row_of<GgmlType::kQ2_K, 256, 84>;
+    case GgmlType::kQ3_K: return gguf_decode_row_of<GgmlType::kQ3_K, 256, 110>;
+    case GgmlType::kQ4_K: return gguf_decode_row_of<GgmlType::kQ4_K, 256, 144>;
+    case GgmlType::kQ5_K: return gguf_decode_row_of<GgmlType::kQ5_K, 256, 176>;
+    case GgmlType::kQ6_K: return gguf_decode_row_of<GgmlType::kQ6_K, 256, 210>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+}  // namespace kt::cpu

@@ -1,0 +1,269 @@
+// [NOTE] The GGUF MoE forward (format gguf): weights used in place, as GGUF stores them
+// (row-major [E, rows, K] blocks, a ggml type per matrix), written once and
+// instantiated per ISA with a set of integer operations. Phases:
+//   1. activations: each token to fp32, then quantized once per distinct activation
+//                   format gate and up need (8-bit blocks of 32 or 256; gguf_act.h).
+//   2. gate+up:     jobs (expert, 64 rows): kGgufRows rows at a time are decoded
+//                   (gguf_decode.h) and dotted with every token routed to the expert
+//                   (gguf_dot.h); SiLU(gate) * up per pair.
+//   2b.             each pair's intermediate row quantized for down's format.
+//   3. down:        jobs (expert, 64 hidden rows), same micro-kernels.
+//   4. combine:     out[t] = sum_j w[t, j] * down_out[pair].
+// Decoding a row group once and reusing it for all of the expert's tokens makes one
+// path serve decode (1-4 tokens per expert: weight streaming) and prefill.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../engine/engine.h"
+#include "../engine/scratch.h"
+#include "../formats/gguf_types.h"
+#include "../isa/vec_math.h"
+#include "gguf/gguf_act.h"
+#include "gguf/gguf_decode.h"
+#include "gguf/gguf_dot.h"
+#include "moe_args.h"
+#include "moe_driver_common.h"
+#include "moe_plan.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+constexpr int kGgufRows = 4;             // weight rows decoded and dotted together
+constexpr int64_t kGgufJobRows = 64;      // rows per job (kTileBlocks blocks of 16)
+constexpr int64_t kGgufPrefetch = 16384;  // bytes ahead of the row being decoded (measured: 4 KiB - 32 KiB)
+
+constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// One matrix (gate, up or down) of every expert in the blob.
+struct GgufMatrix {
+  const uint8_t* first_expert;
+  uint64_t expert_bytes;
+  uint64_t row_bytes;
+  GgmlType type;
+  bool is_float;
+  GgufDecodeRowFn decode;  // quantized types
+  int64_t k, kp;  // row length and its padded length (multiple of 256)
+
+  GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_)
+      : first_expert(blob + layout.matrix_offset[m]),
+        expert_bytes(layout.matrix_expert_bytes[m]),
+        row_bytes(layout.matrix_expert_bytes[m] / rows),
+        type(ggml_type_info(layout.shape.gguf_types[m]).type),
+        is_float(ggml_type_info(layout.shape.gguf_types[m]).is_float),
+        decode(gguf_decoder(type)),
+        k(k_),
+        kp(round_up(k_, kGgufSuper)) {}
+  const uint8_t* row(int64_t expert, int64_t n) const {
+    return first_expert + expert * expert_bytes + n * row_bytes;
+  }
+  int act_block() const { return is_float ? 0 : static_cast<int>(ggml_type_info(static_cast<uint32_t>(type)).block_elems); }
+};
+
+// A float-type row (F32 / F16 / BF16) as fp32, zero past k up to kp.
+template <class V>
+void gguf_float_row(GgmlType type, const uint8_t* row, int64_t k, int64_t kp, float* out) {
+  constexpr int W = V::kWidth;
+  int64_t i = 0;
+  if (type == GgmlType::kF32) {
+    std::memcpy(out, row, k * sizeof(float));
+    i = k;
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+    const bool bf16 = type == GgmlType::kBf16;
+    for (; i + W <= k; i += W) V::store(out + i, bf16 ? V::load_bf16(h + i) : V::load_f16(h + i));
+    for (; i < k; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, h + i, 2);
+      out[i] = bf16 ? bf16_to_float(bits) : f16_to_float(bits);
+    }
+  }
+  std::fill(out + k, out + kp, 0.0f);
+}
+
+template <class Ops, int NR>
+void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& acts, int64_t a, float* out) {
+  using V = typename Ops::Vec;
+  const int64_t units = m.kp / kGgufSuper;
+  if (m.is_float) {
+    const float* rows[NR];
+    for (int i = 0; i < NR; ++i) rows[i] = static_cast<const float*>(decoded) + i * m.kp;
+    return gguf_dot_rows_float<V, NR>(rows, acts.f + a * m.kp, m.kp, out);
+  }
+  const GgufDecoded* rows[NR];
+  for (int i = 0; i < NR; ++i) rows[i] = static_cast<const GgufDecoded*>(decoded) + i * units;
+  const int8_t* q = acts.q + a * m.kp;
+  const float* s = acts.scale + a * (m.kp / 4);
+  const float* sums = acts.sum16 + a * (m.kp / 16);
+  const int32_t* bias4 = acts.bias4 + a * (m.kp / 4);
+  if (m.type == GgmlType::kQ8_0)
+    gguf_dot_rows<Ops, true, NR>(rows, q, s, sums, bias4, units, out);
+  else
+    gguf_dot_rows<Ops, false, NR>(rows, q, s, sums, bias4, units, out);
+}
+
+// out[p * ldo + n] = dot(row n of `expert`, activation row act_row(p)) for rows [n0, n1)
+// and pairs [p0, p1); act_rows == nullptr means activation row p.
+template <class Ops>
+void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
+               const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  using V = typename Ops::Vec;
+  const int64_t units = m.kp / kGgufSuper;
+  thread_local std::vector<GgufDecoded> decoded_units;
+  thread_local std::vector<float> decoded_floats;
+  void* decoded;
+  if (m.is_float) {
+    decoded_floats.resize(kGgufRows * m.kp);
+    decoded = decoded_floats.data();
+  } else {
+    decoded_units.resize(kGgufRows * units);
+    decoded = decoded_units.data();
+  }
+  for (int64_t n = n0; n < n1; n += kGgufRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(kGgufRows, n1 - n));
+    for (int i = 0; i < nr; ++i) {
+      const uint8_t* row = m.row(expert, n + i);
+      for (uint64_t b = 0; b < m.row_bytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + kGgufPrefetch + b), _MM_HINT_T0);
+      if (m.is_float)
+        gguf_float_row<V>(m.type, row, m.k, m.kp, decoded_floats.data() + i * m.kp);
+      else
+        m.decode(row, m.k, decoded_units.data() + i * units);
+    }
+    float result[kGgufRows];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t a = act_rows != nullptr ? act_rows[p] : p;
+      switch (nr) {
+        case 4: gguf_dot_group<Ops, 4>(m, decoded, acts, a, result); break;
+        case 3: gguf_dot_group<Ops, 3>(m, decoded, acts, a, result); break;
+        case 2: gguf_dot_group<Ops, 2>(m, decoded, acts, a, result); break;
+        default: gguf_dot_group<Ops, 1>(m, decoded, acts, a, result); break;
+      }
+      std::copy(result, result + nr, out + p * ldo + n);
+    }
+  }
+}
+
+template <class Ops>
+void moe_forward_gguf(const MoeArgs& args) {
+  using V = typename Ops::Vec;
+  constexpr int W = V::kWidth;
+  const PackedLayout& layout = args.layout;
+  const int64_t E = layout.shape.num_experts, H = layout.shape.hidden_size,
+                I = layout.shape.intermediate_size;
+  const int64_t T = args.tokens, K = args.top_k;
+  const GgufMatrix gate(args.packed, layout, kGgufGate, I, H), up(args.packed, layout, kGgufUp, I, H),
+      down(args.packed, layout, kGgufDown, H, I);
+  const int64_t Hp = gate.kp, Ip = down.kp, H16 = round_up(H, 16);
+
+  thread_local MoePlan thread_plan;
+  thread_local std::vector<ExpertTile> thread_tiles;
+  MoePlan& plan = thread_plan;
+  std::vector<ExpertTile>& tiles = thread_tiles;
+  plan.build(args.topk_ids, args.topk_ids_int64, T, K, E);
+  const int64_t P = plan.num_pairs;
+
+  // Activation formats: gate's, up's (shared when equal), down's.
+  const int gate_block = gate.act_block(), up_block = up.act_block(), down_block = down.act_block();
+  const bool shared = gate_block == up_block;
+  ScratchLayout carve;
+  const size_t x_at = carve.add<float>(T * Hp);
+  auto carve_acts = [&](int block, int64_t rows, int64_t kp, size_t at[4]) {
+    const int64_t n = block == 0 ? 0 : rows;
+    at[0] = carve.add<int8_t>(n * kp);
+    at[1] = carve.add<float>(n * kp / 4);
+    at[2] = carve.add<float>(n * kp / 16);
+    at[3] = carve.add<int32_t>(n * kp / 4);
+  };
+  size_t gate_at[4], up_at[4], down_at[4];
+  carve_acts(gate_block, T, Hp, gate_at);
+  carve_acts(shared ? 0 : up_block, T, Hp, up_at);
+  const size_t gate_f_at = carve.add<float>(P * Ip);  // gate, then the intermediate
+  const size_t up_f_at = carve.add<float>(P * Ip);
+  carve_acts(down_block, P, Ip, down_at);
+  const size_t out_at = carve.add<float>(P * H16);
+  const size_t weights_at = carve.add<float>(T * K);
+  uint8_t* scratch = thread_scratch(carve.bytes());
+  auto acts_at = [&](int block, int64_t kp, const size_t at[4], const float* f) {
+    GgufActs acts;
+    acts.kp = kp;
+    acts.block = block;
+    acts.q = reinterpret_cast<int8_t*>(scratch + at[0]);
+    acts.scale = reinterpret_cast<float*>(scratch + at[1]);
+    acts.sum16 = reinterpret_cast<float*>(scratch + at[2]);
+    acts.bias4 = reinterpret_cast<int32_t*>(scratch + at[3]);
+    acts.f = f;
+    return acts;
+  };
+  float* x = reinterpret_cast<float*>(scratch + x_at);
+  float* gate_f = reinterpret_cast<float*>(scratch + gate_f_at);
+  float* up_f = reinterpret_cast<float*>(scratch + up_f_at);
+  float* down_out = reinterpret_cast<float*>(scratch + out_at);
+  float* weights = reinterpret_cast<float*>(scratch + weights_at);
+  const GgufActs gate_acts = acts_at(gate_block, Hp, gate_at, x);
+  const GgufActs up_acts = shared ? gate_acts : acts_at(up_block, Hp, up_at, x);
+  const GgufActs down_acts = acts_at(down_block, Ip, down_at, gate_f);
+  for (int64_t s = 0; s < T * K; ++s) weights[s] = weight_at(args.topk_weights, args.weights_type, s);
+
+  // 1. Tokens: fp32 (zero-padded to Hp), quantized for gate and up.
+  Engine& engine = Engine::instance();
+  const size_t in_bytes = args.hidden_type == ElementType::kF32 ? 4 : 2;
+  engine.parallel_for(ceil_div(T, kRowsPerJob), [&](int64_t job) {
+    for (int64_t t = job * kRowsPerJob; t < std::min(T, (job + 1) * kRowsPerJob); ++t) {
+      convert_row<V>(static_cast<const uint8_t*>(args.hidden) + t * H * in_bytes, args.hidden_type, H,
+                     x + t * Hp, Hp);
+      if (gate_block != 0) gguf_quantize_act_row<V>(x + t * Hp, gate_acts, t);
+      if (!shared && up_block != 0) gguf_quantize_act_row<V>(x + t * Hp, up_acts, t);
+    }
+  });
+
+  // 2. gate / up rows for every pair of the expert, then SiLU(gate) * up into gate_f.
+  build_tiles(plan.active_experts, ceil_div(I, 16), tiles);
+  const int32_t* pair_token = plan.pair_token.data();
+  engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
+    const ExpertTile tile = tiles[job];
+    const int64_t n0 = tile.first_block * int64_t{16}, n1 = std::min(I, n0 + kGgufJobRows);
+    const int64_t p0 = plan.expert_begin[tile.expert], p1 = plan.expert_begin[tile.expert + 1];
+    gguf_rows<Ops>(gate, tile.expert, n0, n1, gate_acts, pair_token, p0, p1, gate_f, Ip);
+    gguf_rows<Ops>(up, tile.expert, n0, n1, up_acts, pair_token, p0, p1, up_f, Ip);
+    for (int64_t p = p0; p < p1; ++p) {
+      float* g = gate_f + p * Ip;
+      const float* u = up_f + p * Ip;
+      int64_t n = n0;
+      for (; n + W <= n1; n += W) V::store(g + n, vec_silu_mul<V>(V::load(g + n), V::load(u + n)));
+      if (n < n1) {
+        float gt[W] = {}, ut[W] = {};
+        std::copy(g + n, g + n1, gt);
+        std::copy(u + n, u + n1, ut);
+        V::store(gt, vec_silu_mul<V>(V::load(gt), V::load(ut)));
+        std::copy(gt, gt + (n1 - n), g + n);
+      }
+    }
+  });
+
+  // 2b. Intermediate rows: zero past I, quantized for down.
+  engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+    for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p) {
+      std::fill(gate_f + p * Ip + I, gate_f + (p + 1) * Ip, 0.0f);
+      if (down_block != 0) gguf_quantize_act_row<V>(gate_f + p * Ip, down_acts, p);
+    }
+  });
+
+  // 3. down.
+  build_tiles(plan.active_experts, ceil_div(H, 16), tiles);
+  engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
+    const ExpertTile tile = tiles[job];
+    const int64_t h0 = tile.first_block * int64_t{16}, h1 = std::min(H, h0 + kGgufJobRows);
+    gguf_rows<Ops>(down, tile.expert, h0, h1, down_acts, nullptr, plan.expert_begin[tile.expert],
+                   plan.expert_begin[tile.expert + 1], down_out, H16);
+  });
+
+  // 4. combine.
+  combine_outputs<V>(args, plan, weights, nullptr, down_out, H16);
+}
+
+}  // namespace
+}  // namespace kt::cpu

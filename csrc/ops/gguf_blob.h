@@ -1,0 +1,28 @@
+// Packed gguf blobs built from GGUF bytes that already exist: memory-mapped from GGUF
+// files (no copy) or copied from uint8 tensors.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kt::ops {
+
+// A blob whose gate, up and down matrices are the file ranges [offsets[m], offsets[m] +
+// bytes) of files[m], mapped copy-on-write (MAP_PRIVATE) behind a header page; the
+// tensor owns the mappings (unmapped when it is freed). types are ggml type ids; gate
+// and up are [E, I, H], down [E, H, I]. Raises ValueError for a file too short for its
+// range (truncated) or an impossible layout, OSError if a file cannot be opened.
+at::Tensor map_gguf_experts(const std::vector<std::string>& files, const std::vector<int64_t>& offsets,
+                            const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
+                            int64_t intermediate);
+
+// A blob holding copies of gate, up and down (uint8 tensors of exactly the GGUF bytes of
+// [E, I, H], [E, I, H] and [E, H, I] in their types).
+at::Tensor gguf_experts_from_blocks(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                                    const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
+                                    int64_t intermediate);
+
+}  // namespace kt::ops

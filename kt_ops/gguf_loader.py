@@ -1,0 +1,167 @@
+"""Routed experts straight from GGUF files (the ``LLAMAFILE`` weight source).
+
+A layer's experts are GGUF's stacked tensors ``blk.{L}.ffn_gate_exps.weight``,
+``ffn_up_exps`` (ggml shape ``[H, I, E]``: E experts of I rows of H) and
+``ffn_down_exps`` (``[I, H, E]``), in any supported type each (Q4_K_M files store down
+in Q6_K). They are memory-mapped in place, copy-on-write, behind a kt_ops header page:
+nothing is converted or copied, and the returned tensor keeps the mapping alive after
+the reader is gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from glob import escape as glob_escape
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+
+from kt_ops._native import _C
+from kt_ops.gguf_types import gguf_type_id
+from kt_ops.packed import PackedExperts
+
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+@dataclass(frozen=True)
+class GgufModelInfo:
+    """What a GGUF model's metadata says about its MoE layers."""
+
+    architecture: str
+    num_layers: int
+    num_experts: int
+    num_experts_per_tok: int
+    hidden_size: int
+    moe_intermediate_size: int | None  # None if the file does not say
+    files: tuple[Path, ...]
+
+
+def gguf_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
+    """The GGUF files of a model: ``path`` itself, or every ``*.gguf`` in a directory.
+    Split models (``*-00001-of-0000N.gguf``) must be complete (``ValueError`` naming the
+    missing parts) and come back in part order."""
+    root = Path(path)
+    part = _SPLIT.match(root.name)
+    if root.is_file() and part:  # one part of a split model: the whole model
+        files = sorted(root.parent.glob(f"{glob_escape(part['stem'])}-*-of-{part['count']}.gguf"))
+    elif root.is_file():
+        files = [root]
+    elif root.is_dir():
+        files = sorted(root.glob("*.gguf"))
+        if not files:
+            raise ValueError(f"no .gguf files in directory {str(root)!r}")
+    else:
+        raise FileNotFoundError(f"GGUF path {str(root)!r} does not exist")
+    splits = [m for m in (_SPLIT.match(f.name) for f in files) if m]
+    if splits:
+        stems = {(m["stem"], m["count"]) for m in splits}
+        if len(stems) > 1 or len(splits) != len(files):
+            raise ValueError(f"{str(root)!r} holds files of more than one model: {[f.name for f in files]}")
+        count = int(splits[0]["count"])
+        present = {int(m["index"]) for m in splits}
+        missing = sorted(set(range(1, count + 1)) - present)
+        if missing:
+            stem = splits[0]["stem"]
+            names = ", ".join(f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in missing)
+            raise ValueError(f"split GGUF model in {str(root)!r} is incomplete: missing {names}")
+    return tuple(files)
+
+
+@functools.lru_cache(maxsize=64)
+def _reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as error:  # numpy/struct errors on a damaged file
+        raise ValueError(f"cannot read GGUF file {path!r} (truncated or not GGUF?): {error}") from error
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    stat = path.stat()
+    return _reader(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> object | None:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def read_gguf_config(path: str | os.PathLike[str]) -> GgufModelInfo:
+    """The MoE sizes from the metadata of a GGUF model (a file or a directory, split or
+    not); ``ValueError`` if it is not an MoE model."""
+    files = gguf_files(path)
+    reader = _open(files[0])
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{str(files[0])!r} has no general.architecture")
+
+    def need(key: str) -> int:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{str(files[0])!r} ({arch}) has no {arch}.{key}: not an MoE model?")
+        return int(value)
+
+    inter = _field(reader, f"{arch}.expert_feed_forward_length")
+    return GgufModelInfo(
+        architecture=arch,
+        num_layers=need("block_count"),
+        num_experts=need("expert_count"),
+        num_experts_per_tok=need("expert_used_count"),
+        hidden_size=need("embedding_length"),
+        moe_intermediate_size=None if inter is None else int(inter),
+        files=files,
+    )
+
+
+def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int) -> PackedExperts:
+    """The routed experts of layer ``layer_idx`` of a GGUF model, memory-mapped.
+
+    Args:
+        path: a ``.gguf`` file or a directory of them (split models included).
+        layer_idx: the layer (``blk.{layer_idx}``).
+
+    Returns:
+        A :class:`PackedExperts` of format ``"gguf"`` whose ``data`` maps the file's
+        blocks (gate, up and down keep their own GGUF types).
+
+    Raises:
+        ValueError: no expert tensors for the layer, an unsupported GGUF type (named),
+            shapes that disagree with the metadata, a truncated file.
+    """
+    info = read_gguf_config(path)
+    if not 0 <= layer_idx < info.num_layers:
+        raise ValueError(f"layer_idx {layer_idx} is outside the model's {info.num_layers} layers")
+    names = [f"blk.{layer_idx}.{m}.weight" for m in _MATRICES]
+    found: dict[str, tuple[Path, gguf.gguf_reader.ReaderTensor]] = {}
+    for file in info.files:
+        for tensor in _open(file).tensors:
+            if tensor.name in names:
+                found[tensor.name] = (file, tensor)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(
+            f"GGUF model {str(path)!r} has no {', '.join(missing)}: layer {layer_idx} has no routed experts "
+            "in the stacked ffn_*_exps form (a dense layer, or a layout kt_ops does not read)"
+        )
+    E, H = info.num_experts, info.hidden_size
+    I = info.moe_intermediate_size or int(found[names[0]][1].shape[1])
+    expected = ((H, I, E), (H, I, E), (I, H, E))
+    files, offsets, types = [], [], []
+    for name, want in zip(names, expected):
+        file, tensor = found[name]
+        shape = tuple(int(d) for d in tensor.shape)
+        if shape != want:
+            raise ValueError(
+                f"{name} in {file.name} has ggml shape {list(shape)} but the metadata (E={E}, H={H}, I={I}) "
+                f"needs {list(want)}"
+            )
+        try:
+            types.append(gguf_type_id(tensor.tensor_type))
+        except ValueError as error:
+            raise ValueError(f"{name} in {file.name}: {error}") from None
+        files.append(str(file))
+        offsets.append(int(tensor.data_offset))
+    return PackedExperts(_C.map_gguf_experts(files, offsets, types, E, H, I))

@@ -1,0 +1,298 @@
+"""GGUF formats (LLAMAFILE): every supported ggml type on every CPU variant against
+kt_ops.reference on weights dequantized by the ``gguf`` package itself, our quantizers
+against gguf's, and GGUF files written by ``gguf.GGUFWriter`` loaded back (single and
+split), memory-mapped.
+
+Per kernel case, two comparisons that can each fail on their own:
+- tight: the reference with the kernel's 8-bit activation blocks simulated
+  (``quantize_activations=reference.gguf_activation_blocks(blob)``): only summation
+  order differs, bound 1e-3 (measured ~1e-7 .. 1e-6);
+- the issue's bound: plain fp32 reference on the gguf-dequantized weights, relative
+  (Frobenius) error <= 3e-2 (the 8-bit activation blocks cost 1-2%).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf_helpers import FLOAT_TYPES, T, dequantize, random_blocks, write_model
+
+import gguf
+import kt_ops
+from conftest import random_routing, rel_err
+from kt_ops import gguf_loader, reference
+from kt_ops._native import _C
+
+QUANT_32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+QUANT_256 = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ALL_TYPES = FLOAT_TYPES + QUANT_32 + QUANT_256
+
+# (E, top_k, H, I, tokens) per block size: rows off the 4-row groups and 64-row jobs,
+# rows past a partial 256-weight unit (32-blocks: K = 96, 288, 160, 1120), top-k = E,
+# experts with > 4 and > 64 tokens.
+SHAPES = {
+    1: [(4, 2, 33, 17, 3), (3, 3, 64, 70, 9)],
+    32: [(4, 2, 96, 160, 1), (3, 3, 288, 96, 7), (6, 2, 1120, 64, 70)],
+    256: [(4, 2, 256, 256, 1), (3, 3, 512, 256, 7), (5, 2, 256, 512, 90)],
+}
+
+
+def block_of(type_name: str) -> int:
+    return gguf.GGML_QUANT_SIZES[T[type_name]][0]
+
+
+def packed_from_blocks(types: tuple[str, str, str], E: int, H: int, I: int, seed: int):
+    """Random valid blocks -> (blob, gate, up, down dequantized by gguf)."""
+    rng = np.random.default_rng(seed)
+    raws = [random_blocks(t, E * rows, k, rng) for t, (rows, k) in zip(types, ((I, H), (I, H), (H, I)))]
+    blob = _C.gguf_experts_from_blocks(*(torch.from_numpy(r.reshape(-1).copy()) for r in raws),
+                                       [int(T[t]) for t in types], E, H, I)
+    weights = [dequantize(r, t, (E, rows, k)) for r, t, (rows, k) in zip(raws, types, ((I, H), (I, H), (H, I)))]
+    return blob, *weights
+
+
+def check_kernel(blob: torch.Tensor, gate, up, down, E: int, k: int, H: int, T_: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T_, H, generator=g).bfloat16()
+    ids, weights = random_routing(T_, E, k, seed)
+    out = kt_ops.moe_forward(x, ids, weights, blob)
+    tight = reference.moe_forward(x, ids, weights, gate, up, down,
+                                  quantize_activations=reference.gguf_activation_blocks(blob))
+    plain = reference.moe_forward(x, ids, weights, gate, up, down)
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out, tight) <= 1e-3 + 8e-3 * (out.dtype == torch.bfloat16)  # bf16 output rounding
+    assert rel_err(out, plain) <= 3e-2
+
+
+def kernel_cases() -> list:
+    out = []
+    for t in ALL_TYPES:
+        for E, k, H, I, T_ in SHAPES[block_of(t)]:
+            out.append(pytest.param(t, E, k, H, I, T_, id=f"{t}-E{E}k{k}H{H}I{I}T{T_}"))
+    return out
+
+
+@pytest.mark.parametrize("type_name,E,k,H,I,tokens", kernel_cases())
+def test_random_blocks(variant: str, type_name: str, E: int, k: int, H: int, I: int, tokens: int) -> None:
+    blob, gate, up, down = packed_from_blocks((type_name,) * 3, E, H, I, seed=H + I)
+    check_kernel(blob, gate, up, down, E, k, H, tokens, seed=tokens)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q5_0", "Q8_0"), ("Q8_0", "F16", "Q3_K"),
+                                   ("BF16", "Q2_K", "Q5_1"), ("Q5_K", "Q4_1", "F32")], ids="-".join)
+def test_mixed_types(variant: str, types: tuple[str, str, str]) -> None:
+    """A layer whose gate, up and down use different types (as Q4_K_M files do)."""
+    E, k, H, I = 5, 2, 512, 256
+    blob, gate, up, down = packed_from_blocks(types, E, H, I, seed=7)
+    for tokens in (1, 40):
+        check_kernel(blob, gate, up, down, E, k, H, tokens, seed=tokens)
+
+
+@pytest.mark.parametrize("type_name", QUANT_32)
+def test_real_blocks_from_gguf_quantize(variant: str, type_name: str) -> None:
+    """Blocks quantized by gguf.quants.quantize (real data, not random bytes)."""
+    E, k, H, I = 4, 2, 96, 64
+    g = torch.Generator().manual_seed(3)
+    mats = [torch.randn(E, r, c, generator=g) / c**0.5 for r, c in ((I, H), (I, H), (H, I))]
+    raws = [gguf.quants.quantize(m.reshape(-1, m.shape[-1]).numpy(), T[type_name]) for m in mats]
+    blob = _C.gguf_experts_from_blocks(*(torch.from_numpy(r.reshape(-1).copy()) for r in raws),
+                                       [int(T[type_name])] * 3, E, H, I)
+    weights = [dequantize(r, type_name, tuple(m.shape)) for r, m in zip(raws, mats)]
+    check_kernel(blob, *weights, E, k, H, 9, seed=1)
+
+
+@pytest.mark.parametrize("type_name", QUANT_32)
+def test_quantizer_matches_gguf_bit_for_bit(type_name: str) -> None:
+    """Our C++ quantizer for the 32-weight types == gguf.quants.quantize (ggml's reference)."""
+    E, H, I = 3, 64, 96
+    g = torch.Generator().manual_seed(5)
+    gate, up, down = (torch.randn(E, r, c, generator=g) for r, c in ((I, H), (I, H), (H, I)))
+    packed = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type=type_name)
+    info = _C.packed_info(packed.data)
+    for m, (tensor, offset) in enumerate(zip((gate, up, down), info["matrix_offsets"])):
+        ours = packed.data[offset : offset + tensor.numel() // 32 * gguf.GGML_QUANT_SIZES[T[type_name]][1]].numpy()
+        theirs = gguf.quants.quantize(tensor.reshape(-1, tensor.shape[-1]).numpy(), T[type_name]).reshape(-1)
+        np.testing.assert_array_equal(ours, theirs, err_msg=f"{type_name} matrix {m}")
+
+
+# Relative quantization error bounds for Gaussian weights (measured 0.33 / 0.155 /
+# 0.078 / 0.038 / 0.019 for the round-to-nearest K-quants).
+KQUANT_ERROR = {"Q2_K": 0.40, "Q3_K": 0.19, "Q4_K": 0.095, "Q5_K": 0.047, "Q6_K": 0.024}
+
+
+@pytest.mark.parametrize("type_name", QUANT_256)
+def test_kquant_quantizer_gives_valid_blocks(type_name: str) -> None:
+    """Our K-quant blocks, decoded by gguf, are close to the input (valid GGUF), and the
+    kernel runs on them within the bounds."""
+    E, k, H, I = 4, 2, 256, 512
+    g = torch.Generator().manual_seed(11)
+    gate, up, down = (torch.randn(E, r, c, generator=g) / c**0.5 for r, c in ((I, H), (I, H), (H, I)))
+    packed = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type=T[type_name])
+    deq = reference.dequantize(packed.data)
+    for original, decoded in zip((gate, up, down), deq):
+        assert rel_err(decoded, original) <= KQUANT_ERROR[type_name]
+    check_kernel(packed.data, *deq, E, k, H, 6, seed=2)
+
+
+def test_gguf_type_forms_and_dtypes() -> None:
+    E, H, I = 2, 256, 256
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(E, r, c, generator=g) for r, c in ((I, H), (I, H), (H, I)))
+    forms = ["Q4_K", "q4_k", T.Q4_K, int(T.Q4_K), ("Q4_K", 12, T.Q4_K)]
+    blobs = [kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type=f).data for f in forms]
+    for blob in blobs[1:]:
+        assert torch.equal(blob, blobs[0])
+    for dtype in (torch.bfloat16, torch.float16):  # read directly, = converting first
+        ours = kt_ops.pack_experts(gate.to(dtype), up.to(dtype), down.to(dtype), method="LLAMAFILE", gguf_type="Q8_0")
+        ref = kt_ops.pack_experts(gate.to(dtype).float(), up.to(dtype).float(), down.to(dtype).float(),
+                                  method="LLAMAFILE", gguf_type="Q8_0")
+        assert torch.equal(ours.data, ref.data)
+    info = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type=("Q4_K", "Q4_K", "Q6_K"))
+    assert info.format == "gguf" and _C.packed_info(info.data)["gguf_types"] == ["Q4_K", "Q4_K", "Q6_K"]
+
+
+# --- files -----------------------------------------------------------------------------
+
+
+def model_layers(types: tuple[str, str, str], layers: int, E: int, H: int, I: int, seed: int):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(layers):
+        layer = {}
+        for name, t, (rows, k) in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), types, ((I, H), (I, H), (H, I))):
+            layer[name] = (t, random_blocks(t, E * rows, k, rng).reshape(E, rows, -1))
+        out.append(layer)
+    return out
+
+
+def check_layer_from_file(packed: kt_ops.PackedExperts, layer: dict, E: int, H: int, I: int) -> None:
+    assert packed.format == "gguf" and packed.num_experts == E
+    weights = [dequantize(raw.reshape(E * rows, -1), t, (E, rows, k))
+               for (t, raw), (rows, k) in zip(layer.values(), ((I, H), (I, H), (H, I)))]
+    check_kernel(packed.data, *weights, E, 2, H, 5, seed=4)
+
+
+@pytest.mark.parametrize("split", [0, 2], ids=["single", "split"])
+def test_load_gguf_model(tmp_path, split: int) -> None:
+    """A tiny Q4_K_M-style MoE written by gguf.GGUFWriter (3 layers, 8 experts), single
+    file or split in parts of 2 tensors, loaded layer by layer."""
+    E, H, I = 8, 256, 512
+    layers = model_layers(("Q4_K", "Q4_K", "Q6_K"), 3, E, H, I, seed=1)
+    layers[1] = model_layers(("Q8_0", "Q4_0", "Q5_K"), 1, E, H, I, seed=2)[0]
+    write_model(tmp_path / "tiny.gguf", layers, E, H, I, split_max_tensors=split)
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == (1 if not split else 6), files
+    info = kt_ops.read_gguf_config(tmp_path)
+    assert (info.num_layers, info.num_experts, info.num_experts_per_tok, info.hidden_size,
+            info.moe_intermediate_size) == (3, E, 2, H, I)
+    for index, layer in enumerate(layers):
+        check_layer_from_file(kt_ops.load_gguf_experts(tmp_path, index), layer, E, H, I)
+    # One part's path loads the whole split model.
+    check_layer_from_file(kt_ops.load_gguf_experts(tmp_path / files[0], 2), layers[2], E, H, I)
+
+
+def test_mapped_weights_outlive_the_file_and_reader(tmp_path) -> None:
+    """The blob maps the file (not a copy) and owns the mapping: freeing the reader and
+    deleting the file (kt-kernel segfaults here) leave it usable."""
+    E, H, I = 8, 256, 256
+    layers = model_layers(("Q4_K", "Q4_K", "Q6_K"), 1, E, H, I, seed=3)
+    path = tmp_path / "m.gguf"
+    write_model(path, layers, E, H, I)
+    packed = kt_ops.load_gguf_experts(path, 0)
+    assert packed.nbytes > os.path.getsize(path) // 2  # blob is the mapped file ranges
+    gguf_loader._reader.cache_clear()
+    os.remove(path)
+    gc.collect()
+    check_layer_from_file(packed, layers[0], E, H, I)
+    packed.data[300] = 1  # copy-on-write: writable, the (deleted) file is untouched
+
+
+# --- bad input -------------------------------------------------------------------------
+
+
+def test_bad_files(tmp_path) -> None:
+    E, H, I = 8, 256, 256
+    layers = model_layers(("Q4_K", "Q4_K", "Q6_K"), 2, E, H, I, seed=5)
+    good = tmp_path / "good"
+    good.mkdir()
+    write_model(good / "m.gguf", [layers[0], None], E, H, I)
+    with pytest.raises(ValueError, match=r"no blk\.1\.ffn_gate_exps\.weight.*layer 1"):
+        kt_ops.load_gguf_experts(good, 1)
+    with pytest.raises(ValueError, match="outside the model's 2 layers"):
+        kt_ops.load_gguf_experts(good, 2)
+    with pytest.raises(FileNotFoundError):
+        kt_ops.load_gguf_experts(tmp_path / "missing", 0)
+
+    unsupported = tmp_path / "iq"
+    unsupported.mkdir()
+    iq = dict(layers[0])
+    iq["ffn_down_exps"] = ("IQ4_NL", np.zeros((E, H, I // 32 * 18), dtype=np.uint8))
+    write_model(unsupported / "m.gguf", [iq], E, H, I)
+    with pytest.raises(ValueError, match=r"ffn_down_exps.*IQ4_NL is not supported"):
+        kt_ops.load_gguf_experts(unsupported, 0)
+
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    write_model(shapes / "m.gguf", [layers[0]], E, H, I, metadata_experts=16)
+    with pytest.raises(ValueError, match=r"ggml shape \[256, 256, 8\] but the metadata \(E=16"):
+        kt_ops.load_gguf_experts(shapes, 0)
+
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    write_model(truncated / "m.gguf", [layers[0]], E, H, I)
+    file = truncated / "m.gguf"
+    os.truncate(file, os.path.getsize(file) - 4096)
+    with pytest.raises(ValueError, match="truncated"):
+        kt_ops.load_gguf_experts(truncated, 0)
+
+    split = tmp_path / "split"
+    split.mkdir()
+    write_model(split / "m.gguf", [layers[0]], E, H, I, split_max_tensors=2)
+    os.remove(split / "m-00002-of-00002.gguf")
+    with pytest.raises(ValueError, match=r"incomplete: missing m-00002-of-00002\.gguf"):
+        kt_ops.load_gguf_experts(split, 0)
+
+
+def test_bad_pack_arguments() -> None:
+    E, H, I = 2, 256, 1408  # 1408 = 5.5 x 256: K-quants cannot store down
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(E, r, c, generator=g) for r, c in ((I, H), (I, H), (H, I)))
+    with pytest.raises(ValueError, match=r"down_proj: GGUF type Q4_K needs a row length.*1408.*Q5_0"):
+        kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="Q4_K")
+    kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type=("Q4_K", "Q4_K", "Q5_0"))  # the fallback
+    with pytest.raises(ValueError, match="needs gguf_type"):
+        kt_ops.pack_experts(gate, up, down, method="LLAMAFILE")
+    with pytest.raises(ValueError, match="unknown GGUF type 'Q9_9'"):
+        kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="Q9_9")
+    with pytest.raises(ValueError, match="IQ4_XS is not supported"):
+        kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="IQ4_XS")
+    with pytest.raises(ValueError, match=r"\(gate, up, down\)"):
+        kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type=("Q4_K", "Q6_K"))
+    with pytest.raises(ValueError, match="gguf_type applies to method 'LLAMAFILE'"):
+        kt_ops.pack_experts(gate, up, down, method="AMXINT8", gguf_type="Q4_K")
+    with pytest.raises(ValueError, match="neither group_size nor scale_search"):
+        kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="Q8_0", group_size=32)
+    with pytest.raises(ValueError, match="pack_gguf_experts"):
+        torch.ops.kt.pack_experts(gate, up, down, "gguf")
+    with pytest.raises(ValueError, match="IQ4_XS is not supported"):  # op level, no Python checks
+        torch.ops.kt.pack_gguf_experts(gate, up, down, [12, 12, int(T.IQ4_XS)])
+    with pytest.raises(ValueError, match="blocks of 256 elements, but the row length is 1408"):
+        torch.ops.kt.pack_gguf_experts(gate, up, down, [12, 12, 12])
+
+
+def test_corrupt_gguf_blob_is_refused() -> None:
+    E, H, I = 2, 256, 256
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(E, r, c, generator=g) for r, c in ((I, H), (I, H), (H, I)))
+    blob = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="Q4_K").data
+    x, (ids, weights) = torch.randn(1, H), random_routing(1, E, 1)
+    with pytest.raises(ValueError, match="truncated"):
+        kt_ops.moe_forward(x, ids, weights, blob[:-64].clone())
+    bad = blob.clone()
+    bad[96:104] = torch.tensor([0xFF] * 8, dtype=torch.uint8)  # gate offset field
+    with pytest.raises(ValueError, match="checksum"):
+        kt_ops.moe_forward(x, ids, weights, bad)
