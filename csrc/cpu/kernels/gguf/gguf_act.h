@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
@@ -22,6 +23,10 @@ struct GgufActs {
   float* scale = nullptr;    // [rows, kp / 4]
   float* sum16 = nullptr;    // [rows, kp / 16]
   int32_t* bias4 = nullptr;  // [rows, kp / 4]
+  // Q4_K on AVX-512 (gguf_q4k_avx512.h): each 256-value unit in kGgufQ4kOrder, and
+  // level_sums [rows, kp / 16]: per unit 8 zeros then the level sum of each 32 values.
+  bool q4k_order = false;
+  float* level_sums = nullptr;
   const float* f = nullptr;  // block 0: [rows, kp] fp32
 };
 
@@ -49,6 +54,24 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
       int32_t sum = 0;
       for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
       sum16[s] = d * static_cast<float>(sum);
+    }
+  }
+  if (!acts.q4k_order) return;
+  float* level_sums = acts.level_sums + r * (kp / 16);
+  for (int64_t u = 0; u < kp / 256; ++u) {
+    int8_t* unit = q + 256 * u;
+    for (int j = 0; j < 8; ++j) {
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) sum += unit[32 * j + i];
+      level_sums[16 * u + j] = 0.0f;
+      level_sums[16 * u + 8 + j] = static_cast<float>(sum);
+    }
+    // kGgufQ4kOrder: values 32-63 <-> 64-95 and 160-191 <-> 192-223.
+    int8_t swap[32];
+    for (int half = 0; half < 256; half += 128) {
+      std::memcpy(swap, unit + half + 32, 32);
+      std::memcpy(unit + half + 32, unit + half + 64, 32);
+      std::memcpy(unit + half + 64, swap, 32);
     }
   }
 }
