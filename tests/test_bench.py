@@ -13,9 +13,10 @@ from kt_ops.bench.runner import METHODS, Shape, bytes_per_weight, make_layers, m
 
 @pytest.mark.parametrize("method", METHODS)
 def test_measure_row_on_a_tiny_shape(method: str) -> None:
-    shape = Shape("tiny", num_experts=8, top_k=2, hidden=128, intermediate=128, model="test")
+    shape = Shape("tiny", num_experts=8, top_k=2, hidden=256, intermediate=256, model="test")
     layers = make_layers(shape, method, 2)
-    expected = {"BF16": 2.0, "AMXINT8": 1.0 + 4 / 128, "AMXINT4": 0.5 + 4 / 128}[method]
+    expected = {"BF16": 2.0, "AMXINT8": 1.0 + 4 / 256, "AMXINT4": 0.5 + 4 / 128, "Q4_K": 144 / 256, "Q6_K": 210 / 256,
+                "Q8_0": 34 / 32, "Q4_0": 18 / 32}[method]
     assert bytes_per_weight(layers[0].packed, shape) == pytest.approx(expected)
     flushes = []
     row = measure_row(shape, method, 4, layers, read_gbs=10.0, gemm_gflops=100.0, repeats=3, flush=lambda: flushes.append(1))
@@ -30,3 +31,12 @@ def test_cli_help() -> None:
     assert result.returncode == 0
     for option in ("--quick", "--json", "--method", "--shape", "--tokens"):
         assert option in result.stdout
+
+
+def test_gguf_rows_use_llama_cpp_fallback_for_down() -> None:
+    from kt_ops.bench.runner import SHAPES, gguf_types_for
+
+    assert gguf_types_for("Q4_K", SHAPES["S1"]) == ("Q4_K", "Q4_K", "Q4_K")
+    assert gguf_types_for("Q4_K", SHAPES["S2"]) == ("Q4_K", "Q4_K", "Q5_0")
+    assert gguf_types_for("Q6_K", SHAPES["S2"]) == ("Q6_K", "Q6_K", "Q8_0")
+    assert gguf_types_for("Q8_0", SHAPES["S2"]) == ("Q8_0", "Q8_0", "Q8_0")

@@ -1,4 +1,4 @@
-"""python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16 AMXINT8 AMXINT4] [--tokens 1 8 64 512]
+"""python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16 AMXINT8 AMXINT4 Q4_K Q6_K Q8_0 Q4_0] [--tokens 1 8 64 512]
 [--layers N] [--threads N] [--json PATH]
 
 Prints, per row: microseconds per MoE layer forward (median; the caches are evicted
@@ -6,7 +6,8 @@ before every timed call, as a real model's other layers would), the activated ex
 weight bytes read per second, GFLOP/s, the roofline fraction of the machine limit that
 binds (read bandwidth, measured again next to each row and shown as "read GB/s", or the
 bf16 GEMM reference, both measured in this run), and the speed-up over the plain-PyTorch
-layer.
+layer. Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE); on S2 (I = 1408)
+the K-quant rows store down as llama.cpp does for that size (Q4_K -> Q5_0, Q6_K -> Q8_0).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 import kt_ops
 from kt_ops.bench.limits import CacheFlusher, bf16_gemm_gflops, last_level_cache_bytes, read_bandwidth_gbs
-from kt_ops.bench.runner import METHODS, SHAPES, Row, make_layers, measure_row
+from kt_ops.bench.runner import GGUF_METHODS, METHODS, SHAPES, Row, gguf_types_for, make_layers, measure_row
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             del layers
     progress(f"done in {time.perf_counter() - started:.0f} s\n")
     print(format_table(rows))
+    fallbacks = sorted({f"{r.shape} {r.method}: down in {gguf_types_for(r.method, SHAPES[r.shape])[2]}"
+                        for r in rows if r.method in GGUF_METHODS and gguf_types_for(r.method, SHAPES[r.shape])[2] != r.method})
+    if fallbacks:
+        print("GGUF rows with llama.cpp's down type (I not a multiple of 256): " + "; ".join(fallbacks))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

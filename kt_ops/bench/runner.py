@@ -7,9 +7,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+import gguf
 import torch
 
 from kt_ops.bench.baseline import torch_moe_forward
+from kt_ops._native import _C
+from kt_ops.gguf_types import LLAMA_CPP_FALLBACK
 from kt_ops.ops import moe_forward, pack_experts
 from kt_ops.packed import PackedExperts
 
@@ -33,12 +36,39 @@ SHAPES: dict[str, Shape] = {
 }
 
 # Methods the benchmark runs (kt-kernel names); INT4 uses the default k-group (128).
-METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4")
+METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4", "Q4_K", "Q6_K", "Q8_0", "Q4_0")
+# Bench methods that are GGUF types (LLAMAFILE, quantized online with our round-to-nearest).
+GGUF_METHODS: tuple[str, ...] = ("Q4_K", "Q6_K", "Q8_0", "Q4_0")
+
+
+def gguf_types_for(method: str, shape: Shape) -> tuple[str, str, str]:
+    """(gate, up, down) types of a GGUF bench row: the method's type, except that a
+    K-quant ``down`` whose row length (I) is not a multiple of 256 gets llama.cpp's
+    fallback type (S2, I = 1408: Q4_K -> Q5_0, Q6_K -> Q8_0), as a GGUF file of that
+    model stores it."""
+    down = method
+    if method in LLAMA_CPP_FALLBACK and shape.intermediate % 256:
+        down = LLAMA_CPP_FALLBACK[method]
+    return method, method, down
+
+
+def pack_layer(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, method: str, shape: Shape) -> PackedExperts:
+    if method in GGUF_METHODS:
+        return pack_experts(gate, up, down, "LLAMAFILE", gguf_type=gguf_types_for(method, shape))
+    return pack_experts(gate, up, down, method)
 
 
 def bytes_per_weight(layer_packed: PackedExperts, shape: Shape) -> float:
-    """Packed bytes per weight, scales included (2 for BF16, ~1.0 INT8, ~0.53 INT4)."""
+    """Packed bytes per weight, scales included (2 for BF16, ~1.0 INT8, ~0.53 INT4,
+    0.5625 Q4_K / Q4_0, 0.82 Q6_K, 1.06 Q8_0)."""
     weights = shape.num_experts * 3 * shape.hidden * shape.intermediate
+    if layer_packed.format == "gguf":  # the matrices themselves (no header or padding)
+        info = _C.packed_info(layer_packed.data)
+        total = 0.0
+        for name, (rows, k) in zip(info["gguf_types"], ((shape.intermediate, shape.hidden),) * 2 + ((shape.hidden, shape.intermediate),)):
+            block, type_bytes = _C.ggml_type(int(gguf.GGMLQuantizationType[name]))[1:]
+            total += shape.num_experts * rows * k / block * type_bytes
+        return total / weights
     return (layer_packed.nbytes - 256) / weights
 
 
@@ -76,7 +106,7 @@ def make_layers(shape: Shape, method: str, count: int) -> list[Layer]:
         gate = torch.randn(shape.num_experts, shape.intermediate, shape.hidden, dtype=torch.bfloat16) * 0.02
         up = torch.randn(shape.num_experts, shape.intermediate, shape.hidden, dtype=torch.bfloat16) * 0.02
         down = torch.randn(shape.num_experts, shape.hidden, shape.intermediate, dtype=torch.bfloat16) * 0.02
-        layers.append(Layer(gate, up, down, pack_experts(gate, up, down, method)))
+        layers.append(Layer(gate, up, down, pack_layer(gate, up, down, method, shape)))
     return layers
 
 

@@ -35,16 +35,18 @@ namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int kGgufRows = 4;             // weight rows decoded and dotted together
 constexpr int64_t kGgufJobRows = 64;      // rows per job (kTileBlocks blocks of 16)
-// Software prefetch distance (into L2). Measured on S1 Q4_K, 1 token: 4 KiB - 64 KiB and
-// T0 / T1 hints all within noise; without it 30% slower.
-constexpr int64_t kGgufPrefetch = 16384;
+// Software prefetch (into L2) of the row this many rows ahead in the same stream.
+// Measured on S1, 1 token: 2-16 rows within noise; prefetching into L1 (T0) stalled on
+// the fill buffers.
+constexpr int64_t kGgufAheadRows = 8;
 
 constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's direct path
+constexpr int64_t kGgufDirectMaxPairs = 2;  // tokens per expert up to which Q4_K runs direct
 
-// Prefetches `bytes` of a row, kGgufPrefetch bytes ahead, into L2.
+// Prefetches the row kGgufAheadRows rows after `row` (same memory stream) into L2.
 inline void prefetch_ahead(const uint8_t* row, uint64_t bytes) {
-  for (uint64_t b = 0; b < bytes; b += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row + kGgufPrefetch + b), _MM_HINT_T1);
+  const uint8_t* next = row + kGgufAheadRows * bytes;
+  for (uint64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(next + b), _MM_HINT_T1);
 }
 
 constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -117,9 +119,11 @@ void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& ac
   const float* sums = acts.sum16 + a * (m.kp / 16);
   const int32_t* bias4 = acts.bias4 + a * (m.kp / 4);
   if (m.type == GgmlType::kQ8_0)
-    gguf_dot_rows<Ops, true, NR>(rows, q, s, sums, bias4, units, out);
+    gguf_dot_rows<Ops, true, false, NR>(rows, q, s, sums, bias4, units, out);
+  else if (m.act_block() == kGgufSuper)
+    gguf_dot_rows<Ops, false, true, NR>(rows, q, s, sums, bias4, units, out);
   else
-    gguf_dot_rows<Ops, false, NR>(rows, q, s, sums, bias4, units, out);
+    gguf_dot_rows<Ops, false, false, NR>(rows, q, s, sums, bias4, units, out);
 }
 
 // Q4_K rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of the
@@ -205,8 +209,6 @@ void moe_forward_gguf(const MoeArgs& args) {
   const int64_t T = args.tokens, K = args.top_k;
   GgufMatrix gate(args.packed, layout, kGgufGate, I, H), up(args.packed, layout, kGgufUp, I, H),
       down(args.packed, layout, kGgufDown, H, I);
-  if constexpr (Ops::kRegsPerLine == 1)
-    for (GgufMatrix* m : {&gate, &up, &down}) m->q4k_direct = m->type == GgmlType::kQ4_K;
   const int64_t Hp = gate.kp, Ip = down.kp, H16 = round_up(H, 16);
 
   thread_local MoePlan thread_plan;
@@ -214,6 +216,12 @@ void moe_forward_gguf(const MoeArgs& args) {
   MoePlan& plan = thread_plan;
   std::vector<ExpertTile>& tiles = thread_tiles;
   plan.build(args.topk_ids, args.topk_ids_int64, T, K, E);
+  // Q4_K straight from its bytes re-extracts each unit per token: for decode only.
+  int64_t max_pairs = 0;
+  for (int32_t e : plan.active_experts) max_pairs = std::max(max_pairs, plan.expert_begin[e + 1] - plan.expert_begin[e]);
+  if constexpr (Ops::kRegsPerLine == 1)
+    for (GgufMatrix* m : {&gate, &up, &down})
+      m->q4k_direct = m->type == GgmlType::kQ4_K && max_pairs <= kGgufDirectMaxPairs;
   const int64_t P = plan.num_pairs;
 
   // Activation formats: gate's, up's (shared when equal), down's.

@@ -6,7 +6,7 @@
 // the kernel removes with the activation sums. Q8_0 keeps its levels as offset binary
 // (q + 128): the vpdpbusd kernels cancel the offset in integers (gguf_act.h's bias4),
 // the vpmaddubsw paths multiply signed levels directly; either way no minimum.
-// The types the benchmark targets (Q4_0, Q8_0, Q4_K, Q6_K) have AVX2 decoders (every
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K have AVX2 decoders (every
 // variant has AVX2 + F16C); the others are plain loops over fixed-size arrays that each
 // variant's compiler vectorizes. Include only from a variant translation unit, after
 // its target pragma.
@@ -70,17 +70,37 @@ void decode_q8_0_full(const uint8_t* b, GgufDecoded& out) {
   std::memset(out.minimum, 0, sizeof(out.minimum));
 }
 
-void decode_q4_0_full(const uint8_t* b, GgufDecoded& out) {
+// 32 bits -> 32 bytes, 0xff where the bit is set (bit j -> byte j).
+inline __m256i bytes_from_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i probe = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(probe, _mm256_set1_epi64x(-1));
+}
+
+// Q4_0 / Q4_1 / Q5_0 / Q5_1: 8 full blocks (nibbles: low = weight j, high = j + 16;
+// Q5: bit j of a 32-bit word is bit 4 of weight j).
+template <bool kFiveBit, bool kHasMin>
+void decode_q45_01_full(const uint8_t* b, GgufDecoded& out) {
+  constexpr int kBytes = 18 + (kHasMin ? 2 : 0) + (kFiveBit ? 4 : 0);
+  constexpr int kQs = 2 + (kHasMin ? 2 : 0) + (kFiveBit ? 4 : 0);
   const __m128i low = _mm_set1_epi8(0x0f);
-  alignas(32) float d[8];
-  for (int k = 0; k < 8; ++k, b += 18) {
+  alignas(32) float d[8], m[8];
+  for (int k = 0; k < 8; ++k, b += kBytes) {
     d[k] = gguf_f16(b);
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-    store256(out.q + 32 * k, _mm256_setr_m128i(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low)));
+    m[k] = kHasMin ? -gguf_f16(b + 2) : (kFiveBit ? 16.0f : 8.0f) * d[k];
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs));
+    __m256i q = _mm256_setr_m128i(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+    if (kFiveBit) {
+      uint32_t high;
+      std::memcpy(&high, b + kQs - 4, 4);
+      q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(high), _mm256_set1_epi8(0x10)));
+    }
+    store256(out.q + 32 * k, q);
   }
-  const __m256 dv = _mm256_load_ps(d);
-  spread8x8(dv, out.scale);
-  spread8x2(_mm256_mul_ps(dv, _mm256_set1_ps(8.0f)), out.minimum);
+  spread8x8(_mm256_load_ps(d), out.scale);
+  spread8x2(_mm256_load_ps(m), out.minimum);
 }
 
 void decode_q4_k_full(const uint8_t* b, GgufDecoded& out) {
@@ -283,13 +303,16 @@ void decode_unit(const uint8_t* src, int blocks, GgufDecoded& o) {
     if (blocks == 8) return decode_q8_0_full(src, o);
     decode_q8_0(src, blocks, o);
   } else if constexpr (kType == GgmlType::kQ4_0) {
-    if (blocks == 8) return decode_q4_0_full(src, o);
+    if (blocks == 8) return decode_q45_01_full<false, false>(src, o);
     decode_q4_01<false>(src, blocks, o);
   } else if constexpr (kType == GgmlType::kQ4_1) {
+    if (blocks == 8) return decode_q45_01_full<false, true>(src, o);
     decode_q4_01<true>(src, blocks, o);
   } else if constexpr (kType == GgmlType::kQ5_0) {
+    if (blocks == 8) return decode_q45_01_full<true, false>(src, o);
     decode_q5_01<false>(src, blocks, o);
   } else if constexpr (kType == GgmlType::kQ5_1) {
+    if (blocks == 8) return decode_q45_01_full<true, true>(src, o);
     decode_q5_01<true>(src, blocks, o);
   } else if constexpr (kType == GgmlType::kQ2_K) {
     decode_q2_k(src, o);

@@ -16,15 +16,17 @@ namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 // out[i] = dot(weight row i, activation row) for i < NR; rows are `units` decoded units.
-template <class Ops, bool kInt8, int NR>
+// kUnitScale: one activation scale per 256 values (K-quants), applied once per unit.
+template <class Ops, bool kInt8, bool kUnitScale, int NR>
 void gguf_dot_rows(const GgufDecoded* const* rows, const int8_t* aq, const float* as,
                    const float* asum, const int32_t* bias4, int64_t units, float* out) {
   using V = typename Ops::Vec;
   constexpr int W = V::kWidth, R = Ops::kRegsPerLine;
-  typename V::Reg acc[NR], accm[NR];
+  typename V::Reg acc[NR], accm[NR], unit[NR];
   for (int i = 0; i < NR; ++i) acc[i] = accm[i] = V::zero();
   for (int64_t u = 0; u < units; ++u) {
     const uint8_t* a = reinterpret_cast<const uint8_t*>(aq + u * kGgufSuper);
+    for (int i = 0; i < NR; ++i) unit[i] = V::zero();
     for (int c = 0; c < 4; ++c)
       for (int r = 0; r < R; ++r) {
         const typename Ops::IReg ai = Ops::load(a + 64 * c, r);
@@ -38,9 +40,16 @@ void gguf_dot_rows(const GgufDecoded* const* rows, const int8_t* aq, const float
           const GgufDecoded& w = rows[i][u];
           const typename Ops::IReg wi = Ops::load(w.q + 64 * c, r);
           const typename Ops::IReg p = kInt8 ? Ops::dot_int8(start, wi, ai) : Ops::dot(start, wi, ai);
-          acc[i] = V::fma(Ops::to_float(p), V::mul(V::load(w.scale + 16 * c + r * W), sa), acc[i]);
+          if (kUnitScale)
+            unit[i] = V::fma(Ops::to_float(p), V::load(w.scale + 16 * c + r * W), unit[i]);
+          else
+            acc[i] = V::fma(Ops::to_float(p), V::mul(V::load(w.scale + 16 * c + r * W), sa), acc[i]);
         }
       }
+    if (kUnitScale) {
+      const typename V::Reg da = V::set1(as[u * 64]);
+      for (int i = 0; i < NR; ++i) acc[i] = V::fma(unit[i], da, acc[i]);
+    }
     for (int v = 0; v < 16; v += W) {
       const typename V::Reg s = V::load(asum + u * 16 + v);
       for (int i = 0; i < NR; ++i) accm[i] = V::fma(V::load(rows[i][u].minimum + v), s, accm[i]);
