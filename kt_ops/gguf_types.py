@@ -15,8 +15,10 @@ SUPPORTED_TYPES: tuple[str, ...] = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )
 
-# llama.cpp's replacement when a K-quant does not fit a row length (not a multiple of 256).
-LLAMA_CPP_FALLBACK: dict[str, str] = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# llama.cpp's replacement when a K-quant does not fit a row length (not a multiple of
+# 256), where kt_ops computes it. (Q2_K and Q3_K fall back to IQ4_NL there, which kt_ops
+# does not compute.)
+LLAMA_CPP_FALLBACK: dict[str, str] = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def gguf_type_id(value: GgufTypeLike) -> int:
@@ -67,5 +69,8 @@ def check_row_lengths(types: tuple[int, int, int], hidden: int, intermediate: in
             if name in LLAMA_CPP_FALLBACK:
                 hint = (f"; llama.cpp stores such tensors as {LLAMA_CPP_FALLBACK[name]} "
                         f"(pass gguf_type as a (gate, up, down) tuple)")
+            elif name in ("Q2_K", "Q3_K"):
+                hint = ("; llama.cpp stores such tensors as IQ4_NL, which kt_ops does not compute: "
+                        "use a 32-weight type such as Q4_0 for that matrix")
             raise ValueError(f"{matrix}: GGUF type {name} needs a row length that is a multiple of "
                              f"{block}, got {k}{hint}")

@@ -264,6 +264,8 @@ def test_bad_pack_arguments() -> None:
     with pytest.raises(ValueError, match=r"down_proj: GGUF type Q4_K needs a row length.*1408.*Q5_0"):
         kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="Q4_K")
     kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type=("Q4_K", "Q4_K", "Q5_0"))  # the fallback
+    with pytest.raises(ValueError, match="IQ4_NL, which kt_ops does not compute"):
+        kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="Q3_K")
     with pytest.raises(ValueError, match="needs gguf_type"):
         kt_ops.pack_experts(gate, up, down, method="LLAMAFILE")
     with pytest.raises(ValueError, match="unknown GGUF type 'Q9_9'"):

@@ -1,0 +1,42 @@
+"""1-token GGUF decode with the weights cache-resident: the kernels' compute limit.
+
+S1 sizes (H 2048, I 768) with only the 8 experts a token uses, so the 21-40 MB layer
+stays in the L3 between calls; prints the median time and the weight bytes it would
+stream per second. Compare with ``python -m kt_ops.bench`` (caches evicted).
+
+    .venv/bin/python scripts/gguf_decode_hot.py [Q4_K Q8_0 ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import kt_ops
+
+
+def main(types: list[str]) -> None:
+    torch.manual_seed(0)
+    experts, top_k, hidden, inter = 8, 8, 2048, 768
+    gate = torch.randn(experts, inter, hidden, dtype=torch.bfloat16) * 0.02
+    down = torch.randn(experts, hidden, inter, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, hidden, dtype=torch.bfloat16)
+    ids, weights = torch.arange(top_k)[None], torch.rand(1, top_k)
+    print(f"variant {kt_ops.cpu_variant()}, {kt_ops.get_num_threads()} threads")
+    for name in types:
+        packed = kt_ops.pack_experts(gate, gate, down, method="LLAMAFILE", gguf_type=name)
+        for _ in range(20):
+            kt_ops.moe_forward(x, ids, weights, packed)
+        times = []
+        for _ in range(300):
+            start = time.perf_counter()
+            kt_ops.moe_forward(x, ids, weights, packed)
+            times.append(time.perf_counter() - start)
+        median = sorted(times)[len(times) // 2]
+        print(f"{name}: {median * 1e6:.0f} us, {(packed.nbytes - 256) / median / 1e9:.1f} GB/s of weights")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
