@@ -42,9 +42,10 @@ class GgufModelInfo:
 
 
 def gguf_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
-    """The GGUF files of a model: ``path`` itself, or every ``*.gguf`` in a directory.
-    Split models (``*-00001-of-0000N.gguf``) must be complete (``ValueError`` naming the
-    missing parts) and come back in part order."""
+    """The GGUF files of a model: ``path`` itself, or the ``*.gguf`` of a directory (one
+    model: a single file or the parts of a split model). Split models
+    (``*-00001-of-0000N.gguf``) must be complete (``ValueError`` naming the missing
+    parts) and come back in part order; naming one part selects the whole model."""
     root = Path(path)
     part = _SPLIT.match(root.name)
     if root.is_file() and part:  # one part of a split model: the whole model
@@ -58,6 +59,11 @@ def gguf_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
     else:
         raise FileNotFoundError(f"GGUF path {str(root)!r} does not exist")
     splits = [m for m in (_SPLIT.match(f.name) for f in files) if m]
+    if not splits and len(files) > 1:
+        raise ValueError(
+            f"{str(root)!r} holds several GGUF files that are not the parts of one split model "
+            f"({', '.join(f.name for f in files)}); pass the file to load"
+        )
     if splits:
         stems = {(m["stem"], m["count"]) for m in splits}
         if len(stems) > 1 or len(splits) != len(files):

@@ -249,6 +249,14 @@ def test_bad_files(tmp_path) -> None:
     with pytest.raises(ValueError, match="truncated"):
         kt_ops.load_gguf_experts(truncated, 0)
 
+    two = tmp_path / "two"
+    two.mkdir()
+    write_model(two / "a.gguf", [layers[0]], E, H, I)
+    write_model(two / "b.gguf", [layers[1]], E, H, I)
+    with pytest.raises(ValueError, match=r"several GGUF files.*a\.gguf, b\.gguf"):
+        kt_ops.load_gguf_experts(two, 0)
+    kt_ops.load_gguf_experts(two / "b.gguf", 0)  # naming the file is fine
+
     split = tmp_path / "split"
     split.mkdir()
     write_model(split / "m.gguf", [layers[0]], E, H, I, split_max_tensors=2)

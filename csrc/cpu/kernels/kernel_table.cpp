@@ -36,9 +36,9 @@ const FormatRow kRows[] = {
       {moe_forward_int4_asym_amx, "int4_asym/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}}},
     {PackedFormat::kGguf,
      {{moe_forward_gguf_avx2, "gguf/avx2 (vpmaddubsw + vpmaddwd on decoded blocks)"},
-      {moe_forward_gguf_avx512, "gguf/avx512 (vpmaddubsw + vpmaddwd on decoded blocks)"},
-      {moe_forward_gguf_avx512_bf16, "gguf/avx512_bf16 (vpdpbusd on decoded blocks)"},
-      {moe_forward_gguf_amx, "gguf/amx (runs the avx512_bf16 kernel: vpdpbusd on decoded blocks)"}}},
+      {moe_forward_gguf_avx512, "gguf/avx512 (vpmaddubsw + vpmaddwd on decoded blocks; Q4_K decode in place)"},
+      {moe_forward_gguf_avx512_bf16, "gguf/avx512_bf16 (vpdpbusd on decoded blocks; Q4_K decode in place)"},
+      {moe_forward_gguf_amx, "gguf/amx (the avx512_bf16 kernel: vpdpbusd on decoded blocks; no tile path yet)"}}},
 };
 
 }  // namespace

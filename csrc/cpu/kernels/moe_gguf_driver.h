@@ -127,7 +127,7 @@ void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& ac
 }
 
 // Q4_K rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of the
-// range apart at a time, so four memory streams are in flight (one token: 7.5 -> x GB/s).
+// range apart at a time, so four memory streams are in flight (1-token S1: 7.5 -> 15 GB/s).
 template <class Ops>
 void gguf_q4k_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                    const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
