@@ -208,6 +208,11 @@ def test_mapped_weights_outlive_the_file_and_reader(tmp_path) -> None:
     os.remove(path)
     gc.collect()
     check_layer_from_file(packed, layers[0], E, H, I)
+    saved = tmp_path / "layer.safetensors"  # the mapped blob saves and reloads like any other
+    packed.save(saved)
+    x, (ids, weights) = torch.randn(3, H), random_routing(3, E, 2)
+    assert torch.equal(kt_ops.moe_forward(x, ids, weights, kt_ops.PackedExperts.load(saved)),
+                       kt_ops.moe_forward(x, ids, weights, packed))
     packed.data[300] = 1  # copy-on-write: writable, the (deleted) file is untouched
 
 

@@ -14,7 +14,7 @@ namespace kt::ops {
 // bytes) of files[m], mapped copy-on-write (MAP_PRIVATE) behind a header page; the
 // tensor owns the mappings (unmapped when it is freed). types are ggml type ids; gate
 // and up are [E, I, H], down [E, H, I]. Raises ValueError for a file too short for its
-// range (truncated) or an impossible layout, OSError if a file cannot be opened.
+// range (truncated) or an impossible layout, RuntimeError if a file cannot be opened.
 at::Tensor map_gguf_experts(const std::vector<std::string>& files, const std::vector<int64_t>& offsets,
                             const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
                             int64_t intermediate);
