@@ -31,30 +31,37 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* aq, const floa
   __m512 acc[4], accm[4];
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) acc[i] = accm[i] = _mm512_setzero_ps();
+  // ggml's get_scale_min_k4 on 4 rows at once: 128-bit lane i = row i's 12 scale bytes
+  // (words s0 s1 s2), out words: s0 & k6 | (s2 & k4) + (s0 >> 6 & k2) << 4 | s1 & k6 |
+  // (s2 >> 4 & k4) + (s1 >> 6 & k2) << 4, i.e. 8 scales then 8 minimums per row.
+  const __m512i k6k4 = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
+  const __m512i k2hi = _mm512_set4_epi32(0x03030303, 0, 0x03030303, 0);
+  const __m512i low_shift = _mm512_set4_epi32(4, 0, 0, 0);
   for (int64_t u = 0; u < units; ++u) {
     const int8_t* a = aq + u * 256;
     const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 64), a2 = _mm512_loadu_si512(a + 128),
                   a3 = _mm512_loadu_si512(a + 192);
     const __m512 sums = _mm512_loadu_ps(level_sums + u * 16);
     const float da = scale4[u * 64];
+    __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + u * 144 + 4)));
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + u * 144 + 4)), 1);
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2] + u * 144 + 4)), 2);
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[3] + u * 144 + 4)), 3);
+    const __m512i p = _mm512_shuffle_epi32(raw, static_cast<_MM_PERM_ENUM>(0x98));  // s0 s2 s1 s2
+    const __m512i q = _mm512_shuffle_epi32(raw, static_cast<_MM_PERM_ENUM>(0x50));  // s0 s0 s1 s1
+    const __m512i scale_bytes = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srlv_epi32(p, low_shift), k6k4),
+        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q, 6), k2hi), 4));
+    const __m128i lane[4] = {_mm512_castsi512_si128(scale_bytes), _mm512_extracti32x4_epi32(scale_bytes, 1),
+                             _mm512_extracti32x4_epi32(scale_bytes, 2), _mm512_extracti32x4_epi32(scale_bytes, 3)};
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * 144;
       uint16_t halves[2];
       std::memcpy(halves, b, 4);
       const float d = _cvtsh_ss(halves[0]) * da, dmin = _cvtsh_ss(halves[1]) * da;
-      // 8 6-bit scales, then 8 6-bit minimums (ggml's get_scale_min_k4, 32 bits at a time).
-      uint32_t s[4];
-      std::memcpy(s, b + 4, 12);
-      constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-      s[3] = ((s[2] >> 4) & k4) | (((s[1] >> 6) & k2) << 4);
-      const uint32_t mins_low = s[1] & k6;
-      s[1] = (s[2] & k4) | (((s[0] >> 6) & k2) << 4);
-      s[2] = mins_low;
-      s[0] &= k6;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
       const __m512 factor = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
-      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), factor);
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane[i])), factor);
       const __m512i qa = _mm512_loadu_si512(b + 16), qb = _mm512_loadu_si512(b + 80);
       const __m512i zero = _mm512_setzero_si512();
       const __m512i p0 = Ops::dot(zero, _mm512_and_si512(qa, low), a0);
