@@ -55,6 +55,7 @@ struct GgufMatrix {
   GgufDecodeRowFn decode;  // quantized types
   bool q4k_direct;         // Q4_K dotted from its bytes (AVX-512 variants, decode)
   bool q8_direct;          // Q8_0 likewise
+  bool q4_0_direct;        // Q4_0 likewise
   int64_t k, kp;  // row length and its padded length (multiple of 256)
 
   GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_)
@@ -66,6 +67,7 @@ struct GgufMatrix {
         decode(gguf_decoder(type)),
         q4k_direct(false),
         q8_direct(false),
+        q4_0_direct(false),
         k(k_),
         kp(round_up(k_, kGgufSuper)) {}
   const uint8_t* row(int64_t expert, int64_t n) const {
@@ -122,7 +124,7 @@ void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& ac
     gguf_dot_rows<Ops, false, false, NR>(rows, q, s, sums, bias4, units, out);
 }
 
-// Q4_K / Q8_0 rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of
+// Q4_K / Q8_0 / Q4_0 rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of
 // the range apart at a time, so four memory streams are in flight (1-token S1 Q4_K:
 // 7.5 -> 16 GB/s).
 template <class Ops>
@@ -142,9 +144,12 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
       if (m.q4k_direct)
         gguf_q4k_dot_rows4<Ops>(rows, acts.q + a * m.kp, acts.scale + a * (m.kp / 4),
                                 acts.level_sums + a * (m.kp / 16), units, result);
+      else if (m.q8_direct)
+        gguf_block32_dot_rows4<Ops, false>(rows, m.k, acts.q + a * m.kp, acts.scale + a * (m.kp / 4),
+                                           acts.bias4 + a * (m.kp / 4), result);
       else
-        gguf_q8_0_dot_rows4<Ops>(rows, m.k, acts.q + a * m.kp, acts.scale + a * (m.kp / 4),
-                                 acts.bias4 + a * (m.kp / 4), result);
+        gguf_block32_dot_rows4<Ops, true>(rows, m.k, acts.q + a * m.kp, acts.scale + a * (m.kp / 4),
+                                          acts.bias4 + a * (m.kp / 4), result);
       for (int i = 0; i < 4; ++i) out[p * ldo + n[i]] = result[i];
     }
   }
@@ -168,7 +173,7 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
     decoded = decoded_units.data();
   }
   if constexpr (Ops::kRegsPerLine == 1) {
-    if (m.q4k_direct || m.q8_direct) return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+    if (m.q4k_direct || m.q8_direct || m.q4_0_direct) return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
   }
   // Groups of kGgufRows rows a quarter of the range apart: four memory streams.
   const int64_t stride = (n1 - n0 + kGgufRows - 1) / kGgufRows;
@@ -215,13 +220,14 @@ void moe_forward_gguf(const MoeArgs& args) {
   MoePlan& plan = thread_plan;
   std::vector<ExpertTile>& tiles = thread_tiles;
   plan.build(args.topk_ids, args.topk_ids_int64, T, K, E);
-  // Q4_K / Q8_0 straight from their bytes re-extract each unit per token: decode only.
+  // Q4_K / Q8_0 / Q4_0 straight from their bytes re-extract each unit per token: decode only.
   int64_t max_pairs = 0;
   for (int32_t e : plan.active_experts) max_pairs = std::max(max_pairs, plan.expert_begin[e + 1] - plan.expert_begin[e]);
   if constexpr (Ops::kRegsPerLine == 1)
     for (GgufMatrix* m : {&gate, &up, &down}) {
       m->q4k_direct = m->type == GgmlType::kQ4_K && max_pairs <= kGgufDirectMaxPairs;
       m->q8_direct = m->type == GgmlType::kQ8_0 && max_pairs <= kGgufDirectMaxPairs;
+      m->q4_0_direct = m->type == GgmlType::kQ4_0 && max_pairs <= kGgufDirectMaxPairs;
     }
   const int64_t P = plan.num_pairs;
 

@@ -1,8 +1,9 @@
-// [NOTE] Q8_0 dotted straight from its GGUF bytes on AVX-512 (no decoded copy), four
-// rows in lockstep: per pair of 34-byte blocks, one 64-byte register of levels (made
-// offset binary for vpdpbusd, whose start value -128 * sum(a) per lane cancels the
-// offset exactly: gguf_act.h's bias4), converted and scaled per lane by the block's d
-// (one permute of the unit's 8 scales) times the activation block's scale.
+// [NOTE] Q8_0 and Q4_0 dotted straight from their GGUF bytes on AVX-512 (no decoded
+// copy), four rows in lockstep: per pair of blocks, one 64-byte register of levels in
+// weight order, converted and scaled per lane by the block's d times the activation
+// block's scale. Q8_0's levels are made offset binary for vpdpbusd, whose start value
+// -128 * sum(a) per lane cancels the offset exactly (gguf_act.h's bias4); Q4_0's
+// nibbles (q - 8) start from -8 * sum(a) = bias4 / 16, also exact.
 #pragma once
 
 #include <immintrin.h>
@@ -13,13 +14,16 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-// out[i] = dot(Q8_0 row i, activation row) for i < 4 over kp / 256 units (a row of k
+// out[i] = dot(Q8_0 / Q4_0 row i, activation row) for i < 4 over kp / 256 units (a row of k
 // values; blocks past k are skipped, the activation is zero there). aq: levels [kp],
 // scale4: per-4 activation scales, bias4: -128 * level sum per 4.
-template <class Ops>
-void gguf_q8_0_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t* aq, const float* scale4,
-                         const int32_t* bias4, float* out) {
+template <class Ops, bool kQ4>
+void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t* aq, const float* scale4,
+                            const int32_t* bias4, float* out) {
+  constexpr int kBytes = kQ4 ? 18 : 34;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m512i halves = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
   __m512 acc[4];
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
@@ -28,19 +32,28 @@ void gguf_q8_0_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t* aq
     const bool pair = b0 + 1 < blocks;
     const __m512i a = _mm512_loadu_si512(aq + 32 * b0);
     const __m512 sa = _mm512_loadu_ps(scale4 + 8 * b0);
-    const __m512i start = Ops::kInt8Bias != 0 ? _mm512_loadu_si512(bias4 + 8 * b0) : _mm512_setzero_si512();
+    const __m512i bias = _mm512_loadu_si512(bias4 + 8 * b0);
+    const __m512i start = kQ4 ? _mm512_srai_epi32(bias, 4)
+                              : (Ops::kInt8Bias != 0 ? bias : _mm512_setzero_si512());
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const uint8_t* b = rows[i] + 34 * b0;
+      const uint8_t* b = rows[i] + kBytes * b0;
       uint16_t h0, h1 = 0;
       std::memcpy(&h0, b, 2);
-      __m512i w = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)));
-      if (pair) {
-        std::memcpy(&h1, b + 34, 2);
-        w = _mm512_inserti64x4(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)), 1);
-      }
+      if (pair) std::memcpy(&h1, b + kBytes, 2);
       const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(h0)), _mm256_set1_ps(_cvtsh_ss(h1)), 1);
-      const __m512i p = Ops::dot_int8(start, _mm512_xor_si512(w, flip), a);
+      __m512i p;
+      if constexpr (kQ4) {  // nibbles: low = weight j, high = j + 16
+        __m256i v = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+        if (pair) v = _mm256_inserti128_si256(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 20)), 1);
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m512i w = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), halves, _mm512_castsi256_si512(hi));
+        p = Ops::dot(start, w, a);
+      } else {
+        __m512i w = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)));
+        if (pair) w = _mm512_inserti64x4(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)), 1);
+        p = Ops::dot_int8(start, _mm512_xor_si512(w, flip), a);
+      }
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, sa), acc[i]);
     }
   }
