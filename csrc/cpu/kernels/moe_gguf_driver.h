@@ -10,7 +10,9 @@
 //   3. down:        jobs (expert, 64 hidden rows), same micro-kernels.
 //   4. combine:     out[t] = sum_j w[t, j] * down_out[pair].
 // Decoding a row group once and reusing it for all of the expert's tokens makes one
-// path serve decode (1-4 tokens per expert: weight streaming) and prefill.
+// path serve decode and prefill (no tile GEMM yet: prefill runs these vector dots).
+// On the AVX-512 variants, calls whose experts have at most kGgufDirectMaxPairs tokens
+// read Q4_K, Q8_0 and Q4_0 rows in place instead (gguf_q4k_avx512.h, gguf_q8_avx512.h).
 #pragma once
 
 #include <algorithm>
