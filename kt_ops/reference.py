@@ -180,8 +180,11 @@ def gguf_activation_blocks(packed: torch.Tensor) -> tuple[int | None, int | None
     for float types."""
     from kt_ops._native import _C
 
+    import gguf
+
     types = _C.packed_info(packed)["gguf_types"]
-    blocks = tuple(None if t in ("F32", "F16", "BF16") else (256 if t.endswith("_K") else 32) for t in types)
+    blocks = tuple(None if t in ("F32", "F16", "BF16") else gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]][0]
+                   for t in types)
     return blocks[0], blocks[1], blocks[2]
 
 

@@ -18,6 +18,8 @@ namespace {
 
 constexpr const char* kNames[3] = {"gate (ffn_gate_exps)", "up (ffn_up_exps)", "down (ffn_down_exps)"};
 
+}  // namespace
+
 cpu::PackedShape gguf_shape(const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
                             int64_t intermediate) {
   TORCH_CHECK_VALUE(types.size() == 3, "need 3 ggml type ids (gate, up, down), got ", types.size());
@@ -37,6 +39,8 @@ cpu::PackedShape gguf_shape(const std::vector<int64_t>& types, int64_t experts, 
   }
   return shape;
 }
+
+namespace {
 
 // The reserved address range of a mapped blob; unmapping it releases every mapping in it.
 struct Mapping {

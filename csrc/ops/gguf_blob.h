@@ -8,7 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "../cpu/formats/packed_header.h"
+
 namespace kt::ops {
+
+// The PackedShape of a gguf blob (ValueError for sizes outside [1, 2^31) or type ids
+// that are not 3 values in [0, 1024); unsupported types are refused by packed_layout).
+cpu::PackedShape gguf_shape(const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
+                            int64_t intermediate);
 
 // A blob whose gate, up and down matrices are the file ranges [offsets[m], offsets[m] +
 // bytes) of files[m], mapped copy-on-write (MAP_PRIVATE) behind a header page; the

@@ -11,6 +11,7 @@
 #include "../cpu/formats/pack_int.h"
 #include "../cpu/formats/packed_header.h"
 #include "checks.h"
+#include "gguf_blob.h"
 
 namespace kt::ops {
 namespace {
@@ -101,18 +102,7 @@ at::Tensor pack_gguf_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& 
                                  const at::Tensor& down_proj, at::IntArrayRef gguf_types) {
   RECORD_FUNCTION("kt::pack_gguf_experts", std::vector<c10::IValue>({gate_proj, down_proj}));
   const auto [E, I, H] = check_expert_weights(gate_proj, up_proj, down_proj);
-  TORCH_CHECK_VALUE(gguf_types.size() == 3, "gguf_types must hold 3 ggml type ids (gate, up, down); got ",
-                    gguf_types.size());
-  cpu::PackedShape shape;
-  shape.format = cpu::PackedFormat::kGguf;
-  shape.num_experts = static_cast<uint32_t>(E);
-  shape.hidden_size = static_cast<uint32_t>(H);
-  shape.intermediate_size = static_cast<uint32_t>(I);
-  for (int m = 0; m < 3; ++m) {
-    TORCH_CHECK_VALUE(gguf_types[m] >= 0 && gguf_types[m] < 1024, "gguf_types[", m, "] = ", gguf_types[m],
-                      " is not a ggml type id");
-    shape.gguf_types[m] = static_cast<uint32_t>(gguf_types[m]);
-  }
+  const cpu::PackedShape shape = gguf_shape(gguf_types.vec(), E, H, I);
   const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
   at::Tensor packed = at::empty({static_cast<int64_t>(layout.total_bytes)}, gate_proj.options().dtype(at::kByte));
   cpu::advise_huge_pages(packed.data_ptr(), static_cast<size_t>(packed.numel()));

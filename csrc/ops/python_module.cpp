@@ -59,13 +59,7 @@ int64_t packed_nbytes(const std::string& format, int64_t experts, int64_t hidden
 int64_t gguf_packed_nbytes(const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
                            int64_t intermediate) {
   return translate_errors([&] {
-    TORCH_CHECK_VALUE(types.size() == 3, "need 3 ggml type ids (gate, up, down), got ", types.size());
-    cpu::PackedShape shape;
-    shape.format = cpu::PackedFormat::kGguf;
-    shape.num_experts = static_cast<uint32_t>(experts);
-    shape.hidden_size = static_cast<uint32_t>(hidden);
-    shape.intermediate_size = static_cast<uint32_t>(intermediate);
-    for (int m = 0; m < 3; ++m) shape.gguf_types[m] = static_cast<uint32_t>(types[m]);
+    const cpu::PackedShape shape = gguf_shape(types, experts, hidden, intermediate);
     return static_cast<int64_t>(cpu::packed_layout(shape).total_bytes);
   });
 }

@@ -163,6 +163,10 @@ template <class Ops>
 void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
   using V = typename Ops::Vec;
+  if constexpr (Ops::kRegsPerLine == 1) {
+    if (m.q4k_direct || m.q8_direct || m.q4_0_direct)
+      return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+  }
   const int64_t units = m.kp / kGgufSuper;
   thread_local std::vector<GgufDecoded> decoded_units;
   thread_local std::vector<float> decoded_floats;
@@ -173,9 +177,6 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
   } else {
     decoded_units.resize(kGgufRows * units);
     decoded = decoded_units.data();
-  }
-  if constexpr (Ops::kRegsPerLine == 1) {
-    if (m.q4k_direct || m.q8_direct || m.q4_0_direct) return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
   }
   // Groups of kGgufRows rows a quarter of the range apart: four memory streams.
   const int64_t stride = (n1 - n0 + kGgufRows - 1) / kGgufRows;

@@ -58,11 +58,12 @@ inline void spread16x4(__m256 s_lo, __m256 s_hi, float* scale) {
   }
 }
 
-// Full units (8 blocks / one super-block) of the hot types.
-void decode_q8_0_full(const uint8_t* b, GgufDecoded& out) {
+// 32-weight block types: `blocks` (1..8) blocks into one unit; the rest of the unit
+// must be zero already (gguf_decode_row_of clears a row's partial last unit).
+void decode_q8_0(const uint8_t* b, int blocks, GgufDecoded& out) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  alignas(32) float d[8];
-  for (int k = 0; k < 8; ++k, b += 34) {
+  alignas(32) float d[8] = {};
+  for (int k = 0; k < blocks; ++k, b += 34) {
     d[k] = gguf_f16(b);
     store256(out.q + 32 * k, _mm256_xor_si256(load256(b + 2), flip));
   }
@@ -82,12 +83,12 @@ inline __m256i bytes_from_bits(uint32_t bits) {
 // Q4_0 / Q4_1 / Q5_0 / Q5_1: 8 full blocks (nibbles: low = weight j, high = j + 16;
 // Q5: bit j of a 32-bit word is bit 4 of weight j).
 template <bool kFiveBit, bool kHasMin>
-void decode_q45_01_full(const uint8_t* b, GgufDecoded& out) {
+void decode_q45_01(const uint8_t* b, int blocks, GgufDecoded& out) {
   constexpr int kBytes = 18 + (kHasMin ? 2 : 0) + (kFiveBit ? 4 : 0);
   constexpr int kQs = 2 + (kHasMin ? 2 : 0) + (kFiveBit ? 4 : 0);
   const __m128i low = _mm_set1_epi8(0x0f);
-  alignas(32) float d[8], m[8];
-  for (int k = 0; k < 8; ++k, b += kBytes) {
+  alignas(32) float d[8] = {}, m[8] = {};
+  for (int k = 0; k < blocks; ++k, b += kBytes) {
     d[k] = gguf_f16(b);
     m[k] = kHasMin ? -gguf_f16(b + 2) : (kFiveBit ? 16.0f : 8.0f) * d[k];
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs));
@@ -103,7 +104,7 @@ void decode_q45_01_full(const uint8_t* b, GgufDecoded& out) {
   spread8x2(_mm256_load_ps(m), out.minimum);
 }
 
-void decode_q4_k_full(const uint8_t* b, GgufDecoded& out) {
+void decode_q4_k(const uint8_t* b, GgufDecoded& out) {
   const __m256i low = _mm256_set1_epi8(0x0f);
   for (int c = 0; c < 4; ++c) {
     const __m256i v = load256(b + 16 + 32 * c);
@@ -126,7 +127,7 @@ void decode_q4_k_full(const uint8_t* b, GgufDecoded& out) {
   spread8x2(_mm256_mul_ps(m, _mm256_set1_ps(gguf_f16(b + 2))), out.minimum);
 }
 
-void decode_q6_k_full(const uint8_t* b, GgufDecoded& out) {
+void decode_q6_k(const uint8_t* b, GgufDecoded& out) {
   const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
   for (int n = 0; n < 2; ++n) {
     const __m256i l0 = load256(b + 64 * n), l1 = load256(b + 64 * n + 32), h = load256(b + 128 + 32 * n);
@@ -156,53 +157,6 @@ void spread_scales(const float* values, int subblocks, float* scale, float* mini
     for (int i = 0; i < kSize / 4; ++i) scale[j * (kSize / 4) + i] = values[j];
     for (int i = 0; i < kSize / 16; ++i) minimum[j * (kSize / 16) + i] = mins[j];
   }
-}
-
-// --- 32-weight block types: `blocks` (1..8) blocks into one unit, the rest zero ---
-
-void decode_q8_0(const uint8_t* b, int blocks, GgufDecoded& out) {
-  float d[8], m[8];
-  for (int k = 0; k < blocks; ++k, b += 34) {
-    d[k] = gguf_f16(b);
-    m[k] = 0.0f;
-    for (int l = 0; l < 32; ++l) out.q[32 * k + l] = static_cast<uint8_t>(b[2 + l] ^ 0x80);
-  }
-  spread_scales<32>(d, blocks, out.scale, out.minimum, m);
-}
-
-// Q4_0 / Q4_1: nibbles (low: weight l, high: weight l + 16).
-template <bool kHasMin>
-void decode_q4_01(const uint8_t* b, int blocks, GgufDecoded& out) {
-  constexpr int kBytes = kHasMin ? 20 : 18, kQs = kHasMin ? 4 : 2;
-  float d[8], m[8];
-  for (int k = 0; k < blocks; ++k, b += kBytes) {
-    d[k] = gguf_f16(b);
-    m[k] = kHasMin ? -gguf_f16(b + 2) : 8.0f * d[k];
-    for (int l = 0; l < 16; ++l) {
-      out.q[32 * k + l] = b[kQs + l] & 15;
-      out.q[32 * k + 16 + l] = b[kQs + l] >> 4;
-    }
-  }
-  spread_scales<32>(d, blocks, out.scale, out.minimum, m);
-}
-
-// Q5_0 / Q5_1: nibbles plus bit j of a 32-bit word as bit 4 of weight j.
-template <bool kHasMin>
-void decode_q5_01(const uint8_t* b, int blocks, GgufDecoded& out) {
-  constexpr int kBytes = kHasMin ? 24 : 22, kQh = kHasMin ? 4 : 2;
-  float d[8], m[8];
-  for (int k = 0; k < blocks; ++k, b += kBytes) {
-    d[k] = gguf_f16(b);
-    m[k] = kHasMin ? -gguf_f16(b + 2) : 16.0f * d[k];
-    uint32_t high;
-    std::memcpy(&high, b + kQh, 4);
-    const uint8_t* qs = b + kQh + 4;
-    for (int l = 0; l < 16; ++l) {
-      out.q[32 * k + l] = static_cast<uint8_t>((qs[l] & 15) | (((high >> l) & 1) << 4));
-      out.q[32 * k + 16 + l] = static_cast<uint8_t>((qs[l] >> 4) | (((high >> (l + 16)) & 1) << 4));
-    }
-  }
-  spread_scales<32>(d, blocks, out.scale, out.minimum, m);
 }
 
 // --- 256-weight super-blocks (one per unit) ---
@@ -252,8 +206,7 @@ inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
   }
 }
 
-template <bool kFiveBit>
-void decode_q45_k(const uint8_t* b, GgufDecoded& out) {
+void decode_q5_k(const uint8_t* b, GgufDecoded& out) {
   const float d = gguf_f16(b), dmin = gguf_f16(b + 2);
   float sc[8], m[8];
   for (int j = 0; j < 8; ++j) {
@@ -263,68 +216,27 @@ void decode_q45_k(const uint8_t* b, GgufDecoded& out) {
     m[j] = dmin * static_cast<float>(mm);
   }
   const uint8_t* qh = b + 16;
-  const uint8_t* qs = b + (kFiveBit ? 48 : 16);
+  const uint8_t* qs = b + 48;
   for (int c = 0; c < 4; ++c)
     for (int l = 0; l < 32; ++l) {
-      uint8_t lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
-      if (kFiveBit) {
-        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
-        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
-      }
-      out.q[64 * c + l] = lo;
-      out.q[64 * c + 32 + l] = hi;
+      out.q[64 * c + l] = static_cast<uint8_t>((qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4));
+      out.q[64 * c + 32 + l] = static_cast<uint8_t>((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
     }
   spread_scales<32>(sc, 8, out.scale, out.minimum, m);
 }
 
-void decode_q6_k(const uint8_t* b, GgufDecoded& out) {
-  const float d = gguf_f16(b + 208);
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
-  float sc[16], m[16];
-  for (int j = 0; j < 16; ++j) {
-    sc[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
-    m[j] = 32.0f * sc[j];
-  }
-  for (int n = 0; n < 2; ++n)
-    for (int p = 0; p < 4; ++p)
-      for (int l = 0; l < 32; ++l)
-        out.q[128 * n + 32 * p + l] =
-            static_cast<uint8_t>(((ql[64 * n + 32 * (p % 2) + l] >> (4 * (p / 2))) & 15) |
-                                 (((qh[32 * n + l] >> (2 * p)) & 3) << 4));
-  spread_scales<16>(sc, 16, out.scale, out.minimum, m);
-}
-
-// One unit of `type` at `src`; `blocks` (1..8) is the number of 32-weight blocks for the
-// 32-weight types (8 unless it is a row's last, partial unit).
 template <GgmlType kType>
 void decode_unit(const uint8_t* src, int blocks, GgufDecoded& o) {
-  if constexpr (kType == GgmlType::kQ8_0) {
-    if (blocks == 8) return decode_q8_0_full(src, o);
-    decode_q8_0(src, blocks, o);
-  } else if constexpr (kType == GgmlType::kQ4_0) {
-    if (blocks == 8) return decode_q45_01_full<false, false>(src, o);
-    decode_q4_01<false>(src, blocks, o);
-  } else if constexpr (kType == GgmlType::kQ4_1) {
-    if (blocks == 8) return decode_q45_01_full<false, true>(src, o);
-    decode_q4_01<true>(src, blocks, o);
-  } else if constexpr (kType == GgmlType::kQ5_0) {
-    if (blocks == 8) return decode_q45_01_full<true, false>(src, o);
-    decode_q5_01<false>(src, blocks, o);
-  } else if constexpr (kType == GgmlType::kQ5_1) {
-    if (blocks == 8) return decode_q45_01_full<true, true>(src, o);
-    decode_q5_01<true>(src, blocks, o);
-  } else if constexpr (kType == GgmlType::kQ2_K) {
-    decode_q2_k(src, o);
-  } else if constexpr (kType == GgmlType::kQ3_K) {
-    decode_q3_k(src, o);
-  } else if constexpr (kType == GgmlType::kQ4_K) {
-    decode_q4_k_full(src, o);
-  } else if constexpr (kType == GgmlType::kQ5_K) {
-    decode_q45_k<true>(src, o);
-  } else {
-    decode_q6_k_full(src, o);
-  }
+  if constexpr (kType == GgmlType::kQ8_0) decode_q8_0(src, blocks, o);
+  else if constexpr (kType == GgmlType::kQ4_0) decode_q45_01<false, false>(src, blocks, o);
+  else if constexpr (kType == GgmlType::kQ4_1) decode_q45_01<false, true>(src, blocks, o);
+  else if constexpr (kType == GgmlType::kQ5_0) decode_q45_01<true, false>(src, blocks, o);
+  else if constexpr (kType == GgmlType::kQ5_1) decode_q45_01<true, true>(src, blocks, o);
+  else if constexpr (kType == GgmlType::kQ2_K) decode_q2_k(src, o);
+  else if constexpr (kType == GgmlType::kQ3_K) decode_q3_k(src, o);
+  else if constexpr (kType == GgmlType::kQ4_K) decode_q4_k(src, o);
+  else if constexpr (kType == GgmlType::kQ5_K) decode_q5_k(src, o);
+  else decode_q6_k(src, o);
 }
 
 // Decodes a row of k weights of kType into ceil(k / 256) units; the part of the last
