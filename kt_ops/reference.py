@@ -16,7 +16,7 @@ def moe_forward(
     gate_proj: torch.Tensor,
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
-    quantize_activations: bool | tuple[int | None, int | None, int | None] = False,
+    quantize_activations: bool | tuple[int | str | None, int | str | None, int | str | None] = False,
 ) -> torch.Tensor:
     """Reference MoE forward in fp32.
 
@@ -31,7 +31,8 @@ def moe_forward(
             (:func:`fake_quantize_activations`), isolating their arithmetic error. A
             ``(gate, up, down)`` tuple gives the block size of the activations each
             matrix multiplies, as the GGUF kernels use them: ``None`` unquantized, ``0``
-            one scale per row, ``32`` / ``256`` one per block.
+            one scale per row, ``32`` / ``256`` one per block, ``"bf16"`` rounded to
+            bf16 (the GGUF tile path).
 
     Returns:
         ``[T, H]`` float32: ``sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``.
@@ -42,7 +43,9 @@ def moe_forward(
     else:
         blocks = (0, 0, 0) if quantize_activations else (None, None, None)
 
-    def quantized(v: torch.Tensor, block: int | None) -> torch.Tensor:
+    def quantized(v: torch.Tensor, block: int | str | None) -> torch.Tensor:
+        if block == "bf16":
+            return v.bfloat16().float()
         return v if block is None else fake_quantize_activations(v, block)
 
     weights = topk_weights.float()

@@ -9,15 +9,19 @@
 //   2b.             each pair's intermediate row quantized for down's format.
 //   3. down:        jobs (expert, 64 hidden rows), same micro-kernels.
 //   4. combine:     out[t] = sum_j w[t, j] * down_out[pair].
-// Decoding a row group once and reusing it for all of the expert's tokens makes one
-// path serve decode and prefill (no tile GEMM yet: prefill runs these vector dots).
-// On the AVX-512 variants, calls whose experts have at most kGgufDirectMaxPairs tokens
-// read Q4_K, Q8_0 and Q4_0 rows in place instead (gguf_q4k_avx512.h, gguf_q8_avx512.h).
+// A row group is decoded once and reused for all of the expert's tokens. On the AVX-512
+// variants, calls whose experts have at most kGgufDirectMaxPairs tokens read Q4_K, Q8_0
+// and Q4_0 rows in place instead (gguf_q4k_avx512.h, gguf_q8_avx512.h). With a tile
+// unit (Tile = GgufAmx, amx variant) calls averaging kGgufTileMinPairs or more tokens
+// per expert (prefill) decode each job's rows to bf16 once and multiply them on AMX
+// tiles (gguf_amx.h) instead: phase 1 packs each expert's token rows as bf16 B chunks,
+// 2b packs the intermediate rows likewise, and no activation is quantized.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "../engine/engine.h"
@@ -44,6 +48,13 @@ constexpr int64_t kGgufJobRows = 64;      // rows per job (kTileBlocks blocks of
 
 constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's direct path
 constexpr int64_t kGgufDirectMaxPairs = 2;  // tokens per expert up to which Q4_K runs direct
+// Average tokens per active expert from which a tile unit runs the call (tests mirror it).
+constexpr int64_t kGgufTileMinPairs = 8;
+
+// The Tile parameter of variants without a tile unit.
+struct GgufNoTile {
+  static constexpr bool kEnabled = false;
+};
 
 constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -206,7 +217,54 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
   }
 }
 
-template <class Ops>
+// Rows [n0, n1) of `expert` as bf16 [round_up(n1 - n0, 16)][kp], rows past n1 zero (Tile::gemm's A).
+template <class Tile, class V>
+void gguf_rows_bf16(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, uint16_t* out) {
+  thread_local std::vector<GgufDecoded> decoded;
+  thread_local std::vector<float> floats;
+  const int64_t units = m.kp / kGgufSuper, rows = n1 - n0, stride = (rows + 3) / 4;
+  // Four rows a quarter of the range apart at a time: four memory streams.
+  for (int64_t r = 0; r < 4 * stride; ++r) {
+    const int64_t n = n0 + r / 4 + (r % 4) * stride;
+    if (n >= n1) continue;
+    uint16_t* row = out + (n - n0) * m.kp;
+    if (Tile::row_to_bf16(m.type, m.row(expert, n), m.k, m.kp, row)) continue;
+    if (m.is_float) {
+      floats.resize(m.kp);
+      gguf_float_row<V>(m.type, m.row(expert, n), m.k, m.kp, floats.data());
+      Tile::floats_to_bf16(floats.data(), m.kp, row);
+    } else {
+      decoded.resize(units);
+      m.decode(m.row(expert, n), m.k, decoded.data());
+      for (int64_t u = 0; u < units; ++u)
+        Tile::unit_to_bf16(decoded[u], m.type == GgmlType::kQ8_0, row + u * kGgufSuper);
+    }
+  }
+  std::fill(out + (n1 - n0) * m.kp, out + round_up(n1 - n0, 16) * m.kp, uint16_t{0});
+}
+
+// Rows [n0, n1) of one matrix for the tile path, written to out[p * ldo + n].
+struct GgufTileRows {
+  const GgufMatrix* m;
+  int64_t n0, n1;
+  float* out;
+};
+
+// The tile path of one job: each range's rows decoded to bf16, then multiplied with the
+// expert's `pairs` B chunks `b`. (Prefetching the next range during a multiply measured
+// no gain: S1 512 tokens Q4_K 75-78 ms either way.)
+template <class Tile, class V>
+void gguf_tile_rows(std::initializer_list<GgufTileRows> ranges, int64_t expert, const uint16_t* b, int64_t pairs,
+                    int64_t ldo) {
+  thread_local std::vector<uint16_t> w;
+  for (const GgufTileRows& r : ranges) {
+    w.resize(kGgufJobRows * r.m->kp);
+    gguf_rows_bf16<Tile, V>(*r.m, expert, r.n0, r.n1, w.data());
+    Tile::gemm(w.data(), r.n1 - r.n0, r.m->kp, b, pairs, r.out + r.n0, ldo);
+  }
+}
+
+template <class Ops, class Tile = GgufNoTile>
 void moe_forward_gguf(const MoeArgs& args) {
   using V = typename Ops::Vec;
   constexpr int W = V::kWidth;
@@ -233,9 +291,31 @@ void moe_forward_gguf(const MoeArgs& args) {
       m->q4_0_direct = m->type == GgmlType::kQ4_0 && max_pairs <= kGgufDirectMaxPairs;
     }
   const int64_t P = plan.num_pairs;
+  bool tile = false;
+  if constexpr (Tile::kEnabled)
+    tile = P >= kGgufTileMinPairs * static_cast<int64_t>(plan.active_experts.size());
+  // Tile path: each expert's rows in B chunks of Tile::kChunk pairs, chunk_at[e] first.
+  thread_local std::vector<int64_t> thread_chunk_at;
+  thread_local std::vector<ExpertTile> thread_chunks;  // (expert, chunk within it)
+  std::vector<int64_t>& chunk_at = thread_chunk_at;
+  std::vector<ExpertTile>& chunks = thread_chunks;
+  int64_t chunk_pairs = 0;  // pairs per chunk
+  chunks.clear();
+  if constexpr (Tile::kEnabled) {
+    chunk_pairs = Tile::kChunk;
+    chunk_at.assign(E, 0);
+    for (int32_t e : plan.active_experts) {
+      if (!tile) break;
+      chunk_at[e] = static_cast<int64_t>(chunks.size());
+      for (int64_t c = 0; c < ceil_div(plan.expert_begin[e + 1] - plan.expert_begin[e], chunk_pairs); ++c)
+        chunks.push_back({e, static_cast<int32_t>(c)});
+    }
+  }
+  const int64_t chunk_count = static_cast<int64_t>(chunks.size());
 
-  // Activation formats: gate's, up's (shared when equal), down's.
-  const int gate_block = gate.act_block(), up_block = up.act_block(), down_block = down.act_block();
+  // Activation formats: gate's, up's (shared when equal), down's; none on the tile path.
+  const int gate_block = tile ? 0 : gate.act_block(), up_block = tile ? 0 : up.act_block(),
+            down_block = tile ? 0 : down.act_block();
   const bool shared = gate_block == up_block;
   ScratchLayout carve;
   const size_t x_at = carve.add<float>(T * Hp);
@@ -255,6 +335,8 @@ void moe_forward_gguf(const MoeArgs& args) {
   carve_acts(down_block, P, Ip, down_at);
   const size_t out_at = carve.add<float>(P * H16);
   const size_t weights_at = carve.add<float>(T * K);
+  const size_t b_up_at = carve.add<uint16_t>(chunk_count * chunk_pairs * Hp);  // tokens, gate/up's B
+  const size_t b_down_at = carve.add<uint16_t>(chunk_count * chunk_pairs * Ip);  // intermediate, down's B
   uint8_t* scratch = thread_scratch(carve.bytes());
   auto acts_at = [&](int block, int64_t kp, const size_t at[5], const float* f) {
     GgufActs acts;
@@ -274,6 +356,8 @@ void moe_forward_gguf(const MoeArgs& args) {
   float* up_f = reinterpret_cast<float*>(scratch + up_f_at);
   float* down_out = reinterpret_cast<float*>(scratch + out_at);
   float* weights = reinterpret_cast<float*>(scratch + weights_at);
+  uint16_t* b_up = reinterpret_cast<uint16_t*>(scratch + b_up_at);
+  uint16_t* b_down = reinterpret_cast<uint16_t*>(scratch + b_down_at);
   const GgufActs gate_acts = acts_at(gate_block, Hp, gate_at, x);
   const GgufActs up_acts = shared ? gate_acts : acts_at(up_block, Hp, up_at, x);
   const GgufActs down_acts = acts_at(down_block, Ip, down_at, gate_f);
@@ -291,15 +375,39 @@ void moe_forward_gguf(const MoeArgs& args) {
     }
   });
 
+  // Tile path: row r(p) of `rows` (stride kp, fp32) -> B chunks for every pair p.
+  const int32_t* pair_token = plan.pair_token.data();
+  auto pack_chunks = [&](const float* rows, bool by_token, int64_t kp, uint16_t* b) {
+    if constexpr (Tile::kEnabled)
+      engine.parallel_for(chunk_count, [&](int64_t job) {
+        const ExpertTile c = chunks[job];
+        const int64_t p0 = plan.expert_begin[c.expert] + c.first_block * chunk_pairs;
+        const int64_t n = std::min(chunk_pairs, plan.expert_begin[c.expert + 1] - p0);
+        uint16_t* chunk = b + job * chunk_pairs * kp;
+        if (n < chunk_pairs) std::fill(chunk, chunk + chunk_pairs * kp, uint16_t{0});
+        for (int64_t i = 0; i < n; ++i)
+          Tile::pack_column(rows + (by_token ? pair_token[p0 + i] : p0 + i) * kp, kp, chunk, i);
+      });
+  };
+  if (tile) pack_chunks(x, true, Hp, b_up);
+
   // 2. gate / up rows for every pair of the expert, then SiLU(gate) * up into gate_f.
   build_tiles(plan.active_experts, ceil_div(I, 16), tiles);
-  const int32_t* pair_token = plan.pair_token.data();
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
-    const ExpertTile tile = tiles[job];
-    const int64_t n0 = tile.first_block * int64_t{16}, n1 = std::min(I, n0 + kGgufJobRows);
-    const int64_t p0 = plan.expert_begin[tile.expert], p1 = plan.expert_begin[tile.expert + 1];
-    gguf_rows<Ops>(gate, tile.expert, n0, n1, gate_acts, pair_token, p0, p1, gate_f, Ip);
-    gguf_rows<Ops>(up, tile.expert, n0, n1, up_acts, pair_token, p0, p1, up_f, Ip);
+    const ExpertTile tile_job = tiles[job];
+    const int64_t e = tile_job.expert;
+    const int64_t n0 = tile_job.first_block * int64_t{16}, n1 = std::min(I, n0 + kGgufJobRows);
+    const int64_t p0 = plan.expert_begin[e], p1 = plan.expert_begin[e + 1];
+    if constexpr (Tile::kEnabled) {
+      if (tile) {
+        gguf_tile_rows<Tile, V>({{&gate, n0, n1, gate_f + p0 * Ip}, {&up, n0, n1, up_f + p0 * Ip}}, e,
+                                b_up + chunk_at[e] * chunk_pairs * Hp, p1 - p0, Ip);
+      }
+    }
+    if (!tile) {
+      gguf_rows<Ops>(gate, e, n0, n1, gate_acts, pair_token, p0, p1, gate_f, Ip);
+      gguf_rows<Ops>(up, e, n0, n1, up_acts, pair_token, p0, p1, up_f, Ip);
+    }
     for (int64_t p = p0; p < p1; ++p) {
       float* g = gate_f + p * Ip;
       const float* u = up_f + p * Ip;
@@ -322,14 +430,21 @@ void moe_forward_gguf(const MoeArgs& args) {
       if (down_block != 0) gguf_quantize_act_row<V>(gate_f + p * Ip, down_acts, p);
     }
   });
+  if (tile) pack_chunks(gate_f, false, Ip, b_down);
 
   // 3. down.
   build_tiles(plan.active_experts, ceil_div(H, 16), tiles);
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
-    const ExpertTile tile = tiles[job];
-    const int64_t h0 = tile.first_block * int64_t{16}, h1 = std::min(H, h0 + kGgufJobRows);
-    gguf_rows<Ops>(down, tile.expert, h0, h1, down_acts, nullptr, plan.expert_begin[tile.expert],
-                   plan.expert_begin[tile.expert + 1], down_out, H16);
+    const int64_t e = tiles[job].expert;
+    const int64_t h0 = tiles[job].first_block * int64_t{16}, h1 = std::min(H, h0 + kGgufJobRows);
+    const int64_t p0 = plan.expert_begin[e], p1 = plan.expert_begin[e + 1];
+    if constexpr (Tile::kEnabled) {
+      if (tile) {
+        gguf_tile_rows<Tile, V>({{&down, h0, h1, down_out + p0 * H16}}, e, b_down + chunk_at[e] * chunk_pairs * Ip,
+                                p1 - p0, H16);
+      }
+    }
+    if (!tile) gguf_rows<Ops>(down, e, h0, h1, down_acts, nullptr, p0, p1, down_out, H16);
   });
 
   // 4. combine.

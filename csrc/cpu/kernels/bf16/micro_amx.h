@@ -35,6 +35,16 @@ inline void load_tile_config(const AmxTileConfig& config) {
   _tile_loadconfig(&config);
 }
 
+// Eight tiles of 16 rows x 64 bytes (bf16: 16 x 32 values; fp32 C: 16 x 16).
+inline void load_full_tile_config() {
+  AmxTileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  load_tile_config(config);
+}
+
 struct MicroBf16Amx : MicroBf16Avx512Bf16 {
   static constexpr int64_t kTilePairs = 16;  // k-pairs per A/B tile (64 bytes per row)
 
@@ -46,7 +56,7 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
                                 int64_t ldc) {
     const TileCoverage done{pairs / kTilePairs * kTilePairs, blocks / 2 * 2};
     if (done.pairs == 0 || done.blocks == 0) return {0, 0};
-    configure();
+    load_full_tile_config();
     for (int64_t m0 = 0; m0 < rows; m0 += 32) {
       const int64_t tile_rows = std::min<int64_t>(32, rows - m0);
       for (int b0 = 0; b0 < done.blocks; b0 += 2) {
@@ -62,15 +72,6 @@ struct MicroBf16Amx : MicroBf16Avx512Bf16 {
   }
 
  private:
-  static void configure() {
-    AmxTileConfig config;
-    for (int t = 0; t < 8; ++t) {
-      config.rows[t] = 16;
-      config.bytes_per_row[t] = 64;
-    }
-    load_tile_config(config);
-  }
-
   // The B tiles kPrefetchTiles k-steps ahead: weights stream from DRAM once per
   // expert, and a tile load that misses stalls the matrix unit.
   static constexpr int64_t kPrefetchTiles = 8;

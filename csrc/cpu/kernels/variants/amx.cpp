@@ -12,6 +12,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,amx-tile,amx-bf16,amx-int8,avx2,fma,f16c,bmi2")
 
 #include "../bf16/micro_amx.h"
+#include "../gguf/gguf_amx.h"
 #include "../moe_bf16_driver.h"
 #include "../moe_gguf_driver.h"
 #include "../moe_quant_driver.h"
@@ -31,7 +32,7 @@ void moe_forward_int4_asym_amx(const MoeArgs& args) {
   moe_forward_quant<MicroQuantAmx<QuantKind::kInt4Asym>>(args);
 }
 
-void moe_forward_gguf_amx(const MoeArgs& args) { moe_forward_gguf<IntOpsAvx512Vnni>(args); }
+void moe_forward_gguf_amx(const MoeArgs& args) { moe_forward_gguf<IntOpsAvx512Vnni, GgufAmx>(args); }
 
 }  // namespace kt::cpu
 
