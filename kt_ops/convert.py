@@ -1,0 +1,254 @@
+"""Converts a Hugging Face MoE checkpoint's routed experts to packed INT8/INT4 CPU weights.
+
+    python -m kt_ops.convert --input-path DIR --input-type bf16|fp16|fp8 --output DIR \\
+        --quant-method int8|int4 [--group-size 128] [--threadpool-count N] \\
+        [--no-merge-safetensor] [--resume-layer L] [--layers START-END]
+
+(``scripts/convert_cpu_weights.py`` is the same program.) One layer at a time: its
+experts are read (FP8: DeepSeek 128 x 128 block scales applied), quantized by
+:func:`kt_ops.pack_experts`, written to ``layer-{L:05d}.safetensors`` (atomically) and
+verified — the file re-read and compared byte for byte, and one expert's output through
+the kernel compared with the fp32 reference on the source weights. At the end the layer
+files are merged into ``model-0000i-of-0000N.safetensors`` shards (unless
+``--no-merge-safetensor``), ``model.safetensors.index.json``, ``kt_ops_manifest.json``
+and the source ``config.json`` are written. ``--resume-layer L`` keeps the layer files
+below L untouched (they must exist) and continues from L. See kt_ops/converted.py for the
+format; exit status 1 with a message on any error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kt_ops import reference
+from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
+from kt_ops.formats import format_for_method
+from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.ops import moe_forward
+from kt_ops.packed import PackedExperts
+from kt_ops.parts import pack_parts
+
+METHODS = {"int8": "AMXINT8", "int4": "AMXINT4"}
+INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+MAX_SHARD_BYTES = 4 << 30
+# Verification bound: one expert through the kernel vs the fp32 reference on the source
+# weights (quantization error included: int8 ~3%, int4 ~15-20% on Gaussian weights).
+VERIFY_BOUND = {"int8": 0.1, "int4": 0.45}
+
+
+class ConversionError(Exception):
+    """A conversion step failed; the message says which layer and why."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kt_ops.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input-path", required=True, help="Hugging Face model directory (*.safetensors)")
+    parser.add_argument("--input-type", required=True, choices=sorted(INPUT_TYPES))
+    parser.add_argument("--output", required=True, help="output directory")
+    parser.add_argument("--quant-method", required=True, choices=sorted(METHODS))
+    parser.add_argument("--group-size", type=int, default=128, help="int4 k-group (32, 64, 128)")
+    parser.add_argument("--threadpool-count", type=int, default=1,
+                        help="split each expert's intermediate dimension in N parts (KTMoEWrapper threadpool_count)")
+    parser.add_argument("--cpuinfer-threads", type=int, default=None, help="engine threads (default: physical cores)")
+    parser.add_argument("--no-merge-safetensor", action="store_true", help="keep one file per layer")
+    parser.add_argument("--resume-layer", type=int, default=None, help="continue from this layer")
+    parser.add_argument("--layers", default=None, help="only layers START-END (inclusive)")
+    return parser.parse_args(argv)
+
+
+def layer_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        start, end = (int(v) for v in text.split("-"))
+    except ValueError:
+        raise ConversionError(f"--layers {text!r}: expected START-END, e.g. 0-47") from None
+    if start < 0 or end < start:
+        raise ConversionError(f"--layers {text!r}: need 0 <= START <= END")
+    return start, end
+
+
+class Progress:
+    """One stderr line: bar, layers done, layers/s, ETA."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.start = total, 0, time.monotonic()
+
+    def step(self, layer: int) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else 0.0
+        filled = int(30 * self.done / self.total)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} layers "
+                         f"(layer {layer})  {rate:.2f} layers/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def model_sizes(checkpoint: HfCheckpoint, config: dict, first: int) -> tuple[int, int, int]:
+    """(E, H, I) from config.json, falling back to the first layer's tensors."""
+    where = checkpoint.layer(first)
+    experts = int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+                  or where.num_experts)
+    hidden = config.get("hidden_size")
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if hidden is None or inter is None:
+        with safe_open(os.fspath(checkpoint.key_file[where.key(2)]), framework="pt") as handle:
+            shape = handle.get_slice(where.key(2)).get_shape()
+        hidden, inter = shape[-2], shape[-1]
+    return experts, int(hidden), int(inter)
+
+
+def verify_layer(path: Path, layer: int, parts: list[PackedExperts], gate: torch.Tensor, up: torch.Tensor,
+                 down: torch.Tensor, method: str) -> None:
+    """Re-reads the layer file and compares it with what was packed, then checks one
+    expert's kernel output against the fp32 reference on the source weights."""
+    with safe_open(os.fspath(path), framework="pt") as handle:
+        for part, packed in enumerate(parts):
+            stored = handle.get_tensor(layer_key(layer, part))
+            PackedExperts(stored)  # header and checksum
+            if not torch.equal(stored, packed.data):
+                raise ConversionError(f"layer {layer}: {path.name} part {part} differs from the packed weights")
+    E, H = gate.shape[0], gate.shape[2]
+    expert = layer % E
+    g = torch.Generator().manual_seed(layer)
+    x = torch.randn(4, H, generator=g)
+    ids = torch.full((4, 1), expert, dtype=torch.int32)
+    weights = torch.ones(4, 1)
+    out = sum(moe_forward(x, ids, weights, packed) for packed in parts)
+    ref = reference.moe_forward(x, torch.zeros_like(ids), weights, gate[expert:expert + 1],
+                                up[expert:expert + 1], down[expert:expert + 1])
+    err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    if not err <= VERIFY_BOUND[method]:
+        raise ConversionError(f"layer {layer}: expert {expert} through the kernel is {err:.3g} from the reference "
+                              f"(bound {VERIFY_BOUND[method]}); the written weights are wrong")
+
+
+def write_index(out: Path, files: dict[str, str], nbytes: int) -> None:
+    index = {"metadata": {"total_size": nbytes}, "weight_map": files}
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def merge_layers(out: Path, layers: list[int], parts: int) -> dict[str, str]:
+    """Layer files -> shards of up to MAX_SHARD_BYTES; returns key -> shard name."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for layer in layers:
+        nbytes = (out / layer_file(layer)).stat().st_size
+        if groups[-1] and size + nbytes > MAX_SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(layer)
+        size += nbytes
+    weight_map = {}
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for layer in group:
+            with safe_open(os.fspath(out / layer_file(layer)), framework="pt") as handle:
+                for part in range(parts):
+                    tensors[layer_key(layer, part)] = handle.get_tensor(layer_key(layer, part))
+        save_file(tensors, os.fspath(out / (name + ".tmp")), metadata={"producer": "kt_ops"})
+        os.replace(out / (name + ".tmp"), out / name)
+        weight_map.update({key: name for key in tensors})
+    for layer in layers:
+        (out / layer_file(layer)).unlink()
+    return weight_map
+
+
+def convert(args: argparse.Namespace) -> Path:
+    source = Path(args.input_path)
+    out = Path(args.output)
+    checkpoint = HfCheckpoint(source)
+    config_file = source / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    moe_layers = sorted(checkpoint.moe_layers())
+    if not moe_layers:
+        raise ConversionError(f"{source}: no routed-expert tensors found")
+    bounds = layer_range(args.layers)
+    layers = [L for L in moe_layers if bounds is None or bounds[0] <= L <= bounds[1]]
+    if not layers:
+        raise ConversionError(f"--layers {args.layers}: no layer with experts there (layers with experts: "
+                              f"{moe_layers[0]}-{moe_layers[-1]})")
+    E, H, I = model_sizes(checkpoint, config, layers[0])
+    method = METHODS[args.quant_method]
+    fmt = format_for_method(method)
+    group = args.group_size if fmt == "int4" else 0
+    pack_args = {"group_size": args.group_size} if fmt == "int4" else {}
+    if args.threadpool_count < 1:
+        raise ConversionError("--threadpool-count must be >= 1")
+    if args.cpuinfer_threads is not None:
+        from kt_ops.cpu import set_num_threads
+
+        set_num_threads(args.cpuinfer_threads)
+    manifest = Manifest(args.quant_method, fmt, group, int(config.get("num_hidden_layers", moe_layers[-1] + 1)),
+                        tuple(layers), E, H, I, args.threadpool_count, False,
+                        {"path": os.fspath(source.resolve()), "input_type": args.input_type,
+                         "model_type": config.get("model_type")})
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).is_file():
+        if args.resume_layer is None:
+            raise ConversionError(f"{out} already holds a conversion; use --resume-layer L or another --output")
+        old = Manifest.read(out)
+        settings = ("format", "group_size", "num_experts", "hidden_size", "intermediate_size", "threadpool_count")
+        changed = [s for s in settings if getattr(old, s) != getattr(manifest, s)]
+        if changed:
+            raise ConversionError(f"{out}: cannot resume, the earlier run used different {', '.join(changed)}")
+    manifest.write(out)
+    todo = [L for L in layers if args.resume_layer is None or L >= args.resume_layer]
+    missing = [L for L in layers if L not in todo and not (out / layer_file(L)).is_file()]
+    if missing:
+        raise ConversionError(f"--resume-layer {args.resume_layer}: layer files missing for layers "
+                              f"{', '.join(map(str, missing))} (needs --no-merge-safetensor output)")
+    want = INPUT_TYPES[args.input_type]
+    progress = Progress(len(todo))
+    for layer in todo:
+        stored = checkpoint.dtype(layer)
+        if stored != want:
+            raise ConversionError(f"layer {layer}: --input-type {args.input_type} but the tensors are {stored}")
+        gate, up, down = checkpoint.load_experts(layer, range(E), H, I)
+        parts = pack_parts(gate, up, down, method, args.threadpool_count, **pack_args)
+        path = out / layer_file(layer)
+        tensors = {layer_key(layer, p): packed.data for p, packed in enumerate(parts)}
+        save_file(tensors, os.fspath(path.with_suffix(".tmp")), metadata={"producer": "kt_ops"})
+        os.replace(path.with_suffix(".tmp"), path)
+        verify_layer(path, layer, parts, gate, up, down, args.quant_method)
+        del gate, up, down, parts, tensors
+        progress.step(layer)
+    keys = {layer_key(L, p): layer_file(L) for L in layers for p in range(args.threadpool_count)}
+    if not args.no_merge_safetensor:
+        keys = merge_layers(out, layers, args.threadpool_count)
+    nbytes = sum((out / name).stat().st_size for name in set(keys.values()))
+    write_index(out, keys, nbytes)
+    if config_file.is_file():
+        shutil.copyfile(config_file, out / "config.json")
+    Manifest(**{**manifest.__dict__, "complete": True}).write(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        out = convert(args)
+    except (ConversionError, KeyError, ValueError, FileNotFoundError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"\nerror: {message}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

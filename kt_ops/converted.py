@@ -1,0 +1,103 @@
+"""Converted CPU-weight directories (written by ``python -m kt_ops.convert``).
+
+A directory holds ``kt_ops_manifest.json``, the source model's ``config.json`` and the
+packed experts as safetensors: per layer ``L`` and intermediate part ``p`` (of
+``threadpool_count``) one uint8 tensor ``blk.{L}.part{p}.packed`` — a
+:class:`~kt_ops.PackedExperts` blob. Either one file per layer (``layer-00003.safetensors``,
+``--no-merge-safetensor``) or shards ``model-0000i-of-0000N.safetensors``; in both cases
+``model.safetensors.index.json`` maps each key to its file. Blobs are memory-mapped when
+loaded, not copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from kt_ops.packed import PackedExperts
+
+MANIFEST = "kt_ops_manifest.json"
+INDEX = "model.safetensors.index.json"
+FORMAT_VERSION = 1
+
+
+def layer_key(layer: int, part: int) -> str:
+    return f"blk.{layer}.part{part}.packed"
+
+
+def layer_file(layer: int) -> str:
+    return f"layer-{layer:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What ``kt_ops_manifest.json`` records about a conversion."""
+
+    method: str  # "int8" or "int4"
+    format: str  # packed format: "int8", "int4"
+    group_size: int  # int4 k-group (0 for int8)
+    num_layers: int  # layers of the source model
+    layers: tuple[int, ...]  # layers converted (those with routed experts, in --layers)
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    threadpool_count: int  # parts the intermediate dimension is split into
+    complete: bool  # False while a conversion runs or after it crashed
+    source: dict
+
+    def to_json(self) -> dict:
+        return {"format_version": FORMAT_VERSION, "producer": "kt_ops", **{
+            "method": self.method, "format": self.format, "group_size": self.group_size,
+            "num_layers": self.num_layers, "layers": list(self.layers), "num_experts": self.num_experts,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "threadpool_count": self.threadpool_count, "complete": self.complete, "source": self.source}}
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> Manifest:
+        file = Path(path) / MANIFEST
+        data = json.loads(file.read_text())
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{file}: format_version {data.get('format_version')!r}, this kt_ops reads {FORMAT_VERSION}")
+        return cls(data["method"], data["format"], int(data["group_size"]), int(data["num_layers"]),
+                   tuple(int(v) for v in data["layers"]), int(data["num_experts"]), int(data["hidden_size"]),
+                   int(data["intermediate_size"]), int(data["threadpool_count"]), bool(data["complete"]),
+                   dict(data.get("source", {})))
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        file = Path(path) / MANIFEST
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        os.replace(tmp, file)
+
+
+def is_converted(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def load_converted_layer(path: str | os.PathLike[str], layer: int) -> tuple[Manifest, list[PackedExperts]]:
+    """The manifest and layer ``layer``'s packed parts (memory-mapped).
+
+    Raises ``ValueError`` for an incomplete conversion and ``KeyError`` naming the key
+    of a layer that was not converted or whose tensor is missing.
+    """
+    root = Path(path)
+    manifest = Manifest.read(root)
+    if not manifest.complete:
+        raise ValueError(f"{root}: the conversion did not finish (manifest says complete=false); "
+                         "rerun the converter with --resume-layer")
+    if layer not in manifest.layers:
+        raise KeyError(f"{root}: layer {layer} was not converted ({layer_key(layer, 0)!r} missing); "
+                       f"converted layers: {', '.join(map(str, manifest.layers)) or 'none'}")
+    weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+    parts = []
+    for part in range(manifest.threadpool_count):
+        key = layer_key(layer, part)
+        if key not in weight_map:
+            raise KeyError(f"{root}: tensor {key!r} is missing from {INDEX}")
+        with safe_open(os.fspath(root / weight_map[key]), framework="pt") as handle:
+            parts.append(PackedExperts(handle.get_tensor(key)))
+    return manifest, parts

@@ -1,0 +1,164 @@
+"""The CPU-weight converter (python -m kt_ops.convert / scripts/convert_cpu_weights.py):
+converted directories load through KTMoEWrapper and compute exactly what online
+quantization of the same checkpoint computes; FP8 input; per-layer files, resume,
+--layers, the verification step, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_helpers import fp8_dequantized, make_weights, write_checkpoint
+from conftest import rel_err
+
+from kt_ops import KTMoEWrapper, convert, reference
+from kt_ops.converted import MANIFEST, Manifest, layer_file
+
+E, K, H, I = 8, 2, 64, 64
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return make_weights([1, 2, 3], E, H, I, seed=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, weights) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("hf") / "model", weights, shards=2, dense_layers=(0,))
+
+
+def run(*args: object) -> int:
+    return convert.main([str(a) for a in args])
+
+
+def outputs(path: Path, layer: int, method: str, seed: int = 0, **kw) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(6)])
+    w = torch.rand(6, K, generator=g)
+    wr = KTMoEWrapper(layer, E, K, H, I, weight_path=path, method=method, **kw)
+    wr.load_weights()
+    return wr.forward(x, ids, w)
+
+
+@pytest.mark.parametrize("quant,method,extra,merge", [
+    ("int8", "AMXINT8", [], True),
+    ("int4", "AMXINT4", ["--group-size", 32, "--threadpool-count", 2], False),
+])
+def test_converted_equals_online_quantization(tmp_path, checkpoint, quant, method, extra, merge):
+    out = tmp_path / "out"
+    args = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", quant, *extra]
+    assert run(*args, *([] if merge else ["--no-merge-safetensor"])) == 0
+    manifest = Manifest.read(out)
+    assert manifest.complete and manifest.layers == (1, 2, 3) and manifest.num_experts == E
+    assert (manifest.hidden_size, manifest.intermediate_size, manifest.method) == (H, I, quant)
+    assert json.loads((out / "config.json").read_text())["num_experts"] == E
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert files == (["model-00001-of-00001.safetensors"] if merge else [layer_file(L) for L in (1, 2, 3)])
+    kw = {"group_size": 32, "threadpool_count": 2} if quant == "int4" else {}
+    for layer in (1, 2, 3):
+        converted = outputs(out, layer, method, **kw)
+        online = outputs(checkpoint, layer, method, **kw)
+        assert torch.equal(converted, online)
+
+
+def test_fp8_input(tmp_path):
+    H8, I8 = 256, 192
+    ws = make_weights([0, 1], E, H8, I8, seed=2)
+    src = write_checkpoint(tmp_path / "fp8", ws, dtype=torch.float8_e4m3fn)
+    out = tmp_path / "out"
+    assert run("--input-path", src, "--input-type", "fp8", "--output", out, "--quant-method", "int8") == 0
+    x = torch.randn(5, H8)
+    ids = torch.randint(0, E, (5, K))
+    w = torch.rand(5, K)
+    wr = KTMoEWrapper(1, E, K, H8, I8, weight_path=out, method="AMXINT8")
+    wr.load_weights()
+    deq = [torch.stack([fp8_dequantized(m[e]) for e in range(E)]).float() for m in ws[1]]
+    assert rel_err(wr.forward(x, ids, w), reference.moe_forward(x, ids, w, *deq)) <= 5e-2
+    assert run("--input-path", src, "--input-type", "bf16", "--output", tmp_path / "o2", "--quant-method", "int8") == 1
+
+
+def test_resume_keeps_written_layers(tmp_path, checkpoint, capsys):
+    out = tmp_path / "out"
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+            "--no-merge-safetensor"]
+    assert run(*base) == 0
+    err = capsys.readouterr().err
+    assert "3/3 layers" in err and "layers/s" in err and "ETA" in err
+    before = {L: ((out / layer_file(L)).read_bytes(), (out / layer_file(L)).stat().st_mtime_ns) for L in (1, 2)}
+    # a crash while writing layer 3: its file is gone and the manifest is incomplete
+    (out / layer_file(3)).unlink()
+    manifest = Manifest.read(out)
+    Manifest(**{**manifest.__dict__, "complete": False}).write(out)
+    with pytest.raises(ValueError, match="did not finish"):
+        outputs(out, 1, "AMXINT8")
+    assert run(*base) == 1  # refuses to overwrite without --resume-layer
+    assert run(*base, "--resume-layer", 3) == 0
+    for L, (data, mtime) in before.items():
+        assert (out / layer_file(L)).read_bytes() == data and (out / layer_file(L)).stat().st_mtime_ns == mtime
+    assert torch.equal(outputs(out, 3, "AMXINT8"), outputs(checkpoint, 3, "AMXINT8"))
+    (out / layer_file(1)).unlink()
+    assert run(*base, "--resume-layer", 2) == 1  # layer 1's file is missing
+    assert run(*base[:-1], "--quant-method", "int4", "--resume-layer", 2) == 1  # different settings
+
+
+def test_layer_range_and_missing_layer(tmp_path, checkpoint):
+    out = tmp_path / "out"
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+               "--layers", "2-3") == 0
+    assert Manifest.read(out).layers == (2, 3)
+    with pytest.raises(KeyError, match="layer 1 was not converted"):
+        outputs(out, 1, "AMXINT8")
+    with pytest.raises(ValueError, match="holds int8 weights"):
+        outputs(out, 2, "AMXINT4")
+    with pytest.raises(ValueError, match="threadpool_count=1"):
+        outputs(out, 2, "AMXINT8", threadpool_count=2)
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "o", "--quant-method",
+               "int8", "--layers", "7-9") == 1
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "o", "--quant-method",
+               "int8", "--layers", "x") == 1
+
+
+def test_verification_catches_a_bad_write(tmp_path, checkpoint, monkeypatch, capsys):
+    real_save = convert.save_file
+
+    def corrupting_save(tensors, path, metadata=None):
+        broken = {k: v.clone() for k, v in tensors.items()}
+        for v in broken.values():
+            v[-1] ^= 0xFF
+        real_save(broken, path, metadata=metadata)
+
+    monkeypatch.setattr(convert, "save_file", corrupting_save)
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "a", "--quant-method",
+               "int8") == 1
+    assert "differs from the packed weights" in capsys.readouterr().err
+
+
+def test_verification_catches_wrong_weights(tmp_path, checkpoint, monkeypatch, capsys):
+    real_pack = convert.pack_parts
+    monkeypatch.setattr(convert, "pack_parts", lambda g, u, d, *a, **k: real_pack(u, g, d, *a, **k))  # gate <-> up
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "b", "--quant-method",
+               "int8") == 1
+    assert "from the reference" in capsys.readouterr().err
+
+
+def test_command_line_entry_points(tmp_path, checkpoint):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "kt_ops.convert", "--input-path", checkpoint, "--input-type",
+                           "bf16", "--output", tmp_path / "cli", "--quant-method", "int8", "--layers", "1-1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "1/1 layers" in done.stderr and "ETA" in done.stderr and (tmp_path / "cli" / MANIFEST).is_file()
+    script = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_cpu_weights.py"), "--help"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert script.returncode == 0 and "--no-merge-safetensor" in script.stdout
+    bad = subprocess.run([sys.executable, "-m", "kt_ops.convert", "--input-path", tmp_path / "none", "--input-type",
+                          "bf16", "--output", tmp_path / "x", "--quant-method", "int8"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 1 and "error:" in bad.stderr
