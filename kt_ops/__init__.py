@@ -22,16 +22,19 @@ from kt_ops.formats import METHOD_FORMATS
 from kt_ops.gguf_loader import GgufModelInfo, load_gguf_experts, read_gguf_config
 from kt_ops.ops import moe_forward, pack_experts
 from kt_ops.packed import PackedExperts
+from kt_ops.wrappers import KTMoEWrapper, generate_gpu_experts_masks
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPU_VARIANTS",
     "GgufModelInfo",
+    "KTMoEWrapper",
     "METHOD_FORMATS",
     "PackedExperts",
     "cpu_variant",
     "doctor",
+    "generate_gpu_experts_masks",
     "get_num_threads",
     "load_gguf_experts",
     "missing_features",

@@ -1,0 +1,377 @@
+"""KTMoEWrapper: kt-kernel's Python API over the ``torch.ops.kt`` operators.
+
+A kt-kernel user switches with ``from kt_ops import KTMoEWrapper``. One wrapper is one
+MoE layer's CPU experts. Routing ids are *physical* expert slots: slot ``p`` holds the
+logical (checkpoint) expert ``physical_to_logical_map[p]``; slots set in
+``gpu_experts_mask`` belong to the GPU and are skipped here. With
+``max_deferred_experts_per_token = d > 0`` the experts :meth:`select_deferred_experts`
+defers run after this layer's result is returned, and their output is added to the
+output of the layer with ``layer_idx + 1`` (construct the last layer with ``d = 0``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import ClassVar, Sequence
+
+import torch
+
+from kt_ops.converted import is_converted, load_converted_layer
+from kt_ops.cpu import get_num_threads, set_num_threads
+from kt_ops.formats import format_for_method
+from kt_ops.gguf_loader import gguf_files, load_gguf_experts
+from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.ops import moe_forward
+from kt_ops.packed import PackedExperts
+from kt_ops.parts import pack_parts, part_bounds
+
+
+def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: int) -> torch.Tensor:
+    """The ``num_gpu_experts`` most frequently activated experts of the whole model
+    (``activation_freq [num_layers, num_experts]``), as a bool ``[num_layers, num_experts]``
+    CPU mask (True: on the GPU). As kt-kernel's, the choice is global: a layer may get
+    more GPU experts than another, or none."""
+    if activation_freq.dim() != 2:
+        raise ValueError(f"activation_freq must be [num_layers, num_experts], got shape {tuple(activation_freq.shape)}")
+    total = activation_freq.numel()
+    if not 0 <= num_gpu_experts <= total:
+        raise ValueError(f"num_gpu_experts must be in [0, {total}], got {num_gpu_experts}")
+    flat = activation_freq.detach().reshape(-1).to("cpu", torch.float64)
+    mask = torch.zeros(total, dtype=torch.bool)
+    if num_gpu_experts:
+        mask[torch.topk(flat, num_gpu_experts, sorted=False).indices] = True
+    return mask.view(activation_freq.shape)
+
+
+class KTMoEWrapper:
+    """One MoE layer's routed experts on the CPU, with kt-kernel's constructor and methods.
+
+    Args (as kt-kernel's):
+        layer_idx: the layer's index in the model (deferred experts go to ``layer_idx + 1``).
+        num_experts: physical expert slots E; num_experts_per_tok: top-k K.
+        hidden_size: H; moe_intermediate_size: I.
+        gpu_experts_mask: bool ``[E]`` (True: the slot runs on the GPU, not here), or None.
+        cpuinfer_threads: engine threads (:func:`kt_ops.set_num_threads`); None keeps them.
+        threadpool_count: parts each expert's intermediate dimension is split into (one per
+            NUMA node in kt-kernel); the output is the sum of the parts. Must divide I.
+        weight_path: a Hugging Face safetensors directory (online quantization into
+            ``method``), a directory written by ``python -m kt_ops.convert``, or a GGUF
+            file or directory (``LLAMAFILE``).
+        chunked_prefill_size: at most this many tokens per kernel call (None: no limit).
+        cpu_save: keep the unpacked source tensors (``source_weights``) after packing.
+        max_deferred_experts_per_token: d, see the module docstring.
+        method: ``BF16``, ``AMXINT8``/``MOE_INT8``, ``AMXINT4``/``MOE_INT4``, ``LLAMAFILE``.
+        numa_nodes: accepted for compatibility; its length must equal threadpool_count.
+        num_gpu_experts: instead of a mask: slots ``[0, n)`` run on the GPU.
+        group_size: INT4 k-group for online quantization (default 128).
+
+    Raises:
+        ValueError: an invalid argument, with the reason.
+    """
+
+    _capture_batch_sizes: ClassVar[list[int]] = []
+    _pending: ClassVar[dict[int, tuple[Future, int]]] = {}  # layer -> (deferred output, tokens)
+    _executor: ClassVar[ThreadPoolExecutor | None] = None
+    _executor_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_experts: int,
+        num_experts_per_tok: int,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        gpu_experts_mask: torch.Tensor | Sequence[bool] | None = None,
+        cpuinfer_threads: int | None = None,
+        threadpool_count: int = 1,
+        weight_path: str | os.PathLike[str] | None = None,
+        chunked_prefill_size: int | None = None,
+        cpu_save: bool = False,
+        max_deferred_experts_per_token: int = 0,
+        method: str = "AMXINT4",
+        numa_nodes: Sequence[int] | None = None,
+        *,
+        num_gpu_experts: int | None = None,
+        group_size: int = 128,
+    ) -> None:
+        for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),
+                            ("num_experts_per_tok", num_experts_per_tok), ("hidden_size", hidden_size),
+                            ("moe_intermediate_size", moe_intermediate_size), ("threadpool_count", threadpool_count)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "layer_idx" else 1):
+                raise ValueError(f"{name} must be a {'non-negative' if name == 'layer_idx' else 'positive'} int, got {value!r}")
+        if num_experts_per_tok > num_experts:
+            raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) exceeds num_experts ({num_experts})")
+        self.format = format_for_method(method)  # ValueError naming the implemented methods
+        if cpuinfer_threads is not None and (not isinstance(cpuinfer_threads, int) or cpuinfer_threads < threadpool_count):
+            raise ValueError(f"cpuinfer_threads ({cpuinfer_threads}) must be an int >= threadpool_count ({threadpool_count})")
+        if numa_nodes is not None and len(numa_nodes) != threadpool_count:
+            raise ValueError(f"numa_nodes has {len(numa_nodes)} entries; threadpool_count is {threadpool_count}")
+        if not 0 <= max_deferred_experts_per_token <= num_experts_per_tok:
+            raise ValueError(f"max_deferred_experts_per_token must be in [0, {num_experts_per_tok}], "
+                             f"got {max_deferred_experts_per_token}")
+        if chunked_prefill_size is not None and chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be positive or None, got {chunked_prefill_size}")
+        part_bounds(moe_intermediate_size, threadpool_count)  # ValueError unless it divides I
+        self.layer_idx = layer_idx
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.hidden_size = hidden_size
+        self.moe_intermediate_size = moe_intermediate_size
+        self.gpu_experts_mask = self._mask(gpu_experts_mask, num_gpu_experts)
+        self.threadpool_count = threadpool_count
+        self.weight_path = None if weight_path is None else Path(weight_path)
+        self.chunked_prefill_size = chunked_prefill_size
+        self.cpu_save = cpu_save
+        self.max_deferred_experts_per_token = max_deferred_experts_per_token
+        self.method = method.upper()
+        self.group_size = group_size
+        self.source_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._parts: list[PackedExperts] = []
+        self._route = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, -1 on the GPU
+        self._inflight: tuple[Future, tuple[Future, int] | None, torch.device, torch.dtype] | None = None
+        if cpuinfer_threads is not None and cpuinfer_threads != get_num_threads():
+            set_num_threads(cpuinfer_threads)
+
+    def _mask(self, mask: torch.Tensor | Sequence[bool] | None, num_gpu: int | None) -> torch.Tensor:
+        E = self.num_experts
+        if mask is not None and num_gpu is not None:
+            raise ValueError("give gpu_experts_mask or num_gpu_experts, not both")
+        if num_gpu is not None:
+            if not 0 <= num_gpu <= E:
+                raise ValueError(f"num_gpu_experts must be in [0, {E}], got {num_gpu}")
+            return torch.arange(E) < num_gpu
+        if mask is None:
+            return torch.zeros(E, dtype=torch.bool)
+        mask = torch.as_tensor(mask).to("cpu")
+        if mask.dtype != torch.bool or mask.shape != (E,):
+            raise ValueError(f"gpu_experts_mask must be a bool tensor of shape [{E}], got {mask.dtype} {tuple(mask.shape)}")
+        return mask.clone()
+
+    # ---- weights ----------------------------------------------------------------------
+
+    def _physical_map(self, physical_to_logical_map: torch.Tensor | Sequence[int] | None, logical: int) -> torch.Tensor:
+        E = self.num_experts
+        if physical_to_logical_map is None:
+            if logical < E:
+                raise ValueError(f"the weights hold {logical} experts; num_experts is {E}")
+            return torch.arange(E)
+        mapping = torch.as_tensor(physical_to_logical_map).to("cpu", torch.long).reshape(-1)
+        if mapping.numel() != E:
+            raise ValueError(f"physical_to_logical_map has {mapping.numel()} entries; num_experts is {E}")
+        if E and (int(mapping.min()) < 0 or int(mapping.max()) >= logical):
+            raise ValueError(f"physical_to_logical_map values must be in [0, {logical}) (the experts the weights hold)")
+        return mapping
+
+    def _set_packed(self, parts: list[PackedExperts], route: torch.Tensor) -> None:
+        for packed in parts:
+            if (packed.hidden_size, packed.intermediate_size * len(parts)) != (self.hidden_size, self.moe_intermediate_size):
+                raise ValueError(f"layer {self.layer_idx}: weights are H={packed.hidden_size}, "
+                                 f"I={packed.intermediate_size * len(parts)}; the wrapper was built for "
+                                 f"H={self.hidden_size}, I={self.moe_intermediate_size}")
+        self._parts = parts
+        self._route = torch.where(self.gpu_experts_mask, -1, route).to(torch.int32)
+
+    def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Packs the CPU slots' experts (``gate/up/down`` hold those, in slot order)."""
+        if self.format == "gguf":
+            raise ValueError("method LLAMAFILE loads GGUF files (weight_path); online quantization into GGUF "
+                             "is kt_ops.pack_experts(..., method='LLAMAFILE', gguf_type=...)")
+        pack_args = {"group_size": self.group_size} if self.format == "int4" else {}
+        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
+        route = torch.full((self.num_experts,), -1, dtype=torch.long)
+        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        parts = pack_parts(gate, up, down, self.method, self.threadpool_count, **pack_args) if cpu_slots.numel() else []
+        self._set_packed(parts, route)
+        self.source_weights = (gate, up, down) if self.cpu_save else None
+
+    def load_weights_from_tensors(
+        self,
+        gate_proj: torch.Tensor,
+        up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        physical_to_logical_map: torch.Tensor | Sequence[int] | None = None,
+    ) -> None:
+        """Packs (quantizes, for INT8/INT4) logical-order ``gate_proj [E', I, H]``,
+        ``up_proj [E', I, H]``, ``down_proj [E', H, I]`` (bf16/fp16/fp32) for the CPU slots."""
+        expected = ((self.moe_intermediate_size, self.hidden_size),) * 2 + ((self.hidden_size, self.moe_intermediate_size),)
+        for name, tensor, shape in zip(("gate_proj", "up_proj", "down_proj"), (gate_proj, up_proj, down_proj), expected):
+            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != shape:
+                raise ValueError(f"{name} must be [E, {shape[0]}, {shape[1]}], got {tuple(tensor.shape)}")
+        mapping = self._physical_map(physical_to_logical_map, int(gate_proj.shape[0]))
+        cpu = mapping[~self.gpu_experts_mask]
+        self._pack_cpu_experts(gate_proj[cpu].cpu(), up_proj[cpu].cpu(), down_proj[cpu].cpu())
+
+    def load_weights(self, physical_to_logical_map: torch.Tensor | Sequence[int] | None = None) -> None:
+        """Loads this layer from ``weight_path``: a converted directory (memory-mapped), a
+        GGUF file/directory (``LLAMAFILE``, memory-mapped) or a Hugging Face safetensors
+        directory (read one layer at a time and packed into ``method``)."""
+        if self.weight_path is None:
+            raise ValueError("weight_path is None; give it to the constructor or use load_weights_from_tensors")
+        path = self.weight_path
+        if not path.exists():
+            raise FileNotFoundError(f"weight_path {path} does not exist")
+        if is_converted(path):
+            return self._load_converted(path, physical_to_logical_map)
+        if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
+            return self._load_gguf(path, physical_to_logical_map)
+        checkpoint = HfCheckpoint(path)
+        logical = checkpoint.layer(self.layer_idx).num_experts
+        mapping = self._physical_map(physical_to_logical_map, logical)
+        cpu = mapping[~self.gpu_experts_mask].tolist()
+        gate, up, down = checkpoint.load_experts(self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
+        self._pack_cpu_experts(gate, up, down)
+
+    def _load_converted(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
+        manifest, parts = load_converted_layer(path, self.layer_idx)
+        if manifest.format != self.format or (self.format == "int4" and manifest.group_size != self.group_size):
+            raise ValueError(f"{path} holds {manifest.format} weights (group size {manifest.group_size}); this wrapper's "
+                             f"method {self.method} needs {self.format}"
+                             + (f" with group size {self.group_size}" if self.format == "int4" else ""))
+        if manifest.threadpool_count != self.threadpool_count:
+            raise ValueError(f"{path} was converted with --threadpool-count {manifest.threadpool_count}; construct the "
+                             f"wrapper with threadpool_count={manifest.threadpool_count} or convert again")
+        mapping = self._physical_map(physical_to_logical_map, parts[0].num_experts)
+        self._set_packed(parts, mapping)
+
+    def _load_gguf(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
+        if self.format != "gguf":
+            raise ValueError(f"{path} holds GGUF files: use method='LLAMAFILE', not {self.method!r}")
+        gguf_files(path)  # FileNotFoundError / ValueError for a bad directory
+        packed = load_gguf_experts(path, self.layer_idx)
+        # GGUF blobs are mapped from the file as one part: threadpool_count does not split them.
+        self._set_packed([packed], self._physical_map(physical_to_logical_map, packed.num_experts))
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def select_deferred_experts(
+        self, expert_ids: torch.Tensor, expert_scores: torch.Tensor, protected_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kt-kernel's rule: an expert among any token's ``protected_k`` highest-scored
+        experts is protected for the whole batch; ``(immediate_ids, deferred_ids)`` are
+        ``expert_ids`` with the unprotected (resp. protected) slots set to -1."""
+        topk = expert_ids.shape[-1]
+        protected_k = max(0, min(int(protected_k), topk))
+        if protected_k == 0:
+            return torch.full_like(expert_ids, -1), expert_ids.clone()
+        top = torch.topk(expert_scores.float(), protected_k, dim=-1).indices
+        chosen = torch.gather(expert_ids.long(), -1, top)
+        flag = torch.zeros(self.num_experts + 1, dtype=torch.bool, device=expert_ids.device)
+        flag[torch.where(chosen >= 0, chosen, self.num_experts).reshape(-1)] = True
+        flag[self.num_experts] = False
+        valid = expert_ids >= 0
+        protected = flag[torch.where(valid, expert_ids.long(), self.num_experts)]
+        minus = torch.full_like(expert_ids, -1)
+        immediate = torch.where(protected, expert_ids, minus)
+        deferred = torch.where(valid & ~protected, expert_ids, minus)
+        return immediate, deferred
+
+    def _packed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        valid = ids >= 0
+        if bool((ids >= self.num_experts).any()):
+            raise ValueError(f"topk_ids holds ids >= num_experts ({self.num_experts})")
+        return torch.where(valid, self._route[torch.where(valid, ids, 0).long()], -1)
+
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[T, H]``: the CPU experts of ``ids`` (physical) over every part, summed in
+        fp32 (the kernels take fp32 rows, so parts and deferred results are not rounded)."""
+        x = x.float()
+        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32)
+        packed_ids = self._packed_ids(ids)
+        step = self.chunked_prefill_size or max(x.shape[0], 1)
+        for t0 in range(0, x.shape[0], step):
+            rows = slice(t0, t0 + step)
+            for packed in self._parts:
+                out[rows] += moe_forward(x[rows], packed_ids[rows], weights[rows], packed)
+        return out
+
+    @classmethod
+    def _pool(cls) -> ThreadPoolExecutor:
+        with cls._executor_lock:
+            if cls._executor is None:
+                cls._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kt_ops_moe")
+            return cls._executor
+
+    def submit_forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        cuda_stream: object | None = None,
+    ) -> None:
+        """Starts this layer's CPU experts and returns at once (the work runs on a
+        background thread that releases the GIL); :meth:`sync_forward` collects it.
+        ``hidden_states [T, H]``, ``topk_ids [T, K]`` (physical slots, -1 skips),
+        ``topk_weights [T, K]``; inputs on another device are copied to the CPU first."""
+        if not self._parts and bool((~self.gpu_experts_mask).any()):
+            raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
+        if self._inflight is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}")
+        if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
+            raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
+                             f"[T={hidden_states.shape[0]}, K]")
+        device, dtype = hidden_states.device, hidden_states.dtype
+        x = hidden_states.to("cpu").contiguous()
+        ids = topk_ids.to("cpu")
+        weights = topk_weights.to("cpu").float()
+        d = self.max_deferred_experts_per_token
+        deferred = None
+        if d > 0:
+            ids, deferred = self.select_deferred_experts(ids, weights, self.num_experts_per_tok - d)
+        pool = self._pool()
+        future = pool.submit(self._compute, x, ids, weights)
+        previous = KTMoEWrapper._pending.pop(self.layer_idx, None)
+        if deferred is not None:
+            KTMoEWrapper._pending[self.layer_idx + 1] = (pool.submit(self._compute, x, deferred, weights), x.shape[0])
+        self._inflight = (future, previous, device, dtype)
+
+    def sync_forward(self, hidden_states: torch.Tensor | None = None, cuda_stream: object | None = None) -> torch.Tensor:
+        """Waits for :meth:`submit_forward`'s work; returns ``[T, H]`` in the input's dtype
+        and device (a new tensor), plus the previous layer's deferred experts if any."""
+        if self._inflight is None:
+            raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
+        future, previous, device, dtype = self._inflight
+        self._inflight = None
+        out = future.result()
+        if previous is not None:
+            deferred, tokens = previous
+            if tokens != out.shape[0]:
+                raise ValueError(f"layer {self.layer_idx}: layer {self.layer_idx - 1}'s deferred experts were computed "
+                                 f"for {tokens} tokens, this batch has {out.shape[0]}")
+            out += deferred.result()
+        return out.to(device=device, dtype=dtype)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        cuda_stream: object | None = None,
+    ) -> torch.Tensor:
+        """:meth:`submit_forward` then :meth:`sync_forward`."""
+        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+        return self.sync_forward(hidden_states, cuda_stream)
+
+    # ---- kt-kernel's buffer API ----------------------------------------------------------
+
+    @staticmethod
+    def set_capture_batch_sizes(batch_sizes: Sequence[int]) -> None:
+        """Records the batch sizes CUDA graphs will be captured at (kt-kernel reserves
+        pinned staging buffers per size; on the CPU-only path nothing is reserved)."""
+        sizes = sorted({int(b) for b in batch_sizes})
+        if any(b < 1 for b in sizes):
+            raise ValueError(f"batch sizes must be positive, got {list(batch_sizes)}")
+        KTMoEWrapper._capture_batch_sizes = sizes
+
+    @staticmethod
+    def get_capture_batch_sizes() -> list[int]:
+        return list(KTMoEWrapper._capture_batch_sizes)
+
+    @staticmethod
+    def clear_buffer_cache() -> None:
+        """Drops cached buffers and deferred results not yet collected by the next layer."""
+        KTMoEWrapper._pending.clear()

@@ -1,0 +1,347 @@
+"""KTMoEWrapper (kt-kernel's API): weights from Hugging Face checkpoints in each naming
+convention, from tensors and from GGUF; GPU-expert masks, physical-to-logical maps,
+deferred experts across two layers, threadpool_count parts, submit/sync, bad input.
+
+Expected outputs come from kt_ops.reference on the original weights, with the routing
+rewritten independently in the test (physical -> logical, GPU slots dropped).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoint_helpers import fp8_dequantized, make_weights, write_checkpoint
+from conftest import rel_err
+from gguf_helpers import random_blocks, write_model
+
+import kt_ops
+from kt_ops import KTMoEWrapper, generate_gpu_experts_masks, reference
+
+E, K, H, I = 8, 3, 64, 64
+TOL = {"BF16": 1e-2, "AMXINT8": 5e-2, "AMXINT4": 0.25}  # kernel + quantization error vs fp32 on the originals
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return make_weights([1, 2], E, H, I, seed=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, weights) -> Path:
+    """per_expert naming, layer 0 dense (no experts), 3 shards with an index."""
+    return write_checkpoint(tmp_path_factory.mktemp("hf") / "model", weights, shards=3, dense_layers=(0,))
+
+
+@pytest.fixture(autouse=True)
+def _no_pending():
+    yield
+    KTMoEWrapper.clear_buffer_cache()
+
+
+def inputs(T: int = 7, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    return x, ids, w
+
+
+def expected(x, ids, w, layer_weights, mapping=None, mask=None, round_bf16=True):
+    """Reference on logical weights: physical ids mapped through ``mapping``, GPU slots -1."""
+    mapping = torch.arange(E) if mapping is None else torch.as_tensor(mapping)
+    valid = ids >= 0
+    logical = torch.where(valid, mapping[ids.clamp(min=0)], -1)
+    if mask is not None:
+        logical = torch.where(valid & mask[ids.clamp(min=0)], -1, logical)
+    g, u, d = (t.bfloat16().float() if round_bf16 else t for t in layer_weights)
+    return reference.moe_forward(x, logical, w, g, u, d)
+
+
+def wrapper(path=None, layer=1, **kw) -> KTMoEWrapper:
+    kw.setdefault("method", "BF16")
+    kw.setdefault("group_size", 32)
+    return KTMoEWrapper(layer, kw.pop("num_experts", E), kw.pop("top_k", K), H, I, weight_path=path, **kw)
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4"])
+def test_methods_from_hf_checkpoint(checkpoint, weights, method):
+    x, ids, w = inputs()
+    for layer in (1, 2):
+        wr = wrapper(checkpoint, layer, method=method)
+        wr.load_weights()
+        out = wr.forward(x, ids, w)
+        assert out.dtype == x.dtype and out.shape == x.shape
+        assert rel_err(out, expected(x, ids, w, weights[layer])) <= TOL[method]
+
+
+@pytest.mark.parametrize("convention,index", [("per_expert", False), ("w123", True), ("w123", False),
+                                              ("fused", True), ("fused", False)])
+def test_naming_conventions(tmp_path, weights, convention, index):
+    path = write_checkpoint(tmp_path / "m", weights, convention=convention, shards=2, index=index)
+    x, ids, w = inputs()
+    wr = wrapper(path, 2)
+    wr.load_weights()
+    assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[2])) <= 1e-2
+
+
+def test_fp8_checkpoint_is_dequantized_with_block_scales(tmp_path):
+    H8, I8 = 256, 192  # two 128-blocks along H, a partial one along I
+    ws = make_weights([0], E, H8, I8, seed=4)
+    path = write_checkpoint(tmp_path / "fp8", ws, dtype=torch.float8_e4m3fn)
+    deq = [torch.stack([fp8_dequantized(m[e]) for e in range(E)]).float() for m in ws[0]]
+    x = torch.randn(5, H8)
+    ids = torch.randint(0, E, (5, 2))
+    w = torch.rand(5, 2)
+    wr = KTMoEWrapper(0, E, 2, H8, I8, weight_path=path, method="BF16")
+    wr.load_weights()
+    out = wr.forward(x, ids, w)
+    assert rel_err(out, reference.moe_forward(x, ids, w, *deq)) <= 1e-2
+    # and the scales matter: without them the output is far off
+    raw = [torch.stack([fp8_dequantized(m[e], block=10**6) for e in range(E)]).float() for m in ws[0]]
+    assert rel_err(out, reference.moe_forward(x, ids, w, *raw)) > 0.05
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT8"])
+def test_gpu_mask_and_physical_map(checkpoint, weights, method):
+    mapping = torch.tensor([3, 0, 7, 1, 6, 2, 5, 4])
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[[1, 4, 6]] = True
+    x, ids, w = inputs(9, seed=1)
+    want = expected(x, ids, w, weights[1], mapping, mask)
+    wr = wrapper(checkpoint, 1, method=method, gpu_experts_mask=mask)
+    wr.load_weights(mapping)
+    assert rel_err(wr.forward(x, ids, w), want) <= TOL[method]
+    tensors = wrapper(None, 1, method=method, gpu_experts_mask=mask)
+    tensors.load_weights_from_tensors(*weights[1], physical_to_logical_map=mapping)
+    assert rel_err(tensors.forward(x, ids, w), want) <= TOL[method]
+    # without the mask the result differs by the GPU experts' share
+    assert rel_err(want, expected(x, ids, w, weights[1], mapping)) > 0.2
+
+
+def test_num_gpu_experts_and_all_on_gpu(weights):
+    x, ids, w = inputs()
+    wr = wrapper(num_gpu_experts=3)
+    wr.load_weights_from_tensors(*weights[1])
+    assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[1], mask=torch.arange(E) < 3)) <= 1e-2
+    everything = wrapper(num_gpu_experts=E)
+    everything.load_weights_from_tensors(*weights[1])
+    assert torch.count_nonzero(everything.forward(x, ids, w)) == 0
+
+
+def test_redundant_physical_slots(weights):
+    """EPLB-style maps: more physical slots than logical experts, replicas of one expert."""
+    mapping = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 2, 5])
+    x, ids, w = inputs(6, seed=2)
+    ids = torch.stack([torch.randperm(10)[:K] for _ in range(6)])
+    wr = KTMoEWrapper(1, 10, K, H, I, method="BF16")
+    wr.load_weights_from_tensors(*weights[1], physical_to_logical_map=mapping)
+    g, u, d = (t.bfloat16().float() for t in weights[1])
+    assert rel_err(wr.forward(x, ids, w), reference.moe_forward(x, mapping[ids], w, g, u, d)) <= 1e-2
+
+
+@pytest.mark.parametrize("method,tol", [("BF16", 1e-5), ("AMXINT8", 3e-2), ("AMXINT4", 5e-2)])
+def test_threadpool_count_2_matches_1(checkpoint, method, tol):
+    x, ids, w = inputs(11)
+    one = wrapper(checkpoint, 1, method=method)
+    one.load_weights()
+    two = wrapper(checkpoint, 1, method=method, threadpool_count=2, cpuinfer_threads=kt_ops.get_num_threads())
+    two.load_weights()
+    assert len(two._parts) == 2 and two._parts[0].intermediate_size == I // 2
+    assert rel_err(two.forward(x, ids, w), one.forward(x, ids, w)) <= tol  # int8/int4: down requantized per part
+
+
+def deferred_split(ids: torch.Tensor, w: torch.Tensor, protected_k: int):
+    """kt-kernel's rule, written as a loop: experts in any token's top protected_k are protected."""
+    protected = set()
+    for t in range(ids.shape[0]):
+        order = sorted(range(ids.shape[1]), key=lambda j: -float(w[t, j]))
+        protected |= {int(ids[t, j]) for j in order[:protected_k]}
+    keep = torch.tensor([[int(v) in protected for v in row] for row in ids])
+    return torch.where(keep, ids, -1), torch.where(keep, -1, ids)
+
+
+def test_deferred_experts_go_to_the_next_layer(checkpoint, weights):
+    x, ids, w = inputs(4, seed=3)
+    layer1 = wrapper(checkpoint, 1, max_deferred_experts_per_token=1)
+    layer2 = wrapper(checkpoint, 2)
+    layer1.load_weights()
+    layer2.load_weights()
+    immediate, deferred = deferred_split(ids, w, K - 1)
+    got_imm, got_def = layer1.select_deferred_experts(ids, w, K - 1)
+    assert torch.equal(got_imm, immediate) and torch.equal(got_def, deferred)
+    assert (deferred >= 0).any() and (immediate >= 0).any()  # the case is not trivial
+    x2 = torch.randn(4, H)
+    out1 = layer1.forward(x, ids, w)
+    out2 = layer2.forward(x2, ids, w)
+    assert rel_err(out1, expected(x, immediate, w, weights[1])) <= 1e-2
+    late = expected(x, deferred, w, weights[1])
+    assert rel_err(out2, expected(x2, ids, w, weights[2]) + late) <= 1e-2
+    # the two layers together computed every expert of layer 1
+    assert rel_err(out1 + out2, expected(x, ids, w, weights[1]) + expected(x2, ids, w, weights[2])) <= 1e-2
+
+
+def test_submit_sync_interleaved_across_layers(checkpoint, weights):
+    layers = [wrapper(checkpoint, L) for L in (1, 2)]
+    for wr in layers:
+        wr.load_weights()
+    batches = [inputs(5, seed=s) for s in (5, 6)]
+    for wr, (x, ids, w) in zip(layers, batches):
+        wr.submit_forward(x, ids, w, None)
+    outs = [wr.sync_forward(b[0], None) for wr, b in zip(layers, batches)]
+    for L, out, (x, ids, w) in zip((1, 2), outs, batches):
+        assert rel_err(out, expected(x, ids, w, weights[L])) <= 1e-2
+    with pytest.raises(RuntimeError, match="without submit_forward"):
+        layers[0].sync_forward(batches[0][0])
+    layers[0].submit_forward(*batches[0])
+    with pytest.raises(RuntimeError, match="twice"):
+        layers[0].submit_forward(*batches[0])
+    layers[0].sync_forward()
+
+
+def test_submit_returns_before_the_experts_finish(weights, monkeypatch):
+    wr = wrapper()
+    wr.load_weights_from_tensors(*weights[1])
+    release = threading.Event()
+    compute = wr._compute
+
+    def gated(*args):
+        assert release.wait(10)
+        return compute(*args)
+
+    monkeypatch.setattr(wr, "_compute", gated)
+    x, ids, w = inputs()
+    wr.submit_forward(x, ids, w)  # would deadlock if it waited for the experts
+    assert not wr._inflight[0].done()
+    release.set()
+    assert rel_err(wr.sync_forward(x), expected(x, ids, w, weights[1])) <= 1e-2
+
+
+def test_output_is_fresh_in_input_dtype_and_chunked(weights):
+    x, ids, w = inputs(9)
+    wr = wrapper(chunked_prefill_size=4)
+    wr.load_weights_from_tensors(*weights[1])
+    out = wr.forward(x.bfloat16(), ids, w)
+    assert out.dtype == torch.bfloat16 and out.data_ptr() != x.data_ptr()
+    assert rel_err(out, expected(x.bfloat16().float(), ids, w, weights[1])) <= 1e-2
+
+
+def test_gguf_directory_with_map_and_mask(tmp_path):
+    rng = np.random.default_rng(0)
+    Hg, Ig = 256, 256
+    layers = [{name: ("Q4_K" if name != "ffn_down_exps" else "Q6_K",
+                      random_blocks("Q4_K" if name != "ffn_down_exps" else "Q6_K", E * r, k, rng).reshape(E, r, -1))
+               for name, (r, k) in (("ffn_gate_exps", (Ig, Hg)), ("ffn_up_exps", (Ig, Hg)), ("ffn_down_exps", (Hg, Ig)))}
+              for _ in range(2)]
+    write_model(tmp_path / "m.gguf", layers, E, Hg, Ig)
+    mapping = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0])
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[2] = True
+    wr = KTMoEWrapper(1, E, 2, Hg, Ig, gpu_experts_mask=mask, weight_path=tmp_path, method="LLAMAFILE")
+    wr.load_weights(mapping)
+    x = torch.randn(5, Hg)
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(5)])
+    w = torch.rand(5, 2)
+    logical = torch.where(mask[ids], -1, mapping[ids])
+    want = kt_ops.moe_forward(x, logical, w, kt_ops.load_gguf_experts(tmp_path, 1))
+    assert torch.allclose(wr.forward(x, ids, w), want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="LLAMAFILE"):
+        KTMoEWrapper(1, E, 2, Hg, Ig, weight_path=tmp_path, method="AMXINT8").load_weights()
+
+
+def test_generate_gpu_experts_masks_is_global():
+    freq = torch.tensor([[0.1, 0.5, 0.3, 0.8], [0.2, 0.4, 0.9, 0.1]])
+    masks = generate_gpu_experts_masks(freq, 3)
+    assert masks.dtype == torch.bool
+    assert masks.tolist() == [[False, True, False, True], [False, False, True, False]]
+    assert not generate_gpu_experts_masks(freq, 0).any() and generate_gpu_experts_masks(freq, 8).all()
+    with pytest.raises(ValueError):
+        generate_gpu_experts_masks(freq, 9)
+
+
+def test_capture_batch_sizes():
+    KTMoEWrapper.set_capture_batch_sizes([8, 1, 4, 4])
+    assert KTMoEWrapper.get_capture_batch_sizes() == [1, 4, 8]
+    with pytest.raises(ValueError):
+        KTMoEWrapper.set_capture_batch_sizes([0])
+    KTMoEWrapper.set_capture_batch_sizes([])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"top_k": 9}, "exceeds num_experts"),
+    ({"gpu_experts_mask": torch.zeros(7, dtype=torch.bool)}, "shape \\[8\\]"),
+    ({"gpu_experts_mask": torch.zeros(8, dtype=torch.bool), "num_gpu_experts": 2}, "not both"),
+    ({"method": "FP8"}, "not available"),
+    ({"method": "NOPE"}, "not available"),
+    ({"threadpool_count": 2, "cpuinfer_threads": 1}, "cpuinfer_threads"),
+    ({"threadpool_count": 3}, "must divide"),
+    ({"numa_nodes": [0, 1]}, "numa_nodes"),
+    ({"max_deferred_experts_per_token": 4}, "max_deferred"),
+    ({"num_experts": 0}, "num_experts"),
+])
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        wrapper(**kwargs)
+
+
+def test_bad_weights(tmp_path, checkpoint, weights):
+    with pytest.raises(KeyError, match="layer 0"):  # dense layer: no experts
+        wrapper(checkpoint, 0).load_weights()
+    with pytest.raises(ValueError, match="hold 8 experts"):
+        wrapper(checkpoint, 1, num_experts=9).load_weights()
+    with pytest.raises(ValueError, match="physical_to_logical_map"):
+        wrapper(checkpoint, 1).load_weights(torch.arange(7))
+    with pytest.raises(ValueError, match="gate_proj.weight' has shape"):
+        KTMoEWrapper(1, E, K, 32, I, weight_path=checkpoint, method="BF16").load_weights()
+    broken = write_checkpoint(tmp_path / "broken", weights, skip=("model.layers.1.mlp.experts.5.up_proj.weight",))
+    with pytest.raises(KeyError, match="experts.5.up_proj.weight"):
+        wrapper(broken, 1).load_weights()
+    with pytest.raises(FileNotFoundError):
+        wrapper(tmp_path / "nowhere", 1).load_weights()
+    with pytest.raises(ValueError, match="gate_proj must be"):
+        wrapper().load_weights_from_tensors(weights[1][1][:, :, :32], *weights[1][1:])
+    wr = wrapper()
+    with pytest.raises(RuntimeError, match="load_weights"):
+        wr.forward(*inputs())
+    wr.load_weights_from_tensors(*weights[1])
+    x, ids, w = inputs()
+    with pytest.raises(ValueError, match="num_experts"):
+        wr.forward(x, ids + E, w)
+    with pytest.raises(ValueError, match="hidden_states"):
+        wr.forward(x[:, :32], ids, w)
+
+
+MEMORY_PROBE = r"""
+import sys, torch, kt_ops
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+wr = kt_ops.KTMoEWrapper(3, 8, 2, 1024, 512, weight_path=sys.argv[1], method="AMXINT8")
+torch.zeros(1)
+base = rss("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM)
+wr.load_weights()
+print(rss("VmHWM:") - base)
+"""
+
+
+def test_loading_streams_one_layer(tmp_path):
+    """Peak extra memory while loading one layer stays a small multiple of that layer."""
+    layers = list(range(8))
+    ws = make_weights(layers, 8, 1024, 512, seed=9)
+    path = write_checkpoint(tmp_path / "big", ws, shards=4)
+    del ws
+    layer_bytes = 3 * 8 * 1024 * 512 * 2  # bf16 on disk
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    peak = int(done.stdout.split()[-1])
+    assert peak < 4 * layer_bytes < len(layers) * layer_bytes, f"peak {peak / 2**20:.0f} MiB"
