@@ -37,28 +37,33 @@ def run(*args: object) -> int:
     return convert.main([str(a) for a in args])
 
 
-def outputs(path: Path, layer: int, method: str, seed: int = 0, **kw) -> torch.Tensor:
+def outputs(path: Path, layer: int, method: str, seed: int = 0, mapping=None, **kw) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(6, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(6)])
     w = torch.rand(6, K, generator=g)
     wr = KTMoEWrapper(layer, E, K, H, I, weight_path=path, method=method, **kw)
-    wr.load_weights()
+    wr.load_weights(mapping)
     return wr.forward(x, ids, w)
 
 
-@pytest.mark.parametrize("quant,method,extra,merge", [
-    ("int8", "AMXINT8", [], True),
-    ("int4", "AMXINT4", ["--group-size", 32, "--threadpool-count", 2], False),
+@pytest.mark.parametrize("quant,method,extra,merge,convention", [
+    ("int8", "AMXINT8", [], True, "per_expert"),
+    ("int8", "AMXINT8", [], True, "w123"),
+    ("int8", "AMXINT8", [], False, "fused"),
+    ("int4", "AMXINT4", ["--group-size", 32, "--threadpool-count", 2], False, "per_expert"),
 ])
-def test_converted_equals_online_quantization(tmp_path, checkpoint, quant, method, extra, merge):
+def test_converted_equals_online_quantization(tmp_path, checkpoint, weights, quant, method, extra, merge,
+                                              convention):
+    if convention != "per_expert":
+        checkpoint = write_checkpoint(tmp_path / convention, weights, convention=convention, dense_layers=(0,))
     out = tmp_path / "out"
     args = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", quant, *extra]
     assert run(*args, *([] if merge else ["--no-merge-safetensor"])) == 0
     manifest = Manifest.read(out)
     assert manifest.complete and manifest.layers == (1, 2, 3) and manifest.num_experts == E
     assert (manifest.hidden_size, manifest.intermediate_size, manifest.method) == (H, I, quant)
-    assert json.loads((out / "config.json").read_text())["num_experts"] == E
+    assert json.loads((out / "config.json").read_text())["model_type"] in ("qwen3_moe", "mixtral")
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert files == (["model-00001-of-00001.safetensors"] if merge else [layer_file(L) for L in (1, 2, 3)])
     kw = {"group_size": 32, "threadpool_count": 2} if quant == "int4" else {}
@@ -66,6 +71,13 @@ def test_converted_equals_online_quantization(tmp_path, checkpoint, quant, metho
         converted = outputs(out, layer, method, **kw)
         online = outputs(checkpoint, layer, method, **kw)
         assert torch.equal(converted, online)
+    # with GPU experts and a permuted expert map: the converted layer keeps every expert
+    # mapped and routes slots to them; online packs only the CPU slots, in slot order
+    mask = torch.tensor([0, 1, 0, 0, 1, 0, 0, 0], dtype=torch.bool)
+    mapping = torch.tensor([5, 3, 0, 7, 1, 6, 2, 4])
+    converted = outputs(out, 2, method, mapping=mapping, gpu_experts_mask=mask, **kw)
+    assert torch.equal(converted, outputs(checkpoint, 2, method, mapping=mapping, gpu_experts_mask=mask, **kw))
+    assert not torch.equal(converted, outputs(out, 2, method, **kw))
 
 
 def test_fp8_input(tmp_path):
