@@ -66,9 +66,7 @@ struct GgufMatrix {
   GgmlType type;
   bool is_float;
   GgufDecodeRowFn decode;  // quantized types
-  bool q4k_direct;         // Q4_K dotted from its bytes (AVX-512 variants, decode)
-  bool q8_direct;          // Q8_0 likewise
-  bool q4_0_direct;        // Q4_0 likewise
+  bool direct;             // dotted from its bytes (Q4_K, Q8_0, Q4_0, Q5_0; AVX-512 variants, decode)
   int64_t k, kp;  // row length and its padded length (multiple of 256)
 
   GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_)
@@ -78,9 +76,7 @@ struct GgufMatrix {
         type(ggml_type_info(layout.shape.gguf_types[m]).type),
         is_float(ggml_type_info(layout.shape.gguf_types[m]).is_float),
         decode(gguf_decoder(type)),
-        q4k_direct(false),
-        q8_direct(false),
-        q4_0_direct(false),
+        direct(false),
         k(k_),
         kp(round_up(k_, kGgufSuper)) {}
   const uint8_t* row(int64_t expert, int64_t n) const {
@@ -89,7 +85,7 @@ struct GgufMatrix {
   // The activation format: 0 fp32, 32, 256, or kGgufQ4kActs (256 in kGgufQ4kOrder).
   int act_block() const {
     if (is_float) return 0;
-    return q4k_direct ? kGgufQ4kActs : static_cast<int>(ggml_type_info(static_cast<uint32_t>(type)).block_elems);
+    return direct && type == GgmlType::kQ4_K ? kGgufQ4kActs : static_cast<int>(ggml_type_info(static_cast<uint32_t>(type)).block_elems);
   }
 };
 
@@ -154,15 +150,17 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t a = act_rows != nullptr ? act_rows[p] : p;
       float result[4];
-      if (m.q4k_direct)
-        gguf_q4k_dot_rows4<Ops>(rows, acts.q + a * m.kp, acts.scale + a * (m.kp / 4),
-                                acts.level_sums + a * (m.kp / 16), units, result);
-      else if (m.q8_direct)
-        gguf_block32_dot_rows4<Ops, false>(rows, m.k, acts.q + a * m.kp, acts.scale + a * (m.kp / 4),
-                                           acts.bias4 + a * (m.kp / 4), result);
-      else
-        gguf_block32_dot_rows4<Ops, true>(rows, m.k, acts.q + a * m.kp, acts.scale + a * (m.kp / 4),
-                                          acts.bias4 + a * (m.kp / 4), result);
+      const int8_t* q = acts.q + a * m.kp;
+      const float* scale4 = acts.scale + a * (m.kp / 4);
+      const int32_t* bias4 = acts.bias4 + a * (m.kp / 4);
+      switch (m.type) {
+        case GgmlType::kQ4_K:
+          gguf_q4k_dot_rows4<Ops>(rows, q, scale4, acts.level_sums + a * (m.kp / 16), units, result);
+          break;
+        case GgmlType::kQ8_0: gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0>(rows, m.k, q, scale4, bias4, result); break;
+        case GgmlType::kQ4_0: gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0>(rows, m.k, q, scale4, bias4, result); break;
+        default: gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0>(rows, m.k, q, scale4, bias4, result); break;
+      }
       for (int i = 0; i < 4; ++i) out[p * ldo + n[i]] = result[i];
     }
   }
@@ -175,7 +173,7 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
                const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
   using V = typename Ops::Vec;
   if constexpr (Ops::kRegsPerLine == 1) {
-    if (m.q4k_direct || m.q8_direct || m.q4_0_direct)
+    if (m.direct)
       return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
   }
   const int64_t units = m.kp / kGgufSuper;
@@ -286,9 +284,9 @@ void moe_forward_gguf(const MoeArgs& args) {
   for (int32_t e : plan.active_experts) max_pairs = std::max(max_pairs, plan.expert_begin[e + 1] - plan.expert_begin[e]);
   if constexpr (Ops::kRegsPerLine == 1)
     for (GgufMatrix* m : {&gate, &up, &down}) {
-      m->q4k_direct = m->type == GgmlType::kQ4_K && max_pairs <= kGgufDirectMaxPairs;
-      m->q8_direct = m->type == GgmlType::kQ8_0 && max_pairs <= kGgufDirectMaxPairs;
-      m->q4_0_direct = m->type == GgmlType::kQ4_0 && max_pairs <= kGgufDirectMaxPairs;
+      m->direct = max_pairs <= kGgufDirectMaxPairs &&
+                  (m->type == GgmlType::kQ4_K || m->type == GgmlType::kQ8_0 || m->type == GgmlType::kQ4_0 ||
+                   m->type == GgmlType::kQ5_0);
     }
   const int64_t P = plan.num_pairs;
   bool tile = false;

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gguf_decode.h"
+
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
@@ -57,6 +59,8 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* aq, const floa
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * 144;
+      for (int line = 0; line < 144; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
       uint16_t halves[2];
       std::memcpy(halves, b, 4);
       const float d = _cvtsh_ss(halves[0]) * da, dmin = _cvtsh_ss(halves[1]) * da;
