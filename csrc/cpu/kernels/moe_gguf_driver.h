@@ -140,6 +140,13 @@ template <class Ops>
 void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                       const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
   const int64_t units = m.kp / kGgufSuper, stride = (n1 - n0 + 3) / 4;
+  // The kernels prefetch kGgufPrefetchBytes ahead; the first bytes of each stream are
+  // requested here, all at once, instead of one stream after the other.
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* first = m.row(expert, std::min(n0 + i * stride, n1 - 1));
+    for (int line = 0; line < kGgufPrefetchBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(first + line), _MM_HINT_T0);
+  }
   for (int64_t j = 0; j < stride; ++j) {
     int64_t n[4];
     const uint8_t* rows[4];
