@@ -22,16 +22,19 @@ from kt_ops.formats import METHOD_FORMATS
 from kt_ops.gguf_loader import GgufModelInfo, load_gguf_experts, read_gguf_config
 from kt_ops.ops import moe_forward, pack_experts
 from kt_ops.packed import PackedExperts
-from kt_ops.wrappers import KTMoEWrapper, generate_gpu_experts_masks
+from kt_ops.wrappers import HybridMoE, KTMoEWrapper, PatchReport, Routing, generate_gpu_experts_masks, patch_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPU_VARIANTS",
     "GgufModelInfo",
+    "HybridMoE",
     "KTMoEWrapper",
     "METHOD_FORMATS",
     "PackedExperts",
+    "PatchReport",
+    "Routing",
     "cpu_variant",
     "doctor",
     "generate_gpu_experts_masks",
@@ -40,6 +43,7 @@ __all__ = [
     "missing_features",
     "moe_forward",
     "pack_experts",
+    "patch_model",
     "read_gguf_config",
     "reference",
     "set_cpu_variant",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) with torch and the test tools, and builds kt_ops into it
 # against that torch. Safe to re-run. KT_OPS_TORCH_SPEC overrides the torch requirement
-# (default: the CPU build torch==2.13.0; any torch >= 2.4 works).
+# (default: the CPU build torch==2.13.0; any torch >= 2.4 works). transformers is for the
+# tests of kt_ops.patch_model (tiny models built from config classes, no hub access).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -9,6 +10,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 pip install --quiet --upgrade pip setuptools wheel
-pip install --quiet "${KT_OPS_TORCH_SPEC:-torch==2.13.0}" numpy safetensors gguf ninja pytest expecttest
+pip install --quiet "${KT_OPS_TORCH_SPEC:-torch==2.13.0}" numpy safetensors gguf ninja pytest expecttest "transformers==5.23.0"
 pip install --quiet --no-build-isolation -e .
 python -c "import kt_ops; print('kt_ops ready:', kt_ops.cpu_variant(), 'variant,', kt_ops.get_num_threads(), 'threads')"

@@ -1,0 +1,188 @@
+"""HybridMoE: an ``nn.Module`` MoE layer whose routed experts run on the CPU.
+
+router logits -> :class:`Routing` -> the CPU experts by ``torch.ops.kt.moe_forward``
+(packed weights in host memory), the experts marked GPU-resident in torch on the input's
+device, optional shared experts -> sum. With CUDA inputs the CPU experts run through the
+operator's CUDA key (stream-ordered, CUDA-graph capturable) on a side stream, overlapped
+with the GPU experts and the shared experts.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kt_ops.gguf_types import GgufTypeLike
+from kt_ops.ops import pack_experts
+from kt_ops.wrappers.routing import Routing
+
+_HOST_BUFFERS = ("packed",)  # stay in host memory whatever .to()/.cuda() asks
+
+
+class HybridMoE(nn.Module):
+    """One MoE layer: routing, CPU experts (packed), GPU experts (torch), shared experts.
+
+    Args:
+        router_weight: ``[E, H]`` router (``gate``) weight.
+        gate_proj: ``[E, I, H]``; up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]`` — the
+            routed experts in Hugging Face layout, any float dtype, any device.
+        routing: how experts are chosen (:class:`Routing`).
+        method: packing method of the CPU experts (``BF16``, ``AMXINT8``, ``AMXINT4``,
+            ``LLAMAFILE`` … as :func:`kt_ops.pack_experts`).
+        gpu_experts_mask: bool ``[E]``; True: the expert runs in torch on the input's
+            device (its weights kept as buffers in ``gpu_dtype``), not on the CPU.
+        e_score_correction_bias: ``[E]`` DeepSeek-V3 choice bias, or None.
+        shared_experts: a module ``[.., H] -> [.., H]`` added to every token, or None.
+        shared_expert_gate: ``nn.Linear(H, 1)``: the shared output is scaled by
+            ``sigmoid(gate(x))`` (Qwen2-MoE), or None.
+        group_size / gguf_type: forwarded to :func:`kt_ops.pack_experts`.
+        gpu_dtype: dtype of the GPU experts' weights (default: ``gate_proj``'s).
+
+    ``forward(hidden_states [..., H])`` returns ``[..., H]`` in the input's dtype. The
+    GPU experts are computed densely over the batch (every GPU expert sees every token,
+    weighted by 0 where not routed): shape-static for ``torch.compile`` and CUDA graphs,
+    meant for the few hot experts a mask selects.
+    """
+
+    def __init__(
+        self,
+        router_weight: torch.Tensor,
+        gate_proj: torch.Tensor,
+        up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        routing: Routing,
+        *,
+        method: str = "BF16",
+        gpu_experts_mask: torch.Tensor | Sequence[bool] | None = None,
+        e_score_correction_bias: torch.Tensor | None = None,
+        shared_experts: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
+        group_size: int = 128,
+        gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None = None,
+        gpu_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        experts, intermediate, hidden = gate_proj.shape
+        if router_weight.shape != (experts, hidden):
+            raise ValueError(f"router_weight must be [E={experts}, H={hidden}], got {tuple(router_weight.shape)}")
+        if up_proj.shape != gate_proj.shape or down_proj.shape != (experts, hidden, intermediate):
+            raise ValueError(f"up_proj must be {tuple(gate_proj.shape)} and down_proj [{experts}, {hidden}, "
+                             f"{intermediate}]; got {tuple(up_proj.shape)} and {tuple(down_proj.shape)}")
+        if routing.top_k > experts:
+            raise ValueError(f"top_k ({routing.top_k}) exceeds the number of experts ({experts})")
+        mask = torch.zeros(experts, dtype=torch.bool) if gpu_experts_mask is None else \
+            torch.as_tensor(gpu_experts_mask).to("cpu")
+        if mask.dtype != torch.bool or mask.shape != (experts,):
+            raise ValueError(f"gpu_experts_mask must be a bool tensor of shape [{experts}], got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+        self.num_experts, self.hidden_size, self.intermediate_size = int(experts), int(hidden), int(intermediate)
+        self.routing = routing
+        self.method = method
+        self.router_weight = nn.Parameter(router_weight.detach().clone(), requires_grad=False)
+        self.register_buffer("e_score_correction_bias",
+                             None if e_score_correction_bias is None else e_score_correction_bias.detach().clone())
+        self.shared_experts = shared_experts
+        self.shared_expert_gate = shared_expert_gate
+
+        cpu_experts = torch.nonzero(~mask).reshape(-1)
+        gpu_experts = torch.nonzero(mask).reshape(-1)
+        cpu_index = torch.full((experts,), -1, dtype=torch.int32)
+        cpu_index[cpu_experts] = torch.arange(cpu_experts.numel(), dtype=torch.int32)
+        self.register_buffer("cpu_index", cpu_index)  # expert -> packed slot, -1: a GPU expert
+        self.register_buffer("gpu_experts", gpu_experts)  # [G] expert ids computed in torch
+        packed = torch.empty(0, dtype=torch.uint8)
+        if cpu_experts.numel():
+            sel = cpu_experts.to(gate_proj.device)
+            pack_args: dict[str, object] = {"gguf_type": gguf_type} if gguf_type is not None else {}
+            if method.upper() in ("AMXINT4", "MOE_INT4"):
+                pack_args["group_size"] = group_size
+            packed = pack_experts(gate_proj[sel].cpu(), up_proj[sel].cpu(), down_proj[sel].cpu(),
+                                  method=method, **pack_args).data
+        self.register_buffer("packed", packed)
+        dtype = gpu_dtype or gate_proj.dtype
+        sel = gpu_experts.to(gate_proj.device)
+        self.register_buffer("gpu_gate_up", torch.cat([gate_proj[sel], up_proj[sel]], dim=1).to(dtype))
+        self.register_buffer("gpu_down", down_proj[sel].to(dtype))
+
+    # Host-resident buffers: the packed experts are the model's bulk and live in RAM.
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "HybridMoE":
+        kept = {name: self._buffers.pop(name) for name in _HOST_BUFFERS if name in self._buffers}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(kept)
+        return self
+
+    @property
+    def num_gpu_experts(self) -> int:
+        return int(self.gpu_experts.numel())
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"top_k={self.routing.top_k}, method={self.method}, gpu_experts={self.num_gpu_experts}, "
+                f"packed={self.packed.numel() / 2**20:.1f} MiB")
+
+    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden_states [T, H]`` -> ``(weights [T, K], ids [T, K] int64)``."""
+        logits = self.routing.logits(hidden_states, self.router_weight)
+        return self.routing.select(logits, self.e_score_correction_bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        weights, ids = self.route(x)
+        side = self._side_stream(x)
+        if side is None:
+            out = self._cpu_experts(x, ids, weights)
+            out = self._add_local(out, x, ids, weights)
+        else:  # CPU experts on a side stream, GPU and shared experts meanwhile
+            current = torch.cuda.current_stream(x.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                routed = self._cpu_experts(x, ids, weights)
+            local = self._add_local(None, x, ids, weights)
+            current.wait_stream(side)
+            routed.record_stream(current)
+            out = routed if local is None else routed + local
+        return out.reshape(shape)
+
+    def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
+        if x.device.type != "cuda" or torch.compiler.is_compiling() or not self.packed.numel():
+            return None
+        stream = getattr(self, "_stream", None)
+        if stream is None or stream.device != x.device:
+            stream = torch.cuda.Stream(x.device)
+            self._stream = stream
+        return stream
+
+    def _cpu_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if not self.packed.numel():
+            return torch.zeros_like(x)
+        cpu_ids = self.cpu_index.to(x.device)[ids]
+        return torch.ops.kt.moe_forward(x.contiguous(), cpu_ids, weights.contiguous(), self.packed)
+
+    def _add_local(
+        self, out: torch.Tensor | None, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``out`` plus the GPU experts and the shared experts (computed in torch on x's device)."""
+        if self.num_gpu_experts:
+            gpu = self._gpu_experts(x, ids, weights)
+            out = gpu if out is None else out + gpu
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = shared if out is None else out + shared
+        return out
+
+    def _gpu_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The GPU experts, dense over the tokens: ``[T, H]`` in x's dtype."""
+        routed = ids.unsqueeze(-1) == self.gpu_experts  # [T, K, G]
+        per_expert = (routed * weights.unsqueeze(-1).float()).sum(dim=1)  # [T, G] fp32
+        gate_up = torch.einsum("th,gjh->gtj", x, self.gpu_gate_up.to(x.dtype))
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch.einsum("gti,ghi->gth", F.silu(gate) * up, self.gpu_down.to(x.dtype))  # [G, T, H]
+        return (y.float() * per_expert.t().unsqueeze(-1)).sum(dim=0).to(x.dtype)

@@ -1,0 +1,182 @@
+"""patch_model: swap the MoE blocks of a Hugging Face ``transformers`` model for
+:class:`HybridMoE` layers whose routed experts run on the CPU.
+
+Supported (``config.model_type``): ``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
+``deepseek_v3``, ``deepseek_v2`` — transformers v5's fused expert tensors
+(``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) and v4's
+per-expert ``nn.Linear`` lists (``gate_proj/up_proj/down_proj`` or Mixtral's
+``w1/w3/w2``) alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from kt_ops.gguf_types import GgufTypeLike
+from kt_ops.wrappers.hybrid_moe import HybridMoE
+from kt_ops.wrappers.routing import Routing
+
+logger = logging.getLogger("kt_ops")
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    """What :func:`patch_model` did (also ``model.kt_ops_patch_report``).
+
+    ``released_bytes``: the original routed-expert tensors dropped; ``packed_bytes``: the
+    CPU experts' packed blobs (host memory); ``gpu_expert_bytes``: the GPU experts'
+    weights kept as buffers.
+    """
+
+    layers: int
+    method: str
+    released_bytes: int
+    packed_bytes: int
+    gpu_expert_bytes: int
+
+    def __str__(self) -> str:
+        mib = 2**20
+        return (f"kt_ops.patch_model: {self.layers} MoE layers -> {self.method}; released "
+                f"{self.released_bytes / mib:.1f} MiB of expert weights, packed {self.packed_bytes / mib:.1f} MiB "
+                f"(host), kept {self.gpu_expert_bytes / mib:.1f} MiB of GPU experts")
+
+
+def _routing(config: object, model_type: str) -> Routing:
+    top_k = int(config.num_experts_per_tok)
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        return Routing(top_k, norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+                       weights_in_logits_dtype=True)
+    if model_type == "mixtral":
+        return Routing(top_k, norm_topk_prob=True)
+    if model_type == "deepseek_v3":
+        return Routing(top_k, scoring="sigmoid", norm_topk_prob=bool(config.norm_topk_prob),
+                       num_groups=int(config.n_group or 1), topk_groups=int(config.topk_group or 1),
+                       group_score="top2_sum", routed_scaling_factor=float(config.routed_scaling_factor),
+                       logits_fp32=True)
+    # deepseek_v2: softmax; "group_limited_greedy" keeps the groups with the best expert
+    method = getattr(config, "topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    grouped = method == "group_limited_greedy"
+    return Routing(top_k, num_groups=int(config.n_group) if grouped else 1,
+                   topk_groups=int(config.topk_group) if grouped else 1, group_score="max",
+                   routed_scaling_factor=float(config.routed_scaling_factor), logits_fp32=True)
+
+
+_BLOCKS: dict[str, tuple[str, ...]] = {  # model_type -> MoE block class names (v5, v4)
+    "qwen3_moe": ("Qwen3MoeSparseMoeBlock",),
+    "qwen2_moe": ("Qwen2MoeSparseMoeBlock",),
+    "mixtral": ("MixtralSparseMoeBlock",),
+    "deepseek_v3": ("DeepseekV3MoE",),
+    "deepseek_v2": ("DeepseekV2Moe", "DeepseekV2MoE"),
+}
+SUPPORTED_MODEL_TYPES = tuple(_BLOCKS)
+
+
+def _expert_tensors(experts: nn.Module, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(gate [E, I, H], up [E, I, H], down [E, H, I])`` of a v5 fused or v4 list experts module."""
+    if isinstance(experts, nn.ModuleList):
+        names = ("gate_proj", "up_proj", "down_proj") if hasattr(experts[0], "gate_proj") else ("w1", "w3", "w2")
+        return tuple(torch.stack([getattr(e, n).weight.detach() for e in experts]) for n in names)  # type: ignore[return-value]
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    if gate_up.shape[-1] != hidden:  # stored transposed: [E, H, 2I] / [E, I, H]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate, up = gate_up.chunk(2, dim=1)
+    return gate, up, down
+
+
+def _layer_masks(
+    layers: int, experts: int, gpu_experts_mask: torch.Tensor | None, num_gpu_experts: int | Sequence[int] | None
+) -> list[torch.Tensor | None]:
+    if gpu_experts_mask is not None and num_gpu_experts is not None:
+        raise ValueError("give gpu_experts_mask or num_gpu_experts, not both")
+    if gpu_experts_mask is not None:
+        mask = torch.as_tensor(gpu_experts_mask).to("cpu")
+        if mask.dtype != torch.bool or mask.shape != (layers, experts):
+            raise ValueError(f"gpu_experts_mask must be bool [num_moe_layers={layers}, E={experts}], got "
+                             f"{mask.dtype} {tuple(mask.shape)}")
+        return list(mask)
+    if num_gpu_experts is None:
+        return [None] * layers
+    counts = [num_gpu_experts] * layers if isinstance(num_gpu_experts, int) else list(num_gpu_experts)
+    if len(counts) != layers or any(not 0 <= c <= experts for c in counts):
+        raise ValueError(f"num_gpu_experts must be an int or {layers} ints in [0, {experts}], got {num_gpu_experts!r}")
+    return [torch.arange(experts) < c for c in counts]
+
+
+def patch_model(
+    model: nn.Module,
+    method: str = "BF16",
+    gpu_experts_mask: torch.Tensor | None = None,
+    num_gpu_experts: int | Sequence[int] | None = None,
+    *,
+    group_size: int = 128,
+    gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> nn.Module:
+    """Replaces every MoE block of a ``transformers`` model, in place, by a :class:`HybridMoE`.
+
+    Args:
+        model: a ``PreTrainedModel`` (or any module with a ``config``) of a supported
+            ``model_type`` (:data:`SUPPORTED_MODEL_TYPES`).
+        method: packing method of the CPU experts (``BF16``, ``AMXINT8``, ``AMXINT4``,
+            ``LLAMAFILE`` with ``gguf_type`` …).
+        gpu_experts_mask: bool ``[num_moe_layers, E]``: experts kept in torch on the
+            model's device (in model order of the MoE blocks).
+        num_gpu_experts: instead of a mask: experts ``[0, n)`` of each layer (an int, or
+            one per MoE layer).
+        group_size, gguf_type: as :func:`kt_ops.pack_experts`.
+        progress: called as ``progress(done, total)`` after each layer.
+
+    Returns:
+        ``model``, patched; ``model.kt_ops_patch_report`` is a :class:`PatchReport`
+        (also logged at INFO). The original expert tensors are released.
+
+    Raises:
+        ValueError: an unsupported architecture (the message lists the supported ones),
+            no MoE block found, a non-SiLU activation, or a bad mask.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _BLOCKS:
+        raise ValueError(f"kt_ops.patch_model does not support model_type {model_type!r} "
+                         f"({type(model).__name__}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"the CPU experts compute SiLU; this model's hidden_act is {config.hidden_act!r}")
+    blocks = [(name, module) for name, module in model.named_modules()
+              if type(module).__name__ in _BLOCKS[model_type]]
+    if not blocks:
+        raise ValueError(f"no {'/'.join(_BLOCKS[model_type])} block found in {type(model).__name__}")
+    routing = _routing(config, model_type)
+    hidden = int(config.hidden_size)
+    num_experts = _expert_tensors(blocks[0][1].experts, hidden)[0].shape[0]
+    masks = _layer_masks(len(blocks), num_experts, gpu_experts_mask, num_gpu_experts)
+    released = packed_bytes = gpu_bytes = 0
+    for index, ((name, block), mask) in enumerate(zip(blocks, masks)):
+        gate, up, down = _expert_tensors(block.experts, hidden)
+        released += sum(p.numel() * p.element_size() for p in block.experts.parameters())
+        gate_module = block.gate
+        layer = HybridMoE(
+            gate_module.weight.detach(), gate, up, down, routing, method=method, gpu_experts_mask=mask,
+            e_score_correction_bias=getattr(gate_module, "e_score_correction_bias", None),
+            shared_experts=getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None),
+            shared_expert_gate=getattr(block, "shared_expert_gate", None),
+            group_size=group_size, gguf_type=gguf_type,
+        )
+        layer.to(gate_module.weight.device)  # the packed experts stay in host memory
+        packed_bytes += layer.packed.numel()
+        gpu_bytes += sum(b.numel() * b.element_size() for b in (layer.gpu_gate_up, layer.gpu_down))
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+        del gate, up, down, block, gate_module
+        if progress is not None:
+            progress(index + 1, len(blocks))
+    report = PatchReport(len(blocks), method.upper(), released, packed_bytes, gpu_bytes)
+    model.kt_ops_patch_report = report
+    logger.info("%s", report)
+    return model
