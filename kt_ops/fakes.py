@@ -16,6 +16,7 @@ def _moe_forward_fake(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     packed: torch.Tensor,
+    live_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     torch._check(hidden_states.dim() == 2, lambda: f"hidden_states must be 2-D, got {hidden_states.shape}")
     torch._check(topk_ids.dim() == 2, lambda: f"topk_ids must be 2-D, got {topk_ids.shape}")

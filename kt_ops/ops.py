@@ -75,6 +75,7 @@ def moe_forward(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     packed: PackedExperts | torch.Tensor,
+    live_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-experts MoE forward on the CPU.
 
@@ -85,10 +86,19 @@ def moe_forward(
         hidden_states: ``[T, H]`` bf16, fp16 or fp32, contiguous, CPU.
         topk_ids: ``[T, K]`` int32 or int64, values in ``[-1, E)``.
         topk_weights: ``[T, K]`` fp32, bf16 or fp16.
-        packed: a :class:`PackedExperts` or its ``data`` tensor.
+        packed: a :class:`PackedExperts` or its ``data`` tensor (host memory).
+        live_tokens: optional int32/int64 one-element tensor on the inputs' device: only
+            the first ``live_tokens`` tokens are computed, the other output rows are
+            zero (a CUDA graph captured at a padded batch size replays for fewer tokens).
+
+    With CUDA ``hidden_states``/``topk_ids``/``topk_weights`` (``packed`` stays on the
+    CPU) the operator's CUDA key stages the inputs into pinned host buffers on the
+    current stream, runs the experts in a ``cudaLaunchHostFunc`` host function and copies
+    the result back: stream-ordered, asynchronous to the Python thread, capturable in a
+    CUDA graph once :func:`kt_ops.reserve_cuda_graph_buffers` has reserved the batch size.
 
     Returns:
-        ``[T, H]`` in the dtype of ``hidden_states`` (a new tensor).
+        ``[T, H]`` in the dtype and on the device of ``hidden_states`` (a new tensor).
     """
     data = packed.data if isinstance(packed, PackedExperts) else packed
-    return torch.ops.kt.moe_forward(hidden_states, topk_ids, topk_weights, data)
+    return torch.ops.kt.moe_forward(hidden_states, topk_ids, topk_weights, data, live_tokens)

@@ -23,7 +23,7 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(
             text,
             """\
-kt::moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed) -> Tensor
+kt::moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor? live_tokens=None) -> Tensor
 kt::pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format, int group_size=0, bool scale_search=False) -> Tensor
 kt::pack_gguf_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, int[] gguf_types) -> Tensor""",
         )

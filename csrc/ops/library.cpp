@@ -6,10 +6,13 @@
 TORCH_LIBRARY(kt, m) {
   m.set_python_module("kt_ops.fakes");
   // hidden_states [T, H] f32|bf16|f16, topk_ids [T, K] i32|i64 (-1 = skip),
-  // topk_weights [T, K] f32|bf16|f16, packed uint8 [n] -> [T, H] (hidden dtype)
+  // topk_weights [T, K] f32|bf16|f16, packed uint8 [n] (host memory) -> [T, H] (hidden
+  // dtype). live_tokens: int32|int64 [1] on the inputs' device, or None: only the first
+  // live_tokens tokens are computed, the other rows are zero (a CUDA graph captured at a
+  // padded batch size replays for the live one).
   m.def(
-      "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed)"
-      " -> Tensor");
+      "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed,"
+      " Tensor? live_tokens=None) -> Tensor");
   // gate_proj, up_proj [E, I, H], down_proj [E, H, I] (f32|bf16|f16) -> packed uint8 [n];
   // format bf16|int8|int4|int4_asym, group_size: int4 k-group (32|64|128), else 0.
   m.def(

@@ -11,6 +11,9 @@
 #include "checks.h"
 #include "gguf_blob.h"
 #include "packed_blob.h"
+#ifdef KT_OPS_WITH_CUDA
+#include "../cuda/staging.h"
+#endif
 
 namespace kt::ops {
 namespace {
@@ -115,6 +118,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_experts_from_blocks", &gguf_experts_from_blocks);
   m.def("kernel_name", &kernel_name);
   m.def("time_read_passes", &time_read_passes);
+#ifdef KT_OPS_WITH_CUDA
+  m.attr("with_cuda") = true;
+  m.def("reserve_graph_staging", &cuda::reserve_graph_staging, py::arg("device"), py::arg("tokens"),
+        py::arg("hidden"), py::arg("top_k"));
+  m.def("staging_bytes", &cuda::staging_bytes);
+  m.def("take_host_error", &cuda::take_host_error);
+#else
+  m.attr("with_cuda") = false;
+#endif
 }
 
 }  // namespace kt::ops

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.ops import pack_experts
@@ -81,6 +82,7 @@ class HybridMoE(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = int(experts), int(hidden), int(intermediate)
         self.routing = routing
         self.method = method
+        self.overlap = True  # CUDA inputs: CPU experts on a side stream (eager only)
         self.router_weight = nn.Parameter(router_weight.detach().clone(), requires_grad=False)
         self.register_buffer("e_score_correction_bias",
                              None if e_score_correction_bias is None else e_score_correction_bias.detach().clone())
@@ -125,6 +127,26 @@ class HybridMoE(nn.Module):
                 f"top_k={self.routing.top_k}, method={self.method}, gpu_experts={self.num_gpu_experts}, "
                 f"packed={self.packed.numel() / 2**20:.1f} MiB")
 
+    def set_capture_batch_sizes(self, batch_sizes: Sequence[int], device: torch.device | int | str | None = None) -> None:
+        """Reserves the CUDA key's pinned staging for capturing this layer in CUDA graphs
+        at these batch sizes (tokens per forward), on ``device``; layers of the same
+        hidden size and top-k share it. Call before ``torch.cuda.graph`` capture."""
+        from kt_ops.cuda import reserve_cuda_graph_buffers
+
+        reserve_cuda_graph_buffers(batch_sizes, self.hidden_size, self.routing.top_k, device)
+
+    def forward_padded(self, hidden_states: torch.Tensor, live_tokens: torch.Tensor) -> torch.Tensor:
+        """As :meth:`forward` for ``hidden_states [T, H]`` of which only the first
+        ``live_tokens`` (int32/int64 ``[1]`` on the same device) are real: the CPU experts
+        skip the padding rows (a graph captured at T replays for fewer tokens). Rows past
+        ``live_tokens`` hold only the GPU and shared experts' output."""
+        x = hidden_states.reshape(-1, self.hidden_size)
+        weights, ids = self.route(x)
+        routed = torch.ops.kt.moe_forward(x.contiguous(), torch.take(self.cpu_index.to(x.device), ids), weights.contiguous(),
+                                          self.packed, live_tokens) if self.packed.numel() else torch.zeros_like(x)
+        local = self._add_local(None, x, ids, weights)
+        return (routed if local is None else routed + local).reshape(hidden_states.shape)
+
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden_states [T, H]`` -> ``(weights [T, K], ids [T, K] int64)``."""
         logits = self.routing.logits(hidden_states, self.router_weight)
@@ -136,8 +158,8 @@ class HybridMoE(nn.Module):
         weights, ids = self.route(x)
         side = self._side_stream(x)
         if side is None:
-            out = self._cpu_experts(x, ids, weights)
-            out = self._add_local(out, x, ids, weights)
+            routed = self._cpu_experts(x, ids, weights)
+            local = self._add_local(None, x, ids, weights)
         else:  # CPU experts on a side stream, GPU and shared experts meanwhile
             current = torch.cuda.current_stream(x.device)
             side.wait_stream(current)
@@ -146,11 +168,12 @@ class HybridMoE(nn.Module):
             local = self._add_local(None, x, ids, weights)
             current.wait_stream(side)
             routed.record_stream(current)
-            out = routed if local is None else routed + local
+        out = routed if local is None else routed + local  # one summation order on both paths
         return out.reshape(shape)
 
     def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
-        if x.device.type != "cuda" or torch.compiler.is_compiling() or not self.packed.numel():
+        if (x.device.type != "cuda" or not self.overlap or not self.packed.numel() or torch.compiler.is_compiling()
+                or isinstance(x, FakeTensor) or not torch.cuda.is_available()):
             return None
         stream = getattr(self, "_stream", None)
         if stream is None or stream.device != x.device:
@@ -161,7 +184,7 @@ class HybridMoE(nn.Module):
     def _cpu_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if not self.packed.numel():
             return torch.zeros_like(x)
-        cpu_ids = self.cpu_index.to(x.device)[ids]
+        cpu_ids = torch.take(self.cpu_index.to(x.device), ids)
         return torch.ops.kt.moe_forward(x.contiguous(), cpu_ids, weights.contiguous(), self.packed)
 
     def _add_local(

@@ -1,0 +1,89 @@
+#include "moe_call.h"
+
+#include <limits>
+#include <sstream>
+
+#include "checks.h"
+#include "packed_blob.h"
+
+namespace kt::ops {
+namespace {
+
+cpu::ElementType element_type(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return cpu::ElementType::kF32;
+    case at::kBFloat16: return cpu::ElementType::kBf16;
+    default: return cpu::ElementType::kF16;
+  }
+}
+
+template <typename Id>
+std::string first_bad(const Id* ids, int64_t count, int64_t top_k, int64_t experts) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (ids[i] >= -1 && ids[i] < experts) continue;
+    std::ostringstream message;
+    message << "topk_ids[" << i / top_k << ", " << i % top_k << "] = " << ids[i] << " is outside [-1, "
+            << experts << ") (-1 skips a slot; the packed experts hold E = " << experts << ")";
+    return message.str();
+  }
+  return {};
+}
+
+}  // namespace
+
+cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                            const at::Tensor& topk_weights, const at::Tensor& packed) {
+  check_dtype(hidden_states, "hidden_states", {at::kBFloat16, at::kHalf, at::kFloat});
+  check_dtype(topk_ids, "topk_ids", {at::kInt, at::kLong});
+  check_dtype(topk_weights, "topk_weights", {at::kFloat, at::kBFloat16, at::kHalf});
+  check_dim(hidden_states, "hidden_states", 2);
+  check_dim(topk_ids, "topk_ids", 2);
+  TORCH_CHECK_VALUE(topk_weights.sizes() == topk_ids.sizes(), "topk_weights must have the shape of topk_ids ",
+                    topk_ids.sizes(), "; got ", topk_weights.sizes());
+  TORCH_CHECK_VALUE(topk_ids.size(0) == hidden_states.size(0), "topk_ids has ", topk_ids.size(0),
+                    " rows but hidden_states has ", hidden_states.size(0), " tokens");
+  const cpu::PackedLayout layout = read_packed(packed, "packed");
+  const int64_t experts = layout.shape.num_experts;
+  TORCH_CHECK_VALUE(hidden_states.size(1) == layout.shape.hidden_size, "hidden_states has hidden size ",
+                    hidden_states.size(1), " but the packed experts have H = ", layout.shape.hidden_size);
+  TORCH_CHECK_VALUE(topk_ids.size(1) <= experts, "top-k = ", topk_ids.size(1),
+                    " exceeds the number of experts E = ", experts);
+  TORCH_CHECK_VALUE(topk_ids.numel() < std::numeric_limits<int32_t>::max(), "tokens x top-k = ",
+                    topk_ids.numel(), " (token, slot) pairs is more than one call handles (2^31 - 1);"
+                    " split the batch");
+  cpu::MoeArgs args;
+  args.hidden_type = element_type(hidden_states.scalar_type());
+  args.tokens = hidden_states.size(0);
+  args.topk_ids_int64 = topk_ids.scalar_type() == at::kLong;
+  args.top_k = topk_ids.size(1);
+  args.weights_type = element_type(topk_weights.scalar_type());
+  args.packed = packed.const_data_ptr<uint8_t>();
+  args.layout = layout;
+  return args;
+}
+
+void check_live_tokens(const c10::optional<at::Tensor>& live_tokens) {
+  if (!live_tokens.has_value()) return;
+  check_dtype(*live_tokens, "live_tokens", {at::kInt, at::kLong});
+  TORCH_CHECK_VALUE(live_tokens->numel() == 1, "live_tokens must hold one value (the live batch size); got shape ",
+                    live_tokens->sizes());
+}
+
+int64_t clamp_live_tokens(int64_t value, int64_t tokens, std::string* error) {
+  if (value >= 0 && value <= tokens) return value;
+  if (error != nullptr) {
+    std::ostringstream message;
+    message << "live_tokens = " << value << " is outside [0, " << tokens << "] (the batch holds " << tokens
+            << " tokens)";
+    *error = message.str();
+  }
+  return value < 0 ? 0 : tokens;
+}
+
+std::string find_bad_expert_id(const void* ids, bool int64, int64_t tokens, int64_t top_k, int64_t experts) {
+  const int64_t count = tokens * top_k;
+  return int64 ? first_bad(static_cast<const int64_t*>(ids), count, top_k, experts)
+               : first_bad(static_cast<const int32_t*>(ids), count, top_k, experts);
+}
+
+}  // namespace kt::ops

@@ -1,0 +1,35 @@
+// What the CPU and CUDA keys of kt::moe_forward share: the metadata checks (dtypes, ranks,
+// shapes, the packed header, live_tokens) and the kernel arguments they fill. Data checks
+// (expert ids in range) are pointer-based so the CUDA key's host function can run them
+// on staged host memory.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+
+#include "../cpu/kernels/moe_args.h"
+
+namespace kt::ops {
+
+// Checks hidden_states [T, H], topk_ids [T, K], topk_weights [T, K] and the packed blob
+// against each other (not their devices); returns the kernel arguments with the dtypes,
+// top_k, tokens and packed blob filled in and no data pointers for the activations.
+cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                            const at::Tensor& topk_weights, const at::Tensor& packed);
+
+// live_tokens: an optional one-element int32/int64 tensor; only its first `value` tokens
+// are computed (the rest of the output is zero). Checks its dtype and size only.
+void check_live_tokens(const c10::optional<at::Tensor>& live_tokens);
+
+// The number of tokens to compute: `value` (from live_tokens) clamped to [0, tokens]; an
+// error message when it was outside that range, else empty.
+int64_t clamp_live_tokens(int64_t value, int64_t tokens, std::string* error);
+
+// Empty when every id of [tokens, top_k] is in [-1, experts); else the message naming the
+// first bad one.
+std::string find_bad_expert_id(const void* ids, bool int64, int64_t tokens, int64_t top_k,
+                               int64_t experts);
+
+}  // namespace kt::ops
