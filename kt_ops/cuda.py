@@ -5,7 +5,7 @@ stream, runs the CPU experts in a ``cudaLaunchHostFunc`` host function and copie
 result back. Eager calls allocate their staging on first use (per stream, per
 power-of-two token bucket). A CUDA graph cannot allocate while capturing, so the batch
 sizes to capture are reserved first with :func:`reserve_cuda_graph_buffers` (or
-``HybridMoE.set_capture_batch_sizes`` / ``KTMoEWrapper.set_capture_batch_sizes``).
+``HybridMoE.set_capture_batch_sizes``).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ def reserve_cuda_graph_buffers(
     sizes = sorted({int(b) for b in batch_sizes})
     if any(b < 1 for b in sizes) or hidden_size < 1 or top_k < 1:
         raise ValueError(f"batch sizes, hidden_size and top_k must be positive; got {sizes}, {hidden_size}, {top_k}")
-    index = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if index.type != "cuda":
-        raise ValueError(f"device must be a CUDA device, got {index}")
+    target = torch.device("cuda") if device is None else torch.device(device)
+    if target.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {target}")
+    index = torch.cuda.current_device() if target.index is None else target.index
     for tokens in sizes:
-        _C.reserve_graph_staging(index.index if index.index is not None else torch.cuda.current_device(),
-                                 tokens, int(hidden_size), int(top_k))
+        _C.reserve_graph_staging(index, tokens, int(hidden_size), int(top_k))
 
 
 def pinned_staging_bytes() -> int:

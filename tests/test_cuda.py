@@ -54,14 +54,14 @@ def test_live_tokens_computes_only_the_live_rows() -> None:
                           (x, ids, weights, experts.packed.data, torch.tensor([5], dtype=torch.int64)))
 
 
-def test_forward_padded_matches_forward_on_the_live_rows() -> None:
+def test_live_tokens_layer_matches_forward_on_the_live_rows() -> None:
     layer = hybrid_layer()
     x = torch.randn(6, H, dtype=torch.bfloat16)
     with torch.no_grad():
         full = layer(x)
-        padded = layer.forward_padded(x, torch.tensor([4]))
+        padded = layer(x, torch.tensor([4]))
         weights, ids = layer.route(x)
-        local = layer._add_local(None, x, ids, weights)
+        local = layer._local_experts(x, ids, weights)
     torch.testing.assert_close(padded[:4], full[:4], rtol=0, atol=0)
     torch.testing.assert_close(padded[4:], local[4:], rtol=0, atol=0)
 
@@ -137,11 +137,11 @@ def test_cuda_graph_capture_and_replay_at_two_batch_sizes() -> None:
         static_x = torch.zeros(size, H, dtype=torch.bfloat16, device="cuda")
         live = torch.tensor([size], dtype=torch.int32, device="cuda")
         with torch.no_grad():
-            layer.forward_padded(static_x, live)  # warm-up (allocations) outside capture
+            layer(static_x, live)  # warm-up (allocations) outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                static_out = layer.forward_padded(static_x, live)
+                static_out = layer(static_x, live)
         graphs[size] = (graph, static_x, live, static_out)
     for step in range(3):
         for size, (graph, static_x, live, static_out) in graphs.items():
@@ -164,12 +164,12 @@ def test_capture_without_reserved_buffers_says_what_to_do() -> None:
     x = torch.zeros(3, H, dtype=torch.bfloat16, device="cuda")
     live = torch.tensor([3], device="cuda")
     with torch.no_grad():
-        layer.forward_padded(x, live)
+        layer(x, live)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(Exception, match="reserve_cuda_graph_buffers"):
         with torch.cuda.graph(graph), torch.no_grad():
-            layer.forward_padded(x, live)
+            layer(x, live)
 
 
 @needs_gpu

@@ -81,8 +81,8 @@ def test_layer_matches_the_hf_block(arch: str) -> None:
 def test_greedy_generation_matches(arch: str) -> None:
     """16 greedy tokens, bf16. A random tiny model has close calls (router and argmax)
     that any rounding difference can flip — the unpatched bf16 model flips against its
-    own fp32 twin too; with this fixed seed none is close (seeds 0-5 agree on 4 to 6 of
-    the 5 architectures)."""
+    own fp32 twin too. Measured over seeds 0-5: seeds 2, 4 and 5 agree on all five
+    architectures, seeds 0, 1 and 3 flip one token stream each; seed 2 is used."""
     model = tiny_model(arch, dtype=torch.bfloat16, seed=2)
     prompt = TOKENS[:1, :6]
     settings = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)

@@ -104,8 +104,8 @@ at::Tensor moe_forward_cuda(const at::Tensor& hidden_states, const at::Tensor& t
   TORCH_CHECK_VALUE(staging != nullptr, "kt::moe_forward is being captured in a CUDA graph with ", tokens,
                     " tokens, hidden size ", hidden, ", top-k ", top_k, ", but no pinned buffers were "
                     "reserved for that batch size: call kt_ops.reserve_cuda_graph_buffers([", tokens,
-                    ", ...], hidden_size=", hidden, ", top_k=", top_k, ") (or HybridMoE/KTMoEWrapper "
-                    "set_capture_batch_sizes) before capture");
+                    ", ...], hidden_size=", hidden, ", top_k=", top_k, ") (or HybridMoE.set_capture_batch_sizes) "
+                    "before capture");
 
   auto call = std::make_unique<HostCall>();
   call->args = args;

@@ -30,7 +30,9 @@ struct PinnedStaging : Staging {
       if (p != nullptr) cudaFreeHost(p);
   }
   static size_t bytes_of(int64_t elements) { return static_cast<size_t>(elements > 0 ? elements : 1) * 8; }
-  int64_t total_bytes() const { return 16 * tokens * hidden_size + 16 * tokens * top_k + 8; }
+  int64_t total_bytes() const {
+    return static_cast<int64_t>(2 * bytes_of(tokens * hidden_size) + 2 * bytes_of(tokens * top_k) + sizeof(int64_t));
+  }
 };
 
 struct Registry {

@@ -135,37 +135,29 @@ class HybridMoE(nn.Module):
 
         reserve_cuda_graph_buffers(batch_sizes, self.hidden_size, self.routing.top_k, device)
 
-    def forward_padded(self, hidden_states: torch.Tensor, live_tokens: torch.Tensor) -> torch.Tensor:
-        """As :meth:`forward` for ``hidden_states [T, H]`` of which only the first
-        ``live_tokens`` (int32/int64 ``[1]`` on the same device) are real: the CPU experts
-        skip the padding rows (a graph captured at T replays for fewer tokens). Rows past
-        ``live_tokens`` hold only the GPU and shared experts' output."""
-        x = hidden_states.reshape(-1, self.hidden_size)
-        weights, ids = self.route(x)
-        routed = torch.ops.kt.moe_forward(x.contiguous(), torch.take(self.cpu_index.to(x.device), ids), weights.contiguous(),
-                                          self.packed, live_tokens) if self.packed.numel() else torch.zeros_like(x)
-        local = self._add_local(None, x, ids, weights)
-        return (routed if local is None else routed + local).reshape(hidden_states.shape)
-
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden_states [T, H]`` -> ``(weights [T, K], ids [T, K] int64)``."""
         logits = self.routing.logits(hidden_states, self.router_weight)
         return self.routing.select(logits, self.e_score_correction_bias)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, live_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_states [..., H]`` -> ``[..., H]``. ``live_tokens`` (int32/int64 ``[1]`` on
+        the same device, optional): only the first ``live_tokens`` tokens are real, the CPU
+        experts skip the padding rows (a CUDA graph captured at T replays for fewer
+        tokens); padding rows hold only the GPU and shared experts' output."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         weights, ids = self.route(x)
         side = self._side_stream(x)
         if side is None:
-            routed = self._cpu_experts(x, ids, weights)
-            local = self._add_local(None, x, ids, weights)
+            routed = self._cpu_experts(x, ids, weights, live_tokens)
+            local = self._local_experts(x, ids, weights)
         else:  # CPU experts on a side stream, GPU and shared experts meanwhile
             current = torch.cuda.current_stream(x.device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                routed = self._cpu_experts(x, ids, weights)
-            local = self._add_local(None, x, ids, weights)
+                routed = self._cpu_experts(x, ids, weights, live_tokens)
+            local = self._local_experts(x, ids, weights)
             current.wait_stream(side)
             routed.record_stream(current)
         out = routed if local is None else routed + local  # one summation order on both paths
@@ -181,19 +173,18 @@ class HybridMoE(nn.Module):
             self._stream = stream
         return stream
 
-    def _cpu_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _cpu_experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, live_tokens: torch.Tensor | None
+    ) -> torch.Tensor:
         if not self.packed.numel():
             return torch.zeros_like(x)
+        # take, not indexing: fake CUDA tensors index only where torch has CUDA
         cpu_ids = torch.take(self.cpu_index.to(x.device), ids)
-        return torch.ops.kt.moe_forward(x.contiguous(), cpu_ids, weights.contiguous(), self.packed)
+        return torch.ops.kt.moe_forward(x.contiguous(), cpu_ids, weights.contiguous(), self.packed, live_tokens)
 
-    def _add_local(
-        self, out: torch.Tensor | None, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor | None:
-        """``out`` plus the GPU experts and the shared experts (computed in torch on x's device)."""
-        if self.num_gpu_experts:
-            gpu = self._gpu_experts(x, ids, weights)
-            out = gpu if out is None else out + gpu
+    def _local_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """The GPU experts plus the shared experts (in torch on x's device), or None."""
+        out = self._gpu_experts(x, ids, weights) if self.num_gpu_experts else None
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:

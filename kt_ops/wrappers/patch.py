@@ -154,7 +154,7 @@ def patch_model(
         raise ValueError(f"no {'/'.join(_BLOCKS[model_type])} block found in {type(model).__name__}")
     routing = _routing(config, model_type)
     hidden = int(config.hidden_size)
-    num_experts = _expert_tensors(blocks[0][1].experts, hidden)[0].shape[0]
+    num_experts = int(blocks[0][1].gate.weight.shape[0])
     masks = _layer_masks(len(blocks), num_experts, gpu_experts_mask, num_gpu_experts)
     released = packed_bytes = gpu_bytes = 0
     for index, ((name, block), mask) in enumerate(zip(blocks, masks)):
