@@ -23,6 +23,11 @@ SOURCES = sorted(
     for path in (ROOT / folder).rglob("*.cpp")
 )
 CUDA_SOURCES = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "csrc/cuda").glob("*.cu"))
+# Some toolchains link libstdc++ statically into shared objects (seen: the GPU image's
+# /opt/gcc g++). Its exported std:: symbols then mix with the process's shared libstdc++
+# (two std::locale facet ids) and the first `ostream << int` segfaults; keeping the
+# static copy's symbols local makes the extension self-consistent. No effect otherwise.
+LINK_FLAGS = ["-Wl,--exclude-libs,libstdc++.a"]
 # Our sources are C++17; torch >= 2.14's headers require C++20.
 STD = "-std=c++20" if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14) else "-std=c++17"
 CXX_FLAGS = ["-O3", STD, "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-math-errno", "-DNDEBUG"]
@@ -44,11 +49,12 @@ def with_cuda() -> bool:
 
 def extension():
     if not with_cuda():
-        return CppExtension("kt_ops._C", SOURCES, extra_compile_args={"cxx": CXX_FLAGS})
+        return CppExtension("kt_ops._C", SOURCES, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS)
     return CUDAExtension(
         "kt_ops._C",
         SOURCES + CUDA_SOURCES,
         define_macros=[("KT_OPS_WITH_CUDA", "1")],
+        extra_link_args=LINK_FLAGS,
         extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", STD, "-DNDEBUG"]},
     )
 

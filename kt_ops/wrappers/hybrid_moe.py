@@ -155,10 +155,12 @@ class HybridMoE(nn.Module):
         else:  # CPU experts on a side stream, GPU and shared experts meanwhile
             current = torch.cuda.current_stream(x.device)
             side.wait_stream(current)
-            with torch.cuda.stream(side):
-                routed = self._cpu_experts(x, ids, weights, live_tokens)
-            local = self._local_experts(x, ids, weights)
-            current.wait_stream(side)
+            try:
+                with torch.cuda.stream(side):
+                    routed = self._cpu_experts(x, ids, weights, live_tokens)
+                local = self._local_experts(x, ids, weights)
+            finally:  # joined even on an error: a graph capture must not end with the side stream forked
+                current.wait_stream(side)
             routed.record_stream(current)
         out = routed if local is None else routed + local  # one summation order on both paths
         return out.reshape(shape)
