@@ -23,6 +23,7 @@ import kt_ops
 from hf_models import CONFIGS, tiny_model
 
 ARCHS = sorted(CONFIGS)
+GAP = 0.3  # see test_greedy_generation_matches
 
 
 def rel_error(expected: torch.Tensor, actual: torch.Tensor) -> float:
@@ -78,20 +79,33 @@ def test_layer_matches_the_hf_block(arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_generation_matches(arch: str) -> None:
-    """16 greedy tokens, bf16. A random tiny model has close calls (router and argmax)
-    that any rounding difference can flip — the unpatched bf16 model flips against its
-    own fp32 twin too. Measured over seeds 0-5: seeds 2, 4 and 5 agree on all five
-    architectures, seeds 0, 1 and 3 flip one token stream each; seed 2 is used."""
-    model = tiny_model(arch, dtype=torch.bfloat16, seed=2)
+@pytest.mark.parametrize("seed", [2, 4])
+def test_greedy_generation_matches(arch: str, seed: int) -> None:
+    """16 greedy tokens, bf16, agree with the unpatched model's — up to a near tie.
+
+    A random tiny model has close calls (router and argmax) that any rounding difference
+    can flip: the unpatched bf16 model flips against its own fp32 twin, and the same
+    seed that agrees here diverged once on an H100 machine (torch 2.11, 16 threads). So
+    where the streams first differ, the unpatched model must rate the patched model's
+    token within GAP of its own choice, in standard deviations of that step's logits:
+    measured gaps at such flips were 0.00-0.23. A wrong kernel (gate and up swapped)
+    failed 4 of these 10 cases with gaps of 0.72-1.91 std (the logits tests above catch
+    it in every case).
+    """
+    model = tiny_model(arch, dtype=torch.bfloat16, seed=seed)
     prompt = TOKENS[:1, :6]
-    settings = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    settings = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.no_grad():
         expected = model.generate(prompt, **settings)
         patched = kt_ops.patch_model(copy.deepcopy(model), method="BF16")
         actual = patched.generate(prompt, **settings)
-    assert actual.shape == (1, 22)
-    assert torch.equal(expected, actual), f"{expected.tolist()} vs {actual.tolist()}"
+        assert actual.shape == expected.shape == (1, 22)
+        differs = (expected != actual).nonzero()
+        if differs.numel():
+            step = int(differs[0, 1])
+            scores = model(actual[:, :step]).logits[0, -1].float()
+            gap = float((scores[expected[0, step]] - scores[actual[0, step]]) / scores.std())
+            assert gap <= GAP, f"step {step - 6}: the patched token is {gap:.2f} std below the unpatched choice"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
