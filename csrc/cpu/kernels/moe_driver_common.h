@@ -99,10 +99,10 @@ struct ExpertTile {
 
 // (expert, first block) jobs covering `blocks` blocks of every active expert.
 void build_tiles(const std::vector<int32_t>& experts, int64_t blocks,
-                 std::vector<ExpertTile>& tiles) {
+                 std::vector<ExpertTile>& tiles, int64_t step = kTileBlocks) {
   tiles.clear();
   for (int32_t expert : experts)
-    for (int64_t b = 0; b < blocks; b += kTileBlocks)
+    for (int64_t b = 0; b < blocks; b += step)
       tiles.push_back({expert, static_cast<int32_t>(b)});
 }
 

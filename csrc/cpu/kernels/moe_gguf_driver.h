@@ -41,10 +41,15 @@ namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int kGgufRows = 4;             // weight rows decoded and dotted together
-constexpr int64_t kGgufJobRows = 64;      // rows per job (kTileBlocks blocks of 16)
-// No software prefetch: with four streams per job the hardware prefetchers keep up, and
-// prefetching each row 8 rows ahead into L2 cost 10-20% (S1, 1 token: Q8_0 2000 vs
-// 2280 us, Q4_K 1296 vs 1450; cache-resident Q8_0 948 vs 1219 us).
+constexpr int64_t kGgufJobRows = 64;      // rows per job of the tile path (kTileBlocks blocks of 16)
+// Rows per job of the row (decode) paths: up to 256, 16-aligned, at least 4 jobs per
+// thread over `rows` (active experts x rows per expert). Each job's four row streams
+// start cold, so longer jobs stream faster: 1-token S1 Q4_K 1130-1150 us with 64-row
+// jobs, 1000-1030 with 192-256 (Q8_0 1790-1850 -> 1580-1640).
+inline int64_t streaming_job_rows(int64_t rows, int threads) {
+  const int64_t per_job = rows / (4 * std::max(threads, 1)) / 16 * 16;
+  return std::clamp<int64_t>(per_job, kGgufJobRows, 256);
+}
 
 constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's direct path
 constexpr int64_t kGgufDirectMaxPairs = 2;  // tokens per expert up to which Q4_K runs direct
@@ -330,7 +335,7 @@ void moe_forward_gguf(const MoeArgs& args) {
     at[1] = carve.add<float>(n * kp / 4);
     at[2] = carve.add<float>(n * kp / 16);
     at[3] = carve.add<int32_t>(n * kp / 4);
-    at[4] = carve.add<float>(block == kGgufQ4kActs ? n * kp / 16 : 0);
+    at[4] = carve.add<int16_t>(block == kGgufQ4kActs ? n * kp / 16 : 0);
   };
   size_t gate_at[5], up_at[5], down_at[5];
   carve_acts(gate_block, T, Hp, gate_at);
@@ -348,7 +353,7 @@ void moe_forward_gguf(const MoeArgs& args) {
     acts.kp = kp;
     acts.block = block == kGgufQ4kActs ? kGgufSuper : block;
     acts.q4k_order = block == kGgufQ4kActs;
-    acts.level_sums = reinterpret_cast<float*>(scratch + at[4]);
+    acts.level_sums = reinterpret_cast<int16_t*>(scratch + at[4]);
     acts.q = reinterpret_cast<int8_t*>(scratch + at[0]);
     acts.scale = reinterpret_cast<float*>(scratch + at[1]);
     acts.sum16 = reinterpret_cast<float*>(scratch + at[2]);
@@ -397,11 +402,13 @@ void moe_forward_gguf(const MoeArgs& args) {
   if (tile) pack_chunks(x, true, Hp, b_up);
 
   // 2. gate / up rows for every pair of the expert, then SiLU(gate) * up into gate_f.
-  build_tiles(plan.active_experts, ceil_div(I, 16), tiles);
+  const int64_t active = static_cast<int64_t>(plan.active_experts.size());
+  const int64_t gate_rows = tile ? kGgufJobRows : streaming_job_rows(active * I, engine.num_threads());
+  build_tiles(plan.active_experts, ceil_div(I, 16), tiles, gate_rows / 16);
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
     const ExpertTile tile_job = tiles[job];
     const int64_t e = tile_job.expert;
-    const int64_t n0 = tile_job.first_block * int64_t{16}, n1 = std::min(I, n0 + kGgufJobRows);
+    const int64_t n0 = tile_job.first_block * int64_t{16}, n1 = std::min(I, n0 + gate_rows);
     const int64_t p0 = plan.expert_begin[e], p1 = plan.expert_begin[e + 1];
     if constexpr (Tile::kEnabled) {
       if (tile) {
@@ -438,10 +445,11 @@ void moe_forward_gguf(const MoeArgs& args) {
   if (tile) pack_chunks(gate_f, false, Ip, b_down);
 
   // 3. down.
-  build_tiles(plan.active_experts, ceil_div(H, 16), tiles);
+  const int64_t down_rows = tile ? kGgufJobRows : streaming_job_rows(active * H, engine.num_threads());
+  build_tiles(plan.active_experts, ceil_div(H, 16), tiles, down_rows / 16);
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
     const int64_t e = tiles[job].expert;
-    const int64_t h0 = tiles[job].first_block * int64_t{16}, h1 = std::min(H, h0 + kGgufJobRows);
+    const int64_t h0 = tiles[job].first_block * int64_t{16}, h1 = std::min(H, h0 + down_rows);
     const int64_t p0 = plan.expert_begin[e], p1 = plan.expert_begin[e + 1];
     if constexpr (Tile::kEnabled) {
       if (tile) {

@@ -26,7 +26,7 @@ struct GgufActs {
   // Q4_K on AVX-512 (gguf_q4k_avx512.h): each 256-value unit in kGgufQ4kOrder, and
   // level_sums [rows, kp / 16]: per unit 8 zeros then the level sum of each 32 values.
   bool q4k_order = false;
-  float* level_sums = nullptr;
+  int16_t* level_sums = nullptr;
   const float* f = nullptr;  // block 0: [rows, kp] fp32
 };
 
@@ -57,14 +57,14 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
     }
   }
   if (!acts.q4k_order) return;
-  float* level_sums = acts.level_sums + r * (kp / 16);
+  int16_t* level_sums = acts.level_sums + r * (kp / 16);
   for (int64_t u = 0; u < kp / 256; ++u) {
     int8_t* unit = q + 256 * u;
     for (int j = 0; j < 8; ++j) {
       int32_t sum = 0;
       for (int i = 0; i < 32; ++i) sum += unit[32 * j + i];
-      level_sums[16 * u + j] = 0.0f;
-      level_sums[16 * u + 8 + j] = static_cast<float>(sum);
+      level_sums[16 * u + j] = 0;
+      level_sums[16 * u + 8 + j] = static_cast<int16_t>(sum);  // |sum| <= 32 * 128
     }
     // kGgufQ4kOrder: values 32-63 <-> 64-95 and 160-191 <-> 192-223.
     int8_t swap[32];

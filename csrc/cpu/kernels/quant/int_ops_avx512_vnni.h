@@ -18,6 +18,7 @@ struct IntOpsAvx512Vnni : IntOpsAvx512 {
 
   static IReg dot(IReg acc, IReg w, IReg a) { return _mm512_dpbusd_epi32(acc, w, a); }
   static IReg dot_int8(IReg acc, IReg w, IReg a) { return _mm512_dpbusd_epi32(acc, w, a); }
+  static IReg dot16(IReg acc, IReg a16, IReg b16) { return _mm512_dpwssd_epi32(acc, a16, b16); }
 };
 
 }  // namespace
