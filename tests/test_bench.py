@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from kt_ops.bench.__main__ import format_table
-from kt_ops.bench.runner import METHODS, Shape, bytes_per_weight, make_layers, measure_row
+from kt_ops.bench import runner
+from kt_ops.bench.runner import METHODS, Shape, bytes_per_weight, make_layers, measure_row, previous_layer
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -26,10 +27,35 @@ def test_measure_row_on_a_tiny_shape(method: str) -> None:
     assert "tiny" in format_table([row])
 
 
+def test_previous_layer_runs_between_flush_and_timed_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = Shape("tiny", num_experts=8, top_k=2, hidden=256, intermediate=256, model="test")
+    layers = make_layers(shape, "Q4_K", 1)
+    previous = previous_layer(shape, "Q4_K")
+    assert previous.packed.format == "gguf" and previous.gate.shape == (8, 256, 256)
+    events: list[str] = []
+    real_ours, real_plain = runner.moe_forward, runner.torch_moe_forward
+
+    def ours(x, ids, weights, packed):  # type: ignore[no-untyped-def]
+        events.append("previous" if packed is previous.packed else "ours")
+        return real_ours(x, ids, weights, packed)
+
+    def plain(x, ids, weights, gate, up, down):  # type: ignore[no-untyped-def]
+        events.append("plain previous" if gate is previous.gate else "plain")
+        return real_plain(x, ids, weights, gate, up, down)
+
+    monkeypatch.setattr(runner, "moe_forward", ours)
+    monkeypatch.setattr(runner, "torch_moe_forward", plain)
+    measure_row(shape, "Q4_K", 1, layers, 10.0, 100.0, 3, lambda: events.append("flush"), previous)
+    for kind, warm_up in (("ours", "previous"), ("plain", "plain previous")):
+        calls = [i for i, e in enumerate(events) if e == kind][1:]  # the first call is untimed
+        assert len(calls) >= 3
+        assert all(events[i - 2 : i] == ["flush", warm_up] for i in calls)
+
+
 def test_cli_help() -> None:
     result = subprocess.run([sys.executable, "-m", "kt_ops.bench", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
-    for option in ("--quick", "--json", "--method", "--shape", "--tokens"):
+    for option in ("--quick", "--json", "--method", "--shape", "--tokens", "--cold-code"):
         assert option in result.stdout
 
 

@@ -1,8 +1,9 @@
 """python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16 AMXINT8 AMXINT4 Q4_K Q6_K Q8_0 Q4_0] [--tokens 1 8 64 512]
-[--layers N] [--threads N] [--json PATH]
+[--layers N] [--threads N] [--json PATH] [--cold-code]
 
 Prints, per row: microseconds per MoE layer forward (median; the caches are evicted
-before every timed call, as a real model's other layers would), the activated experts'
+before every timed call, as a real model's other layers would, then a small layer of
+the same method runs, as the previous layer's MoE block would), the activated experts'
 weight bytes read per second, GFLOP/s, the roofline fraction of the machine limit that
 binds (read bandwidth, measured again next to each row and shown as "read GB/s", or the
 bf16 GEMM reference, both measured in this run), and the speed-up over the plain-PyTorch
@@ -21,7 +22,16 @@ import torch
 
 import kt_ops
 from kt_ops.bench.limits import CacheFlusher, bf16_gemm_gflops, last_level_cache_bytes, read_bandwidth_gbs
-from kt_ops.bench.runner import GGUF_METHODS, METHODS, SHAPES, Row, gguf_types_for, make_layers, measure_row
+from kt_ops.bench.runner import (
+    GGUF_METHODS,
+    METHODS,
+    SHAPES,
+    Row,
+    gguf_types_for,
+    make_layers,
+    measure_row,
+    previous_layer,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,6 +44,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="engine threads (default: physical cores)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 30; 10 with --quick)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and limits as JSON")
+    parser.add_argument(
+        "--cold-code",
+        action="store_true",
+        help="flush only: do not run the small previous layer between the flush and the timed call "
+        "(the call's code and buffers start cold too)",
+    )
     args = parser.parse_args(argv)
     args.shape = args.shape or (["S1"] if args.quick else ["S1", "S2"])
     args.tokens = args.tokens or ([1, 64] if args.quick else [1, 8, 64, 512])
@@ -92,11 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         for method in args.method:
             progress(f"[{len(rows)}/{total}] packing {args.layers} {shape.name} layers ({shape.model}) as {method} ...")
             layers = make_layers(shape, method, args.layers)
+            previous = None if args.cold_code else previous_layer(shape, method)
             for tokens in args.tokens:
                 progress(f"[{len(rows)}/{total}] {shape.name} {method} tokens={tokens} ...")
                 # The machine is shared: measure the bandwidth again next to each row.
                 row_read_gbs = read_bandwidth_gbs(flush.buffer, repeats=3)
-                rows.append(measure_row(shape, method, tokens, layers, row_read_gbs, gemm_gflops, args.repeats, flush))
+                rows.append(
+                    measure_row(shape, method, tokens, layers, row_read_gbs, gemm_gflops, args.repeats, flush, previous)
+                )
             del layers
     progress(f"done in {time.perf_counter() - started:.0f} s\n")
     print(format_table(rows))
@@ -112,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     "bf16_gemm_gflops": gemm_gflops,
                     "cpu_variant": kt_ops.cpu_variant(),
                     "threads": kt_ops.get_num_threads(),
+                    "previous_layer_warm_up": not args.cold_code,
                     "rows": [r.as_dict() for r in rows],
                 },
                 f,

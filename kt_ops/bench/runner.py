@@ -110,6 +110,20 @@ def make_layers(shape: Shape, method: str, count: int) -> list[Layer]:
     return layers
 
 
+def previous_shape(shape: Shape) -> Shape:
+    """The small layer run before each timed call (8 experts, hidden and intermediate 256)."""
+    return Shape("previous", 8, min(shape.top_k, 8), 256, 256, shape.model)
+
+
+def previous_layer(shape: Shape, method: str) -> Layer:
+    """A small layer of the same method, called between the cache flush and each timed
+    call, as a model calls the previous layer's MoE block right before this one: the
+    operator's code, dispatch path and scratch are warm, this layer's weights come from
+    DRAM. Without it every call also pays for cold code (~250 us here, even for a tiny
+    layer)."""
+    return make_layers(previous_shape(shape), method, 1)[0]
+
+
 def random_routing(shape: Shape, tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniform routing: ``top_k`` distinct experts per token, softmax-normalised weights."""
     scores = torch.rand(tokens, shape.num_experts, generator=generator)
@@ -144,13 +158,20 @@ def measure_row(
     gemm_gflops: float,
     repeats: int,
     flush: Callable[[], None],
+    previous: Layer | None = None,
 ) -> Row:
+    """One row: ours and the plain-PyTorch layer, each call preceded by ``flush()`` and,
+    when ``previous`` is given, by the same kind of call on that small layer."""
     generator = torch.Generator().manual_seed(tokens)
     inputs = []
     for i in range(max(repeats, 8)):
         x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.bfloat16)
         ids, weights = random_routing(shape, tokens, generator)
         inputs.append((x, ids, weights, layers[i % len(layers)]))
+    if previous is not None:
+        small = previous_shape(shape)
+        small_x = torch.randn(tokens, small.hidden, generator=generator).to(torch.bfloat16)
+        small_ids, small_weights = random_routing(small, tokens, generator)
 
     def ours(i: int) -> object:
         x, ids, weights, layer = inputs[i % len(inputs)]
@@ -160,9 +181,19 @@ def measure_row(
         x, ids, weights, layer = inputs[i % len(inputs)]
         return torch_moe_forward(x, ids, weights, layer.gate, layer.up, layer.down)
 
+    def before_ours() -> None:
+        flush()
+        if previous is not None:
+            moe_forward(small_x, small_ids, small_weights, previous.packed)
+
+    def before_plain() -> None:
+        flush()
+        if previous is not None:
+            torch_moe_forward(small_x, small_ids, small_weights, previous.gate, previous.up, previous.down)
+
     min_seconds = 1.0
-    seconds = time_calls(ours, repeats, min_seconds, flush)
-    torch_seconds = time_calls(plain, max(3, repeats // 4), min_seconds / 2, flush)
+    seconds = time_calls(ours, repeats, min_seconds, before_ours)
+    torch_seconds = time_calls(plain, max(3, repeats // 4), min_seconds / 2, before_plain)
 
     activated = statistics.mean(len(torch.unique(ids)) for _, ids, _, _ in inputs)
     weight_bytes = activated * shape.expert_bytes(bytes_per_weight(layers[0].packed, shape))
