@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Sequence
 
 import torch
 
+import kt_ops.cuda
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.formats import format_for_method
@@ -27,6 +31,7 @@ from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.ops import moe_forward
 from kt_ops.packed import PackedExperts
 from kt_ops.parts import pack_parts, part_bounds
+from kt_ops.wrappers.wrapper_cuda import capture_call_sizes, experts_on_device, resolve_stream, route_table
 
 
 def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: int) -> torch.Tensor:
@@ -44,6 +49,17 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     if num_gpu_experts:
         mask[torch.topk(flat, num_gpu_experts, sorted=False).indices] = True
     return mask.view(activation_freq.shape)
+
+
+@dataclass
+class _Inflight:
+    """A submitted forward: a Future (CPU path) or a tensor queued on ``stream`` (CUDA)."""
+
+    result: Future | torch.Tensor
+    previous: tuple[Future | torch.Tensor, int, torch.cuda.Stream | None] | None  # the previous layer's deferred
+    device: torch.device
+    dtype: torch.dtype
+    stream: torch.cuda.Stream | None = None
 
 
 class KTMoEWrapper:
@@ -73,7 +89,10 @@ class KTMoEWrapper:
     """
 
     _capture_batch_sizes: ClassVar[list[int]] = []
-    _pending: ClassVar[dict[int, tuple[Future, int]]] = {}  # layer -> (deferred output, tokens)
+    # layer -> (deferred output, tokens, the CUDA stream it was queued on or None)
+    _pending: ClassVar[dict[int, tuple[Future | torch.Tensor, int, torch.cuda.Stream | None]]] = {}
+    _instances: ClassVar[weakref.WeakSet[KTMoEWrapper]] = weakref.WeakSet()
+    _warned_no_cuda_key: ClassVar[bool] = False
     _executor: ClassVar[ThreadPoolExecutor | None] = None
     _executor_lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -131,9 +150,13 @@ class KTMoEWrapper:
         self.source_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._parts: list[PackedExperts] = []
         self._route = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, -1 on the GPU
-        self._inflight: tuple[Future, tuple[Future, int] | None, torch.device, torch.dtype] | None = None
+        self._tables: dict[torch.device, torch.Tensor] = {}  # _route per CUDA device (route_table)
+        self._reserved: set[tuple[int, tuple[int, ...]]] = set()  # (device, call sizes) with pinned staging
+        self._inflight: _Inflight | None = None
         if cpuinfer_threads is not None and cpuinfer_threads != get_num_threads():
             set_num_threads(cpuinfer_threads)
+        KTMoEWrapper._instances.add(self)
+        self._reserve_capture_buffers()
 
     def _mask(self, mask: torch.Tensor | Sequence[bool] | None, num_gpu: int | None) -> torch.Tensor:
         E = self.num_experts
@@ -173,6 +196,7 @@ class KTMoEWrapper:
                                  f"H={self.hidden_size}, I={self.moe_intermediate_size}")
         self._parts = parts
         self._route = torch.where(self.gpu_experts_mask, -1, route).to(torch.int32)
+        self._tables = {}
 
     def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Packs the CPU slots' experts (``gate/up/down`` hold those, in slot order)."""
@@ -258,14 +282,16 @@ class KTMoEWrapper:
             return torch.full_like(expert_ids, -1), expert_ids.clone()
         top = torch.topk(expert_scores.float(), protected_k, dim=-1).indices
         chosen = torch.gather(expert_ids.long(), -1, top)
+        # flag[e]: expert e is protected (entry E collects the -1 slots); tensor ops only, no
+        # host synchronisation, so the CUDA path stays asynchronous and capturable.
+        index = torch.where(chosen >= 0, chosen, self.num_experts).reshape(-1)
         flag = torch.zeros(self.num_experts + 1, dtype=torch.bool, device=expert_ids.device)
-        flag[torch.where(chosen >= 0, chosen, self.num_experts).reshape(-1)] = True
-        flag[self.num_experts] = False
+        flag = flag.scatter(0, index, torch.ones_like(index, dtype=torch.bool))
         valid = expert_ids >= 0
-        protected = flag[torch.where(valid, expert_ids.long(), self.num_experts)]
+        protected = torch.take(flag, torch.where(valid, expert_ids.long(), self.num_experts)) & valid
         minus = torch.full_like(expert_ids, -1)
         immediate = torch.where(protected, expert_ids, minus)
-        deferred = torch.where(valid & ~protected, expert_ids, minus)
+        deferred = torch.where(valid & protected.logical_not(), expert_ids, minus)  # not ~: no fake CUDA kernel
         return immediate, deferred
 
     def _packed_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -301,10 +327,17 @@ class KTMoEWrapper:
         topk_weights: torch.Tensor,
         cuda_stream: object | None = None,
     ) -> None:
-        """Starts this layer's CPU experts and returns at once (the work runs on a
-        background thread that releases the GIL); :meth:`sync_forward` collects it.
-        ``hidden_states [T, H]``, ``topk_ids [T, K]`` (physical slots, -1 skips),
-        ``topk_weights [T, K]``; inputs on another device are copied to the CPU first."""
+        """Starts this layer's CPU experts and returns at once; :meth:`sync_forward`
+        collects them. ``hidden_states [T, H]``, ``topk_ids [T, K]`` (physical slots, -1
+        skips), ``topk_weights [T, K]``, all on one device.
+
+        CPU inputs: the work runs on a background thread that releases the GIL. CUDA
+        inputs (builds with the CUDA key): the work is queued on ``cuda_stream`` (a
+        ``torch.cuda.Stream``, a ``cudaStream_t`` int, or None for the current stream)
+        through the operator's CUDA key, without blocking and CUDA-graph capturable
+        (reserve the batch sizes with :meth:`set_capture_batch_sizes`; run one eager
+        forward before capture). Without the CUDA key, CUDA inputs are copied to the CPU
+        first (a warning says so once)."""
         if not self._parts and bool((~self.gpu_experts_mask).any()):
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
         if self._inflight is not None:
@@ -315,6 +348,12 @@ class KTMoEWrapper:
             raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
                              f"[T={hidden_states.shape[0]}, K]")
         device, dtype = hidden_states.device, hidden_states.dtype
+        if device.type == "cuda" and kt_ops.cuda.is_built():
+            return self._submit_cuda(hidden_states, topk_ids, topk_weights, cuda_stream)
+        if device.type == "cuda" and not KTMoEWrapper._warned_no_cuda_key:
+            KTMoEWrapper._warned_no_cuda_key = True
+            warnings.warn("this kt_ops build has no CUDA key: KTMoEWrapper copies CUDA inputs to the CPU and waits "
+                          "(not asynchronous, not capturable in a CUDA graph); see kt_ops.cuda.is_built()", stacklevel=2)
         x = hidden_states.to("cpu").contiguous()
         ids = topk_ids.to("cpu")
         weights = topk_weights.to("cpu").float()
@@ -326,24 +365,73 @@ class KTMoEWrapper:
         future = pool.submit(self._compute, x, ids, weights)
         previous = KTMoEWrapper._pending.pop(self.layer_idx, None)
         if deferred is not None:
-            KTMoEWrapper._pending[self.layer_idx + 1] = (pool.submit(self._compute, x, deferred, weights), x.shape[0])
-        self._inflight = (future, previous, device, dtype)
+            KTMoEWrapper._pending[self.layer_idx + 1] = (pool.submit(self._compute, x, deferred, weights), x.shape[0], None)
+        self._inflight = _Inflight(future, previous, device, dtype)
+
+    def _submit_cuda(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     cuda_stream: object | None) -> None:
+        device = hidden_states.device
+        for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tensor.device != device:
+                raise ValueError(f"{name} is on {tensor.device}; hidden_states is on {device}")
+        stream = resolve_stream(cuda_stream, device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._reserve_capture_buffers(device.index if device.index is not None else torch.cuda.current_device())
+        table = self._tables.get(device)
+        if table is None:
+            if capturing:
+                raise RuntimeError(f"layer {self.layer_idx}: run one forward on {device} before CUDA graph capture "
+                                   "(it copies the expert routing table to the device)")
+            bad_id = self._parts[0].num_experts if self._parts else 0
+            table = self._tables[device] = route_table(self._route, bad_id, device)
+        with torch.cuda.stream(stream):
+            weights = topk_weights.float()
+            ids, deferred = topk_ids, None
+            d = self.max_deferred_experts_per_token
+            if d > 0:
+                ids, deferred = self.select_deferred_experts(ids, weights, self.num_experts_per_tok - d)
+            chunk = self.chunked_prefill_size
+            out = experts_on_device(self._parts, hidden_states, ids, weights, table, chunk)
+            previous = KTMoEWrapper._pending.pop(self.layer_idx, None)
+            if deferred is not None:  # queued after this layer's experts, on the same stream
+                later = experts_on_device(self._parts, hidden_states, deferred, weights, table, chunk)
+                KTMoEWrapper._pending[self.layer_idx + 1] = (later, hidden_states.shape[0], stream)
+        self._inflight = _Inflight(out, previous, device, hidden_states.dtype, stream)
 
     def sync_forward(self, hidden_states: torch.Tensor | None = None, cuda_stream: object | None = None) -> torch.Tensor:
-        """Waits for :meth:`submit_forward`'s work; returns ``[T, H]`` in the input's dtype
-        and device (a new tensor), plus the previous layer's deferred experts if any."""
+        """Collects :meth:`submit_forward`'s work: ``[T, H]`` in the input's dtype and on
+        its device (a new tensor), plus the previous layer's deferred experts if any. CPU
+        path: waits for the background thread. CUDA path: does not wait; the result is
+        ordered on the stream the work was submitted to (a host-function failure, such as
+        an expert id out of range, is raised by the next call or
+        :func:`kt_ops.cuda.raise_pending_error`)."""
         if self._inflight is None:
             raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
-        future, previous, device, dtype = self._inflight
-        self._inflight = None
-        out = future.result()
-        if previous is not None:
-            deferred, tokens = previous
-            if tokens != out.shape[0]:
-                raise ValueError(f"layer {self.layer_idx}: layer {self.layer_idx - 1}'s deferred experts were computed "
-                                 f"for {tokens} tokens, this batch has {out.shape[0]}")
-            out += deferred.result()
-        return out.to(device=device, dtype=dtype)
+        inflight, self._inflight = self._inflight, None
+        if isinstance(inflight.result, torch.Tensor):
+            with torch.cuda.stream(inflight.stream):
+                return self._add_deferred(inflight.result, inflight.previous).to(inflight.dtype)
+        out = self._add_deferred(inflight.result.result(), inflight.previous)
+        return out.to(device=inflight.device, dtype=inflight.dtype)
+
+    def _add_deferred(
+        self, out: torch.Tensor, previous: tuple[Future | torch.Tensor, int, torch.cuda.Stream | None] | None
+    ) -> torch.Tensor:
+        if previous is None:
+            return out
+        deferred, tokens, queued_on = previous
+        if tokens != out.shape[0]:
+            raise ValueError(f"layer {self.layer_idx}: layer {self.layer_idx - 1}'s deferred experts were computed "
+                             f"for {tokens} tokens, this batch has {out.shape[0]}")
+        value = deferred.result() if isinstance(deferred, Future) else deferred
+        if value.device != out.device:
+            raise ValueError(f"layer {self.layer_idx}: layer {self.layer_idx - 1}'s deferred experts are on "
+                             f"{value.device}, this batch is on {out.device}")
+        if queued_on is not None and queued_on != torch.cuda.current_stream(out.device):
+            torch.cuda.current_stream(out.device).wait_stream(queued_on)  # the previous layer used another stream
+            value.record_stream(torch.cuda.current_stream(out.device))
+        return out + value
 
     def forward(
         self,
@@ -360,12 +448,26 @@ class KTMoEWrapper:
 
     @staticmethod
     def set_capture_batch_sizes(batch_sizes: Sequence[int]) -> None:
-        """Records the batch sizes CUDA graphs will be captured at (kt-kernel reserves
-        pinned staging buffers per size; on the CPU-only path nothing is reserved)."""
+        """The batch sizes (tokens per forward) CUDA graphs will be captured at: every
+        wrapper, now and constructed later, reserves pinned staging for them on the
+        current CUDA device (and on the device of its first CUDA forward), before
+        capture, once (shared by layers of the same hidden size and top-k, never
+        reallocated). With no GPU or no CUDA key the sizes are only recorded."""
         sizes = sorted({int(b) for b in batch_sizes})
         if any(b < 1 for b in sizes):
             raise ValueError(f"batch sizes must be positive, got {list(batch_sizes)}")
         KTMoEWrapper._capture_batch_sizes = sizes
+        for wrapper in list(KTMoEWrapper._instances):
+            wrapper._reserve_capture_buffers()
+
+    def _reserve_capture_buffers(self, device: int | None = None) -> None:
+        sizes = tuple(capture_call_sizes(KTMoEWrapper._capture_batch_sizes, self.chunked_prefill_size))
+        if not sizes or not kt_ops.cuda.is_built() or not torch.cuda.is_available():
+            return
+        index = torch.cuda.current_device() if device is None else device
+        if (index, sizes) not in self._reserved:
+            kt_ops.cuda.reserve_cuda_graph_buffers(sizes, self.hidden_size, self.num_experts_per_tok, index)
+            self._reserved.add((index, sizes))
 
     @staticmethod
     def get_capture_batch_sizes() -> list[int]:
@@ -373,5 +475,6 @@ class KTMoEWrapper:
 
     @staticmethod
     def clear_buffer_cache() -> None:
-        """Drops cached buffers and deferred results not yet collected by the next layer."""
+        """Drops deferred results not yet collected by the next layer. The pinned staging
+        of captured batch sizes is kept: captured CUDA graphs point into it."""
         KTMoEWrapper._pending.clear()

@@ -1,0 +1,92 @@
+"""KTMoEWrapper on CUDA inputs: the CPU experts queued on a CUDA stream.
+
+With a build that has the CUDA key (:func:`kt_ops.cuda.is_built`), ``submit_forward``
+with CUDA ``hidden_states`` queues ``torch.ops.kt.moe_forward`` on the stream
+(``cuda_stream`` or the current one): the inputs are staged into pinned memory, the
+experts run in a host function and the result is copied back, in stream order, with
+no host synchronisation in Python (ids are mapped to packed experts on the device), so
+``forward`` can be captured in a CUDA graph once the batch sizes were given to
+``KTMoEWrapper.set_capture_batch_sizes``. These helpers are plain tensor code and
+trace with fake CUDA tensors (tests/test_wrapper_cuda.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kt_ops.ops import moe_forward
+from kt_ops.packed import PackedExperts
+
+
+def capture_call_sizes(batch_sizes: Sequence[int], chunk: int | None) -> list[int]:
+    """Token counts of the ``moe_forward`` calls a batch of each size makes when
+    ``chunked_prefill_size = chunk`` splits it (full chunks and the remainder)."""
+    sizes: set[int] = set()
+    for batch in batch_sizes:
+        step = chunk or batch
+        sizes.add(min(batch, step))
+        if batch > step and batch % step:
+            sizes.add(batch % step)
+    return sorted(sizes)
+
+
+def route_table(route: torch.Tensor, bad_id: int, device: torch.device) -> torch.Tensor:
+    """``route`` (int32 ``[E]``: physical slot -> packed expert, -1 for GPU slots) with one
+    more entry, ``bad_id``, that out-of-range slots map to, on ``device``."""
+    return torch.cat([route.to(torch.int32), torch.tensor([bad_id], dtype=torch.int32)]).to(device)
+
+
+def packed_ids(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Physical slots ``ids [T, K]`` (-1 skips) -> packed expert ids (int32) on ids' device,
+    without a host synchronisation: an id >= E maps to ``table[-1]``, an id the packed
+    experts do not have, so the operator's host function reports it (on CUDA, raised by
+    the next call or :func:`kt_ops.cuda.raise_pending_error`)."""
+    slots = table.shape[0] - 1
+    ids = ids.long()
+    inside = (ids >= 0) & (ids < slots)
+    mapped = torch.take(table, torch.where(inside, ids, slots))  # take: traceable with fake CUDA tensors
+    return torch.where(ids < 0, torch.full_like(mapped, -1), mapped)
+
+
+def experts_on_device(
+    parts: Sequence[PackedExperts],
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    table: torch.Tensor,
+    chunk: int | None,
+) -> torch.Tensor:
+    """fp32 ``[T, H]`` on x's device: the CPU experts of physical ``ids [T, K]`` summed
+    over ``parts`` (fp32 rows in and out, as on the CPU path), ``chunk`` tokens per call."""
+    x = x.float().contiguous()
+    weights = weights.float().contiguous()
+    routed = packed_ids(ids, table).contiguous()
+    tokens = x.shape[0]
+    if tokens == 0:
+        return torch.zeros_like(x)
+    step = chunk or tokens
+    pieces = []
+    for t0 in range(0, tokens, step):
+        n = min(step, tokens - t0)  # narrow, not x[a:b]: indexing does not trace with fake CUDA tensors
+        rows = [t.narrow(0, t0, n) for t in (x, routed, weights)]
+        total = None
+        for packed in parts:
+            part = moe_forward(*rows, packed)
+            total = part if total is None else total + part
+        pieces.append(total if total is not None else torch.zeros_like(rows[0]))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def resolve_stream(cuda_stream: object | None, device: torch.device) -> torch.cuda.Stream:
+    """kt-kernel's ``cuda_stream`` argument: None (the current stream of ``device``), a
+    ``torch.cuda.Stream``, or a raw ``cudaStream_t`` handle as an int
+    (``torch.cuda.current_stream().cuda_stream``)."""
+    if cuda_stream is None:
+        return torch.cuda.current_stream(device)
+    if isinstance(cuda_stream, torch.cuda.Stream):
+        return cuda_stream
+    if isinstance(cuda_stream, int) and not isinstance(cuda_stream, bool):
+        return torch.cuda.ExternalStream(cuda_stream, device=device)
+    raise TypeError(f"cuda_stream must be None, a torch.cuda.Stream or a cudaStream_t int; got {type(cuda_stream)}")
