@@ -52,6 +52,13 @@ def pinned_staging_bytes() -> int:
     return int(_C.staging_bytes()) if is_built() else 0
 
 
+def captured_host_calls() -> int:
+    """Host-function argument structs owned by captured CUDA graphs (one per captured
+    ``moe_forward`` call); each is freed when its graph and the graph's executable
+    instances are destroyed, so re-capturing does not grow it without bound."""
+    return int(_C.captured_host_calls()) if is_built() else 0
+
+
 def raise_pending_error() -> None:
     """Raises (RuntimeError) the first failure recorded by a host function since the last
     check (an expert id out of range, say); the next CUDA ``moe_forward`` raises it too."""

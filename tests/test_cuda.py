@@ -93,6 +93,7 @@ def test_cuda_build_status_is_reported() -> None:
         with pytest.raises(RuntimeError, match="no CUDA key"):
             kt_ops.cuda.reserve_cuda_graph_buffers([1], H, 2)
         assert kt_ops.cuda.pinned_staging_bytes() == 0
+        assert kt_ops.cuda.captured_host_calls() == 0
 
 
 # ---- on a GPU ------------------------------------------------------------------------
@@ -156,6 +157,33 @@ def test_cuda_graph_capture_and_replay_at_two_batch_sizes() -> None:
             with torch.no_grad():
                 expected = layer(x[:n].cuda())
             torch.testing.assert_close(static_out[:n], expected, rtol=1e-2, atol=1e-2)
+
+
+@needs_gpu
+def test_captured_host_calls_are_freed_with_their_graph() -> None:
+    import gc
+    import time
+
+    layer = hybrid_layer().cuda()
+    layer.set_capture_batch_sizes([2])
+    x = torch.zeros(2, H, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        layer(x)
+    torch.cuda.synchronize()
+    before = kt_ops.cuda.captured_host_calls()
+    for _ in range(3):  # capture, replay, drop: the count returns each time
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad():
+            layer(x)
+        assert kt_ops.cuda.captured_host_calls() == before + 1
+        graph.replay()
+        torch.cuda.synchronize()
+        del graph
+        gc.collect()
+        deadline = time.monotonic() + 5  # CUDA runs user-object destructors on its own thread
+        while kt_ops.cuda.captured_host_calls() != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kt_ops.cuda.captured_host_calls() == before
 
 
 @needs_gpu

@@ -3,22 +3,23 @@
 // staging, cudaLaunchHostFunc the CPU experts, copy the result back. Nothing blocks the
 // Python thread; under CUDA graph capture the same three steps are recorded, with the
 // staging reserved ahead (kt_ops.reserve_cuda_graph_buffers) and the host function's
-// arguments kept for the graph's lifetime.
+// arguments owned by the graph (a CUDA user object: freed when the graph and every
+// executable instance of it are destroyed).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <memory>
-#include <mutex>
-#include <vector>
 
 #include "../cpu/isa/cpu_variant.h"
 #include "../cpu/kernels/kernel_table.h"
 #include "../ops/moe_call.h"
+#include "host_calls.h"
 #include "staging.h"
 
 namespace kt::cuda {
@@ -33,11 +34,30 @@ struct HostCall {
   const Staging* staging = nullptr;
 };
 
-// Arguments of captured calls live as long as the process (graphs may replay any time).
-std::mutex graph_calls_mutex;
-std::vector<std::unique_ptr<HostCall>>& graph_calls() {
-  static auto* calls = new std::vector<std::unique_ptr<HostCall>>();
-  return *calls;
+std::atomic<int64_t> graph_owned_calls{0};
+
+// Destructor of a captured call's user object; CUDA runs it once the graph and its
+// executable instances are gone (no CUDA API here).
+void CUDART_CB delete_host_call(void* data) {
+  delete static_cast<HostCall*>(data);
+  graph_owned_calls.fetch_sub(1);
+}
+
+// Hands `call` to the graph being captured on `stream`: it lives as long as the graph.
+void give_to_graph(std::unique_ptr<HostCall> call, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  cudaGraph_t graph = nullptr;
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id, &graph));
+  TORCH_CHECK(status == cudaStreamCaptureStatusActive && graph != nullptr,
+              "kt::moe_forward: the stream stopped capturing during the call");
+  cudaUserObject_t object = nullptr;
+  C10_CUDA_CHECK(cudaUserObjectCreate(&object, call.get(), delete_host_call, 1, cudaUserObjectNoDestructorSync));
+  call.release();  // the user object owns it now
+  graph_owned_calls.fetch_add(1);
+  const cudaError_t retained = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+  if (retained != cudaSuccess) cudaUserObjectRelease(object, 1);  // deletes the call
+  C10_CUDA_CHECK(retained);
 }
 
 // Runs on CUDA's host-function thread: no CUDA API here, and nothing may throw.
@@ -125,18 +145,16 @@ at::Tensor moe_forward_cuda(const at::Tensor& hidden_states, const at::Tensor& t
   if (call->has_live)
     copy_async(staging->live, live_tokens->const_data_ptr(), live_tokens->nbytes(), cudaMemcpyDeviceToHost, stream);
   HostCall* raw = call.get();
+  if (capturing) give_to_graph(std::move(call), stream);  // before the node that uses it
   C10_CUDA_CHECK(cudaLaunchHostFunc(stream, run_experts, raw));
-  if (capturing) {
-    std::lock_guard<std::mutex> lock(graph_calls_mutex);
-    graph_calls().push_back(std::move(call));
-  } else {
-    call.release();  // the host function deletes it
-  }
+  call.release();  // eager: the host function deletes it (captured: already moved)
   copy_async(output.data_ptr(), staging->output, output.nbytes(), cudaMemcpyHostToDevice, stream);
   return output;
 }
 
 }  // namespace
+
+int64_t captured_host_calls() { return graph_owned_calls.load(); }
 
 TORCH_LIBRARY_IMPL(kt, CUDA, m) { m.impl("moe_forward", &moe_forward_cuda); }
 

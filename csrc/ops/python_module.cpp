@@ -12,6 +12,7 @@
 #include "gguf_blob.h"
 #include "packed_blob.h"
 #ifdef KT_OPS_WITH_CUDA
+#include "../cuda/host_calls.h"
 #include "../cuda/staging.h"
 #endif
 
@@ -124,6 +125,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden"), py::arg("top_k"));
   m.def("staging_bytes", &cuda::staging_bytes);
   m.def("take_host_error", &cuda::take_host_error);
+  m.def("captured_host_calls", &cuda::captured_host_calls);
 #else
   m.attr("with_cuda") = false;
 #endif
