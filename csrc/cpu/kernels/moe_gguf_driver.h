@@ -10,8 +10,9 @@
 //   3. down:        jobs (expert, 64 hidden rows), same micro-kernels.
 //   4. combine:     out[t] = sum_j w[t, j] * down_out[pair].
 // A row group is decoded once and reused for all of the expert's tokens. On the AVX-512
-// variants, calls whose experts have at most kGgufDirectMaxPairs tokens read Q4_K, Q8_0
-// and Q4_0 rows in place instead (gguf_q4k_avx512.h, gguf_q8_avx512.h). With a tile
+// variants, calls whose experts have at most kGgufDirectMaxPairs tokens read Q4_K, Q6_K,
+// Q8_0, Q4_0 and Q5_0 rows in place instead (gguf_q4k_avx512.h, gguf_q6k_avx512.h,
+// gguf_q8_avx512.h). With a tile
 // unit (Tile = GgufAmx, amx variant) calls averaging kGgufTileMinPairs or more tokens
 // per expert (prefill) decode each job's rows to bf16 once and multiply them on AMX
 // tiles (gguf_amx.h) instead: phase 1 packs each expert's token rows as bf16 B chunks,
@@ -32,6 +33,7 @@
 #include "gguf/gguf_decode.h"
 #include "gguf/gguf_dot.h"
 #include "gguf/gguf_q4k_avx512.h"
+#include "gguf/gguf_q6k_avx512.h"
 #include "gguf/gguf_q8_avx512.h"
 #include "moe_args.h"
 #include "moe_driver_common.h"
@@ -52,7 +54,8 @@ inline int64_t streaming_job_rows(int64_t rows, int threads) {
 }
 
 constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's direct path
-constexpr int64_t kGgufDirectMaxPairs = 2;  // tokens per expert up to which Q4_K runs direct
+constexpr int kGgufQ6kActs = 258;  // of Q6_K's: 256-value blocks with int16 sums of 16
+constexpr int64_t kGgufDirectMaxPairs = 2;  // tokens per expert up to which the direct paths run
 // Average tokens per active expert from which a tile unit runs the call (tests mirror it).
 constexpr int64_t kGgufTileMinPairs = 8;
 
@@ -71,7 +74,7 @@ struct GgufMatrix {
   GgmlType type;
   bool is_float;
   GgufDecodeRowFn decode;  // quantized types
-  bool direct;             // dotted from its bytes (Q4_K, Q8_0, Q4_0, Q5_0; AVX-512 variants, decode)
+  bool direct;             // dotted from its bytes (Q4_K, Q6_K, Q8_0, Q4_0, Q5_0; AVX-512 variants, decode)
   int64_t k, kp;  // row length and its padded length (multiple of 256)
 
   GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_)
@@ -87,10 +90,13 @@ struct GgufMatrix {
   const uint8_t* row(int64_t expert, int64_t n) const {
     return first_expert + expert * expert_bytes + n * row_bytes;
   }
-  // The activation format: 0 fp32, 32, 256, or kGgufQ4kActs (256 in kGgufQ4kOrder).
+  // The activation format: 0 fp32, 32, 256, kGgufQ4kActs (256 in kGgufQ4kOrder) or
+  // kGgufQ6kActs (256 with sums of 16).
   int act_block() const {
     if (is_float) return 0;
-    return direct && type == GgmlType::kQ4_K ? kGgufQ4kActs : static_cast<int>(ggml_type_info(static_cast<uint32_t>(type)).block_elems);
+    if (direct && type == GgmlType::kQ4_K) return kGgufQ4kActs;
+    if (direct && type == GgmlType::kQ6_K) return kGgufQ6kActs;
+    return static_cast<int>(ggml_type_info(static_cast<uint32_t>(type)).block_elems);
   }
 };
 
@@ -138,7 +144,7 @@ void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& ac
     gguf_dot_rows<Ops, false, false, NR>(rows, q, s, sums, bias4, units, out);
 }
 
-// Q4_K / Q8_0 / Q4_0 rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of
+// Q4_K / Q6_K / Q8_0 / Q4_0 / Q5_0 rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of
 // the range apart at a time, so four memory streams are in flight (1-token S1 Q4_K:
 // 7.5 -> 16 GB/s).
 template <class Ops>
@@ -168,6 +174,9 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
       switch (m.type) {
         case GgmlType::kQ4_K:
           gguf_q4k_dot_rows4<Ops>(rows, q, scale4, acts.level_sums + a * (m.kp / 16), units, result);
+          break;
+        case GgmlType::kQ6_K:
+          gguf_q6k_dot_rows4<Ops>(rows, q, scale4, acts.level_sums + a * (m.kp / 16), units, result);
           break;
         case GgmlType::kQ8_0: gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0>(rows, m.k, q, scale4, bias4, result); break;
         case GgmlType::kQ4_0: gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0>(rows, m.k, q, scale4, bias4, result); break;
@@ -291,14 +300,14 @@ void moe_forward_gguf(const MoeArgs& args) {
   MoePlan& plan = thread_plan;
   std::vector<ExpertTile>& tiles = thread_tiles;
   plan.build(args.topk_ids, args.topk_ids_int64, T, K, E);
-  // Q4_K / Q8_0 / Q4_0 straight from their bytes re-extract each unit per token: decode only.
+  // The in-place types from their bytes re-extract each unit per token: decode only.
   int64_t max_pairs = 0;
   for (int32_t e : plan.active_experts) max_pairs = std::max(max_pairs, plan.expert_begin[e + 1] - plan.expert_begin[e]);
   if constexpr (Ops::kRegsPerLine == 1)
     for (GgufMatrix* m : {&gate, &up, &down}) {
       m->direct = max_pairs <= kGgufDirectMaxPairs &&
-                  (m->type == GgmlType::kQ4_K || m->type == GgmlType::kQ8_0 || m->type == GgmlType::kQ4_0 ||
-                   m->type == GgmlType::kQ5_0);
+                  (m->type == GgmlType::kQ4_K || m->type == GgmlType::kQ6_K || m->type == GgmlType::kQ8_0 ||
+                   m->type == GgmlType::kQ4_0 || m->type == GgmlType::kQ5_0);
     }
   const int64_t P = plan.num_pairs;
   bool tile = false;
@@ -335,7 +344,7 @@ void moe_forward_gguf(const MoeArgs& args) {
     at[1] = carve.add<float>(n * kp / 4);
     at[2] = carve.add<float>(n * kp / 16);
     at[3] = carve.add<int32_t>(n * kp / 4);
-    at[4] = carve.add<int16_t>(block == kGgufQ4kActs ? n * kp / 16 : 0);
+    at[4] = carve.add<int16_t>(block == kGgufQ4kActs || block == kGgufQ6kActs ? n * kp / 16 : 0);
   };
   size_t gate_at[5], up_at[5], down_at[5];
   carve_acts(gate_block, T, Hp, gate_at);
@@ -351,8 +360,9 @@ void moe_forward_gguf(const MoeArgs& args) {
   auto acts_at = [&](int block, int64_t kp, const size_t at[5], const float* f) {
     GgufActs acts;
     acts.kp = kp;
-    acts.block = block == kGgufQ4kActs ? kGgufSuper : block;
+    acts.block = block == kGgufQ4kActs || block == kGgufQ6kActs ? kGgufSuper : block;
     acts.q4k_order = block == kGgufQ4kActs;
+    acts.sums_of_16 = block == kGgufQ6kActs;
     acts.level_sums = reinterpret_cast<int16_t*>(scratch + at[4]);
     acts.q = reinterpret_cast<int8_t*>(scratch + at[0]);
     acts.scale = reinterpret_cast<float*>(scratch + at[1]);

@@ -25,7 +25,10 @@ struct GgufActs {
   int32_t* bias4 = nullptr;  // [rows, kp / 4]
   // Q4_K on AVX-512 (gguf_q4k_avx512.h): each 256-value unit in kGgufQ4kOrder, and
   // level_sums [rows, kp / 16]: per unit 8 zeros then the level sum of each 32 values.
+  // Q6_K on AVX-512 (gguf_q6k_avx512.h): natural order, level_sums [rows, kp / 16] the
+  // level sum of each 16 values.
   bool q4k_order = false;
+  bool sums_of_16 = false;
   int16_t* level_sums = nullptr;
   const float* f = nullptr;  // block 0: [rows, kp] fp32
 };
@@ -54,6 +57,14 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
       int32_t sum = 0;
       for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
       sum16[s] = d * static_cast<float>(sum);
+    }
+  }
+  if (acts.sums_of_16) {
+    int16_t* level_sums = acts.level_sums + r * (kp / 16);
+    for (int64_t g = 0; g < kp / 16; ++g) {
+      int32_t sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[16 * g + i];
+      level_sums[g] = static_cast<int16_t>(sum);  // |sum| <= 16 * 128
     }
   }
   if (!acts.q4k_order) return;

@@ -1,0 +1,78 @@
+// [NOTE] Q6_K dotted straight from its GGUF bytes on AVX-512 (no decoded copy): the down
+// matrix of Q4_K_M files. A super-block (210 bytes) holds 256 six-bit levels as ql[128]
+// (low nibbles), qh[64] (2-bit high parts), 16 int8 scales (one per 16 weights) and d.
+// Per half (128 weights), the 64-byte load of ql holds weights 0-63 in its low nibbles
+// and 64-127 in its high nibbles, in order; the half's 32 qh bytes, repeated in both
+// 256-bit halves and shifted per 16-bit word ([4, 2] left, [0, 2] right) then masked with
+// 0x30, give each byte its bits 4-5. So the activations need no permutation. Levels
+// 0..63 times int8 activations (vpmaddubsw, pairs <= 2 * 63 * 128) times the int16
+// scale of each lane's group (vpermw, vpdpwssd) sum into one int32 per lane; the -32
+// offset is 32 * sum_g scale_g * (level sum of group g) (vpmaddwd), subtracted in
+// integers, so one float multiply-add by d * da per row and unit remains.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "gguf_decode.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+// out[i] = dot(Q6_K row i, activation row) for i < 4, the rows walked in lockstep (four
+// memory streams in flight). aq: levels [units * 256], scale4: per-4 activation scales
+// (one value per unit), level_sums: [units * 16] int16, the level sum of each 16 values.
+template <class Ops>
+void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* aq, const float* scale4,
+                        const int16_t* level_sums, int64_t units, float* out) {
+  const __m512i low = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  // Chunk c's int16 lanes of 128-bit lane j take scale 4c + j (vpermw indices).
+  __m512i select[4];
+  for (int c = 0; c < 4; ++c) {
+    int pair[4];
+    for (int j = 0; j < 4; ++j) pair[j] = (4 * c + j) * 0x10001;
+    select[c] = _mm512_setr_epi32(pair[0], pair[0], pair[0], pair[0], pair[1], pair[1], pair[1], pair[1], pair[2],
+                                  pair[2], pair[2], pair[2], pair[3], pair[3], pair[3], pair[3]);
+  }
+  __m512 acc[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < units; ++u) {
+    const int8_t* a = aq + u * 256;
+    const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 64), a2 = _mm512_loadu_si512(a + 128),
+                  a3 = _mm512_loadu_si512(a + 192);
+    const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums + u * 16));
+    const float da = scale4[u * 64];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* b = rows[i] + u * 210;
+      for (int line = 0; line < 256; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      const __m512i ql0 = _mm512_loadu_si512(b), ql1 = _mm512_loadu_si512(b + 64), qh = _mm512_loadu_si512(b + 128);
+      const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      const __m512i sc = _mm512_castsi256_si512(scales);  // lanes 16-31 never selected
+      const __m512i h0 = _mm512_shuffle_i64x2(qh, qh, 0x44), h1 = _mm512_shuffle_i64x2(qh, qh, 0xEE);
+      auto levels = [&](__m512i ql, __m512i h, bool high) {
+        const __m512i nibbles = high ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), low) : _mm512_and_si512(ql, low);
+        const __m512i top = high ? _mm512_srlv_epi16(h, right) : _mm512_sllv_epi16(h, left);
+        return _mm512_or_si512(nibbles, _mm512_and_si512(top, bits45));
+      };
+      __m512i t = Ops::dot16(_mm512_setzero_si512(), _mm512_maddubs_epi16(levels(ql0, h0, false), a0),
+                             _mm512_permutexvar_epi16(select[0], sc));
+      t = Ops::dot16(t, _mm512_maddubs_epi16(levels(ql0, h0, true), a1), _mm512_permutexvar_epi16(select[1], sc));
+      t = Ops::dot16(t, _mm512_maddubs_epi16(levels(ql1, h1, false), a2), _mm512_permutexvar_epi16(select[2], sc));
+      t = Ops::dot16(t, _mm512_maddubs_epi16(levels(ql1, h1, true), a3), _mm512_permutexvar_epi16(select[3], sc));
+      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 5);  // 32 * scale_g * sum_g
+      t = _mm512_sub_epi32(t, _mm512_zextsi256_si512(offset));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(gguf_f16(b + 208) * da), acc[i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+}  // namespace
+}  // namespace kt::cpu
