@@ -16,7 +16,7 @@ from kt_ops.bench.runner import METHODS, Shape, bytes_per_weight, make_layers, m
 def test_measure_row_on_a_tiny_shape(method: str) -> None:
     shape = Shape("tiny", num_experts=8, top_k=2, hidden=256, intermediate=256, model="test")
     layers = make_layers(shape, method, 2)
-    expected = {"BF16": 2.0, "AMXINT8": 1.0 + 4 / 256, "AMXINT4": 0.5 + 4 / 128, "Q4_K": 144 / 256, "Q6_K": 210 / 256,
+    expected = {"BF16": 2.0, "AMXINT8": 1.0 + 4 / 256, "AMXINT4": 0.5 + 4 / 128, "Q4_K": 144 / 256, "Q4_K_M": (2 * 144 + 210) / 768, "Q6_K": 210 / 256,
                 "Q8_0": 34 / 32, "Q4_0": 18 / 32}[method]
     assert bytes_per_weight(layers[0].packed, shape) == pytest.approx(expected)
     flushes = []
@@ -66,3 +66,5 @@ def test_gguf_rows_use_llama_cpp_fallback_for_down() -> None:
     assert gguf_types_for("Q4_K", SHAPES["S2"]) == ("Q4_K", "Q4_K", "Q5_0")
     assert gguf_types_for("Q6_K", SHAPES["S2"]) == ("Q6_K", "Q6_K", "Q8_0")
     assert gguf_types_for("Q8_0", SHAPES["S2"]) == ("Q8_0", "Q8_0", "Q8_0")
+    assert gguf_types_for("Q4_K_M", SHAPES["S1"]) == ("Q4_K", "Q4_K", "Q6_K")
+    assert gguf_types_for("Q4_K_M", SHAPES["S2"]) == ("Q4_K", "Q4_K", "Q8_0")

@@ -1,4 +1,4 @@
-"""python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16 AMXINT8 AMXINT4 Q4_K Q6_K Q8_0 Q4_0] [--tokens 1 8 64 512]
+"""python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16 AMXINT8 AMXINT4 Q4_K Q4_K_M Q6_K Q8_0 Q4_0] [--tokens 1 8 64 512]
 [--layers N] [--threads N] [--json PATH] [--cold-code]
 
 Prints, per row: microseconds per MoE layer forward (median; the caches are evicted
@@ -7,8 +7,9 @@ the same method runs, as the previous layer's MoE block would), the activated ex
 weight bytes read per second, GFLOP/s, the roofline fraction of the machine limit that
 binds (read bandwidth, measured again next to each row and shown as "read GB/s", or the
 bf16 GEMM reference, both measured in this run), and the speed-up over the plain-PyTorch
-layer. Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE); on S2 (I = 1408)
-the K-quant rows store down as llama.cpp does for that size (Q4_K -> Q5_0, Q6_K -> Q8_0).
+layer. Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE), Q4_K_M their mix in
+llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K); on S2 (I = 1408) the K-quant rows
+store down as llama.cpp does for that size (Q4_K -> Q5_0, Q6_K -> Q8_0).
 """
 
 from __future__ import annotations
@@ -119,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             del layers
     progress(f"done in {time.perf_counter() - started:.0f} s\n")
     print(format_table(rows))
-    fallbacks = sorted({f"{r.shape} {r.method}: down in {gguf_types_for(r.method, SHAPES[r.shape])[2]}"
-                        for r in rows if r.method in GGUF_METHODS and gguf_types_for(r.method, SHAPES[r.shape])[2] != r.method})
-    if fallbacks:
-        print("GGUF rows with llama.cpp's down type (I not a multiple of 256): " + "; ".join(fallbacks))
+    mixed = sorted({f"{r.shape} {r.method}: {'/'.join(gguf_types_for(r.method, SHAPES[r.shape]))}"
+                    for r in rows if r.method in GGUF_METHODS and set(gguf_types_for(r.method, SHAPES[r.shape])) != {r.method}})
+    if mixed:
+        print("GGUF rows whose gate/up/down types differ from the method (mixes such as Q4_K_M; llama.cpp's down "
+              "type where I is not a multiple of 256): " + "; ".join(mixed))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -36,20 +36,22 @@ SHAPES: dict[str, Shape] = {
 }
 
 # Methods the benchmark runs (kt-kernel names); INT4 uses the default k-group (128).
-METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4", "Q4_K", "Q6_K", "Q8_0", "Q4_0")
+METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4", "Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "Q4_0")
 # Bench methods that are GGUF types (LLAMAFILE, quantized online with our round-to-nearest).
-GGUF_METHODS: tuple[str, ...] = ("Q4_K", "Q6_K", "Q8_0", "Q4_0")
+GGUF_METHODS: tuple[str, ...] = ("Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "Q4_0")
+# GGUF file mixes: (gate and up type, down type), as llama.cpp's Q4_K_M stores the experts.
+GGUF_MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K")}
 
 
 def gguf_types_for(method: str, shape: Shape) -> tuple[str, str, str]:
-    """(gate, up, down) types of a GGUF bench row: the method's type, except that a
-    K-quant ``down`` whose row length (I) is not a multiple of 256 gets llama.cpp's
-    fallback type (S2, I = 1408: Q4_K -> Q5_0, Q6_K -> Q8_0), as a GGUF file of that
-    model stores it."""
-    down = method
-    if method in LLAMA_CPP_FALLBACK and shape.intermediate % 256:
-        down = LLAMA_CPP_FALLBACK[method]
-    return method, method, down
+    """(gate, up, down) types of a GGUF bench row: the method's type (or its mix, e.g.
+    Q4_K_M: Q4_K, Q4_K, Q6_K), except that a K-quant ``down`` whose row length (I) is not
+    a multiple of 256 gets llama.cpp's fallback type (S2, I = 1408: Q4_K -> Q5_0, Q6_K ->
+    Q8_0), as a GGUF file of that model stores it."""
+    gate, down = GGUF_MIXES.get(method, (method, method))
+    if down in LLAMA_CPP_FALLBACK and shape.intermediate % 256:
+        down = LLAMA_CPP_FALLBACK[down]
+    return gate, gate, down
 
 
 def pack_layer(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, method: str, shape: Shape) -> PackedExperts:
