@@ -152,6 +152,7 @@ class KTMoEWrapper:
         self._route = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, -1 on the GPU
         self._tables: dict[torch.device, torch.Tensor] = {}  # _route per CUDA device (route_table)
         self._reserved: set[tuple[int, tuple[int, ...]]] = set()  # (device, call sizes) with pinned staging
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # deferred experts, eager CUDA calls
         self._inflight: _Inflight | None = None
         if cpuinfer_threads is not None and cpuinfer_threads != get_num_threads():
             set_num_threads(cpuinfer_threads)
@@ -336,8 +337,9 @@ class KTMoEWrapper:
         ``torch.cuda.Stream``, a ``cudaStream_t`` int, or None for the current stream)
         through the operator's CUDA key, without blocking and CUDA-graph capturable
         (reserve the batch sizes with :meth:`set_capture_batch_sizes`; run one eager
-        forward before capture). Without the CUDA key, CUDA inputs are copied to the CPU
-        first (a warning says so once)."""
+        forward before capture); deferred experts go to a side stream in eager calls (the
+        next layer's sync waits for it) and stay on the stream under capture. Without the
+        CUDA key, CUDA inputs are copied to the CPU first (a warning says so once)."""
         if not self._parts and bool((~self.gpu_experts_mask).any()):
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
         if self._inflight is not None:
@@ -394,10 +396,24 @@ class KTMoEWrapper:
             chunk = self.chunked_prefill_size
             out = experts_on_device(self._parts, hidden_states, ids, weights, table, chunk)
             previous = KTMoEWrapper._pending.pop(self.layer_idx, None)
-            if deferred is not None:  # queued after this layer's experts, on the same stream
+        if deferred is not None:
+            queue = stream if capturing else self._deferred_stream(device)
+            if queue is not stream:  # eager: on a side stream, overlapping the next layer's GPU work
+                queue.wait_stream(stream)
+                for tensor in (hidden_states, deferred, weights):
+                    tensor.record_stream(queue)
+            # Under capture the deferred call stays on the capturing stream: graph staging is
+            # shared per shape, so two captured calls must not run concurrently.
+            with torch.cuda.stream(queue):
                 later = experts_on_device(self._parts, hidden_states, deferred, weights, table, chunk)
-                KTMoEWrapper._pending[self.layer_idx + 1] = (later, hidden_states.shape[0], stream)
+            KTMoEWrapper._pending[self.layer_idx + 1] = (later, hidden_states.shape[0], queue)
         self._inflight = _Inflight(out, previous, device, hidden_states.dtype, stream)
+
+    def _deferred_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This wrapper's side stream on ``device`` for deferred experts (eager calls)."""
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device)
+        return self._side_streams[device]
 
     def sync_forward(self, hidden_states: torch.Tensor | None = None, cuda_stream: object | None = None) -> torch.Tensor:
         """Collects :meth:`submit_forward`'s work: ``[T, H]`` in the input's dtype and on
