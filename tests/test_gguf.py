@@ -67,10 +67,11 @@ def takes_tile_path(ids: torch.Tensor) -> bool:
     return kt_ops.cpu_variant() == "amx" and int((ids >= 0).sum()) >= TILE_MIN_PAIRS * active
 
 
-def check_kernel(blob: torch.Tensor, gate, up, down, E: int, k: int, H: int, T_: int, seed: int) -> None:
+def check_kernel(blob: torch.Tensor, gate, up, down, E: int, k: int, H: int, T_: int, seed: int,
+                 ids: torch.Tensor | None = None) -> None:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T_, H, generator=g)  # fp32 in and out: no output rounding hides a path's error
-    ids, weights = random_routing(T_, E, k, seed)
+    ids, weights = random_routing(T_, E, k, seed) if ids is None else (ids, torch.rand(T_, k, generator=g) + 0.1)
     out = kt_ops.moe_forward(x, ids, weights, blob)
     if takes_tile_path(ids):
         bf16 = [w.bfloat16().float() for w in (gate, up, down)]
@@ -106,6 +107,17 @@ def test_mixed_types(variant: str, types: tuple[str, str, str]) -> None:
     blob, gate, up, down = packed_from_blocks(types, E, H, I, seed=7)
     for tokens in (1, 40):
         check_kernel(blob, gate, up, down, E, k, H, tokens, seed=tokens)
+
+
+@pytest.mark.parametrize("types", [("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_0", "Q5_0")], ids="-".join)
+def test_direct_and_decoded_experts_in_one_call(variant: str, types: tuple[str, str, str]) -> None:
+    """Batch decode: on the AVX-512 variants experts with <= 2 tokens are dotted from
+    their bytes and expert 0 (5 tokens) from decoded rows, in one call sharing the
+    direct path's activations (Q4_K's permuted order)."""
+    E, k, H, I = 6, 2, 512, 256
+    blob, gate, up, down = packed_from_blocks(types, E, H, I, seed=11)
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [1, 2]], dtype=torch.int32)
+    check_kernel(blob, gate, up, down, E, k, H, ids.shape[0], seed=5, ids=ids)
 
 
 @pytest.mark.parametrize("type_name", QUANT_32)

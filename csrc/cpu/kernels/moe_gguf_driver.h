@@ -10,9 +10,10 @@
 //   3. down:        jobs (expert, 64 hidden rows), same micro-kernels.
 //   4. combine:     out[t] = sum_j w[t, j] * down_out[pair].
 // A row group is decoded once and reused for all of the expert's tokens. On the AVX-512
-// variants, calls whose experts have at most kGgufDirectMaxPairs tokens read Q4_K, Q6_K,
-// Q8_0, Q4_0 and Q5_0 rows in place instead (gguf_q4k_avx512.h, gguf_q6k_avx512.h,
-// gguf_q8_avx512.h). With a tile
+// variants, experts with at most kGgufDirectMaxPairs tokens read Q4_K, Q6_K, Q8_0, Q4_0
+// and Q5_0 rows in place instead (gguf_q4k_avx512.h, gguf_q6k_avx512.h,
+// gguf_q8_avx512.h); the call's activations then take the direct format, which the
+// decoded rows of its other experts follow. With a tile
 // unit (Tile = GgufAmx, amx variant) calls averaging kGgufTileMinPairs or more tokens
 // per expert (prefill) decode each job's rows to bf16 once and multiply them on AMX
 // tiles (gguf_amx.h) instead: phase 1 packs each expert's token rows as bf16 B chunks,
@@ -74,7 +75,8 @@ struct GgufMatrix {
   GgmlType type;
   bool is_float;
   GgufDecodeRowFn decode;  // quantized types
-  bool direct;             // dotted from its bytes (Q4_K, Q6_K, Q8_0, Q4_0, Q5_0; AVX-512 variants, decode)
+  bool direct;             // experts with <= kGgufDirectMaxPairs tokens dotted from the bytes (Q4_K, Q6_K,
+                           // Q8_0, Q4_0, Q5_0; AVX-512 variants)
   int64_t k, kp;  // row length and its padded length (multiple of 256)
 
   GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_)
@@ -194,7 +196,7 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
                const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
   using V = typename Ops::Vec;
   if constexpr (Ops::kRegsPerLine == 1) {
-    if (m.direct)
+    if (m.direct && p1 - p0 <= kGgufDirectMaxPairs)
       return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
   }
   const int64_t units = m.kp / kGgufSuper;
@@ -221,6 +223,8 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
         gguf_float_row<V>(m.type, row, m.k, m.kp, decoded_floats.data() + i * m.kp);
       else
         m.decode(row, m.k, decoded_units.data() + i * units);
+      if (acts.q4k_order)  // other experts of this call run direct, in that order
+        for (int64_t u = 0; u < units; ++u) gguf_q4k_order_decoded(decoded_units[i * units + u]);
     }
     float result[kGgufRows];
     for (int64_t p = p0; p < p1; ++p) {
@@ -300,12 +304,15 @@ void moe_forward_gguf(const MoeArgs& args) {
   MoePlan& plan = thread_plan;
   std::vector<ExpertTile>& tiles = thread_tiles;
   plan.build(args.topk_ids, args.topk_ids_int64, T, K, E);
-  // The in-place types from their bytes re-extract each unit per token: decode only.
-  int64_t max_pairs = 0;
-  for (int32_t e : plan.active_experts) max_pairs = std::max(max_pairs, plan.expert_begin[e + 1] - plan.expert_begin[e]);
+  // The in-place types from their bytes re-extract each unit per token: experts with at
+  // most kGgufDirectMaxPairs tokens run direct, the others decode their rows once (in
+  // the direct path's activation order; gguf_rows). Batch decode: 8 tokens of S1 give
+  // ~50 active experts of which one or two have 3 or more tokens.
+  int64_t min_pairs = T * K + 1;
+  for (int32_t e : plan.active_experts) min_pairs = std::min(min_pairs, plan.expert_begin[e + 1] - plan.expert_begin[e]);
   if constexpr (Ops::kRegsPerLine == 1)
     for (GgufMatrix* m : {&gate, &up, &down}) {
-      m->direct = max_pairs <= kGgufDirectMaxPairs &&
+      m->direct = min_pairs <= kGgufDirectMaxPairs &&
                   (m->type == GgmlType::kQ4_K || m->type == GgmlType::kQ6_K || m->type == GgmlType::kQ8_0 ||
                    m->type == GgmlType::kQ4_0 || m->type == GgmlType::kQ5_0);
     }
