@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoint_helpers import make_weights
+from conftest import rel_err
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -74,7 +75,10 @@ def test_packed_ids_map_on_the_device_without_checks() -> None:
 
 
 @pytest.mark.parametrize("threadpool_count,chunk", [(1, None), (2, 3)])
-def test_device_path_equals_the_cpu_path_on_the_cpu_key(weights, threadpool_count: int, chunk: int | None) -> None:
+def test_device_path_on_the_cpu_key_matches_the_reference(weights, threadpool_count: int, chunk: int | None) -> None:
+    """The expert computation both paths share, on CPU tensors, against kt_ops.reference
+    on the bf16 weights with the routing rewritten independently (physical slot p holds
+    logical expert E - 1 - p; slots 2 and 5 are on the GPU)."""
     wr = make_wrapper(weights, threadpool_count=threadpool_count, chunked_prefill_size=chunk)
     x, ids, w = inputs(7)
     ids[3, 1] = E + 2  # out of range: the operator must refuse it, not silently skip it
@@ -82,8 +86,12 @@ def test_device_path_equals_the_cpu_path_on_the_cpu_key(weights, threadpool_coun
     with pytest.raises(ValueError, match="outside"):
         experts_on_device(wr._parts, x, ids, w, table, chunk)
     ids[3, 1] = 0
-    torch.testing.assert_close(experts_on_device(wr._parts, x, ids, w, table, chunk), wr._compute(x, ids, w),
-                               rtol=0, atol=0)
+    logical = torch.where((ids < 0) | (ids == 2) | (ids == 5), -1, E - 1 - ids)
+    held = [t.bfloat16().float() for t in weights[1]]
+    expected = kt_ops.reference.moe_forward(x, logical, w, *held)
+    got = experts_on_device(wr._parts, x, ids, w, table, chunk)
+    assert got.dtype == torch.float32 and rel_err(got, expected) <= 1e-2
+    torch.testing.assert_close(wr.forward(x, ids, w), got, rtol=0, atol=0)  # the CPU path is this code
     assert experts_on_device(wr._parts, x[:0], ids[:0], w[:0], table, chunk).shape == (0, H)
 
 

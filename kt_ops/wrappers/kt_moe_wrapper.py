@@ -28,7 +28,6 @@ from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.formats import format_for_method
 from kt_ops.gguf_loader import gguf_files, load_gguf_experts
 from kt_ops.hf_checkpoint import HfCheckpoint
-from kt_ops.ops import moe_forward
 from kt_ops.packed import PackedExperts
 from kt_ops.parts import pack_parts, part_bounds
 from kt_ops.wrappers.wrapper_cuda import capture_call_sizes, experts_on_device, resolve_stream, route_table
@@ -150,7 +149,7 @@ class KTMoEWrapper:
         self.source_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._parts: list[PackedExperts] = []
         self._route = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, -1 on the GPU
-        self._tables: dict[torch.device, torch.Tensor] = {}  # _route per CUDA device (route_table)
+        self._tables: dict[torch.device, torch.Tensor] = {}  # _route per device (route_table)
         self._reserved: set[tuple[int, tuple[int, ...]]] = set()  # (device, call sizes) with pinned staging
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # deferred experts, eager CUDA calls
         self._inflight: _Inflight | None = None
@@ -295,24 +294,24 @@ class KTMoEWrapper:
         deferred = torch.where(valid & protected.logical_not(), expert_ids, minus)  # not ~: no fake CUDA kernel
         return immediate, deferred
 
-    def _packed_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        valid = ids >= 0
-        if bool((ids >= self.num_experts).any()):
-            raise ValueError(f"topk_ids holds ids >= num_experts ({self.num_experts})")
-        return torch.where(valid, self._route[torch.where(valid, ids, 0).long()], -1)
+    def _table(self, device: torch.device, capturing: bool = False) -> torch.Tensor:
+        """The routing table (wrapper_cuda.route_table) on ``device``, cached per device."""
+        table = self._tables.get(device)
+        if table is None:
+            if capturing:
+                raise RuntimeError(f"layer {self.layer_idx}: run one forward on {device} before CUDA graph capture "
+                                   "(it copies the expert routing table to the device)")
+            bad_id = self._parts[0].num_experts if self._parts else 0
+            table = self._tables[device] = route_table(self._route, bad_id, device)
+        return table
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[T, H]``: the CPU experts of ``ids`` (physical) over every part, summed in
-        fp32 (the kernels take fp32 rows, so parts and deferred results are not rounded)."""
-        x = x.float()
-        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32)
-        packed_ids = self._packed_ids(ids)
-        step = self.chunked_prefill_size or max(x.shape[0], 1)
-        for t0 in range(0, x.shape[0], step):
-            rows = slice(t0, t0 + step)
-            for packed in self._parts:
-                out[rows] += moe_forward(x[rows], packed_ids[rows], weights[rows], packed)
-        return out
+        """CPU path: fp32 ``[T, H]``, the CPU experts of ``ids`` (physical) over every part,
+        summed in fp32 (the kernels take fp32 rows, so parts and deferred results are not
+        rounded). Unlike the CUDA path it may synchronise, so a bad id is named here."""
+        if bool((ids >= self.num_experts).any()):
+            raise ValueError(f"topk_ids holds ids >= num_experts ({self.num_experts})")
+        return experts_on_device(self._parts, x, ids, weights, self._table(x.device), self.chunked_prefill_size)
 
     @classmethod
     def _pool(cls) -> ThreadPoolExecutor:
@@ -380,13 +379,7 @@ class KTMoEWrapper:
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing:
             self._reserve_capture_buffers(device.index if device.index is not None else torch.cuda.current_device())
-        table = self._tables.get(device)
-        if table is None:
-            if capturing:
-                raise RuntimeError(f"layer {self.layer_idx}: run one forward on {device} before CUDA graph capture "
-                                   "(it copies the expert routing table to the device)")
-            bad_id = self._parts[0].num_experts if self._parts else 0
-            table = self._tables[device] = route_table(self._route, bad_id, device)
+        table = self._table(device, capturing)
         with torch.cuda.stream(stream):
             weights = topk_weights.float()
             ids, deferred = topk_ids, None

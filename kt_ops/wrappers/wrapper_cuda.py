@@ -1,6 +1,7 @@
-"""KTMoEWrapper on CUDA inputs: the CPU experts queued on a CUDA stream.
+"""KTMoEWrapper's expert computation, one code for both paths: physical slots mapped to
+packed experts by a device-side table, parts and chunks summed in fp32.
 
-With a build that has the CUDA key (:func:`kt_ops.cuda.is_built`), ``submit_forward``
+CPU inputs run it on a background thread. With a build that has the CUDA key (:func:`kt_ops.cuda.is_built`), ``submit_forward``
 with CUDA ``hidden_states`` queues ``torch.ops.kt.moe_forward`` on the stream
 (``cuda_stream`` or the current one): the inputs are staged into pinned memory, the
 experts run in a host function and the result is copied back, in stream order, with
