@@ -41,7 +41,7 @@ constexpr int64_t kRowChunk = 96;      // rows per epilogue chunk (multiple of 3
 constexpr int64_t kPadRows = 32;       // readable rows past the last pair (AMX row tiles)
 constexpr int64_t kDecodePrefetch = 32;  // decode: prefetch weight lines 2 KiB ahead
 
-template <class Micro, int M, int NB = Micro::kMaxBlocks>
+template <class Micro, int M, int NB = Micro::max_blocks(M)>
 void tile_blocks(int blocks, const TileArgs<typename Micro::Act>& t) {
   if constexpr (NB >= 1) {
     if (blocks == NB) return Micro::template tile<M, NB>(t);
@@ -71,8 +71,8 @@ void vector_gemm(const typename Micro::Act* a, int64_t lda, int64_t rows, const 
     for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
       const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
       for (int m = 0; m < tile_rows; ++m) row_at[m] = a + (m0 + m) * lda + 2 * p0;
-      for (int b = b0; b < b1; b += Micro::kMaxBlocks)
-        tile_any<Micro>(tile_rows, std::min(Micro::kMaxBlocks, b1 - b),
+      for (int b = b0; b < b1; b += Micro::max_blocks(tile_rows))
+        tile_any<Micro>(tile_rows, std::min(Micro::max_blocks(tile_rows), b1 - b),
                         {row_at, w + b * block_stride + p0 * 32, block_stride, block_pairs,
                          c + m0 * ldc + b * 16, ldc, accumulate || p0 > p_begin, 0});
     }
@@ -92,12 +92,12 @@ template <class Micro>
 void gemm_rows(const typename Micro::Act* a, int64_t lda, int64_t rows, const uint16_t* w,
                int64_t block_stride, int64_t pairs, int blocks, float* c, int64_t ldc) {
   using Act = typename Micro::Act;
-  constexpr int kMaxBlocks = Micro::kMaxBlocks;
   if (rows <= Micro::kMaxRows) {  // decode: each weight line read once, all k at once
     const Act* row_at[Micro::kMaxRows];
     for (int m = 0; m < rows; ++m) row_at[m] = a + m * lda;
-    for (int b0 = 0; b0 < blocks; b0 += kMaxBlocks)
-      tile_any<Micro>(static_cast<int>(rows), std::min(kMaxBlocks, blocks - b0),
+    const int max_blocks = Micro::max_blocks(static_cast<int>(rows));
+    for (int b0 = 0; b0 < blocks; b0 += max_blocks)
+      tile_any<Micro>(static_cast<int>(rows), std::min(max_blocks, blocks - b0),
                       {row_at, w + b0 * block_stride, block_stride, pairs, c + b0 * 16, ldc, false,
                        kDecodePrefetch});
     return;

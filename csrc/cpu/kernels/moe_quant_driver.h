@@ -35,6 +35,7 @@ namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int64_t kQuantKBlock = 512;     // GEMM k block (a multiple of every int4 group)
+static_assert(kQuantKBlock % kInt8FlushK == 0, "k blocks must end on INT8 flush boundaries");
 constexpr int64_t kQuantRowChunk = 96;    // rows per gate/up epilogue chunk
 constexpr int64_t kQuantPadRows = 32;     // readable rows past the last pair (tile GEMMs)
 constexpr int64_t kQuantPrefetchLines = 32;  // decode: prefetch 2 KiB ahead
@@ -84,7 +85,7 @@ QuantTileArgs quant_args(const int_layout::MatrixDims& dims, const uint8_t* bloc
           dims.minimums ? reinterpret_cast<const float*>(minimums) : nullptr,
           static_cast<int64_t>(dims.block_bytes()),
           k,
-          int4 ? dims.group : k,
+          int4 ? dims.group : kInt8FlushK,
           c,
           ldc,
           accumulate,

@@ -17,6 +17,7 @@ struct MicroBf16Avx512 {
   using Act = float;
   static constexpr int kMaxRows = 4;
   static constexpr int kMaxBlocks = 4;
+  static constexpr int max_blocks(int) { return kMaxBlocks; }
 
   template <int M, int NB>
   static void tile(const TileArgs<Act>& t) {

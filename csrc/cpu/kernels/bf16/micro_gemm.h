@@ -5,6 +5,7 @@
 //     using Vec = ...;           // fp32 vector ops (isa/vec_*.h)
 //     using Act = ...;           // activation element: uint16_t (bf16 bits) or float
 //     static constexpr int kMaxRows, kMaxBlocks;
+//     static constexpr int max_blocks(int rows);  // blocks per tile of `rows` rows
 //     template <int M, int NB> static void tile(const TileArgs<Act>&);
 //     // optional, for matrix units (AMX): computes what it can of a whole GEMM
 //     static TileCoverage tile_gemm(a, lda, rows, w, block_stride, pairs, blocks, c, ldc);
@@ -12,7 +13,9 @@
 //
 // tile<M, NB> computes, for rows m < M and output blocks b < NB (16 columns each),
 //   c[m][16 b + n] (+)= sum_{p < pairs} a[m][2p] w_b[p][n][0] + a[m][2p + 1] w_b[p][n][1]
-// where w_b = w + b * block_stride is a packed block (formats/bf16_layout.h).
+// where w_b = w + b * block_stride is a packed block (formats/bf16_layout.h). Each output
+// lane must see the same operations in the same order whatever M and NB are (batch
+// invariance: a token's result may not depend on the other rows of its tile).
 #pragma once
 
 #include <immintrin.h>

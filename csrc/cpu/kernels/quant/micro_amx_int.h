@@ -4,7 +4,8 @@
 // INT4 lines are unpacked per k step into a 1-2 KiB B tile buffer (AMX reads tiles
 // from memory; nothing larger is ever dequantized). Per pass: 32 rows x 2 blocks in
 // C tiles tmm0..3, A = tmm4..5, B = tmm6..7. int32 sums are flushed to fp32 per group
-// (int8: once, at the end) exactly as MicroQuant does, so both give the same numbers.
+// (int8: every kInt8FlushK k) exactly as MicroQuant does, so both give the same numbers;
+// an INT8 k tail left to the vector micro-kernel starts on a flush boundary.
 // k step: 64 k (int8, int4 with groups of 64/128), 32 k for int4 groups of 32.
 // What tiles do not cover (the decode path, an int8 k tail of 32, an odd last block)
 // the driver runs with the AVX512_VNNI micro-kernel this struct inherits.
@@ -32,7 +33,10 @@ struct MicroQuantAmx : MicroQuant<IntOpsAvx512Vnni, Kind> {
   static TileCoverage tile_gemm(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
                                 const uint8_t* w, int blocks, float* c, int64_t ldc) {
     const int64_t k_step = kInt4 ? std::min<int64_t>(dims.group, 64) : 64;
-    const int64_t covered_k = kInt4 ? dims.padded_k : dims.padded_k / 64 * 64;
+    // INT8 tiles take k in steps of 64; when K is not a multiple of 64 the tail left to
+    // the vector micro-kernel starts on a flush boundary (same flushes as decode).
+    const int64_t covered_k = kInt4 || dims.padded_k % 64 == 0 ? dims.padded_k
+                                                                : dims.padded_k / kInt8FlushK * kInt8FlushK;
     const TileCoverage done{covered_k, blocks / 2 * 2};
     if (done.pairs == 0 || done.blocks == 0) return {0, 0};
     configure(k_step);
@@ -80,7 +84,7 @@ struct MicroQuantAmx : MicroQuant<IntOpsAvx512Vnni, Kind> {
     const int8_t* a1 = a0 + 16 * a.stride;
     const bool two_row_tiles = tile_rows > 16;
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
-    const int64_t group = kInt4 ? dims.group : covered_k;
+    const int64_t group = kInt4 ? dims.group : kInt8FlushK;
     alignas(64) float acc[32][32] = {};
     alignas(64) int32_t sums[32][32];
     alignas(64) uint8_t b_tiles[2][16 * 64];
@@ -89,7 +93,8 @@ struct MicroQuantAmx : MicroQuant<IntOpsAvx512Vnni, Kind> {
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int64_t k = g0; k < g0 + group; k += k_step) {
+      const int64_t group_k = std::min(group, covered_k - g0);
+      for (int64_t k = g0; k < g0 + group_k; k += k_step) {
         _tile_loadd(4, a0 + k, a.stride);
         if constexpr (kInt4) {
           unpack_b(w + (k / 8) * 64, k_step, b_tiles[0]);
@@ -119,21 +124,21 @@ struct MicroQuantAmx : MicroQuant<IntOpsAvx512Vnni, Kind> {
         _tile_stored(2, &sums[16][0], 128);
         _tile_stored(3, &sums[16][16], 128);
       }
-      flush(a, m0, tile_rows, dims, w, g0, group, sums, acc);
+      flush(a, m0, tile_rows, dims, w, g0, group_k, sums, acc);
     }
     for (int64_t m = 0; m < tile_rows; ++m) std::memcpy(c + m * ldc, acc[m], 32 * sizeof(float));
   }
 
   // acc += the group's sums, unbiased and scaled (MicroQuant::flush_group's arithmetic).
   static void flush(const QuantRows& a, int64_t m0, int64_t tile_rows, const int_layout::MatrixDims& dims,
-                    const uint8_t* w, int64_t g0, int64_t group, const int32_t (&sums)[32][32],
+                    const uint8_t* w, int64_t g0, int64_t group_k, const int32_t (&sums)[32][32],
                     float (&acc)[32][32]) {
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
     const int64_t g = kInt4 ? g0 / dims.group : 0;
     for (int64_t m = 0; m < tile_rows; ++m) {
       const int32_t* row_sums = a.sums + (m0 + m) * a.sums_stride + g0 / int_layout::kKAlign;
       int32_t a_sum = 0;
-      for (int64_t s = 0; s < group / int_layout::kKAlign; ++s) a_sum += row_sums[s];
+      for (int64_t s = 0; s < group_k / int_layout::kKAlign; ++s) a_sum += row_sums[s];
       for (int b = 0; b < 2; ++b) {
         const uint8_t* block = w + b * block_bytes;
         const __m512 scale = _mm512_loadu_ps(

@@ -19,10 +19,16 @@
 //   c[m][16 b + n] (+)= sum_g scale[g][n] * (sum_{k in g} q(n, k) a[m][k] - z sum_{k in g} a[m][k])
 //                       (+ minimum[g][n] * sum_{k in g} a[m][k])
 // with int32 sums per group flushed to fp32 (int_layout.h has q, z, scale, minimum).
+// INT8 has one scale per row; its sums are flushed every kInt8FlushK k (the last flush
+// may be shorter). Batch invariance: every output lane sees the same flushes in the same
+// order whatever M, NB and the k range the driver cuts the GEMM into (a range starts at
+// a flush boundary and `accumulate` continues from c), so a token's result does not
+// depend on how many rows share its tile or which path (decode, k-blocked) ran it.
 #pragma once
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -33,6 +39,9 @@ namespace {  // ISA header: each variant translation unit owns its copy
 
 enum class QuantKind { kInt8, kInt4, kInt4Asym };
 
+// k per int32 flush of INT8 sums (the k block of the driver's GEMM is a multiple of it).
+constexpr int64_t kInt8FlushK = 512;
+
 struct QuantTileArgs {
   const int8_t* const* a;        // [M] activation row pointers at the tile's first k
   const int32_t* const* a_sums;  // [M] pointers to the rows' sums per 32 k, same first k
@@ -40,8 +49,8 @@ struct QuantTileArgs {
   const float* scales;           // block 0's scale row of the range's first group
   const float* minimums;         // same for int4_asym (nullptr otherwise)
   int64_t block_stride;          // bytes between consecutive blocks (lines and scales)
-  int64_t k;                     // k to accumulate: a multiple of group
-  int64_t group;                 // k per scale row (int8: == k, one row)
+  int64_t k;                     // k to accumulate: a multiple of group (int8: any multiple of 32)
+  int64_t group;                 // k per flush: int4's group; int8: kInt8FlushK (one scale row)
   float* c;                      // [M][ldc] fp32 output tile, NB * 16 columns used
   int64_t ldc;
   bool accumulate;               // add to c instead of overwriting it
@@ -84,10 +93,9 @@ struct MicroQuant {
     FReg acc[M][NB][R];
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b)
-        for (int r = 0; r < R; ++r) acc[m][b][r] = Vec::zero();
-    const int64_t groups = t.k / t.group;
-    const int64_t lines_per_group = t.group / kKPerLine;
-    for (int64_t g = 0; g < groups; ++g) {
+        for (int r = 0; r < R; ++r) acc[m][b][r] = t.accumulate ? Vec::load(t.c + m * t.ldc + b * 16 + r * W) : Vec::zero();
+    for (int64_t g = 0, k0 = 0; k0 < t.k; ++g, k0 += t.group) {
+      const int64_t group_k = std::min(t.group, t.k - k0);
       // Decode (one or two rows) would chain every dot of a block on one register's
       // latency; int4 then keeps the high nibbles' sums apart (no measurable change on
       // this memory-bound machine; it costs nothing).
@@ -96,8 +104,8 @@ struct MicroQuant {
       for (int m = 0; m < M; ++m)
         for (int b = 0; b < NB; ++b)
           for (int r = 0; r < R; ++r) sums[m][b][r] = high_sums[m][b][r] = Ops::zero();
-      const int64_t first_line = g * lines_per_group;
-      for (int64_t l = first_line; l < first_line + lines_per_group; ++l) {
+      const int64_t first_line = k0 / kKPerLine;
+      for (int64_t l = first_line; l < first_line + group_k / kKPerLine; ++l) {
         const int64_t k = l * kKPerLine;
         if constexpr (kInt4) {
           IReg lo[NB][R], hi[NB][R];
@@ -139,23 +147,20 @@ struct MicroQuant {
         for (int m = 0; m < M; ++m)
           for (int b = 0; b < NB; ++b)
             for (int r = 0; r < R; ++r) sums[m][b][r] = Ops::add(sums[m][b][r], high_sums[m][b][r]);
-      flush_group<M, NB>(t, g, sums, acc);
+      flush_group<M, NB>(t, g, k0, group_k, sums, acc);
     }
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b)
-        for (int r = 0; r < R; ++r) {
-          float* c = t.c + m * t.ldc + b * 16 + r * W;
-          Vec::store(c, t.accumulate ? Vec::add(Vec::load(c), acc[m][b][r]) : acc[m][b][r]);
-        }
+        for (int r = 0; r < R; ++r) Vec::store(t.c + m * t.ldc + b * 16 + r * W, acc[m][b][r]);
   }
 
  private:
-  // acc += the group's int32 sums, unbiased and scaled to fp32.
+  // acc += the int32 sums of group g (k in [k0, k0 + group_k)), unbiased and scaled to fp32.
   template <int M, int NB>
-  static void flush_group(const QuantTileArgs& t, int64_t g, IReg (&sums)[M][NB][R],
+  static void flush_group(const QuantTileArgs& t, int64_t g, int64_t k0, int64_t group_k, IReg (&sums)[M][NB][R],
                           FReg (&acc)[M][NB][R]) {
-    const int64_t first_sum = g * t.group / int_layout::kKAlign;
-    const int64_t n_sums = t.group / int_layout::kKAlign;
+    const int64_t first_sum = k0 / int_layout::kKAlign;
+    const int64_t n_sums = group_k / int_layout::kKAlign;
     for (int m = 0; m < M; ++m) {
       int32_t a_sum = 0;
       for (int64_t s = 0; s < n_sums; ++s) a_sum += t.a_sums[m][first_sum + s];
