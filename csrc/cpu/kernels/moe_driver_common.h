@@ -1,4 +1,4 @@
-// [NOTE] Pieces shared by the MoE drivers (moe_bf16_driver.h, moe_quant_driver.h):
+// [NOTE] Row-level pieces of the MoE driver (moe_driver.h) and its format policies:
 // activation conversion, output stores, the (expert, block) job list and the final
 // weighted combine. Include only from a variant translation unit, after its target
 // pragma (the code is compiled for that ISA).
@@ -20,6 +20,7 @@ constexpr int kTileBlocks = 4;        // output blocks (64 columns) per job
 constexpr int64_t kRowsPerJob = 16;   // convert / combine rows per job
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t round_up16(int64_t v) { return ceil_div(v, 16) * 16; }
 
 template <class V>
 void store_act(uint16_t* p, typename V::Reg v) { V::store_bf16(p, v); }

@@ -13,23 +13,23 @@
 
 #include "../bf16/micro_amx.h"
 #include "../gguf/gguf_amx.h"
-#include "../moe_bf16_driver.h"
+#include "../bf16/bf16_format.h"
 #include "../moe_gguf_driver.h"
-#include "../moe_quant_driver.h"
+#include "../quant/quant_format.h"
 #include "../quant/int_ops_avx512_vnni.h"
 #include "../quant/micro_amx_int.h"
 
 namespace kt::cpu {
 
-void moe_forward_bf16_amx(const MoeArgs& args) { moe_forward_bf16<MicroBf16Amx>(args); }
+void moe_forward_bf16_amx(const MoeArgs& args) { moe_forward<Bf16Format<MicroBf16Amx>>(args); }
 void moe_forward_int8_amx(const MoeArgs& args) {
-  moe_forward_quant<MicroQuantAmx<QuantKind::kInt8>>(args);
+  moe_forward<QuantFormat<MicroQuantAmx<QuantKind::kInt8>>>(args);
 }
 void moe_forward_int4_amx(const MoeArgs& args) {
-  moe_forward_quant<MicroQuantAmx<QuantKind::kInt4>>(args);
+  moe_forward<QuantFormat<MicroQuantAmx<QuantKind::kInt4>>>(args);
 }
 void moe_forward_int4_asym_amx(const MoeArgs& args) {
-  moe_forward_quant<MicroQuantAmx<QuantKind::kInt4Asym>>(args);
+  moe_forward<QuantFormat<MicroQuantAmx<QuantKind::kInt4Asym>>>(args);
 }
 
 void moe_forward_gguf_amx(const MoeArgs& args) { moe_forward_gguf<IntOpsAvx512Vnni, GgufAmx>(args); }

@@ -12,22 +12,22 @@
 #pragma GCC target("avx2,fma,f16c,bmi2")
 
 #include "../bf16/micro_avx2.h"
-#include "../moe_bf16_driver.h"
+#include "../bf16/bf16_format.h"
 #include "../moe_gguf_driver.h"
-#include "../moe_quant_driver.h"
+#include "../quant/quant_format.h"
 #include "../quant/int_ops_avx2.h"
 
 namespace kt::cpu {
 
-void moe_forward_bf16_avx2(const MoeArgs& args) { moe_forward_bf16<MicroBf16Avx2>(args); }
+void moe_forward_bf16_avx2(const MoeArgs& args) { moe_forward<Bf16Format<MicroBf16Avx2>>(args); }
 void moe_forward_int8_avx2(const MoeArgs& args) {
-  moe_forward_quant<MicroQuant<IntOpsAvx2, QuantKind::kInt8>>(args);
+  moe_forward<QuantFormat<MicroQuant<IntOpsAvx2, QuantKind::kInt8>>>(args);
 }
 void moe_forward_int4_avx2(const MoeArgs& args) {
-  moe_forward_quant<MicroQuant<IntOpsAvx2, QuantKind::kInt4>>(args);
+  moe_forward<QuantFormat<MicroQuant<IntOpsAvx2, QuantKind::kInt4>>>(args);
 }
 void moe_forward_int4_asym_avx2(const MoeArgs& args) {
-  moe_forward_quant<MicroQuant<IntOpsAvx2, QuantKind::kInt4Asym>>(args);
+  moe_forward<QuantFormat<MicroQuant<IntOpsAvx2, QuantKind::kInt4Asym>>>(args);
 }
 
 void moe_forward_gguf_avx2(const MoeArgs& args) { moe_forward_gguf<IntOpsAvx2>(args); }

@@ -1,0 +1,206 @@
+// [NOTE] The BF16 format policy of the MoE driver (moe_driver.h), instantiated per ISA
+// with a micro-GEMM (bf16/micro_gemm.h). Include only from a variant translation unit
+// (variants/*.cpp), after its target pragma.
+//
+// Weights: formats/bf16_layout.h (gate and up blocks of 16 rows interleaved, k in pairs).
+// Activations: each pair's token row in the micro-kernel's element type (bf16 or fp32),
+// an expert's rows contiguous; the intermediate rows likewise (act() rounded to it).
+// Per expert the path follows its token count m: m <= kMaxRows streams each weight line
+// once for all m tokens (decode, memory-bound); larger m runs the k-blocked GEMM, where a
+// block of weight lines stays in L1 while every row tile of the expert reuses it
+// (prefill, compute-bound), or the micro-kernel set's tile GEMM (AMX). The vector paths
+// accumulate every output in the same order (micro_gemm.h); AMX tiles do not match them
+// bit for bit (docs/formats.md).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "../../engine/engine.h"
+#include "../../engine/scratch.h"
+#include "../../formats/bf16_layout.h"
+#include "../moe_args.h"
+#include "../moe_driver.h"
+#include "../moe_plan.h"
+#include "micro_gemm.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+constexpr int64_t kBf16KBlockPairs = 128;  // GEMM k block: 4 blocks x 128 pairs = 32 KiB of weights
+constexpr int64_t kBf16RowChunk = 96;      // rows per epilogue chunk (multiple of 32, 6 and 4)
+constexpr int64_t kBf16PadRows = 32;       // readable rows past the last pair (AMX row tiles)
+constexpr int64_t kBf16DecodePrefetch = 32;  // decode: prefetch weight lines 2 KiB ahead
+
+template <class Micro, int M, int NB = Micro::max_blocks(M)>
+void bf16_tile_blocks(int blocks, const TileArgs<typename Micro::Act>& t) {
+  if constexpr (NB >= 1) {
+    if (blocks == NB) return Micro::template tile<M, NB>(t);
+    bf16_tile_blocks<Micro, M, NB - 1>(blocks, t);
+  }
+}
+
+template <class Micro, int M = Micro::kMaxRows>
+void bf16_tile_any(int rows, int blocks, const TileArgs<typename Micro::Act>& t) {
+  if constexpr (M >= 1) {
+    if (rows == M) return bf16_tile_blocks<Micro, M>(blocks, t);
+    bf16_tile_any<Micro, M - 1>(rows, blocks, t);
+  }
+}
+
+// The k-blocked vector GEMM: c[m][16 b0, 16 b1) (+)= a[m] x blocks [b0, b1) over k-pairs
+// [p_begin, p_end), for m < rows. A block of weight lines (kBf16KBlockPairs) stays in L1 while
+// every row tile reuses it. `accumulate` adds to c from the first k block on.
+template <class Micro>
+void bf16_vector_gemm(const typename Micro::Act* a, int64_t lda, int64_t rows, const uint16_t* w,
+                 int64_t block_stride, int64_t p_begin, int64_t p_end, int b0, int b1, float* c,
+                 int64_t ldc, bool accumulate) {
+  using Act = typename Micro::Act;
+  const Act* row_at[Micro::kMaxRows];
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += kBf16KBlockPairs) {
+    const int64_t block_pairs = std::min(kBf16KBlockPairs, p_end - p0);
+    for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
+      for (int m = 0; m < tile_rows; ++m) row_at[m] = a + (m0 + m) * lda + 2 * p0;
+      for (int b = b0; b < b1; b += Micro::max_blocks(tile_rows))
+        bf16_tile_any<Micro>(tile_rows, std::min(Micro::max_blocks(tile_rows), b1 - b),
+                        {row_at, w + b * block_stride + p0 * 32, block_stride, block_pairs,
+                         c + m0 * ldc + b * 16, ldc, accumulate || p0 > p_begin, 0});
+    }
+  }
+}
+
+// Micro-kernel sets with a whole-GEMM tile path (AMX) provide tile_gemm.
+template <class Micro, class = void>
+struct HasBf16TileGemm : std::false_type {};
+template <class Micro>
+struct HasBf16TileGemm<Micro, std::void_t<decltype(&Micro::tile_gemm)>> : std::true_type {};
+
+// c[m][0, 16 * blocks) = a[m] x blocks of w over `pairs` k-pairs, for m < rows; row m
+// of a starts at a + m * lda. Rows up to the next multiple of kBf16PadRows after `rows` must
+// be readable (tiles may compute them; their results are discarded).
+template <class Micro>
+void bf16_gemm_rows(const typename Micro::Act* a, int64_t lda, int64_t rows, const uint16_t* w,
+               int64_t block_stride, int64_t pairs, int blocks, float* c, int64_t ldc) {
+  using Act = typename Micro::Act;
+  if (rows <= Micro::kMaxRows) {  // decode: each weight line read once, all k at once
+    const Act* row_at[Micro::kMaxRows];
+    for (int m = 0; m < rows; ++m) row_at[m] = a + m * lda;
+    const int max_blocks = Micro::max_blocks(static_cast<int>(rows));
+    for (int b0 = 0; b0 < blocks; b0 += max_blocks)
+      bf16_tile_any<Micro>(static_cast<int>(rows), std::min(max_blocks, blocks - b0),
+                      {row_at, w + b0 * block_stride, block_stride, pairs, c + b0 * 16, ldc, false,
+                       kBf16DecodePrefetch});
+    return;
+  }
+  TileCoverage done{0, 0};
+  if constexpr (HasBf16TileGemm<Micro>::value)
+    done = Micro::tile_gemm(a, lda, rows, w, block_stride, pairs, blocks, c, ldc);
+  if (done.pairs < pairs && done.blocks > 0)  // k tail of the tiled blocks
+    bf16_vector_gemm<Micro>(a, lda, rows, w, block_stride, done.pairs, pairs, 0, done.blocks, c, ldc, true);
+  if (done.blocks < blocks)  // blocks no tile covered: everything
+    bf16_vector_gemm<Micro>(a, lda, rows, w, block_stride, 0, pairs, done.blocks, blocks, c, ldc, false);
+}
+
+// One packed weight matrix (gate_up or down) of every expert in the blob.
+struct Bf16Matrix {
+  const uint8_t* first_expert;
+  uint64_t expert_bytes;
+  size_t block_bytes;
+  int64_t blocks;  // 16-row blocks per expert
+  int64_t pairs;   // k-pairs per block
+
+  const uint16_t* block(int64_t expert, int64_t first_block) const {
+    return reinterpret_cast<const uint16_t*>(first_expert + expert * expert_bytes +
+                                             first_block * block_bytes);
+  }
+  int64_t block_stride() const { return static_cast<int64_t>(block_bytes / sizeof(uint16_t)); }
+};
+
+template <class Micro>
+class Bf16Format {
+ public:
+  using Vec = typename Micro::Vec;
+  using Act = typename Micro::Act;
+  using Inter = Act;
+  static constexpr bool kScaled = false;
+
+  Bf16Format(const MoeArgs& args, const MoePlan& plan, int /*threads*/)
+      : plan_(plan),
+        dims_(args.layout.shape.hidden_size, args.layout.shape.intermediate_size),
+        act_cols_(2 * dims_.hidden_pairs),
+        gate_up_{args.packed + args.layout.gate_up_offset, args.layout.gate_up_expert_bytes,
+                 dims_.gate_up_block_bytes(), dims_.gate_up_blocks, dims_.hidden_pairs},
+        down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down_block_bytes(),
+              dims_.down_blocks, dims_.down_pairs} {}
+
+  int64_t token_cols() const { return act_cols_; }
+
+  void carve(ScratchLayout& carve) {
+    // Rows are pairs grouped by expert; kBf16PadRows rows follow the last pair for row tiles
+    // (AMX) that run past it.
+    const int64_t rows = plan_.num_pairs + kBf16PadRows;
+    acts_at_ = carve.add<Act>(rows * act_cols_);               // pair rows   : [P + pad, 2 Hp]
+    inter_at_ = carve.add<Act>(rows * dims_.intermediate16);   // intermediate: [P + pad, I16]
+  }
+
+  void bind(uint8_t* scratch) {
+    acts_ = reinterpret_cast<Act*>(scratch + acts_at_);
+    inter_ = reinterpret_cast<Act*>(scratch + inter_at_);
+    if constexpr (HasBf16TileGemm<Micro>::value) {  // only row tiles read past the last pair
+      const int64_t P = plan_.num_pairs;
+      std::memset(acts_ + P * act_cols_, 0, kBf16PadRows * act_cols_ * sizeof(Act));
+      std::memset(inter_ + P * dims_.intermediate16, 0, kBf16PadRows * dims_.intermediate16 * sizeof(Act));
+    }
+  }
+
+  void prepare_token(int64_t, const float*) {}
+
+  // Each pair's token row in the micro-kernel's element type.
+  void prepare_pairs(Engine& engine, const float* tokens) {
+    const int64_t P = plan_.num_pairs;
+    engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+      for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p)
+        convert_row<Vec>(tokens + plan_.pair_token[p] * act_cols_, ElementType::kF32, act_cols_,
+                         acts_ + p * act_cols_, act_cols_);
+    });
+  }
+
+  // Jobs of kTileBlocks blocks: 2 gate + 2 up blocks (32 intermediate rows), 4 down blocks.
+  int64_t gate_up_job_rows() const { return kTileBlocks / 2 * 16; }
+  int64_t down_job_rows() const { return kTileBlocks * 16; }
+  int64_t chunk_pairs() const { return kBf16RowChunk; }
+
+  // Gate/up blocks 2 n0 / 16 ... are interleaved [gate 16 | up 16] per intermediate block.
+  GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
+    alignas(64) thread_local float c[kBf16RowChunk * kTileBlocks * 16];
+    constexpr int64_t ldc = kTileBlocks * 16;
+    bf16_gemm_rows<Micro>(acts_ + p0 * act_cols_, act_cols_, p1 - p0, gate_up_.block(e, 2 * n0 / 16),
+                     gate_up_.block_stride(), gate_up_.pairs, static_cast<int>(2 * (n1 - n0) / 16), c, ldc);
+    return {c, c + 16, ldc, 32};
+  }
+
+  Inter* intermediate_row(int64_t p) const { return inter_ + p * dims_.intermediate16; }
+  void prepare_intermediate(Engine&) {}
+
+  void down(int64_t e, int64_t h0, int64_t h1, int64_t p0, int64_t p1, float* out, int64_t ldo) const {
+    bf16_gemm_rows<Micro>(inter_ + p0 * dims_.intermediate16, dims_.intermediate16, p1 - p0, down_.block(e, h0 / 16),
+                     down_.block_stride(), down_.pairs, static_cast<int>((h1 - h0) / 16), out, ldo);
+  }
+
+  const float* down_scales() const { return nullptr; }
+
+ private:
+  const MoePlan& plan_;
+  bf16_layout::Dims dims_;
+  int64_t act_cols_;
+  Bf16Matrix gate_up_, down_;
+  size_t acts_at_ = 0, inter_at_ = 0;
+  Act* acts_ = nullptr;
+  Act* inter_ = nullptr;
+};
+
+}  // namespace
+}  // namespace kt::cpu

@@ -1,0 +1,280 @@
+// [NOTE] The INT8 / INT4 format policy of the MoE driver (moe_driver.h), instantiated per
+// ISA with a set of integer operations (quant/micro_quant.h) and, on AMX CPUs, a tile
+// GEMM. Include only from a variant translation unit (variants/*.cpp), after its target
+// pragma.
+//
+// Weights: formats/int_layout.h. Activations are quantized: each token's row once to int8
+// (per-token scale, sums per 32 k), copied to one row per pair in expert order; int32 dot
+// products are scaled to fp32 per group; the token scale multiplies gate and up before
+// act(); each pair's intermediate row is quantized again (per-pair scale, applied by the
+// combine). Per expert: m <= kMaxRows tokens streams each weight line once (decode); more
+// runs a k-blocked GEMM (or the tile GEMM of the micro-kernel set), with the same flushes
+// per output element (micro_quant.h), so decode and prefill agree bit for bit.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "../../engine/engine.h"
+#include "../../engine/scratch.h"
+#include "../../formats/int_layout.h"
+#include "../moe_args.h"
+#include "../moe_driver.h"
+#include "../moe_plan.h"
+#include "../tile_coverage.h"
+#include "activation_quant.h"
+#include "micro_quant.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+constexpr int64_t kQuantKBlock = 512;     // GEMM k block (a multiple of every int4 group)
+static_assert(kQuantKBlock % kInt8FlushK == 0, "k blocks must end on INT8 flush boundaries");
+constexpr int64_t kQuantRowChunk = 96;    // rows per gate/up epilogue chunk
+constexpr int64_t kQuantPadRows = 32;     // readable rows past the last pair (tile GEMMs)
+constexpr int64_t kQuantPrefetchLines = 32;  // decode: prefetch 2 KiB ahead
+
+// One packed int8/int4 matrix (gate_up or down) of every expert in the blob.
+struct QuantMatrix {
+  const uint8_t* first_expert;
+  uint64_t expert_bytes;
+  int_layout::MatrixDims dims;
+
+  const uint8_t* block(int64_t expert, int64_t first_block) const {
+    return first_expert + expert * expert_bytes + first_block * dims.block_bytes();
+  }
+};
+
+template <class Micro, int M, int NB = Micro::kMaxBlocks>
+void quant_tile_blocks(int blocks, const QuantTileArgs& t) {
+  if constexpr (NB >= 1) {
+    if (blocks == NB) return Micro::template tile<M, NB>(t);
+    quant_tile_blocks<Micro, M, NB - 1>(blocks, t);
+  }
+}
+
+template <class Micro, int M = Micro::kMaxRows>
+void quant_tile_any(int rows, int blocks, const QuantTileArgs& t) {
+  if constexpr (M >= 1) {
+    if (rows == M) return quant_tile_blocks<Micro, M>(blocks, t);
+    quant_tile_any<Micro, M - 1>(rows, blocks, t);
+  }
+}
+
+// Arguments for blocks starting at `block` over k in [k0, k0 + k).
+template <class Micro>
+QuantTileArgs quant_args(const int_layout::MatrixDims& dims, const uint8_t* block, int64_t k0,
+                         int64_t k, float* c, int64_t ldc, bool accumulate, int64_t prefetch) {
+  const bool int4 = Micro::kInt4;
+  const int64_t first_group = int4 ? k0 / dims.group : 0;
+  const uint8_t* scales = block + dims.scales_offset() + first_group * int_layout::kLineBytes;
+  const uint8_t* minimums = block + dims.minimums_offset() + first_group * int_layout::kLineBytes;
+  return {nullptr,
+          nullptr,
+          block + (k0 / Micro::kKPerLine) * static_cast<int64_t>(int_layout::kLineBytes),
+          reinterpret_cast<const float*>(scales),
+          dims.minimums ? reinterpret_cast<const float*>(minimums) : nullptr,
+          static_cast<int64_t>(dims.block_bytes()),
+          k,
+          int4 ? dims.group : kInt8FlushK,
+          c,
+          ldc,
+          accumulate,
+          prefetch};
+}
+
+// k-blocked vector GEMM over rows [0, rows) and blocks [b0, b1), k in [k_begin, k_end).
+template <class Micro>
+void quant_vector_gemm(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
+                       const uint8_t* w, int64_t k_begin, int64_t k_end, int b0, int b1, float* c,
+                       int64_t ldc, bool accumulate) {
+  const int8_t* row_at[Micro::kMaxRows];
+  const int32_t* sums_at[Micro::kMaxRows];
+  const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += kQuantKBlock) {
+    const int64_t k = std::min(kQuantKBlock, k_end - k0);
+    for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
+      for (int m = 0; m < tile_rows; ++m) {
+        row_at[m] = a.levels + (m0 + m) * a.stride + k0;
+        sums_at[m] = a.sums + (m0 + m) * a.sums_stride + k0 / int_layout::kKAlign;
+      }
+      for (int b = b0; b < b1; b += Micro::kMaxBlocks) {
+        QuantTileArgs t = quant_args<Micro>(dims, w + b * block_bytes, k0, k, c + m0 * ldc + b * 16,
+                                            ldc, accumulate || k0 > k_begin, 0);
+        t.a = row_at;
+        t.a_sums = sums_at;
+        quant_tile_any<Micro>(tile_rows, std::min(Micro::kMaxBlocks, b1 - b), t);
+      }
+    }
+  }
+}
+
+template <class Micro, class = void>
+struct HasQuantTileGemm : std::false_type {};
+template <class Micro>
+struct HasQuantTileGemm<Micro, std::void_t<decltype(&Micro::tile_gemm)>> : std::true_type {};
+
+// c[m][0, 16 * blocks) = rows of a x `blocks` blocks starting at w, over all of k.
+// Rows up to the next multiple of kQuantPadRows after `rows` must be readable.
+template <class Micro>
+void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
+                     const uint8_t* w, int blocks, float* c, int64_t ldc) {
+  const int64_t K = dims.padded_k;
+  if (rows <= Micro::kMaxRows) {  // decode: each weight line read once, all k at once
+    const int8_t* row_at[Micro::kMaxRows];
+    const int32_t* sums_at[Micro::kMaxRows];
+    for (int m = 0; m < rows; ++m) {
+      row_at[m] = a.levels + m * a.stride;
+      sums_at[m] = a.sums + m * a.sums_stride;
+    }
+    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
+    // One token streams all of the job's blocks at once (more streams in flight: 1-token
+    // S1 int4 from 17.9 to 19.7 GB/s, int8 23.6 to 25.2); more rows need the registers for their sums.
+    const int max_blocks = rows == 1 ? kTileBlocks : Micro::kMaxBlocks;
+    for (int b0 = 0; b0 < blocks; b0 += max_blocks) {
+      QuantTileArgs t = quant_args<Micro>(dims, w + b0 * block_bytes, 0, K, c + b0 * 16, ldc, false,
+                                          kQuantPrefetchLines);
+      t.a = row_at;
+      t.a_sums = sums_at;
+      if (rows == 1)
+        quant_tile_blocks<Micro, 1, kTileBlocks>(std::min(max_blocks, blocks - b0), t);
+      else
+        quant_tile_any<Micro>(static_cast<int>(rows), std::min(max_blocks, blocks - b0), t);
+    }
+    return;
+  }
+  TileCoverage done{0, 0};
+  if constexpr (HasQuantTileGemm<Micro>::value) done = Micro::tile_gemm(a, rows, dims, w, blocks, c, ldc);
+  if (done.pairs < K && done.blocks > 0)  // k tail of the tiled blocks ("pairs" = k here)
+    quant_vector_gemm<Micro>(a, rows, dims, w, done.pairs, K, 0, done.blocks, c, ldc, true);
+  if (done.blocks < blocks)
+    quant_vector_gemm<Micro>(a, rows, dims, w, 0, K, done.blocks, blocks, c, ldc, false);
+}
+
+
+template <class Micro>
+class QuantFormat {
+ public:
+  using Vec = typename Micro::Vec;
+  using Inter = float;
+  static constexpr bool kScaled = true;
+
+  QuantFormat(const MoeArgs& args, const MoePlan& plan, int /*threads*/)
+      : plan_(plan),
+        dims_(args.layout.shape),
+        tokens_(args.tokens),
+        act_cols_(dims_.gate_up.padded_k),
+        act_sums_(act_cols_ / int_layout::kKAlign),
+        inter_cols_(dims_.down.padded_k),
+        inter_sums_(inter_cols_ / int_layout::kKAlign),
+        gate_up_{args.packed + args.layout.gate_up_offset, args.layout.gate_up_expert_bytes, dims_.gate_up},
+        down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down} {}
+
+  int64_t token_cols() const { return act_cols_; }
+
+  void carve(ScratchLayout& carve) {
+    const int64_t T = tokens_, P = plan_.num_pairs, Pp = P + kQuantPadRows;
+    at_[0] = carve.add<int8_t>(T * act_cols_);              // tokens (int8) : [T, Hk]
+    at_[1] = carve.add<int32_t>(T * act_sums_);             // token sums    : [T, Hk/32]
+    at_[2] = carve.add<float>(T);                           // token scales  : [T]
+    at_[3] = carve.add<int8_t>(Pp * act_cols_);             // pair rows     : [P+pad, Hk]
+    at_[4] = carve.add<int32_t>(Pp * act_sums_);            // pair sums     : [P+pad, Hk/32]
+    at_[5] = carve.add<float>(P * dims_.intermediate16);    // intermediate  : [P, I16] fp32
+    at_[6] = carve.add<int8_t>(Pp * inter_cols_);           //   int8        : [P+pad, Ik]
+    at_[7] = carve.add<int32_t>(Pp * inter_sums_);          //   sums        : [P+pad, Ik/32]
+    at_[8] = carve.add<float>(P);                           //   scales      : [P]
+  }
+
+  void bind(uint8_t* scratch) {
+    token_q_ = reinterpret_cast<int8_t*>(scratch + at_[0]);
+    token_sums_ = reinterpret_cast<int32_t*>(scratch + at_[1]);
+    token_scale_ = reinterpret_cast<float*>(scratch + at_[2]);
+    acts_ = reinterpret_cast<int8_t*>(scratch + at_[3]);
+    act_sums_p_ = reinterpret_cast<int32_t*>(scratch + at_[4]);
+    inter_f_ = reinterpret_cast<float*>(scratch + at_[5]);
+    inter_q_ = reinterpret_cast<int8_t*>(scratch + at_[6]);
+    inter_sums_p_ = reinterpret_cast<int32_t*>(scratch + at_[7]);
+    inter_scale_ = reinterpret_cast<float*>(scratch + at_[8]);
+    if constexpr (HasQuantTileGemm<Micro>::value) {  // only row tiles read past the last pair
+      const int64_t P = plan_.num_pairs;
+      std::memset(acts_ + P * act_cols_, 0, kQuantPadRows * act_cols_);
+      std::memset(act_sums_p_ + P * act_sums_, 0, kQuantPadRows * act_sums_ * sizeof(int32_t));
+      std::memset(inter_q_ + P * inter_cols_, 0, kQuantPadRows * inter_cols_);
+      std::memset(inter_sums_p_ + P * inter_sums_, 0, kQuantPadRows * inter_sums_ * sizeof(int32_t));
+    }
+  }
+
+  void prepare_token(int64_t t, const float* x) {
+    token_scale_[t] = quantize_activation_row<Vec>(x, dims_.hidden, act_cols_, token_q_ + t * act_cols_,
+                                                   token_sums_ + t * act_sums_);
+  }
+
+  void prepare_pairs(Engine& engine, const float*) {
+    const int64_t P = plan_.num_pairs;
+    engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+      for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p) {
+        const int64_t t = plan_.pair_token[p];
+        std::memcpy(acts_ + p * act_cols_, token_q_ + t * act_cols_, act_cols_);
+        std::memcpy(act_sums_p_ + p * act_sums_, token_sums_ + t * act_sums_, act_sums_ * sizeof(int32_t));
+      }
+    });
+  }
+
+  // Jobs of kTileBlocks blocks: 2 gate + 2 up blocks (32 intermediate rows), 4 down blocks.
+  int64_t gate_up_job_rows() const { return kTileBlocks / 2 * 16; }
+  int64_t down_job_rows() const { return kTileBlocks * 16; }
+  int64_t chunk_pairs() const { return kQuantRowChunk; }
+
+  // Gate/up blocks 2 n0 / 16 ... are interleaved [gate 16 | up 16] per intermediate block.
+  GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
+    alignas(64) thread_local float c[kQuantRowChunk * kTileBlocks * 16];
+    constexpr int64_t ldc = kTileBlocks * 16;
+    const QuantRows rows{acts_ + p0 * act_cols_, act_cols_, act_sums_p_ + p0 * act_sums_, act_sums_};
+    quant_gemm_rows<Micro>(rows, p1 - p0, dims_.gate_up, gate_up_.block(e, 2 * n0 / 16),
+                           static_cast<int>(2 * (n1 - n0) / 16), c, ldc);
+    return {c, c + 16, ldc, 32};
+  }
+
+  float gate_up_scale(int64_t p) const { return token_scale_[plan_.pair_token[p]]; }
+  Inter* intermediate_row(int64_t p) const { return inter_f_ + p * dims_.intermediate16; }
+
+  // Each pair's intermediate row to int8 (its scale goes to the combine).
+  void prepare_intermediate(Engine& engine) {
+    const int64_t P = plan_.num_pairs;
+    engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+      for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p)
+        inter_scale_[p] = quantize_activation_row<Vec>(intermediate_row(p), dims_.intermediate, inter_cols_,
+                                                       inter_q_ + p * inter_cols_, inter_sums_p_ + p * inter_sums_);
+    });
+  }
+
+  void down(int64_t e, int64_t h0, int64_t h1, int64_t p0, int64_t p1, float* out, int64_t ldo) const {
+    const QuantRows rows{inter_q_ + p0 * inter_cols_, inter_cols_, inter_sums_p_ + p0 * inter_sums_, inter_sums_};
+    quant_gemm_rows<Micro>(rows, p1 - p0, dims_.down, down_.block(e, h0 / 16), static_cast<int>((h1 - h0) / 16),
+                           out, ldo);
+  }
+
+  const float* down_scales() const { return inter_scale_; }
+
+ private:
+  const MoePlan& plan_;
+  int_layout::Dims dims_;
+  int64_t tokens_, act_cols_, act_sums_, inter_cols_, inter_sums_;
+  QuantMatrix gate_up_, down_;
+  size_t at_[9] = {};
+  int8_t* token_q_ = nullptr;
+  int32_t* token_sums_ = nullptr;
+  float* token_scale_ = nullptr;
+  int8_t* acts_ = nullptr;
+  int32_t* act_sums_p_ = nullptr;
+  float* inter_f_ = nullptr;
+  int8_t* inter_q_ = nullptr;
+  int32_t* inter_sums_p_ = nullptr;
+  float* inter_scale_ = nullptr;
+};
+
+}  // namespace
+}  // namespace kt::cpu
