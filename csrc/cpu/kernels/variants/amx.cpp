@@ -14,7 +14,7 @@
 #include "../bf16/micro_amx.h"
 #include "../gguf/gguf_amx.h"
 #include "../bf16/bf16_format.h"
-#include "../moe_gguf_driver.h"
+#include "../gguf/gguf_format.h"
 #include "../quant/quant_format.h"
 #include "../quant/int_ops_avx512_vnni.h"
 #include "../quant/micro_amx_int.h"
@@ -32,7 +32,7 @@ void moe_forward_int4_asym_amx(const MoeArgs& args) {
   moe_forward<QuantFormat<MicroQuantAmx<QuantKind::kInt4Asym>>>(args);
 }
 
-void moe_forward_gguf_amx(const MoeArgs& args) { moe_forward_gguf<IntOpsAvx512Vnni, GgufAmx>(args); }
+void moe_forward_gguf_amx(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni, GgufAmx>>(args); }
 
 }  // namespace kt::cpu
 

@@ -13,7 +13,7 @@
 
 #include "../bf16/micro_avx2.h"
 #include "../bf16/bf16_format.h"
-#include "../moe_gguf_driver.h"
+#include "../gguf/gguf_format.h"
 #include "../quant/quant_format.h"
 #include "../quant/int_ops_avx2.h"
 
@@ -30,7 +30,7 @@ void moe_forward_int4_asym_avx2(const MoeArgs& args) {
   moe_forward<QuantFormat<MicroQuant<IntOpsAvx2, QuantKind::kInt4Asym>>>(args);
 }
 
-void moe_forward_gguf_avx2(const MoeArgs& args) { moe_forward_gguf<IntOpsAvx2>(args); }
+void moe_forward_gguf_avx2(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx2>>(args); }
 
 }  // namespace kt::cpu
 

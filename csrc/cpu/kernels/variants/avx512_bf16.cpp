@@ -13,7 +13,7 @@
 
 #include "../bf16/micro_avx512_bf16.h"
 #include "../bf16/bf16_format.h"
-#include "../moe_gguf_driver.h"
+#include "../gguf/gguf_format.h"
 #include "../quant/quant_format.h"
 #include "../quant/int_ops_avx512_vnni.h"
 
@@ -30,7 +30,7 @@ void moe_forward_int4_asym_avx512_bf16(const MoeArgs& args) {
   moe_forward<QuantFormat<MicroQuant<IntOpsAvx512Vnni, QuantKind::kInt4Asym>>>(args);
 }
 
-void moe_forward_gguf_avx512_bf16(const MoeArgs& args) { moe_forward_gguf<IntOpsAvx512Vnni>(args); }
+void moe_forward_gguf_avx512_bf16(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni>>(args); }
 
 }  // namespace kt::cpu
 

@@ -1,0 +1,268 @@
+// [NOTE] GGUF weight rows against activation rows, the row-level kernels of the GGUF
+// format policy (gguf_format.h): a matrix view (GgufMatrix), the row job size of the
+// streaming paths, rows decoded once (gguf_decode.h) and dotted with every token of an
+// expert (gguf_dot.h), rows read in place on AVX-512 (gguf_q4k_avx512.h,
+// gguf_q6k_avx512.h, gguf_q8_avx512.h), and rows decoded to bf16 for AMX tiles
+// (gguf_amx.h). Include only from a variant translation unit, after its target pragma.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <vector>
+
+#include "../../formats/gguf_types.h"
+#include "../../formats/packed_header.h"
+#include "../moe_driver_common.h"
+#include "gguf_act.h"
+#include "gguf_decode.h"
+#include "gguf_dot.h"
+#include "gguf_q4k_avx512.h"
+#include "gguf_q6k_avx512.h"
+#include "gguf_q8_avx512.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+constexpr int kGgufRows = 4;             // weight rows decoded and dotted together
+constexpr int64_t kGgufJobRows = 64;      // rows per job of the tile path (kTileBlocks blocks of 16)
+// Rows per job of the row (decode) paths: up to 256, 16-aligned, at least 4 jobs per
+// thread over `rows` (active experts x rows per expert). Each job's four row streams
+// start cold, so longer jobs stream faster: 1-token S1 Q4_K 1130-1150 us with 64-row
+// jobs, 1000-1030 with 192-256 (Q8_0 1790-1850 -> 1580-1640).
+inline int64_t streaming_job_rows(int64_t rows, int threads) {
+  const int64_t per_job = rows / (4 * std::max(threads, 1)) / 16 * 16;
+  return std::clamp<int64_t>(per_job, kGgufJobRows, 256);
+}
+
+constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's direct path
+constexpr int kGgufQ6kActs = 258;  // of Q6_K's: 256-value blocks with int16 sums of 16
+constexpr int64_t kGgufDirectMaxPairs = 2;  // tokens per expert up to which the direct paths run
+// Average tokens per active expert from which a tile unit runs the call (tests mirror it).
+constexpr int64_t kGgufTileMinPairs = 8;
+
+constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// One matrix (gate, up or down) of every expert in the blob.
+struct GgufMatrix {
+  const uint8_t* first_expert;
+  uint64_t expert_bytes;
+  uint64_t row_bytes;
+  GgmlType type;
+  bool is_float;
+  GgufDecodeRowFn decode;  // quantized types
+  bool direct;             // experts with <= kGgufDirectMaxPairs tokens dotted from the bytes (Q4_K, Q6_K,
+                           // Q8_0, Q4_0, Q5_0; AVX-512 variants)
+  int64_t k, kp;  // row length and its padded length (multiple of 256)
+
+  GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_)
+      : first_expert(blob + layout.matrix_offset[m]),
+        expert_bytes(layout.matrix_expert_bytes[m]),
+        row_bytes(layout.matrix_expert_bytes[m] / rows),
+        type(ggml_type_info(layout.shape.gguf_types[m]).type),
+        is_float(ggml_type_info(layout.shape.gguf_types[m]).is_float),
+        decode(gguf_decoder(type)),
+        direct(false),
+        k(k_),
+        kp(round_up(k_, kGgufSuper)) {}
+  const uint8_t* row(int64_t expert, int64_t n) const {
+    return first_expert + expert * expert_bytes + n * row_bytes;
+  }
+  // The activation format: 0 fp32, 32, 256, kGgufQ4kActs (256 in kGgufQ4kOrder) or
+  // kGgufQ6kActs (256 with sums of 16).
+  int act_block() const {
+    if (is_float) return 0;
+    if (direct && type == GgmlType::kQ4_K) return kGgufQ4kActs;
+    if (direct && type == GgmlType::kQ6_K) return kGgufQ6kActs;
+    return static_cast<int>(ggml_type_info(static_cast<uint32_t>(type)).block_elems);
+  }
+};
+
+// A float-type row (F32 / F16 / BF16) as fp32, zero past k up to kp.
+template <class V>
+void gguf_float_row(GgmlType type, const uint8_t* row, int64_t k, int64_t kp, float* out) {
+  constexpr int W = V::kWidth;
+  int64_t i = 0;
+  if (type == GgmlType::kF32) {
+    std::memcpy(out, row, k * sizeof(float));
+    i = k;
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+    const bool bf16 = type == GgmlType::kBf16;
+    for (; i + W <= k; i += W) V::store(out + i, bf16 ? V::load_bf16(h + i) : V::load_f16(h + i));
+    for (; i < k; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, h + i, 2);
+      out[i] = bf16 ? bf16_to_float(bits) : f16_to_float(bits);
+    }
+  }
+  std::fill(out + k, out + kp, 0.0f);
+}
+
+template <class Ops, int NR>
+void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& acts, int64_t a, float* out) {
+  using V = typename Ops::Vec;
+  const int64_t units = m.kp / kGgufSuper;
+  if (m.is_float) {
+    const float* rows[NR];
+    for (int i = 0; i < NR; ++i) rows[i] = static_cast<const float*>(decoded) + i * m.kp;
+    return gguf_dot_rows_float<V, NR>(rows, acts.f + a * m.kp, m.kp, out);
+  }
+  const GgufDecoded* rows[NR];
+  for (int i = 0; i < NR; ++i) rows[i] = static_cast<const GgufDecoded*>(decoded) + i * units;
+  const int8_t* q = acts.q + a * m.kp;
+  const float* s = acts.scale + a * (m.kp / 4);
+  const float* sums = acts.sum16 + a * (m.kp / 16);
+  const int32_t* bias4 = acts.bias4 + a * (m.kp / 4);
+  if (m.type == GgmlType::kQ8_0)
+    gguf_dot_rows<Ops, true, false, NR>(rows, q, s, sums, bias4, units, out);
+  else if (m.act_block() == kGgufSuper)
+    gguf_dot_rows<Ops, false, true, NR>(rows, q, s, sums, bias4, units, out);
+  else
+    gguf_dot_rows<Ops, false, false, NR>(rows, q, s, sums, bias4, units, out);
+}
+
+// Q4_K / Q6_K / Q8_0 / Q4_0 / Q5_0 rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of
+// the range apart at a time, so four memory streams are in flight (1-token S1 Q4_K:
+// 7.5 -> 16 GB/s).
+template <class Ops>
+void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
+                      const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  const int64_t units = m.kp / kGgufSuper, stride = (n1 - n0 + 3) / 4;
+  // The kernels prefetch kGgufPrefetchBytes ahead; the first bytes of each stream are
+  // requested here, all at once, instead of one stream after the other.
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* first = m.row(expert, std::min(n0 + i * stride, n1 - 1));
+    for (int line = 0; line < kGgufPrefetchBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(first + line), _MM_HINT_T0);
+  }
+  for (int64_t j = 0; j < stride; ++j) {
+    int64_t n[4];
+    const uint8_t* rows[4];
+    for (int i = 0; i < 4; ++i) {
+      n[i] = std::min(n0 + j + i * stride, n1 - 1);  // past the end: repeat the last row
+      rows[i] = m.row(expert, n[i]);
+    }
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t a = act_rows != nullptr ? act_rows[p] : p;
+      float result[4];
+      const int8_t* q = acts.q + a * m.kp;
+      const float* scale4 = acts.scale + a * (m.kp / 4);
+      const int32_t* bias4 = acts.bias4 + a * (m.kp / 4);
+      switch (m.type) {
+        case GgmlType::kQ4_K:
+          gguf_q4k_dot_rows4<Ops>(rows, q, scale4, acts.level_sums + a * (m.kp / 16), units, result);
+          break;
+        case GgmlType::kQ6_K:
+          gguf_q6k_dot_rows4<Ops>(rows, q, scale4, acts.level_sums + a * (m.kp / 16), units, result);
+          break;
+        case GgmlType::kQ8_0: gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0>(rows, m.k, q, scale4, bias4, result); break;
+        case GgmlType::kQ4_0: gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0>(rows, m.k, q, scale4, bias4, result); break;
+        default: gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0>(rows, m.k, q, scale4, bias4, result); break;
+      }
+      for (int i = 0; i < 4; ++i) out[p * ldo + n[i]] = result[i];
+    }
+  }
+}
+
+// out[p * ldo + n] = dot(row n of `expert`, activation row act_row(p)) for rows [n0, n1)
+// and pairs [p0, p1); act_rows == nullptr means activation row p.
+template <class Ops>
+void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
+               const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  using V = typename Ops::Vec;
+  if constexpr (Ops::kRegsPerLine == 1) {
+    if (m.direct && p1 - p0 <= kGgufDirectMaxPairs)
+      return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+  }
+  const int64_t units = m.kp / kGgufSuper;
+  thread_local std::vector<GgufDecoded> decoded_units;
+  thread_local std::vector<float> decoded_floats;
+  void* decoded;
+  if (m.is_float) {
+    decoded_floats.resize(kGgufRows * m.kp);
+    decoded = decoded_floats.data();
+  } else {
+    decoded_units.resize(kGgufRows * units);
+    decoded = decoded_units.data();
+  }
+  // Groups of kGgufRows rows a quarter of the range apart: four memory streams.
+  const int64_t stride = (n1 - n0 + kGgufRows - 1) / kGgufRows;
+  for (int64_t j = 0; j < stride; ++j) {
+    int64_t n[kGgufRows];
+    int nr = 0;
+    for (int i = 0; i < kGgufRows; ++i)
+      if (n0 + j + i * stride < n1) n[nr++] = n0 + j + i * stride;
+    for (int i = 0; i < nr; ++i) {
+      const uint8_t* row = m.row(expert, n[i]);
+      if (m.is_float)
+        gguf_float_row<V>(m.type, row, m.k, m.kp, decoded_floats.data() + i * m.kp);
+      else
+        m.decode(row, m.k, decoded_units.data() + i * units);
+      if (acts.q4k_order)  // other experts of this call run direct, in that order
+        for (int64_t u = 0; u < units; ++u) gguf_q4k_order_decoded(decoded_units[i * units + u]);
+    }
+    float result[kGgufRows];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t a = act_rows != nullptr ? act_rows[p] : p;
+      switch (nr) {
+        case 4: gguf_dot_group<Ops, 4>(m, decoded, acts, a, result); break;
+        case 3: gguf_dot_group<Ops, 3>(m, decoded, acts, a, result); break;
+        case 2: gguf_dot_group<Ops, 2>(m, decoded, acts, a, result); break;
+        default: gguf_dot_group<Ops, 1>(m, decoded, acts, a, result); break;
+      }
+      for (int i = 0; i < nr; ++i) out[p * ldo + n[i]] = result[i];
+    }
+  }
+}
+
+// Rows [n0, n1) of `expert` as bf16 [round_up(n1 - n0, 16)][kp], rows past n1 zero (Tile::gemm's A).
+template <class Tile, class V>
+void gguf_rows_bf16(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, uint16_t* out) {
+  thread_local std::vector<GgufDecoded> decoded;
+  thread_local std::vector<float> floats;
+  const int64_t units = m.kp / kGgufSuper, rows = n1 - n0, stride = (rows + 3) / 4;
+  // Four rows a quarter of the range apart at a time: four memory streams.
+  for (int64_t r = 0; r < 4 * stride; ++r) {
+    const int64_t n = n0 + r / 4 + (r % 4) * stride;
+    if (n >= n1) continue;
+    uint16_t* row = out + (n - n0) * m.kp;
+    if (Tile::row_to_bf16(m.type, m.row(expert, n), m.k, m.kp, row)) continue;
+    if (m.is_float) {
+      floats.resize(m.kp);
+      gguf_float_row<V>(m.type, m.row(expert, n), m.k, m.kp, floats.data());
+      Tile::floats_to_bf16(floats.data(), m.kp, row);
+    } else {
+      decoded.resize(units);
+      m.decode(m.row(expert, n), m.k, decoded.data());
+      for (int64_t u = 0; u < units; ++u)
+        Tile::unit_to_bf16(decoded[u], m.type == GgmlType::kQ8_0, row + u * kGgufSuper);
+    }
+  }
+  std::fill(out + (n1 - n0) * m.kp, out + round_up(n1 - n0, 16) * m.kp, uint16_t{0});
+}
+
+// Rows [n0, n1) of one matrix for the tile path, written to out[p * ldo + n].
+struct GgufTileRows {
+  const GgufMatrix* m;
+  int64_t n0, n1;
+  float* out;
+};
+
+// The tile path of one job: each range's rows decoded to bf16, then multiplied with the
+// expert's `pairs` B chunks `b`. (Prefetching the next range during a multiply measured
+// no gain: S1 512 tokens Q4_K 75-78 ms either way.)
+template <class Tile, class V>
+void gguf_tile_rows(std::initializer_list<GgufTileRows> ranges, int64_t expert, const uint16_t* b, int64_t pairs,
+                    int64_t ldo) {
+  thread_local std::vector<uint16_t> w;
+  for (const GgufTileRows& r : ranges) {
+    w.resize(kGgufJobRows * r.m->kp);
+    gguf_rows_bf16<Tile, V>(*r.m, expert, r.n0, r.n1, w.data());
+    Tile::gemm(w.data(), r.n1 - r.n0, r.m->kp, b, pairs, r.out + r.n0, ldo);
+  }
+}
+
+}  // namespace
+}  // namespace kt::cpu
