@@ -1,5 +1,5 @@
 // [NOTE] The BF16 format policy of the MoE driver (moe_driver.h), instantiated per ISA
-// with a micro-GEMM (bf16/micro_gemm.h). Include only from a variant translation unit
+// with a micro-GEMM (bf16/bf16_gemm.h). Include only from a variant translation unit
 // (variants/*.cpp), after its target pragma.
 //
 // Weights: formats/bf16_layout.h (gate and up blocks of 16 rows interleaved, k in pairs).
@@ -9,7 +9,7 @@
 // once for all m tokens (decode, memory-bound); larger m runs the k-blocked GEMM, where a
 // block of weight lines stays in L1 while every row tile of the expert reuses it
 // (prefill, compute-bound), or the micro-kernel set's tile GEMM (AMX). The vector paths
-// accumulate every output in the same order (micro_gemm.h); AMX tiles do not match them
+// accumulate every output in the same order (bf16_gemm.h); AMX tiles do not match them
 // bit for bit (docs/formats.md).
 #pragma once
 
@@ -24,7 +24,7 @@
 #include "../moe_args.h"
 #include "../moe_driver.h"
 #include "../moe_plan.h"
-#include "micro_gemm.h"
+#include "bf16_gemm.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy

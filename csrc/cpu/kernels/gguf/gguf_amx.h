@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../bf16/micro_amx.h"
+#include "../bf16/bf16_gemm_amx.h"
 #include "../../formats/gguf_types.h"
 #include "gguf_decode.h"
 

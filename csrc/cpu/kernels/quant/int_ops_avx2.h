@@ -1,4 +1,4 @@
-// [NOTE] Integer operations for MicroQuant (micro_quant.h) on AVX2: vpmaddubsw (u8 x s8
+// [NOTE] Integer operations for QuantGemm (quant_gemm.h) on AVX2: vpmaddubsw (u8 x s8
 // -> pairs of int16) then vpmaddwd by ones (-> int32), two 32-byte registers per
 // 64-byte line (outputs 0-7, 8-15). int8 weights are multiplied as |w| x sign(a, w)
 // (vpsignb), so no int16 pair sum saturates and the dot carries no offset.
@@ -7,7 +7,7 @@
 #include <immintrin.h>
 
 #include "../../isa/vec_avx2.h"
-#include "micro_quant.h"
+#include "quant_gemm.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy

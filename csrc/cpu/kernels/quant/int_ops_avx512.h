@@ -1,4 +1,4 @@
-// [NOTE] Integer operations for MicroQuant (micro_quant.h) on AVX-512 without VNNI
+// [NOTE] Integer operations for QuantGemm (quant_gemm.h) on AVX-512 without VNNI
 // (Skylake-SP class): vpmaddubsw (u8 x s8 -> pairs of int16) then vpmaddwd by ones
 // (-> int32). int4 levels are < 16, so the int16 pair sums cannot saturate. int8
 // weights (offset binary) are made signed and multiplied as |w| x sign(a, w) (the
@@ -9,7 +9,7 @@
 #include <immintrin.h>
 
 #include "../../isa/vec_avx512.h"
-#include "micro_quant.h"
+#include "quant_gemm.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy

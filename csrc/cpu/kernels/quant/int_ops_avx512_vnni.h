@@ -1,4 +1,4 @@
-// [NOTE] Integer operations for MicroQuant (micro_quant.h) with AVX512_VNNI: the AVX-512
+// [NOTE] Integer operations for QuantGemm (quant_gemm.h) with AVX512_VNNI: the AVX-512
 // operations (int_ops_avx512.h) with vpdpbusd as the dot product. It multiplies 64
 // unsigned weight bytes by the broadcast signed activation bytes and adds each lane's
 // 4 products to an int32 lane in one instruction. Weights are the unsigned operand

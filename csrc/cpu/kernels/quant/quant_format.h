@@ -1,5 +1,5 @@
 // [NOTE] The INT8 / INT4 format policy of the MoE driver (moe_driver.h), instantiated per
-// ISA with a set of integer operations (quant/micro_quant.h) and, on AMX CPUs, a tile
+// ISA with a set of integer operations (quant/quant_gemm.h) and, on AMX CPUs, a tile
 // GEMM. Include only from a variant translation unit (variants/*.cpp), after its target
 // pragma.
 //
@@ -9,7 +9,7 @@
 // act(); each pair's intermediate row is quantized again (per-pair scale, applied by the
 // combine). Per expert: m <= kMaxRows tokens streams each weight line once (decode); more
 // runs a k-blocked GEMM (or the tile GEMM of the micro-kernel set), with the same flushes
-// per output element (micro_quant.h), so decode and prefill agree bit for bit.
+// per output element (quant_gemm.h), so decode and prefill agree bit for bit.
 #pragma once
 
 #include <algorithm>
@@ -25,7 +25,7 @@
 #include "../moe_plan.h"
 #include "../tile_coverage.h"
 #include "activation_quant.h"
-#include "micro_quant.h"
+#include "quant_gemm.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy

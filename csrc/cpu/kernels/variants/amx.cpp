@@ -11,25 +11,25 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,amx-tile,amx-bf16,amx-int8,avx2,fma,f16c,bmi2")
 
-#include "../bf16/micro_amx.h"
+#include "../bf16/bf16_gemm_amx.h"
 #include "../gguf/gguf_amx.h"
 #include "../bf16/bf16_format.h"
 #include "../gguf/gguf_format.h"
 #include "../quant/quant_format.h"
 #include "../quant/int_ops_avx512_vnni.h"
-#include "../quant/micro_amx_int.h"
+#include "../quant/quant_gemm_amx.h"
 
 namespace kt::cpu {
 
-void moe_forward_bf16_amx(const MoeArgs& args) { moe_forward<Bf16Format<MicroBf16Amx>>(args); }
+void moe_forward_bf16_amx(const MoeArgs& args) { moe_forward<Bf16Format<Bf16GemmAmx>>(args); }
 void moe_forward_int8_amx(const MoeArgs& args) {
-  moe_forward<QuantFormat<MicroQuantAmx<QuantKind::kInt8>>>(args);
+  moe_forward<QuantFormat<QuantGemmAmx<QuantKind::kInt8>>>(args);
 }
 void moe_forward_int4_amx(const MoeArgs& args) {
-  moe_forward<QuantFormat<MicroQuantAmx<QuantKind::kInt4>>>(args);
+  moe_forward<QuantFormat<QuantGemmAmx<QuantKind::kInt4>>>(args);
 }
 void moe_forward_int4_asym_amx(const MoeArgs& args) {
-  moe_forward<QuantFormat<MicroQuantAmx<QuantKind::kInt4Asym>>>(args);
+  moe_forward<QuantFormat<QuantGemmAmx<QuantKind::kInt4Asym>>>(args);
 }
 
 void moe_forward_gguf_amx(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni, GgufAmx>>(args); }

@@ -11,7 +11,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c,bmi2")
 
-#include "../bf16/micro_avx512_bf16.h"
+#include "../bf16/bf16_gemm_avx512_bf16.h"
 #include "../bf16/bf16_format.h"
 #include "../gguf/gguf_format.h"
 #include "../quant/quant_format.h"
@@ -19,15 +19,15 @@
 
 namespace kt::cpu {
 
-void moe_forward_bf16_avx512_bf16(const MoeArgs& args) { moe_forward<Bf16Format<MicroBf16Avx512Bf16>>(args); }
+void moe_forward_bf16_avx512_bf16(const MoeArgs& args) { moe_forward<Bf16Format<Bf16GemmAvx512Bf16>>(args); }
 void moe_forward_int8_avx512_bf16(const MoeArgs& args) {
-  moe_forward<QuantFormat<MicroQuant<IntOpsAvx512Vnni, QuantKind::kInt8>>>(args);
+  moe_forward<QuantFormat<QuantGemm<IntOpsAvx512Vnni, QuantKind::kInt8>>>(args);
 }
 void moe_forward_int4_avx512_bf16(const MoeArgs& args) {
-  moe_forward<QuantFormat<MicroQuant<IntOpsAvx512Vnni, QuantKind::kInt4>>>(args);
+  moe_forward<QuantFormat<QuantGemm<IntOpsAvx512Vnni, QuantKind::kInt4>>>(args);
 }
 void moe_forward_int4_asym_avx512_bf16(const MoeArgs& args) {
-  moe_forward<QuantFormat<MicroQuant<IntOpsAvx512Vnni, QuantKind::kInt4Asym>>>(args);
+  moe_forward<QuantFormat<QuantGemm<IntOpsAvx512Vnni, QuantKind::kInt4Asym>>>(args);
 }
 
 void moe_forward_gguf_avx512_bf16(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni>>(args); }

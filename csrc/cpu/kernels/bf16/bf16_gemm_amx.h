@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "micro_avx512_bf16.h"
+#include "bf16_gemm_avx512_bf16.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
@@ -45,7 +45,7 @@ inline void load_full_tile_config() {
   load_tile_config(config);
 }
 
-struct MicroBf16Amx : MicroBf16Avx512Bf16 {
+struct Bf16GemmAmx : Bf16GemmAvx512Bf16 {
   static constexpr int64_t kTilePairs = 16;  // k-pairs per A/B tile (64 bytes per row)
 
   // c[m][0, 16 * blocks_done) = a[m] x blocks of w over k-pairs [0, pairs_done) for

@@ -1,5 +1,5 @@
-// [NOTE] The BF16 micro-GEMM interface every ISA implements (micro_avx512_bf16.h,
-// micro_avx512.h, micro_avx2.h):
+// [NOTE] The BF16 micro-GEMM interface every ISA implements (bf16_gemm_avx512_bf16.h,
+// bf16_gemm_avx512.h, bf16_gemm_avx2.h):
 //
 //   struct Micro {
 //     using Vec = ...;           // fp32 vector ops (isa/vec_*.h)

@@ -10,12 +10,12 @@
 #include <immintrin.h>
 
 #include "../../isa/vec_avx2.h"
-#include "micro_gemm.h"
+#include "bf16_gemm.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-struct MicroBf16Avx2 {
+struct Bf16GemmAvx2 {
   using Vec = VecAvx2;
   using Act = float;
   static constexpr int kMaxRows = 4;

@@ -7,12 +7,12 @@
 #include <immintrin.h>
 
 #include "../../isa/vec_avx512.h"
-#include "micro_gemm.h"
+#include "bf16_gemm.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-struct MicroBf16Avx512Bf16 {
+struct Bf16GemmAvx512Bf16 {
   using Vec = VecAvx512;
   using Act = uint16_t;
   static constexpr int kMaxRows = 6;

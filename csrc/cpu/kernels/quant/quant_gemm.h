@@ -72,7 +72,7 @@ inline int32_t load_i32(const void* p) {
 }
 
 template <class Ops, QuantKind Kind>
-struct MicroQuant {
+struct QuantGemm {
   using Vec = typename Ops::Vec;
   using IReg = typename Ops::IReg;
   using FReg = typename Vec::Reg;

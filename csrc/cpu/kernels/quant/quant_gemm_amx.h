@@ -4,7 +4,7 @@
 // INT4 lines are unpacked per k step into a 1-2 KiB B tile buffer (AMX reads tiles
 // from memory; nothing larger is ever dequantized). Per pass: 32 rows x 2 blocks in
 // C tiles tmm0..3, A = tmm4..5, B = tmm6..7. int32 sums are flushed to fp32 per group
-// (int8: every kInt8FlushK k) exactly as MicroQuant does, so both give the same numbers;
+// (int8: every kInt8FlushK k) exactly as QuantGemm does, so both give the same numbers;
 // an INT8 k tail left to the vector micro-kernel starts on a flush boundary.
 // k step: 64 k (int8, int4 with groups of 64/128), 32 k for int4 groups of 32.
 // What tiles do not cover (the decode path, an int8 k tail of 32, an odd last block)
@@ -17,17 +17,17 @@
 #include <cstring>
 
 #include "../../isa/vec_avx512.h"
-#include "../bf16/micro_amx.h"
+#include "../bf16/bf16_gemm_amx.h"
 #include "../tile_coverage.h"
 #include "int_ops_avx512_vnni.h"
-#include "micro_quant.h"
+#include "quant_gemm.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 template <QuantKind Kind>
-struct MicroQuantAmx : MicroQuant<IntOpsAvx512Vnni, Kind> {
-  using Base = MicroQuant<IntOpsAvx512Vnni, Kind>;
+struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
+  using Base = QuantGemm<IntOpsAvx512Vnni, Kind>;
   static constexpr bool kInt4 = Base::kInt4;
 
   static TileCoverage tile_gemm(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
@@ -129,7 +129,7 @@ struct MicroQuantAmx : MicroQuant<IntOpsAvx512Vnni, Kind> {
     for (int64_t m = 0; m < tile_rows; ++m) std::memcpy(c + m * ldc, acc[m], 32 * sizeof(float));
   }
 
-  // acc += the group's sums, unbiased and scaled (MicroQuant::flush_group's arithmetic).
+  // acc += the group's sums, unbiased and scaled (QuantGemm::flush_group's arithmetic).
   static void flush(const QuantRows& a, int64_t m0, int64_t tile_rows, const int_layout::MatrixDims& dims,
                     const uint8_t* w, int64_t g0, int64_t group_k, const int32_t (&sums)[32][32],
                     float (&acc)[32][32]) {
