@@ -44,7 +44,8 @@ struct PackedShape {
   uint32_t gguf_types[3] = {0, 0, 0};  // gguf: ggml type ids of gate, up, down
 };
 
-enum GgufMatrix { kGgufGate = 0, kGgufUp = 1, kGgufDown = 2 };
+// Index of a gguf matrix in PackedShape::gguf_types and PackedLayout::matrix_*.
+enum GgufMatrixIndex { kGgufGate = 0, kGgufUp = 1, kGgufDown = 2 };
 
 struct PackedLayout {
   PackedShape shape;
