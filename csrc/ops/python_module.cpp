@@ -5,9 +5,9 @@
 
 #include "../cpu/bench/read_bandwidth.h"
 #include "../cpu/engine/engine.h"
-#include "../cpu/isa/cpu_variant.h"
-#include "../cpu/kernels/kernel_table.h"
+#include "../cpu/format_table.h"
 #include "../cpu/formats/gguf_types.h"
+#include "../cpu/isa/cpu_variant.h"
 #include "checks.h"
 #include "gguf_blob.h"
 #include "packed_blob.h"
