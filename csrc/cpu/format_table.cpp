@@ -58,9 +58,14 @@ constexpr FormatRow kRows[] = {
      RowRule::kGgmlBlock, 1, 0, nullptr, 0, 0, false,
      pack_gguf_experts, "pack_gguf_experts", ActivationQuant::kGgmlBlocks, kOracle,
      {{moe_forward_gguf_avx2, "gguf/avx2 (vpmaddubsw + vpmaddwd on decoded blocks)"},
-      {moe_forward_gguf_avx512, "gguf/avx512 (vpmaddubsw + vpmaddwd on decoded blocks; Q4_K decode in place)"},
-      {moe_forward_gguf_avx512_bf16, "gguf/avx512_bf16 (vpdpbusd on decoded blocks; Q4_K decode in place)"},
-      {moe_forward_gguf_amx, "gguf/amx (the avx512_bf16 kernel: vpdpbusd on decoded blocks; no tile path yet)"}}},
+      {moe_forward_gguf_avx512,
+       "gguf/avx512 (vpmaddubsw + vpmaddwd on decoded blocks; in-place types dotted from their bytes "
+       "for decode)"},
+      {moe_forward_gguf_avx512_bf16,
+       "gguf/avx512_bf16 (vpdpbusd on decoded blocks; in-place types dotted from their bytes for decode)"},
+      {moe_forward_gguf_amx,
+       "gguf/amx (tdpbf16ps tiles on rows decoded to bf16 for calls averaging >= 8 tokens per expert; "
+       "below that the avx512_bf16 path: vpdpbusd on decoded blocks, in-place types for decode)"}}},
 };
 
 constexpr bool rows_in_id_order() {
