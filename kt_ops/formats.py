@@ -1,19 +1,113 @@
-"""Method names (kt-kernel's) and the packed formats they select."""
+"""The packed weight formats and the kt-kernel method names that select them.
+
+Everything here is read from the C++ format table (``csrc/cpu/format_table.h``, exposed as
+``kt_ops._C.format_table()``), the one list of formats: :data:`FORMATS` holds its rows,
+and :data:`METHOD_FORMATS`, :data:`GROUPED_FORMATS`, :data:`GROUP_SIZES` and
+:data:`DEFAULT_GROUP_SIZE` are views of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from kt_ops._native import _C
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """One row of the format table: a packed weight format (docs/formats.md).
+
+    Weights are stored in blocks of ``block_rows`` output rows; a block holds 64-byte
+    lines (``line_bytes``) of ``line_k`` k values of each of its rows, then
+    ``scale_bytes`` bytes of fp32 scale (and minimum) per row and group (int8: per row).
+    ``gguf`` stores each row as ggml blocks instead (``block_rows`` 1, ``line_k`` 0; see
+    :data:`kt_ops.gguf_types.GGML_TYPES`).
+    """
+
+    name: str
+    """The format name: ``kt::pack_experts``' ``format`` and ``packed_info()["format"]``."""
+    id: int
+    """The format id a packed header stores."""
+    methods: tuple[str, ...]
+    """kt-kernel method names that select it (with :attr:`zero_point`)."""
+    zero_point: bool
+    """True when the methods select it with ``zero_point=True`` (asymmetric INT4)."""
+    block_rows: int
+    """Output rows per block (16; gguf: 1)."""
+    line_k: int
+    """k values of each row per 64-byte line (bf16 2, int8 4, int4 8; gguf: 0, per ggml type)."""
+    line_bytes: int
+    """Bytes per line (64; gguf: 0, per ggml type)."""
+    scale_bytes: int
+    """fp32 scale (and minimum) bytes per row and group (int8: per row; bf16, gguf: 0)."""
+    k_rule: str
+    """What a row length K (H for gate/up, I for down) must be a multiple of: ``"any"``,
+    ``"group_size"`` or ``"ggml_block"`` (the matrix's ggml type's block)."""
+    k_pad: int
+    """K is padded with zero weights to a multiple of this (1: not padded); down's K (the
+    intermediate, produced in whole blocks by gate and up) to ``block_rows`` too."""
+    max_k: int
+    """The largest H and I the format takes (0: no limit)."""
+    group_sizes: tuple[int, ...]
+    """The k-group sizes it takes (empty: no groups, ``group_size`` 0)."""
+    default_group_size: int
+    """``pack_experts``' default group size (0: no groups)."""
+    scale_search: bool
+    """True when ``pack_experts(..., scale_search=True)`` applies."""
+    packer: str
+    """The C++ packing function (``csrc/cpu/formats/``)."""
+    activations: str
+    """What the kernels do to activations: ``"none"``, ``"int8_per_token"`` or
+    ``"int8_ggml_blocks"`` (8-bit blocks of the weight type's block)."""
+    oracle: str
+    """The :mod:`kt_ops.reference` function that decodes a blob of this format."""
+    kernels: Mapping[str, str] = field(hash=False)
+    """CPU variant name -> the MoE kernel it runs for this format."""
+
+    @classmethod
+    def from_row(cls, row: dict) -> "FormatInfo":
+        values = {key: row[key] for key in cls.__dataclass_fields__}
+        values["methods"] = tuple(row["methods"])
+        values["group_sizes"] = tuple(row["group_sizes"])
+        values["kernels"] = MappingProxyType(dict(row["kernels"]))
+        return cls(**values)
+
+
+# The rows of the C++ format table, in header-id order.
+FORMATS: tuple[FormatInfo, ...] = tuple(FormatInfo.from_row(row) for row in _C.format_table())
 
 # kt-kernel method name -> packed format of the native kernels (zero_point=False).
 METHOD_FORMATS: dict[str, str] = {
-    "BF16": "bf16",
-    "AMXINT8": "int8",
-    "MOE_INT8": "int8",
-    "AMXINT4": "int4",
-    "MOE_INT4": "int4",
-    "LLAMAFILE": "gguf",
+    method: fmt.name for fmt in FORMATS if not fmt.zero_point for method in fmt.methods
 }
 
+# kt-kernel method name -> packed format it selects with zero_point=True.
+ZERO_POINT_FORMATS: dict[str, str] = {method: fmt.name for fmt in FORMATS if fmt.zero_point for method in fmt.methods}
+
 # Formats quantized in k-groups (they take group_size and zero_point).
-GROUPED_FORMATS = ("int4", "int4_asym")
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 128
+GROUPED_FORMATS: tuple[str, ...] = tuple(fmt.name for fmt in FORMATS if fmt.group_sizes)
+GROUP_SIZES: tuple[int, ...] = tuple(sorted({size for fmt in FORMATS for size in fmt.group_sizes}))
+
+
+def _default_group_size() -> int:
+    defaults = {fmt.default_group_size for fmt in FORMATS if fmt.group_sizes}
+    if len(defaults) != 1:
+        raise RuntimeError(f"the format table's grouped formats disagree on the default group size: {defaults}")
+    return defaults.pop()
+
+
+DEFAULT_GROUP_SIZE: int = _default_group_size()
+
+
+def format_info(name: str) -> FormatInfo:
+    """The :class:`FormatInfo` of a format name (``"int4_asym"``); ``ValueError`` naming
+    the formats that exist otherwise."""
+    for fmt in FORMATS:
+        if fmt.name == name:
+            return fmt
+    raise ValueError(f"unknown packed format {name!r}; expected one of: {', '.join(f.name for f in FORMATS)}")
 
 
 def format_for_method(method: str, zero_point: bool = False) -> str:
@@ -21,7 +115,7 @@ def format_for_method(method: str, zero_point: bool = False) -> str:
     ``zero_point=True`` selects the asymmetric INT4 format (``"int4_asym"``).
 
     Raises ``ValueError`` naming the methods that exist when ``method`` is unknown, or
-    when ``zero_point`` is asked of a method without groups.
+    when ``zero_point`` is asked of a method without an asymmetric format.
     """
     if not isinstance(method, str):
         raise TypeError(f"method must be a str, got {type(method).__name__}")
@@ -32,7 +126,9 @@ def format_for_method(method: str, zero_point: bool = False) -> str:
             f"method {method!r} is not available; implemented: {', '.join(METHOD_FORMATS)}"
         ) from None
     if zero_point:
-        if fmt != "int4":
-            raise ValueError(f"zero_point applies to the INT4 methods, not {method!r}")
-        return "int4_asym"
+        if method.upper() not in ZERO_POINT_FORMATS:
+            base = sorted({METHOD_FORMATS[m].upper() for m in ZERO_POINT_FORMATS})
+            raise ValueError(f"zero_point applies to the {'/'.join(base)} methods ({', '.join(ZERO_POINT_FORMATS)}), "
+                             f"not {method!r}")
+        return ZERO_POINT_FORMATS[method.upper()]
     return fmt

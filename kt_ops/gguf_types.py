@@ -1,7 +1,12 @@
-"""GGUF (ggml) tensor types of the ``LLAMAFILE`` method: parsing user input and sizes."""
+"""GGUF (ggml) tensor types of the ``LLAMAFILE`` method: parsing user input and sizes.
+
+The types come from the ggml-type sub-table of the C++ format table
+(``csrc/cpu/formats/gguf_types.h``, exposed as ``kt_ops._C.ggml_type_table()``).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Union
 
 import gguf
@@ -10,15 +15,42 @@ from kt_ops._native import _C
 
 GgufTypeLike = Union[gguf.GGMLQuantizationType, str, int]
 
-# The ggml types kt_ops computes on (docs/formats.md).
-SUPPORTED_TYPES: tuple[str, ...] = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+
+@dataclass(frozen=True)
+class GgmlTypeInfo:
+    """A ggml tensor type kt_ops computes on (format ``gguf``, docs/formats.md)."""
+
+    id: int
+    """The ggml type id GGUF files store (``gguf.GGMLQuantizationType`` value)."""
+    name: str
+    """As ``gguf.GGMLQuantizationType`` names it, e.g. ``"Q4_K"``."""
+    block_elems: int
+    """Elements per block: 1 (float types), 32 or 256; a row length must be a multiple."""
+    block_bytes: int
+    """Bytes per block."""
+    is_float: bool
+    """F32 / F16 / BF16: plain values, no quantization blocks."""
+    llama_cpp_fallback: str | None
+    """The type llama.cpp stores a tensor in instead when its row length is not a multiple
+    of ``block_elems`` (K-quants), or None; it need not be one kt_ops computes."""
+    in_place_variants: tuple[str, ...]
+    """CPU variants whose kernel dots this type straight from its bytes for decode."""
+
+
+# The rows of the C++ ggml-type table (docs/formats.md has a row for each).
+GGML_TYPES: tuple[GgmlTypeInfo, ...] = tuple(
+    GgmlTypeInfo(**{**row, "in_place_variants": tuple(row["in_place_variants"])}) for row in _C.ggml_type_table()
 )
+
+# The ggml types kt_ops computes on (docs/formats.md).
+SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in GGML_TYPES)
 
 # llama.cpp's replacement when a K-quant does not fit a row length (not a multiple of
 # 256), where kt_ops computes it. (Q2_K and Q3_K fall back to IQ4_NL there, which kt_ops
 # does not compute.)
-LLAMA_CPP_FALLBACK: dict[str, str] = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+LLAMA_CPP_FALLBACK: dict[str, str] = {
+    t.name: t.llama_cpp_fallback for t in GGML_TYPES if t.llama_cpp_fallback in SUPPORTED_TYPES
+}
 
 
 def gguf_type_id(value: GgufTypeLike) -> int:
@@ -54,6 +86,14 @@ def gguf_type_ids(gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, Gg
     return one, one, one
 
 
+def ggml_type_info(type_id: int) -> GgmlTypeInfo:
+    """The :class:`GgmlTypeInfo` of a supported ggml type id; ``ValueError`` otherwise."""
+    for info in GGML_TYPES:
+        if info.id == type_id:
+            return info
+    raise ValueError(f"{type_id} is not a ggml type id kt_ops computes; supported: {', '.join(SUPPORTED_TYPES)}")
+
+
 def type_name(type_id: int) -> str:
     return gguf.GGMLQuantizationType(type_id).name
 
@@ -63,14 +103,14 @@ def check_row_lengths(types: tuple[int, int, int], hidden: int, intermediate: in
     naming the llama.cpp fallback type for K-quants."""
     for matrix, type_id, k in (("gate_proj", types[0], hidden), ("up_proj", types[1], hidden),
                                ("down_proj", types[2], intermediate)):
-        name, block, _ = _C.ggml_type(type_id)
+        info = ggml_type_info(type_id)
+        name, block, fallback = info.name, info.block_elems, info.llama_cpp_fallback
         if k % block:
             hint = ""
-            if name in LLAMA_CPP_FALLBACK:
-                hint = (f"; llama.cpp stores such tensors as {LLAMA_CPP_FALLBACK[name]} "
-                        f"(pass gguf_type as a (gate, up, down) tuple)")
-            elif name in ("Q2_K", "Q3_K"):
-                hint = ("; llama.cpp stores such tensors as IQ4_NL, which kt_ops does not compute: "
+            if fallback in SUPPORTED_TYPES:
+                hint = f"; llama.cpp stores such tensors as {fallback} (pass gguf_type as a (gate, up, down) tuple)"
+            elif fallback is not None:
+                hint = (f"; llama.cpp stores such tensors as {fallback}, which kt_ops does not compute: "
                         "use a 32-weight type such as Q4_0 for that matrix")
             raise ValueError(f"{matrix}: GGUF type {name} needs a row length that is a multiple of "
                              f"{block}, got {k}{hint}")

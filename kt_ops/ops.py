@@ -95,7 +95,7 @@ def moe_forward(
     CPU) the operator's CUDA key stages the inputs into pinned host buffers on the
     current stream, runs the experts in a ``cudaLaunchHostFunc`` host function and copies
     the result back: stream-ordered, asynchronous to the Python thread, capturable in a
-    CUDA graph once :func:`kt_ops.reserve_cuda_graph_buffers` has reserved the batch size.
+    CUDA graph once :func:`kt_ops.cuda.reserve_cuda_graph_buffers` has reserved the batch size.
 
     Returns:
         ``[T, H]`` in the dtype and on the device of ``hidden_states`` (a new tensor).

@@ -2,7 +2,7 @@
 // stream order. On the current stream: copy the inputs (and live_tokens) into pinned
 // staging, cudaLaunchHostFunc the CPU experts, copy the result back. Nothing blocks the
 // Python thread; under CUDA graph capture the same three steps are recorded, with the
-// staging reserved ahead (kt_ops.reserve_cuda_graph_buffers) and the host function's
+// staging reserved ahead (kt_ops.cuda.reserve_cuda_graph_buffers) and the host function's
 // arguments owned by the graph (a CUDA user object: freed when the graph and every
 // executable instance of it are destroyed).
 #include <ATen/ATen.h>
@@ -123,7 +123,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& hidden_states, const at::Tensor& t
                                : eager_staging(device.index(), stream, tokens, hidden, top_k);
   TORCH_CHECK_VALUE(staging != nullptr, "kt::moe_forward is being captured in a CUDA graph with ", tokens,
                     " tokens, hidden size ", hidden, ", top-k ", top_k, ", but no pinned buffers were "
-                    "reserved for that batch size: call kt_ops.reserve_cuda_graph_buffers([", tokens,
+                    "reserved for that batch size: call kt_ops.cuda.reserve_cuda_graph_buffers([", tokens,
                     ", ...], hidden_size=", hidden, ", top_k=", top_k, ") (or HybridMoE.set_capture_batch_sizes) "
                     "before capture");
 

@@ -3,13 +3,14 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <set>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "../cpu/engine/huge_pages.h"
-#include "../cpu/formats/gguf_quantize.h"
-#include "../cpu/formats/pack_bf16.h"
-#include "../cpu/formats/pack_int.h"
-#include "../cpu/formats/packed_header.h"
+#include "../cpu/format_table.h"
 #include "checks.h"
 #include "gguf_blob.h"
 
@@ -50,52 +51,63 @@ cpu::ElementType source_type(at::ScalarType type) {
                              : cpu::ElementType::kBf16;
 }
 
+// A blob of `layout` holding the weights packed by `row`'s packer. The packers read bf16,
+// fp16 and fp32 directly (no full-size converted copy); up and down take gate's dtype.
+at::Tensor pack_with_row(const cpu::FormatRow& row, const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                         const at::Tensor& down_proj, const cpu::PackedLayout& layout,
+                         const cpu::QuantOptions& options) {
+  at::Tensor packed = at::empty({static_cast<int64_t>(layout.total_bytes)}, gate_proj.options().dtype(at::kByte));
+  cpu::advise_huge_pages(packed.data_ptr(), static_cast<size_t>(packed.numel()));  // before first touch
+  const at::ScalarType type = gate_proj.scalar_type();
+  const at::Tensor gate = gate_proj.contiguous();
+  const at::Tensor up = up_proj.to(type).contiguous();
+  const at::Tensor down = down_proj.to(type).contiguous();
+  row.pack(gate.const_data_ptr(), up.const_data_ptr(), down.const_data_ptr(), source_type(type), layout, options,
+           packed.data_ptr<uint8_t>());
+  return packed;
+}
+
+// 0 (no groups) and the group sizes of the table's grouped formats, ascending.
+std::vector<int64_t> group_sizes() {
+  std::set<int64_t> sizes = {0};
+  for (const cpu::FormatRow& row : cpu::format_table())
+    sizes.insert(row.group_sizes, row.group_sizes + row.num_group_sizes);
+  return {sizes.begin(), sizes.end()};
+}
+
+// "0 (none), 32, 64 or 128".
+std::string group_size_choices(const std::vector<int64_t>& sizes) {
+  std::string choices = "0 (none)";
+  for (size_t i = 1; i < sizes.size(); ++i)
+    choices += (i + 1 == sizes.size() ? " or " : ", ") + std::to_string(sizes[i]);
+  return choices;
+}
+
 at::Tensor pack_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_proj,
                             const at::Tensor& down_proj, c10::string_view format,
                             int64_t group_size, bool scale_search) {
   RECORD_FUNCTION("kt::pack_experts", std::vector<c10::IValue>({gate_proj, down_proj}));
-  const cpu::PackedFormat packed_format =
-      translate_errors([&] { return cpu::parse_packed_format(std::string(format)); });
-  TORCH_CHECK_VALUE(packed_format != cpu::PackedFormat::kGguf,
-                    "format gguf needs a ggml type per matrix: use kt::pack_gguf_experts");
+  const cpu::FormatRow& row = translate_errors(
+      [&]() -> const cpu::FormatRow& { return cpu::format_row(cpu::parse_packed_format(std::string(format))); });
+  TORCH_CHECK_VALUE(row.k_rule != cpu::RowRule::kGgmlBlock,
+                    "format ", row.name, " needs a ggml type per matrix: use kt::pack_gguf_experts");
   const auto [E, I, H] = check_expert_weights(gate_proj, up_proj, down_proj);
 
-  TORCH_CHECK_VALUE(group_size >= 0 && group_size <= 128, "group_size must be 0 (none), 32, 64 or 128; got ",
-                    group_size);
-  TORCH_CHECK_VALUE(!scale_search || packed_format != cpu::PackedFormat::kBf16,
-                    "scale_search applies to quantized formats, not bf16");
+  const std::vector<int64_t> sizes = group_sizes();
+  TORCH_CHECK_VALUE(std::find(sizes.begin(), sizes.end(), group_size) != sizes.end(), "group_size must be ",
+                    group_size_choices(sizes), "; got ", group_size);
+  TORCH_CHECK_VALUE(!scale_search || row.scale_search, "scale_search applies to quantized formats, not ", row.name);
 
   cpu::PackedShape shape;
-  shape.format = packed_format;
+  shape.format = row.format;
   shape.num_experts = static_cast<uint32_t>(E);
   shape.hidden_size = static_cast<uint32_t>(H);
   shape.intermediate_size = static_cast<uint32_t>(I);
   shape.group_size = static_cast<uint32_t>(group_size);
   const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
-  at::Tensor packed = at::empty({static_cast<int64_t>(layout.total_bytes)},
-                                gate_proj.options().dtype(at::kByte));
-  cpu::advise_huge_pages(packed.data_ptr(), static_cast<size_t>(packed.numel()));  // before first touch
-  if (packed_format != cpu::PackedFormat::kBf16) {
-    // Quantized formats read the source dtype directly (no full-size fp32 copy).
-    const at::ScalarType type = gate_proj.scalar_type();
-    const at::Tensor gate = gate_proj.contiguous();
-    const at::Tensor up = up_proj.to(type).contiguous();
-    const at::Tensor down = down_proj.to(type).contiguous();
-    cpu::QuantOptions options;
-    options.scale_search = scale_search;
-    const cpu::ElementType element = source_type(type);
-    cpu::pack_int_experts(gate.const_data_ptr(), up.const_data_ptr(), down.const_data_ptr(), element,
-                          layout, options, packed.data_ptr<uint8_t>());
-    return packed;
-  }
-  const at::Tensor gate = gate_proj.to(at::kBFloat16).contiguous();
-  const at::Tensor up = up_proj.to(at::kBFloat16).contiguous();
-  const at::Tensor down = down_proj.to(at::kBFloat16).contiguous();
-  cpu::pack_bf16_experts(reinterpret_cast<const uint16_t*>(gate.const_data_ptr()),
-                         reinterpret_cast<const uint16_t*>(up.const_data_ptr()),
-                         reinterpret_cast<const uint16_t*>(down.const_data_ptr()), layout,
-                         packed.data_ptr<uint8_t>());
-  return packed;
+  cpu::QuantOptions options;
+  options.scale_search = scale_search;
+  return pack_with_row(row, gate_proj, up_proj, down_proj, layout, options);
 }
 
 at::Tensor pack_gguf_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& up_proj,
@@ -104,15 +116,7 @@ at::Tensor pack_gguf_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& 
   const auto [E, I, H] = check_expert_weights(gate_proj, up_proj, down_proj);
   const cpu::PackedShape shape = gguf_shape(gguf_types.vec(), E, H, I);
   const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
-  at::Tensor packed = at::empty({static_cast<int64_t>(layout.total_bytes)}, gate_proj.options().dtype(at::kByte));
-  cpu::advise_huge_pages(packed.data_ptr(), static_cast<size_t>(packed.numel()));
-  const at::ScalarType type = gate_proj.scalar_type();
-  const at::Tensor gate = gate_proj.contiguous();
-  const at::Tensor up = up_proj.to(type).contiguous();
-  const at::Tensor down = down_proj.to(type).contiguous();
-  cpu::pack_gguf_experts(gate.const_data_ptr(), up.const_data_ptr(), down.const_data_ptr(), source_type(type),
-                         layout, packed.data_ptr<uint8_t>());
-  return packed;
+  return pack_with_row(cpu::format_row(shape.format), gate_proj, up_proj, down_proj, layout, cpu::QuantOptions());
 }
 
 }  // namespace

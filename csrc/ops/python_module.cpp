@@ -1,13 +1,13 @@
-// kt_ops._C: the control plane that is not an operator (CPU variant, threads, packed
-// header inspection, the bench's bandwidth probe). Importing it also registers the
-// torch.ops.kt operators (static initialisers of the other translation units).
+// kt_ops._C: the control plane that is not an operator (CPU variant, threads, the format
+// table, packed header inspection, the bench's bandwidth probe). Importing it also
+// registers the torch.ops.kt operators (static initialisers of the other translation units).
 #include <torch/extension.h>
 
 #include "../cpu/bench/read_bandwidth.h"
 #include "../cpu/engine/engine.h"
-#include "../cpu/isa/cpu_variant.h"
-#include "../cpu/kernels/kernel_table.h"
+#include "../cpu/format_table.h"
 #include "../cpu/formats/gguf_types.h"
+#include "../cpu/isa/cpu_variant.h"
 #include "checks.h"
 #include "gguf_blob.h"
 #include "packed_blob.h"
@@ -77,6 +77,64 @@ py::tuple ggml_type(int64_t id) {
   });
 }
 
+// One dict per row of the format table (csrc/cpu/format_table.h names the fields).
+py::list format_table() {
+  py::list rows;
+  for (const cpu::FormatRow& row : cpu::format_table()) {
+    py::list methods, group_sizes;
+    for (const char* method : row.methods)
+      if (method != nullptr) methods.append(method);
+    for (size_t i = 0; i < row.num_group_sizes; ++i) group_sizes.append(row.group_sizes[i]);
+    py::dict kernels;
+    for (int v = 0; v < cpu::kNumCpuVariants; ++v)
+      kernels[cpu::cpu_variant_name(static_cast<cpu::CpuVariant>(v))] = row.by_variant[v].name;
+    py::dict d;
+    d["name"] = row.name;
+    d["id"] = static_cast<uint32_t>(row.format);
+    d["methods"] = methods;
+    d["zero_point"] = row.zero_point;
+    d["block_rows"] = row.block_rows;
+    d["line_k"] = row.line_k;
+    d["line_bytes"] = row.line_bytes;
+    d["scale_bytes"] = row.scale_bytes;
+    d["k_rule"] = cpu::row_rule_name(row.k_rule);
+    d["k_pad"] = row.k_pad;
+    d["max_k"] = row.max_k;
+    d["group_sizes"] = group_sizes;
+    d["default_group_size"] = row.default_group_size;
+    d["scale_search"] = row.scale_search;
+    d["packer"] = row.packer;
+    d["activations"] = cpu::activation_quant_name(row.activations);
+    d["oracle"] = row.oracle;
+    d["kernels"] = kernels;
+    rows.append(d);
+  }
+  return rows;
+}
+
+// One dict per ggml type of format gguf (csrc/cpu/formats/gguf_types.h names the fields);
+// "in_place_variants": the CPU variants whose kernel dots it from its bytes for decode.
+py::list ggml_type_table() {
+  py::list types;
+  for (const cpu::GgmlTypeInfo& info : cpu::kGgmlTypes) {
+    py::list in_place;
+    for (int v = 0; v < cpu::kNumCpuVariants; ++v)
+      if (cpu::gguf_reads_in_place(info, static_cast<cpu::CpuVariant>(v)))
+        in_place.append(cpu::cpu_variant_name(static_cast<cpu::CpuVariant>(v)));
+    py::dict d;
+    d["id"] = static_cast<uint32_t>(info.type);
+    d["name"] = info.name;
+    d["block_elems"] = info.block_elems;
+    d["block_bytes"] = info.block_bytes;
+    d["is_float"] = info.is_float;
+    d["llama_cpp_fallback"] = info.llama_cpp_fallback == nullptr ? py::object(py::none())
+                                                                  : py::object(py::str(info.llama_cpp_fallback));
+    d["in_place_variants"] = in_place;
+    types.append(d);
+  }
+  return types;
+}
+
 std::string kernel_name(const std::string& format, const std::string& variant) {
   return translate_errors([&] {
     return std::string(
@@ -118,6 +176,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("map_gguf_experts", &map_gguf_experts);
   m.def("gguf_experts_from_blocks", &gguf_experts_from_blocks);
   m.def("kernel_name", &kernel_name);
+  m.def("format_table", &format_table);
+  m.def("ggml_type_table", &ggml_type_table);
   m.def("time_read_passes", &time_read_passes);
 #ifdef KT_OPS_WITH_CUDA
   m.attr("with_cuda") = true;

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.ops import pack_experts
 from kt_ops.wrappers.routing import Routing
@@ -99,7 +100,7 @@ class HybridMoE(nn.Module):
         if cpu_experts.numel():
             sel = cpu_experts.to(gate_proj.device)
             pack_args: dict[str, object] = {"gguf_type": gguf_type} if gguf_type is not None else {}
-            if method.upper() in ("AMXINT4", "MOE_INT4"):
+            if format_for_method(method) in GROUPED_FORMATS:
                 pack_args["group_size"] = group_size
             packed = pack_experts(gate_proj[sel].cpu(), up_proj[sel].cpu(), down_proj[sel].cpu(),
                                   method=method, **pack_args).data

@@ -280,7 +280,7 @@ void gguf_quantize_row(uint32_t type, const float* x, int64_t k, uint8_t* out) {
 }
 
 void pack_gguf_experts(const void* gate, const void* up, const void* down, ElementType source,
-                       const PackedLayout& layout, uint8_t* blob) {
+                       const PackedLayout& layout, const QuantOptions& /*options*/, uint8_t* blob) {
   constexpr int64_t kRowsPerJob = 16;
   const int64_t E = layout.shape.num_experts, H = layout.shape.hidden_size,
                 I = layout.shape.intermediate_size;

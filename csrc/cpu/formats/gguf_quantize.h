@@ -7,8 +7,9 @@
 
 #include <cstdint>
 
-#include "../kernels/moe_args.h"
+#include "../isa/element_type.h"
 #include "packed_header.h"
+#include "quantize.h"
 
 namespace kt::cpu {
 
@@ -17,9 +18,11 @@ namespace kt::cpu {
 void gguf_quantize_row(uint32_t type, const float* x, int64_t k, uint8_t* out);
 
 // gate, up: [E, I, H] row-major of `source`; down: [E, H, I]. Writes the header and the
-// three matrices of `layout` (format gguf) into blob[0, layout.total_bytes), one job
-// per (matrix, expert, 16 rows) on the Engine.
+// three matrices of `layout` (format gguf, a ggml type per matrix) into
+// blob[0, layout.total_bytes), one job per (matrix, expert, 16 rows) on the Engine.
+// `options` has nothing to tune here (round-to-nearest); the parameter keeps every
+// format's packer one signature (../format_table.h).
 void pack_gguf_experts(const void* gate, const void* up, const void* down, ElementType source,
-                       const PackedLayout& layout, uint8_t* blob);
+                       const PackedLayout& layout, const QuantOptions& options, uint8_t* blob);
 
 }  // namespace kt::cpu

@@ -1,19 +1,10 @@
 #include "gguf_types.h"
 
+#include <iterator>
 #include <stdexcept>
 
 namespace kt::cpu {
 namespace {
-
-constexpr GgmlTypeInfo kTypes[] = {
-    {GgmlType::kF32, "F32", 1, 4, true},        {GgmlType::kF16, "F16", 1, 2, true},
-    {GgmlType::kBf16, "BF16", 1, 2, true},      {GgmlType::kQ4_0, "Q4_0", 32, 18, false},
-    {GgmlType::kQ4_1, "Q4_1", 32, 20, false},   {GgmlType::kQ5_0, "Q5_0", 32, 22, false},
-    {GgmlType::kQ5_1, "Q5_1", 32, 24, false},   {GgmlType::kQ8_0, "Q8_0", 32, 34, false},
-    {GgmlType::kQ2_K, "Q2_K", 256, 84, false},  {GgmlType::kQ3_K, "Q3_K", 256, 110, false},
-    {GgmlType::kQ4_K, "Q4_K", 256, 144, false}, {GgmlType::kQ5_K, "Q5_K", 256, 176, false},
-    {GgmlType::kQ6_K, "Q6_K", 256, 210, false},
-};
 
 // Names of the ggml types kt_ops has no kernel for, for the error message.
 const char* unsupported_name(uint32_t id) {
@@ -41,16 +32,23 @@ const char* unsupported_name(uint32_t id) {
   }
 }
 
+// "F32, F16, ... and Q6_K": the types of kGgmlTypes, for the error message.
+std::string supported_names() {
+  std::string names;
+  const size_t count = std::size(kGgmlTypes);
+  for (size_t i = 0; i < count; ++i)
+    names += std::string(i == 0 ? "" : i + 1 == count ? " and " : ", ") + kGgmlTypes[i].name;
+  return names;
+}
+
 }  // namespace
 
 const GgmlTypeInfo& ggml_type_info(uint32_t id) {
-  for (const GgmlTypeInfo& info : kTypes)
+  for (const GgmlTypeInfo& info : kGgmlTypes)
     if (static_cast<uint32_t>(info.type) == id) return info;
   const char* name = unsupported_name(id);
-  throw std::invalid_argument(
-      std::string("GGUF tensor type ") + (name ? name : "id " + std::to_string(id)) +
-      " is not supported; kt_ops computes F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, "
-      "Q3_K, Q4_K, Q5_K and Q6_K experts");
+  throw std::invalid_argument(std::string("GGUF tensor type ") + (name ? name : "id " + std::to_string(id)) +
+                              " is not supported; kt_ops computes " + supported_names() + " experts");
 }
 
 uint64_t ggml_row_bytes(uint32_t id, uint64_t k, const std::string& what) {

@@ -1,6 +1,8 @@
-// [NOTE] The GGUF (ggml) tensor types kt_ops computes on, with their block geometry as
-// GGUF stores them (ggml-common.h; docs/formats.md). A row of K elements is K / block
-// consecutive blocks; a stacked expert tensor [E, rows, K] is E * rows such rows.
+// [NOTE] The GGUF (ggml) tensor types kt_ops computes on: the sub-table of format gguf
+// (../format_table.h), with each type's block geometry as GGUF stores it (ggml-common.h;
+// docs/formats.md). A row of K elements is K / block consecutive blocks; a stacked
+// expert tensor [E, rows, K] is E * rows such rows. It lives here, below the format
+// table, because the header reader and the GGUF packer need the geometry too.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +33,32 @@ struct GgmlTypeInfo {
   uint32_t block_elems;  // elements per block: 1 (float types), 32 or 256
   uint32_t block_bytes;  // bytes per block
   bool is_float;         // F32 / F16 / BF16: no quantization blocks
+  // The type llama.cpp stores a tensor in instead when its row length is not a multiple
+  // of this type's block (llama-quant.cpp; K-quants only), or nullptr. It need not be a
+  // type kt_ops computes (IQ4_NL is not).
+  const char* llama_cpp_fallback;
+  // The AVX-512 variants (avx512, avx512_bf16, amx) dot experts with few tokens (decode)
+  // straight from this type's bytes instead of decoding its rows first
+  // (kernels/gguf/gguf_q4k_avx512.h, gguf_q6k_avx512.h, gguf_q8_avx512.h).
+  bool avx512_in_place;
+};
+
+// Every type kt_ops computes (docs/formats.md has a row for each): float types first,
+// then by block size and bits.
+inline constexpr GgmlTypeInfo kGgmlTypes[] = {
+    {GgmlType::kF32, "F32", 1, 4, true, nullptr, false},
+    {GgmlType::kF16, "F16", 1, 2, true, nullptr, false},
+    {GgmlType::kBf16, "BF16", 1, 2, true, nullptr, false},
+    {GgmlType::kQ4_0, "Q4_0", 32, 18, false, nullptr, true},
+    {GgmlType::kQ4_1, "Q4_1", 32, 20, false, nullptr, false},
+    {GgmlType::kQ5_0, "Q5_0", 32, 22, false, nullptr, true},
+    {GgmlType::kQ5_1, "Q5_1", 32, 24, false, nullptr, false},
+    {GgmlType::kQ8_0, "Q8_0", 32, 34, false, nullptr, true},
+    {GgmlType::kQ2_K, "Q2_K", 256, 84, false, "IQ4_NL", false},
+    {GgmlType::kQ3_K, "Q3_K", 256, 110, false, "IQ4_NL", false},
+    {GgmlType::kQ4_K, "Q4_K", 256, 144, false, "Q5_0", true},
+    {GgmlType::kQ5_K, "Q5_K", 256, 176, false, "Q5_1", false},
+    {GgmlType::kQ6_K, "Q6_K", 256, 210, false, "Q8_0", true},
 };
 
 // Throws std::invalid_argument naming the type (or its id) when kt_ops has no kernel for it.

@@ -32,6 +32,9 @@ constexpr int64_t kKAlign = 32;          // K padding (int8) and activation-sum 
 constexpr uint32_t kInt8MaxK = 65536;    // int32 sums of u8 x s8 products stay exact
 constexpr int kInt8Zero = 128;           // stored byte of q = 0 (int8)
 constexpr int kInt4Zero = 8;             // q of w = 0 (symmetric int4)
+// INT4 k-groups (kt-kernel's sizes): multiples of kKAlign, so a group's activation sums
+// are whole 32-k sums. The format table reads the allowed sizes from here.
+constexpr uint32_t kGroupSizes[] = {32, 64, 128};
 
 constexpr int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;

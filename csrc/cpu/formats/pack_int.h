@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "../kernels/moe_args.h"
+#include "../isa/element_type.h"
 #include "packed_header.h"
 #include "quantize.h"
 

@@ -1,7 +1,10 @@
 #include "packed_header.h"
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <stdexcept>
+#include <string>
 
 #include "bf16_layout.h"
 #include "gguf_types.h"
@@ -44,50 +47,40 @@ const char* gguf_matrix_name(int m) { return m == 0 ? "gate_proj" : m == 1 ? "up
   throw std::invalid_argument("packed experts: " + why);
 }
 
-// int4: group 32, 64 or 128 dividing H and I. int8: no group (0); its int32 sums need
-// H, I <= 65536 (|sum| <= 255 * 127 * 65536 < 2^31).
-void check_group_size(const PackedShape& shape) {
-  const std::string name = packed_format_name(shape.format);
+// "32, 64 or 128": int_layout::kGroupSizes for the messages.
+std::string group_size_choices() {
+  std::string choices;
+  const size_t count = std::size(int_layout::kGroupSizes);
+  for (size_t i = 0; i < count; ++i)
+    choices += (i == 0 ? "" : i + 1 == count ? " or " : ", ") + std::to_string(int_layout::kGroupSizes[i]);
+  return choices;
+}
+
+// int4 formats: a group size of int_layout::kGroupSizes dividing H and I. int8: no group
+// (0); its int32 sums need H, I <= int_layout::kInt8MaxK (|sum| <= 255 * 127 * 65536 < 2^31).
+void check_int_shape(const PackedShape& shape) {
   if (shape.format == PackedFormat::kInt8) {
     if (shape.group_size != 0)
       throw std::invalid_argument("format int8 is per output channel; group_size must be 0, got " +
                                   std::to_string(shape.group_size));
     if (shape.hidden_size > int_layout::kInt8MaxK || shape.intermediate_size > int_layout::kInt8MaxK)
-      throw std::invalid_argument("format int8 needs H and I <= 65536 (int32 accumulation)");
+      throw std::invalid_argument("format int8 needs H and I <= " + std::to_string(int_layout::kInt8MaxK) +
+                                  " (int32 accumulation)");
     return;
   }
   const uint32_t g = shape.group_size;
-  if (g != 32 && g != 64 && g != 128)
-    throw std::invalid_argument("format " + name + " needs group_size 32, 64 or 128, got " +
+  if (std::find(std::begin(int_layout::kGroupSizes), std::end(int_layout::kGroupSizes), g) ==
+      std::end(int_layout::kGroupSizes))
+    throw std::invalid_argument("int4 formats need group_size " + group_size_choices() + ", got " +
                                 std::to_string(g));
   if (shape.hidden_size % g != 0 || shape.intermediate_size % g != 0)
-    throw std::invalid_argument("format " + name + ": group_size " + std::to_string(g) +
+    throw std::invalid_argument("int4 formats: group_size " + std::to_string(g) +
                                 " must divide hidden_size H = " + std::to_string(shape.hidden_size) +
                                 " and intermediate_size I = " +
                                 std::to_string(shape.intermediate_size));
 }
 
 }  // namespace
-
-const char* packed_format_name(PackedFormat format) {
-  switch (format) {
-    case PackedFormat::kBf16: return "bf16";
-    case PackedFormat::kInt8: return "int8";
-    case PackedFormat::kInt4: return "int4";
-    case PackedFormat::kInt4Asym: return "int4_asym";
-    case PackedFormat::kGguf: return "gguf";
-  }
-  throw std::invalid_argument("unknown packed format id " +
-                              std::to_string(static_cast<uint32_t>(format)));
-}
-
-PackedFormat parse_packed_format(const std::string& name) {
-  for (PackedFormat format : {PackedFormat::kBf16, PackedFormat::kInt8, PackedFormat::kInt4,
-                              PackedFormat::kInt4Asym, PackedFormat::kGguf})
-    if (name == packed_format_name(format)) return format;
-  throw std::invalid_argument("unknown packed format '" + name +
-                              "'; expected one of: bf16, int8, int4, int4_asym, gguf");
-}
 
 PackedLayout packed_layout(const PackedShape& shape) {
   if (shape.num_experts == 0 || shape.hidden_size == 0 || shape.intermediate_size == 0)
@@ -124,13 +117,15 @@ PackedLayout packed_layout(const PackedShape& shape) {
     case PackedFormat::kInt8:
     case PackedFormat::kInt4:
     case PackedFormat::kInt4Asym: {
-      check_group_size(shape);
+      check_int_shape(shape);
       const int_layout::Dims dims(shape);
       layout.gate_up_expert_bytes = dims.gate_up.expert_bytes();
       layout.down_expert_bytes = dims.down.expert_bytes();
       break;
     }
-    default: packed_format_name(shape.format);  // throws for unknown ids
+    default:
+      throw std::invalid_argument("unknown packed format id " +
+                                  std::to_string(static_cast<uint32_t>(shape.format)));
   }
   if (shape.format == PackedFormat::kBf16 && shape.group_size != 0)
     throw std::invalid_argument("format bf16 has no groups; group_size must be 0, got " +

@@ -12,11 +12,12 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 namespace kt::cpu {
 
-// Weight formats (formats/bf16_layout.h, formats/int_layout.h, docs/formats.md).
+// Weight formats: the id a header stores. Each has one row in the format table
+// (../format_table.h: name, methods, packer, kernels ...) and a layout here
+// (bf16_layout.h, int_layout.h, gguf_types.h); docs/formats.md describes them.
 enum class PackedFormat : uint32_t {
   kBf16 = 1,       // bf16
   kInt8 = 2,       // int8, symmetric per output channel
@@ -24,11 +25,6 @@ enum class PackedFormat : uint32_t {
   kInt4Asym = 4,   // int4 with a per-group minimum (zero point)
   kGguf = 5,       // GGUF blocks, a ggml type per matrix (formats/gguf_types.h)
 };
-
-// Names: "bf16", "int8", "int4", "int4_asym", "gguf". Throws std::invalid_argument for unknown
-// names / values.
-const char* packed_format_name(PackedFormat format);
-PackedFormat parse_packed_format(const std::string& name);
 
 constexpr char kPackedMagic[8] = {'K', 'T', 'O', 'P', 'S', 'P', 'K', '\0'};
 constexpr uint32_t kPackedVersion = 1;
@@ -39,12 +35,13 @@ struct PackedShape {
   uint32_t num_experts = 0;
   uint32_t hidden_size = 0;
   uint32_t intermediate_size = 0;
-  uint32_t group_size = 0;  // int4 formats: 32, 64 or 128 (dividing H and I); else 0
+  uint32_t group_size = 0;  // int4 formats: one of int_layout::kGroupSizes dividing H and I; else 0
   uint32_t numa_parts = 1;  // parts the intermediate dimension is split into (1: none)
   uint32_t gguf_types[3] = {0, 0, 0};  // gguf: ggml type ids of gate, up, down
 };
 
-enum GgufMatrix { kGgufGate = 0, kGgufUp = 1, kGgufDown = 2 };
+// Index of a gguf matrix in PackedShape::gguf_types and PackedLayout::matrix_*.
+enum GgufMatrixIndex { kGgufGate = 0, kGgufUp = 1, kGgufDown = 2 };
 
 struct PackedLayout {
   PackedShape shape;
@@ -58,7 +55,7 @@ struct PackedLayout {
   uint64_t matrix_expert_bytes[3] = {0, 0, 0};
 };
 
-// Throws std::invalid_argument for impossible shapes (zero sizes, unknown format, a
+// Throws std::invalid_argument for impossible shapes (zero sizes, unknown format id, a
 // group size the format does not allow or that does not divide H and I).
 PackedLayout packed_layout(const PackedShape& shape);
 

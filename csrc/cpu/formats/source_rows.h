@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "../kernels/moe_args.h"
+#include "../isa/element_type.h"
 
 namespace kt::cpu {
 

@@ -1,6 +1,8 @@
-// [NOTE] The kernel table: for each packed format, the MoE forward of every CPU variant
-// (as ggml-cpu's type_traits_cpu). A variant without its own kernel for a format names
-// the kernel it runs instead, so kt_ops.doctor() can say exactly what executes.
+// [NOTE] The kernel columns of the format table (../format_table.h): for each packed
+// format, the MoE forward that each CPU variant runs (as ggml-cpu's type_traits_cpu). A
+// variant without its own kernel for a format names the kernel it runs instead, so
+// kt_ops.doctor() says exactly what executes. The rows are in ../format_table.cpp; this
+// header is what the operator glue needs to call one.
 #pragma once
 
 #include "../formats/packed_header.h"
@@ -16,7 +18,8 @@ struct MoeKernel {
   const char* name;  // e.g. "bf16/avx512_bf16 (vdpbf16ps)"
 };
 
-// Throws std::invalid_argument for a format with no kernels.
+// The kernel of `format`'s row under `variant`. Throws std::invalid_argument for a
+// format id with no row.
 MoeKernel moe_kernel(PackedFormat format, CpuVariant variant);
 
 }  // namespace kt::cpu

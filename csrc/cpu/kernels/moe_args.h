@@ -5,10 +5,9 @@
 #include <cstdint>
 
 #include "../formats/packed_header.h"
+#include "../isa/element_type.h"
 
 namespace kt::cpu {
-
-enum class ElementType { kF32, kBf16, kF16 };
 
 struct MoeArgs {
   const void* hidden = nullptr;  // [tokens, hidden_size] of hidden_type, row-major

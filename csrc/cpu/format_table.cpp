@@ -1,0 +1,126 @@
+#include "format_table.h"
+
+#include <iterator>
+#include <stdexcept>
+
+#include "formats/bf16_layout.h"
+#include "formats/gguf_quantize.h"
+#include "formats/int_layout.h"
+#include "formats/pack_bf16.h"
+#include "formats/pack_int.h"
+#include "kernels/variants/variant_entries.h"
+
+namespace kt::cpu {
+namespace {
+
+constexpr const char* kOracle = "kt_ops.reference.dequantize";
+constexpr const uint32_t* kInt4Groups = int_layout::kGroupSizes;
+constexpr size_t kNumInt4Groups = std::size(int_layout::kGroupSizes);
+constexpr uint32_t kInt4DefaultGroup = 128;  // kt-kernel's default
+
+// Rows in header-id order (checked below). The bf16 and int layouts store 16-row blocks
+// of 64-byte lines (bf16_layout.h, int_layout.h); gguf rows of ggml blocks (gguf_types.h).
+constexpr FormatRow kRows[] = {
+    {PackedFormat::kBf16, "bf16", {"BF16", nullptr}, false,
+     bf16_layout::kBlockRows, 2, bf16_layout::kLineBytes, 0,
+     RowRule::kAny, 2, 0, nullptr, 0, 0, false,
+     pack_bf16_experts, "pack_bf16_experts", ActivationQuant::kNone, kOracle,
+     {{moe_forward_bf16_avx2, "bf16/avx2 (fp32 FMA on widened bf16)"},
+      {moe_forward_bf16_avx512, "bf16/avx512 (fp32 FMA on widened bf16)"},
+      {moe_forward_bf16_avx512_bf16, "bf16/avx512_bf16 (vdpbf16ps)"},
+      {moe_forward_bf16_amx, "bf16/amx (tdpbf16ps tiles; vdpbf16ps for decode and tails)"}}},
+    {PackedFormat::kInt8, "int8", {"AMXINT8", "MOE_INT8"}, false,
+     int_layout::kBlockRows, 4, int_layout::kLineBytes, 4,
+     RowRule::kAny, int_layout::kKAlign, int_layout::kInt8MaxK, nullptr, 0, 0, true,
+     pack_int_experts, "pack_int_experts", ActivationQuant::kInt8PerToken, kOracle,
+     {{moe_forward_int8_avx2, "int8/avx2 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int8_avx512, "int8/avx512 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int8_avx512_bf16, "int8/avx512_bf16 (vpdpbusd)"},
+      {moe_forward_int8_amx, "int8/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}}},
+    {PackedFormat::kInt4, "int4", {"AMXINT4", "MOE_INT4"}, false,
+     int_layout::kBlockRows, 8, int_layout::kLineBytes, 4,
+     RowRule::kGroupSize, 1, 0, kInt4Groups, kNumInt4Groups, kInt4DefaultGroup, true,
+     pack_int_experts, "pack_int_experts", ActivationQuant::kInt8PerToken, kOracle,
+     {{moe_forward_int4_avx2, "int4/avx2 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int4_avx512, "int4/avx512 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int4_avx512_bf16, "int4/avx512_bf16 (vpdpbusd)"},
+      {moe_forward_int4_amx, "int4/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}}},
+    {PackedFormat::kInt4Asym, "int4_asym", {"AMXINT4", "MOE_INT4"}, true,
+     int_layout::kBlockRows, 8, int_layout::kLineBytes, 8,
+     RowRule::kGroupSize, 1, 0, kInt4Groups, kNumInt4Groups, kInt4DefaultGroup, true,
+     pack_int_experts, "pack_int_experts", ActivationQuant::kInt8PerToken, kOracle,
+     {{moe_forward_int4_asym_avx2, "int4_asym/avx2 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int4_asym_avx512, "int4_asym/avx512 (vpmaddubsw + vpmaddwd)"},
+      {moe_forward_int4_asym_avx512_bf16, "int4_asym/avx512_bf16 (vpdpbusd)"},
+      {moe_forward_int4_asym_amx, "int4_asym/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}}},
+    {PackedFormat::kGguf, "gguf", {"LLAMAFILE", nullptr}, false,
+     1, 0, 0, 0,
+     RowRule::kGgmlBlock, 1, 0, nullptr, 0, 0, false,
+     pack_gguf_experts, "pack_gguf_experts", ActivationQuant::kGgmlBlocks, kOracle,
+     {{moe_forward_gguf_avx2, "gguf/avx2 (vpmaddubsw + vpmaddwd on decoded blocks)"},
+      {moe_forward_gguf_avx512,
+       "gguf/avx512 (vpmaddubsw + vpmaddwd on decoded blocks; in-place types dotted from their bytes "
+       "for decode)"},
+      {moe_forward_gguf_avx512_bf16,
+       "gguf/avx512_bf16 (vpdpbusd on decoded blocks; in-place types dotted from their bytes for decode)"},
+      {moe_forward_gguf_amx,
+       "gguf/amx (tdpbf16ps tiles on rows decoded to bf16 for calls averaging >= 8 tokens per expert; "
+       "below that the avx512_bf16 path: vpdpbusd on decoded blocks, in-place types for decode)"}}},
+};
+
+constexpr bool rows_in_id_order() {
+  for (size_t i = 0; i < std::size(kRows); ++i)
+    if (static_cast<size_t>(kRows[i].format) != i + 1) return false;
+  return true;
+}
+static_assert(rows_in_id_order(), "kRows must list the formats in PackedFormat id order, 1 first");
+
+}  // namespace
+
+FormatTable format_table() { return {std::begin(kRows), std::end(kRows)}; }
+
+const FormatRow& format_row(PackedFormat format) {
+  const size_t id = static_cast<size_t>(format);
+  if (id < 1 || id > std::size(kRows))
+    throw std::invalid_argument("unknown packed format id " + std::to_string(id));
+  return kRows[id - 1];
+}
+
+MoeKernel moe_kernel(PackedFormat format, CpuVariant variant) {
+  return format_row(format).by_variant[static_cast<int>(variant)];
+}
+
+const char* packed_format_name(PackedFormat format) { return format_row(format).name; }
+
+PackedFormat parse_packed_format(const std::string& name) {
+  std::string names;
+  for (const FormatRow& row : kRows) {
+    if (name == row.name) return row.format;
+    names += std::string(names.empty() ? "" : ", ") + row.name;
+  }
+  throw std::invalid_argument("unknown packed format '" + name + "'; expected one of: " + names);
+}
+
+const char* activation_quant_name(ActivationQuant activations) {
+  switch (activations) {
+    case ActivationQuant::kNone: return "none";
+    case ActivationQuant::kInt8PerToken: return "int8_per_token";
+    case ActivationQuant::kGgmlBlocks: return "int8_ggml_blocks";
+  }
+  throw std::invalid_argument("unknown activation quantization");
+}
+
+const char* row_rule_name(RowRule rule) {
+  switch (rule) {
+    case RowRule::kAny: return "any";
+    case RowRule::kGroupSize: return "group_size";
+    case RowRule::kGgmlBlock: return "ggml_block";
+  }
+  throw std::invalid_argument("unknown row-length rule");
+}
+
+bool gguf_reads_in_place(const GgmlTypeInfo& type, CpuVariant variant) {
+  return type.avx512_in_place && variant >= CpuVariant::kAvx512;
+}
+
+}  // namespace kt::cpu
