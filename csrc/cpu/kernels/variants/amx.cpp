@@ -21,18 +21,18 @@
 
 namespace kt::cpu {
 
-void moe_forward_bf16_amx(const MoeArgs& args) { moe_forward<Bf16Format<Bf16GemmAmx>>(args); }
-void moe_forward_int8_amx(const MoeArgs& args) {
+void bf16_moe_amx(const MoeArgs& args) { moe_forward<Bf16Format<Bf16GemmAmx>>(args); }
+void int8_moe_amx(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemmAmx<QuantKind::kInt8>>>(args);
 }
-void moe_forward_int4_amx(const MoeArgs& args) {
+void int4_moe_amx(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemmAmx<QuantKind::kInt4>>>(args);
 }
-void moe_forward_int4_asym_amx(const MoeArgs& args) {
+void int4_asym_moe_amx(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemmAmx<QuantKind::kInt4Asym>>>(args);
 }
 
-void moe_forward_gguf_amx(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni, GgufAmx>>(args); }
+void gguf_moe_amx(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni, GgufAmx>>(args); }
 
 }  // namespace kt::cpu
 

@@ -19,18 +19,18 @@
 
 namespace kt::cpu {
 
-void moe_forward_bf16_avx2(const MoeArgs& args) { moe_forward<Bf16Format<Bf16GemmAvx2>>(args); }
-void moe_forward_int8_avx2(const MoeArgs& args) {
+void bf16_moe_avx2(const MoeArgs& args) { moe_forward<Bf16Format<Bf16GemmAvx2>>(args); }
+void int8_moe_avx2(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemm<IntOpsAvx2, QuantKind::kInt8>>>(args);
 }
-void moe_forward_int4_avx2(const MoeArgs& args) {
+void int4_moe_avx2(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemm<IntOpsAvx2, QuantKind::kInt4>>>(args);
 }
-void moe_forward_int4_asym_avx2(const MoeArgs& args) {
+void int4_asym_moe_avx2(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemm<IntOpsAvx2, QuantKind::kInt4Asym>>>(args);
 }
 
-void moe_forward_gguf_avx2(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx2>>(args); }
+void gguf_moe_avx2(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx2>>(args); }
 
 }  // namespace kt::cpu
 

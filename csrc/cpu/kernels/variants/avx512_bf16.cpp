@@ -19,18 +19,18 @@
 
 namespace kt::cpu {
 
-void moe_forward_bf16_avx512_bf16(const MoeArgs& args) { moe_forward<Bf16Format<Bf16GemmAvx512Bf16>>(args); }
-void moe_forward_int8_avx512_bf16(const MoeArgs& args) {
+void bf16_moe_avx512_bf16(const MoeArgs& args) { moe_forward<Bf16Format<Bf16GemmAvx512Bf16>>(args); }
+void int8_moe_avx512_bf16(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemm<IntOpsAvx512Vnni, QuantKind::kInt8>>>(args);
 }
-void moe_forward_int4_avx512_bf16(const MoeArgs& args) {
+void int4_moe_avx512_bf16(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemm<IntOpsAvx512Vnni, QuantKind::kInt4>>>(args);
 }
-void moe_forward_int4_asym_avx512_bf16(const MoeArgs& args) {
+void int4_asym_moe_avx512_bf16(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemm<IntOpsAvx512Vnni, QuantKind::kInt4Asym>>>(args);
 }
 
-void moe_forward_gguf_avx512_bf16(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni>>(args); }
+void gguf_moe_avx512_bf16(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni>>(args); }
 
 }  // namespace kt::cpu
 
