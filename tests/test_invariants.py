@@ -96,9 +96,9 @@ def routed(tokens: int, choices: list[int], g: torch.Generator) -> torch.Tensor:
 
 
 def scenario_batches(layer: Layer, scenario: str) -> list[Batch]:
-    """The probes among ``tokens - len(probes)`` others routed as the scenario says: one
-    call holding every probe with random routing, one call per probe otherwise (the
-    others routed to that probe's experts)."""
+    """Calls of ``tokens`` tokens holding the probes: one call with every probe where the
+    others are routed at random, one call per probe otherwise (the others routed to that
+    probe's experts, or to them and one more)."""
     tokens, routing = SCENARIOS[scenario]
     px, pids, pw = probes(layer)
     groups = [list(range(len(PROBE_IDS)))] if routing == "random" else [[p] for p in range(len(PROBE_IDS))]
@@ -115,7 +115,7 @@ def scenario_batches(layer: Layer, scenario: str) -> list[Batch]:
         else:
             ids = routed(tokens, list(range(E)), g)
         rows = {}
-        for i, p in enumerate(group):  # spread over the call, the last probe in the last row
+        for i, p in enumerate(group):  # spread over the call, the first probe in the last row
             row = tokens - 1 - (tokens * i) // len(group) if len(group) > 1 else tokens // 2 + tokens % 2
             x[row], ids[row], weights[row] = px[p], pids[p], pw[p]
             rows[row] = p
