@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -9,20 +10,31 @@ import torch
 
 import kt_ops
 
+# A per-variant CI pass (scripts/test_all_variants.sh) sets KT_OPS_CPU_VARIANT: the
+# `variant` fixture then runs that variant only, the other passes cover the others.
+PINNED_VARIANT = os.environ.get("KT_OPS_CPU_VARIANT") or None
 
-def variant_params() -> list:
-    """Every variant kt_ops knows, skipped with the reason where this CPU lacks it."""
+
+def variant_params(pinned: str | None = None) -> list:
+    """Every variant kt_ops knows, skipped with the reason where this CPU lacks it, or,
+    with ``pinned``, where it is not that one."""
     params = []
     for name in kt_ops.CPU_VARIANTS:
         missing = kt_ops.missing_features(name)
-        marks = [pytest.mark.skip(reason=f"{name} unsupported here: missing {missing}")] if missing else []
+        if missing:
+            marks = [pytest.mark.skip(reason=f"{name} unsupported here: missing {missing}")]
+        elif pinned is not None and name != pinned:
+            marks = [pytest.mark.skip(reason=f"this pass runs KT_OPS_CPU_VARIANT={pinned} only")]
+        else:
+            marks = []
         params.append(pytest.param(name, marks=marks, id=name))
     return params
 
 
-@pytest.fixture(params=variant_params())
+@pytest.fixture(params=variant_params(PINNED_VARIANT))
 def variant(request: pytest.FixtureRequest):
-    """Runs the test under one CPU variant, restoring the previous one afterwards."""
+    """Runs the test under one CPU variant, restoring the previous one afterwards. Under
+    ``KT_OPS_CPU_VARIANT`` only that variant runs (the others are skipped)."""
     previous = kt_ops.cpu_variant()
     kt_ops.set_cpu_variant(request.param)
     yield request.param

@@ -80,6 +80,7 @@ def test_converted_equals_online_quantization(tmp_path, checkpoint, weights, qua
     assert not torch.equal(converted, outputs(out, 2, method, **kw))
 
 
+@pytest.mark.slow
 def test_fp8_input(tmp_path):
     H8, I8 = 256, 192
     ws = make_weights([0, 1], E, H8, I8, seed=2)
@@ -160,6 +161,7 @@ def test_verification_catches_wrong_weights(tmp_path, checkpoint, monkeypatch, c
     assert "from the reference" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_command_line_entry_points(tmp_path, checkpoint):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "kt_ops.convert", "--input-path", checkpoint, "--input-type",

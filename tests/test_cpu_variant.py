@@ -31,6 +31,7 @@ def test_active_variant_is_the_best_supported() -> None:
         assert (name in supported) == (kt_ops.missing_features(name) == "")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", variant_params())
 def test_environment_forces_each_supported_variant(name: str) -> None:
     result = import_with_variant(name)

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_demo_generates_with_the_patched_model() -> None:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     args = ["--layers", "2", "--hidden", "256", "--experts", "8", "--top-k", "2", "--intermediate", "128",

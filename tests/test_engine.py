@@ -107,6 +107,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_num_threads_environment_variable() -> None:
     result = run_python("import kt_ops; print(kt_ops.get_num_threads())", KT_OPS_NUM_THREADS="3")
     assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr

@@ -204,6 +204,7 @@ def check_layer_from_file(packed: kt_ops.PackedExperts, layer: dict, E: int, H: 
     check_kernel(packed.data, *weights, E, 2, H, 5, seed=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [0, 2], ids=["single", "split"])
 def test_load_gguf_model(tmp_path, split: int) -> None:
     """A tiny Q4_K_M-style MoE written by gguf.GGUFWriter (3 layers, 8 experts), single

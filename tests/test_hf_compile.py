@@ -23,6 +23,7 @@ def tokens(batch: int, length: int = 11) -> torch.Tensor:
     return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(batch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_fullgraph_matches_eager_and_does_not_recompile_per_batch_size(arch: str) -> None:
     torch._dynamo.reset()
@@ -45,6 +46,7 @@ def test_fullgraph_matches_eager_and_does_not_recompile_per_batch_size(arch: str
     assert counter.frame_count == frames, f"recompiled: {counter.frame_count} frames after the first call's {frames}"
 
 
+@pytest.mark.slow
 def test_no_graph_break_in_a_patched_model() -> None:
     torch._dynamo.reset()
     model = patched("deepseek_v3")
@@ -54,6 +56,7 @@ def test_no_graph_break_in_a_patched_model() -> None:
     assert explanation.graph_count == 1
 
 
+@pytest.mark.slow
 def test_generated_code_calls_the_operator_once_per_layer() -> None:
     torch._dynamo.reset()
     model = patched("qwen2_moe")

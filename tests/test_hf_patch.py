@@ -78,6 +78,7 @@ def test_layer_matches_the_hf_block(arch: str) -> None:
         assert rel_error(expected, actual) <= tolerance, (dtype, rel_error(expected, actual))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("seed", [2, 4])
 def test_greedy_generation_matches(arch: str, seed: int) -> None:
@@ -108,6 +109,7 @@ def test_greedy_generation_matches(arch: str, seed: int) -> None:
             assert gap <= GAP, f"step {step - 6}: the patched token is {gap:.2f} std below the unpatched choice"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("method, kwargs, tolerance", [
     ("AMXINT8", {}, 8e-2),
@@ -123,6 +125,7 @@ def test_quantized_methods(arch: str, method: str, kwargs: dict, tolerance: floa
     assert 0 < error <= tolerance
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gpu_experts_mask_gives_the_same_result(arch: str) -> None:
     model = fp32_with_bf16_weights(arch)

@@ -344,6 +344,7 @@ print(rss("VmHWM:") - base)
 """
 
 
+@pytest.mark.slow
 def test_loading_streams_one_layer(tmp_path):
     """Peak extra memory while loading one layer stays a small multiple of that layer."""
     layers = list(range(8))
