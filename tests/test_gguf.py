@@ -109,14 +109,14 @@ def test_mixed_types(variant: str, types: tuple[str, str, str]) -> None:
         check_kernel(blob, gate, up, down, E, k, H, tokens, seed=tokens)
 
 
-@pytest.mark.parametrize("types", [("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_0", "Q5_0")], ids="-".join)
-def test_direct_and_decoded_experts_in_one_call(variant: str, types: tuple[str, str, str]) -> None:
-    """Batch decode: on the AVX-512 variants experts with <= 2 tokens are dotted from
-    their bytes and expert 0 (5 tokens) from decoded rows, in one call sharing the
-    direct path's activations (Q4_K's permuted order)."""
+@pytest.mark.parametrize("types", [("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_0", "Q5_0"),
+                                   ("Q6_K", "Q5_K", "Q4_1")], ids="-".join)
+def test_experts_with_few_and_many_tokens_in_one_call(variant: str, types: tuple[str, str, str]) -> None:
+    """Batch decode: experts with 1, 2, 3 and 6 tokens in one call (the in-place kernels'
+    token blocks of 4 and their tails, beside decoded matrices) agree with the reference."""
     E, k, H, I = 6, 2, 512, 256
     blob, gate, up, down = packed_from_blocks(types, E, H, I, seed=11)
-    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [1, 2]], dtype=torch.int32)
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [1, 2], [0, 1]], dtype=torch.int32)
     check_kernel(blob, gate, up, down, E, k, H, ids.shape[0], seed=5, ids=ids)
 
 
