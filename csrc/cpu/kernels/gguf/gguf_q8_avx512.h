@@ -41,6 +41,17 @@ void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t*
   const int64_t blocks = k / 32;
   for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
     const bool pair = b0 + 1 < blocks;
+    __m512i a[M], start[M];
+    __m512 sa[M];
+#pragma GCC unroll 4
+    for (int j = 0; j < M; ++j) {
+      a[j] = _mm512_loadu_si512(aq[j] + 32 * b0);
+      sa[j] = _mm512_loadu_ps(scale4[j] + 8 * b0);
+      const __m512i bias = _mm512_loadu_si512(bias4[j] + 8 * b0);
+      start[j] = kType == GgmlType::kQ4_0   ? _mm512_srai_epi32(bias, 4)
+                 : kType == GgmlType::kQ5_0 ? _mm512_srai_epi32(bias, 3)
+                 : (Ops::kInt8Bias != 0 ? bias : _mm512_setzero_si512());
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + kBytes * b0;
@@ -48,10 +59,12 @@ void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t*
         _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes), _MM_HINT_T0);
         if (kBytes * 2 > 64) _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + 64), _MM_HINT_T0);
       }
-      uint16_t h0, h1 = 0;
+      int16_t h0, h1 = 0;
       std::memcpy(&h0, b, 2);
       if (pair) std::memcpy(&h1, b + kBytes, 2);
-      const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(h0)), _mm256_set1_ps(_cvtsh_ss(h1)), 1);
+      // the blocks' d in lanes 0-7 / 8-15 (one conversion of the broadcast halves)
+      const __m512 d =
+          _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(h0)), _mm_set1_epi16(h1), 1));
       __m512i w;  // the two blocks' levels in weight order (Q8_0: offset binary)
       if constexpr (kNibbles) {  // nibbles: low = weight j, high = j + 16
         __m256i v = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs)));
@@ -72,14 +85,8 @@ void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t*
       }
 #pragma GCC unroll 4
       for (int j = 0; j < M; ++j) {
-        const __m512i a = _mm512_loadu_si512(aq[j] + 32 * b0);
-        const __m512 sa = _mm512_loadu_ps(scale4[j] + 8 * b0);
-        const __m512i bias = _mm512_loadu_si512(bias4[j] + 8 * b0);
-        const __m512i start = kType == GgmlType::kQ4_0   ? _mm512_srai_epi32(bias, 4)
-                              : kType == GgmlType::kQ5_0 ? _mm512_srai_epi32(bias, 3)
-                              : (Ops::kInt8Bias != 0 ? bias : _mm512_setzero_si512());
-        const __m512i p = kNibbles ? Ops::dot(start, w, a) : Ops::dot_int8(start, w, a);
-        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, sa), acc[j][i]);
+        const __m512i p = kNibbles ? Ops::dot(start[j], w, a[j]) : Ops::dot_int8(start[j], w, a[j]);
+        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, sa[j]), acc[j][i]);
       }
     }
   }
