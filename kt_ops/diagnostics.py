@@ -19,7 +19,7 @@ def _methods(fmt: FormatInfo) -> str:
 def doctor() -> str:
     """A report: torch, CPU variants (supported or what is missing), the active variant,
     threads, and for every row of the format table the kernel it runs under the active
-    variant (for gguf also the ggml types that variant reads in place for decode)."""
+    variant (for gguf also the ggml types that variant reads in place)."""
     active = cpu_variant()
     lines = [f"torch {torch.__version__}", f"active CPU variant: {active}"]
     for variant in CPU_VARIANTS:
@@ -33,5 +33,5 @@ def doctor() -> str:
         if fmt.k_rule == "ggml_block":
             in_place = [t.name for t in GGML_TYPES if active in t.in_place_variants]
             lines.append(f"  {'':{width}s}  ggml types: {', '.join(t.name for t in GGML_TYPES)}")
-            lines.append(f"  {'':{width}s}  read in place for decode: {', '.join(in_place) if in_place else 'none'}")
+            lines.append(f"  {'':{width}s}  read in place: {', '.join(in_place) if in_place else 'none'}")
     return "\n".join(lines)

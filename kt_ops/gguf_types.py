@@ -34,7 +34,7 @@ class GgmlTypeInfo:
     """The type llama.cpp stores a tensor in instead when its row length is not a multiple
     of ``block_elems`` (K-quants), or None; it need not be one kt_ops computes."""
     in_place_variants: tuple[str, ...]
-    """CPU variants whose kernel dots this type straight from its bytes for decode."""
+    """CPU variants whose kernel dots this type straight from its bytes."""
 
 
 # The rows of the C++ ggml-type table (docs/formats.md has a row for each).

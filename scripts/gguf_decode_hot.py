@@ -3,12 +3,15 @@
 S1 sizes (H 2048, I 768) with only the 8 experts a token uses, so the 21-40 MB layer
 stays in the L3 between calls; prints the median time and the weight bytes it would
 stream per second. Compare with ``python -m kt_ops.bench`` (caches evicted).
+TOKENS=n routes n tokens to the same 8 experts (n tokens per expert: the in-place
+kernels' token blocks); N sets the timed calls (300).
 
     .venv/bin/python scripts/gguf_decode_hot.py [Q4_K Q8_0 ...]
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -22,15 +25,16 @@ def main(types: list[str]) -> None:
     experts, top_k, hidden, inter = 8, 8, 2048, 768
     gate = torch.randn(experts, inter, hidden, dtype=torch.bfloat16) * 0.02
     down = torch.randn(experts, hidden, inter, dtype=torch.bfloat16) * 0.02
-    x = torch.randn(1, hidden, dtype=torch.bfloat16)
-    ids, weights = torch.arange(top_k)[None], torch.rand(1, top_k)
-    print(f"variant {kt_ops.cpu_variant()}, {kt_ops.get_num_threads()} threads")
+    tokens = int(os.environ.get("TOKENS", "1"))
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    ids, weights = torch.arange(top_k)[None].repeat(tokens, 1), torch.rand(tokens, top_k)
+    print(f"variant {kt_ops.cpu_variant()}, {kt_ops.get_num_threads()} threads, {tokens} tokens")
     for name in types:
         packed = kt_ops.pack_experts(gate, gate, down, method="LLAMAFILE", gguf_type=name)
         for _ in range(20):
             kt_ops.moe_forward(x, ids, weights, packed)
         times = []
-        for _ in range(int(__import__("os").environ.get("N", "300"))):
+        for _ in range(int(os.environ.get("N", "300"))):
             start = time.perf_counter()
             kt_ops.moe_forward(x, ids, weights, packed)
             times.append(time.perf_counter() - start)

@@ -204,7 +204,7 @@ def test_doctor_lists_every_format_with_the_active_kernel() -> None:
         assert re.search(rf"^  {info.name} +methods? {', '.join(info.methods)}.*: {re.escape(info.kernels[active])}$",
                          report, re.MULTILINE), info.name
     in_place = [t.name for t in gguf_types.GGML_TYPES if active in t.in_place_variants]
-    assert f"read in place for decode: {', '.join(in_place) or 'none'}" in report
+    assert f"read in place: {', '.join(in_place) or 'none'}" in report
 
 
 # --- docs/formats.md is checked against it --------------------------------------------------

@@ -11,6 +11,10 @@ Per kernel case, two comparisons that can each fail on their own:
   and activations rounded to bf16 instead, same bound;
 - the issue's bound: plain fp32 reference on the gguf-dequantized weights, relative
   (Frobenius) error <= 3e-2 (the 8-bit activation blocks cost 1-2%).
+
+Batch invariance (test_batch_invariance): a token's output row is bit-identical whatever
+the other tokens of the call, live_tokens and the thread count (outside the amx tile
+path, which by design runs calls averaging TILE_MIN_PAIRS tokens per expert in bf16).
 """
 
 from __future__ import annotations
@@ -109,14 +113,14 @@ def test_mixed_types(variant: str, types: tuple[str, str, str]) -> None:
         check_kernel(blob, gate, up, down, E, k, H, tokens, seed=tokens)
 
 
-@pytest.mark.parametrize("types", [("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_0", "Q5_0")], ids="-".join)
-def test_direct_and_decoded_experts_in_one_call(variant: str, types: tuple[str, str, str]) -> None:
-    """Batch decode: on the AVX-512 variants experts with <= 2 tokens are dotted from
-    their bytes and expert 0 (5 tokens) from decoded rows, in one call sharing the
-    direct path's activations (Q4_K's permuted order)."""
+@pytest.mark.parametrize("types", [("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_0", "Q5_0"),
+                                   ("Q6_K", "Q5_K", "Q4_1")], ids="-".join)
+def test_experts_with_few_and_many_tokens_in_one_call(variant: str, types: tuple[str, str, str]) -> None:
+    """Batch decode: experts with 1, 2, 3 and 6 tokens in one call (the in-place kernels'
+    token blocks of 4 and their tails, beside decoded matrices) agree with the reference."""
     E, k, H, I = 6, 2, 512, 256
     blob, gate, up, down = packed_from_blocks(types, E, H, I, seed=11)
-    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [1, 2]], dtype=torch.int32)
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [1, 2], [0, 1]], dtype=torch.int32)
     check_kernel(blob, gate, up, down, E, k, H, ids.shape[0], seed=5, ids=ids)
 
 
@@ -340,3 +344,60 @@ def test_corrupt_gguf_blob_is_refused() -> None:
     bad[96:104] = torch.tensor([0xFF] * 8, dtype=torch.uint8)  # gate offset field
     with pytest.raises(ValueError, match="checksum"):
         kt_ops.moe_forward(x, ids, weights, bad)
+
+
+# --- batch invariance ------------------------------------------------------------------
+
+# Layers whose matrices the AVX-512 variants read in place (the mixed one as Q4_K_M files).
+IN_PLACE_LAYERS = [("Q4_K",) * 3, ("Q6_K",) * 3, ("Q8_0",) * 3, ("Q4_0",) * 3, ("Q5_0",) * 3, ("Q4_K", "Q4_K", "Q6_K")]
+# Tokens per expert that a token's experts get among others (4-token blocks and their tails).
+SHARED_COUNTS = (1, 2, 3, 5, 9, 17)
+
+
+def batch_around(token: int, first: int, second: int, E: int, seed: int) -> tuple[torch.Tensor, int]:
+    """ids [T, 2] where a token routed to experts (0, 1) sits among others so that expert 0
+    has `first` tokens and expert 1 `second`, every other expert at least one (no call
+    averages the amx tile path's tokens per expert); returns ids and the token's row."""
+    g = torch.Generator().manual_seed(seed)
+    others = [[0, 2 + i % (E - 2)] for i in range(first - 1)]
+    others += [[1, 2 + (i + 3) % (E - 2)] for i in range(second - 1)]
+    others += [[e, 2 + (e - 1) % (E - 2)] for e in range(2, E)]  # fillers: every expert active
+    order = torch.randperm(len(others), generator=g).tolist()
+    rows = [others[i] for i in order]
+    at = min(token, len(rows))
+    rows.insert(at, [0, 1])
+    return torch.tensor(rows, dtype=torch.int32), at
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("types", IN_PLACE_LAYERS, ids="-".join)
+def test_batch_invariance(variant: str, types: tuple[str, str, str], dtype: torch.dtype) -> None:
+    """A token's output row is bit-identical whatever else is in the call: alone, among
+    tokens that give its experts 1 .. 17 tokens each, padded past live_tokens, on one
+    thread or all."""
+    E, H, I = 12, (1024 if block_of(types[0]) == 256 else 1056), (256 if block_of(types[2]) == 256 else 160)
+    blob = packed_from_blocks(types, E, H, I, seed=17)[0]
+    threads = kt_ops.get_num_threads()
+    for probe in range(3):  # bf16 output rounding hides most 1-ulp fp32 differences: several tokens
+        g = torch.Generator().manual_seed(probe)
+        token = torch.randn(1, H, generator=g).to(dtype)
+        token_weights = torch.rand(1, 2, generator=g) + 0.1
+        try:
+            kt_ops.set_num_threads(1)
+            alone = kt_ops.moe_forward(token, torch.tensor([[0, 1]], dtype=torch.int32), token_weights, blob)[0]
+        finally:
+            kt_ops.set_num_threads(threads)
+        for i, first in enumerate(SHARED_COUNTS):
+            second = SHARED_COUNTS[(i + 2 + probe) % len(SHARED_COUNTS)]
+            ids, at = batch_around(7 * i + probe, first, second, E, seed=i)
+            assert not takes_tile_path(ids)
+            x = torch.randn(ids.shape[0], H, generator=g).to(dtype)
+            weights = torch.rand(ids.shape[0], 2, generator=g) + 0.1
+            x[at], weights[at] = token[0], token_weights[0]
+            out = kt_ops.moe_forward(x, ids, weights, blob)
+            assert torch.equal(out[at], alone), f"expert 0: {first} tokens, expert 1: {second}"
+            # Padded past live_tokens with more tokens for its experts (not computed).
+            pad = torch.tensor([[0, 1]] * 5, dtype=torch.int32)
+            out = kt_ops.moe_forward(torch.cat([x, x[:5]]), torch.cat([ids, pad]), torch.cat([weights, weights[:5]]),
+                                     blob, torch.tensor([ids.shape[0]], dtype=torch.int32))
+            assert torch.equal(out[at], alone), f"live_tokens, expert 0: {first} tokens, expert 1: {second}"

@@ -59,13 +59,13 @@ constexpr FormatRow kRows[] = {
      pack_gguf_experts, "pack_gguf_experts", ActivationQuant::kGgmlBlocks, kOracle,
      {{gguf_moe_avx2, "gguf/avx2 (vpmaddubsw + vpmaddwd on decoded blocks)"},
       {gguf_moe_avx512,
-       "gguf/avx512 (vpmaddubsw + vpmaddwd on decoded blocks; in-place types dotted from their bytes "
-       "for decode)"},
+       "gguf/avx512 (vpmaddubsw + vpmaddwd; in-place types dotted from their bytes, the others "
+       "decoded once per job)"},
       {gguf_moe_avx512_bf16,
-       "gguf/avx512_bf16 (vpdpbusd on decoded blocks; in-place types dotted from their bytes for decode)"},
+       "gguf/avx512_bf16 (vpdpbusd; in-place types dotted from their bytes, the others decoded once per job)"},
       {gguf_moe_amx,
        "gguf/amx (tdpbf16ps tiles on rows decoded to bf16 for calls averaging >= 8 tokens per expert; "
-       "below that the avx512_bf16 path: vpdpbusd on decoded blocks, in-place types for decode)"}}},
+       "below that the avx512_bf16 path)"}}},
 };
 
 constexpr bool rows_in_id_order() {

@@ -102,8 +102,9 @@ const char* activation_quant_name(ActivationQuant activations);
 // "any", "group_size", "ggml_block".
 const char* row_rule_name(RowRule rule);
 
-// Whether the gguf kernel of `variant` dots `type` from its bytes for decode (the
-// AVX-512 variants, for the types kGgmlTypes marks avx512_in_place).
+// Whether the gguf kernel of `variant` dots `type` from its bytes (the AVX-512
+// variants, for the types kGgmlTypes marks avx512_in_place; any number of tokens, except
+// amx's tile path).
 bool gguf_reads_in_place(const GgmlTypeInfo& type, CpuVariant variant);
 
 }  // namespace kt::cpu

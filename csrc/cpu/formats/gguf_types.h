@@ -37,8 +37,8 @@ struct GgmlTypeInfo {
   // of this type's block (llama-quant.cpp; K-quants only), or nullptr. It need not be a
   // type kt_ops computes (IQ4_NL is not).
   const char* llama_cpp_fallback;
-  // The AVX-512 variants (avx512, avx512_bf16, amx) dot experts with few tokens (decode)
-  // straight from this type's bytes instead of decoding its rows first
+  // The AVX-512 variants (avx512, avx512_bf16, amx) dot this type straight from its
+  // bytes for any number of tokens instead of decoding its rows first
   // (kernels/gguf/gguf_q4k_avx512.h, gguf_q6k_avx512.h, gguf_q8_avx512.h).
   bool avx512_in_place;
 };

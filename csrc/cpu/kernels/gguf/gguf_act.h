@@ -90,16 +90,5 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
   }
 }
 
-// A decoded Q4_K unit into kGgufQ4kOrder, the order of the direct path's activations, so
-// that experts with more tokens (decoded once, gguf_dot.h) share those activations in a
-// call where others run direct: the levels and their per-4 scales move with their values
-// (in blocks of 32); the per-16 minimums multiply the order-independent sums16 and stay.
-inline void gguf_q4k_order_decoded(GgufDecoded& unit) {
-  for (int half = 0; half < 256; half += 128) {
-    std::swap_ranges(unit.q + half + 32, unit.q + half + 64, unit.q + half + 64);
-    std::swap_ranges(unit.scale + (half + 32) / 4, unit.scale + (half + 64) / 4, unit.scale + (half + 64) / 4);
-  }
-}
-
 }  // namespace
 }  // namespace kt::cpu

@@ -6,7 +6,10 @@
 //                  need (8-bit blocks of 32 or 256; gguf_act.h); fp32 for float types.
 //   gate + up:     jobs (expert, up to 256 rows): the rows are dotted with every token
 //                  routed to the expert (gguf_rows.h) into fp32 gate and up rows [P, Ip];
-//                  act() is written over the gate rows (the intermediate).
+//                  act() is written over the gate rows (the intermediate). On AVX-512 the
+//                  types gguf_types.h marks avx512_in_place are read from their bytes for
+//                  any number of tokens (each unit of 4 rows extracted once per 4 tokens);
+//                  the others are decoded once per job and dotted with every token.
 //   intermediate:  zero past I, quantized for down's format.
 //   down:          jobs (expert, up to 256 hidden rows), same micro-kernels.
 // With a tile unit (Tile = GgufAmx, amx variant), calls averaging kGgufTileMinPairs or
@@ -19,7 +22,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
 #include <vector>
 
@@ -47,26 +49,20 @@ class GgufFormat {
   using Vec = typename Ops::Vec;
   using Inter = float;
   static constexpr bool kScaled = false;
+  // The variant has the in-place kernels (AVX-512: one register per 64-byte line). They
+  // serve their types for every number of tokens, so a matrix's activation format
+  // follows its type, never the call.
+  static constexpr bool kInPlace = Ops::kRegsPerLine == 1;
 
   GgufFormat(const MoeArgs& args, const MoePlan& plan, int threads)
       : plan_(plan),
         tokens_(args.tokens),
         hidden_(args.layout.shape.hidden_size),
         intermediate_(args.layout.shape.intermediate_size),
-        gate_(args.packed, args.layout, kGgufGate, intermediate_, hidden_),
-        up_(args.packed, args.layout, kGgufUp, intermediate_, hidden_),
-        down_(args.packed, args.layout, kGgufDown, hidden_, intermediate_) {
+        gate_(args.packed, args.layout, kGgufGate, intermediate_, hidden_, kInPlace),
+        up_(args.packed, args.layout, kGgufUp, intermediate_, hidden_, kInPlace),
+        down_(args.packed, args.layout, kGgufDown, hidden_, intermediate_, kInPlace) {
     const int64_t active = static_cast<int64_t>(plan.active_experts.size());
-    // The in-place types re-extract each unit per token: experts with at most
-    // kGgufDirectMaxPairs tokens run direct, the others decode their rows once (in the
-    // direct path's activation order; gguf_rows).
-    int64_t min_pairs = plan.num_pairs + 1;
-    for (int32_t e : plan.active_experts) min_pairs = std::min(min_pairs, plan.expert_begin[e + 1] - plan.expert_begin[e]);
-    if constexpr (Ops::kRegsPerLine == 1)
-      for (GgufMatrix* m : {&gate_, &up_, &down_})
-        m->direct = min_pairs <= kGgufDirectMaxPairs &&
-                    (m->type == GgmlType::kQ4_K || m->type == GgmlType::kQ6_K || m->type == GgmlType::kQ8_0 ||
-                     m->type == GgmlType::kQ4_0 || m->type == GgmlType::kQ5_0);
     if constexpr (Tile::kEnabled) tile_ = plan.num_pairs >= kGgufTileMinPairs * active;
     gate_up_rows_ = tile_ ? kGgufJobRows : streaming_job_rows(active * intermediate_, threads);
     down_rows_ = tile_ ? kGgufJobRows : streaming_job_rows(active * hidden_, threads);

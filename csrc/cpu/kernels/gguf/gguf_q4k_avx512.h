@@ -27,13 +27,18 @@ inline __m512i q4k_scale_select(int lo, int hi) {
   return _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
 }
 
-// out[i] = dot(Q4_K row i, activation row) for i < 4, the rows walked in lockstep (four
-// memory streams in flight). aq: permuted levels [units * 256], scale4: per-4
-// activation scales (one value per unit), level_sums: [units * 16] int16, per unit 8
-// zeros then the level sum of each sub-block (gguf_act.h).
-template <class Ops>
-void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* aq, const float* scale4,
-                        const int16_t* level_sums, int64_t units, float* out) {
+// out[4 * j + i] = dot(Q4_K row i, activation row j) for i < 4, j < M: the rows walked in
+// lockstep (four memory streams in flight), each unit's nibbles and scales extracted once
+// and dotted with the M activation rows. Row j: aq[j] permuted levels [units * 256],
+// scale4[j] per-4 activation scales (one value per unit), level_sums[j] [units * 16]
+// int16, per unit 8 zeros then the level sum of each sub-block (gguf_act.h). Each
+// (row, activation row) result takes the same integer sums and float operations, into the
+// same lanes and in the same order, whatever M: a token's result does not depend on the
+// others dotted with it. prefetch: request the rows' bytes kGgufPrefetchBytes ahead (the
+// first pass over a row group; later token blocks find them in the cache).
+template <class Ops, int M>
+void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
+                        const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   // Chunk c's int32 lanes 0-7 / 8-15 belong to sub-blocks (0, 2), (1, 3), (4, 6), (5, 7).
   const __m512i select[4] = {q4k_scale_select(0, 2), q4k_scale_select(1, 3), q4k_scale_select(4, 6),
@@ -42,9 +47,13 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* aq, const floa
   const __m512i first_words = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i dmin01 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m512i dmin23 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
-  __m512 acc[4], accm01 = _mm512_setzero_ps(), accm23 = _mm512_setzero_ps();
+  __m512 acc[M][4], accm01[M], accm23[M];
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+  for (int j = 0; j < M; ++j) {
+    accm01[j] = accm23[j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
+  }
   // ggml's get_scale_min_k4 on 4 rows at once: 128-bit lane i = row i's 16 header bytes
   // (words d|dmin, s0, s1, s2), out words: s0 & k6 | (s2 & k4) + (s0 >> 6 & k2) << 4 |
   // s1 & k6 | (s2 >> 4 & k4) + (s1 >> 6 & k2) << 4, i.e. 8 scales then 8 minimums.
@@ -52,54 +61,67 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* aq, const floa
   const __m512i k2hi = _mm512_set4_epi32(0x03030303, 0, 0x03030303, 0);
   const __m512i low_shift = _mm512_set4_epi32(4, 0, 0, 0);
   for (int64_t u = 0; u < units; ++u) {
-    const int8_t* a = aq + u * 256;
-    const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 64), a2 = _mm512_loadu_si512(a + 128),
-                  a3 = _mm512_loadu_si512(a + 192);
-    const __m512i sums = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums + u * 16)));
     __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + u * 144)));
     raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + u * 144)), 1);
     raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2] + u * 144)), 2);
     raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[3] + u * 144)), 3);
-    // [d0 dmin0 d1 dmin1 d2 dmin2 d3 dmin3] * da
-    const __m512 d = _mm512_castps256_ps512(
-        _mm256_mul_ps(_mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(first_words, raw))),
-                      _mm256_set1_ps(scale4[u * 64])));
+    // [d0 dmin0 d1 dmin1 d2 dmin2 d3 dmin3], times each activation row's da below
+    const __m256 dw = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(first_words, raw)));
     const __m512i p = _mm512_shuffle_epi32(raw, static_cast<_MM_PERM_ENUM>(0xED));  // s0 s2 s1 s2
     const __m512i q = _mm512_shuffle_epi32(raw, static_cast<_MM_PERM_ENUM>(0xA5));  // s0 s0 s1 s1
     const __m512i scale_bytes = _mm512_or_si512(
         _mm512_and_si512(_mm512_srlv_epi32(p, low_shift), k6k4),
         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q, 6), k2hi), 4));
-    // Minimums: int16 [8 scales, 8 minimums] of rows 0-1 (2-3) times [0 x 8, level sums].
-    const __m512i m01 = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(scale_bytes)), sums);
-    const __m512i m23 = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(scale_bytes, 1)), sums);
-    accm01 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m01), _mm512_permutexvar_ps(dmin01, d), accm01);
-    accm23 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m23), _mm512_permutexvar_ps(dmin23, d), accm23);
+    // int16 [8 scales, 8 minimums] of rows 0-1 (2-3)
+    const __m512i sm01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(scale_bytes));
+    const __m512i sm23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(scale_bytes, 1));
+    __m512 d[M];
+#pragma GCC unroll 4
+    for (int j = 0; j < M; ++j) {
+      d[j] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_set1_ps(scale4[j][u * 64])));
+      // Minimums: [8 scales, 8 minimums] times [0 x 8, level sums], times dmin * da.
+      const __m512i sums =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums[j] + u * 16)));
+      accm01[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(sm01, sums)),
+                                  _mm512_permutexvar_ps(dmin01, d[j]), accm01[j]);
+      accm23[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(sm23, sums)),
+                                  _mm512_permutexvar_ps(dmin23, d[j]), accm23[j]);
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * 144;
-      for (int line = 0; line < 144; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      if (prefetch)
+        for (int line = 0; line < 144; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
       const __m512i own = _mm512_shuffle_i32x4(scale_bytes, scale_bytes, 0x55 * i);  // row i's lane x 4
       const __m512i qa = _mm512_loadu_si512(b + 16), qb = _mm512_loadu_si512(b + 80);
-      const __m512i w0 = _mm512_maddubs_epi16(_mm512_and_si512(qa, low), a0);
-      const __m512i w1 = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(qa, 4), low), a1);
-      const __m512i w2 = _mm512_maddubs_epi16(_mm512_and_si512(qb, low), a2);
-      const __m512i w3 = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(qb, 4), low), a3);
-      __m512i t = Ops::dot16(_mm512_setzero_si512(), w0, _mm512_shuffle_epi8(own, select[0]));
-      t = Ops::dot16(t, w1, _mm512_shuffle_epi8(own, select[1]));
-      t = Ops::dot16(t, w2, _mm512_shuffle_epi8(own, select[2]));
-      t = Ops::dot16(t, w3, _mm512_shuffle_epi8(own, select[3]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(_mm512_set1_epi32(2 * i), d), acc[i]);
+      const __m512i l0 = _mm512_and_si512(qa, low), l1 = _mm512_and_si512(_mm512_srli_epi16(qa, 4), low);
+      const __m512i l2 = _mm512_and_si512(qb, low), l3 = _mm512_and_si512(_mm512_srli_epi16(qb, 4), low);
+      const __m512i s0 = _mm512_shuffle_epi8(own, select[0]), s1 = _mm512_shuffle_epi8(own, select[1]);
+      const __m512i s2 = _mm512_shuffle_epi8(own, select[2]), s3 = _mm512_shuffle_epi8(own, select[3]);
+#pragma GCC unroll 4
+      for (int j = 0; j < M; ++j) {
+        const int8_t* a = aq[j] + u * 256;
+        __m512i t = Ops::dot16(_mm512_setzero_si512(), _mm512_maddubs_epi16(l0, _mm512_loadu_si512(a)), s0);
+        t = Ops::dot16(t, _mm512_maddubs_epi16(l1, _mm512_loadu_si512(a + 64)), s1);
+        t = Ops::dot16(t, _mm512_maddubs_epi16(l2, _mm512_loadu_si512(a + 128)), s2);
+        t = Ops::dot16(t, _mm512_maddubs_epi16(l3, _mm512_loadu_si512(a + 192)), s3);
+        acc[j][i] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(_mm512_set1_epi32(2 * i), d[j]), acc[j][i]);
+      }
     }
   }
-  alignas(64) float minimums[32];
-  _mm512_store_ps(minimums, accm01);
-  _mm512_store_ps(minimums + 16, accm23);
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    float m = 0.0f;
-    for (int l = 4; l < 8; ++l) m += minimums[8 * i + l];  // lanes 0-3: scales x zeros
-    out[i] = _mm512_reduce_add_ps(acc[i]) - m;
+  for (int j = 0; j < M; ++j) {
+    alignas(64) float minimums[32];
+    _mm512_store_ps(minimums, accm01[j]);
+    _mm512_store_ps(minimums + 16, accm23[j]);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      float m = 0.0f;
+      for (int l = 4; l < 8; ++l) m += minimums[8 * i + l];  // lanes 0-3: scales x zeros
+      out[4 * j + i] = _mm512_reduce_add_ps(acc[j][i]) - m;
+    }
   }
 }
 

@@ -20,12 +20,15 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-// out[i] = dot(Q6_K row i, activation row) for i < 4, the rows walked in lockstep (four
-// memory streams in flight). aq: levels [units * 256], scale4: per-4 activation scales
-// (one value per unit), level_sums: [units * 16] int16, the level sum of each 16 values.
-template <class Ops>
-void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* aq, const float* scale4,
-                        const int16_t* level_sums, int64_t units, float* out) {
+// out[4 * j + i] = dot(Q6_K row i, activation row j) for i < 4, j < M: the rows walked in
+// lockstep (four memory streams in flight), each unit's levels and scales extracted once
+// and dotted with the M activation rows. Row j: aq[j] levels [units * 256], scale4[j]
+// per-4 activation scales (one value per unit), level_sums[j] [units * 16] int16, the
+// level sum of each 16 values. Each (row, activation row) result takes the same
+// operations in the same order whatever M (gguf_q4k_dot_rows4); prefetch as there.
+template <class Ops, int M>
+void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
+                        const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
   const __m512i low = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
   const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
@@ -37,20 +40,18 @@ void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* aq, const floa
     select[c] = _mm512_setr_epi32(pair[0], pair[0], pair[0], pair[0], pair[1], pair[1], pair[1], pair[1], pair[2],
                                   pair[2], pair[2], pair[2], pair[3], pair[3], pair[3], pair[3]);
   }
-  __m512 acc[4];
+  __m512 acc[M][4];
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+  for (int j = 0; j < M; ++j)
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t u = 0; u < units; ++u) {
-    const int8_t* a = aq + u * 256;
-    const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 64), a2 = _mm512_loadu_si512(a + 128),
-                  a3 = _mm512_loadu_si512(a + 192);
-    const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums + u * 16));
-    const float da = scale4[u * 64];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * 210;
-      for (int line = 0; line < 256; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      if (prefetch)
+        for (int line = 0; line < 256; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
       const __m512i ql0 = _mm512_loadu_si512(b), ql1 = _mm512_loadu_si512(b + 64), qh = _mm512_loadu_si512(b + 128);
       const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
       const __m512i sc = _mm512_castsi256_si512(scales);  // lanes 16-31 never selected
@@ -60,18 +61,29 @@ void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* aq, const floa
         const __m512i top = high ? _mm512_srlv_epi16(h, right) : _mm512_sllv_epi16(h, left);
         return _mm512_or_si512(nibbles, _mm512_and_si512(top, bits45));
       };
-      __m512i t = Ops::dot16(_mm512_setzero_si512(), _mm512_maddubs_epi16(levels(ql0, h0, false), a0),
-                             _mm512_permutexvar_epi16(select[0], sc));
-      t = Ops::dot16(t, _mm512_maddubs_epi16(levels(ql0, h0, true), a1), _mm512_permutexvar_epi16(select[1], sc));
-      t = Ops::dot16(t, _mm512_maddubs_epi16(levels(ql1, h1, false), a2), _mm512_permutexvar_epi16(select[2], sc));
-      t = Ops::dot16(t, _mm512_maddubs_epi16(levels(ql1, h1, true), a3), _mm512_permutexvar_epi16(select[3], sc));
-      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 5);  // 32 * scale_g * sum_g
-      t = _mm512_sub_epi32(t, _mm512_zextsi256_si512(offset));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(gguf_f16(b + 208) * da), acc[i]);
+      const __m512i v0 = levels(ql0, h0, false), v1 = levels(ql0, h0, true), v2 = levels(ql1, h1, false),
+                    v3 = levels(ql1, h1, true);
+      const __m512i s0 = _mm512_permutexvar_epi16(select[0], sc), s1 = _mm512_permutexvar_epi16(select[1], sc),
+                    s2 = _mm512_permutexvar_epi16(select[2], sc), s3 = _mm512_permutexvar_epi16(select[3], sc);
+      const float d = gguf_f16(b + 208);
+#pragma GCC unroll 4
+      for (int j = 0; j < M; ++j) {
+        const int8_t* a = aq[j] + u * 256;
+        __m512i t = Ops::dot16(_mm512_setzero_si512(), _mm512_maddubs_epi16(v0, _mm512_loadu_si512(a)), s0);
+        t = Ops::dot16(t, _mm512_maddubs_epi16(v1, _mm512_loadu_si512(a + 64)), s1);
+        t = Ops::dot16(t, _mm512_maddubs_epi16(v2, _mm512_loadu_si512(a + 128)), s2);
+        t = Ops::dot16(t, _mm512_maddubs_epi16(v3, _mm512_loadu_si512(a + 192)), s3);
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums[j] + u * 16));
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 5);  // 32 * scale_g * sum_g
+        t = _mm512_sub_epi32(t, _mm512_zextsi256_si512(offset));
+        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(d * scale4[j][u * 64]), acc[j][i]);
+      }
     }
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+  for (int j = 0; j < M; ++j)
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) out[4 * j + i] = _mm512_reduce_add_ps(acc[j][i]);
 }
 
 }  // namespace

@@ -38,7 +38,7 @@ inline int64_t streaming_job_rows(int64_t rows, int threads) {
 
 constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's direct path
 constexpr int kGgufQ6kActs = 258;  // of Q6_K's: 256-value blocks with int16 sums of 16
-constexpr int64_t kGgufDirectMaxPairs = 2;  // tokens per expert up to which the direct paths run
+constexpr int kGgufDirectTokens = 4;  // activation rows per pass of the in-place kernels (registers)
 // Average tokens per active expert from which a tile unit runs the call (tests mirror it).
 constexpr int64_t kGgufTileMinPairs = 8;
 
@@ -52,18 +52,21 @@ struct GgufMatrix {
   GgmlType type;
   bool is_float;
   GgufDecodeRowFn decode;  // quantized types
-  bool direct;             // experts with <= kGgufDirectMaxPairs tokens dotted from the bytes (Q4_K, Q6_K,
-                           // Q8_0, Q4_0, Q5_0; AVX-512 variants)
+  bool direct;             // dotted from its bytes (gguf_direct_rows), not decoded: the types
+                           // gguf_types.h marks avx512_in_place, where the variant has the
+                           // in-place kernels (AVX-512)
   int64_t k, kp;  // row length and its padded length (multiple of 256)
 
-  GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_)
+  // in_place: the variant has the in-place kernels. The choice depends on the matrix's
+  // type only, never on the call's tokens (batch invariance).
+  GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_, bool in_place)
       : first_expert(blob + layout.matrix_offset[m]),
         expert_bytes(layout.matrix_expert_bytes[m]),
         row_bytes(layout.matrix_expert_bytes[m] / rows),
         type(ggml_type_info(layout.shape.gguf_types[m]).type),
         is_float(ggml_type_info(layout.shape.gguf_types[m]).is_float),
         decode(gguf_decoder(type)),
-        direct(false),
+        direct(in_place && ggml_type_info(layout.shape.gguf_types[m]).avx512_in_place),
         k(k_),
         kp(round_up(k_, kGgufSuper)) {}
   const uint8_t* row(int64_t expert, int64_t n) const {
@@ -123,13 +126,42 @@ void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& ac
     gguf_dot_rows<Ops, false, false, NR>(rows, q, s, sums, bias4, units, out);
 }
 
+// One in-place kernel call: `rows` (4 rows of m) dotted with activation rows
+// act_row(p) for the M pairs p = p0 .. p0 + M - 1, out[4 * j + i] (row i, pair p0 + j).
+template <class Ops, int M>
+void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const GgufActs& acts,
+                       const int32_t* act_rows, int64_t p0, bool prefetch, float* out) {
+  const int8_t* q[M];
+  const float* scale4[M];
+  const int32_t* bias4[M];
+  const int16_t* level_sums[M];
+  for (int j = 0; j < M; ++j) {
+    const int64_t a = act_rows != nullptr ? act_rows[p0 + j] : p0 + j;
+    q[j] = acts.q + a * m.kp;
+    scale4[j] = acts.scale + a * (m.kp / 4);
+    bias4[j] = acts.bias4 + a * (m.kp / 4);
+    level_sums[j] = acts.level_sums + a * (m.kp / 16);
+  }
+  const int64_t units = m.kp / kGgufSuper;
+  switch (m.type) {
+    case GgmlType::kQ4_K: return gguf_q4k_dot_rows4<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
+    case GgmlType::kQ6_K: return gguf_q6k_dot_rows4<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
+    case GgmlType::kQ8_0:
+      return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, prefetch, out);
+    case GgmlType::kQ4_0:
+      return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, prefetch, out);
+    default: return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, bias4, prefetch, out);
+  }
+}
+
 // Q4_K / Q6_K / Q8_0 / Q4_0 / Q5_0 rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of
 // the range apart at a time, so four memory streams are in flight (1-token S1 Q4_K:
-// 7.5 -> 16 GB/s).
+// 7.5 -> 16 GB/s), each group of four dotted with the pairs in blocks of
+// kGgufDirectTokens (one extraction of the rows per block, no decoded copy).
 template <class Ops>
 void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                       const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
-  const int64_t units = m.kp / kGgufSuper, stride = (n1 - n0 + 3) / 4;
+  const int64_t stride = (n1 - n0 + 3) / 4;
   // The kernels prefetch kGgufPrefetchBytes ahead; the first bytes of each stream are
   // requested here, all at once, instead of one stream after the other.
   for (int i = 0; i < 4; ++i) {
@@ -144,24 +176,19 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
       n[i] = std::min(n0 + j + i * stride, n1 - 1);  // past the end: repeat the last row
       rows[i] = m.row(expert, n[i]);
     }
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t a = act_rows != nullptr ? act_rows[p] : p;
-      float result[4];
-      const int8_t* q = acts.q + a * m.kp;
-      const float* scale4 = acts.scale + a * (m.kp / 4);
-      const int32_t* bias4 = acts.bias4 + a * (m.kp / 4);
-      switch (m.type) {
-        case GgmlType::kQ4_K:
-          gguf_q4k_dot_rows4<Ops>(rows, q, scale4, acts.level_sums + a * (m.kp / 16), units, result);
-          break;
-        case GgmlType::kQ6_K:
-          gguf_q6k_dot_rows4<Ops>(rows, q, scale4, acts.level_sums + a * (m.kp / 16), units, result);
-          break;
-        case GgmlType::kQ8_0: gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0>(rows, m.k, q, scale4, bias4, result); break;
-        case GgmlType::kQ4_0: gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0>(rows, m.k, q, scale4, bias4, result); break;
-        default: gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0>(rows, m.k, q, scale4, bias4, result); break;
+    for (int64_t p = p0; p < p1; p += kGgufDirectTokens) {
+      float result[4 * kGgufDirectTokens];
+      const int64_t count = std::min<int64_t>(kGgufDirectTokens, p1 - p);
+      const bool prefetch = p == p0;  // later blocks find the rows in the cache
+      static_assert(kGgufDirectTokens == 4);
+      switch (count) {
+        case 4: gguf_direct_block<Ops, 4>(m, rows, acts, act_rows, p, prefetch, result); break;
+        case 3: gguf_direct_block<Ops, 3>(m, rows, acts, act_rows, p, prefetch, result); break;
+        case 2: gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p, prefetch, result); break;
+        default: gguf_direct_block<Ops, 1>(m, rows, acts, act_rows, p, prefetch, result); break;
       }
-      for (int i = 0; i < 4; ++i) out[p * ldo + n[i]] = result[i];
+      for (int64_t t = 0; t < count; ++t)
+        for (int i = 0; i < 4; ++i) out[(p + t) * ldo + n[i]] = result[4 * t + i];
     }
   }
 }
@@ -173,8 +200,7 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
                const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
   using V = typename Ops::Vec;
   if constexpr (Ops::kRegsPerLine == 1) {
-    if (m.direct && p1 - p0 <= kGgufDirectMaxPairs)
-      return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+    if (m.direct) return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
   }
   const int64_t units = m.kp / kGgufSuper;
   thread_local std::vector<GgufDecoded> decoded_units;
@@ -200,8 +226,6 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
         gguf_float_row<V>(m.type, row, m.k, m.kp, decoded_floats.data() + i * m.kp);
       else
         m.decode(row, m.k, decoded_units.data() + i * units);
-      if (acts.q4k_order)  // other experts of this call run direct, in that order
-        for (int64_t u = 0; u < units; ++u) gguf_q4k_order_decoded(decoded_units[i * units + u]);
     }
     float result[kGgufRows];
     for (int64_t p = p0; p < p1; ++p) {
