@@ -70,14 +70,16 @@ class GgufFormat {
     up_block_ = tile_ ? 0 : up_.act_block();
     down_block_ = tile_ ? 0 : down_.act_block();
     shared_ = gate_block_ == up_block_;
-    if constexpr (Tile::kEnabled) {  // each expert's pairs in B chunks, chunk_at_[e] first
-      chunk_at_.assign(args.layout.shape.num_experts, 0);
-      chunks_.clear();
-      for (int32_t e : plan.active_experts) {
-        if (!tile_) break;
-        chunk_at_[e] = static_cast<int64_t>(chunks_.size());
-        for (int64_t c = 0; c < ceil_div(plan.expert_begin[e + 1] - plan.expert_begin[e], Tile::kChunk); ++c)
-          chunks_.push_back({e, static_cast<int32_t>(c)});
+    // Tile path only (prefill, where these allocations are noise): each expert's pairs
+    // in B chunks, chunk_at_[e] first. Decode calls allocate nothing here.
+    if constexpr (Tile::kEnabled) {
+      if (tile_) {
+        chunk_at_.assign(args.layout.shape.num_experts, 0);
+        for (int32_t e : plan.active_experts) {
+          chunk_at_[e] = static_cast<int64_t>(chunks_.size());
+          for (int64_t c = 0; c < ceil_div(plan.expert_begin[e + 1] - plan.expert_begin[e], Tile::kChunk); ++c)
+            chunks_.push_back({e, static_cast<int32_t>(c)});
+        }
       }
     }
   }
