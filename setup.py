@@ -27,10 +27,14 @@ CUDA_SOURCES = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "csrc/cuda
 # /opt/gcc g++). Its exported std:: symbols then mix with the process's shared libstdc++
 # (two std::locale facet ids) and the first `ostream << int` segfaults; keeping the
 # static copy's symbols local makes the extension self-consistent. No effect otherwise.
-LINK_FLAGS = ["-Wl,--exclude-libs,libstdc++.a"]
+LINK_FLAGS = ["-Wl,--exclude-libs,libstdc++.a", "-fopenmp"]
 # Our sources are C++17; torch >= 2.14's headers require C++20.
 STD = "-std=c++20" if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14) else "-std=c++17"
-CXX_FLAGS = ["-O3", STD, "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-math-errno", "-DNDEBUG"]
+# -fopenmp: csrc/ops/torch_thread_team.cpp runs the kernels' parallel regions on torch's
+# intra-op threads through at::parallel_for, a header template that is an OpenMP region
+# only when compiled with OpenMP. The libgomp it links resolves at load time to the copy
+# torch has already loaded (same soname): one runtime, one set of threads.
+CXX_FLAGS = ["-O3", STD, "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-math-errno", "-DNDEBUG", "-fopenmp"]
 
 
 def with_cuda() -> bool:

@@ -4,7 +4,8 @@ The routed experts of an MoE layer are packed once (:func:`pack_experts`) and ru
 ``torch.ops.kt.moe_forward`` (:func:`moe_forward`), which eager PyTorch and
 ``torch.compile(fullgraph=True)`` call directly. Kernels exist for every CPU variant
 (AVX2, AVX-512, AVX512_BF16, AMX); the best one the CPU supports is chosen at import
-(:func:`cpu_variant`) unless ``KT_OPS_CPU_VARIANT`` forces another.
+(:func:`cpu_variant`) unless ``KT_OPS_CPU_VARIANT`` forces another. The kernels run on
+torch's intra-op threads (:func:`thread_source`).
 """
 
 from kt_ops import reference
@@ -16,6 +17,7 @@ from kt_ops.cpu import (
     set_cpu_variant,
     set_num_threads,
     supported_cpu_variants,
+    thread_source,
 )
 from kt_ops.diagnostics import doctor
 from kt_ops.formats import METHOD_FORMATS
@@ -49,4 +51,5 @@ __all__ = [
     "set_cpu_variant",
     "set_num_threads",
     "supported_cpu_variants",
+    "thread_source",
 ]

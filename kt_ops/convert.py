@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=128, help="int4 k-group (32, 64, 128)")
     parser.add_argument("--threadpool-count", type=int, default=1,
                         help="split each expert's intermediate dimension in N parts (KTMoEWrapper threadpool_count)")
-    parser.add_argument("--cpuinfer-threads", type=int, default=None, help="engine threads (default: physical cores)")
+    parser.add_argument("--cpuinfer-threads", type=int, default=None, help="kernel threads = torch's intra-op threads (default: torch's, the physical cores)")
     parser.add_argument("--no-merge-safetensor", action="store_true", help="keep one file per layer")
     parser.add_argument("--resume-layer", type=int, default=None, help="continue from this layer")
     parser.add_argument("--layers", default=None, help="only layers START-END (inclusive)")

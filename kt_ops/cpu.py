@@ -34,10 +34,14 @@ def missing_features(name: str) -> str:
 
 
 def set_num_threads(n: int) -> None:
-    """Sets the engine's thread count (the caller plus ``n - 1`` pinned helpers).
+    """Sets the number of threads the kernels run on.
 
-    The default is ``KT_OPS_NUM_THREADS`` or the number of physical cores the process may
-    use. Waits for a running kernel; raises ``ValueError`` for ``n < 1``.
+    The kernels run on torch's intra-op threads (see :func:`thread_source`), so this is
+    ``torch.set_num_threads(n)``: one number for torch and kt_ops. ``KT_OPS_NUM_THREADS``,
+    when set, is applied the same way at import; otherwise torch's default (the physical
+    cores) stands. With ``KT_OPS_THREAD_POOL=own`` kt_ops runs its own pool instead: the
+    caller plus ``n - 1`` pinned helpers (default ``KT_OPS_NUM_THREADS`` or the physical
+    cores), rebuilt here after any running kernel. Raises ``ValueError`` for ``n < 1``.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
@@ -45,5 +49,12 @@ def set_num_threads(n: int) -> None:
 
 
 def get_num_threads() -> int:
-    """The engine's thread count, the calling thread included."""
+    """The kernels' thread count, the calling thread included (``torch.get_num_threads()``
+    unless ``KT_OPS_THREAD_POOL=own``)."""
     return _C.get_num_threads()
+
+
+def thread_source() -> str:
+    """Whose threads the kernels run on: torch's intra-op threads (the default) or, with
+    ``KT_OPS_THREAD_POOL=own``, kt_ops' own pinned pools."""
+    return _C.thread_source()

@@ -6,19 +6,14 @@ model and with the model patched by :func:`kt_ops.patch_model`, and prints the t
 and the time spent inside the MoE blocks per generated token (forward hooks around each
 block), the plain Hugging Face experts against ours. Needs ``transformers``.
 
-On a CPU-only machine torch's own OpenMP threads (attention, norms) spin after each
-parallel region and take the cores the expert kernels need: measured here, the MoE
-blocks ran at ~2 ms/layer-token inside generate vs 0.8 standalone. The demo therefore
-re-executes itself with ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is set
-(``--omp-wait-policy active`` keeps torch's default; the plain model is faster so).
+The expert kernels run on torch's own intra-op threads (the attention and norms use the
+same ones), so no environment setting is needed for the two to share the cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -88,18 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=16, help="tokens to generate")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--omp-wait-policy", choices=("passive", "active"), default="passive",
-                        help="OMP_WAIT_POLICY for torch's threads when not set already (default passive)")
     args = parser.parse_args(argv)
-    if "OMP_WAIT_POLICY" not in os.environ:  # only read when OpenMP starts: set it, then start afresh
-        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
-        os.execv(sys.executable, [sys.executable, "-m", "kt_ops.demo", *(sys.argv[1:] if argv is None else argv)])
 
     model = build_model(args.layers, args.hidden, args.experts, args.top_k, args.intermediate, args.seed)
     block = type(model.model.layers[0].mlp)
     prompt = torch.randint(0, 4096, (1, 8), generator=torch.Generator().manual_seed(args.seed))
     print(f"kt_ops {kt_ops.__version__} | torch {torch.__version__} | CPU variant {kt_ops.cpu_variant()}, "
-          f"{kt_ops.get_num_threads()} threads | OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+          f"{kt_ops.get_num_threads()} threads on {kt_ops.thread_source()}")
     print(f"tiny Qwen3-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.top_k}, "
           f"intermediate {args.intermediate}, bf16, random weights")
     reference, hf_moe, hf_total = generate(model, prompt, args.tokens, (block,))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kt_ops._native import _C
-from kt_ops.cpu import CPU_VARIANTS, cpu_variant, get_num_threads, missing_features
+from kt_ops.cpu import CPU_VARIANTS, cpu_variant, get_num_threads, missing_features, thread_source
 from kt_ops.formats import FORMATS, FormatInfo
 from kt_ops.gguf_types import GGML_TYPES
 
@@ -25,7 +25,9 @@ def doctor() -> str:
     for variant in CPU_VARIANTS:
         missing = missing_features(variant)
         lines.append(f"  {variant:12s} {'supported' if not missing else 'unsupported: missing ' + missing}")
-    lines.append(f"engine threads: {get_num_threads()} in {_C.num_pools()} NUMA pool(s)")
+    pools = _C.num_pools()
+    lines.append(f"threads: {get_num_threads()} on {thread_source()}"
+                 + (f", {pools} NUMA pool(s)" if pools else ""))
     lines.append(f"formats (kernel under {active}):")
     width = max(len(fmt.name) for fmt in FORMATS)
     for fmt in FORMATS:

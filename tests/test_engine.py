@@ -1,5 +1,6 @@
-"""The worker engine: thread count, determinism across thread counts, concurrent
-callers, and no spinning while idle (helpers sleep after a short window)."""
+"""The worker engine: torch's threads by default (one pool, one thread count), kt_ops'
+own pools on request, determinism across thread counts, concurrent callers, and no
+spinning while idle."""
 
 from __future__ import annotations
 
@@ -28,19 +29,51 @@ def task_count() -> int:
 
 
 def test_set_and_get(restore_threads) -> None:
+    """kt_ops' thread count is torch's: setting either sets both."""
+    assert kt_ops.thread_source().startswith("torch intra-op threads")
     for n in (1, 2, 3):
         kt_ops.set_num_threads(n)
-        assert kt_ops.get_num_threads() == n
+        assert kt_ops.get_num_threads() == n == torch.get_num_threads()
+    torch.set_num_threads(2)
+    assert kt_ops.get_num_threads() == 2
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive int"):
             kt_ops.set_num_threads(bad)
 
 
-def test_one_thread_means_no_helpers(restore_threads) -> None:
-    kt_ops.set_num_threads(1)
-    one = task_count()
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_for_really_runs_in_parallel(restore_threads, threads: int) -> None:
+    """Jobs that wait for each other finish only if `threads` threads run them at once
+    (an extension built without OpenMP would run torch's parallel_for serially: 1)."""
+    from kt_ops._native import _C
+
+    kt_ops.set_num_threads(threads)
+    assert len(set(_C._engine_thread_ids(threads))) == threads
+    assert len(set(_C._engine_thread_ids(1))) == 1
+
+
+def test_kernels_run_on_torchs_threads(restore_threads) -> None:
+    """One pool: the engine's jobs run on the very threads of torch's parallel_for; once
+    torch has run a parallel op on 3 threads, kt_ops' kernels start no thread of their own;
+    the process maps one OpenMP runtime (the extension's libgomp resolves to torch's copy).
+    Own pools or a second libgomp fail here."""
+    from kt_ops._native import _C
+
     kt_ops.set_num_threads(3)
-    assert task_count() - one == 2
+    assert sorted(_C._engine_thread_ids(3)) == sorted(_C._torch_thread_ids(3))
+    a = torch.randn(512, 512)
+    torch.mm(a, a)  # torch's threads exist now
+    experts = make_experts(8, 200, 136)
+    ids, weights = random_routing(40, 8, 3)
+    x = torch.randn(40, 200).bfloat16()
+    before = task_count()
+    for _ in range(3):
+        kt_ops.moe_forward(x, ids, weights, experts.packed)
+        torch.mm(a, a)
+    assert task_count() == before
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes
 
 
 def test_same_bits_for_any_thread_count(restore_threads) -> None:
@@ -94,7 +127,7 @@ def test_no_oversubscription(restore_threads, threads: int) -> None:
         kt_ops.moe_forward(x, ids, weights, experts.packed)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     assert cpu <= threads * wall * 1.1 + 0.01, f"{cpu:.3f} s CPU in {wall:.3f} s wall on {threads} thread(s)"
-    time.sleep(0.05)  # past the spin window (KT_OPS_SPIN_US, 200 us by default)
+    time.sleep(0.05)  # past the spin window (torch's OpenMP threads spin a few ms at most)
     idle0 = time.process_time()
     time.sleep(0.3)
     idle = time.process_time() - idle0
@@ -109,15 +142,51 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_num_threads_environment_variable() -> None:
-    result = run_python("import kt_ops; print(kt_ops.get_num_threads())", KT_OPS_NUM_THREADS="3")
-    assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr
+    result = run_python("import torch, kt_ops; print(kt_ops.get_num_threads(), torch.get_num_threads())",
+                        KT_OPS_NUM_THREADS="3")
+    assert result.returncode == 0 and result.stdout.strip() == "3 3", result.stderr
     result = run_python("import kt_ops; kt_ops.get_num_threads()", KT_OPS_NUM_THREADS="many")
     assert result.returncode != 0 and "KT_OPS_NUM_THREADS must be a positive integer" in result.stderr
 
 
+@pytest.mark.slow
+def test_thread_pool_environment_variable() -> None:
+    result = run_python("import kt_ops", KT_OPS_THREAD_POOL="mine")
+    assert result.returncode != 0 and "KT_OPS_THREAD_POOL must be 'torch'" in result.stderr
+
+
+OWN_POOLS = """
+import os, torch, kt_ops
+assert kt_ops.thread_source() == "kt_ops (own pinned pools)", kt_ops.thread_source()
+tasks = lambda: len(os.listdir("/proc/self/task"))
+kt_ops.set_num_threads(1)
+one = tasks()
+kt_ops.set_num_threads(3)
+assert tasks() - one == 2, "own pools: the caller plus 2 helpers"
+torch.set_num_threads(1)
+print(kt_ops.get_num_threads())
+"""
+POOL_AGNOSTIC = "same_bits or concurrent or no_oversubscription or forked or really_runs"
+
+
+@pytest.mark.slow
+def test_own_pools_on_request() -> None:
+    """KT_OPS_THREAD_POOL=own: kt_ops' own pinned helpers with their own thread count, and
+    this file's pool-agnostic tests pass on them."""
+    result = run_python(OWN_POOLS, KT_OPS_THREAD_POOL="own")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "3", "own pools keep their own count"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                             POOL_AGNOSTIC], env={**os.environ, "KT_OPS_THREAD_POOL": "own"}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
 def test_forked_child_can_run_kernels() -> None:
-    """After fork() only the forking thread exists; the engine must rebuild its helpers
-    instead of waiting forever for threads the child does not have."""
+    """After fork() only the forking thread exists: the engine must not wait forever for
+    threads the child does not have (its own helpers, or torch's OpenMP threads, whose next
+    region hangs in a child), and keeps the thread count."""
     code = """
 import os, signal, torch, kt_ops
 kt_ops.set_num_threads(2)

@@ -1,7 +1,15 @@
 // kt_ops._C: the control plane that is not an operator (CPU variant, threads, the format
 // table, packed header inspection, the bench's bandwidth probe). Importing it also
 // registers the torch.ops.kt operators (static initialisers of the other translation units).
+#include <sys/syscall.h>
 #include <torch/extension.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
 
 #include "../cpu/bench/read_bandwidth.h"
 #include "../cpu/engine/engine.h"
@@ -11,6 +19,7 @@
 #include "checks.h"
 #include "gguf_blob.h"
 #include "packed_blob.h"
+#include "torch_thread_team.h"
 #ifdef KT_OPS_WITH_CUDA
 #include "../cuda/host_calls.h"
 #include "../cuda/staging.h"
@@ -150,10 +159,46 @@ std::vector<double> time_read_passes(const at::Tensor& buffer, int repeats) {
                                static_cast<size_t>(buffer.numel()), repeats);
 }
 
+// Test support: the distinct OS threads that ran the `jobs` jobs of one parallel loop
+// (the engine's, or torch's at::parallel_for). Each job waits (up to 2 s) until all jobs
+// have arrived, so a loop that really runs in parallel shows min(jobs, threads) threads
+// and a serial one shows 1.
+template <class Loop>
+std::vector<int64_t> loop_thread_ids(int64_t jobs, Loop loop) {
+  py::gil_scoped_release no_gil;
+  std::mutex mutex;
+  std::vector<int64_t> ids;
+  std::atomic<int64_t> arrived{0};
+  loop([&](int64_t) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      const int64_t tid = static_cast<int64_t>(syscall(SYS_gettid));
+      if (std::find(ids.begin(), ids.end(), tid) == ids.end()) ids.push_back(tid);
+    }
+    arrived.fetch_add(1);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (arrived.load() < jobs && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  });
+  return ids;
+}
+
+std::vector<int64_t> engine_thread_ids(int64_t jobs) {
+  return loop_thread_ids(jobs, [&](auto job) { cpu::Engine::instance().parallel_for(jobs, job); });
+}
+
+std::vector<int64_t> torch_thread_ids(int64_t jobs) {
+  return loop_thread_ids(jobs, [&](auto job) {
+    at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) job(i);
+    });
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kt_ops native control plane; the operators are torch.ops.kt.*";
+  install_thread_team();
   m.def("cpu_variant", [] { return std::string(cpu::cpu_variant_name(cpu::active_cpu_variant())); });
   m.def("set_cpu_variant", [](const std::string& name) {
     cpu::set_active_cpu_variant(cpu::parse_cpu_variant(name));
@@ -168,6 +213,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     cpu::Engine::instance().set_num_threads(n);
   });
   m.def("num_pools", [] { return cpu::Engine::instance().num_pools(); });
+  m.def("thread_source", [] { return cpu::Engine::instance().thread_source(); });
   m.def("packed_info", &packed_info);
   m.def("packed_nbytes", &packed_nbytes, py::arg("format"), py::arg("experts"), py::arg("hidden"),
         py::arg("intermediate"), py::arg("group_size") = 0);
@@ -179,6 +225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("format_table", &format_table);
   m.def("ggml_type_table", &ggml_type_table);
   m.def("time_read_passes", &time_read_passes);
+  m.def("_engine_thread_ids", &engine_thread_ids);
+  m.def("_torch_thread_ids", &torch_thread_ids);
 #ifdef KT_OPS_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("reserve_graph_staging", &cuda::reserve_graph_staging, py::arg("device"), py::arg("tokens"),

@@ -69,7 +69,8 @@ class KTMoEWrapper:
         num_experts: physical expert slots E; num_experts_per_tok: top-k K.
         hidden_size: H; moe_intermediate_size: I.
         gpu_experts_mask: bool ``[E]`` (True: the slot runs on the GPU, not here), or None.
-        cpuinfer_threads: engine threads (:func:`kt_ops.set_num_threads`); None keeps them.
+        cpuinfer_threads: the kernels' threads (:func:`kt_ops.set_num_threads`, which is torch's
+            intra-op thread count: kt_ops runs on torch's threads); None keeps them.
         threadpool_count: parts each expert's intermediate dimension is split into (one per
             NUMA node in kt-kernel); the output is the sum of the parts. Must divide I.
         weight_path: a Hugging Face safetensors directory (online quantization into

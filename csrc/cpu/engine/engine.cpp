@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <new>
 #include <stdexcept>
@@ -30,31 +31,62 @@ Engine& Engine::instance() {
   return engine;
 }
 
+// The own pools are built on first use, so a process that installs a team (the
+// extension does, at load) never starts their threads.
 Engine::Engine()
     : topology_(read_topology()), spin_ns_(env_int("KT_OPS_SPIN_US", 200) * 1000) {
-  build_pools(static_cast<int>(env_int("KT_OPS_NUM_THREADS", topology_.num_physical_cores())));
-  pthread_atfork(nullptr, nullptr, [] { instance().forget_threads_after_fork(); });
+  num_threads_ = static_cast<int>(env_int("KT_OPS_NUM_THREADS", topology_.num_physical_cores()));
+  rebuild_pools_ = true;
+  pthread_atfork([] { instance().remember_threads_before_fork(); }, nullptr,
+                 [] { instance().forget_threads_after_fork(); });
+}
+
+void Engine::use_team(ThreadTeam* team) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  team_.store(team, std::memory_order_release);
+  pools_.clear();
+  rebuild_pools_ = true;
+  if (team != nullptr && std::getenv("KT_OPS_NUM_THREADS") != nullptr) team->set_num_threads(num_threads_);
+}
+
+std::string Engine::thread_source() const {
+  ThreadTeam* team = team_.load(std::memory_order_acquire);
+  return team != nullptr ? team->name() : "kt_ops (own pinned pools)";
+}
+
+void Engine::remember_threads_before_fork() {
+  if (ThreadTeam* team = team_.load(std::memory_order_acquire)) threads_at_fork_ = team->num_threads();
 }
 
 void Engine::forget_threads_after_fork() {
   new (&mutex_) std::mutex();
+  // GNU OpenMP's threads are gone in the child and its next parallel region hangs (torch's
+  // own ops too); the child computes on fresh own pools of the same size instead.
+  if (team_.exchange(nullptr) != nullptr) num_threads_ = threads_at_fork_;
   for (auto& pool : pools_) static_cast<void>(pool.release());
   pools_.clear();
   rebuild_pools_ = true;
 }
 
 int Engine::num_threads() const {
+  if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return team->num_threads();
   std::lock_guard<std::mutex> lock(mutex_);
   return num_threads_;
 }
 
-int Engine::num_pools() const {
+int Engine::num_pools() {
+  if (team_.load(std::memory_order_acquire) != nullptr) return 0;
   std::lock_guard<std::mutex> lock(mutex_);
+  if (rebuild_pools_) {
+    rebuild_pools_ = false;
+    build_pools(num_threads_);
+  }
   return static_cast<int>(pools_.size());
 }
 
 void Engine::set_num_threads(int n) {
   if (n < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
+  if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return team->set_num_threads(n);
   std::lock_guard<std::mutex> lock(mutex_);
   if (n != num_threads_ || rebuild_pools_) build_pools(n);
   rebuild_pools_ = false;
@@ -86,12 +118,26 @@ void Engine::build_pools(int num_threads) {
   num_threads_ = num_threads;
 }
 
+void Engine::parallel_for_team(ThreadTeam* team, int64_t n, FunctionRef<void(int64_t)> fn) {
+  Job job;  // one per call: concurrent callers each run their own region
+  job.count = n;
+  job.fn = &fn;
+  team->run(static_cast<int>(std::min<int64_t>(n, team->num_threads())), [&](int) {
+    const bool outer = inside_parallel_region;
+    inside_parallel_region = true;
+    job.work();  // catches and records the jobs' exceptions
+    inside_parallel_region = outer;
+  });
+  if (job.error) std::rethrow_exception(job.error);
+}
+
 void Engine::parallel_for(int64_t n, FunctionRef<void(int64_t)> fn) {
   if (n <= 0) return;
   if (inside_parallel_region || n == 1) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
+  if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return parallel_for_team(team, n, fn);
   std::lock_guard<std::mutex> lock(mutex_);
   if (rebuild_pools_) {
     rebuild_pools_ = false;

@@ -1,0 +1,105 @@
+"""``python -m kt_ops.bench --model-step``: the op inside a model step, next to torch's work.
+
+A decoder layer alternates torch work (attention, norms: torch's intra-op threads) with
+the MoE block. If the two run on different thread pools, each pool's threads spin for the
+cores while the other one works, and the step costs more than its parts. Per row this
+mode times, interleaved round by round (medians over rounds, the machine's speed drifts):
+
+- ``torch``: an attention-sized block of torch work alone, four ``[T, H] x [H, H]`` bf16
+  ``F.linear`` (H = 2048, the shapes' hidden size);
+- ``kt``: ``kt_ops.moe_forward`` alone (the layers are cycled, so the activated experts'
+  weights come from DRAM as in a model);
+- ``step``: one torch block followed by one MoE call, as a model step runs them;
+
+and prints ``step / (torch + kt)``: 1.00 means the op costs inside a model what it costs
+alone. The target (issue 16) is <= 1.10 with default settings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import kt_ops
+from kt_ops.bench.runner import SHAPES, make_layers, random_routing
+
+ATTENTION_PROJECTIONS = 4  # q, k, v, o
+
+
+@dataclass
+class StepRow:
+    shape: str
+    method: str
+    tokens: int
+    torch_us: float  # median, torch block alone
+    kt_us: float  # median, MoE call alone
+    step_us: float  # median, torch block then MoE call
+
+    @property
+    def ratio(self) -> float:
+        return self.step_us / (self.torch_us + self.kt_us)
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "ratio": self.ratio}
+
+
+def _median_us(call: Callable[[int], object], calls: int, offset: int) -> float:
+    seconds = []
+    for i in range(calls):
+        start = time.perf_counter()
+        call(offset + i)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds) * 1e6
+
+
+def measure_step(shape_name: str, method: str, tokens: int, rounds: int = 7, calls: int = 10,
+                 layers: int = 3) -> StepRow:
+    """One row; ``rounds`` x (torch alone, kt alone, step), ``calls`` timed calls each."""
+    shape = SHAPES[shape_name]
+    packed = [layer.packed for layer in make_layers(shape, method, layers)]
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.bfloat16)
+    projections = [
+        (torch.randn(shape.hidden, shape.hidden, generator=generator) * 0.02).to(torch.bfloat16)
+        for _ in range(ATTENTION_PROJECTIONS)
+    ]
+    routing = [random_routing(shape, tokens, generator) for _ in range(layers)]
+
+    def attention(i: int) -> torch.Tensor:
+        h = x
+        for w in projections:
+            h = F.linear(h, w)
+        return h
+
+    def moe(i: int) -> torch.Tensor:
+        ids, weights = routing[i % layers]
+        return kt_ops.moe_forward(x, ids, weights, packed[i % layers])
+
+    def step(i: int) -> torch.Tensor:
+        attention(i)
+        return moe(i)
+
+    for call in (attention, moe, step):  # warm-up: code, scratch, thread start
+        for i in range(3):
+            call(i)
+    torch_us, kt_us, step_us = [], [], []
+    for r in range(rounds):
+        torch_us.append(_median_us(attention, calls, r * calls))
+        kt_us.append(_median_us(moe, calls, r * calls))
+        step_us.append(_median_us(step, calls, r * calls))
+    return StepRow(shape_name, method, tokens, statistics.median(torch_us), statistics.median(kt_us),
+                   statistics.median(step_us))
+
+
+def format_steps(rows: list[StepRow]) -> str:
+    header = f"{'shape':5} {'method':7} {'tokens':>6} {'torch us':>9} {'kt us':>9} {'step us':>9} {'step/(torch+kt)':>16}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r.shape:5} {r.method:7} {r.tokens:>6} {r.torch_us:>9.0f} {r.kt_us:>9.0f} {r.step_us:>9.0f} "
+                     f"{r.ratio:>15.2f}x")
+    return "\n".join(lines)
