@@ -52,6 +52,17 @@ def test_previous_layer_runs_between_flush_and_timed_call(monkeypatch: pytest.Mo
         assert all(events[i - 2 : i] == ["flush", warm_up] for i in calls)
 
 
+@pytest.mark.parametrize("method", ["BF16", "Q4_K"])
+def test_model_step_on_a_tiny_shape(method: str) -> None:
+    from kt_ops.bench.model_step import format_steps, measure_step
+
+    shape = Shape("tiny", num_experts=8, top_k=2, hidden=256, intermediate=128, model="test")
+    row = measure_step(shape, method, 3, rounds=3, calls=2, layers=2)
+    assert row.torch_us > 0 and row.kt_us > 0 and row.step_us > 0
+    assert 0.2 < row.ratio < 20
+    assert "tiny" in format_steps([row]) and "step/(torch+kt)" in format_steps([row])
+
+
 def test_cli_help() -> None:
     result = subprocess.run([sys.executable, "-m", "kt_ops.bench", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0

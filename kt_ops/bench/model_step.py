@@ -6,12 +6,13 @@ cores while the other one works, and the step costs more than its parts. Per row
 mode times, interleaved round by round (medians over rounds, the machine's speed drifts):
 
 - ``torch``: an attention-sized block of torch work alone, four ``[T, H] x [H, H]`` bf16
-  ``F.linear`` (H = 2048, the shapes' hidden size);
+  ``F.linear`` (H = 2048, the shapes' hidden size; one set of weights per layer, cycled);
 - ``kt``: ``kt_ops.moe_forward`` alone (the layers are cycled, so the activated experts'
   weights come from DRAM as in a model);
 - ``step``: one torch block followed by one MoE call, as a model step runs them;
 
-and prints ``step / (torch + kt)``: 1.00 means the op costs inside a model what it costs
+and prints ``step / (torch + kt)`` (the median over rounds of each round's ratio, so the
+drift between rounds cancels): 1.00 means the op costs inside a model what it costs
 alone. The target (issue 16) is <= 1.10 with default settings.
 """
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import kt_ops
-from kt_ops.bench.runner import SHAPES, make_layers, random_routing
+from kt_ops.bench.runner import SHAPES, Shape, make_layers, random_routing
 
 ATTENTION_PROJECTIONS = 4  # q, k, v, o
 
@@ -39,13 +40,10 @@ class StepRow:
     torch_us: float  # median, torch block alone
     kt_us: float  # median, MoE call alone
     step_us: float  # median, torch block then MoE call
-
-    @property
-    def ratio(self) -> float:
-        return self.step_us / (self.torch_us + self.kt_us)
+    ratio: float  # median over rounds of step / (torch + kt), each round's three side by side
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "ratio": self.ratio}
+        return dict(self.__dict__)
 
 
 def _median_us(call: Callable[[int], object], calls: int, offset: int) -> float:
@@ -57,22 +55,27 @@ def _median_us(call: Callable[[int], object], calls: int, offset: int) -> float:
     return statistics.median(seconds) * 1e6
 
 
-def measure_step(shape_name: str, method: str, tokens: int, rounds: int = 7, calls: int = 10,
+def measure_step(shape: Shape | str, method: str, tokens: int, rounds: int = 7, calls: int = 10,
                  layers: int = 3) -> StepRow:
-    """One row; ``rounds`` x (torch alone, kt alone, step), ``calls`` timed calls each."""
-    shape = SHAPES[shape_name]
+    """One row; ``rounds`` x (torch alone, kt alone, step), ``calls`` timed calls each.
+    ``shape``: a :class:`Shape` or a name of ``SHAPES``; the torch block is ``[tokens,
+    hidden] x [hidden, hidden]`` bf16."""
+    shape = SHAPES[shape] if isinstance(shape, str) else shape
     packed = [layer.packed for layer in make_layers(shape, method, layers)]
     generator = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.bfloat16)
+    # One set of projections per layer, as a model has: the torch block's weights (32 MiB
+    # a layer, the size of a last-level cache) come from DRAM alone as inside a step.
     projections = [
-        (torch.randn(shape.hidden, shape.hidden, generator=generator) * 0.02).to(torch.bfloat16)
-        for _ in range(ATTENTION_PROJECTIONS)
+        [(torch.randn(shape.hidden, shape.hidden, generator=generator) * 0.02).to(torch.bfloat16)
+         for _ in range(ATTENTION_PROJECTIONS)]
+        for _ in range(layers)
     ]
     routing = [random_routing(shape, tokens, generator) for _ in range(layers)]
 
     def attention(i: int) -> torch.Tensor:
         h = x
-        for w in projections:
+        for w in projections[i % layers]:
             h = F.linear(h, w)
         return h
 
@@ -92,8 +95,9 @@ def measure_step(shape_name: str, method: str, tokens: int, rounds: int = 7, cal
         torch_us.append(_median_us(attention, calls, r * calls))
         kt_us.append(_median_us(moe, calls, r * calls))
         step_us.append(_median_us(step, calls, r * calls))
-    return StepRow(shape_name, method, tokens, statistics.median(torch_us), statistics.median(kt_us),
-                   statistics.median(step_us))
+    ratios = [s / (t + k) for t, k, s in zip(torch_us, kt_us, step_us)]
+    return StepRow(shape.name, method, tokens, statistics.median(torch_us), statistics.median(kt_us),
+                   statistics.median(step_us), statistics.median(ratios))
 
 
 def format_steps(rows: list[StepRow]) -> str:
