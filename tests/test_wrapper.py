@@ -273,8 +273,13 @@ def test_generate_gpu_experts_masks_is_global():
     assert masks.dtype == torch.bool
     assert masks.tolist() == [[False, True, False, True], [False, False, True, False]]
     assert not generate_gpu_experts_masks(freq, 0).any() and generate_gpu_experts_masks(freq, 8).all()
+    # kt-kernel clamps the count to [0, L * E] (its test_generate_gpu_experts_masks.py)
+    assert generate_gpu_experts_masks(freq, 9).all() and generate_gpu_experts_masks(freq, 1000).all()
+    assert not generate_gpu_experts_masks(freq, -1).any()
+    with pytest.raises(TypeError):
+        generate_gpu_experts_masks(freq, 2.5)
     with pytest.raises(ValueError):
-        generate_gpu_experts_masks(freq, 9)
+        generate_gpu_experts_masks(freq[0], 2)
 
 
 def test_capture_batch_sizes():

@@ -37,12 +37,15 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     """The ``num_gpu_experts`` most frequently activated experts of the whole model
     (``activation_freq [num_layers, num_experts]``), as a bool ``[num_layers, num_experts]``
     CPU mask (True: on the GPU). As kt-kernel's, the choice is global: a layer may get
-    more GPU experts than another, or none."""
+    more GPU experts than another, or none. As kt-kernel's, ``num_gpu_experts`` is clamped
+    to ``[0, num_layers * num_experts]``: more than that puts every expert on the GPU, a
+    negative count none. A count that is not an int (or a bool) is a ``TypeError``."""
     if activation_freq.dim() != 2:
         raise ValueError(f"activation_freq must be [num_layers, num_experts], got shape {tuple(activation_freq.shape)}")
+    if not isinstance(num_gpu_experts, int) or isinstance(num_gpu_experts, bool):
+        raise TypeError(f"num_gpu_experts must be an int, got {num_gpu_experts!r}")
     total = activation_freq.numel()
-    if not 0 <= num_gpu_experts <= total:
-        raise ValueError(f"num_gpu_experts must be in [0, {total}], got {num_gpu_experts}")
+    num_gpu_experts = max(min(num_gpu_experts, total), 0)
     flat = activation_freq.detach().reshape(-1).to("cpu", torch.float64)
     mask = torch.zeros(total, dtype=torch.bool)
     if num_gpu_experts:
