@@ -6,7 +6,9 @@
 #   - the best variant (the last one) runs every test;
 #   - every other variant runs -m "not slow";
 #   - the avx2 pass also sets DNNL_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2, so torch
-#     itself (oneDNN, ATen's vectorized kernels) behaves as on an AVX2-only CPU.
+#     itself (oneDNN, ATen's vectorized kernels) behaves as on an AVX2-only CPU; the
+#     avx_vnni pass sets DNNL_MAX_CPU_ISA=AVX2_VNNI ATEN_CPU_CAPABILITY=avx2 (an Intel
+#     Core from Alder Lake on: AVX2 + AVX-VNNI, no AVX-512).
 # Each pass has its own TORCHINDUCTOR_CACHE_DIR (a fresh temporary one): with torch 2.13,
 # an ATEN_CPU_CAPABILITY=avx2 process that loads inductor kernels cached by a process
 # without it crashes (segmentation fault in the compiled graph, reproduced here).
@@ -46,9 +48,10 @@ for v in "${list[@]}"; do
     select=(-m "not slow")
     what='-m "not slow"'
   fi
-  if [ "$v" = "avx2" ]; then
-    env_vars+=("DNNL_MAX_CPU_ISA=AVX2" "ATEN_CPU_CAPABILITY=avx2")
-  fi
+  case $v in
+    avx2) env_vars+=("DNNL_MAX_CPU_ISA=AVX2" "ATEN_CPU_CAPABILITY=avx2") ;;
+    avx_vnni) env_vars+=("DNNL_MAX_CPU_ISA=AVX2_VNNI" "ATEN_CPU_CAPABILITY=avx2") ;;
+  esac
   echo
   echo "===== pass $i/${#list[@]}: variant $v ($what) -- ${env_vars[*]} ====="
   log="$log_dir/$v.log"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import kt_ops
 from conftest import variant_params
@@ -61,3 +62,72 @@ def test_doctor_names_the_kernel_that_runs() -> None:
     report = kt_ops.doctor()
     assert f"active CPU variant: {kt_ops.cpu_variant()}" in report
     assert "method BF16: bf16/" in report
+
+
+# --- avx_vnni: AVX2 + the 256-bit vpdpbusd --------------------------------------------------
+
+
+def cpuinfo_flags() -> set[str] | None:
+    """The CPU flags Linux reports (/proc/cpuinfo), or None where it is unreadable."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def test_avx_vnni_is_supported_exactly_when_the_cpu_has_the_flag() -> None:
+    flags = cpuinfo_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo flags")
+    expected = {"avx2", "fma", "f16c", "avx_vnni"} <= flags
+    assert (kt_ops.missing_features("avx_vnni") == "") == expected, kt_ops.missing_features("avx_vnni")
+    if not expected and kt_ops.missing_features("avx2") == "":
+        assert kt_ops.missing_features("avx_vnni") == "avx_vnni (CPUID)"
+    # A side branch: the AVX-512 variants do not need AVX-VNNI (Zen 4 has AVX-512, not it).
+    assert "avx_vnni" not in kt_ops.missing_features("avx512")
+
+
+def test_avx_vnni_runs_vpdpbusd_for_the_integer_formats() -> None:
+    from kt_ops.formats import FORMATS
+
+    for fmt in FORMATS:
+        kernel = fmt.kernels["avx_vnni"]
+        if fmt.name == "bf16":
+            assert "the avx2 kernel" in kernel  # no integer dot to gain
+        else:
+            assert "vpdpbusd" in kernel, kernel
+
+
+def test_avx_vnni_is_bit_identical_to_avx2() -> None:
+    """vpdpbusd and vpmaddubsw + vpmaddwd give the same exact int32 sums (no int16 pair
+    saturates for the levels and activations the formats use), and the fp32 work around
+    them is the same: every packing case, decode and prefill token counts, equal bits."""
+    from format_cases import format_cases
+
+    for name in ("avx2", "avx_vnni"):
+        if kt_ops.missing_features(name):
+            pytest.skip(f"this CPU lacks {name}: {kt_ops.missing_features(name)}")
+    previous = kt_ops.cpu_variant()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for case in format_cases():
+            E = 6
+            gate = (torch.randn(E, case.intermediate, case.hidden, generator=generator) * 0.05).bfloat16()
+            up = (torch.randn(E, case.intermediate, case.hidden, generator=generator) * 0.05).bfloat16()
+            down = (torch.randn(E, case.hidden, case.intermediate, generator=generator) * 0.05).bfloat16()
+            packed = case.pack(gate, up, down)
+            for tokens in (1, 3, 9, 40):
+                x = torch.randn(tokens, case.hidden, generator=generator).bfloat16()
+                ids = torch.stack([torch.randperm(E, generator=generator)[:2] for _ in range(tokens)]).int()
+                weights = torch.rand(tokens, 2, generator=generator)
+                outs = []
+                for name in ("avx2", "avx_vnni"):
+                    kt_ops.set_cpu_variant(name)
+                    outs.append(kt_ops.moe_forward(x, ids, weights, packed))
+                assert torch.equal(outs[0], outs[1]), f"{case.id}, {tokens} tokens: avx_vnni differs from avx2"
+    finally:
+        kt_ops.set_cpu_variant(previous)

@@ -6,7 +6,7 @@ differs from the reference:
 - avx512_bf16 / amx round activations and the SiLU*up intermediate to bf16 for
   vdpbf16ps: each rounding is <= 2^-9 relative, so the output's relative Frobenius
   error is a few 1e-3 (measured 1.7e-3 to 2.5e-3); the bound is 1e-2.
-- avx512 / avx2 compute in fp32 end to end: with fp32 in and out only the summation
+- avx512 / avx_vnni / avx2 compute in fp32 end to end: with fp32 in and out only the summation
   order differs (measured ~1e-7); the bound is 1e-5. A bf16 or fp16 output adds one
   rounding (<= 2^-9 / 2^-11 relative).
 The elementwise bound (largest error / largest |ref| <= 3e-2) catches a single wrong
@@ -21,7 +21,7 @@ import torch
 import kt_ops
 from conftest import make_experts, max_err, random_routing, rel_err
 
-FP32_ACTIVATION_VARIANTS = {"avx512", "avx2"}
+FP32_ACTIVATION_VARIANTS = {"avx512", "avx_vnni", "avx2"}
 
 # (E, top_k, H, I, tokens): H and I off every tile multiple (16 rows, pairs, 4-block
 # tiles, 128-pair k blocks), one expert, top-k = E, tokens from 0 to past the

@@ -14,7 +14,7 @@ namespace {
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
-  bool avx512_bf16 = false, avx512_vnni = false;
+  bool avx512_bf16 = false, avx512_vnni = false, avx_vnni = false;
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
   bool os_avx = false, os_avx512 = false, os_amx = false;  // XCR0 state enabled by the OS
   bool amx_permitted = false;                              // arch_prctl granted tile data
@@ -56,7 +56,10 @@ CpuFeatures detect() {
   f.amx_bf16 = (edx >> 22) & 1;
   f.amx_tile = (edx >> 24) & 1;
   f.amx_int8 = (edx >> 25) & 1;
-  if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) f.avx512_bf16 = (eax >> 5) & 1;
+  if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) {
+    f.avx_vnni = (eax >> 4) & 1;
+    f.avx512_bf16 = (eax >> 5) & 1;
+  }
   if (f.amx_tile && f.os_amx) f.amx_permitted = request_amx_permission();
   return f;
 }
@@ -90,6 +93,7 @@ std::atomic<int>& active_slot() {
 const char* cpu_variant_name(CpuVariant variant) {
   switch (variant) {
     case CpuVariant::kAvx2: return "avx2";
+    case CpuVariant::kAvxVnni: return "avx_vnni";
     case CpuVariant::kAvx512: return "avx512";
     case CpuVariant::kAvx512Bf16: return "avx512_bf16";
     case CpuVariant::kAmx: return "amx";
@@ -101,7 +105,7 @@ CpuVariant parse_cpu_variant(const std::string& name) {
   for (int v = 0; v < kNumCpuVariants; ++v)
     if (name == cpu_variant_name(static_cast<CpuVariant>(v))) return static_cast<CpuVariant>(v);
   throw std::invalid_argument("unknown CPU variant '" + name +
-                              "'; expected one of: avx2, avx512, avx512_bf16, amx");
+                              "'; expected one of: avx2, avx_vnni, avx512, avx512_bf16, amx");
 }
 
 std::string missing_features(CpuVariant variant) {
@@ -110,6 +114,7 @@ std::string missing_features(CpuVariant variant) {
   const int level = static_cast<int>(variant);
   require(missing, f.avx2 && f.fma && f.f16c, "avx2+fma+f16c (CPUID)");
   require(missing, f.os_avx, "AVX state (XCR0)");
+  if (variant == CpuVariant::kAvxVnni) require(missing, f.avx_vnni, "avx_vnni (CPUID)");
   if (level >= static_cast<int>(CpuVariant::kAvx512)) {
     require(missing, f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq,
             "avx512f/bw/vl/dq (CPUID)");

@@ -1,7 +1,10 @@
 // [NOTE] CPU variants: the instruction-set levels kernels are compiled for, detected at
 // run time from CPUID and the OS's XCR0 state (and, for AMX, the Linux permission to
-// use tile state). The best supported variant is active unless KT_OPS_CPU_VARIANT or
-// set_cpu_variant() asks for another; asking for an unsupported one is an error.
+// use tile state). The best supported variant (the last in enum order) is active unless
+// KT_OPS_CPU_VARIANT or set_cpu_variant() asks for another; asking for an unsupported
+// one is an error. avx_vnni (AVX2 + the VEX-encoded 256-bit vpdpbusd of Alder Lake and
+// later Intel Cores, Zen 5) is a side branch: the AVX-512 variants do not require it, so
+// an AVX-512 CPU without AVX-VNNI (Zen 4, Ice Lake) still runs them.
 #pragma once
 
 #include <string>
@@ -9,9 +12,10 @@
 
 namespace kt::cpu {
 
-// Ordered from oldest to newest; each level implies the ones before it.
-enum class CpuVariant { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmx = 3 };
-constexpr int kNumCpuVariants = 4;
+// Ordered by preference, oldest first. Each AVX-512 level implies avx2 and the AVX-512
+// levels before it; avx_vnni implies avx2 only.
+enum class CpuVariant { kAvx2 = 0, kAvxVnni = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+constexpr int kNumCpuVariants = 5;
 
 const char* cpu_variant_name(CpuVariant variant);
 // Throws std::invalid_argument for an unknown name.

@@ -1,7 +1,7 @@
 // [NOTE] The kernel columns of the format table (../format_table.h): for each packed
 // format, the MoE forward that each CPU variant runs (as ggml-cpu's type_traits_cpu). A
-// variant without its own kernel for a format names the kernel it runs instead, so
-// kt_ops.doctor() says exactly what executes. The rows are in ../format_table.cpp; this
+// variant without its own kernel for a format names the kernel it runs instead
+// ("bf16/avx_vnni (the avx2 kernel: ...)"), so kt_ops.doctor() says exactly what executes. The rows are in ../format_table.cpp; this
 // header is what the operator glue needs to call one.
 #pragma once
 

@@ -1,0 +1,29 @@
+// [NOTE] Integer operations for QuantGemm (quant_gemm.h) and the GGUF dots (gguf_dot.h)
+// with AVX-VNNI: the AVX2 operations (int_ops_avx2.h) with the VEX-encoded 256-bit
+// vpdpbusd as the dot product (Alder Lake and later Intel Cores, Zen 5), which
+// multiplies 32 unsigned weight bytes by the broadcast signed activation bytes and adds
+// each lane's 4 products to an int32 lane in one instruction, where AVX2 needs vpmaddubsw,
+// vpmaddwd and vpaddd. Weights are the unsigned operand (int4 levels 0..15, int8 offset
+// binary q + 128); the driver removes the offset with the activation sums (kInt8Bias), so
+// every integer sum equals the avx2 variant's exactly and the results are bit-identical.
+// Without the int16 intermediate fewer registers are busy per dot: the prefill tile takes
+// four token rows (AVX2: two), reading each weight line once for twice the tokens.
+#pragma once
+
+#include <immintrin.h>
+
+#include "int_ops_avx2.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+struct IntOpsAvxVnni : IntOpsAvx2 {
+  static constexpr int kMaxRows = 4;
+  static constexpr int32_t kInt8Bias = 128;
+
+  static IReg dot(IReg acc, IReg w, IReg a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
+  static IReg dot_int8(IReg acc, IReg w, IReg a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
+};
+
+}  // namespace
+}  // namespace kt::cpu
