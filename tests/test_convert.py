@@ -139,6 +139,18 @@ def test_layer_range_and_missing_layer(tmp_path, checkpoint):
     assert not (tmp_path / "o").exists()  # a bad argument writes nothing
 
 
+@pytest.mark.parametrize("extra,message", [
+    (["--quant-method", "int4", "--group-size", 48], "--group-size 48: int4 takes 32, 64, 128"),
+    (["--quant-method", "int8", "--threadpool-count", 0], "--threadpool-count must be >= 1, got 0"),
+    (["--quant-method", "int8", "--input-type", "fp16"], "--input-type fp16, but layer 1's tensors are torch.bfloat16"),
+])
+def test_bad_arguments_exit_2_and_write_nothing(tmp_path, checkpoint, capsys, extra, message):
+    out = tmp_path / "out"
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, *extra) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m kt_ops.convert: error: {message}"
+    assert not out.exists()
+
+
 def test_verification_catches_a_bad_write(tmp_path, checkpoint, monkeypatch, capsys):
     real_save = convert.save_file
 
