@@ -69,7 +69,8 @@ setup(
     description="PyTorch operators for Mixture-of-Experts layers on the CPU (kt-kernel compatible)",
     packages=find_packages(include=["kt_ops", "kt_ops.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy", "safetensors", "gguf"],
+    install_requires=["torch>=2.4", "numpy", "safetensors", "gguf", "tqdm>=4.61"],
+    entry_points={"console_scripts": ["kt-ops = kt_ops.cli:main"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
 )

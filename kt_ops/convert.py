@@ -13,7 +13,10 @@ files are merged into ``model-0000i-of-0000N.safetensors`` shards (unless
 ``--no-merge-safetensor``), ``model.safetensors.index.json``, ``kt_ops_manifest.json``
 and the source ``config.json`` are written. ``--resume-layer L`` keeps the layer files
 below L untouched (they must exist) and continues from L. See kt_ops/converted.py for the
-format; exit status 1 with a message on any error.
+format. Exit status 2 for a bad argument or path (found before anything is written: the
+input is not a checkpoint, ``--layers`` matches no layer, ``--input-type`` is not what the
+tensors hold, the output holds another conversion, ...), 1 when a conversion step fails;
+the last stderr line says why.
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from kt_ops import reference
 from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
-from kt_ops.formats import format_for_method
+from kt_ops.formats import format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.ops import moe_forward
 from kt_ops.packed import PackedExperts
@@ -50,8 +53,13 @@ class ConversionError(Exception):
     """A conversion step failed; the message says which layer and why."""
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kt_ops.convert", description=__doc__.split("\n\n")[0])
+class UsageError(ConversionError):
+    """A bad argument or path, found before anything was written (exit status 2)."""
+
+
+def build_parser(prog: str = "python -m kt_ops.convert") -> argparse.ArgumentParser:
+    """The converter's options; ``prog`` names the command in usage lines (``kt-ops convert``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--input-path", required=True, help="Hugging Face model directory (*.safetensors)")
     parser.add_argument("--input-type", required=True, choices=sorted(INPUT_TYPES))
     parser.add_argument("--output", required=True, help="output directory")
@@ -63,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-merge-safetensor", action="store_true", help="keep one file per layer")
     parser.add_argument("--resume-layer", type=int, default=None, help="continue from this layer")
     parser.add_argument("--layers", default=None, help="only layers START-END (inclusive)")
-    return parser.parse_args(argv)
+    return parser
 
 
 def layer_range(text: str | None) -> tuple[int, int] | None:
@@ -72,29 +80,16 @@ def layer_range(text: str | None) -> tuple[int, int] | None:
     try:
         start, end = (int(v) for v in text.split("-"))
     except ValueError:
-        raise ConversionError(f"--layers {text!r}: expected START-END, e.g. 0-47") from None
+        raise UsageError(f"--layers {text!r}: expected START-END, e.g. 0-47") from None
     if start < 0 or end < start:
-        raise ConversionError(f"--layers {text!r}: need 0 <= START <= END")
+        raise UsageError(f"--layers {text!r}: need 0 <= START <= END")
     return start, end
 
 
-class Progress:
-    """One stderr line: bar, layers done, layers/s, ETA."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.start = total, 0, time.monotonic()
-
-    def step(self, layer: int) -> None:
-        self.done += 1
-        elapsed = time.monotonic() - self.start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - self.done) / rate if rate > 0 else 0.0
-        filled = int(30 * self.done / self.total)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} layers "
-                         f"(layer {layer})  {rate:.2f} layers/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}")
-        if self.done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+def progress_bar(total: int) -> tqdm:
+    """One stderr line: the layer being converted, a bar, layers done, layers/s, ETA."""
+    return tqdm(total=total, desc="converting", unit=" layers", file=sys.stderr,
+                bar_format="{desc} |{bar:30}| {n_fmt}/{total_fmt} layers  {rate_fmt}  ETA {remaining}")
 
 
 def model_sizes(checkpoint: HfCheckpoint, config: dict, first: int) -> tuple[int, int, int]:
@@ -171,24 +166,39 @@ def merge_layers(out: Path, layers: list[int], parts: int) -> dict[str, str]:
 def convert(args: argparse.Namespace) -> Path:
     source = Path(args.input_path)
     out = Path(args.output)
-    checkpoint = HfCheckpoint(source)
-    config_file = source / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    moe_layers = sorted(checkpoint.moe_layers())
-    if not moe_layers:
-        raise ConversionError(f"{source}: no routed-expert tensors found")
-    bounds = layer_range(args.layers)
-    layers = [L for L in moe_layers if bounds is None or bounds[0] <= L <= bounds[1]]
-    if not layers:
-        raise ConversionError(f"--layers {args.layers}: no layer with experts there (layers with experts: "
-                              f"{moe_layers[0]}-{moe_layers[-1]})")
-    E, H, I = model_sizes(checkpoint, config, layers[0])
     method = METHODS[args.quant_method]
     fmt = format_for_method(method)
+    if args.threadpool_count < 1:
+        raise UsageError(f"--threadpool-count must be >= 1, got {args.threadpool_count}")
+    if args.cpuinfer_threads is not None and args.cpuinfer_threads < 1:
+        raise UsageError(f"--cpuinfer-threads must be >= 1, got {args.cpuinfer_threads}")
+    sizes = format_info(fmt).group_sizes
+    if sizes and args.group_size not in sizes:
+        raise UsageError(f"--group-size {args.group_size}: {fmt} takes {', '.join(map(str, sizes))}")
+    if not source.is_dir():
+        raise UsageError(f"--input-path {source}: {'not a directory' if source.exists() else 'no such directory'}")
+    try:
+        checkpoint = HfCheckpoint(source)
+        moe_layers = sorted(checkpoint.moe_layers())
+        if not moe_layers:
+            raise UsageError(f"--input-path {source}: no routed-expert tensors found")
+        bounds = layer_range(args.layers)
+        layers = [L for L in moe_layers if bounds is None or bounds[0] <= L <= bounds[1]]
+        if not layers:
+            raise UsageError(f"--layers {args.layers}: no layer with experts there (layers with experts: "
+                             f"{moe_layers[0]}-{moe_layers[-1]})")
+        stored = {layer: checkpoint.dtype(layer) for layer in layers}
+    except (FileNotFoundError, KeyError, ValueError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        raise UsageError(f"--input-path: {message}") from None
+    wrong = [layer for layer in layers if stored[layer] != INPUT_TYPES[args.input_type]]
+    if wrong:
+        raise UsageError(f"--input-type {args.input_type}, but layer {wrong[0]}'s tensors are {stored[wrong[0]]}")
+    config_file = source / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    E, H, I = model_sizes(checkpoint, config, layers[0])
     group = args.group_size if fmt == "int4" else 0
     pack_args = {"group_size": args.group_size} if fmt == "int4" else {}
-    if args.threadpool_count < 1:
-        raise ConversionError("--threadpool-count must be >= 1")
     if args.cpuinfer_threads is not None:
         from kt_ops.cpu import set_num_threads
 
@@ -197,36 +207,33 @@ def convert(args: argparse.Namespace) -> Path:
                         tuple(layers), E, H, I, args.threadpool_count, False,
                         {"path": os.fspath(source.resolve()), "input_type": args.input_type,
                          "model_type": config.get("model_type")})
-    out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST).is_file():
         if args.resume_layer is None:
-            raise ConversionError(f"{out} already holds a conversion; use --resume-layer L or another --output")
+            raise UsageError(f"--output {out} already holds a conversion; use --resume-layer L or another --output")
         old = Manifest.read(out)
         settings = ("format", "group_size", "num_experts", "hidden_size", "intermediate_size", "threadpool_count")
         changed = [s for s in settings if getattr(old, s) != getattr(manifest, s)]
         if changed:
-            raise ConversionError(f"{out}: cannot resume, the earlier run used different {', '.join(changed)}")
-    manifest.write(out)
+            raise UsageError(f"--output {out}: cannot resume, the earlier run used different {', '.join(changed)}")
     todo = [L for L in layers if args.resume_layer is None or L >= args.resume_layer]
     missing = [L for L in layers if L not in todo and not (out / layer_file(L)).is_file()]
     if missing:
-        raise ConversionError(f"--resume-layer {args.resume_layer}: layer files missing for layers "
-                              f"{', '.join(map(str, missing))} (needs --no-merge-safetensor output)")
-    want = INPUT_TYPES[args.input_type]
-    progress = Progress(len(todo))
-    for layer in todo:
-        stored = checkpoint.dtype(layer)
-        if stored != want:
-            raise ConversionError(f"layer {layer}: --input-type {args.input_type} but the tensors are {stored}")
-        gate, up, down = checkpoint.load_experts(layer, range(E), H, I)
-        parts = pack_parts(gate, up, down, method, args.threadpool_count, **pack_args)
-        path = out / layer_file(layer)
-        tensors = {layer_key(layer, p): packed.data for p, packed in enumerate(parts)}
-        save_file(tensors, os.fspath(path.with_suffix(".tmp")), metadata={"producer": "kt_ops"})
-        os.replace(path.with_suffix(".tmp"), path)
-        verify_layer(path, layer, parts, gate, up, down, args.quant_method)
-        del gate, up, down, parts, tensors
-        progress.step(layer)
+        raise UsageError(f"--resume-layer {args.resume_layer}: layer files missing for layers "
+                         f"{', '.join(map(str, missing))} (needs --no-merge-safetensor output)")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest.write(out)
+    with progress_bar(len(todo)) as progress:
+        for layer in todo:
+            progress.set_description_str(f"layer {layer}")
+            gate, up, down = checkpoint.load_experts(layer, range(E), H, I)
+            parts = pack_parts(gate, up, down, method, args.threadpool_count, **pack_args)
+            path = out / layer_file(layer)
+            tensors = {layer_key(layer, p): packed.data for p, packed in enumerate(parts)}
+            save_file(tensors, os.fspath(path.with_suffix(".tmp")), metadata={"producer": "kt_ops"})
+            os.replace(path.with_suffix(".tmp"), path)
+            verify_layer(path, layer, parts, gate, up, down, args.quant_method)
+            del gate, up, down, parts, tensors
+            progress.update()
     keys = {layer_key(L, p): layer_file(L) for L in layers for p in range(args.threadpool_count)}
     if not args.no_merge_safetensor:
         keys = merge_layers(out, layers, args.threadpool_count)
@@ -238,13 +245,21 @@ def convert(args: argparse.Namespace) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m kt_ops.convert") -> int:
+    """Runs the converter on ``argv`` (default ``sys.argv[1:]``); returns the exit status:
+    0 done, 2 a bad argument or path (argparse's own errors raise ``SystemExit(2)``),
+    1 a failed conversion step. ``prog`` names the command in messages."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     try:
         out = convert(args)
+    except UsageError as error:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
     except (ConversionError, KeyError, ValueError, FileNotFoundError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"\nerror: {message}", file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 1
     print(f"wrote {out}", file=sys.stderr)
     return 0

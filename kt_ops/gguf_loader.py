@@ -86,7 +86,9 @@ def _reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
         raise ValueError(f"cannot read GGUF file {path!r} (truncated or not GGUF?): {error}") from error
 
 
-def _open(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """A reader of one GGUF file (metadata and tensor infos; the data stays memory-mapped),
+    cached per path, size and mtime; ``ValueError`` for a damaged file."""
     stat = path.stat()
     return _reader(str(path), stat.st_mtime_ns, stat.st_size)
 
@@ -100,7 +102,7 @@ def read_gguf_config(path: str | os.PathLike[str]) -> GgufModelInfo:
     """The MoE sizes from the metadata of a GGUF model (a file or a directory, split or
     not); ``ValueError`` if it is not an MoE model."""
     files = gguf_files(path)
-    reader = _open(files[0])
+    reader = open_gguf(files[0])
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise ValueError(f"{str(files[0])!r} has no general.architecture")
@@ -144,7 +146,7 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int) -> PackedExp
     names = [f"blk.{layer_idx}.{m}.weight" for m in _MATRICES]
     found: dict[str, tuple[Path, gguf.gguf_reader.ReaderTensor]] = {}
     for file in info.files:
-        for tensor in _open(file).tensors:
+        for tensor in open_gguf(file).tensors:
             if tensor.name in names:
                 found[tensor.name] = (file, tensor)
     missing = [n for n in names if n not in found]

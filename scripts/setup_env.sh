@@ -10,6 +10,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 pip install --quiet --upgrade pip setuptools wheel
-pip install --quiet "${KT_OPS_TORCH_SPEC:-torch==2.13.0}" numpy safetensors gguf ninja pytest expecttest "transformers==5.23.0"
+pip install --quiet "${KT_OPS_TORCH_SPEC:-torch==2.13.0}" numpy safetensors gguf tqdm ninja pytest expecttest "transformers==5.23.0"
 pip install --quiet --no-build-isolation -e .
 python -c "import kt_ops; print('kt_ops ready:', kt_ops.cpu_variant(), 'variant,', kt_ops.get_num_threads(), 'threads')"

@@ -94,7 +94,7 @@ def test_fp8_input(tmp_path):
     wr.load_weights()
     deq = [torch.stack([fp8_dequantized(m[e]) for e in range(E)]).float() for m in ws[1]]
     assert rel_err(wr.forward(x, ids, w), reference.moe_forward(x, ids, w, *deq)) <= 5e-2
-    assert run("--input-path", src, "--input-type", "bf16", "--output", tmp_path / "o2", "--quant-method", "int8") == 1
+    assert run("--input-path", src, "--input-type", "bf16", "--output", tmp_path / "o2", "--quant-method", "int8") == 2
 
 
 def test_resume_keeps_written_layers(tmp_path, checkpoint, capsys):
@@ -111,14 +111,14 @@ def test_resume_keeps_written_layers(tmp_path, checkpoint, capsys):
     Manifest(**{**manifest.__dict__, "complete": False}).write(out)
     with pytest.raises(ValueError, match="did not finish"):
         outputs(out, 1, "AMXINT8")
-    assert run(*base) == 1  # refuses to overwrite without --resume-layer
+    assert run(*base) == 2  # refuses to overwrite without --resume-layer
     assert run(*base, "--resume-layer", 3) == 0
     for L, (data, mtime) in before.items():
         assert (out / layer_file(L)).read_bytes() == data and (out / layer_file(L)).stat().st_mtime_ns == mtime
     assert torch.equal(outputs(out, 3, "AMXINT8"), outputs(checkpoint, 3, "AMXINT8"))
     (out / layer_file(1)).unlink()
-    assert run(*base, "--resume-layer", 2) == 1  # layer 1's file is missing
-    assert run(*base[:-1], "--quant-method", "int4", "--resume-layer", 2) == 1  # different settings
+    assert run(*base, "--resume-layer", 2) == 2  # layer 1's file is missing
+    assert run(*base[:-1], "--quant-method", "int4", "--resume-layer", 2) == 2  # different settings
 
 
 def test_layer_range_and_missing_layer(tmp_path, checkpoint):
@@ -133,9 +133,22 @@ def test_layer_range_and_missing_layer(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="threadpool_count=1"):
         outputs(out, 2, "AMXINT8", threadpool_count=2)
     assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "o", "--quant-method",
-               "int8", "--layers", "7-9") == 1
+               "int8", "--layers", "7-9") == 2
     assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "o", "--quant-method",
-               "int8", "--layers", "x") == 1
+               "int8", "--layers", "x") == 2
+    assert not (tmp_path / "o").exists()  # a bad argument writes nothing
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--quant-method", "int4", "--group-size", 48], "--group-size 48: int4 takes 32, 64, 128"),
+    (["--quant-method", "int8", "--threadpool-count", 0], "--threadpool-count must be >= 1, got 0"),
+    (["--quant-method", "int8", "--input-type", "fp16"], "--input-type fp16, but layer 1's tensors are torch.bfloat16"),
+])
+def test_bad_arguments_exit_2_and_write_nothing(tmp_path, checkpoint, capsys, extra, message):
+    out = tmp_path / "out"
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, *extra) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m kt_ops.convert: error: {message}"
+    assert not out.exists()
 
 
 def test_verification_catches_a_bad_write(tmp_path, checkpoint, monkeypatch, capsys):
@@ -175,4 +188,4 @@ def test_command_line_entry_points(tmp_path, checkpoint):
     bad = subprocess.run([sys.executable, "-m", "kt_ops.convert", "--input-path", tmp_path / "none", "--input-type",
                           "bf16", "--output", tmp_path / "x", "--quant-method", "int8"], env=env, capture_output=True,
                          text=True, timeout=300)
-    assert bad.returncode == 1 and "error:" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith("python -m kt_ops.convert: error: ")

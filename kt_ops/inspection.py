@@ -1,0 +1,497 @@
+"""What a weight file or directory holds, read from its metadata only (``kt-ops inspect``).
+
+:func:`inspect_weights` recognises the four weight sources kt_ops loads — a packed-experts
+safetensors file (:meth:`kt_ops.PackedExperts.save`, or one layer file of a converted
+directory), a converted directory (``python -m kt_ops.convert``), a GGUF file or
+directory (split models included) and a Hugging Face safetensors checkpoint — and says
+per MoE layer: E, H, I, the format or type of gate, up and down, their bytes, and the
+kernel that would run them under the active CPU variant. Only headers are read
+(safetensors headers, GGUF tensor infos, packed blob headers through a memory map), never
+the weights. :func:`format_inspection` renders the result as text; identical
+consecutive layers share one row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence, TypeVar
+
+import gguf
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kt_ops._native import _C
+from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
+from kt_ops.cpu import cpu_variant
+from kt_ops.diagnostics import methods_label
+from kt_ops.formats import FORMATS, format_info
+from kt_ops.gguf_loader import gguf_files, open_gguf, read_gguf_config
+from kt_ops.gguf_types import GGML_TYPES
+from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts
+
+MATRICES = ("gate", "up", "down")
+_GGUF_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<m>gate|up|down)_exps\.weight$")
+_PACKED_KEY = re.compile(r"^(?:packed|blk\.(?P<layer>\d+)\.part(?P<part>\d+)\.packed)$")
+# safetensors dtype of expert weights -> (name shown, bytes per element)
+_DTYPES = {"BF16": ("bf16", 2), "F16": ("fp16", 2), "F32": ("fp32", 4), "F8_E4M3": ("fp8_e4m3", 1)}
+NOT_RECOGNISED = "is not a packed file, converted directory, GGUF file/directory or Hugging Face checkpoint"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MatrixInfo:
+    """One of a layer's three expert matrices (all E experts of it)."""
+
+    name: str
+    """``"gate"``, ``"up"`` or ``"down"``."""
+    type: str
+    """Packed format (``"int4"``), ggml type (``"Q4_K"``) or stored dtype (``"bf16"``)."""
+    nbytes: int | None
+    """Bytes of the matrix over all experts (None where the packed layout interleaves them)."""
+    read: str
+    """GGUF: how the kernel reads this type under the variant (``"in place"``: dotted from
+    the file's bytes; ``"decoded"``: decoded once per job; ``"not computed"``: kt_ops has
+    no kernel for it). Empty for the other sources."""
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One MoE layer's routed experts."""
+
+    layer: int | None
+    """The model's layer index (None: a packed file holding one unnamed blob)."""
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    matrices: tuple[MatrixInfo, ...]
+    """gate, up, down."""
+    nbytes: int | None
+    """Bytes of the layer's routed experts (None: not on disk, e.g. an unfinished conversion)."""
+
+    def same_shape_and_types(self, other: LayerInfo) -> bool:
+        """True when only the layer index differs (one row of the formatted table)."""
+        return (self.num_experts, self.hidden_size, self.intermediate_size, self.matrices, self.nbytes) == (
+            other.num_experts, other.hidden_size, other.intermediate_size, other.matrices, other.nbytes)
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What :func:`inspect_weights` found at a path."""
+
+    path: str
+    kind: str
+    """``"packed-experts file"``, ``"converted directory"``, ``"GGUF file"``, ``"GGUF directory"``
+    or ``"Hugging Face checkpoint"``."""
+    variant: str
+    """The CPU variant the kernels are named for (:func:`kt_ops.cpu_variant`)."""
+    facts: tuple[tuple[str, str], ...]
+    """Source-specific (label, value) pairs: architecture, method, files, ..."""
+    num_layers: int | None
+    """Layers of the model, MoE or not (None: not recorded, e.g. a packed file)."""
+    layers: tuple[LayerInfo, ...]
+    """The layers with routed experts, in layer order."""
+    kernel: str | None
+    """The MoE kernel that runs these weights under :attr:`variant`; None for a Hugging
+    Face checkpoint, whose weights are packed at load into the method's format
+    (:attr:`notes` lists the kernel per method)."""
+    notes: tuple[str, ...]
+    """Further lines: kernels per method, types kt_ops does not compute, missing layers."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all routed experts found."""
+        return sum(layer.nbytes or 0 for layer in self.layers)
+
+    def to_json(self) -> str:
+        """The result as JSON (``kt-ops inspect --json``)."""
+        data = {
+            "path": self.path, "kind": self.kind, "variant": self.variant, "facts": dict(self.facts),
+            "num_layers": self.num_layers, "kernel": self.kernel, "nbytes": self.nbytes, "notes": list(self.notes),
+            "layers": [{
+                "layer": layer.layer, "num_experts": layer.num_experts, "hidden_size": layer.hidden_size,
+                "intermediate_size": layer.intermediate_size, "nbytes": layer.nbytes,
+                "matrices": {m.name: {"type": m.type, "nbytes": m.nbytes, **({"read": m.read} if m.read else {})}
+                             for m in layer.matrices},
+            } for layer in self.layers],
+        }
+        return json.dumps(data, indent=2)
+
+
+def inspect_weights(path: str | os.PathLike[str]) -> Inspection:
+    """What ``path`` holds: a packed-experts file, converted directory, GGUF file or
+    directory, or Hugging Face checkpoint (tried in that order), from metadata only.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is none of the four (the message says so) or is damaged
+            (a truncated GGUF, a bad manifest, a packed blob whose header fails its checks).
+    """
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"{root}: no such file or directory")
+    if root.is_file():
+        with open(root, "rb") as file:
+            magic = file.read(4)
+        if magic == b"GGUF":
+            return _inspect_gguf(root)
+        packed = _packed_keys(root)
+        if packed:
+            return _inspect_packed_file(root, packed)
+    elif root.is_dir():
+        if (root / MANIFEST).is_file():
+            return _inspect_converted(root)
+        if any(root.glob("*.gguf")):
+            return _inspect_gguf(root)
+        if any(root.glob("*.safetensors")):
+            return _inspect_hf(root)
+    raise ValueError(f"{root} {NOT_RECOGNISED}")
+
+
+def _progress(items: Sequence[T], what: str) -> Iterable[T]:
+    """``items`` with a stderr progress bar that shows only if the loop passes 1 s."""
+    return tqdm(items, desc=what, unit="file", delay=1.0, leave=False)
+
+
+def _kernel(fmt_name: str, variant: str) -> str:
+    return format_info(fmt_name).kernels[variant]
+
+
+def _ggml_read(type_name: str, variant: str) -> str:
+    for info in GGML_TYPES:
+        if info.name == type_name:
+            return "in place" if variant in info.in_place_variants else "decoded"
+    return "not computed"
+
+
+def _ggml_nbytes(type_name: str, rows: int, k: int) -> int:
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    return rows * (k // block) * block_bytes
+
+
+def _ranges(layers: Iterable[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _layer_count(num_layers: int | None, layers: Sequence[LayerInfo]) -> str:
+    indices = [layer.layer for layer in layers if layer.layer is not None]
+    with_experts = f"{len(layers)} with routed experts" + (f" ({_ranges(indices)})" if indices else "")
+    return with_experts if num_layers is None else f"{num_layers} in the model, {with_experts}"
+
+
+# --- packed-experts files ------------------------------------------------------------------
+
+
+def _packed_keys(path: Path) -> dict[str, tuple[int | None, int]] | None:
+    """key -> (layer, part) when ``path`` is a safetensors file of kt_ops packed blobs
+    (``"packed"`` from PackedExperts.save, ``blk.{L}.part{p}.packed`` from the converter)."""
+    try:
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            keys = list(handle.keys())
+    except Exception:  # not safetensors: safetensors raises its own error types
+        return None
+    if metadata.get("producer") != "kt_ops" or not keys:
+        return None
+    found: dict[str, tuple[int | None, int]] = {}
+    for key in keys:
+        match = _PACKED_KEY.match(key)
+        if not match:
+            return None
+        found[key] = (None, 0) if match["layer"] is None else (int(match["layer"]), int(match["part"]))
+    return found
+
+
+def _packed_layer(layer: int | None, infos: list[dict], variant: str) -> LayerInfo:
+    """A layer from the ``packed_info`` of its parts (parts split I)."""
+    first = infos[0]
+    E, H = first["num_experts"], first["hidden_size"]
+    I = sum(info["intermediate_size"] for info in infos)
+    if first["format"] == "gguf":
+        types = first["gguf_types"]
+        sizes = (_ggml_nbytes(types[0], E * I, H), _ggml_nbytes(types[1], E * I, H), _ggml_nbytes(types[2], E * H, I))
+        matrices = tuple(MatrixInfo(name, t, size, _ggml_read(t, variant)) for name, t, size in zip(MATRICES, types, sizes))
+    else:
+        matrices = tuple(MatrixInfo(name, first["format"], None, "") for name in MATRICES)
+    return LayerInfo(layer, E, H, I, matrices, sum(info["nbytes"] for info in infos))
+
+
+def _inspect_packed_file(path: Path, keys: dict[str, tuple[int | None, int]]) -> Inspection:
+    variant = cpu_variant()
+    by_layer: dict[int | None, list[dict]] = defaultdict(list)
+    with safe_open(os.fspath(path), framework="pt") as handle:
+        for key in sorted(keys, key=lambda k: (keys[k][0] or 0, keys[k][1])):
+            try:
+                info = _C.packed_info(handle.get_tensor(key))  # memory-mapped; reads the header
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{path}: tensor {key!r} is not a valid packed blob: {error}") from None
+            by_layer[keys[key][0]].append(info)
+    layers = tuple(_packed_layer(layer, infos, variant) for layer, infos in by_layer.items())
+    formats = sorted({infos[0]["format"] for infos in by_layer.values()})
+    parts = next(iter(by_layer.values()))
+    group = parts[0]["group_size"]
+    facts = (("format", ", ".join(formats) + (f", group size {group}" if group else "")),
+             ("parts per layer", str(len(parts))))
+    return Inspection(os.fspath(path), "packed-experts file", variant, facts, None, layers,
+                      _kernel(formats[0], variant) if len(formats) == 1 else None, ())
+
+
+# --- converted directories -----------------------------------------------------------------
+
+
+def _inspect_converted(root: Path) -> Inspection:
+    variant = cpu_variant()
+    manifest = Manifest.read(root)
+    notes: list[str] = []
+    if (root / INDEX).is_file():
+        weight_map: dict[str, str] = json.loads((root / INDEX).read_text())["weight_map"]
+    else:  # an unfinished conversion: only per-layer files so far
+        weight_map = {layer_key(L, p): layer_file(L) for L in manifest.layers for p in range(manifest.threadpool_count)
+                      if (root / layer_file(L)).is_file()}
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for key, name in weight_map.items():
+        by_file[name].append(key)
+    key_bytes: dict[str, int] = {}
+    for name in _progress(sorted(by_file), "reading headers"):
+        if not (root / name).is_file():
+            continue
+        with safe_open(os.fspath(root / name), framework="pt") as handle:
+            for key in by_file[name]:
+                key_bytes[key] = int(handle.get_slice(key).get_shape()[0])  # 1-D uint8 blob
+    E, H, I = manifest.num_experts, manifest.hidden_size, manifest.intermediate_size
+    matrices = tuple(MatrixInfo(name, manifest.format, None, "") for name in MATRICES)
+    layers, missing = [], []
+    for L in manifest.layers:
+        parts = [key_bytes.get(layer_key(L, p)) for p in range(manifest.threadpool_count)]
+        if None in parts:
+            missing.append(L)
+        layers.append(LayerInfo(L, E, H, I, matrices, None if None in parts else sum(parts)))
+    if not manifest.complete:
+        notes.append("the conversion did not finish (manifest: complete=false); rerun the converter with --resume-layer")
+    if missing:
+        notes.append(f"no packed tensors on disk for layers {_ranges(missing)}")
+    group = f", group size {manifest.group_size}" if manifest.group_size else ""
+    source = manifest.source
+    facts = (
+        ("method", f"{manifest.method} (format {manifest.format}{group})"),
+        ("parts per layer", f"{manifest.threadpool_count} (threadpool_count)"),
+        ("source", f"{source.get('path', '?')} ({source.get('model_type') or 'model type not recorded'}, "
+                   f"{source.get('input_type', '?')})"),
+        ("files", str(len(set(weight_map.values())))),
+    )
+    return Inspection(os.fspath(root), "converted directory", variant, facts, manifest.num_layers, tuple(layers),
+                      _kernel(manifest.format, variant), tuple(notes))
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+
+def _inspect_gguf(path: Path) -> Inspection:
+    variant = cpu_variant()
+    info = read_gguf_config(path)  # ValueError: not an MoE model, damaged, several models
+    files = gguf_files(path)
+    found: dict[int, dict[str, tuple[str, tuple[int, ...], int]]] = defaultdict(dict)
+    for file in _progress(files, "reading GGUF tensor infos"):
+        for tensor in open_gguf(file).tensors:
+            match = _GGUF_TENSOR.match(tensor.name)
+            if match:
+                type_name = gguf.GGMLQuantizationType(int(tensor.tensor_type)).name
+                shape = tuple(int(d) for d in tensor.shape)
+                found[int(match["layer"])][match["m"]] = (type_name, shape, int(tensor.n_bytes))
+    layers, notes, incomplete = [], [], []
+    not_computed: dict[str, list[int]] = defaultdict(list)
+    for L in sorted(found):
+        matrices = found[L]
+        if set(matrices) != set(MATRICES):
+            incomplete.append(L)
+            continue
+        H, I, E = matrices["gate"][1]  # ggml shape of gate: [H, I, E]
+        infos = []
+        for name in MATRICES:
+            type_name, _, nbytes = matrices[name]
+            read = _ggml_read(type_name, variant)
+            if read == "not computed":
+                not_computed[type_name].append(L)
+            infos.append(MatrixInfo(name, type_name, nbytes, read))
+        layers.append(LayerInfo(L, E, H, I, tuple(infos), sum(m.nbytes or 0 for m in infos)))
+    for type_name, where in sorted(not_computed.items()):
+        notes.append(f"kt_ops does not compute {type_name} (layers {_ranges(where)}): loading those layers raises")
+    if incomplete:
+        notes.append(f"layers {_ranges(incomplete)} lack one of ffn_gate_exps/ffn_up_exps/ffn_down_exps")
+    read_words = {"in place": "dotted straight from the file's bytes", "decoded": "decoded once per job"}
+    used = {m.read for layer in layers for m in layer.matrices}
+    notes.extend(f"{word}: {meaning}" for word, meaning in read_words.items() if word in used)
+    if path.is_dir():
+        kind = "GGUF directory"
+    else:
+        kind = "GGUF file" if len(files) == 1 else "GGUF file (one part of a split model)"
+    facts = (
+        ("architecture", info.architecture),
+        ("experts per token", str(info.num_experts_per_tok)),
+        ("files", ", ".join(f.name for f in files) if len(files) <= 3 else f"{len(files)} ({files[0].name}, ...)"),
+    )
+    return Inspection(os.fspath(path), kind, variant, facts, info.num_layers, tuple(layers),
+                      _kernel("gguf", variant), tuple(notes))
+
+
+# --- Hugging Face checkpoints ---------------------------------------------------------------
+
+
+def _scale_key(key: str) -> str:
+    """The DeepSeek block-FP8 scale of a ``*.weight`` tensor."""
+    return key[: -len(".weight")] + ".weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
+
+
+@dataclass(frozen=True)
+class _Header:
+    """A safetensors tensor's header entry."""
+
+    dtype: str  # safetensors' name, e.g. "BF16"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPES[self.dtype][1]
+
+
+def _safetensors_headers(checkpoint: HfCheckpoint, keys: Iterable[str]) -> dict[str, _Header]:
+    """The header entries of the ``keys`` the checkpoint holds, one header read per file."""
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key in keys:
+        if key in checkpoint.key_file:
+            by_file[checkpoint.key_file[key]].append(key)
+    headers: dict[str, _Header] = {}
+    for file in _progress(sorted(by_file), "reading safetensors headers"):
+        with safe_open(os.fspath(file), framework="pt") as handle:
+            for key in by_file[file]:
+                piece = handle.get_slice(key)
+                dtype, shape = piece.get_dtype(), piece.get_shape()
+                if dtype not in _DTYPES:
+                    raise ValueError(f"{file}: tensor {key!r} is {dtype}; kt_ops reads expert weights in "
+                                     f"{', '.join(_DTYPES)}")
+                headers[key] = _Header(dtype, tuple(shape))
+    return headers
+
+
+def _hf_layer(where: LayerExperts, headers: dict[str, _Header]) -> LayerInfo:
+    """A layer from its tensors' headers: per-expert ``gate [I, H]`` (E from the names) or
+    fused ``gate_up_proj [E, 2I, H]`` + ``down_proj [E, H, I]``; FP8 scales count as bytes."""
+    experts = [0] if where.convention == "fused" else range(where.num_experts)
+    sizes = [sum(headers[key].nbytes + (headers[_scale_key(key)].nbytes if _scale_key(key) in headers else 0)
+                 for key in (where.key(m, e) for e in experts)) for m in range(3)]
+    label = _DTYPES[headers[where.key(0)].dtype][0]
+    if where.convention == "fused":
+        E, H, I = headers[where.key(2)].shape
+        sizes = [sizes[0] // 2, sizes[0] - sizes[0] // 2, sizes[2]]
+    else:
+        (I, H), E = headers[where.key(0)].shape, where.num_experts
+    matrices = tuple(MatrixInfo(name, label, size, "") for name, size in zip(MATRICES, sizes))
+    return LayerInfo(where.layer, E, H, I, matrices, sum(sizes))
+
+
+def _inspect_hf(root: Path) -> Inspection:
+    variant = cpu_variant()
+    checkpoint = HfCheckpoint(root)
+    moe = checkpoint.moe_layers()
+    if not moe:
+        raise ValueError(f"{root} holds safetensors files but no routed-expert tensors (per-expert "
+                         "'*.mlp.experts.{e}.gate_proj.weight', Mixtral's '*.block_sparse_moe.experts.{e}.w1.weight' "
+                         "or fused '*.mlp.experts.gate_up_proj')")
+    keys = {L: [where.key(m, e) for m in range(3)
+                for e in ([0] if where.convention == "fused" else range(where.num_experts))]
+            for L, where in moe.items()}
+    headers = _safetensors_headers(checkpoint, [k for ks in keys.values() for k in (*ks, *map(_scale_key, ks))])
+    layers, notes = [], []
+    for L, where in moe.items():
+        absent = [key for key in keys[L] if key not in headers]
+        if absent:
+            notes.append(f"layer {L}: {len(absent)} expert tensor(s) missing, e.g. {absent[0]!r}")
+        else:
+            layers.append(_hf_layer(where, headers))
+    config_file = root / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    dtypes = sorted({m.type for layer in layers for m in layer.matrices})
+    scales = " (with weight_scale_inv block scales)" if any(d.startswith("fp8") for d in dtypes) else ""
+    facts = (("model type", str(config.get("model_type", "unknown (no config.json)"))),
+             ("experts per token", str(config.get("num_experts_per_tok", "unknown"))),
+             ("expert tensors", ", ".join(sorted({where.convention for where in moe.values()})) + " naming"),
+             ("stored as", ", ".join(dtypes) + scales),
+             ("files", str(len(set(checkpoint.key_file.values())))))
+    notes.append(f"packed when loaded, so the kernel is the method's (under {variant}):")
+    notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in FORMATS if fmt.k_rule != "ggml_block")
+    num_layers = config.get("num_hidden_layers")
+    return Inspection(os.fspath(root), "Hugging Face checkpoint", variant, facts,
+                      None if num_layers is None else int(num_layers), tuple(layers), None, tuple(notes))
+
+
+# --- text -------------------------------------------------------------------------------------
+
+
+def format_bytes(n: int | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; None -> ``"?"``."""
+    if n is None:
+        return "?"
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _rows(layers: Sequence[LayerInfo]) -> list[list[str]]:
+    """One row per run of consecutive layers that differ only in their index."""
+    groups: list[list[LayerInfo]] = []
+    for layer in layers:
+        if groups and groups[-1][0].same_shape_and_types(layer):
+            groups[-1].append(layer)
+        else:
+            groups.append([layer])
+    rows = []
+    for group in groups:
+        first = group[0]
+        indices = [layer.layer for layer in group if layer.layer is not None]
+        label = _ranges(indices) if indices else "-"
+        cells = [f"{m.type} ({m.read})" if m.read else m.type for m in first.matrices]
+        sizes = [format_bytes(m.nbytes) for m in first.matrices if m.nbytes is not None]
+        if len(sizes) == 3:
+            cells = [f"{cell} {size}" for cell, size in zip(cells, sizes)]
+        rows.append([label, str(first.num_experts), str(first.hidden_size), str(first.intermediate_size), *cells,
+                     format_bytes(first.nbytes)])
+    return rows
+
+
+def format_inspection(result: Inspection) -> str:
+    """The text ``kt-ops inspect`` prints: what the path is, its facts, the kernel, a table
+    of the MoE layers (E/H/I, gate/up/down type and bytes, bytes per layer), the total
+    and notes."""
+    lines = [f"{result.path}: {result.kind}"]
+    facts = [("layers", _layer_count(result.num_layers, result.layers)), *result.facts]
+    if result.kernel is not None:
+        facts.append((f"kernel ({result.variant})", result.kernel))
+    width = max(len(label) for label, _ in facts)
+    lines.extend(f"  {label + ':':{width + 1}s} {value}" for label, value in facts)
+    if result.layers:
+        table = [["layers", "E", "H", "I", *MATRICES, "bytes/layer"], *_rows(result.layers)]
+        widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+        lines.append("")
+        lines.extend("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
+        lines.append(f"  total: {format_bytes(result.nbytes)} ({result.nbytes:,} bytes) of routed experts "
+                     f"in {len(result.layers)} layer(s)")
+    if result.notes:
+        lines.append("")
+        lines.extend(f"  {note}" for note in result.notes)
+    return "\n".join(lines)

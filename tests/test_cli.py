@@ -1,0 +1,362 @@
+"""The kt-ops command (kt_ops.cli, python -m kt_ops): help of each command, doctor's
+report, inspect on every weight source kt_ops reads (packed file, converted directory,
+GGUF file, split GGUF directory, Hugging Face checkpoint), bench/convert forwarding, and
+exit status 2 with a last stderr line naming the problem for bad arguments and paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoint_helpers import make_weights, write_checkpoint
+from conftest import make_experts
+from gguf_helpers import random_blocks, write_model
+
+import kt_ops
+from kt_ops import cli, diagnostics, host
+from kt_ops.formats import format_info
+from kt_ops.gguf_types import GGML_TYPES
+from kt_ops.inspection import NOT_RECOGNISED, format_bytes, inspect_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+E, H, I = 8, 64, 64  # Hugging Face / converted fixtures
+GE, GH, GI = 8, 256, 512  # GGUF fixtures (K-quants need rows of 256)
+GGUF_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    """``kt-ops ARGS`` in process: (exit status, stdout, stderr)."""
+    status = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def last_line(text: str) -> str:
+    return text.rstrip("\n").splitlines()[-1]
+
+
+def gguf_layer(types: tuple[str, str, str], rng: np.random.Generator) -> dict:
+    shapes = ((GI, GH), (GI, GH), (GH, GI))
+    return {name: (t, random_blocks(t, GE * rows, k, rng).reshape(GE, rows, -1))
+            for name, t, (rows, k) in zip(GGUF_MATRICES, types, shapes)}
+
+
+def ggml_nbytes(type_name: str, rows: int, k: int) -> int:
+    info = next(t for t in GGML_TYPES if t.name == type_name)
+    return rows * k // info.block_elems * info.block_bytes
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layers 1-3 with experts (per-expert names, 2 shards), layer 0 dense."""
+    weights = make_weights([1, 2, 3], E, H, I, seed=1)
+    return write_checkpoint(tmp_path_factory.mktemp("hf") / "model", weights, shards=2, dense_layers=(0,))
+
+
+@pytest.fixture(scope="module")
+def converted(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("converted") / "int4"
+    status = cli.main(["convert", "--input-path", str(hf_checkpoint), "--input-type", "bf16", "--output", str(out),
+                       "--quant-method", "int4", "--group-size", "32", "--threadpool-count", "2"])
+    assert status == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 layers: 0 dense, 1-2 Q4_K/Q4_K/Q6_K (llama.cpp's Q4_K_M), 3 Q8_0/Q4_0/Q5_K."""
+    rng = np.random.default_rng(0)
+    mix = gguf_layer(("Q4_K", "Q4_K", "Q6_K"), rng)
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_model(path, [None, mix, mix, gguf_layer(("Q8_0", "Q4_0", "Q5_K"), rng)], GE, GH, GI)
+    return path
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def test_help_lists_every_command_and_each_command_has_help(capsys) -> None:
+    status, out, _ = run(capsys, "--help")
+    assert status == 0 and out.startswith("usage: kt-ops")
+    for command in ("doctor", "bench", "convert", "inspect"):
+        assert f"\n    {command} " in out, command
+    expected = {"doctor": "usage: kt-ops doctor", "inspect": "--json", "convert": "--no-merge-safetensor",
+                "bench": "--quick"}
+    for command, text in expected.items():
+        status, out, _ = run(capsys, command, "--help")
+        assert status == 0 and text in out, command
+    status, out, _ = run(capsys, "convert", "--help")
+    assert out.startswith("usage: kt-ops convert")
+
+
+def test_no_command_and_unknown_command_exit_2(capsys) -> None:
+    status, _, err = run(capsys)
+    assert status == 2 and "usage: kt-ops" in err
+    assert last_line(err) == "kt-ops: error: a command is required: doctor, bench, convert, inspect"
+    status, _, err = run(capsys, "frobnicate")
+    assert status == 2 and last_line(err).startswith("kt-ops: error: argument COMMAND: invalid choice: 'frobnicate'")
+    status, _, err = run(capsys, "inspect")
+    assert status == 2 and last_line(err) == "kt-ops inspect: error: the following arguments are required: PATH"
+    status, _, err = run(capsys, "doctor", "--verbose")
+    assert status == 2 and last_line(err) == "kt-ops: error: unrecognized arguments: --verbose"
+
+
+def test_bench_and_convert_get_their_arguments_unparsed(capsys, monkeypatch) -> None:
+    import kt_ops.bench.__main__ as bench_main
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(bench_main, "main", lambda argv: seen.append(argv) or 7)
+    assert cli.main(["bench", "--quick", "--tokens", "1", "--help-me"]) == 7
+    assert seen == [["--quick", "--tokens", "1", "--help-me"]]
+    status, _, err = run(capsys, "convert", "--input-path", "/no/such/dir", "--input-type", "bf16", "--output",
+                         "/tmp/unused", "--quant-method", "int8")
+    assert status == 2 and "usage: kt-ops convert" in err
+    assert last_line(err) == "kt-ops convert: error: --input-path /no/such/dir: no such directory"
+    status, _, err = run(capsys, "convert", "--input-type", "bf16")
+    assert status == 2 and "the following arguments are required" in last_line(err)
+
+
+# --- doctor ----------------------------------------------------------------------------------
+
+
+def test_doctor_reports_variant_and_reason_amx_numa_hugepages_threads(capsys) -> None:
+    status, out, _ = run(capsys, "doctor")
+    assert status == 0
+    active = kt_ops.cpu_variant()
+    assert f"active CPU variant: {active} (" in out
+    for variant in kt_ops.CPU_VARIANTS:
+        missing = kt_ops.missing_features(variant)
+        assert f"  {variant:12s} {'supported' if not missing else 'unsupported: missing ' + missing}\n" in out
+    assert f"\nAMX: {diagnostics.amx_status(host.cpu_flags(), kt_ops.missing_features('amx'))}\n" in out
+    assert f"\nthreads: {kt_ops.get_num_threads()} on {kt_ops.thread_source()}\n" in out
+    nodes = host.numa_nodes()
+    if nodes:
+        assert f"\nNUMA nodes: {len(nodes)} (node{min(nodes)}: CPUs {nodes[min(nodes)]}" in out
+    assert "\nhuge pages: transparent " in out
+    assert out.rstrip("\n") == kt_ops.doctor()
+
+
+def test_variant_reason() -> None:
+    supported = ["avx2", "avx512", "avx512_bf16"]
+    assert diagnostics.variant_reason("avx512_bf16", supported, "") == "the best this CPU supports"
+    assert diagnostics.variant_reason("avx2", supported, "avx2") == (
+        "forced by KT_OPS_CPU_VARIANT=avx2; the best this CPU supports is avx512_bf16")
+    assert diagnostics.variant_reason("avx512_bf16", supported, "avx512_bf16") == (
+        "forced by KT_OPS_CPU_VARIANT=avx512_bf16; it is also the best this CPU supports")
+    assert diagnostics.variant_reason("avx512", supported, "") == (
+        "set by kt_ops.set_cpu_variant(); the best this CPU supports is avx512_bf16")
+    assert diagnostics.variant_reason("avx512", supported, "avx2") == (
+        "set by kt_ops.set_cpu_variant() after KT_OPS_CPU_VARIANT=avx2 at import; "
+        "the best this CPU supports is avx512_bf16")
+
+
+def test_amx_status_tells_cpu_from_os() -> None:
+    has_amx = frozenset({"avx512f", "amx_tile", "amx_bf16", "amx_int8"})
+    assert diagnostics.amx_status(has_amx, "").startswith("usable")
+    refused = diagnostics.amx_status(has_amx, "AMX permission (arch_prctl ARCH_REQ_XCOMP_PERM refused)")
+    assert refused.startswith("the CPU has AMX but the OS refused the tile permission")
+    assert "has not enabled tile state (XCR0" in diagnostics.amx_status(has_amx, "AMX tile state (XCR0)")
+    assert diagnostics.amx_status(frozenset({"avx2"}), "amx_tile/bf16/int8 (CPUID), AMX tile state (XCR0)") == (
+        "not in this CPU (no amx_tile flag in /proc/cpuinfo)")
+    assert diagnostics.amx_status(None, "amx_tile/bf16/int8 (CPUID)") == (
+        "unavailable: missing amx_tile/bf16/int8 (CPUID)")
+
+
+def test_host_reads_proc_and_sys(tmp_path) -> None:
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_tile\n\nprocessor\t: 1\n")
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 100 kB\nHugePages_Total:      16\nHugePages_Free:       4\n"
+                                           "Hugepagesize:    1048576 kB\n")
+    for node, cpus in ((0, "0-3,8-11"), (1, "4-7,12-15")):
+        (tmp_path / f"sys/devices/system/node/node{node}").mkdir(parents=True)
+        (tmp_path / f"sys/devices/system/node/node{node}/cpulist").write_text(cpus + "\n")
+    (tmp_path / "sys/devices/system/node/possible").write_text("0-1\n")
+    (tmp_path / "sys/kernel/mm/transparent_hugepage").mkdir(parents=True)
+    (tmp_path / "sys/kernel/mm/transparent_hugepage/enabled").write_text("always madvise [never]\n")
+    assert host.cpu_flags(tmp_path) == {"fpu", "avx2", "amx_tile"}
+    assert host.numa_nodes(tmp_path) == {0: "0-3,8-11", 1: "4-7,12-15"}
+    assert host.transparent_hugepages(tmp_path) == "never"
+    assert host.hugepages(tmp_path) == host.HugePages(16, 4, 1048576)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (host.cpu_flags(empty), host.numa_nodes(empty), host.transparent_hugepages(empty),
+            host.hugepages(empty)) == (None, {}, None, None)
+
+
+# --- inspect -----------------------------------------------------------------------------------
+
+
+def test_inspect_packed_file(tmp_path, capsys) -> None:
+    experts = make_experts(4, 64, 96)
+    path = tmp_path / "layer.safetensors"
+    experts.packed.save(path)
+    status, out, _ = run(capsys, "inspect", path)
+    assert status == 0 and out.startswith(f"{path}: packed-experts file\n")
+    result = inspect_weights(path)
+    (layer,) = result.layers
+    assert (layer.layer, layer.num_experts, layer.hidden_size, layer.intermediate_size) == (None, 4, 64, 96)
+    assert [m.type for m in layer.matrices] == ["bf16"] * 3 and layer.nbytes == experts.packed.nbytes
+    assert result.kernel == format_info("bf16").kernels[kt_ops.cpu_variant()]
+    assert re.search(rf"\n  kernel \({kt_ops.cpu_variant()}\): +{re.escape(result.kernel)}\n", out)
+    assert f"\n  -       4  64  96  bf16  bf16  bf16  {format_bytes(experts.packed.nbytes)}\n" in out
+
+
+def test_inspect_packed_file_reads_only_the_header(tmp_path) -> None:
+    zeros = torch.zeros(16, 512, 1024, dtype=torch.bfloat16)
+    packed = kt_ops.pack_experts(zeros, zeros, zeros.transpose(1, 2).contiguous())
+    path = tmp_path / "big.safetensors"
+    packed.save(path)
+    nbytes = packed.nbytes
+    pages = nbytes // 4096
+    del packed, zeros
+    inspect_weights(path)  # imports and first-call allocations
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert inspect_weights(path).layers[0].nbytes == nbytes
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < pages // 16, f"inspecting a {pages}-page blob touched {faults} pages: it read the weights"
+
+
+def test_inspect_converted_directory(converted, capsys) -> None:
+    status, out, _ = run(capsys, "inspect", converted)
+    assert status == 0 and out.startswith(f"{converted}: converted directory\n")
+    result = inspect_weights(converted)
+    assert [layer.layer for layer in result.layers] == [1, 2, 3] and result.num_layers == 4
+    part = kt_ops._native._C.packed_nbytes("int4", E, H, I // 2, 32)
+    for layer in result.layers:
+        assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (E, H, I)
+        assert [m.type for m in layer.matrices] == ["int4"] * 3 and layer.nbytes == 2 * part
+    assert result.kernel == format_info("int4").kernels[kt_ops.cpu_variant()]
+    assert ("method", "int4 (format int4, group size 32)") in result.facts
+    assert re.search(r"\n  layers: +4 in the model, 3 with routed experts \(1-3\)\n", out)
+    assert f"\n  1-3     8  64  64  int4  int4  int4  {format_bytes(2 * part)}\n" in out  # one row for 3 layers
+    assert f"total: {format_bytes(6 * part)} ({6 * part:,} bytes) of routed experts in 3 layer(s)" in out
+    # a shard of it is a packed file holding layers 1-3, two parts each
+    shard = next(converted.glob("model-*.safetensors"))
+    layers = inspect_weights(shard).layers
+    assert [(x.layer, x.intermediate_size, x.nbytes) for x in layers] == [(L, I, 2 * part) for L in (1, 2, 3)]
+
+
+def test_inspect_gguf_file(gguf_file, capsys) -> None:
+    status, out, _ = run(capsys, "inspect", gguf_file)
+    assert status == 0 and out.startswith(f"{gguf_file}: GGUF file\n")
+    result = inspect_weights(gguf_file)
+    variant = kt_ops.cpu_variant()
+    assert result.num_layers == 4 and [layer.layer for layer in result.layers] == [1, 2, 3]
+    assert ("architecture", "qwen3moe") in result.facts and result.kernel == format_info("gguf").kernels[variant]
+    for layer, types in zip(result.layers, (("Q4_K", "Q4_K", "Q6_K"),) * 2 + (("Q8_0", "Q4_0", "Q5_K"),)):
+        assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (GE, GH, GI)
+        sizes = (ggml_nbytes(types[0], GE * GI, GH), ggml_nbytes(types[1], GE * GI, GH), ggml_nbytes(types[2], GE * GH, GI))
+        assert [(m.type, m.nbytes) for m in layer.matrices] == list(zip(types, sizes))
+        in_place = {t.name for t in GGML_TYPES if variant in t.in_place_variants}
+        assert [m.read for m in layer.matrices] == ["in place" if t in in_place else "decoded" for t in types]
+        assert layer.nbytes == sum(sizes)
+    rows = [line for line in out.splitlines() if line.startswith("  1-2 ") or line.startswith("  3 ")]
+    assert len(rows) == 2 and "Q4_K (" in rows[0] and "Q5_K (" in rows[1]
+
+
+def test_inspect_gguf_names_types_kt_ops_does_not_compute(tmp_path) -> None:
+    layer = gguf_layer(("Q4_K", "Q4_K", "Q6_K"), np.random.default_rng(1))
+    layer["ffn_down_exps"] = ("IQ4_NL", np.zeros((GE, GH, GI // 32 * 18), dtype=np.uint8))
+    write_model(tmp_path / "iq.gguf", [layer], GE, GH, GI)
+    result = inspect_weights(tmp_path / "iq.gguf")
+    assert result.layers[0].matrices[2].type == "IQ4_NL" and result.layers[0].matrices[2].read == "not computed"
+    assert "kt_ops does not compute IQ4_NL (layers 0): loading those layers raises" in result.notes
+
+
+def test_inspect_split_gguf_directory(tmp_path, capsys) -> None:
+    layer = gguf_layer(("Q4_K", "Q4_K", "Q6_K"), np.random.default_rng(2))
+    write_model(tmp_path / "m.gguf", [layer, layer], GE, GH, GI, split_max_tensors=2)
+    assert len(list(tmp_path.glob("*.gguf"))) > 1
+    status, out, _ = run(capsys, "inspect", tmp_path)
+    assert status == 0 and out.startswith(f"{tmp_path}: GGUF directory\n")
+    result = inspect_weights(tmp_path)
+    assert [x.layer for x in result.layers] == [0, 1] and result.layers[0].nbytes == result.layers[1].nbytes
+    part = next(tmp_path.glob("*-00002-of-*.gguf"))
+    assert inspect_weights(part).kind == "GGUF file (one part of a split model)"
+    assert inspect_weights(part).layers == result.layers
+
+
+@pytest.mark.parametrize("convention", ["per_expert", "fused"])
+def test_inspect_hf_checkpoint(hf_checkpoint, tmp_path, capsys, convention) -> None:
+    path = hf_checkpoint
+    if convention == "fused":
+        path = write_checkpoint(tmp_path / "fused", make_weights([2, 5], E, H, I), convention="fused")
+    status, out, _ = run(capsys, "inspect", path)
+    assert status == 0 and out.startswith(f"{path}: Hugging Face checkpoint\n")
+    result = inspect_weights(path)
+    assert [x.layer for x in result.layers] == ([1, 2, 3] if convention == "per_expert" else [2, 5])
+    for layer in result.layers:
+        assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (E, H, I)
+        assert [(m.type, m.nbytes) for m in layer.matrices] == [("bf16", E * I * H * 2)] * 3
+    assert result.kernel is None and ("expert tensors", f"{convention} naming") in result.facts
+    for fmt in ("bf16", "int8", "int4"):
+        assert f": {format_info(fmt).kernels[kt_ops.cpu_variant()]}\n" in out
+
+
+def test_inspect_json(gguf_file, capsys) -> None:
+    status, out, _ = run(capsys, "inspect", "--json", gguf_file)
+    data = json.loads(out)
+    assert status == 0 and data["kind"] == "GGUF file" and data["variant"] == kt_ops.cpu_variant()
+    assert [x["layer"] for x in data["layers"]] == [1, 2, 3]
+    assert data["layers"][2]["matrices"]["down"]["type"] == "Q5_K"
+    assert data["nbytes"] == sum(x["nbytes"] for x in data["layers"])
+
+
+def test_inspect_bad_paths_exit_2_naming_the_problem(tmp_path, capsys) -> None:
+    missing = tmp_path / "nope"
+    status, out, err = run(capsys, "inspect", missing)
+    assert status == 2 and out == "" and last_line(err) == f"kt-ops inspect: error: {missing}: no such file or directory"
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path in (text, empty):
+        status, _, err = run(capsys, "inspect", path)
+        assert status == 2 and last_line(err) == f"kt-ops inspect: error: {path} {NOT_RECOGNISED}"
+    dense = write_checkpoint(tmp_path / "dense", make_weights([1], E, H, I), skip=tuple(
+        f"model.layers.1.mlp.experts.{e}.{m}_proj.weight" for e in range(E) for m in ("gate", "up", "down")))
+    status, _, err = run(capsys, "inspect", dense)
+    assert status == 2 and "holds safetensors files but no routed-expert tensors" in last_line(err)
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 12)
+    status, _, err = run(capsys, "inspect", broken)
+    assert status == 2 and last_line(err).startswith(f"kt-ops inspect: error: cannot read GGUF file '{broken}'")
+    assert "Traceback" not in err
+
+
+def test_format_bytes() -> None:
+    assert [format_bytes(n) for n in (None, 0, 1023, 1536, 3 << 20, 5 << 40)] == [
+        "?", "0 B", "1023 B", "1.5 KiB", "3.0 MiB", "5.0 TiB"]
+
+
+# --- as a program ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_python_m_kt_ops(converted, tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def kt_ops_cli(*args: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kt_ops", *map(str, args)], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    done = kt_ops_cli("--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: kt-ops")
+    done = kt_ops_cli("doctor")
+    assert done.returncode == 0 and "active CPU variant:" in done.stdout and "NUMA nodes:" in done.stdout
+    done = kt_ops_cli("inspect", converted)
+    assert done.returncode == 0 and "converted directory" in done.stdout
+    done = kt_ops_cli("inspect", tmp_path / "missing")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert last_line(done.stderr) == f"kt-ops inspect: error: {tmp_path / 'missing'}: no such file or directory"
+    doctor = subprocess.run([sys.executable, "-m", "kt_ops.doctor"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert doctor.returncode == 0 and "active CPU variant:" in doctor.stdout
