@@ -7,7 +7,8 @@
 
 Exit status 0 on success, 2 for a bad argument or path (the last stderr line says what is
 wrong; argparse's usage line may precede it), 1 when the work itself fails (e.g. a
-conversion step), 130 on Ctrl-C. User errors print no traceback.
+conversion step), 130 on Ctrl-C, 141 when the output pipe closes early (``| head``).
+User errors print no traceback.
 """
 
 from __future__ import annotations
@@ -116,3 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kt-ops doctor | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
