@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kt_ops.bench import limits, runner
+from kt_ops.bench import limits, runner, torch_dtype
 from kt_ops.bench.__main__ import format_table
 from kt_ops.bench.limits import GiB, MiB, BandwidthBrackets, ComputeLimits, GemmReference, ReadBandwidth
 from kt_ops.bench.roofline import MachineLimits, fraction_text, rate
@@ -103,6 +103,20 @@ def test_baseline_runs_in_the_weights_dtype(monkeypatch: pytest.MonkeyPatch) -> 
     fp32 = [w.to(torch.float32) for w in random_weights(TINY, 1)]
     measure_baseline(TINY, 2, fp32, 3, lambda: None, min_seconds=0.0)
     assert dtypes == {(torch.float32, torch.float32)}
+
+
+def test_dtype_choice_follows_the_matmul_rates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (bf16, fp32) GFLOP/s: AVX2 without native bf16, AVX512_BF16, a near tie.
+    for rates, expected in (((2.0, 150.0), torch.float32), ((800.0, 200.0), torch.bfloat16), ((90.0, 150.0), torch.bfloat16)):
+        monkeypatch.setattr(torch_dtype, "matmul_rates", lambda size, repeats, rates=rates: rates)
+        choice = torch_dtype.choose_torch_dtype()
+        assert choice.dtype == expected, rates
+        assert choice.name in choice.describe() and f"{rates[0]:.0f} GFLOP/s" in choice.describe()
+
+
+def test_matmul_rates_measure_both_dtypes() -> None:
+    bf16, fp32 = torch_dtype.matmul_rates(64, 1)
+    assert bf16 > 0 and fp32 > 0
 
 
 def _torch_sum_gbs(buffer: torch.Tensor, passes: int = 3) -> float:

@@ -6,8 +6,10 @@ before every timed call, as a real model's other layers would, then a small laye
 the same method runs, as the previous layer's MoE block would), the same for the
 plain-PyTorch layer (the loop of Hugging Face's Qwen3-MoE block, timed once per shape
 and token count) and the speed-up over it, the activated experts' weight bytes read per
-second, GFLOP/s, the roofline bound and the fraction of it reached (the plain layer
-runs the bf16 weights). The limits are measured in the same run. Read bandwidth: the best
+second, GFLOP/s, the roofline bound and the fraction of it reached. The plain layer
+runs in the dtype torch is fast in on this CPU: bf16, or fp32 where torch's bf16
+matmul is more than 2x slower (CPUs without native bf16); the header and the "torch"
+column say which. The limits are measured in the same run. Read bandwidth: the best
 pass of the faster of two readers (the extension's, torch's sum) over a buffer of at
 least 8x the last-level cache, measured before every row and after the last, the best
 of these brackets being the limit of all rows. GEMM: torch's fastest matmul, measured
@@ -58,6 +60,7 @@ from kt_ops.bench.runner import (
     previous_shape,
     random_weights,
 )
+from kt_ops.bench.torch_dtype import TorchDtype, choose_torch_dtype
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -123,10 +126,11 @@ def format_table(rows: list[Row], torch_dtype: str) -> str:
     return "\n".join(lines)
 
 
-def header() -> str:
+def header(torch_dtype: TorchDtype) -> str:
     return (
         f"kt_ops {kt_ops.__version__} | torch {torch.__version__} | variant {kt_ops.cpu_variant()} | "
-        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()})"
+        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()})\n"
+        f"plain-PyTorch layer in {torch_dtype.describe()}"
     )
 
 
@@ -181,27 +185,32 @@ def main(argv: list[str] | None = None) -> int:
         return model_step_main(args)
     torch.manual_seed(0)
     started = time.perf_counter()
-    progress("measuring the GEMM references ...")
-    # Our BF16 kernels multiply in bf16 or in fp32, by variant.
-    float_dtypes = (torch.bfloat16, torch.float32)
+    progress("choosing torch's dtype and measuring the GEMM references ...")
+    torch_dtype = choose_torch_dtype()
+    # fp32 always (fast everywhere; our BF16 kernels multiply in fp32 on some variants),
+    # bf16 only where torch is fast in it.
+    float_dtypes = tuple(dict.fromkeys((torch_dtype.dtype, torch.float32)))
     compute = ComputeLimits.measure(float_dtypes)
     llc_bytes = last_level_cache_bytes()
     buffer = torch.ones(read_buffer_bytes(llc_bytes), dtype=torch.uint8)
     flush = CacheFlusher(buffer)
     brackets = BandwidthBrackets(buffer)
-    print(header())
+    print(header(torch_dtype))
     rows: list[Row] = []
     total = len(args.shape) * len(args.method) * len(args.tokens)
     for shape_name in args.shape:
         shape = SHAPES[shape_name]
-        progress(f"[{len(rows)}/{total}] drawing {args.layers} {shape.name} layers ({shape.model}), timing the plain layer ...")
+        progress(f"[{len(rows)}/{total}] drawing {args.layers} {shape.name} layers ({shape.model}), "
+                 f"plain layer in {torch_dtype.name} ...")
         weights = random_weights(shape, args.layers)
-        plain_previous = None if args.cold_code else random_weights(previous_shape(shape), 1)[0]
+        plain_weights = [w.to(torch_dtype.dtype) for w in weights]
+        plain_previous = None if args.cold_code else random_weights(previous_shape(shape), 1)[0].to(torch_dtype.dtype)
         torch_seconds = {
-            tokens: measure_baseline(shape, tokens, weights, max(3, args.repeats // 4), flush, plain_previous,
+            tokens: measure_baseline(shape, tokens, plain_weights, max(3, args.repeats // 4), flush, plain_previous,
                                      args.min_seconds / 2)
             for tokens in args.tokens
         }
+        del plain_weights
         for method in args.method:
             progress(f"[{len(rows)}/{total}] packing {args.layers} {shape.name} layers as {method} ...")
             layers = make_layers(shape, method, args.layers, weights)
@@ -220,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [rate(r, limits) for r in rows]
     progress(f"done in {time.perf_counter() - started:.0f} s\n")
     print(limits_text(brackets, compute, flush, llc_bytes))
-    print(format_table(rows, "bf16"))
+    print(format_table(rows, torch_dtype.name))
     mixed = sorted({f"{r.shape} {r.method}: {'/'.join(gguf_types_for(r.method, SHAPES[r.shape]))}"
                     for r in rows if r.method in GGUF_METHODS and set(gguf_types_for(r.method, SHAPES[r.shape])) != {r.method}})
     if mixed:
@@ -240,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                         for kind, g in (("float", compute.float_gemm), ("int8", compute.int8_gemm))
                         if g is not None
                     },
+                    "torch_dtype": torch_dtype.name,
+                    "torch_matmul_gflops": {"bf16": torch_dtype.bf16_gflops, "fp32": torch_dtype.fp32_gflops},
                     "cpu_variant": kt_ops.cpu_variant(),
                     "threads": kt_ops.get_num_threads(),
                     "previous_layer_warm_up": not args.cold_code,
