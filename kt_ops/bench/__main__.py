@@ -21,6 +21,9 @@ low). Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE), Q4_K_M their 
 llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K); on S2 (I = 1408) the K-quant rows
 store down as llama.cpp does for that size (Q4_K -> Q5_0, Q6_K -> Q8_0).
 
+--quick: S1 only, tokens 1 and 64, one layer per method, 5 timed calls per row (at least
+0.25 s): under a minute on 2 cores (see the README for the measured time).
+
 --model-step times the op inside a model step instead: torch work (an attention-sized
 block) alone, the op alone, and the two alternating, interleaved; see
 kt_ops/bench/model_step.py (default: method BF16, tokens 1 8 512).
@@ -67,13 +70,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m kt_ops.bench", description=__doc__.split("\n\n")[1], epilog="\n\n".join(__doc__.split("\n\n")[2:])
     )
-    parser.add_argument("--quick", action="store_true", help="S1 only, tokens 1 and 64, 2 layers (~1-2 min)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="S1 only, tokens 1 and 64, 1 layer per method, 5 timed calls (at least 0.25 s) per row: under a minute",
+    )
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None)
     parser.add_argument("--method", nargs="+", choices=METHODS, default=None)
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 2 with --quick)")
+    parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 1 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads = torch's intra-op threads (default: torch's, the physical cores)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 30; 10 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 30; 5 with --quick)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and limits as JSON")
     parser.add_argument(
         "--cold-code",
@@ -90,10 +97,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.shape = args.shape or (["S1"] if args.quick else ["S1", "S2"])
     args.method = args.method or (["BF16"] if args.model_step else list(METHODS))
     args.tokens = args.tokens or ([1, 64] if args.quick else [1, 8, 512] if args.model_step else [1, 8, 64, 512])
-    args.layers = args.layers or (2 if args.quick else 3)
-    args.repeats = args.repeats or (10 if args.quick else 30)
+    # --quick packs one layer per method: the flush before every timed call already makes
+    # each call read its weights from DRAM (distinct layers only guard a flush that
+    # misses), and drawing and packing an S1 layer costs 1.5-5 s per method here.
+    args.layers = args.layers or (1 if args.quick else 3)
+    args.repeats = args.repeats or (5 if args.quick else 30)
     # Seconds a row keeps timing calls past --repeats (our layer; the plain layer gets half).
-    args.min_seconds = 1.0
+    args.min_seconds = 0.25 if args.quick else 1.0
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens must be >= 1")
     return args
