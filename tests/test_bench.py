@@ -214,6 +214,22 @@ def test_model_step_on_a_tiny_shape(method: str) -> None:
     assert "tiny" in format_steps([row]) and "step/(torch+kt)" in format_steps([row])
 
 
+def test_model_step_torch_block_runs_in_the_given_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kt_ops.bench import model_step
+
+    seen: set[tuple[torch.dtype, torch.dtype]] = set()
+    real_linear = model_step.F.linear
+
+    def linear(x: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.add((x.dtype, w.dtype))
+        return real_linear(x, w, *rest)
+
+    monkeypatch.setattr(model_step.F, "linear", linear)
+    shape = Shape("tiny", num_experts=8, top_k=2, hidden=256, intermediate=128, model="test")
+    model_step.measure_step(shape, "BF16", 2, rounds=1, calls=1, layers=1, torch_dtype=torch.float32)
+    assert seen == {(torch.float32, torch.float32)}
+
+
 def test_cli_help() -> None:
     result = subprocess.run([sys.executable, "-m", "kt_ops.bench", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0

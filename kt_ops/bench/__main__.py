@@ -167,9 +167,11 @@ def limits_text(brackets: BandwidthBrackets, compute: ComputeLimits, flush: Cach
 
 
 def model_step_main(args: argparse.Namespace) -> int:
+    torch_dtype = choose_torch_dtype()
     print(
         f"kt_ops {kt_ops.__version__} | torch {torch.__version__} | variant {kt_ops.cpu_variant()} | "
-        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()}) on {kt_ops.thread_source()}"
+        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()}) on {kt_ops.thread_source()}\n"
+        f"torch block in {torch_dtype.describe()}"
     )
     rows: list[StepRow] = []
     total = len(args.shape) * len(args.method) * len(args.tokens)
@@ -177,13 +179,14 @@ def model_step_main(args: argparse.Namespace) -> int:
         for method in args.method:
             for tokens in args.tokens:
                 progress(f"[{len(rows)}/{total}] model step {shape_name} {method} tokens={tokens} ...")
-                rows.append(measure_step(shape_name, method, tokens, layers=args.layers))
+                rows.append(measure_step(shape_name, method, tokens, layers=args.layers, torch_dtype=torch_dtype.dtype))
     progress("")
     print(format_steps(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu_variant": kt_ops.cpu_variant(), "threads": kt_ops.get_num_threads(),
-                       "thread_source": kt_ops.thread_source(), "model_step": [r.as_dict() for r in rows]}, f, indent=2)
+                       "thread_source": kt_ops.thread_source(), "torch_dtype": torch_dtype.name,
+                       "model_step": [r.as_dict() for r in rows]}, f, indent=2)
     return 0
 
 
