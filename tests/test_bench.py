@@ -159,6 +159,15 @@ def test_read_buffer_is_at_least_8x_the_last_level_cache(monkeypatch: pytest.Mon
     assert limits.flush_bytes(32 * MiB, GiB) == 256 * MiB
 
 
+def test_read_buffer_is_ones_on_huge_page_boundaries() -> None:
+    import mmap
+
+    buffer = limits.read_buffer(8 * MiB)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 8 * MiB and bool((buffer == 1).all())
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert buffer.data_ptr() % (2 * MiB) == 0
+
+
 def test_no_printed_fraction_exceeds_100_percent() -> None:
     # 100 MB at 50 GB/s take 2 ms: a row of 1 ms would read at 200% of the limit.
     fast = rate(row_of(us=1000.0), limits_of(read_gbs=50.0))

@@ -46,6 +46,7 @@ from kt_ops.bench.limits import (
     ComputeLimits,
     GemmReference,
     last_level_cache_bytes,
+    read_buffer,
     read_buffer_bytes,
 )
 from kt_ops.bench.model_step import StepRow, format_steps, measure_step
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     float_dtypes = tuple(dict.fromkeys((torch_dtype.dtype, torch.float32)))
     compute = ComputeLimits.measure(float_dtypes)
     llc_bytes = last_level_cache_bytes()
-    buffer = torch.ones(read_buffer_bytes(llc_bytes), dtype=torch.uint8)
+    buffer = read_buffer(read_buffer_bytes(llc_bytes))
     flush = CacheFlusher(buffer)
     brackets = BandwidthBrackets(buffer)
     print(header(torch_dtype))
