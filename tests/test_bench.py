@@ -2,35 +2,72 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
+from kt_ops.bench import limits, runner, torch_dtype
 from kt_ops.bench.__main__ import format_table
-from kt_ops.bench import runner
-from kt_ops.bench.runner import METHODS, Shape, bytes_per_weight, make_layers, measure_row, previous_layer
+from kt_ops.bench.limits import GiB, MiB, BandwidthBrackets, ComputeLimits, GemmReference, ReadBandwidth
+from kt_ops.bench.roofline import MachineLimits, fraction_text, rate
+from kt_ops.bench.runner import (
+    METHODS,
+    ExpertWeights,
+    Row,
+    Shape,
+    bytes_per_weight,
+    make_layers,
+    measure_baseline,
+    measure_row,
+    previous_layer,
+    random_weights,
+)
+
+TINY = Shape("tiny", num_experts=8, top_k=2, hidden=256, intermediate=256, model="test")
+
+
+def limits_of(read_gbs: float = 50.0, float_gflops: float = 1000.0, int8_gflops: float | None = 2000.0,
+              llc_bytes: int = 32 * MiB) -> MachineLimits:
+    int8 = None if int8_gflops is None else GemmReference(int8_gflops, torch.int8, 1024, "_int_mm")
+    return MachineLimits(read_gbs, ComputeLimits(GemmReference(float_gflops, torch.bfloat16, 1024, "oneDNN"), int8),
+                         llc_bytes)
+
+
+def row_of(method: str = "BF16", us: float = 1000.0, weight_bytes: float = 100e6, flops: float = 1e6) -> Row:
+    seconds = us * 1e-6
+    return Row("S1", method, 1, us, 2 * us, 2.0, weight_bytes, flops, runner.arithmetic_of(method),
+               weight_bytes / seconds / 1e9, flops / seconds / 1e9)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_measure_row_on_a_tiny_shape(method: str) -> None:
-    shape = Shape("tiny", num_experts=8, top_k=2, hidden=256, intermediate=256, model="test")
-    layers = make_layers(shape, method, 2)
+    layers = make_layers(TINY, method, 2)
     expected = {"BF16": 2.0, "AMXINT8": 1.0 + 4 / 256, "AMXINT4": 0.5 + 4 / 128, "Q4_K": 144 / 256, "Q4_K_M": (2 * 144 + 210) / 768, "Q6_K": 210 / 256,
                 "Q8_0": 34 / 32, "Q4_0": 18 / 32}[method]
-    assert bytes_per_weight(layers[0].packed, shape) == pytest.approx(expected)
+    assert bytes_per_weight(layers[0].packed, TINY) == pytest.approx(expected)
     flushes = []
-    row = measure_row(shape, method, 4, layers, read_gbs=10.0, gemm_gflops=100.0, repeats=3, flush=lambda: flushes.append(1))
-    assert len(flushes) >= 6  # before every timed call of both implementations
+    weights = [ExpertWeights(l.gate, l.up, l.down) for l in layers]
+    torch_seconds = measure_baseline(TINY, 4, weights, 3, lambda: flushes.append(1), min_seconds=0.01)
+    plain_flushes = len(flushes)
+    assert plain_flushes >= 3 + 3  # before the warm-up calls and every timed call
+    row = measure_row(TINY, method, 4, layers, torch_seconds, repeats=3, flush=lambda: flushes.append(1), min_seconds=0.01)
+    assert len(flushes) - plain_flushes >= 3 + 1
     assert row.us > 0 and row.torch_us > 0 and row.weight_gbs > 0 and row.gflops > 0
-    assert row.limit in ("bandwidth", "gemm")
-    assert "tiny" in format_table([row])
+    assert row.arithmetic == ("float" if method == "BF16" else "int8")
+    rated = rate(row, limits_of(read_gbs=10.0, float_gflops=100.0, int8_gflops=200.0))
+    assert rated.bound in ("bandwidth", "cache", "bf16 gemm", "int8 gemm")
+    table = format_table([rated], "bf16")
+    assert "tiny" in table and "torch bf16 us" in table
 
 
 def test_previous_layer_runs_between_flush_and_timed_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    shape = Shape("tiny", num_experts=8, top_k=2, hidden=256, intermediate=256, model="test")
-    layers = make_layers(shape, "Q4_K", 1)
-    previous = previous_layer(shape, "Q4_K")
+    layers = make_layers(TINY, "Q4_K", 1)
+    previous = previous_layer(TINY, "Q4_K")
+    plain_previous = random_weights(runner.previous_shape(TINY), 1)[0]
     assert previous.packed.format == "gguf" and previous.gate.shape == (8, 256, 256)
     events: list[str] = []
     real_ours, real_plain = runner.moe_forward, runner.torch_moe_forward
@@ -40,16 +77,139 @@ def test_previous_layer_runs_between_flush_and_timed_call(monkeypatch: pytest.Mo
         return real_ours(x, ids, weights, packed)
 
     def plain(x, ids, weights, gate, up, down):  # type: ignore[no-untyped-def]
-        events.append("plain previous" if gate is previous.gate else "plain")
+        events.append("plain previous" if gate is plain_previous.gate else "plain")
         return real_plain(x, ids, weights, gate, up, down)
 
     monkeypatch.setattr(runner, "moe_forward", ours)
     monkeypatch.setattr(runner, "torch_moe_forward", plain)
-    measure_row(shape, "Q4_K", 1, layers, 10.0, 100.0, 3, lambda: events.append("flush"), previous)
+    plain_weights = [ExpertWeights(layers[0].gate, layers[0].up, layers[0].down)]
+    measure_baseline(TINY, 1, plain_weights, 3, lambda: events.append("flush"), plain_previous, min_seconds=0.01)
+    measure_row(TINY, "Q4_K", 1, layers, 1e-3, 3, lambda: events.append("flush"), previous, min_seconds=0.01)
     for kind, warm_up in (("ours", "previous"), ("plain", "plain previous")):
-        calls = [i for i, e in enumerate(events) if e == kind][1:]  # the first call is untimed
-        assert len(calls) >= 3
+        calls = [i for i, e in enumerate(events) if e == kind]
+        assert len(calls) >= 4
         assert all(events[i - 2 : i] == ["flush", warm_up] for i in calls)
+
+
+def test_baseline_runs_in_the_weights_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    dtypes: set[tuple[torch.dtype, torch.dtype]] = set()
+    real_plain = runner.torch_moe_forward
+
+    def plain(x, ids, weights, gate, up, down):  # type: ignore[no-untyped-def]
+        dtypes.add((x.dtype, gate.dtype))
+        return real_plain(x, ids, weights, gate, up, down)
+
+    monkeypatch.setattr(runner, "torch_moe_forward", plain)
+    fp32 = [w.to(torch.float32) for w in random_weights(TINY, 1)]
+    measure_baseline(TINY, 2, fp32, 3, lambda: None, min_seconds=0.0)
+    assert dtypes == {(torch.float32, torch.float32)}
+
+
+def test_dtype_choice_follows_the_matmul_rates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (bf16, fp32) GFLOP/s: AVX2 without native bf16, AVX512_BF16, a near tie.
+    for rates, expected in (((2.0, 150.0), torch.float32), ((800.0, 200.0), torch.bfloat16), ((90.0, 150.0), torch.bfloat16)):
+        monkeypatch.setattr(torch_dtype, "matmul_rates", lambda size, repeats, rates=rates: rates)
+        choice = torch_dtype.choose_torch_dtype()
+        assert choice.dtype == expected, rates
+        assert choice.name in choice.describe() and f"{rates[0]:.0f} GFLOP/s" in choice.describe()
+
+
+def test_matmul_rates_measure_both_dtypes() -> None:
+    bf16, fp32 = torch_dtype.matmul_rates(64, 1)
+    assert bf16 > 0 and fp32 > 0
+
+
+def _torch_sum_gbs(buffer: torch.Tensor, passes: int = 3) -> float:
+    """torch's own read rate of ``buffer``, measured here independently of the bench."""
+    view = buffer.view(torch.float32)
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        view.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() / best / 1e9
+
+
+def test_read_bandwidth_limit_is_at_least_torchs_own_read_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    buffer = torch.ones(min(limits.read_buffer_bytes(), 256 * MiB), dtype=torch.uint8)
+    # 0.7: the two measurements are taken one after the other on a machine that may be
+    # shared; the limit includes torch's own reader, so it is >= by construction.
+    assert limits.read_bandwidth(buffer).gbs >= 0.7 * _torch_sum_gbs(buffer)
+    # With the extension's reader made slow, the limit must still be torch's rate.
+    monkeypatch.setitem(limits.READERS, "kt_ops", lambda buf, passes: [1.0] * passes)
+    reading = limits.read_bandwidth(buffer)
+    assert reading.gbs >= 0.7 * _torch_sum_gbs(buffer)
+    assert reading.reader == "torch.sum"
+
+
+def test_brackets_take_the_best_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    readings = iter([ReadBandwidth({"kt_ops": 40.0, "torch.sum": 45.0}), ReadBandwidth({"kt_ops": 78.0, "torch.sum": 70.0}),
+                     ReadBandwidth({"kt_ops": 41.0, "torch.sum": 42.0})])
+    monkeypatch.setattr(limits, "read_bandwidth", lambda buffer, passes: next(readings))
+    brackets = BandwidthBrackets(torch.empty(0, dtype=torch.uint8))
+    for _ in range(3):
+        brackets.measure()
+    assert brackets.best.gbs == 78.0 and brackets.best.reader == "kt_ops" and brackets.lowest_gbs == 42.0
+
+
+def test_read_buffer_is_at_least_8x_the_last_level_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: 64 * GiB)
+    assert limits.read_buffer_bytes(32 * MiB) == GiB
+    assert limits.read_buffer_bytes(512 * MiB) == 4 * GiB
+    assert limits.flush_bytes(32 * MiB, GiB) == 256 * MiB
+
+
+def test_read_buffer_is_ones_on_huge_page_boundaries() -> None:
+    import mmap
+
+    buffer = limits.read_buffer(8 * MiB)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 8 * MiB and bool((buffer == 1).all())
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert buffer.data_ptr() % (2 * MiB) == 0
+
+
+def test_no_printed_fraction_exceeds_100_percent() -> None:
+    # 100 MB at 50 GB/s take 2 ms: a row of 1 ms would read at 200% of the limit.
+    fast = rate(row_of(us=1000.0), limits_of(read_gbs=50.0))
+    assert fast.bound == "bandwidth" and fast.limit_fraction == pytest.approx(2.0)
+    assert fraction_text(fast) == ">100%?"
+    table = format_table([fast], "fp32")
+    assert ">100%?" in table and "200%" not in table and "limit was measured too low" in table
+    honest = rate(row_of(us=4000.0), limits_of(read_gbs=50.0))
+    assert fraction_text(honest) == "50%" and "measured too low" not in format_table([honest], "fp32")
+
+
+def test_rows_that_fit_in_the_last_level_cache_get_no_dram_fraction() -> None:
+    fits = rate(row_of(weight_bytes=20e6, us=1000.0), limits_of(llc_bytes=32 * MiB))
+    assert fits.bound == "cache" and fits.limit_fraction is None
+    assert fraction_text(fits) == "(cache)" and "(cache)" in format_table([fits], "bf16")
+    streams = rate(row_of(weight_bytes=20e6, us=1000.0), limits_of(llc_bytes=16 * MiB))
+    assert streams.bound == "bandwidth" and fraction_text(streams) == "40%"
+
+
+def test_compute_bound_rows_use_the_gemm_of_their_arithmetic() -> None:
+    # 1 GFLOP and 1 MB: compute-bound; 1 ms at 1000 (float) or 2000 (int8) GFLOP/s.
+    float_row = rate(row_of("BF16", us=2000.0, weight_bytes=1e6, flops=1e9), limits_of())
+    int8_row = rate(row_of("Q4_K", us=2000.0, weight_bytes=1e6, flops=1e9), limits_of())
+    assert float_row.bound == "bf16 gemm" and float_row.limit_fraction == pytest.approx(0.5)
+    assert int8_row.bound == "int8 gemm" and int8_row.limit_fraction == pytest.approx(0.25)
+    no_int8 = rate(row_of("Q4_K", us=2000.0, weight_bytes=1e6, flops=1e9), limits_of(int8_gflops=None))
+    assert no_int8.bound == "bf16 gemm"
+
+
+def test_compute_limits_keep_the_best_of_two_brackets() -> None:
+    slow, fast = limits_of(float_gflops=100.0, int8_gflops=None).compute, limits_of(float_gflops=300.0).compute
+    best = slow.best(fast)
+    assert best.float_gemm.gflops == 300.0 and best.int8_gemm is not None and best.int8_gemm.gflops == 2000.0
+
+
+def test_gemm_reference_measures_small_gemms() -> None:
+    for dtype in (torch.float32, torch.int8):
+        reference = limits.gemm_reference(dtype, min_call_seconds=0.0, max_size=1024, repeats=1)
+        if reference is None:  # torch without an int8 GEMM on this CPU
+            assert dtype == torch.int8
+            continue
+        assert reference.gflops > 0 and reference.size == 1024 and reference.dtype == dtype
 
 
 @pytest.mark.parametrize("method", ["BF16", "Q4_K"])
@@ -61,6 +221,22 @@ def test_model_step_on_a_tiny_shape(method: str) -> None:
     assert row.torch_us > 0 and row.kt_us > 0 and row.step_us > 0
     assert 0.2 < row.ratio < 20
     assert "tiny" in format_steps([row]) and "step/(torch+kt)" in format_steps([row])
+
+
+def test_model_step_torch_block_runs_in_the_given_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kt_ops.bench import model_step
+
+    seen: set[tuple[torch.dtype, torch.dtype]] = set()
+    real_linear = model_step.F.linear
+
+    def linear(x: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.add((x.dtype, w.dtype))
+        return real_linear(x, w, *rest)
+
+    monkeypatch.setattr(model_step.F, "linear", linear)
+    shape = Shape("tiny", num_experts=8, top_k=2, hidden=256, intermediate=128, model="test")
+    model_step.measure_step(shape, "BF16", 2, rounds=1, calls=1, layers=1, torch_dtype=torch.float32)
+    assert seen == {(torch.float32, torch.float32)}
 
 
 def test_cli_help() -> None:

@@ -1,15 +1,28 @@
 """python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16 AMXINT8 AMXINT4 Q4_K Q4_K_M Q6_K Q8_0 Q4_0] [--tokens 1 8 64 512]
-[--layers N] [--threads N] [--json PATH] [--cold-code] [--model-step]
+[--layers N] [--threads N] [--repeats N] [--json PATH] [--cold-code] [--model-step]
 
 Prints, per row: microseconds per MoE layer forward (median; the caches are evicted
 before every timed call, as a real model's other layers would, then a small layer of
-the same method runs, as the previous layer's MoE block would), the activated experts'
-weight bytes read per second, GFLOP/s, the roofline fraction of the machine limit that
-binds (read bandwidth, measured again next to each row and shown as "read GB/s", or the
-bf16 GEMM reference, both measured in this run), and the speed-up over the plain-PyTorch
-layer. Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE), Q4_K_M their mix in
+the same method runs, as the previous layer's MoE block would), the same for the
+plain-PyTorch layer (the loop of Hugging Face's Qwen3-MoE block, timed once per shape
+and token count) and the speed-up over it, the activated experts' weight bytes read per
+second, GFLOP/s, the roofline bound and the fraction of it reached. The plain layer
+runs in the dtype torch is fast in on this CPU: bf16, or fp32 where torch's bf16
+matmul is more than 2x slower (CPUs without native bf16); the header and the "torch"
+column say which. The limits are measured in the same run. Read bandwidth: the best
+pass of the faster of two readers (the extension's, torch's sum) over a buffer of at
+least 8x the last-level cache, measured before every row and after the last, the best
+of these brackets being the limit of all rows. GEMM: torch's fastest matmul, measured
+before and after the rows, in bf16 or fp32 (the faster, for BF16) and in int8
+(torch._int_mm, for the quantized methods, whose kernels multiply int8). A row whose
+activated weights fit in the last-level cache is marked (cache) and given no fraction
+of DRAM bandwidth; a row above its limit prints ">100%?" (the limit was measured too
+low). Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE), Q4_K_M their mix in
 llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K); on S2 (I = 1408) the K-quant rows
 store down as llama.cpp does for that size (Q4_K -> Q5_0, Q6_K -> Q8_0).
+
+--quick: S1 only, tokens 1 and 64, one layer per method, 5 timed calls per row (at least
+0.25 s): under a minute on 2 cores (see the README for the measured time).
 
 --model-step times the op inside a model step instead: torch work (an attention-sized
 block) alone, the op alone, and the two alternating, interleaved; see
@@ -26,8 +39,18 @@ import time
 import torch
 
 import kt_ops
-from kt_ops.bench.limits import CacheFlusher, bf16_gemm_gflops, last_level_cache_bytes, read_bandwidth_gbs
+from kt_ops.bench.limits import (
+    BandwidthBrackets,
+    DTYPE_NAMES,
+    CacheFlusher,
+    ComputeLimits,
+    GemmReference,
+    last_level_cache_bytes,
+    read_buffer,
+    read_buffer_bytes,
+)
 from kt_ops.bench.model_step import StepRow, format_steps, measure_step
+from kt_ops.bench.roofline import MachineLimits, fraction_text, rate
 from kt_ops.bench.runner import (
     GGUF_METHODS,
     METHODS,
@@ -35,20 +58,30 @@ from kt_ops.bench.runner import (
     Row,
     gguf_types_for,
     make_layers,
+    measure_baseline,
     measure_row,
     previous_layer,
+    previous_shape,
+    random_weights,
 )
+from kt_ops.bench.torch_dtype import TorchDtype, choose_torch_dtype
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kt_ops.bench", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--quick", action="store_true", help="S1 only, tokens 1 and 64, 2 layers (~1-2 min)")
+    parser = argparse.ArgumentParser(
+        prog="python -m kt_ops.bench", description=__doc__.split("\n\n")[1], epilog="\n\n".join(__doc__.split("\n\n")[2:])
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="S1 only, tokens 1 and 64, 1 layer per method, 5 timed calls (at least 0.25 s) per row: under a minute",
+    )
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None)
     parser.add_argument("--method", nargs="+", choices=METHODS, default=None)
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 2 with --quick)")
+    parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 1 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads = torch's intra-op threads (default: torch's, the physical cores)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 30; 10 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 30; 5 with --quick)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and limits as JSON")
     parser.add_argument(
         "--cold-code",
@@ -65,8 +98,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.shape = args.shape or (["S1"] if args.quick else ["S1", "S2"])
     args.method = args.method or (["BF16"] if args.model_step else list(METHODS))
     args.tokens = args.tokens or ([1, 64] if args.quick else [1, 8, 512] if args.model_step else [1, 8, 64, 512])
-    args.layers = args.layers or (2 if args.quick else 3)
-    args.repeats = args.repeats or (10 if args.quick else 30)
+    # --quick packs one layer per method: the flush before every timed call already makes
+    # each call read its weights from DRAM (distinct layers only guard a flush that
+    # misses), and drawing and packing an S1 layer costs 1.5-5 s per method here.
+    args.layers = args.layers or (1 if args.quick else 3)
+    args.repeats = args.repeats or (5 if args.quick else 30)
+    # Seconds a row keeps timing calls past --repeats (our layer; the plain layer gets half).
+    args.min_seconds = 0.25 if args.quick else 1.0
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens must be >= 1")
     return args
@@ -80,24 +118,61 @@ def progress(message: str) -> None:
     sys.stderr.flush()
 
 
-def format_table(rows: list[Row]) -> str:
+def format_table(rows: list[Row], torch_dtype: str) -> str:
+    """The rows (rated by :func:`kt_ops.bench.roofline.rate`) as a table; ``torch_dtype``
+    ("bf16" or "fp32") names the plain layer's dtype in the header."""
+    torch_column = f"torch {torch_dtype} us"
     header = (
-        f"{'shape':5} {'method':7} {'tokens':>6} {'us/layer':>10} {'torch us':>10} {'speedup':>8} "
-        f"{'GB/s':>7} {'GFLOP/s':>8} {'bound':>9} {'of limit':>8} {'read GB/s':>9}"
+        f"{'shape':5} {'method':7} {'tokens':>6} {'us/layer':>10} {torch_column:>13} {'speedup':>8} "
+        f"{'GB/s':>7} {'GFLOP/s':>8} {'bound':>9} {'of limit':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.shape:5} {r.method:7} {r.tokens:>6} {r.us:>10.0f} {r.torch_us:>10.0f} {r.speedup:>7.2f}x "
-            f"{r.weight_gbs:>7.1f} {r.gflops:>8.1f} {r.limit:>9} {100 * r.limit_fraction:>7.0f}% {r.read_gbs:>9.1f}"
+            f"{r.shape:5} {r.method:7} {r.tokens:>6} {r.us:>10.0f} {r.torch_us:>13.0f} {r.speedup:>7.2f}x "
+            f"{r.weight_gbs:>7.1f} {r.gflops:>8.1f} {r.bound:>9} {fraction_text(r):>8}"
         )
+    if any(r.limit_fraction is not None and r.limit_fraction > 1.0 for r in rows):
+        lines.append(">100%?: the row ran faster than its limit, so the limit was measured too low (please report it)")
     return "\n".join(lines)
 
 
+def header(torch_dtype: TorchDtype) -> str:
+    return (
+        f"kt_ops {kt_ops.__version__} | torch {torch.__version__} | variant {kt_ops.cpu_variant()} | "
+        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()})\n"
+        f"plain-PyTorch layer in {torch_dtype.describe()}"
+    )
+
+
+def gemm_text(gemm: GemmReference) -> str:
+    unit = "GOP/s" if gemm.dtype == torch.int8 else "GFLOP/s"
+    return f"{DTYPE_NAMES[gemm.dtype]} {gemm.gflops:.0f} {unit} ({gemm.backend}, side {gemm.size})"
+
+
+def limits_text(brackets: BandwidthBrackets, compute: ComputeLimits, flush: CacheFlusher, llc_bytes: int) -> str:
+    """The header lines of the run's limits."""
+    best = brackets.best
+    readers = ", ".join(f"{name} {gbs:.1f}" for name, gbs in best.by_reader.items())
+    buffer_bytes = brackets.buffer.numel()
+    gemms = [gemm_text(compute.float_gemm) + " for BF16"]
+    if compute.int8_gemm is not None:
+        gemms.append(gemm_text(compute.int8_gemm) + " for the quantized methods")
+    return (
+        f"read bandwidth limit: {best.gbs:.1f} GB/s, the best of {len(brackets.readings)} brackets around the rows "
+        f"(lowest {brackets.lowest_gbs:.1f}; in the best: {readers}) over {buffer_bytes >> 20} MiB = "
+        f"{buffer_bytes / llc_bytes:.0f}x the {llc_bytes >> 20} MiB LLC; caches flushed before every timed call "
+        f"({flush.buffer.numel() >> 20} MiB streamed)\n"
+        f"GEMM limits (torch's fastest, best of 2 brackets): " + "; ".join(gemms)
+    )
+
+
 def model_step_main(args: argparse.Namespace) -> int:
+    torch_dtype = choose_torch_dtype()
     print(
         f"kt_ops {kt_ops.__version__} | torch {torch.__version__} | variant {kt_ops.cpu_variant()} | "
-        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()}) on {kt_ops.thread_source()}"
+        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()}) on {kt_ops.thread_source()}\n"
+        f"torch block in {torch_dtype.describe()}"
     )
     rows: list[StepRow] = []
     total = len(args.shape) * len(args.method) * len(args.tokens)
@@ -105,13 +180,14 @@ def model_step_main(args: argparse.Namespace) -> int:
         for method in args.method:
             for tokens in args.tokens:
                 progress(f"[{len(rows)}/{total}] model step {shape_name} {method} tokens={tokens} ...")
-                rows.append(measure_step(shape_name, method, tokens, layers=args.layers))
+                rows.append(measure_step(shape_name, method, tokens, layers=args.layers, torch_dtype=torch_dtype.dtype))
     progress("")
     print(format_steps(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu_variant": kt_ops.cpu_variant(), "threads": kt_ops.get_num_threads(),
-                       "thread_source": kt_ops.thread_source(), "model_step": [r.as_dict() for r in rows]}, f, indent=2)
+                       "thread_source": kt_ops.thread_source(), "torch_dtype": torch_dtype.name,
+                       "model_step": [r.as_dict() for r in rows]}, f, indent=2)
     return 0
 
 
@@ -123,37 +199,51 @@ def main(argv: list[str] | None = None) -> int:
         return model_step_main(args)
     torch.manual_seed(0)
     started = time.perf_counter()
-    progress("measuring read bandwidth and the bf16 GEMM reference ...")
-    flush = CacheFlusher()
-    read_gbs = read_bandwidth_gbs(flush.buffer)
-    gemm_gflops = bf16_gemm_gflops()
-    print(
-        f"kt_ops {kt_ops.__version__} | torch {torch.__version__} | variant {kt_ops.cpu_variant()} | "
-        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()})"
-    )
-    print(
-        f"machine limits: read bandwidth {read_gbs:.1f} GB/s ({flush.buffer.numel() >> 20} MiB buffer; "
-        f"LLC {last_level_cache_bytes() >> 20} MiB, evicted before every timed call), "
-        f"bf16 GEMM (torch.matmul) {gemm_gflops:.0f} GFLOP/s"
-    )
+    progress("choosing torch's dtype and measuring the GEMM references ...")
+    torch_dtype = choose_torch_dtype()
+    # fp32 always (fast everywhere; our BF16 kernels multiply in fp32 on some variants),
+    # bf16 only where torch is fast in it.
+    float_dtypes = tuple(dict.fromkeys((torch_dtype.dtype, torch.float32)))
+    compute = ComputeLimits.measure(float_dtypes)
+    llc_bytes = last_level_cache_bytes()
+    buffer = read_buffer(read_buffer_bytes(llc_bytes))
+    flush = CacheFlusher(buffer)
+    brackets = BandwidthBrackets(buffer)
+    print(header(torch_dtype))
     rows: list[Row] = []
     total = len(args.shape) * len(args.method) * len(args.tokens)
     for shape_name in args.shape:
         shape = SHAPES[shape_name]
+        progress(f"[{len(rows)}/{total}] drawing {args.layers} {shape.name} layers ({shape.model}), "
+                 f"plain layer in {torch_dtype.name} ...")
+        weights = random_weights(shape, args.layers)
+        plain_weights = [w.to(torch_dtype.dtype) for w in weights]
+        plain_previous = None if args.cold_code else random_weights(previous_shape(shape), 1)[0].to(torch_dtype.dtype)
+        torch_seconds = {
+            tokens: measure_baseline(shape, tokens, plain_weights, max(3, args.repeats // 4), flush, plain_previous,
+                                     args.min_seconds / 2)
+            for tokens in args.tokens
+        }
+        del plain_weights
         for method in args.method:
-            progress(f"[{len(rows)}/{total}] packing {args.layers} {shape.name} layers ({shape.model}) as {method} ...")
-            layers = make_layers(shape, method, args.layers)
+            progress(f"[{len(rows)}/{total}] packing {args.layers} {shape.name} layers as {method} ...")
+            layers = make_layers(shape, method, args.layers, weights)
             previous = None if args.cold_code else previous_layer(shape, method)
             for tokens in args.tokens:
-                progress(f"[{len(rows)}/{total}] {shape.name} {method} tokens={tokens} ...")
-                # The machine is shared: measure the bandwidth again next to each row.
-                row_read_gbs = read_bandwidth_gbs(flush.buffer, repeats=3)
-                rows.append(
-                    measure_row(shape, method, tokens, layers, row_read_gbs, gemm_gflops, args.repeats, flush, previous)
-                )
+                progress(f"[{len(rows)}/{total}] {shape.name} {method} tokens={tokens}: read bandwidth, then the row ...")
+                brackets.measure()
+                rows.append(measure_row(shape, method, tokens, layers, torch_seconds[tokens], args.repeats, flush,
+                                        previous, args.min_seconds))
             del layers
+        del weights
+    brackets.measure()
+    progress("measuring the GEMM references again ...")
+    compute = compute.best(ComputeLimits.measure(float_dtypes))
+    limits = MachineLimits(brackets.best.gbs, compute, llc_bytes)
+    rows = [rate(r, limits) for r in rows]
     progress(f"done in {time.perf_counter() - started:.0f} s\n")
-    print(format_table(rows))
+    print(limits_text(brackets, compute, flush, llc_bytes))
+    print(format_table(rows, torch_dtype.name))
     mixed = sorted({f"{r.shape} {r.method}: {'/'.join(gguf_types_for(r.method, SHAPES[r.shape]))}"
                     for r in rows if r.method in GGUF_METHODS and set(gguf_types_for(r.method, SHAPES[r.shape])) != {r.method}})
     if mixed:
@@ -163,8 +253,18 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "read_bandwidth_gbs": read_gbs,
-                    "bf16_gemm_gflops": gemm_gflops,
+                    "read_bandwidth_gbs": brackets.best.gbs,
+                    "read_brackets_gbs": [r.by_reader for r in brackets.readings],
+                    "read_buffer_bytes": buffer.numel(),
+                    "flush_bytes": flush.buffer.numel(),
+                    "llc_bytes": llc_bytes,
+                    "gemm": {
+                        kind: {"gflops": g.gflops, "dtype": DTYPE_NAMES[g.dtype], "backend": g.backend, "size": g.size}
+                        for kind, g in (("float", compute.float_gemm), ("int8", compute.int8_gemm))
+                        if g is not None
+                    },
+                    "torch_dtype": torch_dtype.name,
+                    "torch_matmul_gflops": {"bf16": torch_dtype.bf16_gflops, "fp32": torch_dtype.fp32_gflops},
                     "cpu_variant": kt_ops.cpu_variant(),
                     "threads": kt_ops.get_num_threads(),
                     "previous_layer_warm_up": not args.cold_code,

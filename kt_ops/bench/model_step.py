@@ -5,8 +5,10 @@ the MoE block. If the two run on different thread pools, each pool's threads spi
 cores while the other one works, and the step costs more than its parts. Per row this
 mode times, interleaved round by round (medians over rounds, the machine's speed drifts):
 
-- ``torch``: an attention-sized block of torch work alone, four ``[T, H] x [H, H]`` bf16
-  ``F.linear`` (H = 2048, the shapes' hidden size; one set of weights per layer, cycled);
+- ``torch``: an attention-sized block of torch work alone, four ``[T, H] x [H, H]``
+  ``F.linear`` (H = 2048, the shapes' hidden size; one set of weights per layer, cycled)
+  in the dtype torch is fast in here (bf16, or fp32 without native bf16: see
+  :mod:`kt_ops.bench.torch_dtype`);
 - ``kt``: ``kt_ops.moe_forward`` alone (the layers are cycled, so the activated experts'
   weights come from DRAM as in a model);
 - ``step``: one torch block followed by one MoE call, as a model step runs them;
@@ -56,25 +58,26 @@ def _median_us(call: Callable[[int], object], calls: int, offset: int) -> float:
 
 
 def measure_step(shape: Shape | str, method: str, tokens: int, rounds: int = 7, calls: int = 10,
-                 layers: int = 3) -> StepRow:
+                 layers: int = 3, torch_dtype: torch.dtype = torch.bfloat16) -> StepRow:
     """One row; ``rounds`` x (torch alone, kt alone, step), ``calls`` timed calls each.
     ``shape``: a :class:`Shape` or a name of ``SHAPES``; the torch block is ``[tokens,
-    hidden] x [hidden, hidden]`` bf16."""
+    hidden] x [hidden, hidden]`` in ``torch_dtype`` (the MoE call's input stays bf16)."""
     shape = SHAPES[shape] if isinstance(shape, str) else shape
     packed = [layer.packed for layer in make_layers(shape, method, layers)]
     generator = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.bfloat16)
+    torch_x = x.to(torch_dtype)
     # One set of projections per layer, as a model has: the torch block's weights (32 MiB
     # a layer, the size of a last-level cache) come from DRAM alone as inside a step.
     projections = [
-        [(torch.randn(shape.hidden, shape.hidden, generator=generator) * 0.02).to(torch.bfloat16)
+        [(torch.randn(shape.hidden, shape.hidden, generator=generator) * 0.02).to(torch_dtype)
          for _ in range(ATTENTION_PROJECTIONS)]
         for _ in range(layers)
     ]
     routing = [random_routing(shape, tokens, generator) for _ in range(layers)]
 
     def attention(i: int) -> torch.Tensor:
-        h = x
+        h = torch_x
         for w in projections[i % layers]:
             h = F.linear(h, w)
         return h

@@ -54,6 +54,13 @@ def gguf_types_for(method: str, shape: Shape) -> tuple[str, str, str]:
     return gate, gate, down
 
 
+def arithmetic_of(method: str) -> str:
+    """What our kernels multiply in for ``method``: "float" for BF16 (bf16 or fp32, by
+    variant), "int8" for the quantized methods (INT8, INT4 and the GGUF types dot int8
+    activations with int8-decoded weights: vpmaddubsw, vpdpbusd or AMX int8)."""
+    return "float" if method == "BF16" else "int8"
+
+
 def pack_layer(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, method: str, shape: Shape) -> PackedExperts:
     if method in GGUF_METHODS:
         return pack_experts(gate, up, down, "LLAMAFILE", gguf_type=gguf_types_for(method, shape))
@@ -76,20 +83,39 @@ def bytes_per_weight(layer_packed: PackedExperts, shape: Shape) -> float:
 
 @dataclass
 class Row:
+    """One row: ours and the plain-PyTorch layer at one (shape, method, tokens). ``bound``
+    and ``limit_fraction`` are set by :func:`kt_ops.bench.roofline.rate` once the run's
+    limits are known."""
+
     shape: str
     method: str
     tokens: int
     us: float  # median microseconds per layer forward (ours)
-    torch_us: float  # median microseconds, plain-PyTorch layer
-    weight_gbs: float  # bytes of the activated experts' weights / time
-    gflops: float
-    limit: str  # "bandwidth" or "gemm": the roofline bound that applies
-    limit_fraction: float  # roofline time / measured time
+    torch_us: float  # median microseconds, plain-PyTorch layer (in the run's torch dtype)
     speedup: float  # torch_us / us
-    read_gbs: float  # the read bandwidth measured next to this row
+    weight_bytes: float  # packed bytes of the activated experts' weights, mean per call
+    flops: float  # 2 * 3 * tokens * top_k * hidden * intermediate
+    arithmetic: str  # "float" or "int8": what our kernels multiply in (arithmetic_of)
+    weight_gbs: float  # weight_bytes / time
+    gflops: float  # flops / time
+    bound: str = "unrated"  # "bandwidth", "<dtype> gemm" (e.g. "int8 gemm") or "cache" (fits in the LLC)
+    limit_fraction: float | None = None  # roofline time / measured time; None for "cache"
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class ExpertWeights:
+    """One layer's expert weights: gate and up ``[E, I, H]``, down ``[E, H, I]``."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    def to(self, dtype: torch.dtype) -> "ExpertWeights":
+        """The same weights in ``dtype`` (these tensors themselves if already in it)."""
+        return ExpertWeights(self.gate.to(dtype), self.up.to(dtype), self.down.to(dtype))
 
 
 @dataclass
@@ -100,16 +126,27 @@ class Layer:
     packed: PackedExperts
 
 
-def make_layers(shape: Shape, method: str, count: int) -> list[Layer]:
-    """``count`` distinct layers with random bf16 weights (std 0.02), packed (and
-    quantized) with ``method``; the plain-PyTorch baseline uses the bf16 weights."""
-    layers = []
-    for _ in range(count):
-        gate = torch.randn(shape.num_experts, shape.intermediate, shape.hidden, dtype=torch.bfloat16) * 0.02
-        up = torch.randn(shape.num_experts, shape.intermediate, shape.hidden, dtype=torch.bfloat16) * 0.02
-        down = torch.randn(shape.num_experts, shape.hidden, shape.intermediate, dtype=torch.bfloat16) * 0.02
-        layers.append(Layer(gate, up, down, pack_layer(gate, up, down, method, shape)))
-    return layers
+def random_weights(shape: Shape, count: int) -> list[ExpertWeights]:
+    """``count`` distinct layers of random bf16 weights (std 0.02)."""
+    return [
+        ExpertWeights(
+            torch.randn(shape.num_experts, shape.intermediate, shape.hidden, dtype=torch.bfloat16) * 0.02,
+            torch.randn(shape.num_experts, shape.intermediate, shape.hidden, dtype=torch.bfloat16) * 0.02,
+            torch.randn(shape.num_experts, shape.hidden, shape.intermediate, dtype=torch.bfloat16) * 0.02,
+        )
+        for _ in range(count)
+    ]
+
+
+def make_layers(shape: Shape, method: str, count: int, weights: list[ExpertWeights] | None = None) -> list[Layer]:
+    """``count`` layers packed (and quantized) with ``method`` from ``weights`` (bf16; new
+    random ones if None): the bench draws a shape's weights once and packs them for every
+    method, since drawing them costs more than packing them (one S1 layer here: 3.6 s
+    against 0.4-1.3 s per method)."""
+    weights = random_weights(shape, count) if weights is None else weights[:count]
+    if len(weights) < count:
+        raise ValueError(f"weights holds {len(weights)} layers, count is {count}")
+    return [Layer(w.gate, w.up, w.down, pack_layer(w.gate, w.up, w.down, method, shape)) for w in weights]
 
 
 def previous_shape(shape: Shape) -> Shape:
@@ -133,15 +170,32 @@ def random_routing(shape: Shape, tokens: int, generator: torch.Generator) -> tup
     return ids.to(torch.int32), torch.softmax(weights, dim=-1)
 
 
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x [T, H] bf16, ids [T, k] int32, weights [T, k] fp32
+
+
+def timed_inputs(shape: Shape, tokens: int, count: int) -> list[Inputs]:
+    """``count`` random inputs, the same for every method and the plain layer (seeded
+    by ``tokens``)."""
+    generator = torch.Generator().manual_seed(tokens)
+    inputs = []
+    for _ in range(count):
+        x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.bfloat16)
+        inputs.append((x, *random_routing(shape, tokens, generator)))
+    return inputs
+
+
 def time_calls(
-    call: Callable[[int], object], repeats: int, min_seconds: float, before: Callable[[], None]
+    call: Callable[[int], object], repeats: int, min_seconds: float, before: Callable[[], None], warmup: int = 1
 ) -> float:
     """Median seconds of ``call(i)`` over at least ``repeats`` calls (or ``min_seconds``),
-    running ``before()`` untimed ahead of each."""
-    call(0)
+    running ``before()`` untimed ahead of each, after ``warmup`` untimed calls (each
+    after ``before()`` too)."""
+    for i in range(warmup):
+        before()
+        call(i)
     seconds: list[float] = []
     started = time.perf_counter()
-    i = 1
+    i = warmup
     while len(seconds) < repeats or (time.perf_counter() - started < min_seconds and len(seconds) < 200):
         before()
         start = time.perf_counter()
@@ -151,67 +205,90 @@ def time_calls(
     return statistics.median(seconds)
 
 
+def measure_baseline(
+    shape: Shape,
+    tokens: int,
+    weights: list[ExpertWeights],
+    repeats: int,
+    flush: Callable[[], None],
+    previous: ExpertWeights | None = None,
+    min_seconds: float = 0.5,
+) -> float:
+    """Median seconds of the plain-PyTorch layer (:func:`torch_moe_forward`) in the dtype
+    of ``weights`` (activations converted to it), cycling through ``weights``; each call
+    preceded by ``flush()`` and, when ``previous`` is given, by a call on that small layer
+    (:func:`previous_shape`). The plain layer does not depend on the method, so the bench
+    times it once per (shape, tokens) for all methods' rows."""
+    dtype = weights[0].gate.dtype
+    inputs = [(x.to(dtype), ids, w) for x, ids, w in timed_inputs(shape, tokens, max(repeats, 8))]
+    small_x, small_ids, small_weights = previous_inputs(shape, tokens)
+    small_x = small_x.to(dtype)
+
+    def plain(i: int) -> object:
+        x, ids, topk_weights = inputs[i % len(inputs)]
+        layer = weights[i % len(weights)]
+        return torch_moe_forward(x, ids, topk_weights, layer.gate, layer.up, layer.down)
+
+    def before() -> None:
+        flush()
+        if previous is not None:
+            torch_moe_forward(small_x, small_ids, small_weights, previous.gate, previous.up, previous.down)
+
+    # Three warm-up calls: oneDNN (torch's bf16 path) compiles a kernel per new row count
+    # of each linear, so the first bf16 calls here took 140-500 ms and the next ones 3x
+    # the settled time (12 against 4 ms at one token).
+    return time_calls(plain, repeats, min_seconds, before, warmup=3)
+
+
+def previous_inputs(shape: Shape, tokens: int) -> Inputs:
+    """The small layer's input (:func:`previous_shape`)."""
+    small = previous_shape(shape)
+    generator = torch.Generator().manual_seed(1_000_000 + tokens)
+    x = torch.randn(tokens, small.hidden, generator=generator).to(torch.bfloat16)
+    return (x, *random_routing(small, tokens, generator))
+
+
 def measure_row(
     shape: Shape,
     method: str,
     tokens: int,
     layers: list[Layer],
-    read_gbs: float,
-    gemm_gflops: float,
+    torch_seconds: float,
     repeats: int,
     flush: Callable[[], None],
     previous: Layer | None = None,
+    min_seconds: float = 1.0,
 ) -> Row:
-    """One row: ours and the plain-PyTorch layer, each call preceded by ``flush()`` and,
-    when ``previous`` is given, by the same kind of call on that small layer."""
-    generator = torch.Generator().manual_seed(tokens)
-    inputs = []
-    for i in range(max(repeats, 8)):
-        x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.bfloat16)
-        ids, weights = random_routing(shape, tokens, generator)
-        inputs.append((x, ids, weights, layers[i % len(layers)]))
-    if previous is not None:
-        small = previous_shape(shape)
-        small_x = torch.randn(tokens, small.hidden, generator=generator).to(torch.bfloat16)
-        small_ids, small_weights = random_routing(small, tokens, generator)
+    """One row, unrated: our layer's median seconds over at least ``repeats`` calls (or
+    ``min_seconds``), cycling through ``layers``, each call preceded by ``flush()`` and,
+    when ``previous`` is given, by the same kind of call on that small layer;
+    ``torch_seconds`` is the plain layer's time (:func:`measure_baseline`)."""
+    inputs = timed_inputs(shape, tokens, max(repeats, 8))
+    small_x, small_ids, small_weights = previous_inputs(shape, tokens)
 
     def ours(i: int) -> object:
-        x, ids, weights, layer = inputs[i % len(inputs)]
-        return moe_forward(x, ids, weights, layer.packed)
+        x, ids, weights = inputs[i % len(inputs)]
+        return moe_forward(x, ids, weights, layers[i % len(layers)].packed)
 
-    def plain(i: int) -> object:
-        x, ids, weights, layer = inputs[i % len(inputs)]
-        return torch_moe_forward(x, ids, weights, layer.gate, layer.up, layer.down)
-
-    def before_ours() -> None:
+    def before() -> None:
         flush()
         if previous is not None:
             moe_forward(small_x, small_ids, small_weights, previous.packed)
 
-    def before_plain() -> None:
-        flush()
-        if previous is not None:
-            torch_moe_forward(small_x, small_ids, small_weights, previous.gate, previous.up, previous.down)
-
-    min_seconds = 1.0
-    seconds = time_calls(ours, repeats, min_seconds, before_ours)
-    torch_seconds = time_calls(plain, max(3, repeats // 4), min_seconds / 2, before_plain)
-
-    activated = statistics.mean(len(torch.unique(ids)) for _, ids, _, _ in inputs)
+    seconds = time_calls(ours, repeats, min_seconds, before)
+    activated = statistics.mean(len(torch.unique(ids)) for _, ids, _ in inputs)
     weight_bytes = activated * shape.expert_bytes(bytes_per_weight(layers[0].packed, shape))
     flops = 2.0 * 3 * tokens * shape.top_k * shape.hidden * shape.intermediate
-    bandwidth_time = weight_bytes / (read_gbs * 1e9)
-    compute_time = flops / (gemm_gflops * 1e9)
     return Row(
         shape=shape.name,
         method=method,
         tokens=tokens,
         us=seconds * 1e6,
         torch_us=torch_seconds * 1e6,
+        speedup=torch_seconds / seconds,
+        weight_bytes=weight_bytes,
+        flops=flops,
+        arithmetic=arithmetic_of(method),
         weight_gbs=weight_bytes / seconds / 1e9,
         gflops=flops / seconds / 1e9,
-        limit="bandwidth" if bandwidth_time >= compute_time else "gemm",
-        limit_fraction=max(bandwidth_time, compute_time) / seconds,
-        speedup=torch_seconds / seconds,
-        read_gbs=read_gbs,
     )

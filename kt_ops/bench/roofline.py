@@ -1,0 +1,66 @@
+"""A row's roofline: which machine limit binds it and what fraction of it the row reached."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kt_ops.bench.limits import DTYPE_NAMES, ComputeLimits, GemmReference
+from kt_ops.bench.runner import Row
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """The run's limits: read bandwidth (GB/s, the best bracket of
+    :class:`~kt_ops.bench.limits.BandwidthBrackets`), the GEMM references and the
+    last-level cache (bytes)."""
+
+    read_gbs: float
+    compute: ComputeLimits
+    llc_bytes: int
+
+    def gemm_for(self, row: Row) -> GemmReference:
+        """The compute limit of ``row``: int8 for int8 arithmetic where torch has an int8
+        GEMM, else the float one."""
+        if row.arithmetic == "int8" and self.compute.int8_gemm is not None:
+            return self.compute.int8_gemm
+        return self.compute.float_gemm
+
+
+def rate(row: Row, limits: MachineLimits) -> Row:
+    """``row`` with its bound and fraction of that limit (roofline time / measured time).
+
+    - ``<dtype> gemm`` (e.g. ``int8 gemm``): its FLOPs at the GEMM reference of its
+      arithmetic take longer than reading its weights at the read bandwidth;
+    - ``cache``: otherwise, when the activated experts' weights of one call fit in the
+      last-level cache. The bench evicts the caches before each call, but an LLC with a
+      scan-resistant replacement policy (RRIP-like, on current Intel and AMD parts) may
+      keep a small, often reused working set through a streaming flush, so such a row may
+      read from the cache: no fraction of DRAM bandwidth is given (None);
+    - ``bandwidth``: otherwise.
+
+    The fraction is not clamped: above 1 means the limit was measured too low, and the
+    table says so."""
+    seconds = row.us * 1e-6
+    gemm = limits.gemm_for(row)
+    bandwidth_seconds = row.weight_bytes / (limits.read_gbs * 1e9)
+    compute_seconds = row.flops / (gemm.gflops * 1e9)
+    if compute_seconds >= bandwidth_seconds:
+        bound = f"{DTYPE_NAMES[gemm.dtype]} gemm"
+        return dataclasses.replace(row, bound=bound, limit_fraction=compute_seconds / seconds)
+    if row.weight_bytes <= limits.llc_bytes:
+        return dataclasses.replace(row, bound="cache", limit_fraction=None)
+    return dataclasses.replace(row, bound="bandwidth", limit_fraction=bandwidth_seconds / seconds)
+
+
+def fraction_text(row: Row) -> str:
+    """The "of limit" cell: ``87%``; ``(cache)`` for a row whose weights fit in the LLC;
+    ``>100%?`` above the limit (a wrong limit: no percentage above 100% is printed);
+    ``-`` before :func:`rate`."""
+    if row.bound == "cache":
+        return "(cache)"
+    if row.limit_fraction is None:
+        return "-"
+    if row.limit_fraction > 1.0:
+        return ">100%?"
+    return f"{100 * row.limit_fraction:.0f}%"
