@@ -7,7 +7,7 @@
 // (per-token scale, sums per 32 k), copied to one row per pair in expert order; int32 dot
 // products are scaled to fp32 per group; the token scale multiplies gate and up before
 // act(); each pair's intermediate row is quantized again (per-pair scale, applied by the
-// combine). Per expert: m <= kMaxRows tokens streams each weight line once (decode); more
+// combine). Per expert: m <= kDecodeRows tokens streams each weight line once (decode); more
 // runs a k-blocked GEMM (or the tile GEMM of the micro-kernel set), with the same flushes
 // per output element (quant_gemm.h), so decode and prefill agree bit for bit.
 #pragma once
@@ -123,9 +123,9 @@ template <class Micro>
 void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
                      const uint8_t* w, int blocks, float* c, int64_t ldc) {
   const int64_t K = dims.padded_k;
-  if (rows <= Micro::kMaxRows) {  // decode: each weight line read once, all k at once
-    const int8_t* row_at[Micro::kMaxRows];
-    const int32_t* sums_at[Micro::kMaxRows];
+  if (rows <= Micro::kDecodeRows) {  // decode: each weight line read once, all k at once
+    const int8_t* row_at[Micro::kDecodeRows];
+    const int32_t* sums_at[Micro::kDecodeRows];
     for (int m = 0; m < rows; ++m) {
       row_at[m] = a.levels + m * a.stride;
       sums_at[m] = a.sums + m * a.sums_stride;
@@ -142,7 +142,7 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
       if (rows == 1)
         quant_tile_blocks<Micro, 1, kTileBlocks>(std::min(max_blocks, blocks - b0), t);
       else
-        quant_tile_any<Micro>(static_cast<int>(rows), std::min(max_blocks, blocks - b0), t);
+        quant_tile_any<Micro, Micro::kDecodeRows>(static_cast<int>(rows), std::min(max_blocks, blocks - b0), t);
     }
     return;
   }

@@ -4,7 +4,8 @@
 //   struct IntOps {
 //     using Vec = ...;  using IReg = ...;       // fp32 vector ops, integer register
 //     static constexpr int kRegsPerLine;        // registers per 64-byte line (1 or 2)
-//     static constexpr int kMaxRows, kMaxBlocks;
+//     static constexpr int kMaxRows, kMaxBlocks;  // GEMM tile: token rows, 16-column blocks
+//     static constexpr int kDecodeRows;         // up to this many tokens stream (decode)
 //     static constexpr int kInt8Bias;           // what dot_int8 adds: 128 * sum(a) or 0
 //     IReg load(const uint8_t* line, int r);    // register r of a 64-byte line
 //     IReg broadcast4(const int8_t* a);         // 4 activation bytes in every 32-bit lane
@@ -77,6 +78,7 @@ struct QuantGemm {
   using IReg = typename Ops::IReg;
   using FReg = typename Vec::Reg;
   static constexpr int kMaxRows = Ops::kMaxRows;
+  static constexpr int kDecodeRows = Ops::kDecodeRows;
   static constexpr int kMaxBlocks = Ops::kMaxBlocks;
   static constexpr int R = Ops::kRegsPerLine;
   static constexpr int W = Vec::kWidth;  // 16 / R
