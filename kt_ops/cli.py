@@ -76,7 +76,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _bench(argv: list[str]) -> int:
     from kt_ops.bench.__main__ import main as bench_main
 
-    return bench_main(argv)
+    return bench_main(argv, prog=f"{PROG} bench")
 
 
 def _convert(argv: list[str]) -> int:

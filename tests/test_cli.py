@@ -113,9 +113,13 @@ def test_bench_and_convert_get_their_arguments_unparsed(capsys, monkeypatch) -> 
     import kt_ops.bench.__main__ as bench_main
 
     seen: list[list[str]] = []
-    monkeypatch.setattr(bench_main, "main", lambda argv: seen.append(argv) or 7)
+    monkeypatch.setattr(bench_main, "main", lambda argv, prog: seen.append(argv) or 7)
     assert cli.main(["bench", "--quick", "--tokens", "1", "--help-me"]) == 7
     assert seen == [["--quick", "--tokens", "1", "--help-me"]]
+    monkeypatch.undo()
+    status, _, err = run(capsys, "bench", "--threads", "0")
+    assert status == 2 and "usage: kt-ops bench" in err
+    assert last_line(err) == "kt-ops bench: error: --threads must be >= 1, got 0"
     status, _, err = run(capsys, "convert", "--input-path", "/no/such/dir", "--input-type", "bf16", "--output",
                          "/tmp/unused", "--quant-method", "int8")
     assert status == 2 and "usage: kt-ops convert" in err

@@ -67,9 +67,9 @@ from kt_ops.bench.runner import (
 from kt_ops.bench.torch_dtype import TorchDtype, choose_torch_dtype
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m kt_ops.bench", description=__doc__.split("\n\n")[1], epilog="\n\n".join(__doc__.split("\n\n")[2:])
+        prog=prog, description=__doc__.split("\n\n")[1], epilog="\n\n".join(__doc__.split("\n\n")[2:])
     )
     parser.add_argument(
         "--quick",
@@ -107,6 +107,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.min_seconds = 0.25 if args.quick else 1.0
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens must be >= 1")
+    for name in ("layers", "threads", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be >= 1, got {value}")
     return args
 
 
@@ -191,8 +195,10 @@ def model_step_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m kt_ops.bench") -> int:
+    """Runs the benchmark on ``argv`` (default ``sys.argv[1:]``); ``prog`` names the command
+    in usage and error lines (``kt-ops bench``). Returns the exit status."""
+    args = parse_args(argv, prog)
     if args.threads:
         kt_ops.set_num_threads(args.threads)
     if args.model_step:
