@@ -255,3 +255,46 @@ def test_gguf_rows_use_llama_cpp_fallback_for_down() -> None:
     assert gguf_types_for("Q8_0", SHAPES["S2"]) == ("Q8_0", "Q8_0", "Q8_0")
     assert gguf_types_for("Q4_K_M", SHAPES["S1"]) == ("Q4_K", "Q4_K", "Q6_K")
     assert gguf_types_for("Q4_K_M", SHAPES["S2"]) == ("Q4_K", "Q4_K", "Q8_0")
+
+
+# --- scripts/ab_pair.py: the paired A/B the closing notes quote -------------------------------
+
+
+def load_ab_pair():  # type: ignore[no-untyped-def]
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ab_pair.py"
+    spec = importlib.util.spec_from_file_location("ab_pair", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_pair_alternates_sides_and_takes_the_median_of_paired_ratios() -> None:
+    ab_pair = load_ab_pair()
+    order: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str, times: list[float]) -> None:
+            self.name, self.times = name, iter(times)
+
+        def call(self, tokens: int) -> float:
+            order.append(self.name)
+            return next(self.times)
+
+    # B is half of A in every pair, while the machine slows down 10x halfway through.
+    a = Fake("a", [100, 100, 1000, 1000])
+    b = Fake("b", [50, 50, 500, 500])
+    row = ab_pair.pair_row(a, b, tokens=1, calls=4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]  # ABBA: drift hits both sides
+    assert row["ratio"] == pytest.approx(0.5)
+    assert row["a_us"] == pytest.approx(550) and row["b_us"] == pytest.approx(275)
+
+
+def test_ab_pair_rejects_unknown_rows() -> None:
+    ab_pair = load_ab_pair()
+    with pytest.raises(SystemExit) as exit_info:
+        ab_pair.parse_args(["S9:BF16"])
+    assert exit_info.value.code == 2
+    assert ab_pair.parse_args(["S1:Q4_K", "--tokens", "1"]).groups == ["S1:Q4_K"]

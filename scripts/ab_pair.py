@@ -1,0 +1,163 @@
+"""Paired A/B of two kt_ops builds or CPU variants, row by row, on a noisy machine.
+
+    .venv/bin/python scripts/ab_pair.py S1:AMXINT4 S2:Q4_K [--tokens 1 8 64 512]
+        [--a PATH] [--b PATH] [--a-variant V] [--b-variant V] [--calls 40] [--json OUT]
+
+Side A and side B are two worker processes, each importing kt_ops from its own path
+(``--a``/``--b``: a checkout with the extension built in place; default: this checkout)
+under its own ``KT_OPS_CPU_VARIANT`` (``--a-variant``/``--b-variant``; default: the
+active one). Both pack the same random layers (seed 0; 3 layers cycled), and time the
+same calls with the bench's protocol: before every timed call the caches are flushed
+(256 MiB stream) and a small layer of the same method runs. The driver alternates the
+sides call by call (ABBA order), so the machine's drift — read bandwidth swinging by a
+third within minutes on shared hosts — hits both alike, and reports per row the median
+microseconds of each side and the median of the per-pair ratios B/A (below 1: B is
+faster). Run it on an otherwise idle machine: no builds, tests or helpers beside it.
+Groups are ``SHAPE:METHOD`` with the bench's shapes (S1, S2) and methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(group: str, tokens_list: list[int]) -> None:
+    """Packs the group's layers, prints "ready", then times one call per "go T" line."""
+    import torch
+
+    from kt_ops import moe_forward
+    from kt_ops.bench.limits import CacheFlusher, read_buffer
+    from kt_ops.bench.runner import SHAPES, make_layers, previous_layer, previous_shape, random_routing
+
+    shape_name, method = group.split(":")
+    shape = SHAPES[shape_name]
+    torch.manual_seed(0)
+    layers = make_layers(shape, method, 3)
+    previous = previous_layer(shape, method)
+    data = {}
+    for tokens in tokens_list:
+        g = torch.Generator().manual_seed(tokens)
+        inputs = []
+        for i in range(12):
+            x = torch.randn(tokens, shape.hidden, generator=g).to(torch.bfloat16)
+            ids, weights = random_routing(shape, tokens, g)
+            inputs.append((x, ids, weights, layers[i % 3]))
+        small = previous_shape(shape)
+        small_x = torch.randn(tokens, small.hidden, generator=g).to(torch.bfloat16)
+        small_ids, small_weights = random_routing(small, tokens, g)
+        data[tokens] = (inputs, small_x, small_ids, small_weights)
+        moe_forward(*inputs[0][:3], inputs[0][3].packed)
+    flush = CacheFlusher(read_buffer(256 << 20))
+    print("ready", flush=True)
+    i = 0
+    for line in sys.stdin:
+        if not line.startswith("go"):
+            break
+        inputs, small_x, small_ids, small_weights = data[int(line.split()[1])]
+        flush()
+        moe_forward(small_x, small_ids, small_weights, previous.packed)
+        x, ids, weights, layer = inputs[i % len(inputs)]
+        start = time.perf_counter()
+        moe_forward(x, ids, weights, layer.packed)
+        print((time.perf_counter() - start) * 1e6, flush=True)
+        i += 1
+
+
+class Side:
+    """One worker process: kt_ops from ``path`` under ``variant`` (None: the default)."""
+
+    def __init__(self, path: str, variant: str | None, group: str, tokens: list[int]) -> None:
+        env = {**os.environ, "PYTHONPATH": path}
+        if variant:
+            env["KT_OPS_CPU_VARIANT"] = variant
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", group, "--tokens", *map(str, tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"worker for {group} ({path}, {variant or 'default'}) failed to start")
+
+    def call(self, tokens: int) -> float:
+        self.proc.stdin.write(f"go {tokens}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def pair_row(a: Side, b: Side, tokens: int, calls: int) -> dict[str, float]:
+    """``calls`` paired calls in ABBA order: medians of each side and of the ratios B/A."""
+    times_a, times_b = [], []
+    for i in range(calls):
+        if i % 2:
+            times_b.append(b.call(tokens))
+            times_a.append(a.call(tokens))
+        else:
+            times_a.append(a.call(tokens))
+            times_b.append(b.call(tokens))
+    ratios = [tb / ta for ta, tb in zip(times_a, times_b)]
+    return {"a_us": statistics.median(times_a), "b_us": statistics.median(times_b), "ratio": statistics.median(ratios)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/ab_pair.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("groups", nargs="+", metavar="SHAPE:METHOD", help="e.g. S1:AMXINT4 S2:Q4_K")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512])
+    parser.add_argument("--a", default=str(ROOT), help="side A's checkout (default: this one)")
+    parser.add_argument("--b", default=str(ROOT), help="side B's checkout (default: this one)")
+    parser.add_argument("--a-variant", default=None, help="side A's KT_OPS_CPU_VARIANT (default: the best)")
+    parser.add_argument("--b-variant", default=None, help="side B's KT_OPS_CPU_VARIANT (default: the best)")
+    parser.add_argument("--calls", type=int, default=40, help="paired calls per row (a third at 512+ tokens)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.calls < 1 or any(t < 1 for t in args.tokens):
+        parser.error("--calls and --tokens must be >= 1")
+    from kt_ops.bench.runner import METHODS, SHAPES
+
+    for group in args.groups:
+        shape, _, method = group.partition(":")
+        if shape not in SHAPES or method not in METHODS:
+            parser.error(f"{group!r}: expected SHAPE:METHOD with SHAPE in {sorted(SHAPES)} and METHOD in {list(METHODS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.groups[0], args.tokens)
+        return 0
+    print(f"A: {args.a} ({args.a_variant or 'default variant'})  B: {args.b} ({args.b_variant or 'default variant'})")
+    print(f"{'row':18} {'A us':>9} {'B us':>9}  median B/A")
+    rows = {}
+    for group in args.groups:
+        a = Side(args.a, args.a_variant, group, args.tokens)
+        b = Side(args.b, args.b_variant, group, args.tokens)
+        try:
+            for tokens in args.tokens:
+                calls = args.calls if tokens < 512 else max(3, args.calls // 3)
+                row = pair_row(a, b, tokens, calls)
+                rows[f"{group}:{tokens}"] = row
+                print(f"{group + ':' + str(tokens):18} {row['a_us']:9.0f} {row['b_us']:9.0f}  {row['ratio']:.3f}", flush=True)
+        finally:
+            a.close()
+            b.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
