@@ -26,7 +26,7 @@ struct GgufActs {
   float* scale = nullptr;    // [rows, kp / 4]
   float* sum16 = nullptr;    // [rows, kp / 16]
   int32_t* bias4 = nullptr;  // [rows, kp / 4]
-  // Q4_K on AVX-512 (gguf_q4k_avx512.h): each 256-value unit in kGgufQ4kOrder, and
+  // Q4_K and Q5_K on AVX-512 (gguf_q4k_avx512.h): each 256-value unit in kGgufQ4kOrder, and
   // level_sums [rows, kp / 16]: per unit 8 zeros then the level sum of each 32 values.
   // Q6_K on AVX-512 (gguf_q6k_avx512.h): natural order, level_sums [rows, kp / 16] the
   // level sum of each 16 values.

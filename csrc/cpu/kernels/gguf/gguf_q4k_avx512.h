@@ -10,6 +10,10 @@
 // one float multiply-add by d * da per row and unit follows. The minimums of four rows
 // go together: their 6-bit values (int16) times the activation's int16 level sums of
 // the 8 sub-blocks (vpmaddwd), times dmin * da.
+// Q5_K is the same super-block with 32 bytes of fifth bits (qh) before the nibbles: bit
+// 2c of qh[l] belongs to weight 64c + l and bit 2c + 1 to 64c + 32 + l, so each 64-byte
+// register of levels takes one bit per 32-byte half (vptestmb against that half's bit,
+// then + 16 under the mask): levels 0-31, pair sums |.| <= 2 * 31 * 128, no saturation.
 #pragma once
 
 #include <immintrin.h>
@@ -36,10 +40,21 @@ inline __m512i q4k_scale_select(int lo, int hi) {
 // same lanes and in the same order, whatever M: a token's result does not depend on the
 // others dotted with it. prefetch: request the rows' bytes kGgufPrefetchBytes ahead (the
 // first pass over a row group; later token blocks find them in the cache).
-template <class Ops, int M>
+// kFive: Q5_K rows (176 bytes per super-block) instead of Q4_K (144).
+template <class Ops, int M, bool kFive = false>
 void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
                         const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
+  constexpr int64_t kBytes = kFive ? 176 : 144;  // per super-block
+  constexpr int64_t kQs = kFive ? 48 : 16;       // offset of the nibbles
   const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  // Q5_K: the qh bit of each 32-byte half of levels register r (weights 0-31 | 64-95,
+  // 32-63 | 96-127, 128-159 | 192-223, 160-191 | 224-255).
+  const __m512i fifth_bit[4] = {
+      _mm512_inserti64x4(_mm512_set1_epi8(1), _mm256_set1_epi8(4), 1),
+      _mm512_inserti64x4(_mm512_set1_epi8(2), _mm256_set1_epi8(8), 1),
+      _mm512_inserti64x4(_mm512_set1_epi8(16), _mm256_set1_epi8(64), 1),
+      _mm512_inserti64x4(_mm512_set1_epi8(32), _mm256_set1_epi8(static_cast<char>(128)), 1)};
   // Chunk c's int32 lanes 0-7 / 8-15 belong to sub-blocks (0, 2), (1, 3), (4, 6), (5, 7).
   const __m512i select[4] = {q4k_scale_select(0, 2), q4k_scale_select(1, 3), q4k_scale_select(4, 6),
                              q4k_scale_select(5, 7)};
@@ -61,10 +76,10 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
   const __m512i k2hi = _mm512_set4_epi32(0x03030303, 0, 0x03030303, 0);
   const __m512i low_shift = _mm512_set4_epi32(4, 0, 0, 0);
   for (int64_t u = 0; u < units; ++u) {
-    __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + u * 144)));
-    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + u * 144)), 1);
-    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2] + u * 144)), 2);
-    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[3] + u * 144)), 3);
+    __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + u * kBytes)));
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + u * kBytes)), 1);
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2] + u * kBytes)), 2);
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[3] + u * kBytes)), 3);
     // [d0 dmin0 d1 dmin1 d2 dmin2 d3 dmin3], times each activation row's da below
     const __m256 dw = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(first_words, raw)));
     const __m512i p = _mm512_shuffle_epi32(raw, static_cast<_MM_PERM_ENUM>(0xED));  // s0 s2 s1 s2
@@ -89,14 +104,21 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
     }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const uint8_t* b = rows[i] + u * 144;
+      const uint8_t* b = rows[i] + u * kBytes;
       if (prefetch)
-        for (int line = 0; line < 144; line += 64)
+        for (int line = 0; line < kBytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
       const __m512i own = _mm512_shuffle_i32x4(scale_bytes, scale_bytes, 0x55 * i);  // row i's lane x 4
-      const __m512i qa = _mm512_loadu_si512(b + 16), qb = _mm512_loadu_si512(b + 80);
-      const __m512i l0 = _mm512_and_si512(qa, low), l1 = _mm512_and_si512(_mm512_srli_epi16(qa, 4), low);
-      const __m512i l2 = _mm512_and_si512(qb, low), l3 = _mm512_and_si512(_mm512_srli_epi16(qb, 4), low);
+      const __m512i qa = _mm512_loadu_si512(b + kQs), qb = _mm512_loadu_si512(b + kQs + 64);
+      __m512i l0 = _mm512_and_si512(qa, low), l1 = _mm512_and_si512(_mm512_srli_epi16(qa, 4), low);
+      __m512i l2 = _mm512_and_si512(qb, low), l3 = _mm512_and_si512(_mm512_srli_epi16(qb, 4), low);
+      if constexpr (kFive) {
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+        l0 = _mm512_mask_add_epi8(l0, _mm512_test_epi8_mask(qh, fifth_bit[0]), l0, sixteen);
+        l1 = _mm512_mask_add_epi8(l1, _mm512_test_epi8_mask(qh, fifth_bit[1]), l1, sixteen);
+        l2 = _mm512_mask_add_epi8(l2, _mm512_test_epi8_mask(qh, fifth_bit[2]), l2, sixteen);
+        l3 = _mm512_mask_add_epi8(l3, _mm512_test_epi8_mask(qh, fifth_bit[3]), l3, sixteen);
+      }
       const __m512i s0 = _mm512_shuffle_epi8(own, select[0]), s1 = _mm512_shuffle_epi8(own, select[1]);
       const __m512i s2 = _mm512_shuffle_epi8(own, select[2]), s3 = _mm512_shuffle_epi8(own, select[3]);
 #pragma GCC unroll 4
