@@ -350,7 +350,8 @@ def test_corrupt_gguf_blob_is_refused() -> None:
 
 # Layers whose matrices the AVX-512 variants read in place (the mixed one as Q4_K_M files).
 IN_PLACE_LAYERS = [("Q4_K",) * 3, ("Q5_K",) * 3, ("Q6_K",) * 3, ("Q8_0",) * 3, ("Q4_0",) * 3, ("Q5_0",) * 3,
-                   ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K")]
+                   ("Q2_K",) * 3, ("Q3_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K"),
+                   ("Q3_K", "Q3_K", "Q5_K")]
 # Tokens per expert that a token's experts get among others (4-token blocks and their tails).
 SHARED_COUNTS = (1, 2, 3, 5, 9, 17)
 

@@ -39,7 +39,8 @@ struct GgmlTypeInfo {
   const char* llama_cpp_fallback;
   // The AVX-512 variants (avx512, avx512_bf16, amx) dot this type straight from its
   // bytes for any number of tokens instead of decoding its rows first
-  // (kernels/gguf/gguf_q4k_avx512.h (Q4_K, Q5_K), gguf_q6k_avx512.h, gguf_q8_avx512.h).
+  // (kernels/gguf/gguf_q4k_avx512.h (Q4_K, Q5_K), gguf_q6k_avx512.h, gguf_q23k_avx512.h,
+  // gguf_q8_avx512.h).
   bool avx512_in_place;
 };
 
@@ -54,8 +55,8 @@ inline constexpr GgmlTypeInfo kGgmlTypes[] = {
     {GgmlType::kQ5_0, "Q5_0", 32, 22, false, nullptr, true},
     {GgmlType::kQ5_1, "Q5_1", 32, 24, false, nullptr, false},
     {GgmlType::kQ8_0, "Q8_0", 32, 34, false, nullptr, true},
-    {GgmlType::kQ2_K, "Q2_K", 256, 84, false, "IQ4_NL", false},
-    {GgmlType::kQ3_K, "Q3_K", 256, 110, false, "IQ4_NL", false},
+    {GgmlType::kQ2_K, "Q2_K", 256, 84, false, "IQ4_NL", true},
+    {GgmlType::kQ3_K, "Q3_K", 256, 110, false, "IQ4_NL", true},
     {GgmlType::kQ4_K, "Q4_K", 256, 144, false, "Q5_0", true},
     {GgmlType::kQ5_K, "Q5_K", 256, 176, false, "Q5_1", true},
     {GgmlType::kQ6_K, "Q6_K", 256, 210, false, "Q8_0", true},

@@ -18,6 +18,7 @@
 #include "gguf_act.h"
 #include "gguf_decode.h"
 #include "gguf_dot.h"
+#include "gguf_q23k_avx512.h"
 #include "gguf_q4k_avx512.h"
 #include "gguf_q6k_avx512.h"
 #include "gguf_q8_avx512.h"
@@ -37,7 +38,7 @@ inline int64_t streaming_job_rows(int64_t rows, int threads) {
 }
 
 constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's and Q5_K's direct path
-constexpr int kGgufQ6kActs = 258;  // of Q6_K's: 256-value blocks with int16 sums of 16
+constexpr int kGgufQ6kActs = 258;  // of Q6_K's, Q2_K's, Q3_K's: 256-value blocks with int16 sums of 16
 constexpr int kGgufDirectTokens = 4;  // activation rows per pass of the in-place kernels (registers)
 // Average tokens per active expert from which a tile unit runs the call (tests mirror it).
 constexpr int64_t kGgufTileMinPairs = 8;
@@ -77,7 +78,8 @@ struct GgufMatrix {
   int act_block() const {
     if (is_float) return 0;
     if (direct && (type == GgmlType::kQ4_K || type == GgmlType::kQ5_K)) return kGgufQ4kActs;
-    if (direct && type == GgmlType::kQ6_K) return kGgufQ6kActs;
+    if (direct && (type == GgmlType::kQ6_K || type == GgmlType::kQ2_K || type == GgmlType::kQ3_K))
+      return kGgufQ6kActs;
     return static_cast<int>(ggml_type_info(static_cast<uint32_t>(type)).block_elems);
   }
 };
@@ -148,6 +150,10 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     case GgmlType::kQ5_K:
       return gguf_q4k_dot_rows4<Ops, M, true>(rows, q, scale4, level_sums, units, prefetch, out);
     case GgmlType::kQ6_K: return gguf_q6k_dot_rows4<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
+    case GgmlType::kQ2_K:
+      return gguf_q23k_dot_rows4<Ops, GgmlType::kQ2_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
+    case GgmlType::kQ3_K:
+      return gguf_q23k_dot_rows4<Ops, GgmlType::kQ3_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
     case GgmlType::kQ8_0:
       return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, prefetch, out);
     case GgmlType::kQ4_0:
@@ -156,7 +162,7 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
   }
 }
 
-// Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q5_0 rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of
+// Q2_K ... Q6_K / Q8_0 / Q4_0 / Q5_0 rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of
 // the range apart at a time, so four memory streams are in flight (1-token S1 Q4_K:
 // 7.5 -> 16 GB/s), each group of four dotted with the pairs in blocks of
 // kGgufDirectTokens (one extraction of the rows per block, no decoded copy).
