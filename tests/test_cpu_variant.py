@@ -67,20 +67,10 @@ def test_doctor_names_the_kernel_that_runs() -> None:
 # --- avx_vnni: AVX2 + the 256-bit vpdpbusd --------------------------------------------------
 
 
-def cpuinfo_flags() -> set[str] | None:
-    """The CPU flags Linux reports (/proc/cpuinfo), or None where it is unreadable."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return None
-
-
 def test_avx_vnni_is_supported_exactly_when_the_cpu_has_the_flag() -> None:
-    flags = cpuinfo_flags()
+    from kt_ops.host import cpu_flags
+
+    flags = cpu_flags()
     if flags is None:
         pytest.skip("no /proc/cpuinfo flags")
     expected = {"avx2", "fma", "f16c", "avx_vnni"} <= flags

@@ -20,6 +20,7 @@
 
 #include "../../formats/gguf_types.h"
 #include "gguf_decode.h"
+#include "gguf_q6k_avx512.h"  // its activation format and group16_scale_select
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
@@ -75,14 +76,8 @@ void gguf_q23k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, co
     high_bit[r] = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (4 * n + j))),
                                      _mm256_set1_epi8(static_cast<char>(1 << (4 * n + j + 1))), 1);
   }
-  // Register r's int16 lanes of 128-bit lane q take group 4r + q's scale (vpermw indices).
-  __m512i select[4];
-  for (int r = 0; r < 4; ++r) {
-    int pair[4];
-    for (int q = 0; q < 4; ++q) pair[q] = (4 * r + q) * 0x10001;
-    select[r] = _mm512_setr_epi32(pair[0], pair[0], pair[0], pair[0], pair[1], pair[1], pair[1], pair[1], pair[2],
-                                  pair[2], pair[2], pair[2], pair[3], pair[3], pair[3], pair[3]);
-  }
+  const __m512i select[4] = {group16_scale_select(0), group16_scale_select(1), group16_scale_select(2),
+                             group16_scale_select(3)};
   __m512 acc[M][4];
   for (int j = 0; j < M; ++j)
     for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
@@ -96,15 +91,14 @@ void gguf_q23k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, co
       __m256i scales, minimums;
       T::scales(b, scales, minimums);
       const __m512i sc = _mm512_castsi256_si512(scales);  // lanes 16-31 never selected
-      __m512i v[4];
+      __m512i v[4], hmask = _mm512_setzero_si512();
+      if constexpr (T::kThree) hmask = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
       for (int r = 0; r < 4; ++r) {
         const __m512i qs = _mm512_broadcast_i64x4(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + T::kQs + 32 * (r / 2))));
         v[r] = _mm512_and_si512(_mm512_srlv_epi16(qs, shift[r % 2]), three);
-        if constexpr (T::kThree) {
-          const __m512i hmask = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+        if constexpr (T::kThree)
           v[r] = _mm512_mask_add_epi8(v[r], _mm512_test_epi8_mask(hmask, high_bit[r]), v[r], four);
-        }
       }
       const __m512i s0 = _mm512_permutexvar_epi16(select[0], sc), s1 = _mm512_permutexvar_epi16(select[1], sc),
                     s2 = _mm512_permutexvar_epi16(select[2], sc), s3 = _mm512_permutexvar_epi16(select[3], sc);

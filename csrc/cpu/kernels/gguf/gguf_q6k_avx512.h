@@ -20,6 +20,16 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
+// vpermw indices for the K-quants with 16 groups of 16 weights (Q6_K, Q2_K, Q3_K): the
+// int16 lanes of 128-bit lane q of register c (weights 64c .. 64c + 63) take group
+// 4c + q's scale.
+inline __m512i group16_scale_select(int c) {
+  int pair[4];
+  for (int q = 0; q < 4; ++q) pair[q] = (4 * c + q) * 0x10001;
+  return _mm512_setr_epi32(pair[0], pair[0], pair[0], pair[0], pair[1], pair[1], pair[1], pair[1], pair[2], pair[2],
+                           pair[2], pair[2], pair[3], pair[3], pair[3], pair[3]);
+}
+
 // out[4 * j + i] = dot(Q6_K row i, activation row j) for i < 4, j < M: the rows walked in
 // lockstep (four memory streams in flight), each unit's levels and scales extracted once
 // and dotted with the M activation rows. Row j: aq[j] levels [units * 256], scale4[j]
@@ -32,14 +42,8 @@ void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
   const __m512i low = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
   const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-  // Chunk c's int16 lanes of 128-bit lane j take scale 4c + j (vpermw indices).
-  __m512i select[4];
-  for (int c = 0; c < 4; ++c) {
-    int pair[4];
-    for (int j = 0; j < 4; ++j) pair[j] = (4 * c + j) * 0x10001;
-    select[c] = _mm512_setr_epi32(pair[0], pair[0], pair[0], pair[0], pair[1], pair[1], pair[1], pair[1], pair[2],
-                                  pair[2], pair[2], pair[2], pair[3], pair[3], pair[3], pair[3]);
-  }
+  const __m512i select[4] = {group16_scale_select(0), group16_scale_select(1), group16_scale_select(2),
+                             group16_scale_select(3)};
   __m512 acc[M][4];
 #pragma GCC unroll 4
   for (int j = 0; j < M; ++j)
