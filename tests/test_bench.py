@@ -298,3 +298,6 @@ def test_ab_pair_rejects_unknown_rows() -> None:
         ab_pair.parse_args(["S9:BF16"])
     assert exit_info.value.code == 2
     assert ab_pair.parse_args(["S1:Q4_K", "--tokens", "1"]).groups == ["S1:Q4_K"]
+    assert ab_pair.parse_args(["S2:Q5_1"]).groups == ["S2:Q5_1"]  # any quantized GGUF type
+    with pytest.raises(SystemExit):
+        ab_pair.parse_args(["S1:F16"])  # a float type is no quantized method
