@@ -32,6 +32,13 @@ struct GgufActs {
   // level sum of each 16 values.
   bool q4k_order = false;
   bool sums_of_16 = false;
+  // The block-32 types on AVX-512 (gguf_q8_avx512.h): quad order. Each 128 values (4
+  // blocks) as values 0-15 of the 4 blocks, then values 16-31 of the 4 blocks; per int32
+  // lane of that layout (8 values: 4 + the 4 sixteen positions later), scale[] the
+  // block's scale and bias4[] -128 * their level sum (kp / 8 each, at the start of the
+  // row's kp / 4 entries), and scale[kp / 8 + lane] the block's scale times that level
+  // sum (Q4_1's and Q5_1's minimums multiply it).
+  bool quad32 = false;
   int16_t* level_sums = nullptr;
   const float* f = nullptr;  // block 0: [rows, kp] fp32
 };
@@ -69,6 +76,34 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
       for (int i = 0; i < 16; ++i) sum += q[16 * g + i];
       level_sums[g] = static_cast<int16_t>(sum);  // |sum| <= 16 * 128
     }
+  }
+  if (acts.quad32) {
+    float* scale8 = scale;  // the first halves of the row's per-4 buffers; group g's
+    int32_t* bias8 = bias4;  // 16 lanes land below the per-4 entries later groups read
+    for (int64_t g = 0; g < kp / 128; ++g) {
+      int8_t* quad = q + 128 * g;
+      float s[16];
+      int32_t bias[16];
+      for (int blk = 0; blk < 4; ++blk)
+        for (int l = 0; l < 4; ++l) {
+          int32_t sum = 0;
+          for (int i = 0; i < 4; ++i) sum += quad[32 * blk + 4 * l + i] + quad[32 * blk + 16 + 4 * l + i];
+          s[4 * blk + l] = scale[32 * g + 8 * blk];  // the natural per-4 scales, read before written
+          bias[4 * blk + l] = -128 * sum;
+        }
+      std::memcpy(scale8 + 16 * g, s, sizeof(s));
+      std::memcpy(bias8 + 16 * g, bias, sizeof(bias));
+      int8_t natural[128];
+      std::memcpy(natural, quad, 128);
+      for (int blk = 0; blk < 4; ++blk) {
+        std::memcpy(quad + 16 * blk, natural + 32 * blk, 16);
+        std::memcpy(quad + 64 + 16 * blk, natural + 32 * blk + 16, 16);
+      }
+    }
+    // After every group's scales moved down (the upper half held per-4 scales until then).
+    for (int64_t lane = 0; lane < kp / 8; ++lane)
+      scale8[kp / 8 + lane] = scale8[lane] * static_cast<float>(bias8[lane] / -128);
+    return;
   }
   if (!acts.q4k_order) return;
   int16_t* level_sums = acts.level_sums + r * (kp / 16);

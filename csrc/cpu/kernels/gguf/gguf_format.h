@@ -184,7 +184,8 @@ class GgufFormat {
   static GgufActs bind_acts(uint8_t* scratch, int block, int64_t kp, const size_t at[5]) {
     GgufActs acts;
     acts.kp = kp;
-    acts.block = block == kGgufQ4kActs || block == kGgufQ6kActs ? kGgufSuper : block;
+    acts.block = block == kGgufQ4kActs || block == kGgufQ6kActs ? kGgufSuper : block == kGgufQuad32Acts ? 32 : block;
+    acts.quad32 = block == kGgufQuad32Acts;
     acts.q4k_order = block == kGgufQ4kActs;
     acts.sums_of_16 = block == kGgufQ6kActs;
     acts.level_sums = reinterpret_cast<int16_t*>(scratch + at[4]);

@@ -39,6 +39,7 @@ inline int64_t streaming_job_rows(int64_t rows, int threads) {
 
 constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's and Q5_K's direct path
 constexpr int kGgufQ6kActs = 258;  // of Q6_K's, Q2_K's, Q3_K's: 256-value blocks with int16 sums of 16
+constexpr int kGgufQuad32Acts = 259;  // of the block-32 types': 32-value blocks in quad order
 constexpr int kGgufDirectTokens = 4;  // activation rows per pass of the in-place kernels (registers)
 // Average tokens per active expert from which a tile unit runs the call (tests mirror it).
 constexpr int64_t kGgufTileMinPairs = 8;
@@ -73,13 +74,14 @@ struct GgufMatrix {
   const uint8_t* row(int64_t expert, int64_t n) const {
     return first_expert + expert * expert_bytes + n * row_bytes;
   }
-  // The activation format: 0 fp32, 32, 256, kGgufQ4kActs (256 in kGgufQ4kOrder) or
-  // kGgufQ6kActs (256 with sums of 16).
+  // The activation format: 0 fp32, 32, 256, kGgufQ4kActs (256 in kGgufQ4kOrder),
+  // kGgufQ6kActs (256 with sums of 16) or kGgufQuad32Acts (32 in quad order).
   int act_block() const {
     if (is_float) return 0;
     if (direct && (type == GgmlType::kQ4_K || type == GgmlType::kQ5_K)) return kGgufQ4kActs;
     if (direct && (type == GgmlType::kQ6_K || type == GgmlType::kQ2_K || type == GgmlType::kQ3_K))
       return kGgufQ6kActs;
+    if (direct && ggml_type_info(static_cast<uint32_t>(type)).block_elems == 32) return kGgufQuad32Acts;
     return static_cast<int>(ggml_type_info(static_cast<uint32_t>(type)).block_elems);
   }
 };
@@ -137,12 +139,14 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
   const float* scale4[M];
   const int32_t* bias4[M];
   const int16_t* level_sums[M];
+  const float* min_sums8[M];
   for (int j = 0; j < M; ++j) {
     const int64_t a = act_rows != nullptr ? act_rows[p0 + j] : p0 + j;
     q[j] = acts.q + a * m.kp;
     scale4[j] = acts.scale + a * (m.kp / 4);
     bias4[j] = acts.bias4 + a * (m.kp / 4);
     level_sums[j] = acts.level_sums + a * (m.kp / 16);
+    min_sums8[j] = scale4[j] + m.kp / 8;  // quad order (gguf_act.h)
   }
   const int64_t units = m.kp / kGgufSuper;
   switch (m.type) {
@@ -155,14 +159,19 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     case GgmlType::kQ3_K:
       return gguf_q23k_dot_rows4<Ops, GgmlType::kQ3_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
     case GgmlType::kQ8_0:
-      return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, prefetch, out);
+      return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
     case GgmlType::kQ4_0:
-      return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, prefetch, out);
-    default: return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, bias4, prefetch, out);
+      return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+    case GgmlType::kQ4_1:
+      return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+    case GgmlType::kQ5_1:
+      return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+    default:
+      return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
   }
 }
 
-// Q2_K ... Q6_K / Q8_0 / Q4_0 / Q5_0 rows [n0, n1) dotted from their bytes (AVX-512): four rows a quarter of
+// Rows [n0, n1) of an in-place type (every quantized type) dotted from their bytes (AVX-512): four rows a quarter of
 // the range apart at a time, so four memory streams are in flight (1-token S1 Q4_K:
 // 7.5 -> 16 GB/s), each group of four dotted with the pairs in blocks of
 // kGgufDirectTokens (one extraction of the rows per block, no decoded copy).
