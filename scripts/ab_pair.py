@@ -13,9 +13,9 @@ sides call by call (ABBA order), so the machine's drift — read bandwidth swing
 third within minutes on shared hosts — hits both alike, and reports per row the median
 microseconds of each side and the median of the per-pair ratios B/A (below 1: B is
 faster). Run it on an otherwise idle machine: no builds, tests or helpers beside it.
-Groups are ``SHAPE:METHOD`` with the bench's shapes (S1, S2) and methods, or any
-quantized GGUF type kt_ops computes as METHOD (e.g. ``S1:Q5_1``: gate, up and down of
-that type, as the bench packs its GGUF methods).
+Groups are ``SHAPE:METHOD`` with the bench's shapes (S1, S2) and methods, those its
+``--method`` takes beyond the default set included (e.g. ``S1:Q5_1``); a side whose
+checkout predates such a method packs it as that checkout packs its GGUF methods.
 """
 
 from __future__ import annotations
@@ -32,13 +32,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def gguf_type_methods() -> set[str]:
-    """The quantized GGUF type names kt_ops computes (methods beyond the bench's own)."""
-    from kt_ops.gguf_types import GGML_TYPES
-
-    return {t.name for t in GGML_TYPES if not t.is_float}
-
-
 def worker(group: str, tokens_list: list[int]) -> None:
     """Packs the group's layers, prints "ready", then times one call per "go T" line."""
     import torch
@@ -51,7 +44,7 @@ def worker(group: str, tokens_list: list[int]) -> None:
 
     shape_name, method = group.split(":")
     shape = SHAPES[shape_name]
-    if method not in runner.METHODS:  # a GGUF type: packed as the bench packs its GGUF methods
+    if method not in runner.METHODS and method not in runner.GGUF_METHODS:  # an older checkout's bench
         runner.GGUF_METHODS = (*runner.GGUF_METHODS, method)
     torch.manual_seed(0)
     layers = make_layers(shape, method, 3)
@@ -138,15 +131,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.calls < 1 or any(t < 1 for t in args.tokens):
         parser.error("--calls and --tokens must be >= 1")
-    from kt_ops.bench.runner import METHODS, SHAPES
+    from kt_ops.bench.runner import ALL_METHODS, SHAPES
 
     for group in args.groups:
         shape, _, method = group.partition(":")
-        if shape not in SHAPES or (method not in METHODS and method not in gguf_type_methods()):
-            parser.error(
-                f"{group!r}: expected SHAPE:METHOD with SHAPE in {sorted(SHAPES)} and METHOD in {list(METHODS)}"
-                f" or a GGUF type ({', '.join(sorted(gguf_type_methods()))})"
-            )
+        if shape not in SHAPES or method not in ALL_METHODS:
+            parser.error(f"{group!r}: expected SHAPE:METHOD with SHAPE in {sorted(SHAPES)} and METHOD in {list(ALL_METHODS)}")
     return args
 
 

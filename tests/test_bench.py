@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kt_ops.bench import limits, runner, torch_dtype
-from kt_ops.bench.__main__ import format_table
+from kt_ops._native import _C
+from kt_ops.bench.__main__ import format_table, parse_args
 from kt_ops.bench.limits import GiB, MiB, BandwidthBrackets, ComputeLimits, GemmReference, ReadBandwidth
 from kt_ops.bench.roofline import MachineLimits, fraction_text, rate
 from kt_ops.bench.runner import (
@@ -301,3 +302,22 @@ def test_ab_pair_rejects_unknown_rows() -> None:
     assert ab_pair.parse_args(["S2:Q5_1"]).groups == ["S2:Q5_1"]  # any quantized GGUF type
     with pytest.raises(SystemExit):
         ab_pair.parse_args(["S1:F16"])  # a float type is no quantized method
+
+
+@pytest.mark.parametrize("method", runner.EXTRA_METHODS)
+def test_extra_gguf_methods_pack_their_types(method: str) -> None:
+    """--method's GGUF types beyond the default set pack as the bench packs Q4_K, and Q2_K /
+    Q3_K are refused on S2, whose down (I = 1408) llama.cpp stores as IQ4_NL."""
+    layer = make_layers(TINY, method, 1)[0]
+    expected = runner.GGUF_MIXES.get(method, (method, method))
+    assert layer.packed.format == "gguf"
+    assert tuple(_C.packed_info(layer.packed.data)["gguf_types"]) == (expected[0], expected[0], expected[1])
+    s2 = runner.SHAPES["S2"]
+    if method in ("Q2_K", "Q3_K"):
+        with pytest.raises(ValueError, match="IQ4_NL"):
+            runner.gguf_types_for(method, s2)
+        with pytest.raises(SystemExit):
+            parse_args(["--method", method, "--shape", "S2"])
+    else:
+        down = {"Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q5_K": "Q5_1", "Q5_K_M": "Q8_0"}[method]
+        assert runner.gguf_types_for(method, s2)[2] == down  # llama.cpp's fallback where I % 256 != 0

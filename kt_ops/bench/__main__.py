@@ -18,8 +18,10 @@ before and after the rows, in bf16 or fp32 (the faster, for BF16) and in int8
 activated weights fit in the last-level cache is marked (cache) and given no fraction
 of DRAM bandwidth; a row above its limit prints ">100%?" (the limit was measured too
 low). Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE), Q4_K_M their mix in
-llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K); on S2 (I = 1408) the K-quant rows
-store down as llama.cpp does for that size (Q4_K -> Q5_0, Q6_K -> Q8_0).
+llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K); --method also takes the other GGUF
+types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K) and Q5_K_M (Q5_K, down Q6_K). On S2 (I =
+1408) the K-quant rows store down as llama.cpp does for that size (Q4_K -> Q5_0, Q5_K ->
+Q5_1, Q6_K -> Q8_0; Q2_K and Q3_K, whose fallback there is IQ4_NL, are refused on S2).
 
 --quick: S1 only, tokens 1 and 64, one layer per method, 5 timed calls per row (at least
 0.25 s): under a minute on 2 cores (see the README for the measured time).
@@ -52,6 +54,7 @@ from kt_ops.bench.limits import (
 from kt_ops.bench.model_step import StepRow, format_steps, measure_step
 from kt_ops.bench.roofline import MachineLimits, fraction_text, rate
 from kt_ops.bench.runner import (
+    ALL_METHODS,
     GGUF_METHODS,
     METHODS,
     SHAPES,
@@ -77,7 +80,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
         help="S1 only, tokens 1 and 64, 1 layer per method, 5 timed calls (at least 0.25 s) per row: under a minute",
     )
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None)
-    parser.add_argument("--method", nargs="+", choices=METHODS, default=None)
+    parser.add_argument(
+        "--method",
+        nargs="+",
+        choices=ALL_METHODS,
+        default=None,
+        help=f"default: {' '.join(METHODS)} (the others: the remaining GGUF types and llama.cpp's Q5_K_M mix)",
+    )
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 1 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads = torch's intra-op threads (default: torch's, the physical cores)")
@@ -107,6 +116,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
     args.min_seconds = 0.25 if args.quick else 1.0
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens must be >= 1")
+    for shape in args.shape:
+        for method in args.method:
+            if method in GGUF_METHODS:
+                try:
+                    gguf_types_for(method, SHAPES[shape])
+                except ValueError as error:
+                    parser.error(str(error))
     for name in ("layers", "threads", "repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
