@@ -40,7 +40,7 @@ struct GgmlTypeInfo {
   // The AVX-512 variants (avx512, avx512_bf16, amx) dot this type straight from its
   // bytes for any number of tokens instead of decoding its rows first
   // (kernels/gguf/gguf_q4k_avx512.h (Q4_K, Q5_K), gguf_q6k_avx512.h, gguf_q23k_avx512.h,
-  // gguf_q8_avx512.h).
+  // gguf_block32_avx512.h).
   bool avx512_in_place;
 };
 

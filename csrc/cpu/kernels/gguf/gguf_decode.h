@@ -24,7 +24,7 @@ namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int kGgufSuper = 256;  // weights per decoded unit
-// The in-place decode kernels (gguf_q4k_avx512.h, gguf_q8_avx512.h) prefetch each row's
+// The in-place decode kernels (gguf_q4k_avx512.h, gguf_block32_avx512.h) prefetch each row's
 // bytes this far ahead, and gguf_direct_rows requests the first bytes of all four row
 // streams at once: the hardware prefetchers alone left the streams latency-bound
 // (1-token S1 Q4_K 1270-1320 -> 1090-1100 us, S2 2070 -> 1500-1540 us; 2 KiB ahead

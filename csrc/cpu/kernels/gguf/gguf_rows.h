@@ -2,7 +2,7 @@
 // format policy (gguf_format.h): a matrix view (GgufMatrix), the row job size of the
 // streaming paths, rows decoded once (gguf_decode.h) and dotted with every token of an
 // expert (gguf_dot.h), rows read in place on AVX-512 (gguf_q4k_avx512.h,
-// gguf_q6k_avx512.h, gguf_q8_avx512.h), and rows decoded to bf16 for AMX tiles
+// gguf_q6k_avx512.h, gguf_block32_avx512.h), and rows decoded to bf16 for AMX tiles
 // (gguf_amx.h). Include only from a variant translation unit, after its target pragma.
 #pragma once
 
@@ -16,12 +16,12 @@
 #include "../../formats/packed_header.h"
 #include "../moe_driver_common.h"
 #include "gguf_act.h"
+#include "gguf_block32_avx512.h"
 #include "gguf_decode.h"
 #include "gguf_dot.h"
 #include "gguf_q23k_avx512.h"
 #include "gguf_q4k_avx512.h"
 #include "gguf_q6k_avx512.h"
-#include "gguf_q8_avx512.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
@@ -166,15 +166,16 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
       return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
     case GgmlType::kQ5_1:
       return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-    default:
+    default:  // kQ5_0, the last in-place type
       return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
   }
 }
 
-// Rows [n0, n1) of an in-place type (every quantized type) dotted from their bytes (AVX-512): four rows a quarter of
-// the range apart at a time, so four memory streams are in flight (1-token S1 Q4_K:
-// 7.5 -> 16 GB/s), each group of four dotted with the pairs in blocks of
-// kGgufDirectTokens (one extraction of the rows per block, no decoded copy).
+// Rows [n0, n1) of an in-place type (every quantized type) dotted from their bytes
+// (AVX-512): four rows a quarter of the range apart at a time, so four memory streams
+// are in flight (1-token S1 Q4_K: 7.5 -> 16 GB/s), each group of four dotted with the
+// pairs in blocks of kGgufDirectTokens (one extraction of the rows per block, no
+// decoded copy).
 template <class Ops>
 void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                       const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
