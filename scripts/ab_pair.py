@@ -131,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.calls < 1 or any(t < 1 for t in args.tokens):
         parser.error("--calls and --tokens must be >= 1")
+    if args.worker:  # validated by the driver; the worker's checkout may predate ALL_METHODS
+        return args
     from kt_ops.bench.runner import ALL_METHODS, SHAPES
 
     for group in args.groups:

@@ -57,9 +57,12 @@ def docs_methods(text: str | None = None) -> list[tuple[tuple[str, ...], bool, s
     return parsed
 
 
-def docs_ggml_types() -> dict[str, tuple[int, int, bool, str | None]]:
-    """name -> (block elements, block bytes, read in place on AVX-512, llama.cpp fallback)
-    per type of the GGUF table of docs/formats.md (a row may list several types)."""
+IN_PLACE_CELLS = {"all variants": kt_ops.CPU_VARIANTS, "AVX-512": ("avx512", "avx512_bf16", "amx"), "—": ()}
+
+
+def docs_ggml_types() -> dict[str, tuple[int, int, tuple[str, ...], str | None]]:
+    """name -> (block elements, block bytes, variants reading it in place, llama.cpp
+    fallback) per type of the GGUF table of docs/formats.md (a row may list several types)."""
     types = {}
     for cells in docs_table("type", "block"):
         names = [name.strip() for name in cells[0].split(",")]
@@ -70,7 +73,7 @@ def docs_ggml_types() -> dict[str, tuple[int, int, bool, str | None]]:
         fallback = None if cells[5] == "—" else cells[5].split()[0]
         for name, size in zip(names, sizes):
             assert name not in types, f"docs/formats.md lists GGUF type {name} twice"
-            types[name] = (int(cells[1]), size, cells[4] == "in place", fallback)
+            types[name] = (int(cells[1]), size, tuple(IN_PLACE_CELLS[cells[4]]), fallback)
     return types
 
 
@@ -148,8 +151,10 @@ def test_ggml_types_match_the_gguf_package() -> None:
         assert _C.ggml_type(row["id"]) == (row["name"], row["block_elems"], row["block_bytes"])
         if row["llama_cpp_fallback"] is not None:
             assert row["llama_cpp_fallback"] in gguf.GGMLQuantizationType.__members__
-        for variant in row["in_place_variants"]:
-            assert variant in kt_ops.CPU_VARIANTS and variant != "avx2"
+        # every variant reads Q8_0, Q4_0 and Q4_1 in place, only the AVX-512 ones the other quantized types
+        wide = ("avx512", "avx512_bf16", "amx")
+        expected = () if row["is_float"] else kt_ops.CPU_VARIANTS if row["name"] in ("Q8_0", "Q4_0", "Q4_1") else wide
+        assert tuple(row["in_place_variants"]) == tuple(expected)
 
 
 # --- Python reads it ------------------------------------------------------------------------
@@ -226,7 +231,7 @@ def test_docs_method_check_catches_a_missing_or_extra_row() -> None:
 
 def test_docs_ggml_types_match_the_table() -> None:
     table = {
-        row["name"]: (row["block_elems"], row["block_bytes"], bool(row["in_place_variants"]), row["llama_cpp_fallback"])
+        row["name"]: (row["block_elems"], row["block_bytes"], tuple(row["in_place_variants"]), row["llama_cpp_fallback"])
         for row in GGML_ROWS
     }
     assert docs_ggml_types() == table

@@ -103,8 +103,8 @@ const char* activation_quant_name(ActivationQuant activations);
 const char* row_rule_name(RowRule rule);
 
 // Whether the gguf kernel of `variant` dots `type` from its bytes (the AVX-512
-// variants, for the types kGgmlTypes marks avx512_in_place; any number of tokens, except
-// amx's tile path).
+// variants, for the types kGgmlTypes marks avx512_in_place; every variant, for Q8_0,
+// Q4_0 and Q4_1; any number of tokens, except amx's tile path).
 bool gguf_reads_in_place(const GgmlTypeInfo& type, CpuVariant variant);
 
 }  // namespace kt::cpu

@@ -32,7 +32,7 @@ struct GgufActs {
   // level sum of each 16 values.
   bool q4k_order = false;
   bool sums_of_16 = false;
-  // The block-32 types on AVX-512 (gguf_block32_avx512.h): quad order. Each 128 values (4
+  // The block-32 types read in place (gguf_block32_avx512.h, gguf_block32_avx2.h): quad order. Each 128 values (4
   // blocks) as values 0-15 of the 4 blocks, then values 16-31 of the 4 blocks; per int32
   // lane of that layout (8 values: 4 + the 4 sixteen positions later), scale[] the
   // block's scale and bias4[] -128 * their level sum (kp / 8 each, at the start of the

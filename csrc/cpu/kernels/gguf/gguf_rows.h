@@ -1,9 +1,9 @@
 // [NOTE] GGUF weight rows against activation rows, the row-level kernels of the GGUF
 // format policy (gguf_format.h): a matrix view (GgufMatrix), the row job size of the
 // streaming paths, rows decoded once (gguf_decode.h) and dotted with every token of an
-// expert (gguf_dot.h), rows read in place on AVX-512 (gguf_q4k_avx512.h,
-// gguf_q6k_avx512.h, gguf_block32_avx512.h), and rows decoded to bf16 for AMX tiles
-// (gguf_amx.h). Include only from a variant translation unit, after its target pragma.
+// expert (gguf_dot.h), rows read in place (AVX-512: gguf_q4k_avx512.h,
+// gguf_q6k_avx512.h, gguf_q23k_avx512.h, gguf_block32_avx512.h; AVX2:
+// gguf_block32_avx2.h), and rows decoded to bf16 for AMX tiles (gguf_amx.h). Include only from a variant translation unit, after its target pragma.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include "../../formats/packed_header.h"
 #include "../moe_driver_common.h"
 #include "gguf_act.h"
+#include "gguf_block32_avx2.h"
 #include "gguf_block32_avx512.h"
 #include "gguf_decode.h"
 #include "gguf_dot.h"
@@ -46,6 +47,14 @@ constexpr int64_t kGgufTileMinPairs = 8;
 
 constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// Whether a variant dots `type` from its bytes: every quantized type on AVX-512 (wide:
+// one register per 64-byte line), Q8_0, Q4_0 and Q4_1 on AVX2 / AVX-VNNI too
+// (gguf_block32_avx2.h; format_table.cpp's gguf_reads_in_place says the same to Python).
+inline bool gguf_in_place(const GgmlTypeInfo& type, bool wide) {
+  if (wide) return type.avx512_in_place;
+  return type.type == GgmlType::kQ8_0 || type.type == GgmlType::kQ4_0 || type.type == GgmlType::kQ4_1;
+}
+
 // One matrix (gate, up or down) of every expert in the blob.
 struct GgufMatrix {
   const uint8_t* first_expert;
@@ -54,21 +63,19 @@ struct GgufMatrix {
   GgmlType type;
   bool is_float;
   GgufDecodeRowFn decode;  // quantized types
-  bool direct;             // dotted from its bytes (gguf_direct_rows), not decoded: the types
-                           // gguf_types.h marks avx512_in_place, where the variant has the
-                           // in-place kernels (AVX-512)
+  bool direct;             // dotted from its bytes (gguf_direct_rows), not decoded (gguf_in_place)
   int64_t k, kp;  // row length and its padded length (multiple of 256)
 
-  // in_place: the variant has the in-place kernels. The choice depends on the matrix's
-  // type only, never on the call's tokens (batch invariance).
-  GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_, bool in_place)
+  // wide: the variant has the AVX-512 in-place kernels. The choice depends on the
+  // matrix's type and the variant only, never on the call's tokens (batch invariance).
+  GgufMatrix(const uint8_t* blob, const PackedLayout& layout, int m, int64_t rows, int64_t k_, bool wide)
       : first_expert(blob + layout.matrix_offset[m]),
         expert_bytes(layout.matrix_expert_bytes[m]),
         row_bytes(layout.matrix_expert_bytes[m] / rows),
         type(ggml_type_info(layout.shape.gguf_types[m]).type),
         is_float(ggml_type_info(layout.shape.gguf_types[m]).is_float),
         decode(gguf_decoder(type)),
-        direct(in_place && ggml_type_info(layout.shape.gguf_types[m]).avx512_in_place),
+        direct(gguf_in_place(ggml_type_info(layout.shape.gguf_types[m]), wide)),
         k(k_),
         kp(round_up(k_, kGgufSuper)) {}
   const uint8_t* row(int64_t expert, int64_t n) const {
@@ -148,34 +155,45 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     level_sums[j] = acts.level_sums + a * (m.kp / 16);
     min_sums8[j] = scale4[j] + m.kp / 8;  // quad order (gguf_act.h)
   }
-  const int64_t units = m.kp / kGgufSuper;
-  switch (m.type) {
-    case GgmlType::kQ4_K: return gguf_q4k_dot_rows4<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
-    case GgmlType::kQ5_K:
-      return gguf_q4k_dot_rows4<Ops, M, true>(rows, q, scale4, level_sums, units, prefetch, out);
-    case GgmlType::kQ6_K: return gguf_q6k_dot_rows4<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
-    case GgmlType::kQ2_K:
-      return gguf_q23k_dot_rows4<Ops, GgmlType::kQ2_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
-    case GgmlType::kQ3_K:
-      return gguf_q23k_dot_rows4<Ops, GgmlType::kQ3_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
-    case GgmlType::kQ8_0:
-      return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-    case GgmlType::kQ4_0:
-      return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-    case GgmlType::kQ4_1:
-      return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-    case GgmlType::kQ5_1:
-      return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-    default:  // kQ5_0, the last in-place type
-      return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+  if constexpr (Ops::kRegsPerLine != 1) {  // AVX2 / AVX-VNNI: Q8_0, Q4_0, Q4_1 (gguf_in_place)
+    switch (m.type) {
+      case GgmlType::kQ8_0:
+        return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      case GgmlType::kQ4_0:
+        return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      default:  // kQ4_1 (gguf_in_place)
+        return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+    }
+  } else {  // AVX-512: every quantized type
+    const int64_t units = m.kp / kGgufSuper;
+    switch (m.type) {
+      case GgmlType::kQ4_K: return gguf_q4k_dot_rows4<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
+      case GgmlType::kQ5_K:
+        return gguf_q4k_dot_rows4<Ops, M, true>(rows, q, scale4, level_sums, units, prefetch, out);
+      case GgmlType::kQ6_K: return gguf_q6k_dot_rows4<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
+      case GgmlType::kQ2_K:
+        return gguf_q23k_dot_rows4<Ops, GgmlType::kQ2_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
+      case GgmlType::kQ3_K:
+        return gguf_q23k_dot_rows4<Ops, GgmlType::kQ3_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
+      case GgmlType::kQ8_0:
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      case GgmlType::kQ4_0:
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      case GgmlType::kQ4_1:
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      case GgmlType::kQ5_1:
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      default:  // kQ5_0, the last in-place type
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+    }
   }
 }
 
-// Rows [n0, n1) of an in-place type (every quantized type) dotted from their bytes
-// (AVX-512): four rows a quarter of the range apart at a time, so four memory streams
-// are in flight (1-token S1 Q4_K: 7.5 -> 16 GB/s), each group of four dotted with the
-// pairs in blocks of kGgufDirectTokens (one extraction of the rows per block, no
-// decoded copy).
+// Rows [n0, n1) of an in-place type (gguf_in_place) dotted from their bytes: four rows
+// a quarter of the range apart at a time, so four memory streams are in flight (1-token
+// S1 Q4_K: 7.5 -> 16 GB/s), each group of four dotted with the pairs in blocks of
+// kGgufDirectTokens (AVX-512) or kBlock32Avx2Tokens (one extraction of the rows per
+// block, no decoded copy).
 template <class Ops>
 void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                       const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
@@ -194,16 +212,23 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
       n[i] = std::min(n0 + j + i * stride, n1 - 1);  // past the end: repeat the last row
       rows[i] = m.row(expert, n[i]);
     }
-    for (int64_t p = p0; p < p1; p += kGgufDirectTokens) {
-      float result[4 * kGgufDirectTokens];
-      const int64_t count = std::min<int64_t>(kGgufDirectTokens, p1 - p);
+    constexpr int kTokens = Ops::kRegsPerLine == 1 ? kGgufDirectTokens : kBlock32Avx2Tokens;
+    for (int64_t p = p0; p < p1; p += kTokens) {
+      float result[4 * kTokens];
+      const int64_t count = std::min<int64_t>(kTokens, p1 - p);
       const bool prefetch = p == p0;  // later blocks find the rows in the cache
-      static_assert(kGgufDirectTokens == 4);
-      switch (count) {
-        case 4: gguf_direct_block<Ops, 4>(m, rows, acts, act_rows, p, prefetch, result); break;
-        case 3: gguf_direct_block<Ops, 3>(m, rows, acts, act_rows, p, prefetch, result); break;
-        case 2: gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p, prefetch, result); break;
-        default: gguf_direct_block<Ops, 1>(m, rows, acts, act_rows, p, prefetch, result); break;
+      static_assert(kGgufDirectTokens == 4 && kBlock32Avx2Tokens == 2);
+      if constexpr (kTokens == 4) {
+        switch (count) {
+          case 4: gguf_direct_block<Ops, 4>(m, rows, acts, act_rows, p, prefetch, result); break;
+          case 3: gguf_direct_block<Ops, 3>(m, rows, acts, act_rows, p, prefetch, result); break;
+          case 2: gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p, prefetch, result); break;
+          default: gguf_direct_block<Ops, 1>(m, rows, acts, act_rows, p, prefetch, result); break;
+        }
+      } else if (count == 2) {
+        gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p, prefetch, result);
+      } else {
+        gguf_direct_block<Ops, 1>(m, rows, acts, act_rows, p, prefetch, result);
       }
       for (int64_t t = 0; t < count; ++t)
         for (int i = 0; i < 4; ++i) out[(p + t) * ldo + n[i]] = result[4 * t + i];
@@ -217,9 +242,7 @@ template <class Ops>
 void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
   using V = typename Ops::Vec;
-  if constexpr (Ops::kRegsPerLine == 1) {
-    if (m.direct) return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
-  }
+  if (m.direct) return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
   const int64_t units = m.kp / kGgufSuper;
   thread_local std::vector<GgufDecoded> decoded_units;
   thread_local std::vector<float> decoded_floats;

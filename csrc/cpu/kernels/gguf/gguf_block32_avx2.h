@@ -1,0 +1,128 @@
+// [NOTE] Q8_0, Q4_0 and Q4_1 dotted straight from their GGUF bytes on AVX2 and AVX-VNNI:
+// the AVX-512 kernel's arithmetic (gguf_block32_avx512.h) on 256-bit registers. A step
+// of four blocks is two halves of two blocks; each half's levels go in two registers
+// whose 128-bit lane L holds block L's weights 0-15 (lo) and 16-31 (hi), matching the
+// same quad-ordered activations, so two dot products leave each int32 lane with 8
+// products of one block and the conversion, the scale product and the fma run once per
+// 64 weights and (row, token). With 16 registers the kernel dots at most
+// kBlock32Avx2Tokens activation rows per pass over the four rows (the caller repeats
+// the pass); each (row, activation row) result takes the same operations in the same
+// order whatever the number of rows per pass. Q5_0 and Q5_1 stay decoded on these
+// variants: expanding their fifth bits to bytes without mask registers (shuffle, AND,
+// compare per register, redone per pass) ran 512-token prefill 1.10-1.39x slower than
+// their decoded rows (Zen 5, avx2, paired A/B, 2026-11-23).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "../../formats/gguf_types.h"
+#include "gguf_block32_avx512.h"
+#include "gguf_decode.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+constexpr int kBlock32Avx2Tokens = 2;  // activation rows per pass (registers)
+
+// 16 bytes at `off` of blocks `blk` and blk + 1 from `b` in the two 128-bit lanes.
+template <int kBytes>
+inline __m256i load_lanes2(const uint8_t* b, int blk, int off) {
+  const auto at = [&](int x) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + x * kBytes + off)); };
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(at(blk)), at(blk + 1), 1);
+}
+
+// out[4 * j + i] = dot(row i of kType, activation row j) for i < 4, j < M <=
+// kBlock32Avx2Tokens; arguments as gguf_block32_dot_rows4.
+template <class Ops, GgmlType kType, int M>
+void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const int8_t* const* aq,
+                                 const float* const* scale8, const int32_t* const* bias8,
+                                 const float* const* min_sums8, bool prefetch, float* out) {
+  static_assert(M <= kBlock32Avx2Tokens);
+  constexpr bool kNibbles = kType != GgmlType::kQ8_0;
+  constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
+  static_assert(kType == GgmlType::kQ8_0 || kType == GgmlType::kQ4_0 || kType == GgmlType::kQ4_1);
+  constexpr int kBytes = kBlock32Bytes<kType>, kQs = kBlock32Levels<kType>, kStep = 4 * kBytes;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 acc[M][4];
+  for (int j = 0; j < M; ++j)
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
+  const int64_t blocks = k / 32;
+  alignas(64) uint8_t tail[4][kStep];  // the last step's blocks, zero-padded to 4
+  for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
+    const int64_t n = std::min<int64_t>(4, blocks - b0);
+    if (n < 4) {
+      std::memset(tail, 0, sizeof(tail));
+      for (int i = 0; i < 4; ++i) std::memcpy(tail[i], rows[i] + kBytes * b0, kBytes * n);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* b = n < 4 ? tail[i] : rows[i] + kBytes * b0;
+      if (prefetch) {
+        const char* ahead = reinterpret_cast<const char*>(rows[i] + kBytes * b0 + kGgufPrefetchBytes);
+        for (int line = 0; line < kStep; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        _mm_prefetch(ahead + kStep - 1, _MM_HINT_T0);
+      }
+      // The 4 blocks' d (and m) as floats, then spread per half: blocks 2h, 2h + 1.
+      __m256 d[2], m[2];
+      const auto half = [&](int blk) {
+        uint32_t v;
+        std::memcpy(&v, b + blk * kBytes, 4);
+        return static_cast<uint64_t>(kMin ? v : v & 0xffff);
+      };
+      if constexpr (kMin) {  // (d, m) of block x in lanes 2x, 2x + 1
+        const __m256 dm = _mm256_cvtph_ps(_mm_set_epi64x(static_cast<int64_t>(half(2) | half(3) << 32),
+                                                         static_cast<int64_t>(half(0) | half(1) << 32)));
+        d[0] = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+        d[1] = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6));
+        m[0] = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+        m[1] = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(5, 5, 5, 5, 7, 7, 7, 7));
+      } else {
+        const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(
+            _mm_cvtsi64_si128(static_cast<int64_t>(half(0) | half(1) << 16 | half(2) << 32 | half(3) << 48))));
+        d[0] = _mm256_permutevar8x32_ps(d4, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+        d[1] = _mm256_permutevar8x32_ps(d4, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo, hi;  // weights 0-15 / 16-31 of blocks 2h, 2h + 1 (Q8_0: offset binary)
+        if constexpr (kNibbles) {
+          const __m256i v = load_lanes2<kBytes>(b, 2 * h, kQs);
+          lo = _mm256_and_si256(v, low);
+          hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        } else {
+          lo = _mm256_xor_si256(load_lanes2<kBytes>(b, 2 * h, kQs), flip);
+          hi = _mm256_xor_si256(load_lanes2<kBytes>(b, 2 * h, kQs + 16), flip);
+        }
+        for (int j = 0; j < M; ++j) {
+          const int64_t at = 32 * b0 + 32 * h;  // quad order: this half's lo bytes, hi 64 later
+          const __m256i a_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[j] + at));
+          const __m256i a_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[j] + at + 64));
+          const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias8[j] + 4 * b0 + 8 * h));
+          const __m256i start = kType == GgmlType::kQ4_0                      ? _mm256_srai_epi32(bias, 4)
+                                : kType == GgmlType::kQ8_0 && Ops::kInt8Bias != 0 ? bias
+                                                                                   : _mm256_setzero_si256();
+          const __m256i p = kNibbles ? Ops::dot(Ops::dot(start, lo, a_lo), hi, a_hi)
+                                     : Ops::dot_int8(Ops::dot_int8(start, lo, a_lo), hi, a_hi);
+          const __m256 scale = _mm256_mul_ps(d[h], _mm256_loadu_ps(scale8[j] + 4 * b0 + 8 * h));
+          acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[j][i]);
+          if constexpr (kMin)
+            acc[j][i] = _mm256_fmadd_ps(m[h], _mm256_loadu_ps(min_sums8[j] + 4 * b0 + 8 * h), acc[j][i]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < M; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[j][i]), _mm256_extractf128_ps(acc[j][i], 1));
+      const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      out[4 * j + i] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    }
+}
+
+}  // namespace
+}  // namespace kt::cpu
