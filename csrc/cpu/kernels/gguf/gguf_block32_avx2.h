@@ -28,6 +28,10 @@ namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int kBlock32Avx2Tokens = 2;  // activation rows per pass (registers)
 
+// (The step's prologue — zero-padded tail, per-row prefetch — repeats the AVX-512
+// kernel's lines: one shared helper issuing the four rows' prefetches together measured
+// 2-7% slower decode.)
+
 // 16 bytes at `off` of blocks `blk` and blk + 1 from `b` in the two 128-bit lanes.
 template <int kBytes>
 inline __m256i load_lanes2(const uint8_t* b, int blk, int off) {
