@@ -47,8 +47,8 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
                                  const float* const* min_sums8, bool prefetch, float* out) {
   static_assert(M <= kBlock32Avx2Tokens);
   constexpr bool kNibbles = kType != GgmlType::kQ8_0;
-  constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
   static_assert(kType == GgmlType::kQ8_0 || kType == GgmlType::kQ4_0 || kType == GgmlType::kQ4_1);
+  constexpr bool kMin = kType == GgmlType::kQ4_1;  // d * q + m
   constexpr int kBytes = kBlock32Bytes<kType>, kQs = kBlock32Levels<kType>, kStep = 4 * kBytes;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i low = _mm256_set1_epi8(0x0f);
