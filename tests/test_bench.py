@@ -321,3 +321,9 @@ def test_extra_gguf_methods_pack_their_types(method: str) -> None:
     else:
         down = {"Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q5_K": "Q5_1", "Q5_K_M": "Q8_0"}[method]
         assert runner.gguf_types_for(method, s2)[2] == down  # llama.cpp's fallback where I % 256 != 0
+
+
+def test_gguf_methods_are_every_method_but_the_packed_formats() -> None:
+    """A method packs as GGUF exactly when GGUF_METHODS names it (BF16 is also a ggml type name)."""
+    assert set(runner.ALL_METHODS) - set(runner.GGUF_METHODS) == {"BF16", "AMXINT8", "AMXINT4"}
+    assert set(runner.GGUF_METHODS) <= set(runner.ALL_METHODS)

@@ -125,9 +125,7 @@ const char* row_rule_name(RowRule rule) {
 }
 
 bool gguf_reads_in_place(const GgmlTypeInfo& type, CpuVariant variant) {
-  // as kernels/gguf/gguf_rows.h's gguf_in_place
-  if (variant >= CpuVariant::kAvx512) return type.avx512_in_place;
-  return type.type == GgmlType::kQ8_0 || type.type == GgmlType::kQ4_0 || type.type == GgmlType::kQ4_1;
+  return gguf_in_place(type, variant >= CpuVariant::kAvx512);
 }
 
 }  // namespace kt::cpu

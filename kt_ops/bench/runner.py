@@ -12,7 +12,7 @@ import torch
 
 from kt_ops.bench.baseline import torch_moe_forward
 from kt_ops._native import _C
-from kt_ops.gguf_types import GGML_TYPES, LLAMA_CPP_FALLBACK, GgmlTypeInfo
+from kt_ops.gguf_types import LLAMA_CPP_FALLBACK, ggml_type_info, gguf_type_id
 from kt_ops.ops import moe_forward, pack_experts
 from kt_ops.packed import PackedExperts
 
@@ -40,18 +40,10 @@ METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4", "Q4_K", "Q4_K_M", "Q6_
 # The other GGUF types kt_ops computes and llama.cpp's Q5_K_M mix: chosen with --method.
 EXTRA_METHODS: tuple[str, ...] = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q5_K_M")
 ALL_METHODS: tuple[str, ...] = METHODS + EXTRA_METHODS
-# Bench methods that are GGUF types (LLAMAFILE, quantized online with our round-to-nearest).
-GGUF_METHODS: tuple[str, ...] = tuple(m for m in ALL_METHODS if m[0] == "Q")
 # GGUF file mixes: (gate and up type, down type), as llama.cpp's Q4_K_M and Q5_K_M store the experts.
 GGUF_MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
-
-
-def ggml_type(name: str) -> GgmlTypeInfo:
-    return next(t for t in GGML_TYPES if t.name == name)
-
-
-def ggml_block(name: str) -> int:
-    return ggml_type(name).block_elems
+# Bench methods that are GGUF types or mixes (LLAMAFILE, quantized online with our round-to-nearest).
+GGUF_METHODS: tuple[str, ...] = ("Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "Q4_0") + EXTRA_METHODS
 
 
 def gguf_types_for(method: str, shape: Shape) -> tuple[str, str, str]:
@@ -61,11 +53,12 @@ def gguf_types_for(method: str, shape: Shape) -> tuple[str, str, str]:
     Q5_1, Q6_K -> Q8_0), as a GGUF file of that model stores it. ``ValueError`` where that
     type is one kt_ops does not compute (Q2_K and Q3_K on S2: IQ4_NL)."""
     gate, down = GGUF_MIXES.get(method, (method, method))
-    if shape.intermediate % ggml_block(down):
+    info = ggml_type_info(gguf_type_id(down))
+    if shape.intermediate % info.block_elems:
         if down not in LLAMA_CPP_FALLBACK:  # Q2_K / Q3_K: llama.cpp writes IQ4_NL there
             raise ValueError(
                 f"{method} on {shape.name}: llama.cpp stores down (I = {shape.intermediate}, not a multiple of"
-                f" {ggml_block(down)}) as {ggml_type(down).llama_cpp_fallback}, which kt_ops does not compute"
+                f" {info.block_elems}) as {info.llama_cpp_fallback}, which kt_ops does not compute"
             )
         down = LLAMA_CPP_FALLBACK[down]
     return gate, gate, down

@@ -42,24 +42,32 @@ struct GgmlTypeInfo {
   // (kernels/gguf/gguf_q4k_avx512.h (Q4_K, Q5_K), gguf_q6k_avx512.h, gguf_q23k_avx512.h,
   // gguf_block32_avx512.h).
   bool avx512_in_place;
+  // avx2 and avx_vnni do too (kernels/gguf/gguf_block32_avx2.h: Q8_0, Q4_0, Q4_1).
+  bool avx2_in_place;
 };
+
+// Whether a variant's gguf kernel dots `type` from its bytes; wide: an AVX-512 variant.
+// The kernels (gguf_rows.h) and the table Python reads (gguf_reads_in_place) ask this.
+inline bool gguf_in_place(const GgmlTypeInfo& type, bool wide) {
+  return wide ? type.avx512_in_place : type.avx2_in_place;
+}
 
 // Every type kt_ops computes (docs/formats.md has a row for each): float types first,
 // then by block size and bits.
 inline constexpr GgmlTypeInfo kGgmlTypes[] = {
-    {GgmlType::kF32, "F32", 1, 4, true, nullptr, false},
-    {GgmlType::kF16, "F16", 1, 2, true, nullptr, false},
-    {GgmlType::kBf16, "BF16", 1, 2, true, nullptr, false},
-    {GgmlType::kQ4_0, "Q4_0", 32, 18, false, nullptr, true},
-    {GgmlType::kQ4_1, "Q4_1", 32, 20, false, nullptr, true},
-    {GgmlType::kQ5_0, "Q5_0", 32, 22, false, nullptr, true},
-    {GgmlType::kQ5_1, "Q5_1", 32, 24, false, nullptr, true},
-    {GgmlType::kQ8_0, "Q8_0", 32, 34, false, nullptr, true},
-    {GgmlType::kQ2_K, "Q2_K", 256, 84, false, "IQ4_NL", true},
-    {GgmlType::kQ3_K, "Q3_K", 256, 110, false, "IQ4_NL", true},
-    {GgmlType::kQ4_K, "Q4_K", 256, 144, false, "Q5_0", true},
-    {GgmlType::kQ5_K, "Q5_K", 256, 176, false, "Q5_1", true},
-    {GgmlType::kQ6_K, "Q6_K", 256, 210, false, "Q8_0", true},
+    {GgmlType::kF32, "F32", 1, 4, true, nullptr, false, false},
+    {GgmlType::kF16, "F16", 1, 2, true, nullptr, false, false},
+    {GgmlType::kBf16, "BF16", 1, 2, true, nullptr, false, false},
+    {GgmlType::kQ4_0, "Q4_0", 32, 18, false, nullptr, true, true},
+    {GgmlType::kQ4_1, "Q4_1", 32, 20, false, nullptr, true, true},
+    {GgmlType::kQ5_0, "Q5_0", 32, 22, false, nullptr, true, false},
+    {GgmlType::kQ5_1, "Q5_1", 32, 24, false, nullptr, true, false},
+    {GgmlType::kQ8_0, "Q8_0", 32, 34, false, nullptr, true, true},
+    {GgmlType::kQ2_K, "Q2_K", 256, 84, false, "IQ4_NL", true, false},
+    {GgmlType::kQ3_K, "Q3_K", 256, 110, false, "IQ4_NL", true, false},
+    {GgmlType::kQ4_K, "Q4_K", 256, 144, false, "Q5_0", true, false},
+    {GgmlType::kQ5_K, "Q5_K", 256, 176, false, "Q5_1", true, false},
+    {GgmlType::kQ6_K, "Q6_K", 256, 210, false, "Q8_0", true, false},
 };
 
 // Throws std::invalid_argument naming the type (or its id) when kt_ops has no kernel for it.

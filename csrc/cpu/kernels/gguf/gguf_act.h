@@ -63,7 +63,7 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
       scale[i] = d;
       bias4[i] = -128 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
     }
-    for (int64_t s = b0 / 16; s < (b0 + acts.block) / 16; ++s) {
+    for (int64_t s = b0 / 16; s < (b0 + acts.block) / 16 && !acts.quad32; ++s) {  // quad rows: min sums below
       int32_t sum = 0;
       for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
       sum16[s] = d * static_cast<float>(sum);

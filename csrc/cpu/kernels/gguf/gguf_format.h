@@ -7,7 +7,7 @@
 //   gate + up:     jobs (expert, up to 256 rows): the rows are dotted with every token
 //                  routed to the expert (gguf_rows.h) into fp32 gate and up rows [P, Ip];
 //                  act() is written over the gate rows (the intermediate). The types
-//                  gguf_rows.h's gguf_in_place names (every quantized type on AVX-512;
+//                  gguf_types.h's gguf_in_place names (every quantized type on AVX-512;
 //                  Q8_0, Q4_0, Q4_1 on AVX2 / AVX-VNNI) are read from their bytes for any
 //                  number of tokens (each unit of 4 rows extracted once per 4 tokens, 2 on
 //                  AVX2); the others are decoded once per job and dotted with every token.
@@ -51,7 +51,7 @@ class GgufFormat {
   using Inter = float;
   static constexpr bool kScaled = false;
   // The variant has the AVX-512 in-place kernels (one register per 64-byte line; AVX2
-  // has its block-32 kernel, gguf_in_place). They serve their types for every number of
+  // has its block-32 kernel: gguf_types.h's gguf_in_place). They serve their types for every number of
   // tokens, so a matrix's activation format follows its type and the variant, never the call.
   static constexpr bool kInPlace = Ops::kRegsPerLine == 1;
 

@@ -47,14 +47,6 @@ constexpr int64_t kGgufTileMinPairs = 8;
 
 constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// Whether a variant dots `type` from its bytes: every quantized type on AVX-512 (wide:
-// one register per 64-byte line), Q8_0, Q4_0 and Q4_1 on AVX2 / AVX-VNNI too
-// (gguf_block32_avx2.h; format_table.cpp's gguf_reads_in_place says the same to Python).
-inline bool gguf_in_place(const GgmlTypeInfo& type, bool wide) {
-  if (wide) return type.avx512_in_place;
-  return type.type == GgmlType::kQ8_0 || type.type == GgmlType::kQ4_0 || type.type == GgmlType::kQ4_1;
-}
-
 // One matrix (gate, up or down) of every expert in the blob.
 struct GgufMatrix {
   const uint8_t* first_expert;
@@ -63,7 +55,7 @@ struct GgufMatrix {
   GgmlType type;
   bool is_float;
   GgufDecodeRowFn decode;  // quantized types
-  bool direct;             // dotted from its bytes (gguf_direct_rows), not decoded (gguf_in_place)
+  bool direct;             // dotted from its bytes (gguf_direct_rows), not decoded (gguf_types.h's gguf_in_place)
   int64_t k, kp;  // row length and its padded length (multiple of 256)
 
   // wide: the variant has the AVX-512 in-place kernels. The choice depends on the
@@ -155,13 +147,13 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     level_sums[j] = acts.level_sums + a * (m.kp / 16);
     min_sums8[j] = scale4[j] + m.kp / 8;  // quad order (gguf_act.h)
   }
-  if constexpr (Ops::kRegsPerLine != 1) {  // AVX2 / AVX-VNNI: Q8_0, Q4_0, Q4_1 (gguf_in_place)
+  if constexpr (Ops::kRegsPerLine != 1) {  // AVX2 / AVX-VNNI: the avx2_in_place types
     switch (m.type) {
       case GgmlType::kQ8_0:
         return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
       case GgmlType::kQ4_0:
         return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-      default:  // kQ4_1 (gguf_in_place)
+      default:  // kQ4_1 (avx2_in_place: Q8_0, Q4_0, Q4_1)
         return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
     }
   } else {  // AVX-512: every quantized type
