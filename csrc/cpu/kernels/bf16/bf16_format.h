@@ -32,7 +32,7 @@ namespace {  // ISA header: each variant translation unit owns its copy
 constexpr int64_t kBf16KBlockPairs = 128;  // GEMM k block: 4 blocks x 128 pairs = 32 KiB of weights
 constexpr int64_t kBf16RowChunk = 96;      // rows per epilogue chunk (multiple of 32, 6 and 4)
 constexpr int64_t kBf16PadRows = 32;       // readable rows past the last pair (AMX row tiles)
-constexpr int64_t kBf16DecodePrefetch = 32;  // decode: prefetch weight lines 2 KiB ahead
+constexpr int64_t kBf16PrefetchPairs = 32;  // streaming passes prefetch weight lines 2 KiB ahead
 
 template <class Micro, int M, int NB = Micro::max_blocks(M)>
 void bf16_tile_blocks(int blocks, const TileArgs<typename Micro::Act>& t) {
@@ -64,10 +64,13 @@ void bf16_vector_gemm(const typename Micro::Act* a, int64_t lda, int64_t rows, c
     for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
       const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
       for (int m = 0; m < tile_rows; ++m) row_at[m] = a + (m0 + m) * lda + 2 * p0;
+      // The first row tile of a k block streams its weights from memory (prefetching as
+      // decode does: 512-token BF16 0.90-0.93 of the time); later row tiles hit L1.
+      const int64_t prefetch = m0 == 0 ? kBf16PrefetchPairs : 0;
       for (int b = b0; b < b1; b += Micro::max_blocks(tile_rows))
         bf16_tile_any<Micro>(tile_rows, std::min(Micro::max_blocks(tile_rows), b1 - b),
                         {row_at, w + b * block_stride + p0 * 32, block_stride, block_pairs,
-                         c + m0 * ldc + b * 16, ldc, accumulate || p0 > p_begin, 0});
+                         c + m0 * ldc + b * 16, ldc, accumulate || p0 > p_begin, prefetch});
     }
   }
 }
@@ -92,7 +95,7 @@ void bf16_gemm_rows(const typename Micro::Act* a, int64_t lda, int64_t rows, con
     for (int b0 = 0; b0 < blocks; b0 += max_blocks)
       bf16_tile_any<Micro>(static_cast<int>(rows), std::min(max_blocks, blocks - b0),
                       {row_at, w + b0 * block_stride, block_stride, pairs, c + b0 * 16, ldc, false,
-                       kBf16DecodePrefetch});
+                       kBf16PrefetchPairs});
     return;
   }
   TileCoverage done{0, 0};

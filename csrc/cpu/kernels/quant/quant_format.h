@@ -102,8 +102,9 @@ void quant_vector_gemm(const QuantRows& a, int64_t rows, const int_layout::Matri
         sums_at[m] = a.sums + (m0 + m) * a.sums_stride + k0 / int_layout::kKAlign;
       }
       for (int b = b0; b < b1; b += Micro::kMaxBlocks) {
+        // The first row tile of a k block streams its weights from memory; later ones hit L1.
         QuantTileArgs t = quant_args<Micro>(dims, w + b * block_bytes, k0, k, c + m0 * ldc + b * 16,
-                                            ldc, accumulate || k0 > k_begin, 0);
+                                            ldc, accumulate || k0 > k_begin, m0 == 0 ? kQuantPrefetchLines : 0);
         t.a = row_at;
         t.a_sums = sums_at;
         quant_tile_any<Micro>(tile_rows, std::min(Micro::kMaxBlocks, b1 - b), t);

@@ -40,6 +40,18 @@ namespace {  // ISA header: each variant translation unit owns its copy
 
 enum class QuantKind { kInt8, kInt4, kInt4Asym };
 
+// GCC's vpdpbusd / vpdpwssd intrinsics make its register allocator copy every accumulator
+// around each dot (a 6 x 4 int8 tile loop: 131 register moves and stack spills for 24
+// vpdpbusd, and 2 moves per dot in the 4 x 2 tile; its vdpbf16ps intrinsic compiles
+// cleanly). The VNNI operations therefore issue the instruction as inline assembly with
+// the accumulator as a read-write operand, which compiles to the dots alone; other
+// compilers get the intrinsics.
+#if defined(__GNUC__) && !defined(__clang__)
+#define KT_VNNI_INLINE_ASM 1
+#else
+#define KT_VNNI_INLINE_ASM 0
+#endif
+
 // k per int32 flush of INT8 sums (the k block of the driver's GEMM is a multiple of it).
 constexpr int64_t kInt8FlushK = 512;
 
@@ -90,12 +102,26 @@ struct QuantGemm {
                                    : Kind == QuantKind::kInt4 ? int_layout::kInt4Zero
                                                               : 0;
 
+  // Tiles of more than 8 registers of sums keep their fp32 accumulators in c (L1-resident,
+  // touched once per group) and give the registers to the sums; the fp32 arithmetic is the
+  // same either way.
+  template <int M, int NB>
+  static constexpr bool kAccInMemory = M * NB * R > 8;
+
   template <int M, int NB>
   static void tile(const QuantTileArgs& t) {
-    FReg acc[M][NB][R];
+    constexpr bool kInMemory = kAccInMemory<M, NB>;
+    FReg acc[kInMemory ? 1 : M][kInMemory ? 1 : NB][R];
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b)
-        for (int r = 0; r < R; ++r) acc[m][b][r] = t.accumulate ? Vec::load(t.c + m * t.ldc + b * 16 + r * W) : Vec::zero();
+        for (int r = 0; r < R; ++r) {
+          float* c = t.c + m * t.ldc + b * 16 + r * W;
+          if constexpr (kInMemory) {
+            if (!t.accumulate) Vec::store(c, Vec::zero());
+          } else {
+            acc[m][b][r] = t.accumulate ? Vec::load(c) : Vec::zero();
+          }
+        }
     for (int64_t g = 0, k0 = 0; k0 < t.k; ++g, k0 += t.group) {
       const int64_t group_k = std::min(t.group, t.k - k0);
       // Decode (one or two rows) would chain every dot of a block on one register's
@@ -151,16 +177,18 @@ struct QuantGemm {
             for (int r = 0; r < R; ++r) sums[m][b][r] = Ops::add(sums[m][b][r], high_sums[m][b][r]);
       flush_group<M, NB>(t, g, k0, group_k, sums, acc);
     }
-    for (int m = 0; m < M; ++m)
-      for (int b = 0; b < NB; ++b)
-        for (int r = 0; r < R; ++r) Vec::store(t.c + m * t.ldc + b * 16 + r * W, acc[m][b][r]);
+    if constexpr (!kInMemory)
+      for (int m = 0; m < M; ++m)
+        for (int b = 0; b < NB; ++b)
+          for (int r = 0; r < R; ++r) Vec::store(t.c + m * t.ldc + b * 16 + r * W, acc[m][b][r]);
   }
 
  private:
   // acc += the int32 sums of group g (k in [k0, k0 + group_k)), unbiased and scaled to fp32.
-  template <int M, int NB>
+  template <int M, int NB, class Acc>
   static void flush_group(const QuantTileArgs& t, int64_t g, int64_t k0, int64_t group_k, IReg (&sums)[M][NB][R],
-                          FReg (&acc)[M][NB][R]) {
+                          Acc& acc) {
+    constexpr bool kInMemory = kAccInMemory<M, NB>;
     const int64_t first_sum = k0 / int_layout::kKAlign;
     const int64_t n_sums = group_k / int_layout::kKAlign;
     for (int m = 0; m < M; ++m) {
@@ -171,15 +199,18 @@ struct QuantGemm {
         const float* scale = reinterpret_cast<const float*>(block) + (Kind == QuantKind::kInt8 ? 0 : g * 16);
         for (int r = 0; r < R; ++r) {
           const FReg s = Vec::load(scale + r * W);
+          float* c = t.c + m * t.ldc + b * 16 + r * W;
+          FReg v;
+          if constexpr (kInMemory) v = Vec::load(c); else v = acc[m][b][r];
           if constexpr (Kind == QuantKind::kInt4Asym) {
             const float* minimum = reinterpret_cast<const float*>(
                 reinterpret_cast<const uint8_t*>(t.minimums) + b * t.block_stride) + g * 16;
-            acc[m][b][r] = Vec::fma(Vec::set1(static_cast<float>(a_sum)), Vec::load(minimum + r * W),
-                                    acc[m][b][r]);
-            acc[m][b][r] = Vec::fma(Ops::to_float(sums[m][b][r]), s, acc[m][b][r]);
+            v = Vec::fma(Vec::set1(static_cast<float>(a_sum)), Vec::load(minimum + r * W), v);
+            v = Vec::fma(Ops::to_float(sums[m][b][r]), s, v);
           } else {
-            acc[m][b][r] = Vec::fma(Ops::to_float(Ops::sub(sums[m][b][r], kBias * a_sum)), s, acc[m][b][r]);
+            v = Vec::fma(Ops::to_float(Ops::sub(sums[m][b][r], kBias * a_sum)), s, v);
           }
+          if constexpr (kInMemory) Vec::store(c, v); else acc[m][b][r] = v;
         }
       }
     }
