@@ -67,10 +67,15 @@ void bf16_vector_gemm(const typename Micro::Act* a, int64_t lda, int64_t rows, c
       // The first row tile of a k block streams its weights from memory (prefetching as
       // decode does: 512-token BF16 0.90-0.93 of the time); later row tiles hit L1.
       const int64_t prefetch = m0 == 0 ? kBf16PrefetchPairs : 0;
+      // Row tile j brings block b0 + j's lines of the next k block to L2, one per step.
+      const int64_t j = m0 / Micro::kMaxRows;
+      const uint16_t* stream = p0 + block_pairs < p_end && j < b1 - b0 && b1 - b0 <= Micro::max_blocks(tile_rows)
+                                   ? w + (b0 + j) * block_stride + (p0 + block_pairs) * 32
+                                   : nullptr;
       for (int b = b0; b < b1; b += Micro::max_blocks(tile_rows))
         bf16_tile_any<Micro>(tile_rows, std::min(Micro::max_blocks(tile_rows), b1 - b),
                         {row_at, w + b * block_stride + p0 * 32, block_stride, block_pairs,
-                         c + m0 * ldc + b * 16, ldc, accumulate || p0 > p_begin, prefetch});
+                         c + m0 * ldc + b * 16, ldc, accumulate || p0 > p_begin, prefetch, stream});
     }
   }
 }

@@ -43,6 +43,7 @@ struct Bf16GemmAvx2 {
           odd[b][h] = _mm256_castsi256_ps(_mm256_and_si256(line, high_mask));
         }
       }
+      maybe_stream(t.stream, p);
       for (int m = 0; m < M; ++m) {
         const __m256 x0 = _mm256_broadcast_ss(t.a[m] + 2 * p);
         const __m256 x1 = _mm256_broadcast_ss(t.a[m] + 2 * p + 1);

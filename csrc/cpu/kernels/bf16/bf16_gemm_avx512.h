@@ -32,6 +32,7 @@ struct Bf16GemmAvx512 {
         even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
         odd[b] = _mm512_castsi512_ps(_mm512_and_si512(line, high_mask));
       }
+      maybe_stream(t.stream, p);
       for (int m = 0; m < M; ++m) {
         const __m512 x0 = _mm512_set1_ps(t.a[m][2 * p]);
         const __m512 x1 = _mm512_set1_ps(t.a[m][2 * p + 1]);

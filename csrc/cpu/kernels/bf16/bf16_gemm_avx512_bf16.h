@@ -29,6 +29,7 @@ struct Bf16GemmAvx512Bf16 {
         w[b] = _mm512_loadu_si512(t.w + b * t.block_stride + p * 32);
         maybe_prefetch(t.w + b * t.block_stride, p, t.prefetch);
       }
+      maybe_stream(t.stream, p);
       for (int m = 0; m < M; ++m) {
         const __m512i x = _mm512_set1_epi32(load_pair(t.a[m] + 2 * p));
         for (int b = 0; b < NB; ++b)

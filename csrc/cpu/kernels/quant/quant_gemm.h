@@ -68,6 +68,7 @@ struct QuantTileArgs {
   int64_t ldc;
   bool accumulate;               // add to c instead of overwriting it
   int64_t prefetch;              // lines ahead to prefetch (0: none; decode streams DRAM)
+  const uint8_t* stream = nullptr;  // prefill: line l of this to L2 at line l (the next k block)
 };
 
 // Activation rows for a GEMM: int8 levels and their sums per 32 k.
@@ -135,6 +136,8 @@ struct QuantGemm {
       const int64_t first_line = k0 / kKPerLine;
       for (int64_t l = first_line; l < first_line + group_k / kKPerLine; ++l) {
         const int64_t k = l * kKPerLine;
+        if (t.stream != nullptr)
+          _mm_prefetch(reinterpret_cast<const char*>(t.stream + l * 64), _MM_HINT_T1);
         if constexpr (kInt4) {
           IReg lo[NB][R], hi[NB][R];
           for (int b = 0; b < NB; ++b) {
