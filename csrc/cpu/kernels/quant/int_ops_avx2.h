@@ -17,6 +17,7 @@ struct IntOpsAvx2 {
   using IReg = __m256i;
   static constexpr int kRegsPerLine = 2;
   static constexpr int kMaxRows = 2;
+  static constexpr int kMaxRowsInt4 = 2;
   static constexpr int kDecodeRows = 2;
   static constexpr int kMaxBlocks = 1;
   static constexpr int32_t kInt8Bias = 0;

@@ -19,6 +19,7 @@ struct IntOpsAvx512 {
   using IReg = __m512i;
   static constexpr int kRegsPerLine = 1;
   static constexpr int kMaxRows = 4;
+  static constexpr int kMaxRowsInt4 = 4;
   static constexpr int kDecodeRows = 4;
   static constexpr int kMaxBlocks = 2;
   static constexpr int32_t kInt8Bias = 0;

@@ -21,6 +21,7 @@ namespace {  // ISA header: each variant translation unit owns its copy
 struct IntOpsAvx512Vnni : IntOpsAvx512 {
   static constexpr int32_t kInt8Bias = 128;
   static constexpr int kMaxRows = 6;
+  static constexpr int kMaxRowsInt4 = 6;
   static constexpr int kMaxBlocks = 4;
 
   static IReg dot(IReg acc, IReg w, IReg a) {

@@ -7,10 +7,13 @@
 // binary q + 128); the driver removes the offset with the activation sums (kInt8Bias), so
 // every integer sum equals the avx2 variant's exactly and the results are bit-identical.
 // Without the int16 intermediate fewer registers are busy per dot: the k-blocked GEMM
-// tile takes three token rows and decode streams up to four (AVX2: two and two). Paired
-// A/B on Zen 5 (S1/S2, avx_vnni, 40 calls): tiles of three against four run 512-token
-// INT4 layers 1.18-1.21x and INT8 1.09x faster (four spill); streaming four tokens
-// rather than blocking them runs 64-token layers 1.06-1.12x faster.
+// tile takes six token rows for INT8 (12 registers of sums; the fp32 accumulators stay in
+// L1, quant_gemm.h) and three for INT4, which also holds both nibble halves of a line;
+// decode streams up to four (AVX2: two and two). Paired A/B on Zen 5 (avx_vnni): INT8
+// tiles of six against three (24 calls) 512-token S1/S2 0.80/0.79 of the time, 64 tokens
+// 0.92 (INT4 at six 1.04: spills); before that (when accumulators lived in registers,
+// 40 calls), INT4 tiles of three against four 1.18-1.21x and INT8 1.09x faster;
+// streaming four tokens rather than blocking them runs 64-token layers 1.06-1.12x faster.
 #pragma once
 
 #include <immintrin.h>
@@ -21,7 +24,8 @@ namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 struct IntOpsAvxVnni : IntOpsAvx2 {
-  static constexpr int kMaxRows = 3;
+  static constexpr int kMaxRows = 6;      // int8: 12 registers of sums, accumulators in L1
+  static constexpr int kMaxRowsInt4 = 3;  // int4 also holds both nibble halves
   static constexpr int kDecodeRows = 4;
   static constexpr int32_t kInt8Bias = 128;
 

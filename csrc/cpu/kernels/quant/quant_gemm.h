@@ -4,7 +4,8 @@
 //   struct IntOps {
 //     using Vec = ...;  using IReg = ...;       // fp32 vector ops, integer register
 //     static constexpr int kRegsPerLine;        // registers per 64-byte line (1 or 2)
-//     static constexpr int kMaxRows, kMaxBlocks;  // GEMM tile: token rows, 16-column blocks
+//     static constexpr int kMaxRows, kMaxRowsInt4, kMaxBlocks;  // GEMM tile: token rows
+//                                               // (int8, int4), 16-column blocks
 //     static constexpr int kDecodeRows;         // up to this many tokens stream (decode)
 //     static constexpr int kInt8Bias;           // what dot_int8 adds: 128 * sum(a) or 0
 //     IReg load(const uint8_t* line, int r);    // register r of a 64-byte line
@@ -90,12 +91,12 @@ struct QuantGemm {
   using Vec = typename Ops::Vec;
   using IReg = typename Ops::IReg;
   using FReg = typename Vec::Reg;
-  static constexpr int kMaxRows = Ops::kMaxRows;
+  static constexpr bool kInt4 = Kind != QuantKind::kInt8;
+  static constexpr int kMaxRows = kInt4 ? Ops::kMaxRowsInt4 : Ops::kMaxRows;
   static constexpr int kDecodeRows = Ops::kDecodeRows;
   static constexpr int kMaxBlocks = Ops::kMaxBlocks;
   static constexpr int R = Ops::kRegsPerLine;
   static constexpr int W = Vec::kWidth;  // 16 / R
-  static constexpr bool kInt4 = Kind != QuantKind::kInt8;
   static constexpr int kKPerLine = kInt4 ? 8 : 4;
   // What the integer sums carry per unit of sum(a): 128 (int8 offset binary, when the
   // dot keeps it), 8 (symmetric int4), 0 (asymmetric int4: handled by the minimum).
