@@ -133,14 +133,25 @@ def _torch_sum_gbs(buffer: torch.Tensor, passes: int = 3) -> float:
 
 def test_read_bandwidth_limit_is_at_least_torchs_own_read_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     buffer = torch.ones(min(limits.read_buffer_bytes(), 256 * MiB), dtype=torch.uint8)
-    # 0.7: the two measurements are taken one after the other on a machine that may be
-    # shared; the limit includes torch's own reader, so it is >= by construction.
-    assert limits.read_bandwidth(buffer).gbs >= 0.7 * _torch_sum_gbs(buffer)
+    # The limit includes torch's own reader, so it is >= torch's rate by construction; the
+    # two measurements are taken one after the other on a machine that may be shared (a
+    # 0.7 margin failed once at 0.696 while CI ran beside it), so 0.3: what this guards
+    # against is a reader that is many times slower (a uint8 sum reads ~0.1 GB/s here).
+    assert limits.read_bandwidth(buffer).gbs >= 0.3 * _torch_sum_gbs(buffer)
     # With the extension's reader made slow, the limit must still be torch's rate.
     monkeypatch.setitem(limits.READERS, "kt_ops", lambda buf, passes: [1.0] * passes)
     reading = limits.read_bandwidth(buffer)
-    assert reading.gbs >= 0.7 * _torch_sum_gbs(buffer)
+    assert reading.gbs >= 0.3 * _torch_sum_gbs(buffer)
     assert reading.reader == "torch.sum"
+
+
+def test_read_bandwidth_takes_each_readers_best_pass_and_the_faster_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    buffer = torch.ones(MiB, dtype=torch.uint8)
+    monkeypatch.setitem(limits.READERS, "kt_ops", lambda buf, passes: [0.004, 0.002, 0.003][:passes])
+    monkeypatch.setitem(limits.READERS, "torch.sum", lambda buf, passes: [0.001, 0.005, 0.002][:passes])
+    reading = limits.read_bandwidth(buffer, passes=3)
+    assert reading.by_reader == {"kt_ops": pytest.approx(MiB / 0.002 / 1e9), "torch.sum": pytest.approx(MiB / 0.001 / 1e9)}
+    assert reading.reader == "torch.sum" and reading.gbs == reading.by_reader["torch.sum"]
 
 
 def test_brackets_take_the_best_reading(monkeypatch: pytest.MonkeyPatch) -> None:
