@@ -25,21 +25,11 @@ struct IntOpsAvx512Vnni : IntOpsAvx512 {
   static constexpr int kMaxBlocks = 4;
 
   static IReg dot(IReg acc, IReg w, IReg a) {
-#if KT_VNNI_INLINE_ASM
-    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
-    return acc;
-#else
-    return _mm512_dpbusd_epi32(acc, w, a);
-#endif
+    return KT_VNNI_INLINE_ASM ? asm_dpbusd(acc, w, a) : _mm512_dpbusd_epi32(acc, w, a);
   }
   static IReg dot_int8(IReg acc, IReg w, IReg a) { return dot(acc, w, a); }
   static IReg dot16(IReg acc, IReg a16, IReg b16) {
-#if KT_VNNI_INLINE_ASM
-    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a16), "v"(b16));
-    return acc;
-#else
-    return _mm512_dpwssd_epi32(acc, a16, b16);
-#endif
+    return KT_VNNI_INLINE_ASM ? asm_dpwssd(acc, a16, b16) : _mm512_dpwssd_epi32(acc, a16, b16);
   }
 };
 

@@ -30,12 +30,7 @@ struct IntOpsAvxVnni : IntOpsAvx2 {
   static constexpr int32_t kInt8Bias = 128;
 
   static IReg dot(IReg acc, IReg w, IReg a) {
-#if KT_VNNI_INLINE_ASM
-    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(a));
-    return acc;
-#else
-    return _mm256_dpbusd_avx_epi32(acc, w, a);
-#endif
+    return KT_VNNI_INLINE_ASM ? asm_dpbusd(acc, w, a) : _mm256_dpbusd_avx_epi32(acc, w, a);
   }
   static IReg dot_int8(IReg acc, IReg w, IReg a) { return dot(acc, w, a); }
 };

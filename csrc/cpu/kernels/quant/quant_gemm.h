@@ -53,6 +53,25 @@ enum class QuantKind { kInt8, kInt4, kInt4Asym };
 #define KT_VNNI_INLINE_ASM 0
 #endif
 
+// acc + per int32 lane the 4 products u8(w) x s8(a) (vpdpbusd; 256-bit: the VEX form of
+// AVX-VNNI) or the 2 products s16 x s16 (vpdpwssd, 512-bit), as one instruction in
+// assembly. Templates, so a translation unit without the ISA never instantiates them.
+template <class IReg>
+inline IReg asm_dpbusd(IReg acc, IReg w, IReg a) {
+  if constexpr (sizeof(IReg) == 64)
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
+  else
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(a));
+  return acc;
+}
+
+template <class IReg>
+inline IReg asm_dpwssd(IReg acc, IReg a, IReg b) {
+  static_assert(sizeof(IReg) == 64, "vpdpwssd: AVX512_VNNI only");
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
 // k per int32 flush of INT8 sums (the k block of the driver's GEMM is a multiple of it).
 constexpr int64_t kInt8FlushK = 512;
 
