@@ -57,6 +57,21 @@ def _pack_gguf_experts_fake(
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 
+@torch.library.register_fake("kt::pack_fp8_experts")
+def _pack_fp8_experts_fake(
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    format: str,
+) -> torch.Tensor:
+    experts, intermediate, hidden = gate_proj.shape
+    nbytes = _C.packed_nbytes(format, int(experts), int(hidden), int(intermediate), 0)
+    return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
+
+
 def _inference_only(ctx: object, grad: torch.Tensor) -> None:
     raise RuntimeError("kt::moe_forward is an inference kernel and has no backward")
 

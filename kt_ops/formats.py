@@ -41,7 +41,15 @@ class FormatInfo:
     line_bytes: int
     """Bytes per line (64; gguf: 0, per ggml type)."""
     scale_bytes: int
-    """fp32 scale (and minimum) bytes per row and group (int8: per row; bf16, gguf: 0)."""
+    """Scale (and minimum) bytes per row and group (int8, fp8_perchannel: per row; mxfp8:
+    1, a ue8m0 exponent; bf16, gguf: 0)."""
+    scale_group_k: int
+    """k per scale group where the format fixes it (fp8 128, mxfp8 32): ceil(K /
+    scale_group_k) groups; 0: by ``group_size`` or one per row."""
+    scale_pad: int
+    """A block's scales are padded to a multiple of this many bytes (mxfp8: 64)."""
+    row_tail_bytes: int
+    """Bytes per row after the scales (mxfp8: 4, a NaN addend)."""
     k_rule: str
     """What a row length K (H for gate/up, I for down) must be a multiple of: ``"any"``,
     ``"group_size"`` or ``"ggml_block"`` (the matrix's ggml type's block)."""

@@ -44,6 +44,12 @@ def pack_experts(
             down) must be a multiple of the type's block (32, or 256 for K-quants);
             otherwise ``ValueError`` names llama.cpp's fallback type.
 
+    ``"FP8"``, ``"FP8_PERCHANNEL"`` and ``"MXFP8"`` quantize to e4m3 (round to nearest
+    even): FP8 with one fp32 scale per 128 x 128 block, FP8_PERCHANNEL per output row
+    (scale = max|w| / 448), MXFP8 with a power-of-two scale per 32 weights along k, the
+    smallest that maps the group's max|w| to at most 448 (nothing saturates). To keep an
+    FP8 checkpoint's own bytes use :func:`pack_fp8_experts`.
+
     Returns:
         A :class:`PackedExperts` whose ``data`` is a new uint8 CPU tensor.
     """
@@ -68,6 +74,40 @@ def pack_experts(
     return PackedExperts(
         torch.ops.kt.pack_experts(gate_proj, up_proj, down_proj, fmt, group, scale_search)
     )
+
+
+FP8_METHODS: dict[str, str] = {"FP8": "fp8", "FP8_PERCHANNEL": "fp8_perchannel", "MXFP8": "mxfp8"}
+
+
+def pack_fp8_experts(
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    method: str = "FP8",
+) -> PackedExperts:
+    """Packs an FP8 checkpoint's experts *in place*: the e4m3 bytes are re-tiled for the
+    kernels, never widened (a layer's blob is the checkpoint's bytes plus 3-12%).
+
+    Args:
+        gate_proj, up_proj: ``[E, I, H]`` ``torch.float8_e4m3fn`` (or ``uint8`` codes), CPU.
+        down_proj: ``[E, H, I]``, the same.
+        gate_scale, up_scale, down_scale: each matrix ``[E, N, K]``'s scales as the
+            checkpoint stores them: ``"FP8"`` float ``[E, ceil(N/128), ceil(K/128)]``
+            (``weight_scale_inv``: it multiplies), or one row per output row
+            ``[E, N, ceil(K/128)]``; ``"FP8_PERCHANNEL"`` float ``[E, N]`` or ``[E, N, 1]``;
+            ``"MXFP8"`` ue8m0 exponents ``uint8`` (or ``float8_e8m0fnu``) ``[E, N, ceil(K/32)]``.
+        method: ``"FP8"``, ``"FP8_PERCHANNEL"`` or ``"MXFP8"``.
+
+    Raises ``ValueError`` naming the tensor for a wrong dtype or shape, and for mxfp8
+    exponents the kernels do not take (above 2^119, or below 2^-117 on nonzero weights).
+    """
+    if method.upper() not in FP8_METHODS:
+        raise ValueError(f"pack_fp8_experts packs methods {', '.join(FP8_METHODS)}; got {method!r}")
+    return PackedExperts(torch.ops.kt.pack_fp8_experts(gate_proj, up_proj, down_proj, gate_scale, up_scale, down_scale,
+                                                       FP8_METHODS[method.upper()]))
 
 
 def moe_forward(

@@ -135,6 +135,47 @@ def _int_matrix(blob: torch.Tensor, offset: int, experts: int, blocks: int, k: i
     return w.reshape(experts, blocks * 16, padded_k)
 
 
+FP8_FORMATS = ("fp8", "fp8_perchannel", "mxfp8")
+
+
+def decode_ue8m0(codes: torch.Tensor) -> torch.Tensor:
+    """OCP MX scale codes (uint8) -> fp32 ``2^(e - 127)``; code 255 is NaN."""
+    e = codes.to(torch.int32)
+    value = torch.ldexp(torch.ones(e.shape, dtype=torch.float32), (e - 127).float())
+    return torch.where(e == 255, torch.full_like(value, float("nan")), value)
+
+
+def _fp8_matrix(blob: torch.Tensor, offset: int, experts: int, blocks: int, k: int, format: str) -> torch.Tensor:
+    """One packed fp8 / fp8_perchannel / mxfp8 matrix -> ``[E, 16 * blocks, padded k]`` fp32
+    (docs/formats.md): e4m3 codes decoded by torch's ``float8_e4m3fn``, times their scales
+    (mxfp8: a row whose NaN addend is set is NaN)."""
+    padded_k = -(-k // 32) * 32
+    group = {"fp8": 128, "mxfp8": 32}.get(format, padded_k)
+    groups = -(-k // group)
+    block_bytes = padded_k * 16 + _fp8_scale_bytes(k, format)
+    data = blob[offset : offset + experts * blocks * block_bytes].view(experts, blocks, block_bytes)
+    codes = data[..., : padded_k * 16].contiguous().view(torch.float8_e4m3fn).float()
+    # byte 32 p + 2 n + i: row n, k = 2 p + i
+    w = codes.reshape(experts, blocks, padded_k // 2, 16, 2).permute(0, 1, 3, 2, 4).reshape(experts, blocks, 16, padded_k)
+    raw = data[..., padded_k * 16 :].contiguous()
+    if format == "mxfp8":
+        scales = decode_ue8m0(raw[..., : groups * 16].reshape(experts, blocks, groups, 16))
+        addend_at = -(-groups * 16 // 64) * 64
+        addend = raw[..., addend_at : addend_at + 64].view(torch.float32).reshape(experts, blocks, 16, 1)
+    else:
+        scales = raw[..., : groups * 64].view(torch.float32).reshape(experts, blocks, groups, 16)
+        addend = torch.zeros(())
+    per_k = scales.permute(0, 1, 3, 2).repeat_interleave(group, dim=-1)[..., :padded_k]
+    return (w * per_k + addend).reshape(experts, blocks * 16, padded_k)
+
+
+def _fp8_scale_bytes(k: int, format: str) -> int:
+    """Bytes of scales per 16-row block of an fp8-format matrix with row length ``k``."""
+    group = {"fp8": 128, "mxfp8": 32}.get(format, -(-k // 32) * 32)
+    groups = -(-k // group)
+    return -(-groups * 16 // 64) * 64 + 64 if format == "mxfp8" else groups * 64
+
+
 def dequantize(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weights a packed blob (``PackedExperts.data``) holds, as fp32 Hugging Face
     tensors ``gate [E, I, H]``, ``up [E, I, H]``, ``down [E, H, I]``.
@@ -164,6 +205,15 @@ def dequantize(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
         up = gu[:, :, 1].reshape(E, i16, 2 * hp)[:, :I, :H].float()
         return gate, up, d[:, :H, :I].float()
     gate_up_blocks, down_blocks = 2 * i16 // 16, h16 // 16
+    if fmt in FP8_FORMATS:
+        gu = _fp8_matrix(packed, gate_up_offset, E, gate_up_blocks, H, fmt)
+        hk = gu.shape[-1]
+        down_offset = gate_up_offset + E * gate_up_blocks * (hk * 16 + _fp8_scale_bytes(H, fmt))
+        d = _fp8_matrix(packed, down_offset, E, down_blocks, I, fmt)
+        gu = gu.reshape(E, i16 // 16, 2, 16, hk)
+        gate = gu[:, :, 0].reshape(E, i16, hk)[:, :I, :H]
+        up = gu[:, :, 1].reshape(E, i16, hk)[:, :I, :H]
+        return gate.contiguous(), up.contiguous(), d[:, :H, :I].contiguous()
     gu = _int_matrix(packed, gate_up_offset, E, gate_up_blocks, H, fmt, G)
     int4 = fmt.startswith("int4")
     hk = H if int4 else -(-H // 32) * 32

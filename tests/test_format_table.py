@@ -110,12 +110,16 @@ def test_block_geometry_gives_the_header_sizes() -> None:
         if row["k_rule"] == "ggml_block":
             continue
         group = row["default_group_size"]
-        H, I = (2 * group, group) if group else (37, 40)  # odd H, I off the 16-row blocks
+        H, I = (2 * group, group) if group else (297, 40)  # odd H, I off the 16-row blocks (H > 256: fp8 groups)
 
         def block_bytes(k: int, pad: int) -> int:
             padded = -(-k // pad) * pad
-            scale_rows = padded // group if group else (1 if row["scale_bytes"] else 0)
-            return padded // row["line_k"] * row["line_bytes"] + scale_rows * row["scale_bytes"] * row["block_rows"]
+            if row["scale_group_k"]:  # fixed groups over the real k (fp8, mxfp8)
+                scale_rows = -(-k // row["scale_group_k"])
+            else:
+                scale_rows = padded // group if group else (1 if row["scale_bytes"] else 0)
+            scales = -(-scale_rows * row["scale_bytes"] * row["block_rows"] // row["scale_pad"]) * row["scale_pad"]
+            return padded // row["line_k"] * row["line_bytes"] + scales + row["row_tail_bytes"] * row["block_rows"]
 
         blocks_i, blocks_h = -(-I // row["block_rows"]), -(-H // row["block_rows"])
         # down's k (the intermediate) comes out of gate/up in whole blocks: padded to block_rows too
@@ -225,7 +229,7 @@ def test_docs_method_check_catches_a_missing_or_extra_row() -> None:
     text = DOCS.read_text()
     bf16_row = next(line for line in text.splitlines() if line.startswith("| `BF16` |"))
     assert set(docs_methods(text.replace(bf16_row + "\n", ""))) != table_methods()
-    extra = bf16_row.replace("`BF16`", "`FP8`").replace("`bf16`", "`fp8`")
+    extra = bf16_row.replace("`BF16`", "`NO_SUCH_METHOD`").replace("`bf16`", "`no_such_format`")
     assert set(docs_methods(text.replace(bf16_row, bf16_row + "\n" + extra))) != table_methods()
 
 

@@ -32,14 +32,16 @@ def test_opcheck_moe_forward(index: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fmt,group,search", [("bf16", 0, False), ("int8", 0, True), ("int4", 32, False), ("int4_asym", 64, True)])
+@pytest.mark.parametrize("fmt,group,search", [("bf16", 0, False), ("int8", 0, True), ("int4", 32, False), ("int4_asym", 64, True),
+                                              ("fp8", 0, False), ("fp8_perchannel", 0, False), ("mxfp8", 0, False)])
 def test_opcheck_pack_experts(dtype: torch.dtype, fmt: str, group: int, search: bool) -> None:
     experts = make_experts(3, 128, 64)
     args = (experts.gate.to(dtype), experts.up.to(dtype), experts.down.to(dtype), fmt, group, search)
     torch.library.opcheck(torch.ops.kt.pack_experts.default, args)
 
 
-@pytest.mark.parametrize("method,group,zero_point", [("AMXINT8", 128, False), ("AMXINT4", 32, True)])
+@pytest.mark.parametrize("method,group,zero_point", [("AMXINT8", 128, False), ("AMXINT4", 32, True), ("FP8", 128, False),
+                                                     ("MXFP8", 128, False)])
 def test_opcheck_moe_forward_quantized(method: str, group: int, zero_point: bool) -> None:
     experts = make_experts(6, 128, 64)
     packed = kt_ops.pack_experts(experts.gate, experts.up, experts.down, method=method, group_size=group,
@@ -67,3 +69,27 @@ def test_opcheck_gguf(types: list[str]) -> None:
     packed = torch.ops.kt.pack_gguf_experts(experts.gate, experts.up, experts.down, ids_)
     ids, weights = random_routing(5, 4, 2)
     torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(5, 256), ids, weights, packed))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_perchannel", "mxfp8"])
+def test_opcheck_pack_fp8_experts(fmt: str) -> None:
+    """The in-place FP8 packer (checkpoint codes and scales), then the kernel on its blob."""
+    g = torch.Generator().manual_seed(3)
+    E, I, H = 3, 72, 160
+
+    def codes(n: int, k: int) -> torch.Tensor:  # uint8 (opcheck cannot compare float8 tensors), no NaN codes
+        c = torch.randint(0, 256, (E, n, k), generator=g, dtype=torch.uint8)
+        return torch.where(c & 0x7F == 0x7F, c & 0x80, c)
+
+    def scale(n: int, k: int) -> torch.Tensor:
+        if fmt == "fp8":
+            return torch.rand(E, -(-n // 128), -(-k // 128), generator=g)
+        if fmt == "fp8_perchannel":
+            return torch.rand(E, n, generator=g)
+        return torch.randint(110, 130, (E, n, -(-k // 32)), generator=g, dtype=torch.uint8)
+
+    args = (codes(I, H), codes(I, H), codes(H, I), scale(I, H), scale(I, H), scale(H, I), fmt)
+    torch.library.opcheck(torch.ops.kt.pack_fp8_experts.default, args)
+    packed = torch.ops.kt.pack_fp8_experts(*args)
+    ids, weights = random_routing(7, E, 2)
+    torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(7, H), ids, weights, packed))

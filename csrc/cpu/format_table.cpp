@@ -4,6 +4,8 @@
 #include <stdexcept>
 
 #include "formats/bf16_layout.h"
+#include "formats/fp8_layout.h"
+#include "formats/pack_fp8.h"
 #include "formats/gguf_quantize.h"
 #include "formats/int_layout.h"
 #include "formats/pack_bf16.h"
@@ -71,6 +73,35 @@ constexpr FormatRow kRows[] = {
       {gguf_moe_amx,
        "gguf/amx (tdpbf16ps tiles on rows decoded to bf16 for calls averaging >= 8 tokens per expert; "
        "below that the avx512_bf16 path)"}}},
+    {PackedFormat::kFp8, "fp8", {"FP8", nullptr}, false,
+     fp8_layout::kBlockRows, 4, 64, 4,
+     RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,
+     pack_fp8_experts, "pack_fp8_experts", ActivationQuant::kNone, kOracle,
+     {{fp8_moe_avx2, "fp8/avx2 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
+      {fp8_moe_avx2, "fp8/avx_vnni (the avx2 kernel: e4m3 -> fp32 in registers, fp32 FMA)"},
+      {fp8_moe_avx512, "fp8/avx512 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
+      {fp8_moe_avx512_bf16, "fp8/avx512_bf16 (e4m3 -> bf16 in registers, vdpbf16ps)"},
+      {fp8_moe_avx512_bf16, "fp8/amx (the avx512_bf16 kernel: e4m3 -> bf16 in registers, vdpbf16ps; no AMX tiles)"}},
+     fp8_layout::kBlockGroup},
+    {PackedFormat::kFp8PerChannel, "fp8_perchannel", {"FP8_PERCHANNEL", nullptr}, false,
+     fp8_layout::kBlockRows, 4, 64, 4,
+     RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,
+     pack_fp8_experts, "pack_fp8_experts", ActivationQuant::kNone, kOracle,
+     {{fp8_perchannel_moe_avx2, "fp8_perchannel/avx2 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
+      {fp8_perchannel_moe_avx2, "fp8_perchannel/avx_vnni (the avx2 kernel: e4m3 -> fp32 in registers, fp32 FMA)"},
+      {fp8_perchannel_moe_avx512, "fp8_perchannel/avx512 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
+      {fp8_perchannel_moe_avx512_bf16, "fp8_perchannel/avx512_bf16 (e4m3 -> bf16 in registers, vdpbf16ps)"},
+      {fp8_perchannel_moe_avx512_bf16, "fp8_perchannel/amx (the avx512_bf16 kernel: e4m3 -> bf16 in registers, vdpbf16ps; no AMX tiles)"}}},
+    {PackedFormat::kMxfp8, "mxfp8", {"MXFP8", nullptr}, false,
+     fp8_layout::kBlockRows, 4, 64, 1,
+     RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,
+     pack_fp8_experts, "pack_fp8_experts", ActivationQuant::kNone, kOracle,
+     {{mxfp8_moe_avx2, "mxfp8/avx2 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
+      {mxfp8_moe_avx2, "mxfp8/avx_vnni (the avx2 kernel: e4m3 -> fp32 in registers, fp32 FMA)"},
+      {mxfp8_moe_avx512, "mxfp8/avx512 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
+      {mxfp8_moe_avx512_bf16, "mxfp8/avx512_bf16 (e4m3 -> bf16 in registers, vdpbf16ps)"},
+      {mxfp8_moe_avx512_bf16, "mxfp8/amx (the avx512_bf16 kernel: e4m3 -> bf16 in registers, vdpbf16ps; no AMX tiles)"}},
+     fp8_layout::kMxGroup, 64, 4},
 };
 
 constexpr bool rows_in_id_order() {

@@ -78,6 +78,11 @@ struct FormatRow {
   ActivationQuant activations;
   const char* oracle;    // the kt_ops.reference function that decodes a blob of it
   MoeKernel by_variant[kNumCpuVariants];  // indexed by CpuVariant
+  // Formats whose scale groups are fixed (fp8: 128 k, mxfp8: 32 k; fp8_perchannel and
+  // the others: 0, by group_size or one per row): ceil(K / scale_group_k) scale rows.
+  uint32_t scale_group_k = 0;
+  uint32_t scale_pad = 1;        // a block's scales are padded to a multiple of this many bytes
+  uint32_t row_tail_bytes = 0;   // bytes per row after the scales (mxfp8: a NaN addend)
 };
 
 // The rows, in header-id order.

@@ -24,4 +24,12 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "pack_gguf_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, int[] gguf_types)"
       " -> Tensor");
+  // FP8 checkpoint tensors -> packed uint8 [n], the e4m3 bytes re-tiled, never widened.
+  // gate_proj, up_proj [E, I, H], down_proj [E, H, I]: float8_e4m3fn (or uint8 codes);
+  // scales per matrix [E, N, K] by format: fp8 float [E, ceil(N/128), ceil(K/128)] (or per
+  // row [E, N, ceil(K/128)]); fp8_perchannel float [E, N] or [E, N, 1]; mxfp8 uint8 (or
+  // float8_e8m0fnu) ue8m0 [E, N, ceil(K/32)].
+  m.def(
+      "pack_fp8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale,"
+      " Tensor up_scale, Tensor down_scale, str format) -> Tensor");
 }

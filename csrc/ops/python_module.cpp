@@ -106,6 +106,9 @@ py::list format_table() {
     d["line_k"] = row.line_k;
     d["line_bytes"] = row.line_bytes;
     d["scale_bytes"] = row.scale_bytes;
+    d["scale_group_k"] = row.scale_group_k;
+    d["scale_pad"] = row.scale_pad;
+    d["row_tail_bytes"] = row.row_tail_bytes;
     d["k_rule"] = cpu::row_rule_name(row.k_rule);
     d["k_pad"] = row.k_pad;
     d["max_k"] = row.max_k;

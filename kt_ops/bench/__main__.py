@@ -22,6 +22,8 @@ llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K); --method also takes the othe
 types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K) and Q5_K_M (Q5_K, down Q6_K). On S2 (I =
 1408) the K-quant rows store down as llama.cpp does for that size (Q4_K -> Q5_0, Q5_K ->
 Q5_1, Q6_K -> Q8_0; Q2_K and Q3_K, whose fallback there is IQ4_NL, are refused on S2).
+--method FP8, FP8_PERCHANNEL and MXFP8 time the e4m3 formats (weights quantized online;
+their kernels multiply in bf16 / fp32, so their torch column is the bf16 layer).
 
 --quick: S1 only, tokens 1 and 64, one layer per method, 5 timed calls per row (at least
 0.25 s): under a minute on 2 cores (see the README for the measured time).
@@ -102,7 +104,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
         nargs="+",
         choices=ALL_METHODS,
         default=None,
-        help=f"default: {' '.join(METHODS)} (the others: the remaining GGUF types and llama.cpp's Q5_K_M mix)",
+        help=f"default: {' '.join(METHODS)} (the others: the remaining GGUF types, llama.cpp's Q5_K_M mix and FP8, FP8_PERCHANNEL, MXFP8)",
     )
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 1 with --quick)")

@@ -30,6 +30,9 @@ FORMATS: list[tuple[str, str, int, bool, bool]] = [
     ("INT4 g128 + scale search", "AMXINT4", 128, False, True),
     ("INT4 g128 zero point", "AMXINT4", 128, True, False),
     ("INT4 g128 zero point + scale search", "AMXINT4", 128, True, True),
+    ("FP8 (128 x 128 blocks)", "FP8", 128, False, False),
+    ("FP8 per channel", "FP8_PERCHANNEL", 128, False, False),
+    ("MXFP8", "MXFP8", 128, False, False),
 ]
 
 

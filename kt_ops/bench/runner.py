@@ -39,7 +39,9 @@ SHAPES: dict[str, Shape] = {
 METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4", "Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "Q4_0")
 # The other GGUF types kt_ops computes and llama.cpp's Q5_K_M mix: chosen with --method.
 EXTRA_METHODS: tuple[str, ...] = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q5_K_M")
-ALL_METHODS: tuple[str, ...] = METHODS + EXTRA_METHODS
+# FP8 methods (e4m3 weights decoded to bf16 in the kernels; quantized online here).
+FP8_METHODS: tuple[str, ...] = ("FP8", "FP8_PERCHANNEL", "MXFP8")
+ALL_METHODS: tuple[str, ...] = METHODS + EXTRA_METHODS + FP8_METHODS
 # GGUF file mixes: (gate and up type, down type), as llama.cpp's Q4_K_M and Q5_K_M store the experts.
 GGUF_MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
 # Bench methods that are GGUF types or mixes (LLAMAFILE, quantized online with our round-to-nearest).
@@ -65,10 +67,10 @@ def gguf_types_for(method: str, shape: Shape) -> tuple[str, str, str]:
 
 
 def arithmetic_of(method: str) -> str:
-    """What our kernels multiply in for ``method``: "float" for BF16 (bf16 or fp32, by
-    variant), "int8" for the quantized methods (INT8, INT4 and the GGUF types dot int8
-    activations with int8-decoded weights: vpmaddubsw, vpdpbusd or AMX int8)."""
-    return "float" if method == "BF16" else "int8"
+    """What our kernels multiply in for ``method``: "float" for BF16 and the FP8 methods
+    (bf16 or fp32, by variant), "int8" for the quantized methods (INT8, INT4 and the GGUF
+    types dot int8 activations with int8-decoded weights: vpmaddubsw, vpdpbusd or AMX int8)."""
+    return "float" if method == "BF16" or method in FP8_METHODS else "int8"
 
 
 def pack_layer(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, method: str, shape: Shape) -> PackedExperts:

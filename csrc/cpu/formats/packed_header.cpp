@@ -7,6 +7,7 @@
 #include <string>
 
 #include "bf16_layout.h"
+#include "fp8_layout.h"
 #include "gguf_types.h"
 #include "int_layout.h"
 
@@ -123,12 +124,21 @@ PackedLayout packed_layout(const PackedShape& shape) {
       layout.down_expert_bytes = dims.down.expert_bytes();
       break;
     }
+    case PackedFormat::kFp8:
+    case PackedFormat::kFp8PerChannel:
+    case PackedFormat::kMxfp8: {
+      const fp8_layout::Dims dims(shape);
+      layout.gate_up_expert_bytes = dims.gate_up.expert_bytes();
+      layout.down_expert_bytes = dims.down.expert_bytes();
+      break;
+    }
     default:
       throw std::invalid_argument("unknown packed format id " +
                                   std::to_string(static_cast<uint32_t>(shape.format)));
   }
-  if (shape.format == PackedFormat::kBf16 && shape.group_size != 0)
-    throw std::invalid_argument("format bf16 has no groups; group_size must be 0, got " +
+  if ((shape.format == PackedFormat::kBf16 || fp8_layout::is_fp8(shape.format)) && shape.group_size != 0)
+    throw std::invalid_argument("formats bf16, fp8, fp8_perchannel and mxfp8 take no group_size (the fp8 formats' "
+                                "groups are fixed); group_size must be 0, got " +
                                 std::to_string(shape.group_size));
   layout.gate_up_offset = kPackedHeaderBytes;
   layout.down_offset = layout.gate_up_offset + shape.num_experts * layout.gate_up_expert_bytes;

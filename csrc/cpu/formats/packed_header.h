@@ -17,13 +17,16 @@ namespace kt::cpu {
 
 // Weight formats: the id a header stores. Each has one row in the format table
 // (../format_table.h: name, methods, packer, kernels ...) and a layout here
-// (bf16_layout.h, int_layout.h, gguf_types.h); docs/formats.md describes them.
+// (bf16_layout.h, int_layout.h, fp8_layout.h, gguf_types.h); docs/formats.md describes them.
 enum class PackedFormat : uint32_t {
   kBf16 = 1,       // bf16
   kInt8 = 2,       // int8, symmetric per output channel
   kInt4 = 3,       // int4, symmetric per k-group
   kInt4Asym = 4,   // int4 with a per-group minimum (zero point)
   kGguf = 5,       // GGUF blocks, a ggml type per matrix (formats/gguf_types.h)
+  kFp8 = 6,        // e4m3 with fp32 scales per 128 x 128 block (fp8_layout.h)
+  kFp8PerChannel = 7,  // e4m3 with an fp32 scale per output row
+  kMxfp8 = 8,      // e4m3 with a ue8m0 exponent per 32 weights along k (OCP MXFP8)
 };
 
 constexpr char kPackedMagic[8] = {'K', 'T', 'O', 'P', 'S', 'P', 'K', '\0'};

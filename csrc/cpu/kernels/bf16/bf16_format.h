@@ -34,19 +34,21 @@ constexpr int64_t kBf16RowChunk = 96;      // rows per epilogue chunk (multiple 
 constexpr int64_t kBf16PadRows = 32;       // readable rows past the last pair (AMX row tiles)
 constexpr int64_t kBf16PrefetchPairs = 32;  // streaming passes prefetch weight lines 2 KiB ahead
 
-template <class Micro, int M, int NB = Micro::max_blocks(M)>
-void bf16_tile_blocks(int blocks, const TileArgs<typename Micro::Act>& t) {
+// Micro::tile<rows, blocks> for run-time rows and blocks, reading weights through `src`
+// (default: the BF16 lines as stored).
+template <class Micro, int M, int NB = Micro::max_blocks(M), class Src = typename Micro::Lines>
+void bf16_tile_blocks(int blocks, const TileArgs<typename Micro::Act>& t, const Src& src = Src()) {
   if constexpr (NB >= 1) {
-    if (blocks == NB) return Micro::template tile<M, NB>(t);
-    bf16_tile_blocks<Micro, M, NB - 1>(blocks, t);
+    if (blocks == NB) return Micro::template tile<M, NB>(t, src);
+    bf16_tile_blocks<Micro, M, NB - 1, Src>(blocks, t, src);
   }
 }
 
-template <class Micro, int M = Micro::kMaxRows>
-void bf16_tile_any(int rows, int blocks, const TileArgs<typename Micro::Act>& t) {
+template <class Micro, int M = Micro::kMaxRows, class Src = typename Micro::Lines>
+void bf16_tile_any(int rows, int blocks, const TileArgs<typename Micro::Act>& t, const Src& src = Src()) {
   if constexpr (M >= 1) {
-    if (rows == M) return bf16_tile_blocks<Micro, M>(blocks, t);
-    bf16_tile_any<Micro, M - 1>(rows, blocks, t);
+    if (rows == M) return bf16_tile_blocks<Micro, M, Micro::max_blocks(M), Src>(blocks, t, src);
+    bf16_tile_any<Micro, M - 1, Src>(rows, blocks, t, src);
   }
 }
 

@@ -15,33 +15,43 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
+// The BF16 format's weight source: line p of a block as two 8-row halves, each widened
+// to fp32 for k (even) and k + 1 (odd).
+struct Bf16LinesAvx2 {
+  void widen(const uint16_t* block, int /*b*/, int64_t p, __m256 (&even)[2], __m256 (&odd)[2]) const {
+    const __m256i high_mask = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + p * 32 + h * 16));
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(line, 16));
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(line, high_mask));
+    }
+  }
+  void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead); }
+};
+
 struct Bf16GemmAvx2 {
   using Vec = VecAvx2;
   using Act = float;
+  using Lines = Bf16LinesAvx2;  // tile's default weight source (FP8 decodes instead)
   static constexpr int kMaxRows = 4;
   static constexpr int kMaxBlocks = 4;
   // Blocks a tile of `rows` rows may hold (8 accumulators).
   static constexpr int max_blocks(int rows) { return rows <= 1 ? 4 : rows == 2 ? 2 : 1; }
 
-  template <int M, int NB>
-  static void tile(const TileArgs<Act>& t) {
+  template <int M, int NB, class Src = Lines>
+  static void tile(const TileArgs<Act>& t, const Src& src = Src()) {
     static_assert(NB <= max_blocks(M), "the AVX2 micro-GEMM holds 8 accumulators");
     __m256 acc[M][NB][2];
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b)
         for (int h = 0; h < 2; ++h)
           acc[m][b][h] = t.accumulate ? _mm256_loadu_ps(t.c + m * t.ldc + b * 16 + h * 8) : _mm256_setzero_ps();
-    const __m256i high_mask = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
     for (int64_t p = 0; p < t.pairs; ++p) {
       __m256 even[NB][2], odd[NB][2];
       for (int b = 0; b < NB; ++b) {
         const uint16_t* block = t.w + b * t.block_stride;
-        maybe_prefetch(block, p, t.prefetch);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + p * 32 + h * 16));
-          even[b][h] = _mm256_castsi256_ps(_mm256_slli_epi32(line, 16));
-          odd[b][h] = _mm256_castsi256_ps(_mm256_and_si256(line, high_mask));
-        }
+        src.prefetch(block, p, t.prefetch);
+        src.widen(block, b, p, even[b], odd[b]);
       }
       maybe_stream(t.stream, p);
       for (int m = 0; m < M; ++m) {

@@ -12,25 +12,34 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
+// The BF16 format's weight source: line p of a block widened to fp32 for k (even) and
+// k + 1 (odd): low halves shifted up, high halves masked.
+struct Bf16LinesAvx512 {
+  void widen(const uint16_t* block, int /*b*/, int64_t p, __m512& even, __m512& odd) const {
+    const __m512i line = _mm512_loadu_si512(block + p * 32);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(line, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+  }
+  void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead); }
+};
+
 struct Bf16GemmAvx512 {
   using Vec = VecAvx512;
   using Act = float;
+  using Lines = Bf16LinesAvx512;  // tile's default weight source (FP8 decodes instead)
   static constexpr int kMaxRows = 4;
   static constexpr int kMaxBlocks = 4;
   static constexpr int max_blocks(int) { return kMaxBlocks; }
 
-  template <int M, int NB>
-  static void tile(const TileArgs<Act>& t) {
+  template <int M, int NB, class Src = Lines>
+  static void tile(const TileArgs<Act>& t, const Src& src = Src()) {
     __m512 acc[M][NB];
     load_accumulators<Vec>(acc, t);
-    const __m512i high_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
     for (int64_t p = 0; p < t.pairs; ++p) {
       __m512 even[NB], odd[NB];
       for (int b = 0; b < NB; ++b) {
-        const __m512i line = _mm512_loadu_si512(t.w + b * t.block_stride + p * 32);
-        maybe_prefetch(t.w + b * t.block_stride, p, t.prefetch);
-        even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
-        odd[b] = _mm512_castsi512_ps(_mm512_and_si512(line, high_mask));
+        src.widen(t.w + b * t.block_stride, b, p, even[b], odd[b]);
+        src.prefetch(t.w + b * t.block_stride, p, t.prefetch);
       }
       maybe_stream(t.stream, p);
       for (int m = 0; m < M; ++m) {

@@ -12,22 +12,29 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
+// The BF16 format's weight source: line p of a block, as stored.
+struct Bf16LinesAvx512Bf16 {
+  __m512i line(const uint16_t* block, int /*b*/, int64_t p) const { return _mm512_loadu_si512(block + p * 32); }
+  void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead); }
+};
+
 struct Bf16GemmAvx512Bf16 {
   using Vec = VecAvx512;
   using Act = uint16_t;
+  using Lines = Bf16LinesAvx512Bf16;  // tile's default weight source (FP8 decodes instead)
   static constexpr int kMaxRows = 6;
   static constexpr int kMaxBlocks = 4;
   static constexpr int max_blocks(int) { return kMaxBlocks; }
 
-  template <int M, int NB>
-  static void tile(const TileArgs<Act>& t) {
+  template <int M, int NB, class Src = Lines>
+  static void tile(const TileArgs<Act>& t, const Src& src = Src()) {
     __m512 acc[M][NB];
     load_accumulators<Vec>(acc, t);
     for (int64_t p = 0; p < t.pairs; ++p) {
       __m512i w[NB];
       for (int b = 0; b < NB; ++b) {
-        w[b] = _mm512_loadu_si512(t.w + b * t.block_stride + p * 32);
-        maybe_prefetch(t.w + b * t.block_stride, p, t.prefetch);
+        w[b] = src.line(t.w + b * t.block_stride, b, p);
+        src.prefetch(t.w + b * t.block_stride, p, t.prefetch);
       }
       maybe_stream(t.stream, p);
       for (int m = 0; m < M; ++m) {

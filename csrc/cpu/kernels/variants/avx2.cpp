@@ -13,6 +13,8 @@
 
 #include "../bf16/bf16_gemm_avx2.h"
 #include "../bf16/bf16_format.h"
+#include "../fp8/fp8_decode_avx2.h"
+#include "../fp8/fp8_format.h"
 #include "../gguf/gguf_format.h"
 #include "../quant/quant_format.h"
 #include "../quant/int_ops_avx2.h"
@@ -29,6 +31,10 @@ void int4_moe_avx2(const MoeArgs& args) {
 void int4_asym_moe_avx2(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemm<IntOpsAvx2, QuantKind::kInt4Asym>>>(args);
 }
+
+void fp8_moe_avx2(const MoeArgs& args) { moe_forward<Fp8Format<Fp8OpsAvx2, PackedFormat::kFp8>>(args); }
+void fp8_perchannel_moe_avx2(const MoeArgs& args) { moe_forward<Fp8Format<Fp8OpsAvx2, PackedFormat::kFp8PerChannel>>(args); }
+void mxfp8_moe_avx2(const MoeArgs& args) { moe_forward<Fp8Format<Fp8OpsAvx2, PackedFormat::kMxfp8>>(args); }
 
 void gguf_moe_avx2(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx2>>(args); }
 

@@ -1,0 +1,129 @@
+// [NOTE] e4m3 decoding for the AVX-512 variants (fp8_format.h): 32 codes (one k-pair of a
+// block, in the BF16 line's order, fp8_layout.h) -> the BF16 line of w / 256, exactly, in
+// six integer operations. Sign-extended to 16 bits, a code shifted left by 4 holds its sign
+// at bit 15 and its magnitude (4-bit exponent, 3-bit mantissa) at bits 4-10, where bf16
+// keeps them; OR-ing 112 into the exponent rebiases it (e4m3's 7 -> bf16's 127, less 8:
+// w / 256, so the largest code, 448, stays a finite bf16 after any mxfp8 scale). Exponent 0
+// (zero and the subnormals m 2^-9) takes its bf16 from an 8-entry vpermw table.
+// NaN codes decode as 480 / 256: the packer makes their scales NaN (mxfp8: the row's NaN
+// addend), fp8_layout.h. mxfp8 adds its scale's exponent to the bf16 exponent of nonzero
+// codes (exact: the packer keeps exponent codes in [10, 246], so results stay normal).
+// The weight sources plug these lines into the BF16 micro-kernels (bf16_gemm_*.h), so the
+// FP8 formats multiply exactly what a BF16 line of the same values would.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "../../isa/vec_avx512.h"
+#include "../bf16/bf16_gemm.h"
+#include "fp8_kblock.h"
+#include "../bf16/bf16_gemm_avx512.h"
+#include "../bf16/bf16_gemm_avx512_bf16.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+// The weight sources run once per k-pair and block inside the micro-kernels' loops: GCC
+// did not inline them there on its own (a call per pair, the accumulators spilled around
+// it: 512-token mxfp8 2.2x the BF16 layer's time).
+#ifndef KT_FP8_INLINE
+#define KT_FP8_INLINE inline __attribute__((always_inline))
+#endif
+
+// bf16 bits of m 2^-17 (e4m3 exponent 0, mantissa m, divided by 256) at index m.
+inline __m512i fp8_subnormal_table() {
+  return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x3860, 0x3840,
+                          0x3820, 0x3800, 0x37c0, 0x3780, 0x3700, 0);
+}
+
+// mxfp8: the 32-word exponent addend of one group of a block (kMxGroupBytesAvx512 bytes).
+constexpr int64_t kMxGroupBytesAvx512 = 64;
+
+// The BF16 line of k-pair p of an FP8 block at `codes` (32 bytes); Mx: plus the exponent
+// addend at `addend` on nonzero codes.
+template <bool Mx>
+KT_FP8_INLINE __m512i fp8_bf16_line(const uint8_t* codes, const uint8_t* addend) {
+  const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+  __m512i r = _mm512_ternarylogic_epi32(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(static_cast<int16_t>(0x87f0)),
+                                        _mm512_set1_epi16(0x3800), 0xea);  // (a & b) | c
+  const __mmask32 exponent_zero = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));
+  r = _mm512_mask_permutexvar_epi16(r, exponent_zero, x, fp8_subnormal_table());
+  r = _mm512_ternarylogic_epi32(r, x, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xf8);  // r | (x & sign)
+  if constexpr (Mx) {
+    const __mmask32 nonzero = _mm512_test_epi16_mask(x, _mm512_set1_epi16(0x7f));
+    r = _mm512_mask_add_epi16(r, nonzero, r, _mm512_loadu_si512(addend));
+  }
+  return r;
+}
+
+// Prefetches the codes 2 * `ahead` pairs after pair p (the byte distance of the BF16 lines
+// at `ahead`); a 64-byte line holds two pairs, so every line is asked for twice (cheaper
+// here than a test of p's parity).
+KT_FP8_INLINE void fp8_prefetch(const uint16_t* block, int64_t p, int64_t ahead) {
+  if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(block) + (p + 2 * ahead) * 32, _MM_HINT_T0);
+}
+
+// Weight sources over FP8 blocks: `block` is a block's first code byte (as uint16_t*),
+// pair p at byte 32 p. Mx: pair p of block b adds the exponents at
+// mx + b * kMxBlockBytes + (p / 16) * kMxGroupBytes (the pairs of a call start on a 32-k
+// group). Store: the decoded BF16 line of block b, pair p also goes to
+// out[b * out_stride + 32 p] (prefill: the first row tile decodes for the others).
+template <bool Mx, bool Store>
+struct Fp8LinesAvx512Bf16 {
+  static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx512;
+  static constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * kMxGroupBytes;
+  const uint8_t* mx = nullptr;
+  uint16_t* out = nullptr;
+  int64_t out_stride = 0;
+  KT_FP8_INLINE __m512i line(const uint16_t* block, int b, int64_t p) const {
+    const __m512i bf16 = fp8_bf16_line<Mx>(reinterpret_cast<const uint8_t*>(block) + p * 32,
+                                           mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes);
+    if constexpr (Store) _mm512_storeu_si512(out + b * out_stride + p * 32, bf16);
+    return bf16;
+  }
+  KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { fp8_prefetch(block, p, ahead); }
+};
+
+template <bool Mx, bool Store>
+struct Fp8LinesAvx512 {
+  static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx512;
+  static constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * kMxGroupBytes;
+  const uint8_t* mx = nullptr;
+  uint16_t* out = nullptr;
+  int64_t out_stride = 0;
+  KT_FP8_INLINE void widen(const uint16_t* block, int b, int64_t p, __m512& even, __m512& odd) const {
+    const __m512i bf16 = fp8_bf16_line<Mx>(reinterpret_cast<const uint8_t*>(block) + p * 32,
+                                           mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes);
+    if constexpr (Store) _mm512_storeu_si512(out + b * out_stride + p * 32, bf16);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(bf16, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(bf16, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+  }
+  KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { fp8_prefetch(block, p, ahead); }
+};
+
+// What fp8_format.h needs of an ISA: the BF16 micro-kernel, its FP8 weight sources, and
+// the mxfp8 scale preparation.
+template <class MicroT, template <bool, bool> class LinesT>
+struct Fp8OpsAvx512 {
+  using Micro = MicroT;
+  template <bool Mx, bool Store = false>
+  using Lines = LinesT<Mx, Store>;
+  static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx512;
+
+  // 16 exponent codes e (one group of a block's rows, in [10, 246] or 255) -> the words
+  // (e - 119) << 7 for both k of each row (line order): bf16 exponent + (e - 127) + 8.
+  static void mx_prepare(const uint8_t* codes, uint8_t* out) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i word = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(119)), 7);
+    _mm512_storeu_si512(out, _mm512_or_si512(_mm512_and_si512(word, _mm512_set1_epi32(0xffff)),
+                                             _mm512_slli_epi32(word, 16)));
+  }
+};
+
+using Fp8OpsAvx512Bf16 = Fp8OpsAvx512<Bf16GemmAvx512Bf16, Fp8LinesAvx512Bf16>;
+using Fp8OpsAvx512F = Fp8OpsAvx512<Bf16GemmAvx512, Fp8LinesAvx512>;
+
+}  // namespace
+}  // namespace kt::cpu

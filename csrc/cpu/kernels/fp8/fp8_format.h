@@ -1,0 +1,251 @@
+// [NOTE] The FP8 format policy of the MoE driver (moe_driver.h) for fp8, fp8_perchannel
+// and mxfp8 (formats/fp8_layout.h), instantiated per ISA with Ops (fp8_decode_*.h): the
+// ISA's BF16 micro-kernel, an FP8 weight source for it, and a block decoder. Include only
+// from a variant translation unit, after its target pragma.
+//
+// Weights stay e4m3 in memory and are decoded exactly (to bf16 w / 256, in registers) on
+// the way into the BF16 micro-kernels; activations are the micro-kernel's (bf16 or fp32).
+// The scales follow kt-kernel's math where it is exact:
+//   fp8:            y = sum_g s[g] * (256 * sum_{k in g} x w / 256): the fp32 partial of each
+//                   128-k group times its scale, accumulated in fp32 (a group flush);
+//   fp8_perchannel: y = s * (256 * sum_k x w / 256), once after all of k;
+//   mxfp8:          the power-of-two scale is added to the decoded weight's exponent
+//                   (exact in bf16), so the k loop is the BF16 format's (no flush per 32 k);
+//                   a row with a NaN code or scale gets NaN from its addend at the end.
+// Each code line is decoded once per call, in registers, by the first row tile of its k
+// block, which streams the codes from memory; the other row tiles (prefill) read the BF16
+// lines it stored. Every row tile adds the same values in the same order, so a token's
+// result does not depend on the others (batch invariance).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../../engine/engine.h"
+#include "../../engine/scratch.h"
+#include "../../formats/fp8_layout.h"
+#include "../bf16/bf16_format.h"
+#include "../moe_args.h"
+#include "../moe_driver.h"
+#include "../moe_plan.h"
+#include "fp8_kblock.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+constexpr float kFp8DecodeScale = 256.0f;  // the decoders give w / 256
+
+// c[m][16 b + n] (+)= s_b[n] * (256 * part[m][16 b + n]) for m < rows, b < blocks: the end
+// of a scale group (first: c was empty).
+template <class V>
+void fp8_flush(const float* part, int64_t ldp, int64_t rows, int blocks, const float* const* scales, float* c,
+               int64_t ldc, bool first) {
+  constexpr int W = V::kWidth;
+  const typename V::Reg decode = V::set1(kFp8DecodeScale);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int b = 0; b < blocks; ++b)
+      for (int v = 0; v < 16; v += W) {
+        const typename V::Reg s = V::load(scales[b] + v);
+        const typename V::Reg t = V::mul(V::load(part + m * ldp + b * 16 + v), decode);
+        float* out = c + m * ldc + b * 16 + v;
+        V::store(out, first ? V::mul(s, t) : V::fma(s, t, V::load(out)));
+      }
+}
+
+// fp8_perchannel: c[m][16 b + n] = s_b[n] * (256 * c[m][16 b + n]).
+template <class V>
+void fp8_scale_rows(int64_t rows, int blocks, const float* const* scales, float* c, int64_t ldc) {
+  constexpr int W = V::kWidth;
+  const typename V::Reg decode = V::set1(kFp8DecodeScale);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int b = 0; b < blocks; ++b)
+      for (int v = 0; v < 16; v += W) {
+        float* out = c + m * ldc + b * 16 + v;
+        V::store(out, V::mul(V::load(scales[b] + v), V::mul(V::load(out), decode)));
+      }
+}
+
+// mxfp8: c[m][16 b + n] += addend_b[n] (0, or NaN for a row with a NaN code or scale).
+template <class V>
+void fp8_add_rows(int64_t rows, int blocks, const float* const* addends, float* c, int64_t ldc) {
+  constexpr int W = V::kWidth;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int b = 0; b < blocks; ++b)
+      for (int v = 0; v < 16; v += W) {
+        float* out = c + m * ldc + b * 16 + v;
+        V::store(out, V::add(V::load(out), V::load(addends[b] + v)));
+      }
+}
+
+// One packed FP8 matrix (gate_up or down) of every expert.
+struct Fp8Matrix {
+  const uint8_t* first_expert;
+  uint64_t expert_bytes;
+  fp8_layout::MatrixDims dims;
+
+  const uint8_t* block(int64_t expert, int64_t first_block) const {
+    return first_expert + expert * expert_bytes + first_block * dims.block_bytes();
+  }
+};
+
+template <class Ops, PackedFormat F>
+class Fp8Format {
+ public:
+  using Micro = typename Ops::Micro;
+  using Vec = typename Micro::Vec;
+  using Act = typename Micro::Act;
+  using Inter = Act;
+  static constexpr bool kScaled = false;
+  static constexpr bool kMx = F == PackedFormat::kMxfp8;
+  static constexpr bool kGroupFlush = F == PackedFormat::kFp8;
+
+  Fp8Format(const MoeArgs& args, const MoePlan& plan, int /*threads*/)
+      : plan_(plan),
+        dims_(args.layout.shape),
+        act_cols_(dims_.gate_up.padded_k),
+        inter_cols_(dims_.down.padded_k),
+        gate_up_{args.packed + args.layout.gate_up_offset, args.layout.gate_up_expert_bytes, dims_.gate_up},
+        down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down} {}
+
+  int64_t token_cols() const { return act_cols_; }
+
+  void carve(ScratchLayout& carve) {
+    acts_at_ = carve.add<Act>(plan_.num_pairs * act_cols_);     // pair rows   : [P, Hk]
+    inter_at_ = carve.add<Act>(plan_.num_pairs * inter_cols_);  // intermediate: [P, Ik]
+  }
+
+  void bind(uint8_t* scratch) {
+    acts_ = reinterpret_cast<Act*>(scratch + acts_at_);
+    inter_ = reinterpret_cast<Act*>(scratch + inter_at_);
+    // gate/up write intermediate columns [0, I16); down reads [0, Ik): zero the rest.
+    for (int64_t p = 0; p < plan_.num_pairs; ++p)
+      std::fill(inter_ + p * inter_cols_ + dims_.intermediate16, inter_ + (p + 1) * inter_cols_, Act{});
+  }
+
+  void prepare_token(int64_t, const float*) {}
+
+  void prepare_pairs(Engine& engine, const float* tokens) {
+    const int64_t P = plan_.num_pairs;
+    engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+      for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p)
+        convert_row<Vec>(tokens + plan_.pair_token[p] * act_cols_, ElementType::kF32, act_cols_,
+                         acts_ + p * act_cols_, act_cols_);
+    });
+  }
+
+  int64_t gate_up_job_rows() const { return kTileBlocks / 2 * 16; }
+  int64_t down_job_rows() const { return kTileBlocks * 16; }
+  int64_t chunk_pairs() const { return kBf16RowChunk; }
+
+  GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
+    alignas(64) thread_local float c[kBf16RowChunk * kTileBlocks * 16];
+    constexpr int64_t ldc = kTileBlocks * 16;
+    gemm_rows(acts_ + p0 * act_cols_, act_cols_, p1 - p0, dims_.gate_up, gate_up_.block(e, 2 * n0 / 16),
+              static_cast<int>(2 * (n1 - n0) / 16), c, ldc);
+    return {c, c + 16, ldc, 32};
+  }
+
+  Inter* intermediate_row(int64_t p) const { return inter_ + p * inter_cols_; }
+  void prepare_intermediate(Engine&) {}
+
+  void down(int64_t e, int64_t h0, int64_t h1, int64_t p0, int64_t p1, float* out, int64_t ldo) const {
+    gemm_rows(inter_ + p0 * inter_cols_, inter_cols_, p1 - p0, dims_.down, down_.block(e, h0 / 16),
+              static_cast<int>((h1 - h0) / 16), out, ldo);
+  }
+
+  const float* down_scales() const { return nullptr; }
+
+ private:
+  // c[m][0, 16 blocks) = rows of a x `blocks` blocks starting at w (blocks <= kTileBlocks).
+  // k blocks of kFp8KBlockPairs pairs; in each, the first row tile decodes the codes in
+  // registers as it streams them (prefetching 2 KiB ahead, as the BF16 decode does) and,
+  // when more row tiles follow, stores the BF16 lines for them to read from L1. With one
+  // row tile (decode, m <= kMaxRows) nothing is stored.
+  static void gemm_rows(const Act* a, int64_t lda, int64_t rows, const fp8_layout::MatrixDims& dims,
+                        const uint8_t* w, int blocks, float* c, int64_t ldc) {
+    const int64_t pairs = dims.padded_k / 2, group_pairs = dims.group / 2;
+    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
+    const bool store = rows > Micro::kMaxRows;
+    thread_local std::vector<uint16_t> lines;  // the k block's BF16 lines: [blocks][kFp8KBlockPairs][32]
+    constexpr int64_t kLineStride = kFp8KBlockPairs * 32;
+    if (store) lines.resize(kTileBlocks * kLineStride);
+    const Act* row_at[Micro::kMaxRows];
+    alignas(64) float part[Micro::kMaxRows * kTileBlocks * 16];  // fp8: a tile's group partial sums
+    constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * Ops::kMxGroupBytes;
+    alignas(64) uint8_t mx[kTileBlocks * kMxBlockBytes];          // mxfp8: the k block's exponents
+    const float* scales[kTileBlocks];
+    auto scales_of = [&](const uint8_t* first, int nb, int64_t g) {
+      for (int b = 0; b < nb; ++b)
+        scales[b] = reinterpret_cast<const float*>(first + b * block_bytes + dims.scales_offset()) + g * 16;
+      return scales;
+    };
+    for (int64_t q0 = 0; q0 < pairs; q0 += kFp8KBlockPairs) {
+      const int64_t q1 = std::min(pairs, q0 + kFp8KBlockPairs);
+      for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
+        const bool first = m0 == 0;
+        const int max_blocks = Micro::max_blocks(tile_rows);
+        const int64_t step = kGroupFlush ? group_pairs : kFp8KBlockPairs;  // fp8 flushes per group
+        for (int b0 = 0; b0 < blocks; b0 += max_blocks) {
+          const int nb = std::min(max_blocks, blocks - b0);
+          const uint8_t* codes = w + b0 * block_bytes;
+          uint16_t* decoded = store ? lines.data() + b0 * kLineStride : nullptr;
+          for (int64_t g0 = q0; g0 < q1; g0 += step) {
+            const int64_t g1 = std::min(q1, g0 + step);
+            for (int m = 0; m < tile_rows; ++m) row_at[m] = a + (m0 + m) * lda + 2 * g0;
+            float* out = kGroupFlush ? part : c + m0 * ldc + b0 * 16;
+            const int64_t ldo = kGroupFlush ? nb * 16 : ldc;
+            const bool accumulate = !kGroupFlush && g0 > 0;
+            if (first) {
+              const TileArgs<Act> t{row_at, reinterpret_cast<const uint16_t*>(codes + g0 * 32), block_bytes / 2,
+                                    g1 - g0, out, ldo, accumulate, kBf16PrefetchPairs};
+              if constexpr (kMx)
+                for (int b = 0; b < nb; ++b)
+                  for (int64_t g = g0 / group_pairs; g < (g1 + group_pairs - 1) / group_pairs; ++g)
+                    Ops::mx_prepare(codes + b * block_bytes + dims.scales_offset() + g * 16,
+                                    mx + b * kMxBlockBytes + (g - g0 / group_pairs) * Ops::kMxGroupBytes);
+              if (store)
+                bf16_tile_any<Micro>(tile_rows, nb, t,
+                                     typename Ops::template Lines<kMx, true>{mx, decoded + (g0 - q0) * 32, kLineStride});
+              else
+                bf16_tile_any<Micro>(tile_rows, nb, t, typename Ops::template Lines<kMx, false>{mx});
+            } else {
+              // Row tile j + 1 brings block j's codes of the next k blocks to L2, a line per
+              // step, for the decoding tile (as the BF16 GEMM streams its next k block).
+              const int64_t j = m0 / Micro::kMaxRows - 1;
+              const uint16_t* stream =
+                  b0 == 0 && j < blocks && q1 < pairs
+                      ? reinterpret_cast<const uint16_t*>(w + j * block_bytes + q1 * 32 + (g0 - q0) * 64)
+                      : nullptr;
+              bf16_tile_any<Micro>(tile_rows, nb,
+                                   {row_at, decoded + (g0 - q0) * 32, kLineStride, g1 - g0, out, ldo, accumulate, 0,
+                                    stream});
+            }
+            if constexpr (kGroupFlush)
+              fp8_flush<Vec>(part, nb * 16, tile_rows, nb, scales_of(codes, nb, g0 / group_pairs),
+                             c + m0 * ldc + b0 * 16, ldc, g0 == 0);
+          }
+        }
+      }
+    }
+    if constexpr (F == PackedFormat::kFp8PerChannel) fp8_scale_rows<Vec>(rows, blocks, scales_of(w, blocks, 0), c, ldc);
+    if constexpr (kMx) {  // rows holding a NaN code or scale: NaN (the kernels cannot decode one)
+      const float* addends[kTileBlocks];
+      for (int b = 0; b < blocks; ++b) addends[b] = reinterpret_cast<const float*>(w + b * block_bytes + dims.addend_offset());
+      fp8_add_rows<Vec>(rows, blocks, addends, c, ldc);
+    }
+  }
+
+  const MoePlan& plan_;
+  fp8_layout::Dims dims_;
+  int64_t act_cols_, inter_cols_;
+  Fp8Matrix gate_up_, down_;
+  size_t acts_at_ = 0, inter_at_ = 0;
+  Act* acts_ = nullptr;
+  Act* inter_ = nullptr;
+};
+
+}  // namespace
+}  // namespace kt::cpu
