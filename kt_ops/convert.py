@@ -1,12 +1,13 @@
-"""Converts a Hugging Face MoE checkpoint's routed experts to packed INT8/INT4 CPU weights.
+"""Converts a Hugging Face MoE checkpoint's routed experts to packed INT8/INT4/FP8 CPU weights.
 
     python -m kt_ops.convert --input-path DIR --input-type bf16|fp16|fp8 --output DIR \\
-        --quant-method int8|int4 [--group-size 128] [--threadpool-count N] \\
+        --quant-method int8|int4|fp8|fp8_perchannel|mxfp8 [--group-size 128] [--threadpool-count N] \\
         [--no-merge-safetensor] [--resume-layer L] [--layers START-END]
 
 (``scripts/convert_cpu_weights.py`` is the same program.) One layer at a time: its
-experts are read (FP8: DeepSeek 128 x 128 block scales applied), quantized by
-:func:`kt_ops.pack_experts`, written to ``layer-{L:05d}.safetensors`` (atomically) and
+experts are read (an FP8 input dequantized with its scales: 128 x 128 blocks, per channel
+or MXFP8), quantized by :func:`kt_ops.pack_experts`, except that an FP8 input written as
+its own FP8 method is re-tiled in place (:func:`kt_ops.pack_fp8_experts`: its bytes kept), written to ``layer-{L:05d}.safetensors`` (atomically) and
 verified — the file re-read and compared byte for byte, and one expert's output through
 the kernel compared with the fp32 reference on the source weights. At the end the layer
 files are merged into ``model-0000i-of-0000N.safetensors`` shards (unless
@@ -39,14 +40,15 @@ from kt_ops.formats import format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.ops import moe_forward
 from kt_ops.packed import PackedExperts
-from kt_ops.parts import pack_parts
+from kt_ops.parts import FP8_KIND_METHODS, pack_fp8_parts, pack_parts
 
-METHODS = {"int8": "AMXINT8", "int4": "AMXINT4"}
+METHODS = {"int8": "AMXINT8", "int4": "AMXINT4", "fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8"}
 INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 MAX_SHARD_BYTES = 4 << 30
 # Verification bound: one expert through the kernel vs the fp32 reference on the source
-# weights (quantization error included: int8 ~3%, int4 ~15-20% on Gaussian weights).
-VERIFY_BOUND = {"int8": 0.1, "int4": 0.45}
+# weights (quantization error included: int8 ~3%, int4 ~15-20%, e4m3 ~3-5% on Gaussian
+# weights; an FP8 input kept in place: the bf16 activations only).
+VERIFY_BOUND = {"int8": 0.1, "int4": 0.45, "fp8": 0.1, "fp8_perchannel": 0.1, "mxfp8": 0.1}
 
 
 class ConversionError(Exception):
@@ -226,7 +228,10 @@ def convert(args: argparse.Namespace) -> Path:
         for layer in todo:
             progress.set_description_str(f"layer {layer}")
             gate, up, down = checkpoint.load_experts(layer, range(E), H, I)
-            parts = pack_parts(gate, up, down, method, args.threadpool_count, **pack_args)
+            if fmt in FP8_KIND_METHODS and checkpoint.fp8_kind(layer) == fmt:  # the checkpoint's own bytes
+                parts = pack_fp8_parts(checkpoint.load_fp8_experts(layer, range(E), H, I), args.threadpool_count)
+            else:
+                parts = pack_parts(gate, up, down, method, args.threadpool_count, **pack_args)
             path = out / layer_file(layer)
             tensors = {layer_key(layer, p): packed.data for p, packed in enumerate(parts)}
             save_file(tensors, os.fspath(path.with_suffix(".tmp")), metadata={"producer": "kt_ops"})

@@ -7,10 +7,18 @@ intermediate dimension, as kt-kernel splits experts over NUMA nodes).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kt_ops.ops import pack_experts
+from kt_ops.ops import pack_experts, pack_fp8_experts
 from kt_ops.packed import PackedExperts
+
+if TYPE_CHECKING:
+    from kt_ops.hf_checkpoint import Fp8Experts
+
+FP8_KIND_METHODS = {"fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8"}
+_SCALE_GROUP = {"fp8": 128, "mxfp8": 32}  # k per scale column (fp8_perchannel: none)
 
 
 def part_bounds(intermediate_size: int, parts: int) -> list[tuple[int, int]]:
@@ -32,3 +40,33 @@ def pack_parts(
         pack_experts(gate[:, a:b], up[:, a:b], down[:, :, a:b].contiguous(), method=method, **pack_args)
         for a, b in part_bounds(int(gate.shape[1]), parts)
     ]
+
+
+def _rows(scale: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+    """fp8 block scales ``[n, ceil(N/128), G]`` -> one row per output row ``[n, N, G]``."""
+    if kind != "fp8" or scale.shape[1] == rows:
+        return scale
+    return scale.repeat_interleave(128, dim=1)[:, :rows]
+
+
+def pack_fp8_parts(experts: Fp8Experts, parts: int) -> list[PackedExperts]:
+    """An FP8 checkpoint's experts (:meth:`kt_ops.hf_checkpoint.HfCheckpoint.load_fp8_experts`)
+    packed in place as ``parts`` parts of the intermediate dimension (:func:`part_bounds`).
+    A part boundary inside down's k must fall on a scale column (fp8: a multiple of 128,
+    mxfp8: of 32); ``ValueError`` otherwise."""
+    method = FP8_KIND_METHODS[experts.kind]
+    if parts == 1:
+        return [pack_fp8_experts(experts.gate, experts.up, experts.down, experts.gate_scale, experts.up_scale,
+                                 experts.down_scale, method)]
+    I = int(experts.gate.shape[1])
+    gate_scale, up_scale = (_rows(s, experts.kind, I) for s in (experts.gate_scale, experts.up_scale))
+    group = _SCALE_GROUP.get(experts.kind)
+    out = []
+    for a, b in part_bounds(I, parts):
+        if group is not None and a % group:
+            raise ValueError(f"threadpool_count {parts} splits down_proj's k (I = {I}) at {a}, inside a {group}-wide "
+                             f"{experts.kind} scale group; choose a count that splits I at multiples of {group}")
+        down_scale = experts.down_scale if group is None else experts.down_scale[:, :, a // group: -(-b // group)]
+        out.append(pack_fp8_experts(experts.gate[:, a:b], experts.up[:, a:b], experts.down[:, :, a:b].contiguous(),
+                                    gate_scale[:, a:b], up_scale[:, a:b], down_scale.contiguous(), method))
+    return out

@@ -139,8 +139,8 @@ FP8_FORMATS = ("fp8", "fp8_perchannel", "mxfp8")
 
 
 def decode_ue8m0(codes: torch.Tensor) -> torch.Tensor:
-    """OCP MX scale codes (uint8) -> fp32 ``2^(e - 127)``; code 255 is NaN."""
-    e = codes.to(torch.int32)
+    """OCP MX scale exponents (uint8 or float8_e8m0fnu) -> fp32 ``2^(e - 127)``; 255 is NaN."""
+    e = codes.view(torch.uint8).to(torch.int32)
     value = torch.ldexp(torch.ones(e.shape, dtype=torch.float32), (e - 127).float())
     return torch.where(e == 255, torch.full_like(value, float("nan")), value)
 

@@ -29,7 +29,7 @@ from kt_ops.formats import format_for_method
 from kt_ops.gguf_loader import gguf_files, load_gguf_experts
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.packed import PackedExperts
-from kt_ops.parts import pack_parts, part_bounds
+from kt_ops.parts import FP8_KIND_METHODS, pack_fp8_parts, pack_parts, part_bounds
 from kt_ops.wrappers.wrapper_cuda import capture_call_sizes, experts_on_device, resolve_stream, route_table
 
 
@@ -77,12 +77,14 @@ class KTMoEWrapper:
         threadpool_count: parts each expert's intermediate dimension is split into (one per
             NUMA node in kt-kernel); the output is the sum of the parts. Must divide I.
         weight_path: a Hugging Face safetensors directory (online quantization into
-            ``method``), a directory written by ``python -m kt_ops.convert``, or a GGUF
-            file or directory (``LLAMAFILE``).
+            ``method``; an FP8 checkpoint under its own FP8 method is read in place, its
+            e4m3 bytes kept), a directory written by ``python -m kt_ops.convert``, or a
+            GGUF file or directory (``LLAMAFILE``).
         chunked_prefill_size: at most this many tokens per kernel call (None: no limit).
         cpu_save: keep the unpacked source tensors (``source_weights``) after packing.
         max_deferred_experts_per_token: d, see the module docstring.
-        method: ``BF16``, ``AMXINT8``/``MOE_INT8``, ``AMXINT4``/``MOE_INT4``, ``LLAMAFILE``.
+        method: ``BF16``, ``AMXINT8``/``MOE_INT8``, ``AMXINT4``/``MOE_INT4``, ``LLAMAFILE``,
+            ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``.
         numa_nodes: accepted for compatibility; its length must equal threadpool_count.
         num_gpu_experts: instead of a mask: slots ``[0, n)`` run on the GPU.
         group_size: INT4 k-group for online quantization (default 128).
@@ -249,8 +251,27 @@ class KTMoEWrapper:
         logical = checkpoint.layer(self.layer_idx).num_experts
         mapping = self._physical_map(physical_to_logical_map, logical)
         cpu = mapping[~self.gpu_experts_mask].tolist()
+        if self.format in FP8_KIND_METHODS:
+            kind = checkpoint.fp8_kind(self.layer_idx)
+            if kind is not None and kind != self.format:
+                raise ValueError(f"{path} layer {self.layer_idx} holds {FP8_KIND_METHODS[kind]} experts ({kind}); "
+                                 f"method {self.method} needs {self.format}: use method='{FP8_KIND_METHODS[kind]}'")
+            if kind is not None:  # read in place: the checkpoint's e4m3 bytes and scales
+                return self._load_fp8(checkpoint, cpu)
         gate, up, down = checkpoint.load_experts(self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
         self._pack_cpu_experts(gate, up, down)
+
+    def _load_fp8(self, checkpoint: HfCheckpoint, cpu: list[int]) -> None:
+        """The CPU slots' experts of an FP8 checkpoint, packed without widening."""
+        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
+        route = torch.full((self.num_experts,), -1, dtype=torch.long)
+        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        parts: list[PackedExperts] = []
+        if cpu:
+            experts = checkpoint.load_fp8_experts(self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
+            parts = pack_fp8_parts(experts, self.threadpool_count)
+            self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
+        self._set_packed(parts, route)
 
     def _load_converted(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
         manifest, parts = load_converted_layer(path, self.layer_idx)
