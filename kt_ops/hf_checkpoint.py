@@ -37,8 +37,6 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 
-from kt_ops.reference import decode_ue8m0
-
 FP8_BLOCK = 128  # DeepSeek block-FP8: one scale per 128 x 128 weights
 MX_BLOCK = 32  # MXFP8: one exponent per 32 weights along k
 FP8_KINDS = ("fp8", "fp8_perchannel", "mxfp8")
@@ -94,7 +92,8 @@ class LayerExperts:
 class HfCheckpoint:
     """The safetensors files of a Hugging Face model directory, indexed by tensor key.
 
-    Only file headers are read when opening; :meth:`load_experts` reads one layer.
+    Only file headers are read when opening (each file's once, then kept);
+    :meth:`load_experts` and :meth:`load_fp8_experts` read one layer.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -103,6 +102,7 @@ class HfCheckpoint:
             raise FileNotFoundError(f"{self.path}: not a directory of safetensors files")
         index = self.path / "model.safetensors.index.json"
         self.key_file: dict[str, Path] = {}
+        self._headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             self.key_file = {key: self.path / name for key, name in weight_map.items()}
@@ -111,12 +111,7 @@ class HfCheckpoint:
             if not files:
                 raise FileNotFoundError(f"{self.path}: no *.safetensors files")
             for file in files:
-                try:
-                    with safe_open(os.fspath(file), framework="pt") as handle:
-                        keys = list(handle.keys())
-                except Exception as error:  # safetensors' own error types are not ValueErrors
-                    raise ValueError(f"{file}: cannot read safetensors header ({error})") from None
-                for key in keys:
+                for key in self._file_headers(file):
                     self.key_file[key] = file
         self._layers: dict[int, LayerExperts] | None = None
 
@@ -163,26 +158,44 @@ class HfCheckpoint:
             raise KeyError(f"{self.path}: tensor {key!r} is missing")
         return self.key_file[key]
 
+    def _file_headers(self, file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every tensor of ``file`` as (safetensors dtype name, shape), read once per file."""
+        if file not in self._headers:
+            entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+            try:
+                with safe_open(os.fspath(file), framework="pt") as handle:
+                    for key in handle.keys():
+                        view = handle.get_slice(key)
+                        entries[key] = (view.get_dtype(), tuple(view.get_shape()))
+            except MemoryError:
+                raise
+            except Exception as error:  # safetensors' own error types are not ValueErrors
+                raise ValueError(f"{file}: cannot read the safetensors header (truncated or corrupt file?): "
+                                 f"{error}") from None
+            self._headers[file] = entries
+        return self._headers[file]
+
     def _header(self, key: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype name, shape) of a tensor, from its file's header."""
         file = self._file(key)
-        try:
-            with safe_open(os.fspath(file), framework="pt") as handle:
-                view = handle.get_slice(key)
-                return view.get_dtype(), tuple(view.get_shape())
-        except Exception as error:  # safetensors' own error types are not ValueErrors
-            raise ValueError(f"{file}: cannot read tensor {key!r} ({error})") from None
+        headers = self._file_headers(file)
+        if key not in headers:
+            raise ValueError(f"{file}: the index names tensor {key!r} for this file, which does not hold it")
+        return headers[key]
 
     def _shape(self, key: str) -> tuple[int, ...]:
         return self._header(key)[1]
 
     def _tensor(self, key: str) -> torch.Tensor:
+        """A stored tensor as is; ``ValueError`` naming the file if it cannot be read."""
         file = self._file(key)
         try:
             with safe_open(os.fspath(file), framework="pt") as handle:
                 return handle.get_tensor(key)
-        except Exception as error:
-            raise ValueError(f"{file}: cannot read tensor {key!r} (truncated or corrupt file?) ({error})") from None
+        except MemoryError:
+            raise
+        except Exception as error:  # safetensors' own error types are not ValueErrors
+            raise ValueError(f"{file}: cannot read tensor {key!r} (truncated or corrupt file?): {error}") from None
 
     def dtype(self, layer: int) -> torch.dtype:
         """The stored dtype of the layer's gate tensor (e.g. ``torch.float8_e4m3fn``)."""
@@ -193,12 +206,17 @@ class HfCheckpoint:
         return _DTYPES[name]
 
     def _scale(self, key: str, shape: tuple[int, ...]) -> tuple[str, str]:
-        """(scale key, FP8 kind) of the FP8 weight ``key`` of ``shape`` ([N, K] or fused
-        [E, N, K]); ``ValueError`` naming what was looked for or found."""
-        stem = key[: -len(".weight")] if key.endswith(".weight") else key
-        sep = "." if key.endswith(".weight") else "_"
-        candidates = [f"{stem}{sep}weight_scale_inv", f"{stem}{sep}weight_scale"] if sep == "." else \
-            [f"{stem}_scale_inv", f"{stem}_scale"]
+        """(scale key, FP8 kind) of the FP8 weight ``key`` of ``shape`` (``[N, K]``, fused
+        ``[E, N, K]``), from the scale's header: ue8m0 bytes ``[N, ceil(K/32)]`` are mxfp8,
+        float ``[ceil(N/128), ceil(K/128)]`` fp8, float ``[N]`` / ``[N, 1]`` fp8_perchannel
+        (a shape that fits both: ``weight_scale_inv`` is fp8). ``ValueError`` naming the
+        weight and the scale keys looked for, or the scale, its dtype and shape and the
+        shapes expected."""
+        if key.endswith(".weight"):
+            stem = key[: -len(".weight")]
+            candidates = [f"{stem}.weight_scale_inv", f"{stem}.weight_scale"]
+        else:
+            candidates = [f"{key}_scale_inv", f"{key}_scale"]
         found = [c for c in candidates if c in self.key_file]
         if not found:
             raise ValueError(f"{self.path}: FP8 weight {key!r} has no scale tensor (looked for "
@@ -209,39 +227,57 @@ class HfCheckpoint:
         blocks = (*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
         channels = ((*lead, n), (*lead, n, 1))
         mx = (*lead, n, -(-k // MX_BLOCK))
+
+        def error(problem: str) -> ValueError:
+            return ValueError(
+                f"{self.path}: scale {scale_key!r} ({dtype} {list(scale_shape)}) of FP8 weight {key!r} "
+                f"{list(shape)}: {problem}; expected fp8: F32/BF16/F16 {list(blocks)} (128 x 128 blocks), "
+                f"fp8_perchannel: F32/BF16/F16 {list(channels[0])} or {list(channels[1])}, mxfp8: U8/F8_E8M0 "
+                f"{list(mx)} (one ue8m0 exponent per {MX_BLOCK} weights along k)")
+
         if dtype in _BYTE_SCALES:
             if scale_shape == mx:
                 return scale_key, "mxfp8"
-            raise ValueError(f"{self.path}: scale {scale_key!r} ({dtype} {list(scale_shape)}) of FP8 weight {key!r} "
-                             f"{list(shape)}: ue8m0 exponents must be {list(mx)} (one per {MX_BLOCK} weights along k)")
+            raise error(f"fits no FP8 kind (ue8m0 exponents must be {list(mx)})")
         if dtype not in _FLOAT_SCALES:
-            raise ValueError(f"{self.path}: scale {scale_key!r} of FP8 weight {key!r} is {dtype}; expected a float "
-                             f"scale (F32, BF16, F16) or ue8m0 exponents (U8, F8_E8M0)")
+            raise error(f"{dtype} is neither a float scale (F32, BF16, F16) nor ue8m0 exponents (U8, F8_E8M0)")
         is_block, is_channel = scale_shape == blocks, scale_shape in channels
         if is_block and is_channel:  # a single row: the name decides
             return scale_key, "fp8" if scale_key.endswith("_inv") else "fp8_perchannel"
         if is_block or is_channel:
             return scale_key, "fp8" if is_block else "fp8_perchannel"
-        raise ValueError(f"{self.path}: scale {scale_key!r} ({dtype} {list(scale_shape)}) of FP8 weight {key!r} "
-                         f"{list(shape)} fits no FP8 kind: expected {list(blocks)} (128 x 128 blocks), "
-                         f"{list(channels[0])} or {list(channels[1])} (per channel)")
+        if scale_shape == mx:
+            raise error(f"fits no FP8 kind (the mxfp8 shape, but ue8m0 exponents are U8 or F8_E8M0, not {dtype})")
+        raise error("fits no FP8 kind")
+
+    def _fp8_header(self, key: str, want: tuple[int, ...] | None = None,
+                    dtypes: tuple[str, ...] = ("F8_E4M3",)) -> tuple[str, str]:
+        """(scale key, kind) of an FP8 weight, from headers only: ``ValueError`` if the
+        weight is not one of ``dtypes``, is not of shape ``want`` or its scale is wrong."""
+        dtype, shape = self._header(key)
+        if dtype not in dtypes:
+            raise ValueError(f"{self.path}: tensor {key!r} is {dtype}, not {' or '.join(dtypes)}; FP8 expert "
+                             f"weights are e4m3 with a scale beside them")
+        if want is not None:
+            _check_shape(key, shape, want)
+        return self._scale(key, shape)
 
     def fp8_kind(self, layer: int) -> str | None:
         """``"fp8"``, ``"fp8_perchannel"`` or ``"mxfp8"`` for a layer whose experts are FP8
-        (read from the first gate tensor's scale, headers only); None otherwise."""
+        (read from the first gate tensor's scale, headers only); None otherwise. A missing,
+        misshapen or wrongly typed scale is a ``ValueError``."""
         key = self.layer(layer).key(0)
-        dtype, shape = self._header(key)
-        if dtype != "F8_E4M3":
+        if self._header(key)[0] != "F8_E4M3":
             return None
-        return self._scale(key, shape)[1]
+        return self._fp8_header(key)[1]
 
-    def _read_fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor, str]:
-        """(e4m3 weight, scale as the packer takes it, kind) of an FP8 tensor: float
-        scales fp32 (per channel: the trailing 1 dropped), ue8m0 ones uint8."""
-        dtype, shape = self._header(key)
-        if dtype != "F8_E4M3":
-            raise ValueError(f"{self.path}: tensor {key!r} is {dtype}, not F8_E4M3; FP8 methods read e4m3 experts")
-        scale_key, kind = self._scale(key, shape)
+    def _read_fp8(self, key: str, want: tuple[int, ...] | None = None,
+                  dtypes: tuple[str, ...] = ("F8_E4M3",)) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """(weight as stored, scale as :class:`Fp8Experts` holds it, kind) of an FP8 tensor
+        of shape ``want`` (checked before reading): float scales fp32 (per channel: the
+        trailing 1 dropped), ue8m0 exponents uint8."""
+        scale_key, kind = self._fp8_header(key, want, dtypes)
+        shape = self._header(key)[1]
         weight, scale = self._tensor(key), self._tensor(scale_key)
         if kind == "mxfp8":
             scale = scale.view(torch.uint8)
@@ -251,51 +287,63 @@ class HfCheckpoint:
                 scale = scale.reshape(shape[:-1])
         return weight, scale, kind
 
-    def _read(self, key: str) -> torch.Tensor:
-        """A tensor; FP8 dequantized to bf16 with its scales (any of the three kinds)."""
-        if self._header(key)[0] != "F8_E4M3":
-            return self._tensor(key)
-        weight, scale, kind = self._read_fp8(key)
-        if kind == "fp8":
-            return dequantize_block_fp8(weight, scale)
-        if kind == "fp8_perchannel":
-            return dequantize_fp8_perchannel(weight, scale)
-        return dequantize_mxfp8(weight, scale)
+    def _read_stored(self, key: str, want: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
+        """(tensor, scale, kind) of a weight of shape ``want`` (checked from the header):
+        FP8 (e4m3; e5m2 too, as block FP8 has always been read) with its scale and kind,
+        anything else with None, None."""
+        dtype, shape = self._header(key)
+        if dtype not in ("F8_E4M3", "F8_E5M2"):
+            _check_shape(key, shape, want)
+            return self._tensor(key), None, None
+        return self._read_fp8(key, want, ("F8_E4M3", "F8_E5M2"))
+
+    def _read(self, key: str, want: tuple[int, ...]) -> torch.Tensor:
+        """A weight of shape ``want``; FP8 of any kind dequantized to bf16 with its scale."""
+        tensor, scale, kind = self._read_stored(key, want)
+        return tensor if kind is None else dequantize_fp8(tensor, scale, kind)
+
+    def _check_experts(self, where: LayerExperts, experts: Sequence[int]) -> None:
+        for e in experts:
+            if not 0 <= e < where.num_experts:
+                raise KeyError(f"{self.path}: layer {where.layer} has {where.num_experts} experts; expert {e} is "
+                               f"missing (e.g. {where.key(0, e)!r})")
 
     def load_experts(
         self, layer: int, experts: Sequence[int], hidden_size: int, intermediate_size: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``gate [n, I, H]``, ``up [n, I, H]``, ``down [n, H, I]`` of the listed experts
-        (logical indices, repeats allowed) in their stored dtype (FP8: bf16).
+        (logical indices, repeats allowed) in their stored dtype; FP8 of any kind (fp8,
+        fp8_perchannel, mxfp8) is dequantized to bf16 (NaN codes stay NaN).
 
-        Peak extra memory is the three outputs plus one stored tensor. Raises
-        ``KeyError`` for a missing layer or expert tensor and ``ValueError`` for a shape
-        that disagrees with ``hidden_size`` / ``intermediate_size``, naming the key.
+        Peak extra memory is the three outputs plus one stored tensor (and one expert's
+        fp32 temporaries when dequantizing). Raises ``KeyError`` for a missing layer or
+        expert tensor and ``ValueError`` for a shape that disagrees with ``hidden_size`` /
+        ``intermediate_size``, a bad FP8 scale or an unreadable file, naming the key.
         """
         where = self.layer(layer)
-        H, I = hidden_size, intermediate_size
-        for e in experts:
-            if not 0 <= e < where.num_experts:
-                raise KeyError(f"{self.path}: layer {layer} has {where.num_experts} experts; expert {e} is missing "
-                               f"(e.g. {where.key(0, e)!r})")
-        shapes = ((I, H), (I, H), (H, I))
-        out: list[torch.Tensor] = []
+        self._check_experts(where, experts)
+        H, I, n = hidden_size, intermediate_size, len(experts)
         if where.convention == "fused":
-            fused = self._read(where.key(0))
-            down = self._read(where.key(2))
-            _check_shape(where.key(0), fused.shape, (where.num_experts, 2 * I, H))
-            _check_shape(where.key(2), down.shape, (where.num_experts, H, I))
-            index = torch.tensor(list(experts), dtype=torch.long)
-            picked = fused.index_select(0, index)
-            return picked[:, :I].contiguous(), picked[:, I:].contiguous(), down.index_select(0, index)
-        for m, shape in enumerate(shapes):
+            stored, scale, kind = self._read_stored(where.key(0), (where.num_experts, 2 * I, H))
+            dtype = stored.dtype if kind is None else torch.bfloat16
+            gate, up = torch.empty((n, I, H), dtype=dtype), torch.empty((n, I, H), dtype=dtype)
+            for i, e in enumerate(experts):  # blocks of the fused rows: dequantize before splitting
+                w = stored[e] if kind is None else dequantize_fp8(stored[e], scale[e], kind)
+                gate[i].copy_(w[:I])
+                up[i].copy_(w[I:])
+            del stored, scale
+            stored, scale, kind = self._read_stored(where.key(2), (where.num_experts, H, I))
+            down = torch.empty((n, H, I), dtype=stored.dtype if kind is None else torch.bfloat16)
+            for i, e in enumerate(experts):
+                down[i].copy_(stored[e] if kind is None else dequantize_fp8(stored[e], scale[e], kind))
+            return gate, up, down
+        out: list[torch.Tensor] = []
+        for m, shape in enumerate(((I, H), (I, H), (H, I))):
             matrix: torch.Tensor | None = None
             for i, e in enumerate(experts):
-                key = where.key(m, e)
-                tensor = self._read(key)
-                _check_shape(key, tensor.shape, shape)
+                tensor = self._read(where.key(m, e), shape)
                 if matrix is None:
-                    matrix = torch.empty((len(experts), *shape), dtype=tensor.dtype)
+                    matrix = torch.empty((n, *shape), dtype=tensor.dtype)
                 matrix[i].copy_(tensor)
             out.append(matrix if matrix is not None else torch.empty((0, *shape)))
         return out[0], out[1], out[2]
@@ -304,60 +352,66 @@ class HfCheckpoint:
         self, layer: int, experts: Sequence[int], hidden_size: int, intermediate_size: int
     ) -> Fp8Experts:
         """The listed experts (logical indices, repeats allowed) of an FP8 layer as stored:
-        e4m3 bytes and scales, nothing widened (:class:`Fp8Experts`).
+        e4m3 bytes and scales, nothing widened (:class:`Fp8Experts` has the shapes).
 
         Peak extra memory is the outputs plus one stored tensor. Raises ``KeyError`` for a
-        missing layer or expert tensor, ``ValueError`` for a shape that disagrees with
-        ``hidden_size`` / ``intermediate_size``, weights that are not F8_E4M3, a missing,
-        misshapen or wrongly typed scale, or matrices of different FP8 kinds, naming the
-        tensor.
+        missing layer or expert tensor; ``ValueError`` naming the tensor for a shape that
+        disagrees with ``hidden_size`` / ``intermediate_size``, weights that are not
+        F8_E4M3, a missing, misshapen or wrongly typed scale, matrices of different FP8
+        kinds (the loaded ones and the layer's first gate, which :meth:`fp8_kind` reads)
+        or an unreadable file.
         """
         where = self.layer(layer)
-        H, I = hidden_size, intermediate_size
-        for e in experts:
-            if not 0 <= e < where.num_experts:
-                raise KeyError(f"{self.path}: layer {layer} has {where.num_experts} experts; expert {e} is missing "
-                               f"(e.g. {where.key(0, e)!r})")
+        self._check_experts(where, experts)
+        H, I, n = hidden_size, intermediate_size, len(experts)
         index = torch.tensor(list(experts), dtype=torch.long)
+        first = where.key(0, 0)
         kinds: dict[str, str] = {}
+        if first in self.key_file:
+            want = (where.num_experts, 2 * I, H) if where.convention == "fused" else (I, H)
+            kinds[first] = self._fp8_header(first, want)[1]
         weights: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
         if where.convention == "fused":
-            fused, fused_scale, kinds[where.key(0)] = self._read_fp8(where.key(0))
-            down, down_scale, kinds[where.key(2)] = self._read_fp8(where.key(2))
-            _check_shape(where.key(0), fused.shape, (where.num_experts, 2 * I, H))
-            _check_shape(where.key(2), down.shape, (where.num_experts, H, I))
-            fused = fused.view(torch.uint8).index_select(0, index)
-            fused_scale = fused_scale.index_select(0, index)
-            kind = kinds[where.key(0)]
-            if kind == "fp8" and I % FP8_BLOCK:  # 128-row blocks straddle gate and up: one scale row per row
-                fused_scale = fused_scale.repeat_interleave(FP8_BLOCK, dim=1)[:, : 2 * I]
-            split = I // FP8_BLOCK if kind == "fp8" and fused_scale.shape[1] != 2 * I else I
-            weights = [fused[:, :I].contiguous(), fused[:, I:].contiguous(),
-                       down.view(torch.uint8).index_select(0, index)]
-            scales = [fused_scale[:, :split].contiguous(), fused_scale[:, split:].contiguous(),
-                      down_scale.index_select(0, index)]
+            key = where.key(0)
+            stored, scale, kinds[key] = self._read_fp8(key, (where.num_experts, 2 * I, H))
+            codes = stored.view(torch.uint8)
+            weights = [codes.narrow(1, 0, I).index_select(0, index), codes.narrow(1, I, I).index_select(0, index)]
+            scale = scale.index_select(0, index)
+            split = I
+            if kinds[key] == "fp8":
+                if I % FP8_BLOCK:  # 128-row blocks straddle gate and up: one scale row per weight row
+                    scale = scale.repeat_interleave(FP8_BLOCK, dim=1)[:, : 2 * I]
+                else:
+                    split = I // FP8_BLOCK
+            scales = [scale[:, :split].contiguous(), scale[:, split:].contiguous()]
+            del stored, codes, scale
+            key = where.key(2)
+            stored, scale, kinds[key] = self._read_fp8(key, (where.num_experts, H, I))
+            weights.append(stored.view(torch.uint8).index_select(0, index))
+            scales.append(scale.index_select(0, index))
+            del stored
         else:
-            shapes = ((I, H), (I, H), (H, I))
-            for m, shape in enumerate(shapes):
-                matrix: torch.Tensor | None = None
+            for m, shape in enumerate(((I, H), (I, H), (H, I))):
+                matrix = torch.empty((n, *shape), dtype=torch.uint8)
                 matrix_scale: torch.Tensor | None = None
                 for i, e in enumerate(experts):
                     key = where.key(m, e)
-                    tensor, scale, kinds[key] = self._read_fp8(key)
-                    _check_shape(key, tensor.shape, shape)
-                    if matrix is None:
-                        matrix = torch.empty((len(experts), *shape), dtype=torch.uint8)
-                        matrix_scale = torch.empty((len(experts), *scale.shape), dtype=scale.dtype)
+                    tensor, scale, kinds[key] = self._read_fp8(key, shape)
                     matrix[i].copy_(tensor.view(torch.uint8))
-                    assert matrix_scale is not None
+                    if matrix_scale is None:
+                        matrix_scale = torch.empty((n, *scale.shape), dtype=scale.dtype)
                     matrix_scale[i].copy_(scale)
-                weights.append(matrix if matrix is not None else torch.empty((0, *shape), dtype=torch.uint8))
-                scales.append(matrix_scale if matrix_scale is not None else torch.empty((0,)))
+                weights.append(matrix)
+                if matrix_scale is None:  # no experts listed: the first gate's kind
+                    matrix_scale = _empty_scale(next(iter(kinds.values()), "fp8"), *shape)
+                scales.append(matrix_scale)
         if len(set(kinds.values())) > 1:
             listed = ", ".join(f"{key!r}: {kind}" for key, kind in kinds.items())
             raise ValueError(f"{self.path}: layer {layer} mixes FP8 kinds ({listed}); one kind per layer")
-        kind = next(iter(kinds.values()), "fp8")
+        if not kinds:
+            raise KeyError(f"{self.path}: tensor {first!r} is missing")
+        kind = next(iter(kinds.values()))
         e4m3 = [w.view(torch.float8_e4m3fn) for w in weights]
         return Fp8Experts(kind, e4m3[0], e4m3[1], e4m3[2], scales[0], scales[1], scales[2])
 
@@ -367,9 +421,30 @@ def _check_shape(key: str, got: torch.Size | tuple[int, ...], want: tuple[int, .
         raise ValueError(f"tensor {key!r} has shape {tuple(got)}, expected {want} from the layer's sizes")
 
 
+def _empty_scale(kind: str, n: int, k: int) -> torch.Tensor:
+    """The scales of no experts for a ``[n, k]`` matrix of ``kind`` (shape ``[0, ...]``)."""
+    if kind == "mxfp8":
+        return torch.empty((0, n, -(-k // MX_BLOCK)), dtype=torch.uint8)
+    if kind == "fp8_perchannel":
+        return torch.empty((0, n))
+    return torch.empty((0, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)))
+
+
+def decode_ue8m0(codes: torch.Tensor) -> torch.Tensor:
+    """OCP MX scale exponents ``codes`` (uint8 or ``torch.float8_e8m0fnu``, any shape) as
+    fp32 ``2^(e - 127)`` of the same shape, built exactly from the bits: code 0 is
+    ``2^-127`` (an fp32 subnormal), code 255 is NaN."""
+    if codes.dtype != torch.uint8 and codes.dtype != getattr(torch, "float8_e8m0fnu", torch.uint8):
+        raise ValueError(f"ue8m0 exponents must be uint8 or float8_e8m0fnu, not {codes.dtype}")
+    e = codes.view(torch.uint8).to(torch.int32)
+    bits = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23)  # 2^(e-127): exponent field e
+    bits = torch.where(e == 255, torch.full_like(e, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """DeepSeek block-FP8 ``weight [..., rows, cols]`` (e4m3) times its ``scale_inv
-    [..., ceil(rows / block), ceil(cols / block)]`` (fp32), as bf16."""
+    [..., ceil(rows / block), ceil(cols / block)]`` (float), as bf16 (computed in fp32)."""
     rows, cols = weight.shape[-2:]
     expected = (-(-rows // block), -(-cols // block))
     if tuple(scale_inv.shape[-2:]) != expected:
@@ -380,14 +455,36 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: i
 
 
 def dequantize_fp8_perchannel(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-channel FP8 ``weight [..., rows, cols]`` (e4m3) times ``scale [..., rows]`` (or
-    ``[..., rows, 1]``), as bf16."""
-    return (weight.float() * scale.float().reshape(*weight.shape[:-1], 1)).to(torch.bfloat16)
+    """Per-channel FP8 ``weight [..., rows, cols]`` (e4m3) times ``scale [..., rows]`` or
+    ``[..., rows, 1]`` (float) on every row, as bf16 (computed in fp32)."""
+    rows = weight.shape[:-1]
+    if tuple(scale.shape) not in (tuple(rows), (*rows, 1)):
+        raise ValueError(f"per-channel FP8 scale shape {tuple(scale.shape)} does not match weight "
+                         f"{tuple(weight.shape)} (expected {tuple(rows)} or {(*rows, 1)})")
+    return (weight.float() * scale.float().reshape(*rows, 1)).to(torch.bfloat16)
 
 
 def dequantize_mxfp8(weight: torch.Tensor, exponents: torch.Tensor, block: int = MX_BLOCK) -> torch.Tensor:
     """MXFP8 ``weight [..., rows, cols]`` (e4m3) times ``2^(e - 127)`` per ``block`` weights
-    along cols (``exponents [..., rows, ceil(cols / block)]``, ue8m0), as bf16."""
+    along cols (``exponents [..., rows, ceil(cols / block)]``, uint8 or float8_e8m0fnu;
+    code 255 gives NaN), as bf16 (computed in fp32)."""
     cols = weight.shape[-1]
+    expected = (*weight.shape[:-1], -(-cols // block))
+    if tuple(exponents.shape) != expected:
+        raise ValueError(f"MXFP8 exponent shape {tuple(exponents.shape)} does not match weight {tuple(weight.shape)} "
+                         f"(expected {expected}: one per {block} weights along cols)")
     scale = decode_ue8m0(exponents).repeat_interleave(block, dim=-1)[..., :cols]
     return (weight.float() * scale).to(torch.bfloat16)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """``weight`` (e4m3) and its ``scale`` of FP8 ``kind`` (``"fp8"``, ``"fp8_perchannel"``
+    or ``"mxfp8"``, shapes as in :class:`Fp8Experts` without the expert dimension or with
+    it) as bf16."""
+    if kind == "fp8":
+        return dequantize_block_fp8(weight, scale)
+    if kind == "fp8_perchannel":
+        return dequantize_fp8_perchannel(weight, scale)
+    if kind == "mxfp8":
+        return dequantize_mxfp8(weight, scale)
+    raise ValueError(f"unknown FP8 kind {kind!r}; expected one of {FP8_KINDS}")
