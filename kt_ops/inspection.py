@@ -34,12 +34,14 @@ from kt_ops.formats import FORMATS, format_info
 from kt_ops.gguf_loader import gguf_files, open_gguf, read_gguf_config
 from kt_ops.gguf_types import GGML_TYPES
 from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts
+from kt_ops.parts import FP8_KIND_METHODS
 
 MATRICES = ("gate", "up", "down")
 _GGUF_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<m>gate|up|down)_exps\.weight$")
 _PACKED_KEY = re.compile(r"^(?:packed|blk\.(?P<layer>\d+)\.part(?P<part>\d+)\.packed)$")
 # safetensors dtype of expert weights -> (name shown, bytes per element)
 _DTYPES = {"BF16": ("bf16", 2), "F16": ("fp16", 2), "F32": ("fp32", 4), "F8_E4M3": ("fp8_e4m3", 1)}
+_SCALE_DTYPES = {**_DTYPES, "U8": ("ue8m0", 1), "F8_E8M0": ("ue8m0", 1)}  # FP8 scales (mxfp8: exponent bytes)
 NOT_RECOGNISED = "is not a packed file, converted directory, GGUF file/directory or Hugging Face checkpoint"
 
 T = TypeVar("T")
@@ -350,9 +352,12 @@ def _inspect_gguf(path: Path) -> Inspection:
 # --- Hugging Face checkpoints ---------------------------------------------------------------
 
 
-def _scale_key(key: str) -> str:
-    """The DeepSeek block-FP8 scale of a ``*.weight`` tensor."""
-    return key[: -len(".weight")] + ".weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
+def _scale_keys(key: str) -> tuple[str, str]:
+    """Where an FP8 tensor's scale may be: ``weight_scale_inv`` (block FP8, MXFP8) or
+    ``weight_scale`` (per channel); fused tensors: ``key + "_scale_inv"`` / ``"_scale"``."""
+    if key.endswith(".weight"):
+        return key[: -len(".weight")] + ".weight_scale_inv", key[: -len(".weight")] + ".weight_scale"
+    return key + "_scale_inv", key + "_scale"
 
 
 @dataclass(frozen=True)
@@ -364,11 +369,14 @@ class _Header:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPES[self.dtype][1]
+        return math.prod(self.shape) * _SCALE_DTYPES[self.dtype][1]
 
 
-def _safetensors_headers(checkpoint: HfCheckpoint, keys: Iterable[str]) -> dict[str, _Header]:
-    """The header entries of the ``keys`` the checkpoint holds, one header read per file."""
+def _safetensors_headers(checkpoint: HfCheckpoint, keys: Iterable[str], scales: Iterable[str] = ()) -> dict[str, _Header]:
+    """The header entries of the weight ``keys`` and FP8 ``scales`` the checkpoint holds,
+    one header read per file."""
+    scales = set(scales)
+    keys = [*keys, *scales]
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key in keys:
         if key in checkpoint.key_file:
@@ -379,7 +387,7 @@ def _safetensors_headers(checkpoint: HfCheckpoint, keys: Iterable[str]) -> dict[
             for key in by_file[file]:
                 piece = handle.get_slice(key)
                 dtype, shape = piece.get_dtype(), piece.get_shape()
-                if dtype not in _DTYPES:
+                if dtype not in (_SCALE_DTYPES if key in scales else _DTYPES):
                     raise ValueError(f"{file}: tensor {key!r} is {dtype}; kt_ops reads expert weights in "
                                      f"{', '.join(_DTYPES)}")
                 headers[key] = _Header(dtype, tuple(shape))
@@ -390,7 +398,7 @@ def _hf_layer(where: LayerExperts, headers: dict[str, _Header]) -> LayerInfo:
     """A layer from its tensors' headers: per-expert ``gate [I, H]`` (E from the names) or
     fused ``gate_up_proj [E, 2I, H]`` + ``down_proj [E, H, I]``; FP8 scales count as bytes."""
     experts = [0] if where.convention == "fused" else range(where.num_experts)
-    sizes = [sum(headers[key].nbytes + (headers[_scale_key(key)].nbytes if _scale_key(key) in headers else 0)
+    sizes = [sum(headers[key].nbytes + sum(headers[s].nbytes for s in _scale_keys(key) if s in headers)
                  for key in (where.key(m, e) for e in experts)) for m in range(3)]
     label = _DTYPES[headers[where.key(0)].dtype][0]
     if where.convention == "fused":
@@ -413,7 +421,8 @@ def _inspect_hf(root: Path) -> Inspection:
     keys = {L: [where.key(m, e) for m in range(3)
                 for e in ([0] if where.convention == "fused" else range(where.num_experts))]
             for L, where in moe.items()}
-    headers = _safetensors_headers(checkpoint, [k for ks in keys.values() for k in (*ks, *map(_scale_key, ks))])
+    headers = _safetensors_headers(checkpoint, [k for ks in keys.values() for k in ks],
+                                   [s for ks in keys.values() for k in ks for s in _scale_keys(k)])
     layers, notes = [], []
     for L, where in moe.items():
         absent = [key for key in keys[L] if key not in headers]
@@ -424,7 +433,12 @@ def _inspect_hf(root: Path) -> Inspection:
     config_file = root / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     dtypes = sorted({m.type for layer in layers for m in layer.matrices})
-    scales = " (with weight_scale_inv block scales)" if any(d.startswith("fp8") for d in dtypes) else ""
+    kinds = sorted({kind for L in moe if L in {layer.layer for layer in layers}
+                    for kind in [checkpoint.fp8_kind(L)] if kind is not None})
+    scale_names = {"fp8": "128 x 128 block scales", "fp8_perchannel": "per-channel scales",
+                   "mxfp8": "MXFP8 ue8m0 exponents per 32"}
+    scales = f" (with {', '.join(scale_names[k] for k in kinds)}: method {', '.join(FP8_KIND_METHODS[k] for k in kinds)}" \
+             " reads it in place)" if kinds else ""
     facts = (("model type", str(config.get("model_type", "unknown (no config.json)"))),
              ("experts per token", str(config.get("num_experts_per_tok", "unknown"))),
              ("expert tensors", ", ".join(sorted({where.convention for where in moe.values()})) + " naming"),

@@ -445,3 +445,15 @@ def test_truncated_or_corrupt_file(tmp_path: Path, index: bool) -> None:
                      lambda c: c.load_experts(1, [0, 1, 2], 160, 96)):
             with pytest.raises(ValueError, match=match):
                 call(HfCheckpoint(path))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inspect_names_the_fp8_kind_and_counts_its_scales(tmp_path: Path, kind: str) -> None:
+    from kt_ops.inspection import inspect_weights
+
+    path, mats = write_fp8_checkpoint(tmp_path, kind, "per_expert")
+    report = inspect_weights(path)
+    stored = dict(report.facts)["stored as"]
+    assert f"method {KINDS[kind]} reads it in place" in stored, stored
+    expected = sum(q.numel() + s.numel() * s.element_size() for q, s in mats)
+    assert report.layers[0].nbytes == expected
