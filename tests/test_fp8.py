@@ -322,3 +322,17 @@ def test_packed_sizes() -> None:
     assert sizes["FP8_PERCHANNEL"] == weights + E * (2 * I + H) * 4
     assert sizes["FP8"] == weights + E * (2 * I * (H // 128) + H * (I // 128)) * 4
     assert sizes["MXFP8"] == weights + E * (2 * I * (H // 32) + H * (I // 32)) + E * (2 * I + H) * 4
+
+
+@pytest.mark.parametrize("method", FORMATS)
+def test_non_finite_weights_quantize_to_nan_rows(method: str) -> None:
+    """NaN and inf weights get the NaN code and stay out of the scale: their rows are NaN,
+    the rest of the block is quantized as without them."""
+    gate, up, down = (w.float() for w in make_weights(1, 64, 32, seed=4))
+    clean = reference.dequantize(kt_ops.pack_experts(gate, up, down, method=method).data)[0]
+    gate[0, 3, 5], gate[0, 7, 9] = float("nan"), float("inf")
+    dq = reference.dequantize(kt_ops.pack_experts(gate, up, down, method=method).data)[0]
+    bad = torch.isnan(dq).any(-1)[0]
+    assert bad[3] and bad[7] and bad.sum() == 2
+    rows = [r for r in range(32) if r not in (3, 7)]
+    torch.testing.assert_close(dq[0, rows], clean[0, rows], rtol=0, atol=0)

@@ -170,9 +170,15 @@ void pack_fp8_experts(const void* gate, const void* up, const void* down, Elemen
     auto amax = [&](int64_t ra, int64_t rb, int64_t k0, int64_t k1) {
       float a = 0.0f;
       for (int64_t r = ra; r < rb; ++r)
-        for (int64_t k = k0; k < k1; ++k) a = std::max(a, std::fabs(w[(r - r0) * K + k]));  // NaN ignored
+        for (int64_t k = k0; k < k1; ++k) {
+          const float v = std::fabs(w[(r - r0) * K + k]);
+          if (std::isfinite(v)) a = std::max(a, v);  // NaN and inf get the NaN code below
+        }
       return a;
     };
+    // A non-finite weight (NaN, +-inf) gets the NaN code: its rows' outputs are NaN, as they
+    // are NaN or infinite with the weight itself.
+    auto encode = [](float v) -> uint8_t { return std::isfinite(v) ? e4m3_from_float(v) : 0x7f; };
     uint8_t* out_codes = codes[m].data() + (expert * rows[m]) * K;
     uint8_t* out_scales = scales[m].data() + (expert * rows[m]) * G * (mx ? 1 : 4);
     for (int64_t g = 0; g < G; ++g) {
@@ -194,12 +200,12 @@ void pack_fp8_experts(const void* gate, const void* up, const void* down, Elemen
                                         std::to_string(fp8_layout::kMaxMxExponent - 127));
           out_scales[r * G + g] = static_cast<uint8_t>(exponent + 127);
           for (int64_t k = k0; k < k1; ++k)  // exact: a power of two
-            out_codes[r * K + k] = e4m3_from_float(std::ldexp(w[(r - r0) * K + k], -exponent));
+            out_codes[r * K + k] = encode(std::ldexp(w[(r - r0) * K + k], -exponent));
         } else {
           const float a = block_scales ? block_max : amax(r, r + 1, 0, K);
           const float s = a > 0.0f && std::isfinite(a) ? a / 448.0f : 1.0f;
           std::memcpy(out_scales + (r * G + g) * 4, &s, 4);
-          for (int64_t k = k0; k < k1; ++k) out_codes[r * K + k] = e4m3_from_float(w[(r - r0) * K + k] / s);
+          for (int64_t k = k0; k < k1; ++k) out_codes[r * K + k] = encode(w[(r - r0) * K + k] / s);
         }
       }
     }

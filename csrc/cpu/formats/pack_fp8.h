@@ -32,7 +32,8 @@ void pack_fp8_sources(const Fp8Source sources[3], const PackedLayout& layout, ui
 // The table's packer: gate, up [E, I, H], down [E, H, I] of `source` quantized to e4m3
 // (fp8: scale = max|w| / 448 per 128 x 128 block; fp8_perchannel: per row; mxfp8: the
 // smallest power of two >= max|w| / 448 per 32 weights, so nothing saturates), then
-// pack_fp8_sources. NaN weights get the NaN code.
+// pack_fp8_sources. NaN and infinite weights get the NaN code (and are left out of the
+// scales' max|w|).
 void pack_fp8_experts(const void* gate, const void* up, const void* down, ElementType source,
                       const PackedLayout& layout, const QuantOptions& options, uint8_t* blob);
 
