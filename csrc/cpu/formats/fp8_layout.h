@@ -34,8 +34,8 @@ constexpr int64_t kKAlign = 32;         // K padding: whole MX groups and 64-byt
 constexpr int64_t kBlockGroup = 128;    // fp8: one scale per 128 x 128 weights
 constexpr int64_t kMxGroup = 32;        // mxfp8: one exponent per 32 weights along k
 // mxfp8 exponent codes the kernels take (and 255, NaN): every nonzero e4m3 value times
-// 2^(e - 127) stays a normal bf16. The packer rejects others, except that a group whose
-// codes are all zero gets kMxOne.
+// 2^(e - 127) stays a normal bf16. The packer rejects others, except lower codes on a group
+// whose codes are all zero (stored as kMxOne).
 constexpr int kMinMxExponent = 10;
 constexpr int kMaxMxExponent = 246;
 constexpr int kMxOne = 127;
