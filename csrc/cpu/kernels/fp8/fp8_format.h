@@ -1,6 +1,7 @@
 // [NOTE] The FP8 format policy of the MoE driver (moe_driver.h) for fp8, fp8_perchannel
 // and mxfp8 (formats/fp8_layout.h), instantiated per ISA with Ops (fp8_decode_*.h): the
-// ISA's BF16 micro-kernel, an FP8 weight source for it, and a block decoder. Include only
+// ISA's BF16 micro-kernel, the FP8 weight sources for it, and the mxfp8 exponent
+// preparation. Include only
 // from a variant translation unit, after its target pragma.
 //
 // Weights stay e4m3 in memory and are decoded exactly (to bf16 w / 256, in registers) on
@@ -12,8 +13,8 @@
 //   mxfp8:          the power-of-two scale is added to the decoded weight's exponent
 //                   (exact in bf16), so the k loop is the BF16 format's (no flush per 32 k);
 //                   a row with a NaN code or scale gets NaN from its addend at the end.
-// Each code line is decoded once per call, in registers, by the first row tile of its k
-// block, which streams the codes from memory; the other row tiles (prefill) read the BF16
+// Each code line is decoded once per call (gate and up: per chunk of kBf16RowChunk tokens),
+// in registers, by the first row tile of its k block, which streams the codes from memory; the other row tiles (prefill) read the BF16
 // lines it stored. Every row tile adds the same values in the same order, so a token's
 // result does not depend on the others (batch invariance).
 #pragma once
