@@ -14,9 +14,10 @@
 //                   (exact in bf16), so the k loop is the BF16 format's (no flush per 32 k);
 //                   a row with a NaN code or scale gets NaN from its addend at the end.
 // Each code line is decoded once per call (gate and up: per chunk of kBf16RowChunk tokens),
-// in registers, by the first row tile of its k block, which streams the codes from memory; the other row tiles (prefill) read the BF16
-// lines it stored. Every row tile adds the same values in the same order, so a token's
-// result does not depend on the others (batch invariance).
+// in registers, by the first row tile of its k block, which streams the codes from memory;
+// the other row tiles (prefill) read the BF16 lines it stored. Every row tile adds the same
+// values in the same order, so a token's result does not depend on the others (batch
+// invariance).
 #pragma once
 
 #include <algorithm>
