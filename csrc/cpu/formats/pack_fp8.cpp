@@ -90,25 +90,6 @@ void check_mx_exponents(int m, const Fp8Source& source, int64_t experts, const M
 
 }  // namespace
 
-uint8_t e4m3_from_float(float value) {
-  if (std::isnan(value)) return 0x7f;
-  const uint8_t sign = std::signbit(value) ? 0x80 : 0;
-  const float a = std::fabs(value);
-  if (a >= 448.0f) return sign | 0x7e;  // saturate (RNE would give 480 = NaN above 464)
-  if (a < 0.015625f) {                  // below 2^-6: subnormal codes m * 2^-9
-    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // 8 = 2^-6, the smallest normal
-  }
-  int e = 0;
-  const float f = std::frexp(a, &e);  // a = f 2^e, f in [0.5, 1)
-  int q = static_cast<int>(std::nearbyint(f * 16.0f));  // 8 + 3-bit mantissa, ties to even
-  int exponent = e - 1;
-  if (q == 16) {
-    q = 8;
-    ++exponent;
-  }
-  return sign | static_cast<uint8_t>(((exponent + 7) << 3) | (q - 8));
-}
-
 void pack_fp8_sources(const Fp8Source sources[3], const PackedLayout& layout, uint8_t* blob) {
   const PackedShape& shape = layout.shape;
   const fp8_layout::Dims dims(shape);
@@ -163,10 +144,11 @@ void pack_fp8_experts(const void* gate, const void* up, const void* down, Elemen
     const MatrixDims& md = *matrix_dims[m];
     const int64_t expert = (job - first_job[m]) / chunks[m], chunk = (job - first_job[m]) % chunks[m];
     const int64_t K = md.k, G = md.groups, r0 = chunk * kChunk, r1 = std::min(rows[m], r0 + kChunk);
-    thread_local std::vector<float> w;
-    w.resize(static_cast<size_t>((r1 - r0) * K));
+    thread_local std::vector<float> rows_buffer;
+    rows_buffer.resize(static_cast<size_t>((r1 - r0) * K));
+    float* const w = rows_buffer.data();  // a plain pointer in the loops (not the thread_local)
     const auto* matrix = static_cast<const uint8_t*>(weights[m]) + expert * rows[m] * K * element;
-    for (int64_t r = r0; r < r1; ++r) load_row(matrix, type, r, K, w.data() + (r - r0) * K);
+    for (int64_t r = r0; r < r1; ++r) load_row(matrix, type, r, K, w + (r - r0) * K);
     auto amax = [&](int64_t ra, int64_t rb, int64_t k0, int64_t k1) {
       float a = 0.0f;
       for (int64_t r = ra; r < rb; ++r)
@@ -199,8 +181,9 @@ void pack_fp8_experts(const void* gate, const void* up, const void* down, Elemen
                                         std::to_string(a) + " need a scale above 2^" +
                                         std::to_string(fp8_layout::kMaxMxExponent - 127));
           out_scales[r * G + g] = static_cast<uint8_t>(exponent + 127);
+          const float inverse = std::ldexp(1.0f, -exponent);  // 2^-e, a normal float for e in [-117, 119]
           for (int64_t k = k0; k < k1; ++k)  // exact: a power of two
-            out_codes[r * K + k] = encode(std::ldexp(w[(r - r0) * K + k], -exponent));
+            out_codes[r * K + k] = encode(w[(r - r0) * K + k] * inverse);
         } else {
           const float a = block_scales ? block_max : amax(r, r + 1, 0, K);
           const float s = a > 0.0f && std::isfinite(a) ? a / 448.0f : 1.0f;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "../isa/element_type.h"
 #include "packed_header.h"
@@ -12,8 +13,24 @@
 namespace kt::cpu {
 
 // e4m3 (float8_e4m3fn) code of `value`: round to nearest even, saturating to +-448;
-// NaN -> 0x7f.
-uint8_t e4m3_from_float(float value);
+// NaN -> 0x7f. Inline: the packer calls it once per weight.
+inline uint8_t e4m3_from_float(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint8_t sign = static_cast<uint8_t>(bits >> 24 & 0x80);
+  bits &= 0x7fffffffu;
+  if (bits > 0x7f800000u) return 0x7f;                // NaN
+  if (bits >= 0x43e00000u) return sign | 0x7e;        // >= 448: saturate (RNE would reach 480 = NaN)
+  if (bits < 0x3c800000u) {                           // below 2^-6: subnormal codes m * 2^-9
+    float scaled;                                     // a * 512 (exact), rounded to an integer,
+    std::memcpy(&scaled, &bits, sizeof(scaled));      // ties to even by the 2^23 trick
+    const float q = (scaled * 512.0f + 8388608.0f) - 8388608.0f;
+    return sign | static_cast<uint8_t>(q);            // 8 = 2^-6, the smallest normal code
+  }
+  // Round the 23-bit mantissa to 3 bits, ties to even (a carry moves the exponent up).
+  const uint32_t rounded = bits + 0x7ffffu + (bits >> 20 & 1);
+  return sign | static_cast<uint8_t>(((rounded >> 23) - 120) << 3 | (rounded >> 20 & 7));
+}
 
 // One matrix of a checkpoint in FP8: codes [E, rows, K] (e4m3 bytes, row-major) and its
 // scales per row and group [E, rows, groups] (fp32; mxfp8: ue8m0 bytes), where groups =
