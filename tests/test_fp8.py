@@ -22,6 +22,7 @@ import torch
 import kt_ops
 from conftest import random_routing, rel_err
 from kt_ops import reference
+from test_quantized import make_weights
 
 FORMATS = {"FP8": "fp8", "FP8_PERCHANNEL": "fp8_perchannel", "MXFP8": "mxfp8"}
 
@@ -34,14 +35,6 @@ SHAPES = [
     (6, 2, 328, 136, 40),
     (4, 2, 600, 264, 300),
 ]
-
-
-def make_weights(E: int, H: int, I: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    gate = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
-    up = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
-    down = (torch.randn(E, H, I, generator=g) / I**0.5 * 2).bfloat16()
-    return gate, up, down
 
 
 def torch_quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -19,19 +19,13 @@ namespace {
 constexpr const char* kNames[3] = {"gate_proj", "up_proj", "down_proj"};
 constexpr const char* kScaleNames[3] = {"gate_scale", "up_scale", "down_scale"};
 
-std::string shape_text(at::IntArrayRef sizes) {
-  std::string text = "[";
-  for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
-  return text + "]";
-}
-
 // The e4m3 codes of a weight tensor [E, N, K] as a contiguous uint8 CPU tensor.
 at::Tensor codes_of(const at::Tensor& w, int m, int64_t E, int64_t N, int64_t K) {
   TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat8_e4m3fn || w.scalar_type() == at::kByte, kNames[m],
                     " must hold e4m3 codes (float8_e4m3fn, or uint8 bytes) for an FP8 format; got ", w.scalar_type());
   TORCH_CHECK_VALUE(w.device().is_cpu(), kNames[m], " must be on the CPU; got ", w.device());
   TORCH_CHECK_VALUE(w.dim() == 3 && w.size(0) == E && w.size(1) == N && w.size(2) == K, kNames[m], " must be [", E,
-                    ", ", N, ", ", K, "]; got ", shape_text(w.sizes()));
+                    ", ", N, ", ", K, "]; got ", w.sizes());
   return w.contiguous().view(at::kByte);
 }
 
@@ -47,7 +41,7 @@ at::Tensor scales_of(const at::Tensor& s, int m, cpu::PackedFormat format, int64
                       s.scalar_type());
     TORCH_CHECK_VALUE(s.dim() == 3 && s.size(0) == E && s.size(1) == N && s.size(2) == G, name,
                       " of format mxfp8 must be [E, N, ceil(K / 32)] = [", E, ", ", N, ", ", G, "] for ", kNames[m],
-                      " [", E, ", ", N, ", ", K, "]; got ", shape_text(s.sizes()));
+                      " [", E, ", ", N, ", ", K, "]; got ", s.sizes());
     return s.contiguous().view(at::kByte);
   }
   TORCH_CHECK_VALUE(at::isFloatingType(s.scalar_type()) && s.scalar_type() != at::kFloat8_e4m3fn &&
@@ -59,7 +53,7 @@ at::Tensor scales_of(const at::Tensor& s, int m, cpu::PackedFormat format, int64
     const bool ok = (f.dim() == 2 && f.size(0) == E && f.size(1) == N) ||
                     (f.dim() == 3 && f.size(0) == E && f.size(1) == N && f.size(2) == 1);
     TORCH_CHECK_VALUE(ok, name, " of format fp8_perchannel must be [E, N] or [E, N, 1] = [", E, ", ", N, "] for ",
-                      kNames[m], " [", E, ", ", N, ", ", K, "]; got ", shape_text(s.sizes()));
+                      kNames[m], " [", E, ", ", N, ", ", K, "]; got ", s.sizes());
     return f.reshape({E, N, 1}).contiguous();
   }
   const int64_t block = cpu::fp8_layout::kBlockGroup, G = (K + block - 1) / block, R = (N + block - 1) / block;
@@ -67,7 +61,7 @@ at::Tensor scales_of(const at::Tensor& s, int m, cpu::PackedFormat format, int64
   const bool rows = f.dim() == 3 && f.size(0) == E && f.size(1) == N && f.size(2) == G;
   TORCH_CHECK_VALUE(blocks || rows, name, " of format fp8 must be [E, ceil(N / 128), ceil(K / 128)] = [", E, ", ", R,
                     ", ", G, "] (or per row [", E, ", ", N, ", ", G, "]) for ", kNames[m], " [", E, ", ", N, ", ", K,
-                    "]; got ", shape_text(s.sizes()));
+                    "]; got ", s.sizes());
   if (rows) return f.contiguous();
   return f.repeat_interleave(block, 1).narrow(1, 0, N).contiguous();
 }
@@ -80,11 +74,11 @@ at::Tensor pack_fp8_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& u
       [&]() -> const cpu::FormatRow& { return cpu::format_row(cpu::parse_packed_format(std::string(format))); });
   TORCH_CHECK_VALUE(cpu::fp8_layout::is_fp8(row.format), "kt::pack_fp8_experts packs the FP8 formats (fp8, ",
                     "fp8_perchannel, mxfp8), not ", row.name, ": use kt::pack_experts");
-  TORCH_CHECK_VALUE(gate_proj.dim() == 3, "gate_proj must be [E, I, H]; got ", shape_text(gate_proj.sizes()));
+  TORCH_CHECK_VALUE(gate_proj.dim() == 3, "gate_proj must be [E, I, H]; got ", gate_proj.sizes());
   const int64_t E = gate_proj.size(0), I = gate_proj.size(1), H = gate_proj.size(2);
   constexpr int64_t kMaxDim = int64_t{1} << 31;
   TORCH_CHECK_VALUE(E > 0 && I > 0 && H > 0 && E < kMaxDim && I < kMaxDim && H < kMaxDim,
-                    "expert weights need E, I, H in [1, 2^31); got gate_proj ", shape_text(gate_proj.sizes()));
+                    "expert weights need E, I, H in [1, 2^31); got gate_proj ", gate_proj.sizes());
   const at::Tensor* weights[3] = {&gate_proj, &up_proj, &down_proj};
   const at::Tensor* scales[3] = {&gate_scale, &up_scale, &down_scale};
   const int64_t rows[3] = {I, I, H}, cols[3] = {H, H, I};

@@ -85,6 +85,17 @@ void store_output(void* out, ElementType type, int64_t offset, int64_t n, typena
   std::copy(halves, halves + n, static_cast<uint16_t*>(out) + offset);
 }
 
+// out[p] = tokens[pair_token[p]] in the kernel's activation type, for every pair p (rows
+// of `cols` fp32 / Act values): the float formats' pair rows (phase 1).
+template <class V, typename Act>
+void convert_pair_rows(Engine& engine, const MoePlan& plan, const float* tokens, int64_t cols, Act* out) {
+  const int64_t P = plan.num_pairs;
+  engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+    for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p)
+      convert_row<V>(tokens + plan.pair_token[p] * cols, ElementType::kF32, cols, out + p * cols, cols);
+  });
+}
+
 float weight_at(const void* weights, ElementType type, int64_t index) {
   switch (type) {
     case ElementType::kF32: return static_cast<const float*>(weights)[index];

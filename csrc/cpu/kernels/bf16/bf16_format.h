@@ -170,12 +170,7 @@ class Bf16Format {
 
   // Each pair's token row in the micro-kernel's element type.
   void prepare_pairs(Engine& engine, const float* tokens) {
-    const int64_t P = plan_.num_pairs;
-    engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
-      for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p)
-        convert_row<Vec>(tokens + plan_.pair_token[p] * act_cols_, ElementType::kF32, act_cols_,
-                         acts_ + p * act_cols_, act_cols_);
-    });
+    convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
   }
 
   // Jobs of kTileBlocks blocks: 2 gate + 2 up blocks (32 intermediate rows), 4 down blocks.

@@ -12,13 +12,17 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-// The BF16 format's weight source: line p of a block widened to fp32 for k (even) and
-// k + 1 (odd): low halves shifted up, high halves masked.
+// A 64-byte bf16 line widened to fp32 for k (even) and k + 1 (odd): low halves shifted
+// up, high halves masked.
+inline void widen_bf16_line(__m512i line, __m512& even, __m512& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(line, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
+// The BF16 format's weight source: line p of a block, widened.
 struct Bf16LinesAvx512 {
   void widen(const uint16_t* block, int /*b*/, int64_t p, __m512& even, __m512& odd) const {
-    const __m512i line = _mm512_loadu_si512(block + p * 32);
-    even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
-    odd = _mm512_castsi512_ps(_mm512_and_si512(line, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+    widen_bf16_line(_mm512_loadu_si512(block + p * 32), even, odd);
   }
   void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead); }
 };

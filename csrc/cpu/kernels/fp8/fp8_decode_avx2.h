@@ -20,10 +20,6 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-#ifndef KT_FP8_INLINE
-#define KT_FP8_INLINE inline __attribute__((always_inline))
-#endif
-
 // mxfp8: one group of a block as 32 floats, each row's scale twice (line order).
 constexpr int64_t kMxGroupBytesAvx2 = 128;
 
@@ -39,10 +35,6 @@ KT_FP8_INLINE void fp8_decode_half_avx2(const uint8_t* codes, const float* mx, _
     lo = _mm256_mul_ps(lo, _mm256_loadu_ps(mx));
     hi = _mm256_mul_ps(hi, _mm256_loadu_ps(mx + 8));
   }
-}
-
-KT_FP8_INLINE void fp8_prefetch_avx2(const uint16_t* block, int64_t p, int64_t ahead) {
-  if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(block) + (p + 2 * ahead) * 32, _MM_HINT_T0);
 }
 
 // The FP8 weight source of the AVX2 micro-kernel (as fp8_decode_avx512.h's): Mx scales of
@@ -72,9 +64,7 @@ struct Fp8LinesAvx2 {
       }
     }
   }
-  KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const {
-    fp8_prefetch_avx2(block, p, ahead);
-  }
+  KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { fp8_prefetch(block, p, ahead); }
 };
 
 struct Fp8OpsAvx2 {

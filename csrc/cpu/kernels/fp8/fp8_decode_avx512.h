@@ -25,13 +25,6 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-// The weight sources run once per k-pair and block inside the micro-kernels' loops: GCC
-// did not inline them there on its own (a call per pair, the accumulators spilled around
-// it: 512-token mxfp8 2.2x the BF16 layer's time).
-#ifndef KT_FP8_INLINE
-#define KT_FP8_INLINE inline __attribute__((always_inline))
-#endif
-
 // bf16 bits of m 2^-17 (e4m3 exponent 0, mantissa m, divided by 256) at index m.
 inline __m512i fp8_subnormal_table() {
   return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x3860, 0x3840,
@@ -58,13 +51,6 @@ KT_FP8_INLINE __m512i fp8_bf16_line(const uint8_t* codes, const uint8_t* addend)
   return r;
 }
 
-// Prefetches the codes 2 * `ahead` pairs after pair p (the byte distance of the BF16 lines
-// at `ahead`); a 64-byte line holds two pairs, so every line is asked for twice (cheaper
-// here than a test of p's parity).
-KT_FP8_INLINE void fp8_prefetch(const uint16_t* block, int64_t p, int64_t ahead) {
-  if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(block) + (p + 2 * ahead) * 32, _MM_HINT_T0);
-}
-
 // Weight sources over FP8 blocks: `block` is a block's first code byte (as uint16_t*),
 // pair p at byte 32 p. Mx: pair p of block b adds the exponents at
 // mx + b * kMxBlockBytes + (p / 16) * kMxGroupBytes (the pairs of a call start on a 32-k
@@ -86,21 +72,12 @@ struct Fp8LinesAvx512Bf16 {
   KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { fp8_prefetch(block, p, ahead); }
 };
 
+// The same lines widened to fp32 for the AVX-512F micro-kernel (as Bf16LinesAvx512 does).
 template <bool Mx, bool Store>
-struct Fp8LinesAvx512 {
-  static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx512;
-  static constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * kMxGroupBytes;
-  const uint8_t* mx = nullptr;
-  uint16_t* out = nullptr;
-  int64_t out_stride = 0;
+struct Fp8LinesAvx512 : Fp8LinesAvx512Bf16<Mx, Store> {
   KT_FP8_INLINE void widen(const uint16_t* block, int b, int64_t p, __m512& even, __m512& odd) const {
-    const __m512i bf16 = fp8_bf16_line<Mx>(reinterpret_cast<const uint8_t*>(block) + p * 32,
-                                           mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes);
-    if constexpr (Store) _mm512_storeu_si512(out + b * out_stride + p * 32, bf16);
-    even = _mm512_castsi512_ps(_mm512_slli_epi32(bf16, 16));
-    odd = _mm512_castsi512_ps(_mm512_and_si512(bf16, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+    widen_bf16_line(this->line(block, b, p), even, odd);
   }
-  KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { fp8_prefetch(block, p, ahead); }
 };
 
 // What fp8_format.h needs of an ISA: the BF16 micro-kernel, its FP8 weight sources, and

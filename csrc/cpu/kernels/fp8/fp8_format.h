@@ -128,13 +128,9 @@ class Fp8Format {
 
   void prepare_token(int64_t, const float*) {}
 
+  // Each pair's token row in the micro-kernel's element type.
   void prepare_pairs(Engine& engine, const float* tokens) {
-    const int64_t P = plan_.num_pairs;
-    engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
-      for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p)
-        convert_row<Vec>(tokens + plan_.pair_token[p] * act_cols_, ElementType::kF32, act_cols_,
-                         acts_ + p * act_cols_, act_cols_);
-    });
+    convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
   }
 
   int64_t gate_up_job_rows() const { return kTileBlocks / 2 * 16; }
