@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kt_ops import fakes  # noqa: F401  (registers the fake implementations)
+from kt_ops._native import _C
 from kt_ops.formats import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
 from kt_ops.packed import PackedExperts
@@ -19,6 +20,9 @@ def pack_experts(
     zero_point: bool = False,
     scale_search: bool = False,
     gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None = None,
+    swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 0.0,
+    biases: Biases | None = None,
 ) -> PackedExperts:
     """Packs (and, for INT8/INT4, quantizes) one layer's routed experts for :func:`moe_forward`.
 
@@ -43,6 +47,8 @@ def pack_experts(
             those (as Q4_K_M files mix Q4_K and Q6_K). A row length (H for gate/up, I for
             down) must be a multiple of the type's block (32, or 256 for K-quants);
             otherwise ``ValueError`` names llama.cpp's fallback type.
+        swiglu_limit, swiglu_alpha, biases: the layer's activation and expert biases, for
+            every method; see :func:`set_activation`.
 
     ``"FP8"``, ``"FP8_PERCHANNEL"`` and ``"MXFP8"`` quantize to e4m3 (round to nearest
     even): FP8 with one fp32 scale per 128 x 128 block, FP8_PERCHANNEL per output row
@@ -53,6 +59,20 @@ def pack_experts(
     Returns:
         A :class:`PackedExperts` whose ``data`` is a new uint8 CPU tensor.
     """
+    packed = _pack(gate_proj, up_proj, down_proj, method, group_size, zero_point, scale_search, gguf_type)
+    return set_activation(packed, swiglu_limit, swiglu_alpha, biases)
+
+
+def _pack(
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    method: str,
+    group_size: int,
+    zero_point: bool,
+    scale_search: bool,
+    gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None,
+) -> PackedExperts:
     fmt = format_for_method(method, zero_point)
     if fmt == "gguf":
         if gguf_type is None:
@@ -74,6 +94,58 @@ def pack_experts(
     return PackedExperts(
         torch.ops.kt.pack_experts(gate_proj, up_proj, down_proj, fmt, group, scale_search)
     )
+
+
+Biases = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def set_activation(
+    packed: PackedExperts | torch.Tensor,
+    swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 0.0,
+    biases: Biases | None = None,
+) -> PackedExperts:
+    """The layer's activation between gate/up and down, and its expert biases, for any format.
+
+    Chosen as kt-kernel chooses it, by two numbers (``g``, ``u``: gate and up outputs,
+    biases included):
+
+    - ``swiglu_alpha == 0, swiglu_limit == 0``: ``h = silu(g) * u`` (the default);
+    - ``swiglu_alpha == 0, swiglu_limit = L > 0``: ``g = min(g, L)``,
+      ``u = clamp(u, -L, L)``, ``h = silu(g) * u`` (DeepSeek-V4);
+    - ``swiglu_alpha = a > 0``: if ``L > 0``, ``g = min(g, L)`` and ``u = clamp(u, -L, L)``;
+      ``h = g * sigmoid(a * g) * (u + 1)`` (gpt-oss: ``a = 1.702, L = 7``). The gate is
+      clamped from above only, as gpt-oss and transformers define it (kt-kernel also
+      clamps it from below at ``-L``).
+
+    Args:
+        packed: a layer of any format (a :class:`PackedExperts` or its ``data``).
+        swiglu_limit, swiglu_alpha: finite, ``>= 0``.
+        biases: ``(gate_bias [E, I], up_bias [E, I], down_bias [E, H])``, any float dtype
+            (stored as fp32), each may be ``None`` (zero). Gate and up biases are added
+            before the activation, down's before the routing weight. ``None``: no biases.
+
+    Returns:
+        ``packed`` itself when it already holds exactly this (no activation, no biases
+        asked and none held); otherwise a new :class:`PackedExperts` with the same weights
+        (copied; a memory-mapped GGUF layer becomes resident) and the activation in its
+        header (version 2: builds before these fields refuse it rather than computing
+        plain SwiGLU). Raises ``ValueError`` for negative or non-finite numbers and for a
+        bias of the wrong shape or dtype.
+    """
+    if not isinstance(packed, PackedExperts):
+        packed = PackedExperts(packed)
+    if biases is not None:
+        if not isinstance(biases, (tuple, list)) or len(biases) != 3:
+            raise ValueError("biases must be a (gate_bias, up_bias, down_bias) tuple; any entry may be None")
+        if all(b is None for b in biases):
+            biases = None
+    if swiglu_limit == 0 and swiglu_alpha == 0 and biases is None and not packed.has_biases \
+            and packed.swiglu_limit == 0 and packed.swiglu_alpha == 0:
+        return packed
+    gate_bias, up_bias, down_bias = biases if biases is not None else (None, None, None)
+    return PackedExperts(_C.set_activation(packed.data, float(swiglu_limit), float(swiglu_alpha),
+                                           gate_bias, up_bias, down_bias))
 
 
 FP8_METHODS: dict[str, str] = {"FP8": "fp8", "FP8_PERCHANNEL": "fp8_perchannel", "MXFP8": "mxfp8"}
@@ -120,7 +192,8 @@ def moe_forward(
     """Routed-experts MoE forward on the CPU.
 
     ``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
-    ``e = topk_ids[t, j]``; slots with id ``-1`` are skipped.
+    ``e = topk_ids[t, j]``; slots with id ``-1`` are skipped. A layer packed with another
+    activation or expert biases (:func:`set_activation`) computes that instead.
 
     Args:
         hidden_states: ``[T, H]`` bf16, fp16 or fp32, contiguous, CPU.

@@ -68,6 +68,21 @@ class PackedExperts:
     def nbytes(self) -> int:
         return self._info["nbytes"]
 
+    @property
+    def swiglu_limit(self) -> float:
+        """The activation's clamp ``L`` (0: none); see :func:`kt_ops.set_activation`."""
+        return self._info["swiglu_limit"]
+
+    @property
+    def swiglu_alpha(self) -> float:
+        """The alpha-SwiGLU's ``alpha`` (0: ``silu(g) * u``); see :func:`kt_ops.set_activation`."""
+        return self._info["swiglu_alpha"]
+
+    @property
+    def has_biases(self) -> bool:
+        """Whether the blob holds gate, up and down expert biases."""
+        return self._info["biases"]
+
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """``{"packed": data}``: the tensors to store (e.g. with safetensors)."""
         return {_TENSOR_KEY: self.data}

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kt_ops.ops import pack_experts, pack_fp8_experts
+from kt_ops.ops import Biases, pack_experts, pack_fp8_experts, set_activation
 from kt_ops.packed import PackedExperts
 
 if TYPE_CHECKING:
@@ -40,6 +40,29 @@ def pack_parts(
         pack_experts(gate[:, a:b], up[:, a:b], down[:, :, a:b].contiguous(), method=method, **pack_args)
         for a, b in part_bounds(int(gate.shape[1]), parts)
     ]
+
+
+def activate_parts(
+    parts: list[PackedExperts], swiglu_limit: float, swiglu_alpha: float, biases: Biases | None
+) -> list[PackedExperts]:
+    """The layer's activation and biases (:func:`kt_ops.set_activation`) on each part.
+
+    ``biases`` hold the whole layer (``[E, I]``, ``[E, I]``, ``[E, H]`` in the parts' expert
+    order): gate and up biases are split with the parts' rows; down's bias goes to part 0
+    only, since the parts' outputs are summed. With the default activation and no biases
+    the parts are returned as they are (keeping what a loaded part's header holds).
+    """
+    if swiglu_limit == 0 and swiglu_alpha == 0 and (biases is None or all(b is None for b in biases)):
+        return parts
+    gate, up, down = biases if biases is not None else (None, None, None)
+    I = sum(part.intermediate_size for part in parts)
+    out = []
+    for index, (a, b) in enumerate(part_bounds(I, len(parts))):
+        part_biases = (None if gate is None else gate[:, a:b], None if up is None else up[:, a:b],
+                       down if index == 0 else None)
+        out.append(set_activation(parts[index], swiglu_limit, swiglu_alpha,
+                                  None if all(x is None for x in part_biases) else part_biases))
+    return out
 
 
 def _rows(scale: torch.Tensor, kind: str, rows: int) -> torch.Tensor:

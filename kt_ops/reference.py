@@ -17,6 +17,9 @@ def moe_forward(
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     quantize_activations: bool | tuple[int | str | None, int | str | None, int | str | None] = False,
+    swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 0.0,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Reference MoE forward in fp32.
 
@@ -33,10 +36,15 @@ def moe_forward(
             matrix multiplies, as the GGUF kernels use them: ``None`` unquantized, ``0``
             one scale per row, ``32`` / ``256`` one per block, ``"bf16"`` rounded to
             bf16 (the GGUF tile path).
+        swiglu_limit, swiglu_alpha: the activation (:func:`glu`).
+        biases: ``(gate_bias [E, I], up_bias [E, I], down_bias [E, H])``, entries may be
+            ``None``; gate/up biases are added before the activation, down's before the
+            routing weight.
 
     Returns:
-        ``[T, H]`` float32: ``sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``.
+        ``[T, H]`` float32: ``sum_j w[t, j] * down_e(act(gate_e(x_t), up_e(x_t)))``.
     """
+    gate_bias, up_bias, down_bias = biases if biases is not None else (None, None, None)
     x = hidden_states.float()
     if isinstance(quantize_activations, tuple):
         blocks = quantize_activations
@@ -54,10 +62,53 @@ def moe_forward(
         tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
         h = x[tokens]
         gate = quantized(h, blocks[0]) @ gate_proj[expert].float().T
-        inter = F.silu(gate) * (quantized(h, blocks[1]) @ up_proj[expert].float().T)
+        up = quantized(h, blocks[1]) @ up_proj[expert].float().T
+        if gate_bias is not None:
+            gate = gate + gate_bias[expert].float()
+        if up_bias is not None:
+            up = up + up_bias[expert].float()
+        inter = glu(gate, up, swiglu_limit, swiglu_alpha)
         y = quantized(inter, blocks[2]) @ down_proj[expert].float().T
+        if down_bias is not None:
+            y = y + down_bias[expert].float()
         out.index_add_(0, tokens, y * weights[tokens, slots, None])
     return out
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float = 0.0, swiglu_alpha: float = 0.0) -> torch.Tensor:
+    """The activation between gate/up and down, in fp32 (:func:`kt_ops.set_activation`).
+
+    ``L = swiglu_limit > 0``: ``gate = min(gate, L)``, ``up = clamp(up, -L, L)``. Then
+    ``silu(gate) * up`` (``swiglu_alpha == 0``) or ``gate * sigmoid(alpha * gate) * (up + 1)``.
+    NaN stays NaN (``torch.clamp`` propagates it).
+    """
+    gate, up = gate.float(), up.float()
+    if swiglu_limit > 0:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    if swiglu_alpha > 0:
+        return gate * torch.sigmoid(swiglu_alpha * gate) * (up + 1)
+    return F.silu(gate) * up
+
+
+def activation_of(packed: torch.Tensor) -> dict:
+    """A blob's activation as keyword arguments of :func:`moe_forward`: ``swiglu_limit``,
+    ``swiglu_alpha`` and ``biases`` (fp32 ``[E, I]``, ``[E, I]``, ``[E, H]``, or ``None``),
+    read from the bias region the header points to (docs/formats.md "Activation")."""
+    from kt_ops._native import _C
+
+    info = _C.packed_info(packed)
+    result = {"swiglu_limit": info["swiglu_limit"], "swiglu_alpha": info["swiglu_alpha"], "biases": None}
+    if info["biases"]:
+        E, H, I = info["num_experts"], info["hidden_size"], info["intermediate_size"]
+        I16, H16 = (I + 15) // 16 * 16, (H + 15) // 16 * 16
+        at = info["bias_offset"]
+        floats = packed[at:at + E * (2 * I16 + H16) * 4].view(torch.float32)
+        gate = floats[:E * I16].view(E, I16)[:, :I]
+        up = floats[E * I16:2 * E * I16].view(E, I16)[:, :I]
+        down = floats[2 * E * I16:].view(E, H16)[:, :H]
+        result["biases"] = (gate.clone(), up.clone(), down.clone())
+    return result
 
 
 def fake_quantize_activations(x: torch.Tensor, block_size: int = 0) -> torch.Tensor:

@@ -18,6 +18,7 @@
 #include "../cpu/isa/cpu_variant.h"
 #include "checks.h"
 #include "gguf_blob.h"
+#include "glu_blob.h"
 #include "packed_blob.h"
 #include "torch_thread_team.h"
 #ifdef KT_OPS_WITH_CUDA
@@ -44,6 +45,10 @@ py::dict packed_info(const at::Tensor& packed) {
   info["group_size"] = layout.shape.group_size;
   info["numa_parts"] = layout.shape.numa_parts;
   info["nbytes"] = layout.total_bytes;
+  info["swiglu_limit"] = layout.shape.glu.swiglu_limit;
+  info["swiglu_alpha"] = layout.shape.glu.swiglu_alpha;
+  info["biases"] = layout.shape.glu.biases;
+  info["bias_offset"] = layout.bias_offset;
   if (layout.shape.format == cpu::PackedFormat::kGguf) {
     py::list types, offsets;
     for (int m = 0; m < 3; ++m) {
@@ -224,6 +229,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_type", &ggml_type);
   m.def("map_gguf_experts", &map_gguf_experts);
   m.def("gguf_experts_from_blocks", &gguf_experts_from_blocks);
+  m.def("set_activation", &set_activation, py::arg("packed"), py::arg("swiglu_limit") = 0.0,
+        py::arg("swiglu_alpha") = 0.0, py::arg("gate_bias") = py::none(), py::arg("up_bias") = py::none(),
+        py::arg("down_bias") = py::none());
   m.def("kernel_name", &kernel_name);
   m.def("format_table", &format_table);
   m.def("ggml_type_table", &ggml_type_table);

@@ -11,6 +11,7 @@ output of the layer with ``layer_idx + 1`` (construct the last layer with ``d = 
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -29,7 +30,8 @@ from kt_ops.formats import format_for_method
 from kt_ops.gguf_loader import gguf_files, load_gguf_experts
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.packed import PackedExperts
-from kt_ops.parts import FP8_KIND_METHODS, pack_fp8_parts, pack_parts, part_bounds
+from kt_ops.ops import Biases
+from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_parts, part_bounds
 from kt_ops.wrappers.wrapper_cuda import capture_call_sizes, experts_on_device, resolve_stream, route_table
 
 
@@ -88,6 +90,11 @@ class KTMoEWrapper:
         numa_nodes: accepted for compatibility; its length must equal threadpool_count.
         num_gpu_experts: instead of a mask: slots ``[0, n)`` run on the GPU.
         group_size: INT4 k-group for online quantization (default 128).
+        swiglu_limit, swiglu_alpha: the layer's activation, as kt-kernel's keywords
+            (:func:`kt_ops.set_activation`): ``silu(g) * u`` by default, clamped at
+            ``swiglu_limit`` (DeepSeek-V4: 10), alpha-SwiGLU with ``swiglu_alpha``
+            (gpt-oss: 1.702, limit 7). Every method takes them (kt-kernel: MXFP4/MXFP8 only).
+            Expert biases come with ``load_weights_from_tensors(..., biases=)``.
 
     Raises:
         ValueError: an invalid argument, with the reason.
@@ -120,6 +127,8 @@ class KTMoEWrapper:
         *,
         num_gpu_experts: int | None = None,
         group_size: int = 128,
+        swiglu_limit: float = 0.0,
+        swiglu_alpha: float = 0.0,
     ) -> None:
         for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),
                             ("num_experts_per_tok", num_experts_per_tok), ("hidden_size", hidden_size),
@@ -139,6 +148,9 @@ class KTMoEWrapper:
         if chunked_prefill_size is not None and chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be positive or None, got {chunked_prefill_size}")
         part_bounds(moe_intermediate_size, threadpool_count)  # ValueError unless it divides I
+        for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value!r}")
         self.layer_idx = layer_idx
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
@@ -152,6 +164,8 @@ class KTMoEWrapper:
         self.max_deferred_experts_per_token = max_deferred_experts_per_token
         self.method = method.upper()
         self.group_size = group_size
+        self.swiglu_limit = float(swiglu_limit)
+        self.swiglu_alpha = float(swiglu_alpha)
         self.source_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._parts: list[PackedExperts] = []
         self._route = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, -1 on the GPU
@@ -194,18 +208,21 @@ class KTMoEWrapper:
             raise ValueError(f"physical_to_logical_map values must be in [0, {logical}) (the experts the weights hold)")
         return mapping
 
-    def _set_packed(self, parts: list[PackedExperts], route: torch.Tensor) -> None:
+    def _set_packed(self, parts: list[PackedExperts], route: torch.Tensor, biases: Biases | None = None) -> None:
+        """Installs the CPU experts' parts (``route``: physical slot -> packed expert), with
+        the wrapper's activation and ``biases`` (packed expert order) applied to them."""
         for packed in parts:
             if (packed.hidden_size, packed.intermediate_size * len(parts)) != (self.hidden_size, self.moe_intermediate_size):
                 raise ValueError(f"layer {self.layer_idx}: weights are H={packed.hidden_size}, "
                                  f"I={packed.intermediate_size * len(parts)}; the wrapper was built for "
                                  f"H={self.hidden_size}, I={self.moe_intermediate_size}")
-        self._parts = parts
+        self._parts = activate_parts(parts, self.swiglu_limit, self.swiglu_alpha, biases)
         self._route = torch.where(self.gpu_experts_mask, -1, route).to(torch.int32)
         self._tables = {}
 
-    def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        """Packs the CPU slots' experts (``gate/up/down`` hold those, in slot order)."""
+    def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                          biases: Biases | None = None) -> None:
+        """Packs the CPU slots' experts (``gate/up/down`` and ``biases`` hold those, in slot order)."""
         if self.format == "gguf":
             raise ValueError("method LLAMAFILE loads GGUF files (weight_path); online quantization into GGUF "
                              "is kt_ops.pack_experts(..., method='LLAMAFILE', gguf_type=...)")
@@ -214,7 +231,7 @@ class KTMoEWrapper:
         route = torch.full((self.num_experts,), -1, dtype=torch.long)
         route[cpu_slots] = torch.arange(cpu_slots.numel())
         parts = pack_parts(gate, up, down, self.method, self.threadpool_count, **pack_args) if cpu_slots.numel() else []
-        self._set_packed(parts, route)
+        self._set_packed(parts, route, biases)
         self.source_weights = (gate, up, down) if self.cpu_save else None
 
     def load_weights_from_tensors(
@@ -223,16 +240,28 @@ class KTMoEWrapper:
         up_proj: torch.Tensor,
         down_proj: torch.Tensor,
         physical_to_logical_map: torch.Tensor | Sequence[int] | None = None,
+        *,
+        biases: Biases | None = None,
     ) -> None:
         """Packs (quantizes, for INT8/INT4) logical-order ``gate_proj [E', I, H]``,
-        ``up_proj [E', I, H]``, ``down_proj [E', H, I]`` (bf16/fp16/fp32) for the CPU slots."""
+        ``up_proj [E', I, H]``, ``down_proj [E', H, I]`` (bf16/fp16/fp32) for the CPU slots.
+        ``biases``: optional logical-order ``(gate_bias [E', I], up_bias [E', I],
+        down_bias [E', H])``, entries may be None (:func:`kt_ops.set_activation`)."""
         expected = ((self.moe_intermediate_size, self.hidden_size),) * 2 + ((self.hidden_size, self.moe_intermediate_size),)
         for name, tensor, shape in zip(("gate_proj", "up_proj", "down_proj"), (gate_proj, up_proj, down_proj), expected):
             if tensor.dim() != 3 or tuple(tensor.shape[1:]) != shape:
                 raise ValueError(f"{name} must be [E, {shape[0]}, {shape[1]}], got {tuple(tensor.shape)}")
         mapping = self._physical_map(physical_to_logical_map, int(gate_proj.shape[0]))
         cpu = mapping[~self.gpu_experts_mask]
-        self._pack_cpu_experts(gate_proj[cpu].cpu(), up_proj[cpu].cpu(), down_proj[cpu].cpu())
+        if biases is not None:
+            if not isinstance(biases, (tuple, list)) or len(biases) != 3:
+                raise ValueError("biases must be a (gate_bias, up_bias, down_bias) tuple; any entry may be None")
+            for name, bias, width in zip(("gate_bias", "up_bias", "down_bias"), biases,
+                                         (self.moe_intermediate_size,) * 2 + (self.hidden_size,)):
+                if bias is not None and (bias.dim() != 2 or tuple(bias.shape) != (gate_proj.shape[0], width)):
+                    raise ValueError(f"{name} must be [{gate_proj.shape[0]}, {width}], got {tuple(bias.shape)}")
+            biases = tuple(None if b is None else b[cpu].cpu() for b in biases)
+        self._pack_cpu_experts(gate_proj[cpu].cpu(), up_proj[cpu].cpu(), down_proj[cpu].cpu(), biases)
 
     def load_weights(self, physical_to_logical_map: torch.Tensor | Sequence[int] | None = None) -> None:
         """Loads this layer from ``weight_path``: a converted directory (memory-mapped), a

@@ -20,7 +20,10 @@ struct Field {
                           kIntermediate = 24, kGroupSize = 28, kNumaParts = 32,
                           kGateUpOffset = 40, kGateUpExpertBytes = 48, kDownOffset = 56,
                           kDownExpertBytes = 64, kTotalBytes = 72, kGgufTypes = 80,
-                          kMatrixOffsets = 96, kMatrixExpertBytes = 120, kChecksum = 248;
+                          kMatrixOffsets = 96, kMatrixExpertBytes = 120, kGluFlags = 144,
+                          kSwigluLimit = 148, kSwigluAlpha = 152, kBiasOffset = 160, kChecksum = 248;
+  static constexpr uint32_t kHasBiases = 1;  // kGluFlags bit
+
 };
 
 template <typename T>
@@ -81,7 +84,24 @@ void check_int_shape(const PackedShape& shape) {
                                 std::to_string(shape.intermediate_size));
 }
 
+// The activation's two numbers: finite and >= 0 (0: off).
+void check_glu(const GluSpec& glu) {
+  const auto ok = [](float v) { return v >= 0.0f && v <= 3.0e38f; };  // false for NaN, inf
+  if (!ok(glu.swiglu_limit) || !ok(glu.swiglu_alpha))
+    throw std::invalid_argument("swiglu_limit and swiglu_alpha must be finite and >= 0 (0: off), got limit " +
+                                std::to_string(glu.swiglu_limit) + ", alpha " + std::to_string(glu.swiglu_alpha));
+}
+
+uint64_t round_up64(uint64_t v) { return (v + 63) / 64 * 64; }
+
 }  // namespace
+
+uint64_t glu_bias_bytes(const PackedShape& shape) {
+  if (!shape.glu.biases) return 0;
+  const uint64_t I16 = (uint64_t{shape.intermediate_size} + 15) / 16 * 16,
+                 H16 = (uint64_t{shape.hidden_size} + 15) / 16 * 16;
+  return uint64_t{shape.num_experts} * (2 * I16 + H16) * sizeof(float);
+}
 
 PackedLayout packed_layout(const PackedShape& shape) {
   if (shape.num_experts == 0 || shape.hidden_size == 0 || shape.intermediate_size == 0)
@@ -95,6 +115,7 @@ PackedLayout packed_layout(const PackedShape& shape) {
   if (shape.numa_parts != 1)
     throw std::invalid_argument("numa_parts other than 1 is not supported yet, got " +
                                 std::to_string(shape.numa_parts));
+  check_glu(shape.glu);
   if (shape.format == PackedFormat::kGguf) {
     // Canonical placement: gate, up, down one after the other, each 64-byte aligned.
     uint64_t offsets[3], at = kPackedHeaderBytes;
@@ -102,9 +123,10 @@ PackedLayout packed_layout(const PackedShape& shape) {
     const uint64_t rows[3] = {I, I, H}, cols[3] = {H, H, I};
     for (int m = 0; m < 3; ++m) {
       offsets[m] = at;
-      at += (E * rows[m] * ggml_row_bytes(shape.gguf_types[m], cols[m], gguf_matrix_name(m)) + 63) / 64 * 64;
+      at += round_up64(E * rows[m] * ggml_row_bytes(shape.gguf_types[m], cols[m], gguf_matrix_name(m)));
     }
-    return gguf_layout(shape, offsets, at);
+    const uint64_t bias_offset = shape.glu.biases ? at : 0;
+    return gguf_layout(shape, offsets, at + glu_bias_bytes(shape), bias_offset);
   }
   PackedLayout layout;
   layout.shape = shape;
@@ -143,13 +165,26 @@ PackedLayout packed_layout(const PackedShape& shape) {
   layout.gate_up_offset = kPackedHeaderBytes;
   layout.down_offset = layout.gate_up_offset + shape.num_experts * layout.gate_up_expert_bytes;
   layout.total_bytes = layout.down_offset + shape.num_experts * layout.down_expert_bytes;
+  if (shape.glu.biases) {
+    layout.bias_offset = round_up64(layout.total_bytes);
+    layout.total_bytes = layout.bias_offset + glu_bias_bytes(shape);
+  }
   return layout;
 }
 
-PackedLayout gguf_layout(const PackedShape& shape, const uint64_t offsets[3], uint64_t total_bytes) {
+PackedLayout gguf_layout(const PackedShape& shape, const uint64_t offsets[3], uint64_t total_bytes,
+                         uint64_t bias_offset) {
   if (shape.group_size != 0)
     throw std::invalid_argument("format gguf has no groups; group_size must be 0, got " +
                                 std::to_string(shape.group_size));
+  check_glu(shape.glu);
+  const uint64_t bias_bytes = glu_bias_bytes(shape);
+  if (shape.glu.biases ? (bias_offset < kPackedHeaderBytes || bias_offset % 4 != 0 || bias_offset > total_bytes ||
+                          bias_bytes > total_bytes - bias_offset)
+                       : bias_offset != 0)
+    throw std::invalid_argument("packed experts: gguf biases at offset " + std::to_string(bias_offset) + " (" +
+                                std::to_string(bias_bytes) + " bytes) lie outside the " +
+                                std::to_string(total_bytes) + "-byte blob");
   PackedLayout layout;
   layout.shape = shape;
   const uint64_t E = shape.num_experts, H = shape.hidden_size, I = shape.intermediate_size;
@@ -161,9 +196,12 @@ PackedLayout gguf_layout(const PackedShape& shape, const uint64_t offsets[3], ui
                                   " at offset " + std::to_string(offsets[m]) + " (" +
                                   std::to_string(E * bytes) + " bytes) lies outside the " +
                                   std::to_string(total_bytes) + "-byte blob");
+    if (bias_bytes != 0 && bias_offset < offsets[m] + E * bytes && offsets[m] < bias_offset + bias_bytes)
+      throw std::invalid_argument(std::string("packed experts: gguf biases overlap ") + gguf_matrix_name(m));
     layout.matrix_offset[m] = offsets[m];
     layout.matrix_expert_bytes[m] = bytes;
   }
+  layout.bias_offset = bias_offset;
   layout.gate_up_offset = offsets[kGgufGate];
   layout.gate_up_expert_bytes = layout.matrix_expert_bytes[kGgufGate];
   layout.down_offset = offsets[kGgufDown];
@@ -175,7 +213,7 @@ PackedLayout gguf_layout(const PackedShape& shape, const uint64_t offsets[3], ui
 void write_packed_header(const PackedLayout& layout, uint8_t* blob) {
   std::memset(blob, 0, kPackedHeaderBytes);
   std::memcpy(blob + Field::kMagic, kPackedMagic, sizeof(kPackedMagic));
-  put<uint32_t>(blob, Field::kVersion, kPackedVersion);
+  put<uint32_t>(blob, Field::kVersion, layout.shape.glu.is_default() ? kPackedVersion : kPackedGluVersion);
   put<uint32_t>(blob, Field::kFormat, static_cast<uint32_t>(layout.shape.format));
   put<uint32_t>(blob, Field::kExperts, layout.shape.num_experts);
   put<uint32_t>(blob, Field::kHidden, layout.shape.hidden_size);
@@ -192,6 +230,10 @@ void write_packed_header(const PackedLayout& layout, uint8_t* blob) {
     put<uint64_t>(blob, Field::kMatrixOffsets + 8 * m, layout.matrix_offset[m]);
     put<uint64_t>(blob, Field::kMatrixExpertBytes + 8 * m, layout.matrix_expert_bytes[m]);
   }
+  put<uint32_t>(blob, Field::kGluFlags, layout.shape.glu.biases ? Field::kHasBiases : 0);
+  put<float>(blob, Field::kSwigluLimit, layout.shape.glu.swiglu_limit);
+  put<float>(blob, Field::kSwigluAlpha, layout.shape.glu.swiglu_alpha);
+  put<uint64_t>(blob, Field::kBiasOffset, layout.bias_offset);
   put<uint64_t>(blob, Field::kChecksum, header_checksum(blob));
 }
 
@@ -202,9 +244,9 @@ PackedLayout read_packed_header(const uint8_t* blob, size_t blob_bytes) {
   if (std::memcmp(blob, kPackedMagic, sizeof(kPackedMagic)) != 0)
     corrupt("bad magic: this tensor was not made by kt_ops.pack_experts");
   const uint32_t version = get<uint32_t>(blob, Field::kVersion);
-  if (version != kPackedVersion)
-    corrupt("header version " + std::to_string(version) + ", this build reads version " +
-            std::to_string(kPackedVersion) + "; repack the weights");
+  if (version != kPackedVersion && version != kPackedGluVersion)
+    corrupt("header version " + std::to_string(version) + ", this build reads versions " +
+            std::to_string(kPackedVersion) + " and " + std::to_string(kPackedGluVersion) + "; repack the weights");
   if (get<uint64_t>(blob, Field::kChecksum) != header_checksum(blob))
     corrupt("header checksum mismatch (corrupted header)");
   PackedShape shape;
@@ -219,10 +261,19 @@ PackedLayout read_packed_header(const uint8_t* blob, size_t blob_bytes) {
     shape.gguf_types[m] = get<uint32_t>(blob, Field::kGgufTypes + 4 * m);
     offsets[m] = get<uint64_t>(blob, Field::kMatrixOffsets + 8 * m);
   }
+  const uint32_t glu_flags = get<uint32_t>(blob, Field::kGluFlags);
+  if ((glu_flags & ~Field::kHasBiases) != 0) corrupt("unknown activation flags " + std::to_string(glu_flags));
+  shape.glu.biases = (glu_flags & Field::kHasBiases) != 0;
+  shape.glu.swiglu_limit = get<float>(blob, Field::kSwigluLimit);
+  shape.glu.swiglu_alpha = get<float>(blob, Field::kSwigluAlpha);
+  const uint64_t bias_offset = get<uint64_t>(blob, Field::kBiasOffset);
+  if ((version == kPackedVersion) != shape.glu.is_default())
+    corrupt("header version " + std::to_string(version) + " disagrees with its activation fields");
   const PackedLayout layout =
       shape.format == PackedFormat::kGguf
-          ? gguf_layout(shape, offsets, get<uint64_t>(blob, Field::kTotalBytes))
+          ? gguf_layout(shape, offsets, get<uint64_t>(blob, Field::kTotalBytes), bias_offset)
           : packed_layout(shape);
+  if (layout.bias_offset != bias_offset) corrupt("header bias offset disagrees with its shape");
   for (int m = 0; m < 3; ++m)
     if (layout.matrix_offset[m] != offsets[m] ||
         layout.matrix_expert_bytes[m] != get<uint64_t>(blob, Field::kMatrixExpertBytes + 8 * m))

@@ -9,10 +9,12 @@
 //                    prepares it (quantizes it, ...) and its pair rows.
 //   2. gate+up:      jobs (expert, kind of rows of the intermediate dimension): the format
 //                    computes gate and up for the expert's pairs in chunks; the activation
-//                    (act(g, u), after the format's per-pair scale) goes to the format's
+//                    (act(g, u) of the blob's GluSpec, glu.h, after the format's per-pair
+//                    scale and the expert's gate/up biases) goes to the format's
 //                    intermediate rows.
 //   2b.              the format prepares the intermediate rows for down (quantize, pad).
-//   3. down:         jobs (expert, rows of the hidden dimension) -> fp32 [P, H16].
+//   3. down:         jobs (expert, rows of the hidden dimension) -> fp32 [P, H16]; with
+//                    biases, each row is scaled (format's down scale) and biased here.
 //   4. combine:      out[t] = sum_j w[t, j] * down_scale[p] * down_out[p], p = pair(t, j).
 // A format policy (bf16/bf16_format.h, quant/quant_format.h, gguf/gguf_format.h) says how
 // its weights are stored and multiplied on one CPU variant:
@@ -52,6 +54,7 @@
 #include "../engine/engine.h"
 #include "../engine/scratch.h"
 #include "../isa/vec_math.h"
+#include "glu.h"
 #include "moe_args.h"
 #include "moe_driver_common.h"
 #include "moe_plan.h"
@@ -68,22 +71,15 @@ struct GateUpTile {
   int64_t segment;
 };
 
-// The activation between gate/up and down: act(g, u) on fp32 vectors. SiLU-gated (SwiGLU,
-// every model so far); clamped and alpha-SwiGLU variants are further structs like it.
-struct SiluGlu {
-  template <class V>
-  static typename V::Reg apply(typename V::Reg gate, typename V::Reg up) {
-    return vec_silu_mul<V>(gate, up);
-  }
-};
-
-template <class Format, class Activation = SiluGlu>
+template <class Format>
 void moe_forward(const MoeArgs& args) {
   using V = typename Format::Vec;
   constexpr int W = V::kWidth;
   const int64_t E = args.layout.shape.num_experts, H = args.layout.shape.hidden_size,
                 I = args.layout.shape.intermediate_size, T = args.tokens, K = args.top_k;
   const int64_t I16 = round_up16(I), H16 = round_up16(H);
+  const Glu<V> glu(args.layout.shape.glu);
+  const GluBiases biases(args.layout, args.packed);
 
   // Per calling thread, reused across calls. Bound to references so the lambdas below
   // (run on helper threads) capture the caller's objects, not their own thread_locals.
@@ -130,6 +126,8 @@ void moe_forward(const MoeArgs& args) {
     for (int64_t p0 = begin; p0 < end; p0 += chunk) {
       const int64_t p1 = std::min(end, p0 + chunk);
       const GateUpTile c = format.gate_up(e, n0, n1, p0, p1);
+      const float* gate_bias = biases.gate != nullptr ? biases.gate + e * I16 + n0 : nullptr;
+      const float* up_bias = biases.up != nullptr ? biases.up + e * I16 + n0 : nullptr;
       for (int64_t p = p0; p < p1; ++p) {
         const float* g = c.gate + (p - p0) * c.ld;
         const float* u = c.up + (p - p0) * c.ld;
@@ -143,7 +141,11 @@ void moe_forward(const MoeArgs& args) {
               gv = V::mul(scale, gv);
               uv = V::mul(scale, uv);
             }
-            store_act<V>(out + s * 16 + v, Activation::template apply<V>(gv, uv));
+            if (gate_bias != nullptr) {
+              gv = V::add(gv, V::load(gate_bias + s * 16 + v));
+              uv = V::add(uv, V::load(up_bias + s * 16 + v));
+            }
+            store_act<V>(out + s * 16 + v, glu.apply(gv, uv));
           }
       }
     }
@@ -160,10 +162,18 @@ void moe_forward(const MoeArgs& args) {
     const int64_t h0 = tiles[job].first_block * int64_t{16}, h1 = std::min(H16, h0 + down_rows);
     const int64_t p0 = plan.expert_begin[e], p1 = plan.expert_begin[e + 1];
     format.down(e, h0, h1, p0, p1, down_out + p0 * H16 + h0, H16);
+    if (biases.down == nullptr) return;
+    const float* scales = format.down_scales();  // out = scale * out + bias, per pair row
+    const float* bias = biases.down + e * H16;
+    for (int64_t p = p0; p < p1; ++p) {
+      const typename V::Reg scale = V::set1(scales != nullptr ? scales[p] : 1.0f);
+      float* row = down_out + p * H16;
+      for (int64_t h = h0; h < h1; h += W) V::store(row + h, V::fma(scale, V::load(row + h), V::load(bias + h)));
+    }
   });
 
-  // 4. combine.
-  combine_outputs<V>(args, plan, weights, format.down_scales(), down_out, H16);
+  // 4. combine (the down scales already applied where biases were added).
+  combine_outputs<V>(args, plan, weights, biases.down != nullptr ? nullptr : format.down_scales(), down_out, H16);
 }
 
 }  // namespace
