@@ -94,16 +94,14 @@ void check_glu(const GluSpec& glu) {
 
 uint64_t round_up64(uint64_t v) { return (v + 63) / 64 * 64; }
 
-}  // namespace
-
-uint64_t glu_bias_bytes(const PackedShape& shape) {
-  if (!shape.glu.biases) return 0;
-  const uint64_t I16 = (uint64_t{shape.intermediate_size} + 15) / 16 * 16,
-                 H16 = (uint64_t{shape.hidden_size} + 15) / 16 * 16;
-  return uint64_t{shape.num_experts} * (2 * I16 + H16) * sizeof(float);
-}
-
-PackedLayout packed_layout(const PackedShape& shape) {
+// E, H, I >= 1 and < 2^31, one NUMA part, a valid GluSpec. Every size, count and offset
+// a layout derives from E, H and I is at most the blob's
+// bytes, which are below this bound for every format (at most 4 bytes per weight (F32)
+// plus 64 per row and per 16 k of scales, biases included). Checked once, in 128-bit
+// arithmetic, before any of them is computed, so none of the products below can wrap:
+// a header from a file can name any E, H, I < 2^31.
+constexpr unsigned __int128 kMaxBlobBytes = uint64_t{1} << 60;
+void check_shape(const PackedShape& shape) {
   if (shape.num_experts == 0 || shape.hidden_size == 0 || shape.intermediate_size == 0)
     throw std::invalid_argument("packed experts need E, H and I >= 1, got E=" +
                                 std::to_string(shape.num_experts) + " H=" +
@@ -116,6 +114,27 @@ PackedLayout packed_layout(const PackedShape& shape) {
     throw std::invalid_argument("numa_parts other than 1 is not supported yet, got " +
                                 std::to_string(shape.numa_parts));
   check_glu(shape.glu);
+  using Wide = unsigned __int128;
+  const Wide E = shape.num_experts, H = shape.hidden_size, I = shape.intermediate_size;
+  const Wide rows = 2 * (I + 16) + (H + 16), k = (H > I ? H : I) + 256;
+  const Wide bound = E * rows * (k * 8 + 64);
+  if (bound > kMaxBlobBytes)
+    throw std::invalid_argument("packed experts of E=" + std::to_string(shape.num_experts) + ", H=" +
+                                std::to_string(shape.hidden_size) + ", I=" + std::to_string(shape.intermediate_size) +
+                                " would exceed 2^60 bytes; the header or the shape is wrong");
+}
+
+}  // namespace
+
+uint64_t glu_bias_bytes(const PackedShape& shape) {
+  if (!shape.glu.biases) return 0;
+  const uint64_t I16 = (uint64_t{shape.intermediate_size} + 15) / 16 * 16,
+                 H16 = (uint64_t{shape.hidden_size} + 15) / 16 * 16;
+  return uint64_t{shape.num_experts} * (2 * I16 + H16) * sizeof(float);
+}
+
+PackedLayout packed_layout(const PackedShape& shape) {
+  check_shape(shape);
   if (shape.format == PackedFormat::kGguf) {
     // Canonical placement: gate, up, down one after the other, each 64-byte aligned.
     uint64_t offsets[3], at = kPackedHeaderBytes;
@@ -177,7 +196,7 @@ PackedLayout gguf_layout(const PackedShape& shape, const uint64_t offsets[3], ui
   if (shape.group_size != 0)
     throw std::invalid_argument("format gguf has no groups; group_size must be 0, got " +
                                 std::to_string(shape.group_size));
-  check_glu(shape.glu);
+  check_shape(shape);
   const uint64_t bias_bytes = glu_bias_bytes(shape);
   if (shape.glu.biases ? (bias_offset < kPackedHeaderBytes || bias_offset % 4 != 0 || bias_offset > total_bytes ||
                           bias_bytes > total_bytes - bias_offset)

@@ -1,0 +1,141 @@
+"""Hostile and unlucky inputs: the place new cases go.
+
+Each case is what a downloaded file, a careless caller or an attacker can hand kt_ops;
+the contract is a clear exception (``ValueError`` for bad values) or the right answer —
+never a crash, a hang or a silent wrong result. Cases that could crash the interpreter
+run in a subprocess (``python tests/test_hostile.py <case>``), so a crash fails the test
+instead of killing the run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+# Header fields (csrc/cpu/formats/packed_header.cpp, Field): (offset, bytes).
+FIELDS = [(8, 4), (12, 4), (16, 4), (20, 4), (24, 4), (28, 4), (32, 4), (40, 8), (48, 8), (56, 8), (64, 8), (72, 8),
+          (80, 4), (84, 4), (88, 4), (96, 8), (104, 8), (112, 8), (120, 8), (128, 8), (136, 8), (144, 4), (148, 4),
+          (152, 4), (160, 8)]
+EDGES = [0, 1, 2, 3, 7, 16, 31, 32, 64, 255, 256, 0x7FFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 2**32,
+         2**40 + 64, 2**60, 2**63, 2**64 - 1, 2**64 - 256, 0x7FC00000, 0xFF800000]
+
+
+def rechecksum(blob: torch.Tensor) -> None:
+    """FNV-1a over the header's first 248 bytes into bytes 248..255 (anyone can do it:
+    the checksum catches accidents, not attackers)."""
+    h = 1469598103934665603
+    for byte in blob[:248].tolist():
+        h = ((h ^ byte) * 1099511628211) & (2**64 - 1)
+    blob[248:256] = torch.tensor(list(h.to_bytes(8, "little")), dtype=torch.uint8)
+
+
+def put(blob: torch.Tensor, offset: int, size: int, value: int) -> None:
+    value &= (1 << (8 * size)) - 1
+    blob[offset:offset + size] = torch.tensor(list(value.to_bytes(size, "little")), dtype=torch.uint8)
+
+
+def sample_blobs() -> dict[str, torch.Tensor]:
+    import kt_ops
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I = 3, 64, 64
+    gate, up, down = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g)
+    biases = (torch.randn(E, I, generator=g), None, torch.randn(E, H, generator=g))
+    blobs = {
+        method: kt_ops.pack_experts(gate, up, down, method=method).data
+        for method in ("BF16", "AMXINT8", "FP8", "FP8_PERCHANNEL", "MXFP8")
+    }
+    blobs["AMXINT4"] = kt_ops.pack_experts(gate, up, down, method="AMXINT4", group_size=32).data
+    blobs["AMXINT4-zp"] = kt_ops.pack_experts(gate, up, down, method="AMXINT4", group_size=32, zero_point=True).data
+    blobs["Q4_K"] = kt_ops.pack_experts(torch.randn(E, I, 256), torch.randn(E, I, 256), torch.randn(E, 256, I),
+                                        method="LLAMAFILE", gguf_type="Q8_0").data
+    blobs["BF16-glu"] = kt_ops.pack_experts(gate, up, down, method="BF16", swiglu_limit=7.0, swiglu_alpha=1.7,
+                                            biases=biases).data
+    blobs["Q8_0-glu"] = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="Q8_0", biases=biases).data
+    return blobs
+
+
+def fuzz_headers() -> int:
+    """Every header field of every format set to every edge value (checksum recomputed):
+    constructing the blob raises ValueError or succeeds, and a blob that is accepted runs."""
+    import kt_ops
+
+    accepted = refused = 0
+    for name, blob in sample_blobs().items():
+        for offset, size in FIELDS:
+            for value in EDGES:
+                forged = blob.clone()
+                put(forged, offset, size, value)
+                rechecksum(forged)
+                try:
+                    packed = kt_ops.PackedExperts(forged)
+                except ValueError:
+                    refused += 1
+                    continue
+                accepted += 1
+                T, K = 3, min(2, packed.num_experts)
+                x = torch.randn(T, packed.hidden_size)
+                ids = torch.randint(0, packed.num_experts, (T, K))
+                out = kt_ops.moe_forward(x, ids, torch.rand(T, K), packed)
+                assert out.shape == (T, packed.hidden_size), (name, offset, value)
+    print(f"accepted {accepted} refused {refused}")
+    return 0
+
+
+def run_case(case: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(Path(__file__)), case], capture_output=True, text=True, timeout=600,
+                          cwd=HERE.parent)
+
+
+def test_header_fuzz_raises_only_value_errors() -> None:
+    result = run_case("fuzz_headers")
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    accepted, refused = (int(v) for v in result.stdout.split()[1::2])
+    assert refused > 1000 and accepted > 0  # the mutations reached the checks
+
+
+def test_sizes_that_wrap_around_are_refused(tmp_path: Path) -> None:
+    """A 256-byte blob whose E * expert bytes wraps around 2^64, saved as a file and
+    opened (issue 23, case 1): a ValueError, not a crash."""
+    result = run_case("wrapping_sizes")
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    assert "refused" in result.stdout
+
+
+def wrapping_sizes() -> int:
+    import tempfile
+
+    import kt_ops
+
+    blob = sample_blobs()["BF16"][:256].clone()
+    # H = I = 2^31 - 1, E chosen so that the product wraps to a small number mod 2^64
+    for E, H, I in [(0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF), (1 << 30, 0x40000000, 0x40000000), (16, 1 << 30, 1 << 30)]:
+        forged = blob.clone()
+        put(forged, 16, 4, E)
+        put(forged, 20, 4, H)
+        put(forged, 24, 4, I)
+        put(forged, 72, 8, 256)  # total bytes: the blob's own size
+        rechecksum(forged)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "layer.safetensors"
+            from safetensors.torch import save_file
+
+            from kt_ops.packed import _METADATA
+
+            save_file({"packed": forged}, str(path), metadata=_METADATA)
+            try:
+                kt_ops.PackedExperts.load(str(path))
+            except ValueError as error:
+                assert "exceed" in str(error) or "disagree" in str(error), error
+                print("refused", E, H, I)
+                continue
+            raise AssertionError(f"accepted E={E} H={H} I={I}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(globals()[sys.argv[1]]())
