@@ -199,6 +199,45 @@ def test_deferred_experts_go_to_the_next_layer(checkpoint, weights):
     assert rel_err(out1 + out2, expected(x, ids, w, weights[1]) + expected(x2, ids, w, weights[2])) <= 1e-2
 
 
+def test_deferred_results_stay_in_their_model(checkpoint, weights):
+    """Two models built one after the other, run interleaved: model A's layer-1 deferred
+    experts go to A's layer 2 only, never to B's (issue 23, case 6)."""
+    x, ids, w = inputs(4, seed=3)
+    a1, a2 = wrapper(checkpoint, 1, max_deferred_experts_per_token=1), wrapper(checkpoint, 2)
+    b1, b2 = wrapper(checkpoint, 1), wrapper(checkpoint, 2)
+    assert a1.deferral_group is a2.deferral_group and b1.deferral_group is b2.deferral_group
+    assert a1.deferral_group is not b1.deferral_group
+    for wr in (a1, a2, b1, b2):
+        wr.load_weights()
+    x2 = torch.randn(4, H)
+    a1.forward(x, ids, w)
+    out_b2 = b2.forward(x2, ids, w)  # B has nothing deferred
+    assert rel_err(out_b2, expected(x2, ids, w, weights[2])) <= 1e-2
+    immediate, deferred = deferred_split(ids, w, K - 1)
+    out_a2 = a2.forward(x2, ids, w)
+    assert rel_err(out_a2, expected(x2, ids, w, weights[2]) + expected(x, deferred, w, weights[1])) <= 1e-2
+    # an explicit group joins wrappers whatever their construction order
+    group = object()
+    c2, c1 = wrapper(checkpoint, 2, deferral_group=group), wrapper(checkpoint, 1, deferral_group=group)
+    assert c1.deferral_group is c2.deferral_group is group
+
+
+@pytest.mark.parametrize("bad", ["minus5", "float", "big"])
+def test_wrapper_ids_checked_as_moe_forward_checks_them(checkpoint, bad):
+    """ids below -1, float ids and ids >= E are refused, not skipped or truncated (issue 23, case 5)."""
+    wr = wrapper(checkpoint, 1)
+    wr.load_weights()
+    x, ids, w = inputs(3)
+    if bad == "minus5":
+        ids[1, 0] = -5
+    elif bad == "big":
+        ids[0, 0] = E
+    else:
+        ids = ids.float() + 0.7
+    with pytest.raises(ValueError, match="topk_ids"):
+        wr.forward(x, ids, w)
+
+
 def test_submit_sync_interleaved_across_layers(checkpoint, weights):
     layers = [wrapper(checkpoint, L) for L in (1, 2)]
     for wr in layers:

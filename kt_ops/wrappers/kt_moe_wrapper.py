@@ -90,6 +90,11 @@ class KTMoEWrapper:
         numa_nodes: accepted for compatibility; its length must equal threadpool_count.
         num_gpu_experts: instead of a mask: slots ``[0, n)`` run on the GPU.
         group_size: INT4 k-group for online quantization (default 128).
+        deferral_group: the model this layer belongs to, for deferred experts: layer L's
+            deferred output is added to layer L + 1 of the same group only. Default: the
+            previous wrapper's group while layer indices increase, a new group otherwise
+            (so two models built one after the other never exchange results); pass one
+            object to every layer of a model to group them explicitly.
         swiglu_limit, swiglu_alpha: the layer's activation, as kt-kernel's keywords
             (:func:`kt_ops.set_activation`): ``silu(g) * u`` by default, clamped at
             ``swiglu_limit`` (DeepSeek-V4: 10), alpha-SwiGLU with ``swiglu_alpha``
@@ -101,8 +106,10 @@ class KTMoEWrapper:
     """
 
     _capture_batch_sizes: ClassVar[list[int]] = []
-    # layer -> (deferred output, tokens, the CUDA stream it was queued on or None)
-    _pending: ClassVar[dict[int, tuple[Future | torch.Tensor, int, torch.cuda.Stream | None]]] = {}
+    # (deferral group, layer) -> (deferred output, tokens, the CUDA stream it was queued on or None)
+    _pending: ClassVar[dict[tuple[object, int], tuple[Future | torch.Tensor, int, torch.cuda.Stream | None]]] = {}
+    _last_group: ClassVar[object] = None     # the group of the last wrapper constructed ...
+    _last_layer: ClassVar[int] = -1          # ... and its layer_idx
     _instances: ClassVar[weakref.WeakSet[KTMoEWrapper]] = weakref.WeakSet()
     _warned_no_cuda_key: ClassVar[bool] = False
     _executor: ClassVar[ThreadPoolExecutor | None] = None
@@ -129,6 +136,7 @@ class KTMoEWrapper:
         group_size: int = 128,
         swiglu_limit: float = 0.0,
         swiglu_alpha: float = 0.0,
+        deferral_group: object | None = None,
     ) -> None:
         for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),
                             ("num_experts_per_tok", num_experts_per_tok), ("hidden_size", hidden_size),
@@ -166,6 +174,7 @@ class KTMoEWrapper:
         self.group_size = group_size
         self.swiglu_limit = float(swiglu_limit)
         self.swiglu_alpha = float(swiglu_alpha)
+        self.deferral_group = self._group(deferral_group, layer_idx)
         self.source_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._parts: list[PackedExperts] = []
         self._route = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, -1 on the GPU
@@ -177,6 +186,16 @@ class KTMoEWrapper:
             set_num_threads(cpuinfer_threads)
         KTMoEWrapper._instances.add(self)
         self._reserve_capture_buffers()
+
+    @classmethod
+    def _group(cls, group: object | None, layer_idx: int) -> object:
+        """The deferral group: ``group`` if given; else the previous wrapper's while layers
+        are constructed in increasing order (one model), a new one when a layer index does
+        not increase (the next model)."""
+        if group is None:
+            group = cls._last_group if cls._last_group is not None and layer_idx > cls._last_layer else object()
+        cls._last_group, cls._last_layer = group, layer_idx
+        return group
 
     def _mask(self, mask: torch.Tensor | Sequence[bool] | None, num_gpu: int | None) -> torch.Tensor:
         E = self.num_experts
@@ -363,8 +382,9 @@ class KTMoEWrapper:
         """CPU path: fp32 ``[T, H]``, the CPU experts of ``ids`` (physical) over every part,
         summed in fp32 (the kernels take fp32 rows, so parts and deferred results are not
         rounded). Unlike the CUDA path it may synchronise, so a bad id is named here."""
-        if bool((ids >= self.num_experts).any()):
-            raise ValueError(f"topk_ids holds ids >= num_experts ({self.num_experts})")
+        if bool(((ids >= self.num_experts) | (ids < -1)).any()):
+            raise ValueError(f"topk_ids must be in [-1, num_experts = {self.num_experts}) (-1 skips a slot); got values in "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
         return experts_on_device(self._parts, x, ids, weights, self._table(x.device), self.chunked_prefill_size)
 
     @classmethod
@@ -392,7 +412,11 @@ class KTMoEWrapper:
         (reserve the batch sizes with :meth:`set_capture_batch_sizes`; run one eager
         forward before capture); deferred experts go to a side stream in eager calls (the
         next layer's sync waits for it) and stay on the stream under capture. Without the
-        CUDA key, CUDA inputs are copied to the CPU first (a warning says so once)."""
+        CUDA key, CUDA inputs are copied to the CPU first (a warning says so once).
+
+        ``topk_ids`` must be int32/int64 in ``[-1, num_experts)`` and ``topk_weights``
+        float32/bfloat16/float16, as :func:`kt_ops.moe_forward` requires (``ValueError``
+        otherwise; on the CUDA path an id out of range is reported by the next call)."""
         if not self._parts and bool((~self.gpu_experts_mask).any()):
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
         if self._inflight is not None:
@@ -402,6 +426,12 @@ class KTMoEWrapper:
         if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
             raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
                              f"[T={hidden_states.shape[0]}, K]")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        if topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"topk_weights must be float32, bfloat16 or float16, got {topk_weights.dtype}")
+        if hidden_states.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"hidden_states must be float32, bfloat16 or float16, got {hidden_states.dtype}")
         device, dtype = hidden_states.device, hidden_states.dtype
         if device.type == "cuda" and kt_ops.cuda.is_built():
             return self._submit_cuda(hidden_states, topk_ids, topk_weights, cuda_stream)
@@ -418,9 +448,10 @@ class KTMoEWrapper:
             ids, deferred = self.select_deferred_experts(ids, weights, self.num_experts_per_tok - d)
         pool = self._pool()
         future = pool.submit(self._compute, x, ids, weights)
-        previous = KTMoEWrapper._pending.pop(self.layer_idx, None)
+        previous = KTMoEWrapper._pending.pop((self.deferral_group, self.layer_idx), None)
         if deferred is not None:
-            KTMoEWrapper._pending[self.layer_idx + 1] = (pool.submit(self._compute, x, deferred, weights), x.shape[0], None)
+            KTMoEWrapper._pending[(self.deferral_group, self.layer_idx + 1)] = (
+                pool.submit(self._compute, x, deferred, weights), x.shape[0], None)
         self._inflight = _Inflight(future, previous, device, dtype)
 
     def _submit_cuda(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -442,7 +473,7 @@ class KTMoEWrapper:
                 ids, deferred = self.select_deferred_experts(ids, weights, self.num_experts_per_tok - d)
             chunk = self.chunked_prefill_size
             out = experts_on_device(self._parts, hidden_states, ids, weights, table, chunk)
-            previous = KTMoEWrapper._pending.pop(self.layer_idx, None)
+            previous = KTMoEWrapper._pending.pop((self.deferral_group, self.layer_idx), None)
         if deferred is not None:
             queue = stream if capturing else self._deferred_stream(device)
             if queue is not stream:  # eager: on a side stream, overlapping the next layer's GPU work
@@ -453,7 +484,7 @@ class KTMoEWrapper:
             # shared per shape, so two captured calls must not run concurrently.
             with torch.cuda.stream(queue):
                 later = experts_on_device(self._parts, hidden_states, deferred, weights, table, chunk)
-            KTMoEWrapper._pending[self.layer_idx + 1] = (later, hidden_states.shape[0], queue)
+            KTMoEWrapper._pending[(self.deferral_group, self.layer_idx + 1)] = (later, hidden_states.shape[0], queue)
         self._inflight = _Inflight(out, previous, device, hidden_states.dtype, stream)
 
     def _deferred_stream(self, device: torch.device) -> torch.cuda.Stream:

@@ -43,12 +43,12 @@ def packed_ids(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Physical slots ``ids [T, K]`` (-1 skips) -> packed expert ids (int32) on ids' device,
     without a host synchronisation: an id >= E maps to ``table[-1]``, an id the packed
     experts do not have, so the operator's host function reports it (on CUDA, raised by
-    the next call or :func:`kt_ops.cuda.raise_pending_error`)."""
+    the next call or :func:`kt_ops.cuda.raise_pending_error`). So does an id below -1."""
     slots = table.shape[0] - 1
     ids = ids.long()
     inside = (ids >= 0) & (ids < slots)
     mapped = torch.take(table, torch.where(inside, ids, slots))  # take: traceable with fake CUDA tensors
-    return torch.where(ids < 0, torch.full_like(mapped, -1), mapped)
+    return torch.where(ids == -1, torch.full_like(mapped, -1), mapped)  # ids < -1: table[-1], reported
 
 
 def experts_on_device(
