@@ -12,12 +12,15 @@ verified — the file re-read and compared byte for byte, and one expert's outpu
 the kernel compared with the fp32 reference on the source weights. At the end the layer
 files are merged into ``model-0000i-of-0000N.safetensors`` shards (unless
 ``--no-merge-safetensor``), ``model.safetensors.index.json``, ``kt_ops_manifest.json``
-and the source ``config.json`` are written. ``--resume-layer L`` keeps the layer files
-below L untouched (they must exist) and continues from L. See kt_ops/converted.py for the
+and the source ``config.json`` are written; every file goes to disk under a temporary name
+and is renamed, so a crash at any point loses at most the layer being written
+(kt_ops/convert_merge.py). ``--resume-layer L`` keeps the layers below L (in layer files
+or merged shards) and continues from L. The output may not be, contain or lie inside the
+input directory. See kt_ops/converted.py for the
 format. Exit status 2 for a bad argument or path (found before anything is written: the
 input is not a checkpoint, ``--layers`` matches no layer, ``--input-type`` is not what the
-tensors hold, the output holds another conversion, ...), 1 when a conversion step fails;
-the last stderr line says why.
+tensors hold, the output holds another conversion or overlaps the input, ...), 1 when a
+conversion step fails or a file cannot be read or written; the last stderr line says why.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kt_ops import reference
-from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
+from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, save_durably
+from kt_ops.converted import MANIFEST, Manifest, layer_file, layer_key
 from kt_ops.formats import format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.ops import moe_forward
@@ -133,38 +136,6 @@ def verify_layer(path: Path, layer: int, parts: list[PackedExperts], gate: torch
                               f"(bound {VERIFY_BOUND[method]}); the written weights are wrong")
 
 
-def write_index(out: Path, files: dict[str, str], nbytes: int) -> None:
-    index = {"metadata": {"total_size": nbytes}, "weight_map": files}
-    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def merge_layers(out: Path, layers: list[int], parts: int) -> dict[str, str]:
-    """Layer files -> shards of up to MAX_SHARD_BYTES; returns key -> shard name."""
-    groups: list[list[int]] = [[]]
-    size = 0
-    for layer in layers:
-        nbytes = (out / layer_file(layer)).stat().st_size
-        if groups[-1] and size + nbytes > MAX_SHARD_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(layer)
-        size += nbytes
-    weight_map = {}
-    for i, group in enumerate(groups):
-        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {}
-        for layer in group:
-            with safe_open(os.fspath(out / layer_file(layer)), framework="pt") as handle:
-                for part in range(parts):
-                    tensors[layer_key(layer, part)] = handle.get_tensor(layer_key(layer, part))
-        save_file(tensors, os.fspath(out / (name + ".tmp")), metadata={"producer": "kt_ops"})
-        os.replace(out / (name + ".tmp"), out / name)
-        weight_map.update({key: name for key in tensors})
-    for layer in layers:
-        (out / layer_file(layer)).unlink()
-    return weight_map
-
-
 def convert(args: argparse.Namespace) -> Path:
     source = Path(args.input_path)
     out = Path(args.output)
@@ -179,6 +150,12 @@ def convert(args: argparse.Namespace) -> Path:
         raise UsageError(f"--group-size {args.group_size}: {fmt} takes {', '.join(map(str, sizes))}")
     if not source.is_dir():
         raise UsageError(f"--input-path {source}: {'not a directory' if source.exists() else 'no such directory'}")
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise UsageError(f"--output {out} is, contains or lies inside --input-path {source}; "
+                         "write the conversion to a separate directory")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output {out} exists and is not a directory")
     try:
         checkpoint = HfCheckpoint(source)
         moe_layers = sorted(checkpoint.moe_layers())
@@ -199,6 +176,8 @@ def convert(args: argparse.Namespace) -> Path:
     config_file = source / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     E, H, I = model_sizes(checkpoint, config, layers[0])
+    if fmt == "int4" and (H % args.group_size or I % args.group_size):
+        raise UsageError(f"--group-size {args.group_size} must divide hidden_size {H} and moe_intermediate_size {I}")
     group = args.group_size if fmt == "int4" else 0
     pack_args = {"group_size": args.group_size} if fmt == "int4" else {}
     if args.cpuinfer_threads is not None:
@@ -218,10 +197,12 @@ def convert(args: argparse.Namespace) -> Path:
         if changed:
             raise UsageError(f"--output {out}: cannot resume, the earlier run used different {', '.join(changed)}")
     todo = [L for L in layers if args.resume_layer is None or L >= args.resume_layer]
-    missing = [L for L in layers if L not in todo and not (out / layer_file(L)).is_file()]
+    kept = [L for L in layers if L not in todo]
+    found = layer_sources(out, kept, args.threadpool_count) if kept else {}
+    missing = [L for L in kept if L not in found]
     if missing:
-        raise UsageError(f"--resume-layer {args.resume_layer}: layer files missing for layers "
-                         f"{', '.join(map(str, missing))} (needs --no-merge-safetensor output)")
+        raise UsageError(f"--resume-layer {args.resume_layer}: layers {', '.join(map(str, missing))} are in no "
+                         f"layer file or shard of {out}")
     out.mkdir(parents=True, exist_ok=True)
     manifest.write(out)
     with progress_bar(len(todo)) as progress:
@@ -234,16 +215,14 @@ def convert(args: argparse.Namespace) -> Path:
                 parts = pack_parts(gate, up, down, method, args.threadpool_count, **pack_args)
             path = out / layer_file(layer)
             tensors = {layer_key(layer, p): packed.data for p, packed in enumerate(parts)}
-            save_file(tensors, os.fspath(path.with_suffix(".tmp")), metadata={"producer": "kt_ops"})
-            os.replace(path.with_suffix(".tmp"), path)
+            save_durably(tensors, path)
             verify_layer(path, layer, parts, gate, up, down, args.quant_method)
             del gate, up, down, parts, tensors
             progress.update()
-    keys = {layer_key(L, p): layer_file(L) for L in layers for p in range(args.threadpool_count)}
-    if not args.no_merge_safetensor:
-        keys = merge_layers(out, layers, args.threadpool_count)
-    nbytes = sum((out / name).stat().st_size for name in set(keys.values()))
-    write_index(out, keys, nbytes)
+    if args.no_merge_safetensor:
+        keys = index_layer_files(out, layers, args.threadpool_count)
+    else:
+        keys = merge_layers(out, layers, args.threadpool_count, MAX_SHARD_BYTES)
     if config_file.is_file():
         shutil.copyfile(config_file, out / "config.json")
     Manifest(**{**manifest.__dict__, "complete": True}).write(out)
@@ -262,7 +241,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m kt_ops.convert") 
         parser.print_usage(sys.stderr)
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
-    except (ConversionError, KeyError, ValueError, FileNotFoundError) as error:
+    except (ConversionError, KeyError, ValueError, OSError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 1

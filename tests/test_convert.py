@@ -121,6 +121,77 @@ def test_resume_keeps_written_layers(tmp_path, checkpoint, capsys):
     assert run(*base[:-1], "--quant-method", "int4", "--resume-layer", 2) == 2  # different settings
 
 
+@pytest.mark.parametrize("crash_at", ["shard_write", "shard_rename", "index", "layer_delete"])
+def test_a_crash_in_the_merge_resumes(tmp_path, checkpoint, monkeypatch, crash_at):
+    """A crash at each step of the merge leaves a directory --resume-layer completes, with
+    the same weights as an uninterrupted run (issue 23, case 8)."""
+    from kt_ops import convert_merge
+
+    out = tmp_path / "out"
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8"]
+    calls = {"n": 0}
+    marker = "layer-" if crash_at == "layer_delete" else "model-"
+
+    def crash(real):
+        def wrapped(*args, **kwargs):
+            if marker in " ".join(map(str, args)):  # a merge step's file
+                calls["n"] += 1
+                if calls["n"] == 2:  # the second one: part of the step done
+                    raise OSError("simulated crash")
+            return real(*args, **kwargs)
+        return wrapped
+
+    target = {"shard_write": (convert_merge, "save_file"), "shard_rename": (os, "replace"),
+              "index": (convert_merge, "write_text_durably"), "layer_delete": (Path, "unlink")}[crash_at]
+    monkeypatch.setattr(convert, "MAX_SHARD_BYTES", 1)  # one shard per layer: steps of several calls
+    if crash_at == "index":
+        calls["n"], marker = 1, "index"  # the index is one call: crash on it
+    monkeypatch.setattr(*target, crash(getattr(*target)))
+    assert run(*base) == 1
+    monkeypatch.undo()
+    assert run(*base, "--resume-layer", 3) == 0
+    for L in (1, 2, 3):
+        assert torch.equal(outputs(out, L, "AMXINT8"), outputs(checkpoint, L, "AMXINT8"))
+    assert not list(out.glob("layer-*")) and not list(out.glob("*.tmp"))
+
+
+def test_resume_after_a_finished_merge(tmp_path, checkpoint):
+    """Layers already merged into shards count as written: --resume-layer reconverts the
+    rest and merges again."""
+    out = tmp_path / "out"
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8"]
+    assert run(*base) == 0
+    manifest = Manifest.read(out)
+    Manifest(**{**manifest.__dict__, "complete": False}).write(out)
+    assert run(*base, "--resume-layer", 2) == 0
+    for L in (1, 2, 3):
+        assert torch.equal(outputs(out, L, "AMXINT8"), outputs(checkpoint, L, "AMXINT8"))
+    assert run(*base, "--resume-layer", 3, "--no-merge-safetensor") == 0  # back to layer files
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [layer_file(L) for L in (1, 2, 3)]
+    assert torch.equal(outputs(out, 1, "AMXINT8"), outputs(checkpoint, 1, "AMXINT8"))
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "parent"])
+def test_output_overlapping_the_input_is_refused(tmp_path, weights, capsys, where):
+    """The converter never writes into its input (issue 23, case 7): refused before anything is written."""
+    source = write_checkpoint(tmp_path / "src" / "model", weights, shards=2, dense_layers=(0,))
+    before = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    out = {"same": source, "inside": source / "converted", "parent": source.parent}[where]
+    assert run("--input-path", source, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 2
+    assert "lies inside --input-path" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
+    assert not (source / "converted").exists()
+
+
+def test_unwritable_output_is_one_error_line(tmp_path, checkpoint, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", blocker / "out",
+               "--quant-method", "int8") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m kt_ops.convert: error:") and "Traceback" not in "".join(err)
+
+
 def test_layer_range_and_missing_layer(tmp_path, checkpoint):
     out = tmp_path / "out"
     assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
@@ -143,6 +214,8 @@ def test_layer_range_and_missing_layer(tmp_path, checkpoint):
     (["--quant-method", "int4", "--group-size", 48], "--group-size 48: int4 takes 32, 64, 128"),
     (["--quant-method", "int8", "--threadpool-count", 0], "--threadpool-count must be >= 1, got 0"),
     (["--quant-method", "int8", "--input-type", "fp16"], "--input-type fp16, but layer 1's tensors are torch.bfloat16"),
+    (["--quant-method", "int4", "--group-size", 128], "--group-size 128 must divide hidden_size 64 and "
+                                                      "moe_intermediate_size 64"),
 ])
 def test_bad_arguments_exit_2_and_write_nothing(tmp_path, checkpoint, capsys, extra, message):
     out = tmp_path / "out"
@@ -152,15 +225,15 @@ def test_bad_arguments_exit_2_and_write_nothing(tmp_path, checkpoint, capsys, ex
 
 
 def test_verification_catches_a_bad_write(tmp_path, checkpoint, monkeypatch, capsys):
-    real_save = convert.save_file
+    real_save = convert.save_durably
 
-    def corrupting_save(tensors, path, metadata=None):
+    def corrupting_save(tensors, path):
         broken = {k: v.clone() for k, v in tensors.items()}
         for v in broken.values():
             v[-1] ^= 0xFF
-        real_save(broken, path, metadata=metadata)
+        real_save(broken, path)
 
-    monkeypatch.setattr(convert, "save_file", corrupting_save)
+    monkeypatch.setattr(convert, "save_durably", corrupting_save)
     assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "a", "--quant-method",
                "int8") == 1
     assert "differs from the packed weights" in capsys.readouterr().err

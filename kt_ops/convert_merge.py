@@ -1,0 +1,171 @@
+"""The converter's output files, written so that a crash at any point can be resumed.
+
+A converted directory holds each layer either in its own ``layer-{L:05d}.safetensors``
+(while converting, or with ``--no-merge-safetensor``) or in a merged shard named by
+``model.safetensors.index.json``. Every file is written under a temporary name, flushed
+to disk (``fsync``) and renamed, and a layer file is deleted only after the shards and
+the index that hold its tensors are in place:
+
+1. layers held only by an earlier run's shards are copied back into layer files;
+2. the new shards are written (temporary names, fsync), then renamed;
+3. the index is written (temporary name, fsync), then renamed;
+4. the layer files and the shards no longer named by the index are deleted.
+
+A crash before 3 leaves every layer in a layer file; after it, every layer is in a shard
+the index names: :func:`layer_sources` finds each layer wherever it is, so
+``--resume-layer`` always has what it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kt_ops.converted import INDEX, layer_file, layer_key
+
+METADATA = {"producer": "kt_ops"}
+
+
+def fsync_path(path: Path) -> None:
+    """Flushes a file (or a directory's entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_durably(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file`` under ``path.tmp``, fsync, rename to ``path``, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, os.fspath(tmp), metadata=METADATA)
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def write_text_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def write_index(out: Path, files: dict[str, str], nbytes: int) -> None:
+    """``model.safetensors.index.json``: tensor key -> file, and the total size."""
+    index = {"metadata": {"total_size": nbytes}, "weight_map": files}
+    write_text_durably(out / INDEX, json.dumps(index, indent=2) + "\n")
+
+
+def _has_keys(path: Path, keys: list[str]) -> bool:
+    try:
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            return set(keys) <= set(handle.keys())
+    except Exception:  # noqa: BLE001 - an unreadable or partial file holds nothing
+        return False
+
+
+def layer_sources(out: Path, layers: list[int], parts: int) -> dict[int, Path]:
+    """Where each of ``layers`` is stored in ``out``: its layer file, else the shard the
+    index names for it (each only if it holds all of the layer's parts). Layers found
+    nowhere are left out."""
+    weight_map: dict[str, str] = {}
+    if (out / INDEX).is_file():
+        try:
+            weight_map = json.loads((out / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError):
+            weight_map = {}
+    sources: dict[int, Path] = {}
+    for layer in layers:
+        keys = [layer_key(layer, p) for p in range(parts)]
+        own = out / layer_file(layer)
+        if own.is_file() and _has_keys(own, keys):
+            sources[layer] = own
+        elif keys[0] in weight_map and _has_keys(out / weight_map[keys[0]], keys):
+            sources[layer] = out / weight_map[keys[0]]
+    return sources
+
+
+def layer_file_name(path: Path) -> str:
+    """``path``'s name if it is a layer file (``layer-00003.safetensors``), else ``""``."""
+    stem = path.name.removesuffix(".safetensors")
+    return path.name if stem.startswith("layer-") and stem[6:].isdigit() else ""
+
+
+def _tensors(path: Path, layer: int, parts: int) -> dict[str, torch.Tensor]:
+    with safe_open(os.fspath(path), framework="pt") as handle:
+        return {layer_key(layer, p): handle.get_tensor(layer_key(layer, p)) for p in range(parts)}
+
+
+def merge_layers(out: Path, layers: list[int], parts: int, max_shard_bytes: int) -> dict[str, str]:
+    """The layers' files -> shards of up to ``max_shard_bytes``, then the index; returns
+    tensor key -> shard name. Crash-safe in the order of the module docstring."""
+    old_shards = _unmerge(out, layers, parts)  # 1.
+    groups: list[list[int]] = [[]]
+    size = 0
+    for layer in layers:
+        nbytes = (out / layer_file(layer)).stat().st_size
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(layer)
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    names = []
+    for i, group in enumerate(groups):  # 2. shards under temporary names, then renamed
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in group:
+            tensors.update(_tensors(out / layer_file(layer), layer, parts))
+        save_file(tensors, os.fspath(out / (name + ".tmp")), metadata=METADATA)
+        fsync_path(out / (name + ".tmp"))
+        weight_map.update({key: name for key in tensors})
+        names.append(name)
+    for name in names:
+        os.replace(out / (name + ".tmp"), out / name)
+    fsync_path(out)
+    nbytes = sum((out / name).stat().st_size for name in names)
+    write_index(out, weight_map, nbytes)  # 3.
+    for layer in layers:  # 4.
+        (out / layer_file(layer)).unlink()
+    _clean(out, old_shards - {out / name for name in names})
+    return weight_map
+
+
+def index_layer_files(out: Path, layers: list[int], parts: int) -> dict[str, str]:
+    """``--no-merge-safetensor``: every layer in its layer file, the index naming them;
+    returns tensor key -> file name. Crash-safe as :func:`merge_layers`."""
+    old_shards = _unmerge(out, layers, parts)
+    weight_map = {layer_key(layer, p): layer_file(layer) for layer in layers for p in range(parts)}
+    write_index(out, weight_map, sum((out / layer_file(layer)).stat().st_size for layer in layers))
+    _clean(out, old_shards)
+    return weight_map
+
+
+def _unmerge(out: Path, layers: list[int], parts: int) -> set[Path]:
+    """Gives every layer its layer file back (copied from an earlier run's shard where it
+    has none); returns those shards."""
+    sources = layer_sources(out, layers, parts)
+    missing = [layer for layer in layers if layer not in sources]
+    if missing:
+        raise FileNotFoundError(f"{out}: layers {', '.join(map(str, missing))} are in no layer file or shard")
+    for layer in layers:
+        if sources[layer].name != layer_file(layer):
+            save_durably(_tensors(sources[layer], layer, parts), out / layer_file(layer))
+    return {path for path in sources.values() if path.name != layer_file_name(path)}
+
+
+def _clean(out: Path, stale: set[Path]) -> None:
+    """Deletes shards the index no longer names and interrupted runs' temporaries."""
+    for path in stale:
+        path.unlink(missing_ok=True)
+    for tmp in out.glob("*.tmp"):
+        if tmp.name.startswith(("model-", "layer-", INDEX)):
+            tmp.unlink(missing_ok=True)
+    fsync_path(out)
