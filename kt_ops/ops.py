@@ -58,9 +58,31 @@ def pack_experts(
 
     Returns:
         A :class:`PackedExperts` whose ``data`` is a new uint8 CPU tensor.
+
+    Raises:
+        ValueError: a bad argument, and a NaN or infinite weight (naming the matrix,
+            expert and row). The operators themselves (``torch.ops.kt.pack_experts`` and
+            the others) pack non-finite weights as given (NaN where the format holds one).
     """
+    for name, weight in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+        check_finite(name, weight)
     packed = _pack(gate_proj, up_proj, down_proj, method, group_size, zero_point, scale_search, gguf_type)
     return set_activation(packed, swiglu_limit, swiglu_alpha, biases)
+
+
+def check_finite(name: str, weight: torch.Tensor) -> None:
+    """``ValueError`` naming the matrix, expert and row of the first NaN or infinity in
+    ``weight [E, N, K]`` (a float tensor; other tensors are left to the operator's checks).
+    One expert at a time, so the check needs no copy of the layer."""
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 3:
+        return
+    for expert in range(weight.shape[0]):
+        finite = torch.isfinite(weight[expert])
+        if not bool(finite.all()):
+            row = int((~finite.all(dim=1)).nonzero()[0, 0])
+            bad = weight[expert, row][~finite[row]][0].item()
+            raise ValueError(f"{name}: expert {expert}, row {row} holds {bad} (non-finite weights are refused; "
+                             "a NaN or infinite weight is a corrupted checkpoint)")
 
 
 def _pack(

@@ -139,3 +139,52 @@ def wrapping_sizes() -> int:
 
 if __name__ == "__main__":
     sys.exit(globals()[sys.argv[1]]())
+
+
+# ---- non-finite values (issue 23, case 4) ------------------------------------------------
+
+import pytest  # noqa: E402
+from format_cases import FormatCase, format_cases  # noqa: E402
+
+CASES = format_cases(min_hidden=64, min_intermediate=48)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_a_non_finite_activation_poisons_its_own_row_only(case: FormatCase, variant: str) -> None:
+    """NaN or inf in one token's hidden state: that token's output row is entirely
+    non-finite, every other row is finite and bit-identical to a call without it."""
+    import kt_ops
+
+    g = torch.Generator().manual_seed(1)
+    E, T = 4, 6
+    gate = torch.randn(E, case.intermediate, case.hidden, generator=g) / case.hidden**0.5
+    up = torch.randn(E, case.intermediate, case.hidden, generator=g) / case.hidden**0.5
+    down = torch.randn(E, case.hidden, case.intermediate, generator=g) / case.intermediate**0.5
+    packed = case.pack(gate, up, down)
+    x = torch.randn(T, case.hidden, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    weights = torch.rand(T, 2, generator=g)
+    clean = kt_ops.moe_forward(x, ids, weights, packed)
+    bad = x.clone()
+    bad[1, 5] = float("nan")
+    bad[4, case.hidden - 1] = float("inf")
+    out = kt_ops.moe_forward(bad, ids, weights, packed)
+    for row in (1, 4):
+        assert not torch.isfinite(out[row]).any(), f"row {row}: {out[row][:8]}"
+    others = [0, 2, 3, 5]
+    assert torch.equal(out[others], clean[others])
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4", "FP8", "LLAMAFILE"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_pack_experts_refuses_non_finite_weights(method: str, value: float) -> None:
+    import kt_ops
+
+    E, H, I = 3, 64, 64
+    weights = [torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I)]
+    weights[2][1, 17, 4] = value
+    extra = {"gguf_type": "Q8_0"} if method == "LLAMAFILE" else {"group_size": 32} if method == "AMXINT4" else {}
+    with pytest.raises(ValueError, match=f"down_proj: expert 1, row 17 holds {value}"):
+        kt_ops.pack_experts(*weights, method=method, **extra)
+    weights[2][1, 17, 4] = 0.0
+    kt_ops.pack_experts(*[w.bfloat16() for w in weights], method=method, **extra)  # finite: packs

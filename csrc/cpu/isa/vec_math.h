@@ -23,6 +23,17 @@ typename V::Reg vec_exp(typename V::Reg x) {
   return V::mul(p, V::pow2(n));
 }
 
+// Whether any lane of r is NaN. With poison = V::fma(x, 0, poison) over a row (poison
+// starting at zero), it says whether the row held a NaN or an infinity.
+template <class V>
+bool any_nan(typename V::Reg r) {
+  float lanes[V::kWidth];
+  V::store(lanes, r);
+  bool nan = false;
+  for (float lane : lanes) nan |= lane != lane;
+  return nan;
+}
+
 // silu(g) * u = g / (1 + exp(-g)) * u
 template <class V>
 typename V::Reg vec_silu_mul(typename V::Reg g, typename V::Reg u) {

@@ -6,13 +6,16 @@
 // (kp / 16 floats; the weights' minimums multiply these), and -128 * sum(q) per 4
 // values (int32; the vpdpbusd kernels start Q8_0's offset-binary dot products there,
 // so the offset cancels exactly in integers). kp is a multiple of 256 and
-// the row is zero past its length. Float weight types use the fp32 row unquantized.
+// the row is zero past its length. Float weight types use the fp32 row unquantized. A
+// block holding a NaN or an infinity gets scale NaN, so the row's results are NaN.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
+#include "../../isa/vec_math.h"
 #include "gguf_decode.h"
 
 namespace kt::cpu {
@@ -53,11 +56,17 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
   float* sum16 = acts.sum16 + r * (kp / 16);
   int32_t* bias4 = acts.bias4 + r * (kp / 4);
   for (int64_t b0 = 0; b0 < kp; b0 += acts.block) {
-    typename V::Reg top = V::zero();
-    for (int64_t i = b0; i < b0 + acts.block; i += W) top = V::max(top, V::abs(V::load(x + i)));
+    typename V::Reg top = V::zero(), poison = V::zero();
+    for (int64_t i = b0; i < b0 + acts.block; i += W) {
+      const typename V::Reg v = V::load(x + i);
+      top = V::max(top, V::abs(v));
+      poison = V::fma(v, V::zero(), poison);  // NaN once a lane saw NaN or inf
+    }
     const float amax = V::reduce_max(top);
-    const float d = amax / 127.0f;
-    const typename V::Reg inv = V::set1(amax > 0.0f ? 127.0f / amax : 0.0f);
+    // A block holding a NaN or an infinity: scale NaN, levels 0 (the row's results are NaN).
+    const bool finite = !any_nan<V>(poison);
+    const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const typename V::Reg inv = V::set1(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
     for (int64_t i = b0; i < b0 + acts.block; i += W) V::store_int8(q + i, V::mul(V::load(x + i), inv));
     for (int64_t i = b0 / 4; i < (b0 + acts.block) / 4; ++i) {
       scale[i] = d;

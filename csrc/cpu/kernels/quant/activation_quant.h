@@ -6,22 +6,39 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "../../formats/int_layout.h"
+#include "../../isa/vec_math.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 // x[0, n) -> q[0, cols) (zero past n), sums[0, cols / 32); returns the scale
-// (x ~ scale * q). cols is a multiple of 32.
+// (x ~ scale * q). cols is a multiple of 32. A row holding a NaN or an infinity gets
+// scale NaN (and q = 0), so every result computed from it is NaN: the row's own output,
+// no other.
 template <class V>
 float quantize_activation_row(const float* x, int64_t n, int64_t cols, int8_t* q, int32_t* sums) {
   constexpr int W = V::kWidth;
   const int64_t body = n / W * W;
-  typename V::Reg top = V::zero();
-  for (int64_t i = 0; i < body; i += W) top = V::max(top, V::abs(V::load(x + i)));
+  typename V::Reg top = V::zero(), poison = V::zero();
+  for (int64_t i = 0; i < body; i += W) {
+    const typename V::Reg v = V::load(x + i);
+    top = V::max(top, V::abs(v));
+    poison = V::fma(v, V::zero(), poison);  // NaN once a lane saw NaN or inf
+  }
   float amax = V::reduce_max(top);
-  for (int64_t i = body; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  bool finite = !any_nan<V>(poison);
+  for (int64_t i = body; i < n; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    finite &= std::isfinite(x[i]);
+  }
+  if (!finite) {
+    std::fill(q, q + cols, int8_t{0});
+    std::fill(sums, sums + cols / int_layout::kKAlign, 0);
+    return std::numeric_limits<float>::quiet_NaN();
+  }
   const float scale = amax / 127.0f;
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
   const typename V::Reg vinv = V::set1(inv);
