@@ -137,9 +137,6 @@ def wrapping_sizes() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(globals()[sys.argv[1]]())
-
 
 # ---- non-finite values (issue 23, case 4) ------------------------------------------------
 
@@ -188,3 +185,46 @@ def test_pack_experts_refuses_non_finite_weights(method: str, value: float) -> N
         kt_ops.pack_experts(*weights, method=method, **extra)
     weights[2][1, 17, 4] = 0.0
     kt_ops.pack_experts(*[w.bfloat16() for w in weights], method=method, **extra)  # finite: packs
+
+
+# ---- memory (issue 23, case 9) -----------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def scratch_given_back() -> int:
+    """One call whose scratch is ~0.5 GiB, then RSS is measured again."""
+    import gc
+
+    import kt_ops
+
+    E, H, I, K = 4, 1024, 64, 2
+    packed = kt_ops.pack_experts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I), method="BF16")
+    small = torch.randn(64, H)
+    ids_small = torch.randint(0, E, (64, K))
+    kt_ops.moe_forward(small, ids_small, torch.rand(64, K), packed)
+    gc.collect()
+    before = rss_bytes()
+    T = 24000
+    x, ids = torch.randn(T, H), torch.randint(0, E, (T, K))
+    out = kt_ops.moe_forward(x, ids, torch.rand(T, K), packed)
+    del x, ids, out
+    gc.collect()
+    kt_ops.moe_forward(small, ids_small, torch.rand(64, K), packed)  # an ordinary call after it
+    after = rss_bytes()
+    print(f"before {before} after {after}")
+    return 0
+
+
+def test_a_huge_call_gives_its_scratch_back() -> None:
+    result = run_case("scratch_given_back")
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, after = (int(v) for v in result.stdout.split()[1::2])
+    assert after <= before * 1.10 + (8 << 20), f"RSS {before / 2**20:.0f} MiB before, {after / 2**20:.0f} MiB after"
+
+
+if __name__ == "__main__":
+    sys.exit(globals()[sys.argv[1]]())

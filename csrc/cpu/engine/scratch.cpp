@@ -4,24 +4,55 @@
 #include <memory>
 #include <new>
 
-namespace kt::cpu {
+#include "huge_pages.h"
 
-uint8_t* thread_scratch(size_t bytes) {
-  struct Free {
-    void operator()(uint8_t* p) const { std::free(p); }
-  };
-  thread_local std::unique_ptr<uint8_t, Free> buffer;
-  thread_local size_t capacity = 0;
-  if (bytes > capacity) {
-    const size_t rounded = (bytes + (bytes >> 2) + 4095) / 4096 * 4096;  // 25% headroom
-    buffer.reset(static_cast<uint8_t*>(std::aligned_alloc(64, rounded)));
-    if (!buffer) {
-      capacity = 0;
-      throw std::bad_alloc();
-    }
-    capacity = rounded;
-  }
-  return buffer.get();
+namespace kt::cpu {
+namespace {
+
+struct Free {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+
+struct Retained {
+  std::unique_ptr<uint8_t, Free> buffer;
+  size_t capacity = 0;
+};
+
+Retained& retained() {
+  thread_local Retained r;
+  return r;
 }
+
+uint8_t* allocate(size_t bytes) {
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
+}  // namespace
+
+ScratchLease::ScratchLease(size_t bytes) {
+  const size_t rounded = (bytes + (bytes >> 2) + 4095) / 4096 * 4096;  // 25% headroom
+  if (bytes > kRetainedScratchBytes) {
+    data_ = allocate((bytes + 4095) / 4096 * 4096);
+    advise_huge_pages(data_, bytes);
+    owned_ = true;
+    return;
+  }
+  Retained& r = retained();
+  if (bytes > r.capacity) {
+    r.buffer.reset();
+    r.capacity = 0;
+    r.buffer.reset(allocate(rounded));
+    r.capacity = rounded;
+  }
+  data_ = r.buffer.get();
+}
+
+ScratchLease::~ScratchLease() {
+  if (owned_) std::free(data_);
+}
+
+size_t retained_scratch_bytes() { return retained().capacity; }
 
 }  // namespace kt::cpu

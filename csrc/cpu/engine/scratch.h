@@ -1,5 +1,7 @@
-// Per-thread grow-only scratch memory, so a call allocates (and page-faults) only when
-// it needs more than any earlier call on that thread.
+// Per-thread scratch memory for one MoE call. Up to kRetainedScratchBytes it is kept and
+// reused (grow-only), so a call allocates and page-faults only when it needs more than
+// any earlier call on that thread; a call needing more gets its own buffer, given back
+// when the call ends, so one huge prefill does not stay resident for the thread's life.
 #pragma once
 
 #include <cstddef>
@@ -7,8 +9,25 @@
 
 namespace kt::cpu {
 
-// 64-byte aligned, at least `bytes` long, valid until the next call on this thread.
-uint8_t* thread_scratch(size_t bytes);
+constexpr size_t kRetainedScratchBytes = size_t{256} << 20;
+
+// 64-byte aligned scratch of at least `bytes`, valid while the lease lives (one per
+// thread at a time). Throws std::bad_alloc.
+class ScratchLease {
+ public:
+  explicit ScratchLease(size_t bytes);
+  ~ScratchLease();
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  uint8_t* data() const { return data_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  bool owned_ = false;  // a buffer of its own (above kRetainedScratchBytes), freed here
+};
+
+// Bytes of scratch this thread keeps between calls (tests).
+size_t retained_scratch_bytes();
 
 // Carves consecutive 64-byte aligned sub-buffers out of one allocation.
 class ScratchLayout {

@@ -98,7 +98,8 @@ void moe_forward(const MoeArgs& args) {
   const size_t down_at = carve.add<float>(P * H16);         // 3. down_out : [P, H16] fp32
   const size_t weights_at = carve.add<float>(T * K);        // 4. weights  : [T, K] fp32
   format.carve(carve);                                      //    the format's own buffers
-  uint8_t* scratch = thread_scratch(carve.bytes());
+  const ScratchLease lease(carve.bytes());  // given back at the end if it is huge
+  uint8_t* scratch = lease.data();
   float* x = reinterpret_cast<float*>(scratch + x_at);
   float* down_out = reinterpret_cast<float*>(scratch + down_at);
   float* weights = reinterpret_cast<float*>(scratch + weights_at);
