@@ -16,8 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import safe_open
-
+from kt_ops.mapped_files import load_uint8_tensor
 from kt_ops.packed import PackedExperts
 
 MANIFEST = "kt_ops_manifest.json"
@@ -78,8 +77,10 @@ def is_converted(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def load_converted_layer(path: str | os.PathLike[str], layer: int) -> tuple[Manifest, list[PackedExperts]]:
-    """The manifest and layer ``layer``'s packed parts (memory-mapped).
+def load_converted_layer(path: str | os.PathLike[str], layer: int,
+                         copy: bool = False) -> tuple[Manifest, list[PackedExperts]]:
+    """The manifest and layer ``layer``'s packed parts: memory-mapped and watched for
+    changes on disk (:mod:`kt_ops.mapped_files`), or read into RAM with ``copy=True``.
 
     Raises ``ValueError`` for an incomplete conversion and ``KeyError`` naming the key
     of a layer that was not converted or whose tensor is missing.
@@ -98,6 +99,5 @@ def load_converted_layer(path: str | os.PathLike[str], layer: int) -> tuple[Mani
         key = layer_key(layer, part)
         if key not in weight_map:
             raise KeyError(f"{root}: tensor {key!r} is missing from {INDEX}")
-        with safe_open(os.fspath(root / weight_map[key]), framework="pt") as handle:
-            parts.append(PackedExperts(handle.get_tensor(key)))
+        parts.append(PackedExperts(load_uint8_tensor(root / weight_map[key], key, copy=copy)))
     return manifest, parts

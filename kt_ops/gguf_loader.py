@@ -114,23 +114,30 @@ def read_gguf_config(path: str | os.PathLike[str]) -> GgufModelInfo:
         return int(value)
 
     inter = _field(reader, f"{arch}.expert_feed_forward_length")
+    experts, used = need("expert_count"), need("expert_used_count")
+    if not 1 <= used <= experts:
+        raise ValueError(f"{str(files[0])!r} ({arch}): {arch}.expert_used_count = {used} must be in "
+                         f"[1, {arch}.expert_count = {experts}]")
     return GgufModelInfo(
         architecture=arch,
         num_layers=need("block_count"),
-        num_experts=need("expert_count"),
-        num_experts_per_tok=need("expert_used_count"),
+        num_experts=experts,
+        num_experts_per_tok=used,
         hidden_size=need("embedding_length"),
         moe_intermediate_size=None if inter is None else int(inter),
         files=files,
     )
 
 
-def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int) -> PackedExperts:
+def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool = False) -> PackedExperts:
     """The routed experts of layer ``layer_idx`` of a GGUF model, memory-mapped.
 
     Args:
         path: a ``.gguf`` file or a directory of them (split models included).
         layer_idx: the layer (``blk.{layer_idx}``).
+        copy: read the blocks into RAM instead of mapping them. A mapped blob is watched:
+            a call that uses it after a file changed on disk raises ``RuntimeError``
+            naming the file (:mod:`kt_ops.mapped_files`).
 
     Returns:
         A :class:`PackedExperts` of format ``"gguf"`` whose ``data`` maps the file's
@@ -139,7 +146,10 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int) -> PackedExp
     Raises:
         ValueError: no expert tensors for the layer, an unsupported GGUF type (named),
             shapes that disagree with the metadata, a truncated file.
+        TypeError: ``layer_idx`` is not an int.
     """
+    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+        raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
     info = read_gguf_config(path)
     if not 0 <= layer_idx < info.num_layers:
         raise ValueError(f"layer_idx {layer_idx} is outside the model's {info.num_layers} layers")
@@ -173,4 +183,5 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int) -> PackedExp
             raise ValueError(f"{name} in {file.name}: {error}") from None
         files.append(str(file))
         offsets.append(int(tensor.data_offset))
-    return PackedExperts(_C.map_gguf_experts(files, offsets, types, E, H, I))
+    data = _C.map_gguf_experts(files, offsets, types, E, H, I)
+    return PackedExperts(data.clone() if copy else data)

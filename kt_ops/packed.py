@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kt_ops._native import _C
+from kt_ops.mapped_files import load_uint8_tensor
 
 _TENSOR_KEY = "packed"
 _METADATA = {"producer": "kt_ops", "content": "packed_experts"}
@@ -99,13 +100,27 @@ class PackedExperts:
         save_file(self.to_tensors(), os.fspath(path), metadata=_METADATA)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> PackedExperts:
-        """Opens a file written by :meth:`save`; the blob is memory-mapped, not copied."""
+    def load(cls, path: str | os.PathLike[str], copy: bool = False) -> PackedExperts:
+        """Opens a file written by :meth:`save`.
+
+        The blob is memory-mapped (copy-on-write), not copied, and watched: a call that
+        uses it after the file changed on disk raises ``RuntimeError`` naming the file
+        (see :mod:`kt_ops.mapped_files`). ``copy=True`` reads it into RAM instead.
+        ``FileNotFoundError`` / ``IsADirectoryError`` for a missing path or a directory (a
+        converted model directory loads with ``KTMoEWrapper(weight_path=...)``),
+        ``ValueError`` for a file that is not a packed-experts file."""
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{os.fspath(path)!r} is a directory; PackedExperts.load opens one file written "
+                                    "by PackedExperts.save (a converted model directory loads with "
+                                    "KTMoEWrapper(weight_path=...))")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{os.fspath(path)!r} does not exist")
         with safe_open(os.fspath(path), framework="pt", device="cpu") as file:
             metadata = file.metadata() or {}
-            if metadata.get("content") != _METADATA["content"]:
-                raise ValueError(f"{os.fspath(path)!r} is not a kt_ops packed-experts file")
-            return cls.from_tensors({key: file.get_tensor(key) for key in file.keys()})
+            keys = list(file.keys())
+        if metadata.get("content") != _METADATA["content"] or keys != [_TENSOR_KEY]:
+            raise ValueError(f"{os.fspath(path)!r} is not a kt_ops packed-experts file")
+        return cls(load_uint8_tensor(path, _TENSOR_KEY, copy=copy))
 
     def __repr__(self) -> str:
         return (

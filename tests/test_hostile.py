@@ -226,5 +226,140 @@ def test_a_huge_call_gives_its_scratch_back() -> None:
     assert after <= before * 1.10 + (8 << 20), f"RSS {before / 2**20:.0f} MiB before, {after / 2**20:.0f} MiB after"
 
 
+# ---- mapped files changed on disk (issue 23, cases 2 and 3) ------------------------------
+
+
+def mapped_file_changes() -> int:
+    """Each loader's blob, then its file truncated, overwritten in place or replaced by
+    rename, then a call: a RuntimeError naming the file (not SIGBUS, not silently new
+    weights) for the first two, the original output for a rename and for copy=True."""
+    import os
+    import tempfile
+    import time
+
+    import kt_ops
+
+    g = torch.Generator().manual_seed(1)
+    E, H, I, T, K = 4, 64, 64, 5, 2
+    weights = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g)
+    x, ids, w = torch.randn(T, H, generator=g), torch.randint(0, E, (T, K), generator=g), torch.rand(T, K, generator=g)
+
+    def truncate(path: Path) -> None:
+        os.truncate(path, path.stat().st_size // 2)  # the header survives, weights past it do not
+
+    def overwrite(path: Path) -> None:
+        time.sleep(0.05)  # past the file system's timestamp granularity
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            f.write(bytes(size - size // 2))
+
+    def replace(path: Path) -> None:
+        other = path.with_suffix(".new")
+        other.write_bytes(bytes(path.stat().st_size))
+        os.replace(other, path)
+
+    def loaders(tmp: Path):
+        blob = kt_ops.pack_experts(*weights, method="BF16")
+        path = tmp / "layer.safetensors"
+        blob.save(path)
+        yield "PackedExperts.load", path, lambda copy: kt_ops.PackedExperts.load(path, copy=copy)
+        import numpy as np
+        from gguf_helpers import random_blocks, write_model
+
+        rng = np.random.default_rng(0)
+        layer = {name: ("Q8_0", random_blocks("Q8_0", E * rows, 64, rng).reshape(E, rows, -1))
+                 for name, rows in (("ffn_gate_exps", I), ("ffn_up_exps", I), ("ffn_down_exps", H))}
+        gguf_path = tmp / "m.gguf"
+        write_model(gguf_path, [layer], E, H, I, top_k=K)
+        yield "load_gguf_experts", gguf_path, lambda copy: kt_ops.load_gguf_experts(gguf_path, 0, copy=copy)
+
+    checked = 0
+    for change in (truncate, overwrite, replace):
+        for copy in (False, True):
+            with tempfile.TemporaryDirectory() as name:
+                for loader, path, load in loaders(Path(name)):
+                    packed = load(copy)
+                    expected = kt_ops.moe_forward(x, ids, w, packed)
+                    change(path)
+                    if copy or change is replace:
+                        assert torch.equal(kt_ops.moe_forward(x, ids, w, packed), expected), (loader, change, copy)
+                    else:
+                        try:
+                            kt_ops.moe_forward(x, ids, w, packed)
+                        except RuntimeError as error:
+                            assert str(path) in str(error) and "changed on disk" in str(error), error
+                        else:
+                            raise AssertionError(f"{loader}: {change.__name__} not detected")
+                    checked += 1
+    print("checked", checked)
+    return 0
+
+
+def test_a_mapped_file_changed_on_disk_is_detected() -> None:
+    result = run_case("mapped_file_changes")
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    assert result.stdout.split() == ["checked", "12"]
+
+
+def test_converted_layers_are_watched_or_copied(tmp_path: Path) -> None:
+    """load_converted_layer maps through the same watched mapping (or copies)."""
+    import kt_ops
+    from kt_ops._native import _C
+    from kt_ops.mapped_files import load_uint8_tensor
+
+    blob = kt_ops.pack_experts(torch.randn(2, 32, 64), torch.randn(2, 32, 64), torch.randn(2, 64, 32), method="BF16")
+    path = tmp_path / "layer.safetensors"
+    blob.save(path)
+    mapped, copied = load_uint8_tensor(path, "packed"), load_uint8_tensor(path, "packed", copy=True)
+    assert torch.equal(mapped, blob.data) and torch.equal(copied, blob.data)
+    assert _C.changed_mapped_file(mapped) == "" and _C.changed_mapped_file(copied) == ""
+    with open(path, "ab") as f:
+        f.write(b"x")
+    assert "size" in _C.changed_mapped_file(mapped) and _C.changed_mapped_file(copied) == ""
+
+
+# ---- loaders: small cases (issue 23, case 10) --------------------------------------------
+
+
+def test_packed_load_of_a_directory_or_missing_file(tmp_path: Path) -> None:
+    import kt_ops
+
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        kt_ops.PackedExperts.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        kt_ops.PackedExperts.load(tmp_path / "missing.safetensors")
+
+
+def _tiny_gguf(path: Path, top_k: int) -> Path:
+    import numpy as np
+    from gguf_helpers import random_blocks, write_model
+
+    rng = np.random.default_rng(0)
+    E, H, I = 4, 64, 64
+    layer = {name: ("Q8_0", random_blocks("Q8_0", E * rows, 64, rng).reshape(E, rows, -1))
+             for name, rows in (("ffn_gate_exps", I), ("ffn_up_exps", I), ("ffn_down_exps", H))}
+    write_model(path, [layer], E, H, I, top_k=top_k)
+    return path
+
+
+def test_gguf_layer_index_must_be_an_int(tmp_path: Path) -> None:
+    import kt_ops
+
+    path = _tiny_gguf(tmp_path / "m.gguf", top_k=2)
+    assert kt_ops.load_gguf_experts(path, 0).num_experts == 4
+    for bad in (0.0, 1.0, True, "0"):
+        with pytest.raises(TypeError, match="layer_idx must be an int"):
+            kt_ops.load_gguf_experts(path, bad)  # type: ignore[arg-type]
+
+
+def test_gguf_expert_used_count_above_expert_count_is_refused(tmp_path: Path) -> None:
+    import kt_ops
+
+    path = _tiny_gguf(tmp_path / "m.gguf", top_k=5)
+    with pytest.raises(ValueError, match="expert_used_count = 5 must be in"):
+        kt_ops.read_gguf_config(path)
+
+
 if __name__ == "__main__":
     sys.exit(globals()[sys.argv[1]]())

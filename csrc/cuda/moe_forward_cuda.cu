@@ -18,6 +18,7 @@
 
 #include "../cpu/isa/cpu_variant.h"
 #include "../cpu/kernels/kernel_table.h"
+#include "../ops/mapped_file.h"
 #include "../ops/moe_call.h"
 #include "host_calls.h"
 #include "staging.h"
@@ -70,6 +71,7 @@ void CUDART_CB run_experts(void* data) {
                                           : *reinterpret_cast<const int32_t*>(call->staging->live);
     args.tokens = ops::clamp_live_tokens(live, args.tokens, &error);
   }
+  if (error.empty()) error = ops::changed_mapped_file(args.packed);
   if (error.empty())
     error = ops::find_bad_expert_id(args.topk_ids, args.topk_ids_int64, args.tokens, args.top_k,
                                     args.layout.shape.num_experts);

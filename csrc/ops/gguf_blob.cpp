@@ -1,17 +1,12 @@
 #include "gguf_blob.h"
 
 #include <ATen/ATen.h>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <cstring>
-#include <system_error>
 
 #include "../cpu/formats/packed_header.h"
 #include "checks.h"
+#include "mapped_file.h"
 
 namespace kt::ops {
 namespace {
@@ -40,19 +35,6 @@ cpu::PackedShape gguf_shape(const std::vector<int64_t>& types, int64_t experts, 
   return shape;
 }
 
-namespace {
-
-// The reserved address range of a mapped blob; unmapping it releases every mapping in it.
-struct Mapping {
-  void* base = MAP_FAILED;
-  size_t bytes = 0;
-  ~Mapping() {
-    if (base != MAP_FAILED) munmap(base, bytes);
-  }
-};
-
-}  // namespace
-
 at::Tensor map_gguf_experts(const std::vector<std::string>& files, const std::vector<int64_t>& offsets,
                             const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
                             int64_t intermediate) {
@@ -60,52 +42,18 @@ at::Tensor map_gguf_experts(const std::vector<std::string>& files, const std::ve
   const cpu::PackedShape shape = gguf_shape(types, experts, hidden, intermediate);
   // Matrix sizes from the canonical layout (validates the types against H and I).
   const cpu::PackedLayout canonical = translate_errors([&] { return cpu::packed_layout(shape); });
-  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  uint64_t span[3], delta[3], total = page;  // the first page holds the header
+  std::vector<FileRange> ranges;
   for (int m = 0; m < 3; ++m) {
     TORCH_CHECK_VALUE(offsets[m] >= 0, kNames[m], ": negative file offset ", offsets[m]);
-    const uint64_t bytes = experts * canonical.matrix_expert_bytes[m];
-    delta[m] = static_cast<uint64_t>(offsets[m]) % page;
-    span[m] = (delta[m] + bytes + page - 1) / page * page;
-    total += span[m];
+    ranges.push_back(FileRange{files[m], static_cast<uint64_t>(offsets[m]),
+                               static_cast<uint64_t>(experts) * canonical.matrix_expert_bytes[m]});
   }
-  Mapping mapping;
-  mapping.bytes = total;
-  mapping.base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(mapping.base != MAP_FAILED, "mmap of ", total, " bytes failed: ", std::strerror(errno));
-  uint8_t* base = static_cast<uint8_t*>(mapping.base);
-  uint64_t matrix_offsets[3], at = page;
-  for (int m = 0; m < 3; ++m) {
-    const uint64_t bytes = experts * canonical.matrix_expert_bytes[m];
-    const int fd = open(files[m].c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      const int error = errno;
-      throw std::system_error(error, std::generic_category(), "cannot open GGUF file " + files[m]);
-    }
-    struct stat info;
-    const bool stat_ok = fstat(fd, &info) == 0;
-    const uint64_t file_bytes = stat_ok ? static_cast<uint64_t>(info.st_size) : 0;
-    if (!stat_ok || static_cast<uint64_t>(offsets[m]) + bytes > file_bytes) {
-      close(fd);
-      TORCH_CHECK_VALUE(false, "GGUF file ", files[m], " is truncated: ", kNames[m], " needs bytes [",
-                        offsets[m], ", ", offsets[m] + bytes, ") but the file has ", file_bytes, " bytes");
-    }
-    void* placed = mmap(base + at, span[m], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd,
-                        static_cast<off_t>(offsets[m] - delta[m]));
-    const int error = errno;
-    close(fd);
-    TORCH_CHECK(placed != MAP_FAILED, "mmap of ", files[m], " failed: ", std::strerror(error));
-    matrix_offsets[m] = at + delta[m];
-    at += span[m];
-  }
-  const cpu::PackedLayout layout = translate_errors([&] { return cpu::gguf_layout(shape, matrix_offsets, total); });
-  cpu::write_packed_header(layout, base);
-  void* owned = mapping.base;
-  const size_t owned_bytes = mapping.bytes;
-  mapping.base = MAP_FAILED;  // the tensor's deleter unmaps from here on
-  return at::from_blob(
-      owned, {static_cast<int64_t>(total)}, [owned_bytes](void* p) { munmap(p, owned_bytes); },
-      at::TensorOptions().dtype(at::kByte));
+  FileMapping mapping(ranges, cpu::kPackedHeaderBytes);  // the first page holds the header
+  const uint64_t matrix_offsets[3] = {mapping.start(0), mapping.start(1), mapping.start(2)};
+  const cpu::PackedLayout layout =
+      translate_errors([&] { return cpu::gguf_layout(shape, matrix_offsets, mapping.total_bytes()); });
+  cpu::write_packed_header(layout, mapping.base());
+  return mapping.release(0, mapping.total_bytes());
 }
 
 at::Tensor gguf_experts_from_blocks(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,

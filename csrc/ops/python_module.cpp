@@ -19,6 +19,7 @@
 #include "checks.h"
 #include "gguf_blob.h"
 #include "glu_blob.h"
+#include "mapped_file.h"
 #include "packed_blob.h"
 #include "torch_thread_team.h"
 #ifdef KT_OPS_WITH_CUDA
@@ -228,6 +229,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_packed_nbytes", &gguf_packed_nbytes);
   m.def("ggml_type", &ggml_type);
   m.def("map_gguf_experts", &map_gguf_experts);
+  m.def("map_file", &map_file, py::arg("path"), py::arg("offset"), py::arg("bytes"));
+  m.def("changed_mapped_file", [](const at::Tensor& t) { return changed_mapped_file(t.const_data_ptr()); });
   m.def("gguf_experts_from_blocks", &gguf_experts_from_blocks);
   m.def("set_activation", &set_activation, py::arg("packed"), py::arg("swiglu_limit") = 0.0,
         py::arg("swiglu_alpha") = 0.0, py::arg("gate_bias") = py::none(), py::arg("up_bias") = py::none(),

@@ -1,0 +1,75 @@
+"""Packed blobs memory-mapped from safetensors files, watched for changes on disk.
+
+A blob mapped from a file reads the file's pages at every call. ``torch.ops.kt.moe_forward``
+checks, before it reads a mapped blob, that each file it came from still has the size,
+inode and modification time it had when it was mapped (one ``fstat`` on a descriptor held
+since then) and raises ``RuntimeError`` naming the file otherwise — a file truncated after
+loading would otherwise kill the process with SIGBUS, and one overwritten in place would
+silently change the weights. A file truncated *during* a call is not caught (every mmap
+reader shares that race); replacing a file by rename is harmless (the mapped inode stays
+intact), and an in-place rewrite that keeps the size within the file system's timestamp
+granularity (a few milliseconds) of the load is not seen. ``copy=True`` on the loaders reads
+the bytes into RAM instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import torch
+
+from kt_ops._native import _C
+
+_MAX_HEADER = 100 << 20  # as safetensors itself
+
+
+def safetensors_range(path: str | os.PathLike[str], key: str) -> tuple[int, int]:
+    """``(offset, nbytes)`` of tensor ``key``'s bytes in a safetensors file.
+
+    Raises ``ValueError`` for a header that is not safetensors', a key that is not a 1-D
+    ``U8`` tensor, or a range past the end of the file; ``KeyError`` for a missing key.
+    """
+    name = os.fspath(path)
+    size = os.path.getsize(name)
+    with open(name, "rb") as file:
+        head = file.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{name!r} is not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(_MAX_HEADER, size - 8):
+            raise ValueError(f"{name!r} is not a safetensors file (header length {length})")
+        try:
+            header = json.loads(file.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{name!r} is not a safetensors file ({error})") from None
+    if not isinstance(header, dict) or key not in header:
+        raise KeyError(f"{name!r} has no tensor {key!r}")
+    entry = header[key]
+    begin, end = entry.get("data_offsets", (None, None)) if isinstance(entry, dict) else (None, None)
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if (entry.get("dtype") != "U8" or not isinstance(shape, list) or len(shape) != 1
+            or not isinstance(begin, int) or not isinstance(end, int) or not 0 <= begin <= end
+            or end - begin != shape[0]):
+        raise ValueError(f"{name!r}: tensor {key!r} is not a 1-D uint8 tensor ({entry!r})")
+    offset = 8 + length + begin
+    if offset + (end - begin) > size:
+        raise ValueError(f"{name!r} is truncated: tensor {key!r} needs bytes [{offset}, {offset + end - begin}) "
+                         f"but the file has {size} bytes")
+    return offset, end - begin
+
+
+def load_uint8_tensor(path: str | os.PathLike[str], key: str, copy: bool = False) -> torch.Tensor:
+    """Tensor ``key`` (1-D uint8) of a safetensors file: memory-mapped copy-on-write and
+    watched for changes (see the module docstring), or read into RAM with ``copy=True``."""
+    offset, nbytes = safetensors_range(path, key)
+    if not copy:
+        return _C.map_file(os.fspath(path), offset, nbytes)
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    with open(os.fspath(path), "rb") as file:
+        file.seek(offset)
+        read = file.readinto(memoryview(data.numpy()))
+    if read != nbytes:
+        raise ValueError(f"{os.fspath(path)!r} is truncated: tensor {key!r} needs {nbytes} bytes, read {read}")
+    return data
