@@ -72,6 +72,25 @@ def _pack_fp8_experts_fake(
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 
+@torch.library.register_fake("kt::pack_int4_experts")
+def _pack_int4_experts_fake(
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    gate_min: torch.Tensor | None,
+    up_min: torch.Tensor | None,
+    down_min: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    experts, intermediate, half_hidden = gate_proj.shape
+    fmt = "int4" if gate_min is None else "int4_asym"
+    nbytes = _C.packed_nbytes(fmt, int(experts), 2 * int(half_hidden), int(intermediate), int(group_size))
+    return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
+
+
 def _inference_only(ctx: object, grad: torch.Tensor) -> None:
     raise RuntimeError("kt::moe_forward is an inference kernel and has no backward")
 

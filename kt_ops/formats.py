@@ -94,9 +94,26 @@ METHOD_FORMATS: dict[str, str] = {
 # kt-kernel method name -> packed format it selects with zero_point=True.
 ZERO_POINT_FORMATS: dict[str, str] = {method: fmt.name for fmt in FORMATS if fmt.zero_point for method in fmt.methods}
 
+# INT4 checkpoint methods (kt_ops.hf_int4) -> (the format pack_experts quantizes them into
+# from float weights, its default group size). A checkpoint read in place becomes int4
+# when symmetric and int4_asym when it has zero points, whatever its method.
+CHECKPOINT_METHODS: dict[str, tuple[str, int]] = {
+    "RAWINT4": ("int4", 32),
+    "GPTQ_INT4": ("int4", 128),
+    "AWQ_INT4": ("int4_asym", 128),
+}
+
 # Formats quantized in k-groups (they take group_size and zero_point).
 GROUPED_FORMATS: tuple[str, ...] = tuple(fmt.name for fmt in FORMATS if fmt.group_sizes)
 GROUP_SIZES: tuple[int, ...] = tuple(sorted({size for fmt in FORMATS for size in fmt.group_sizes}))
+
+
+def default_group_size(method: str) -> int:
+    """``pack_experts``' group size for ``method`` when none is given: the checkpoint
+    method's own (RAWINT4 32, GPTQ/AWQ 128), else :data:`DEFAULT_GROUP_SIZE` (0 for
+    formats without groups is decided by the caller)."""
+    entry = CHECKPOINT_METHODS.get(method.upper()) if isinstance(method, str) else None
+    return entry[1] if entry else DEFAULT_GROUP_SIZE
 
 
 def _default_group_size() -> int:
@@ -120,18 +137,23 @@ def format_info(name: str) -> FormatInfo:
 
 def format_for_method(method: str, zero_point: bool = False) -> str:
     """The packed format for a kt-kernel method name, e.g. ``"AMXINT8" -> "int8"``;
-    ``zero_point=True`` selects the asymmetric INT4 format (``"int4_asym"``).
+    ``zero_point=True`` selects the asymmetric INT4 format (``"int4_asym"``). The INT4
+    checkpoint methods give the format they quantize into (:data:`CHECKPOINT_METHODS`).
 
     Raises ``ValueError`` naming the methods that exist when ``method`` is unknown, or
     when ``zero_point`` is asked of a method without an asymmetric format.
     """
     if not isinstance(method, str):
         raise TypeError(f"method must be a str, got {type(method).__name__}")
+    if method.upper() in CHECKPOINT_METHODS:
+        if zero_point:
+            raise ValueError(f"method {method!r} fixes its own symmetry; zero_point does not apply")
+        return CHECKPOINT_METHODS[method.upper()][0]
     try:
         fmt = METHOD_FORMATS[method.upper()]
     except KeyError:
         raise ValueError(
-            f"method {method!r} is not available; implemented: {', '.join(METHOD_FORMATS)}"
+            f"method {method!r} is not available; implemented: {', '.join([*METHOD_FORMATS, *CHECKPOINT_METHODS])}"
         ) from None
     if zero_point:
         if method.upper() not in ZERO_POINT_FORMATS:

@@ -44,8 +44,8 @@ _FLOAT_SCALES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.floa
 _BYTE_SCALES = ("U8", "F8_E8M0")
 
 _PATTERNS = {
-    "per_expert": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.mlp\.experts\.(?P<e>\d+)\.(?P<m>gate_proj|up_proj|down_proj)\.weight$"),
-    "w123": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<m>w1|w3|w2)\.weight$"),
+    "per_expert": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.mlp\.experts\.(?P<e>\d+)\.(?P<m>gate_proj|up_proj|down_proj)\.(?P<suffix>weight|weight_packed|qweight)$"),
+    "w123": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<m>w1|w3|w2)\.(?P<suffix>weight|weight_packed|qweight)$"),
     "fused": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.mlp\.experts\.(?P<m>gate_up_proj|down_proj)$"),
 }
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
@@ -80,13 +80,19 @@ class LayerExperts:
     convention: str  # "per_expert", "w123" or "fused"
     base: str  # key prefix up to and including "layers.{layer}"
     num_experts: int  # experts found (per-expert conventions: highest index + 1)
+    suffix: str = "weight"  # per-expert weight name: "weight", INT4 "weight_packed" / "qweight"
+
+    def stem(self, matrix: int, expert: int = 0) -> str:
+        """The per-expert module of matrix 0 (gate), 1 (up) or 2 (down), e.g.
+        ``model.layers.3.mlp.experts.7.up_proj`` (not for the fused convention)."""
+        block = "mlp" if self.convention == "per_expert" else "block_sparse_moe"
+        return f"{self.base}.{block}.experts.{expert}.{_NAMES[self.convention][matrix]}"
 
     def key(self, matrix: int, expert: int = 0) -> str:
         """The tensor key of matrix 0 (gate), 1 (up) or 2 (down); fused: 0/1 -> gate_up_proj."""
         if self.convention == "fused":
             return f"{self.base}.mlp.experts.{'down_proj' if matrix == 2 else 'gate_up_proj'}"
-        block = "mlp" if self.convention == "per_expert" else "block_sparse_moe"
-        return f"{self.base}.{block}.experts.{expert}.{_NAMES[self.convention][matrix]}.weight"
+        return f"{self.stem(matrix, expert)}.{self.suffix}"
 
 
 class HfCheckpoint:
@@ -118,25 +124,27 @@ class HfCheckpoint:
     def moe_layers(self) -> dict[int, LayerExperts]:
         """Every layer with routed experts, by layer index."""
         if self._layers is None:
-            found: dict[tuple[int, str, str], int] = {}
+            found: dict[tuple[int, str, str, str], int] = {}
             for key in self.key_file:
                 for convention, pattern in _PATTERNS.items():
                     match = pattern.match(key)
                     if match:
-                        ident = (int(match["layer"]), convention, match["base"])
-                        expert = int(match["e"]) + 1 if "e" in match.groupdict() and match["e"] else 0
+                        groups = match.groupdict()
+                        ident = (int(match["layer"]), convention, match["base"], groups.get("suffix") or "weight")
+                        expert = int(match["e"]) + 1 if groups.get("e") else 0
                         found[ident] = max(found.get(ident, 0), expert)
             layers: dict[int, LayerExperts] = {}
-            for (layer, convention, base), count in sorted(found.items()):
+            for (layer, convention, base, suffix), count in sorted(found.items()):
                 if layer in layers:
                     other = layers[layer]
                     raise ValueError(
-                        f"{self.path}: layer {layer} has experts under two names ({other.base} "
-                        f"[{other.convention}] and {base} [{convention}]); cannot tell which to load"
+                        f"{self.path}: layer {layer} has experts under two names ({other.key(0)} "
+                        f"[{other.convention}] and {LayerExperts(layer, convention, base, 0, suffix).key(0)} "
+                        f"[{convention}]); cannot tell which to load"
                     )
                 if convention == "fused":
                     count = self._shape(LayerExperts(layer, convention, base, 0).key(0))[0]
-                layers[layer] = LayerExperts(layer, convention, base, count)
+                layers[layer] = LayerExperts(layer, convention, base, count, suffix)
             self._layers = layers
         return self._layers
 
@@ -175,6 +183,19 @@ class HfCheckpoint:
             self._headers[file] = entries
         return self._headers[file]
 
+    def has(self, key: str) -> bool:
+        """Whether the checkpoint holds tensor ``key``."""
+        return key in self.key_file
+
+    def header(self, key: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype name, shape) of tensor ``key``, from its file's header."""
+        return self._header(key)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """Tensor ``key`` as stored; ``KeyError`` if missing, ``ValueError`` naming the file if
+        it cannot be read."""
+        return self._tensor(key)
+
     def _header(self, key: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype name, shape) of a tensor, from its file's header."""
         file = self._file(key)
@@ -199,11 +220,21 @@ class HfCheckpoint:
 
     def dtype(self, layer: int) -> torch.dtype:
         """The stored dtype of the layer's gate tensor (e.g. ``torch.float8_e4m3fn``)."""
-        key = self.layer(layer).key(0)
+        where = self._float_layer(layer)
+        key = where.key(0)
         name = self._header(key)[0]
         if name not in _DTYPES:
             raise ValueError(f"tensor {key!r} is {name}; expert weights must be BF16, F16, F32 or F8_E4M3")
         return _DTYPES[name]
+
+    def _float_layer(self, layer: int) -> LayerExperts:
+        """:meth:`layer`, or ``ValueError`` when its experts are INT4 (``weight_packed`` /
+        ``qweight``), which :mod:`kt_ops.hf_int4` reads."""
+        where = self.layer(layer)
+        if where.suffix != "weight":
+            raise ValueError(f"{self.path}: layer {layer} holds INT4 experts ({where.key(0)!r}); read them with "
+                             "method RAWINT4, GPTQ_INT4 or AWQ_INT4 (kt_ops.hf_int4)")
+        return where
 
     def _scale(self, key: str, shape: tuple[int, ...]) -> tuple[str, str]:
         """(scale key, FP8 kind) of the FP8 weight ``key`` of ``shape`` (``[N, K]``, fused
@@ -320,7 +351,7 @@ class HfCheckpoint:
         expert tensor and ``ValueError`` for a shape that disagrees with ``hidden_size`` /
         ``intermediate_size``, a bad FP8 scale or an unreadable file, naming the key.
         """
-        where = self.layer(layer)
+        where = self._float_layer(layer)
         self._check_experts(where, experts)
         H, I, n = hidden_size, intermediate_size, len(experts)
         if where.convention == "fused":

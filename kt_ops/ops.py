@@ -6,7 +6,7 @@ import torch
 
 from kt_ops import fakes  # noqa: F401  (registers the fake implementations)
 from kt_ops._native import _C
-from kt_ops.formats import DEFAULT_GROUP_SIZE, GROUPED_FORMATS, format_for_method
+from kt_ops.formats import CHECKPOINT_METHODS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, default_group_size, format_for_method
 from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
 from kt_ops.packed import PackedExperts
 
@@ -16,7 +16,7 @@ def pack_experts(
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     method: str = "BF16",
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     zero_point: bool = False,
     scale_search: bool = False,
     gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None = None,
@@ -35,9 +35,15 @@ def pack_experts(
         method: kt-kernel method name. ``"BF16"`` stores bf16 (fp16/fp32 inputs rounded);
             ``"AMXINT8"``/``"MOE_INT8"`` int8 symmetric per output channel;
             ``"AMXINT4"``/``"MOE_INT4"`` int4 in k-groups of ``group_size``;
-            ``"LLAMAFILE"`` GGUF blocks of ``gguf_type`` (round-to-nearest).
-        group_size: INT4 k-group, 32, 64 or 128 (default); it must divide H and I
-            (``ValueError`` otherwise). Other methods take only the default.
+            ``"LLAMAFILE"`` GGUF blocks of ``gguf_type`` (round-to-nearest);
+            the INT4 checkpoint methods quantize as their checkpoints are written
+            (round-to-nearest): ``"RAWINT4"`` symmetric int4 in groups of 32,
+            ``"GPTQ_INT4"`` symmetric in groups of 128, ``"AWQ_INT4"`` with zero points
+            (int4_asym) in groups of 128. To keep a checkpoint's own nibbles, load it
+            (:mod:`kt_ops.hf_int4`, ``KTMoEWrapper(weight_path=...)``).
+        group_size: INT4 k-group, 32, 64 or 128; None: the method's default (128;
+            RAWINT4 32). It must divide H and I (``ValueError`` otherwise). Other methods
+            take none.
         zero_point: INT4 only: asymmetric groups (``w = scale * q + minimum``).
         scale_search: quantized methods: per row/group, try candidate scales (with a
             least-squares refit) and keep the one with the smallest squared error,
@@ -90,7 +96,7 @@ def _pack(
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     method: str,
-    group_size: int,
+    group_size: int | None,
     zero_point: bool,
     scale_search: bool,
     gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None,
@@ -99,7 +105,7 @@ def _pack(
     if fmt == "gguf":
         if gguf_type is None:
             raise ValueError("method 'LLAMAFILE' needs gguf_type, e.g. 'Q4_K' or ('Q4_K', 'Q4_K', 'Q6_K')")
-        if group_size != DEFAULT_GROUP_SIZE or scale_search:
+        if group_size not in (None, DEFAULT_GROUP_SIZE) or scale_search:
             raise ValueError("method 'LLAMAFILE' takes neither group_size nor scale_search")
         types = gguf_type_ids(gguf_type)
         if gate_proj.dim() == 3 and down_proj.dim() == 3:
@@ -108,8 +114,8 @@ def _pack(
     if gguf_type is not None:
         raise ValueError(f"gguf_type applies to method 'LLAMAFILE', not {method!r}")
     if fmt in GROUPED_FORMATS:
-        group = group_size
-    elif group_size != DEFAULT_GROUP_SIZE:
+        group = default_group_size(method) if group_size is None else group_size
+    elif group_size not in (None, DEFAULT_GROUP_SIZE):
         raise ValueError(f"method {method!r} has no k-groups; group_size applies to the INT4 methods")
     else:
         group = 0
@@ -202,6 +208,34 @@ def pack_fp8_experts(
         raise ValueError(f"pack_fp8_experts packs methods {', '.join(FP8_METHODS)}; got {method!r}")
     return PackedExperts(torch.ops.kt.pack_fp8_experts(gate_proj, up_proj, down_proj, gate_scale, up_scale, down_scale,
                                                        FP8_METHODS[method.upper()]))
+
+
+def pack_int4_experts(
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    minimums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    group_size: int,
+) -> PackedExperts:
+    """Packs an INT4 checkpoint's experts *in place*: the levels are re-tiled, never
+    re-quantized (:mod:`kt_ops.hf_int4` reads RAWINT4, GPTQ and AWQ checkpoints into these
+    arguments).
+
+    Args:
+        gate_proj, up_proj: uint8 ``[E, I, H/2]``, down_proj ``[E, H, I/2]``: two levels
+            0..15 per byte, element k of a row in byte k // 2 (the low nibble for even k).
+        scales: fp32/bf16/fp16 ``[E, N, K / group_size]`` per matrix (N, K = I, H for gate
+            and up, H, I for down).
+        minimums: None (format int4: ``w = scale * (q - 8)``) or the same shapes (format
+            int4_asym: ``w = scale * q + minimum``).
+        group_size: 32, 64 or 128, dividing H and I.
+
+    Raises ``ValueError`` naming the tensor for a wrong dtype or shape or a bad group size.
+    """
+    gate_min, up_min, down_min = minimums if minimums is not None else (None, None, None)
+    return PackedExperts(torch.ops.kt.pack_int4_experts(gate_proj, up_proj, down_proj, *scales, gate_min, up_min,
+                                                        down_min, group_size))
 
 
 def moe_forward(

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kt_ops.ops import Biases, pack_experts, pack_fp8_experts, set_activation
+from kt_ops.ops import Biases, pack_experts, pack_fp8_experts, pack_int4_experts, set_activation
 from kt_ops.packed import PackedExperts
 
 if TYPE_CHECKING:
     from kt_ops.hf_checkpoint import Fp8Experts
+    from kt_ops.hf_int4 import Int4Experts
 
 FP8_KIND_METHODS = {"fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8"}
 _SCALE_GROUP = {"fp8": 128, "mxfp8": 32}  # k per scale column (fp8_perchannel: none)
@@ -92,4 +93,25 @@ def pack_fp8_parts(experts: Fp8Experts, parts: int) -> list[PackedExperts]:
         down_scale = experts.down_scale if group is None else experts.down_scale[:, :, a // group: -(-b // group)]
         out.append(pack_fp8_experts(experts.gate[:, a:b], experts.up[:, a:b], experts.down[:, :, a:b].contiguous(),
                                     gate_scale[:, a:b], up_scale[:, a:b], down_scale.contiguous(), method))
+    return out
+
+
+def pack_int4_parts(experts: Int4Experts, parts: int) -> list[PackedExperts]:
+    """An INT4 checkpoint's experts (:func:`kt_ops.hf_int4.load_int4_experts`) packed in
+    place as ``parts`` parts of the intermediate dimension (:func:`part_bounds`). A part
+    boundary inside down's k must fall on a group; ``ValueError`` otherwise."""
+    G = experts.group_size
+    I = int(experts.gate.shape[1])
+    mins = experts.minimums
+    out = []
+    for a, b in part_bounds(I, parts) if parts > 1 else [(0, I)]:
+        if a % G or (b - a) % G:
+            raise ValueError(f"threadpool_count {parts} splits down_proj's k (I = {I}) at {a}, inside a {G}-wide "
+                             f"int4 group; choose a count that splits I at multiples of {G}")
+        rows = slice(a, b)
+        scales = (experts.scales[0][:, rows], experts.scales[1][:, rows],
+                  experts.scales[2][:, :, a // G: b // G])
+        minimums = None if mins is None else (mins[0][:, rows], mins[1][:, rows], mins[2][:, :, a // G: b // G])
+        out.append(pack_int4_experts(experts.gate[:, rows], experts.up[:, rows],
+                                     experts.down[:, :, a // 2: b // 2], scales, minimums, G))
     return out

@@ -189,6 +189,61 @@ def _int_matrix(blob: torch.Tensor, offset: int, experts: int, blocks: int, k: i
 FP8_FORMATS = ("fp8", "fp8_perchannel", "mxfp8")
 
 
+# ---- INT4 checkpoints, as published (docs/formats.md, "INT4 checkpoints") ------------------
+
+
+def _nibble(words: torch.Tensor, i: int) -> torch.Tensor:
+    """Nibble ``i`` (bits 4i..4i+3) of each int32 word, as int64 0..15."""
+    return (words.to(torch.int64) >> (4 * i)) & 0xF
+
+
+def dequantize_rawint4(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors pack-quantized ``weight_packed`` int32 ``[N, K/8]`` (or uint8
+    ``[N, K/2]``) and ``weight_scale [N, K/gs]`` -> fp32 ``[N, K]``:
+    ``W[n, k] = (nibble k - 8) * scale[n, k // gs]``, nibble k at bits 4 (k % 8) of word k // 8."""
+    words = weight_packed.view(torch.uint8).reshape(weight_packed.shape[0], -1).view(torch.int32)
+    q = torch.stack([_nibble(words, i) for i in range(8)], dim=-1).reshape(words.shape[0], -1)
+    gs = q.shape[1] // weight_scale.shape[1]
+    return (q.float() - 8) * weight_scale.float().repeat_interleave(gs, dim=1)
+
+
+def dequantize_gptq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None = None,
+                    g_idx: torch.Tensor | None = None, zero_offset: int = 1) -> torch.Tensor:
+    """GPTQ ``qweight`` int32 ``[K/8, N]``, ``scales [K/gs, N]``, ``qzeros`` int32 ``[K/gs, N/8]``
+    -> fp32 ``[N, K]``: ``W[n, k] = (q - (z + zero_offset)) * scale`` with ``q`` nibble k % 8 of
+    ``qweight[k // 8, n]``, ``z`` nibble n % 8 of ``qzeros[g, n // 8]``, ``g = g_idx[k]`` (default
+    ``k // gs``). ``zero_offset`` 1 is the published (v1) convention, 0 gptq_v2; no ``qzeros``:
+    symmetric, zero 8."""
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    q = torch.stack([_nibble(qweight, i) for i in range(8)], dim=1).reshape(K, N)
+    groups = scales.shape[0]
+    g = torch.arange(K) // (K // groups) if g_idx is None else g_idx.long()
+    if qzeros is None:
+        zero = torch.full((groups, N), 8, dtype=torch.int64)
+    else:
+        zero = torch.stack([_nibble(qzeros, i) for i in range(8)], dim=-1).reshape(groups, N) + zero_offset
+    return ((q - zero[g]).float() * scales.float()[g]).t().contiguous()
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its 8
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ GEMM ``qweight`` int32 ``[K, N/8]``, ``qzeros`` int32 ``[K/gs, N/8]``, ``scales
+    [K/gs, N]`` -> fp32 ``[N, K]``: ``W[n, k] = (q - z) * scale``, where nibble i of a word holds
+    column ``8c + AWQ_ORDER[i]`` of its group of 8 columns (qweight and qzeros alike)."""
+
+    def unpack(words: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(words.shape[0], words.shape[1], 8, dtype=torch.int64)
+        for i, column in enumerate(AWQ_ORDER):
+            out[:, :, column] = _nibble(words, i)
+        return out.reshape(words.shape[0], -1)
+
+    q, zero = unpack(qweight), unpack(qzeros)
+    gs = q.shape[0] // zero.shape[0]
+    return ((q - zero.repeat_interleave(gs, dim=0)).float() * scales.float().repeat_interleave(gs, dim=0)).t().contiguous()
+
+
 def decode_ue8m0(codes: torch.Tensor) -> torch.Tensor:
     """OCP MX scale exponents (uint8 or float8_e8m0fnu) -> fp32 ``2^(e - 127)``; 255 is NaN."""
     e = codes.view(torch.uint8).to(torch.int32)

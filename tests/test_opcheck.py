@@ -93,3 +93,23 @@ def test_opcheck_pack_fp8_experts(fmt: str) -> None:
     packed = torch.ops.kt.pack_fp8_experts(*args)
     ids, weights = random_routing(7, E, 2)
     torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(7, H), ids, weights, packed))
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_opcheck_pack_int4_experts(asym: bool) -> None:
+    """The in-place INT4 packer (checkpoint levels, scales, minimums), then the kernel."""
+    g = torch.Generator().manual_seed(4)
+    E, I, H, G = 3, 64, 96, 32
+
+    def levels(n: int, k: int) -> torch.Tensor:
+        return torch.randint(0, 256, (E, n, k // 2), generator=g, dtype=torch.uint8)
+
+    def groups(n: int, k: int) -> torch.Tensor:
+        return torch.rand(E, n, k // G, generator=g)
+
+    mins = (groups(I, H), groups(I, H), groups(H, I)) if asym else (None, None, None)
+    args = (levels(I, H), levels(I, H), levels(H, I), groups(I, H), groups(I, H), groups(H, I), *mins, G)
+    torch.library.opcheck(torch.ops.kt.pack_int4_experts.default, args)
+    packed = torch.ops.kt.pack_int4_experts(*args)
+    ids, weights = random_routing(7, E, 2)
+    torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(7, H), ids, weights, packed))

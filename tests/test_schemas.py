@@ -26,7 +26,8 @@ class TestSchemas(expecttest.TestCase):
 kt::moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor? live_tokens=None) -> Tensor
 kt::pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format, int group_size=0, bool scale_search=False) -> Tensor
 kt::pack_fp8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale, Tensor up_scale, Tensor down_scale, str format) -> Tensor
-kt::pack_gguf_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, int[] gguf_types) -> Tensor""",
+kt::pack_gguf_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, int[] gguf_types) -> Tensor
+kt::pack_int4_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale, Tensor up_scale, Tensor down_scale, Tensor? gate_min, Tensor? up_min, Tensor? down_min, int group_size) -> Tensor""",
         )
 
 

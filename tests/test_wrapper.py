@@ -333,7 +333,7 @@ def test_capture_batch_sizes():
     ({"top_k": 9}, "exceeds num_experts"),
     ({"gpu_experts_mask": torch.zeros(7, dtype=torch.bool)}, "shape \\[8\\]"),
     ({"gpu_experts_mask": torch.zeros(8, dtype=torch.bool), "num_gpu_experts": 2}, "not both"),
-    ({"method": "RAWINT4"}, "not available"),
+    ({"method": "GGML_Q4"}, "not available"),
     ({"method": "NOPE"}, "not available"),
     ({"threadpool_count": 2, "cpuinfer_threads": 1}, "cpuinfer_threads"),
     ({"threadpool_count": 3}, "must divide"),

@@ -29,6 +29,15 @@ TORCH_LIBRARY(kt, m) {
   // scales per matrix [E, N, K] by format: fp8 float [E, ceil(N/128), ceil(K/128)] (or per
   // row [E, N, ceil(K/128)]); fp8_perchannel float [E, N] or [E, N, 1]; mxfp8 uint8 (or
   // float8_e8m0fnu) ue8m0 [E, N, ceil(K/32)].
+  // INT4 checkpoint levels -> packed uint8 [n] (format int4, or int4_asym when the three
+  // minimums are given), copied, never re-quantized. gate_proj, up_proj [E, I, H / 2],
+  // down_proj [E, H, I / 2]: uint8, two levels 0..15 per byte (element k of a row: byte
+  // k / 2, low nibble for even k); scales (and minimums) float [E, N, K / group_size]:
+  // w = scale * (q - 8), or w = scale * q + minimum.
+  m.def(
+      "pack_int4_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale,"
+      " Tensor up_scale, Tensor down_scale, Tensor? gate_min, Tensor? up_min, Tensor? down_min,"
+      " int group_size) -> Tensor");
   m.def(
       "pack_fp8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale,"
       " Tensor up_scale, Tensor down_scale, str format) -> Tensor");

@@ -26,12 +26,13 @@ import torch
 import kt_ops.cuda
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
-from kt_ops.formats import format_for_method
+from kt_ops.formats import CHECKPOINT_METHODS, default_group_size, format_for_method
 from kt_ops.gguf_loader import gguf_files, load_gguf_experts
 from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.hf_int4 import int4_method, load_int4_experts
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases
-from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_parts, part_bounds
+from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_parts, part_bounds
 from kt_ops.wrappers.wrapper_cuda import capture_call_sizes, experts_on_device, resolve_stream, route_table
 
 
@@ -79,17 +80,22 @@ class KTMoEWrapper:
         threadpool_count: parts each expert's intermediate dimension is split into (one per
             NUMA node in kt-kernel); the output is the sum of the parts. Must divide I.
         weight_path: a Hugging Face safetensors directory (online quantization into
-            ``method``; an FP8 checkpoint under its own FP8 method is read in place, its
-            e4m3 bytes kept), a directory written by ``python -m kt_ops.convert``, or a
-            GGUF file or directory (``LLAMAFILE``).
+            ``method``; an FP8 checkpoint under its own FP8 method and an INT4 checkpoint
+            under its own INT4 method are read in place, their bytes kept), a directory
+            written by ``python -m kt_ops.convert``, or a GGUF file or directory
+            (``LLAMAFILE``).
         chunked_prefill_size: at most this many tokens per kernel call (None: no limit).
         cpu_save: keep the unpacked source tensors (``source_weights``) after packing.
         max_deferred_experts_per_token: d, see the module docstring.
         method: ``BF16``, ``AMXINT8``/``MOE_INT8``, ``AMXINT4``/``MOE_INT4``, ``LLAMAFILE``,
-            ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``.
+            ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``, and the INT4
+            checkpoint methods ``RAWINT4``, ``GPTQ_INT4``, ``AWQ_INT4`` (:mod:`kt_ops.hf_int4`).
+            None: detected from ``weight_path`` (an INT4 or FP8 checkpoint's own method,
+            ``LLAMAFILE`` for GGUF, ``BF16`` for a float checkpoint). A checkpoint whose
+            INT4 experts another method cannot read is a ``ValueError`` naming its method.
         numa_nodes: accepted for compatibility; its length must equal threadpool_count.
         num_gpu_experts: instead of a mask: slots ``[0, n)`` run on the GPU.
-        group_size: INT4 k-group for online quantization (default 128).
+        group_size: INT4 k-group for online quantization (None: 128; RAWINT4: 32).
         deferral_group: the model this layer belongs to, for deferred experts: layer L's
             deferred output is added to layer L + 1 of the same group only. Default: the
             previous wrapper's group while layer indices increase, a new group otherwise
@@ -129,11 +135,11 @@ class KTMoEWrapper:
         chunked_prefill_size: int | None = None,
         cpu_save: bool = False,
         max_deferred_experts_per_token: int = 0,
-        method: str = "AMXINT4",
+        method: str | None = "AMXINT4",
         numa_nodes: Sequence[int] | None = None,
         *,
         num_gpu_experts: int | None = None,
-        group_size: int = 128,
+        group_size: int | None = None,
         swiglu_limit: float = 0.0,
         swiglu_alpha: float = 0.0,
         deferral_group: object | None = None,
@@ -145,6 +151,10 @@ class KTMoEWrapper:
                 raise ValueError(f"{name} must be a {'non-negative' if name == 'layer_idx' else 'positive'} int, got {value!r}")
         if num_experts_per_tok > num_experts:
             raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) exceeds num_experts ({num_experts})")
+        if method is None:
+            if weight_path is None:
+                raise ValueError("method=None detects the method from weight_path; give weight_path or a method")
+            method = detect_method(Path(weight_path), layer_idx)
         self.format = format_for_method(method)  # ValueError naming the implemented methods
         if cpuinfer_threads is not None and (not isinstance(cpuinfer_threads, int) or cpuinfer_threads < threadpool_count):
             raise ValueError(f"cpuinfer_threads ({cpuinfer_threads}) must be an int >= threadpool_count ({threadpool_count})")
@@ -171,7 +181,7 @@ class KTMoEWrapper:
         self.cpu_save = cpu_save
         self.max_deferred_experts_per_token = max_deferred_experts_per_token
         self.method = method.upper()
-        self.group_size = group_size
+        self.group_size = default_group_size(self.method) if group_size is None else group_size
         self.swiglu_limit = float(swiglu_limit)
         self.swiglu_alpha = float(swiglu_alpha)
         self.deferral_group = self._group(deferral_group, layer_idx)
@@ -245,7 +255,7 @@ class KTMoEWrapper:
         if self.format == "gguf":
             raise ValueError("method LLAMAFILE loads GGUF files (weight_path); online quantization into GGUF "
                              "is kt_ops.pack_experts(..., method='LLAMAFILE', gguf_type=...)")
-        pack_args = {"group_size": self.group_size} if self.format == "int4" else {}
+        pack_args = {"group_size": self.group_size} if self.format in ("int4", "int4_asym") else {}
         cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
         route = torch.full((self.num_experts,), -1, dtype=torch.long)
         route[cpu_slots] = torch.arange(cpu_slots.numel())
@@ -299,6 +309,12 @@ class KTMoEWrapper:
         logical = checkpoint.layer(self.layer_idx).num_experts
         mapping = self._physical_map(physical_to_logical_map, logical)
         cpu = mapping[~self.gpu_experts_mask].tolist()
+        int4 = int4_method(checkpoint, self.layer_idx)
+        if int4 is not None:
+            if self.method != int4:
+                raise ValueError(f"{path} layer {self.layer_idx} holds {int4} experts; method {self.method} cannot "
+                                 f"read them: use method='{int4}' (or method=None to detect it)")
+            return self._load_int4(checkpoint, cpu)
         if self.format in FP8_KIND_METHODS:
             kind = checkpoint.fp8_kind(self.layer_idx)
             if kind is not None and kind != self.format:
@@ -318,6 +334,19 @@ class KTMoEWrapper:
         if cpu:
             experts = checkpoint.load_fp8_experts(self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
             parts = pack_fp8_parts(experts, self.threadpool_count)
+            self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
+        self._set_packed(parts, route)
+
+    def _load_int4(self, checkpoint: HfCheckpoint, cpu: list[int]) -> None:
+        """The CPU slots' experts of an INT4 checkpoint, packed without re-quantizing."""
+        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
+        route = torch.full((self.num_experts,), -1, dtype=torch.long)
+        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        parts: list[PackedExperts] = []
+        if cpu:
+            experts = load_int4_experts(checkpoint, self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size,
+                                        self.method)
+            parts = pack_int4_parts(experts, self.threadpool_count)
             self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
         self._set_packed(parts, route)
 
@@ -572,3 +601,21 @@ class KTMoEWrapper:
         """Drops deferred results not yet collected by the next layer. The pinned staging
         of captured batch sizes is kept: captured CUDA graphs point into it."""
         KTMoEWrapper._pending.clear()
+
+
+def detect_method(path: Path, layer_idx: int) -> str:
+    """The method of the weights at ``path`` for ``method=None``: ``LLAMAFILE`` for GGUF,
+    an INT4 or FP8 checkpoint's own method, ``BF16`` for float safetensors. A directory
+    written by ``kt_ops.convert`` needs its method named (``ValueError``)."""
+    if not path.exists():
+        raise FileNotFoundError(f"weight_path {path} does not exist")
+    if is_converted(path):
+        raise ValueError(f"{path} was written by kt_ops.convert; pass the method it was converted with")
+    if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
+        return "LLAMAFILE"
+    checkpoint = HfCheckpoint(path)
+    int4 = int4_method(checkpoint, layer_idx)
+    if int4 is not None:
+        return int4
+    kind = checkpoint.fp8_kind(layer_idx)
+    return FP8_KIND_METHODS[kind] if kind is not None else "BF16"

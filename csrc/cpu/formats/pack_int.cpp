@@ -21,6 +21,22 @@ uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
+// The 64-byte lines of one block from its levels [16][dims.padded_k] (int8 as offset
+// binary, int4 as 0..15): 4 consecutive k of a row are one 32-bit word of a line (int4:
+// the low nibbles k = 8l..8l+3, the high nibbles the next four).
+void write_lines(const uint8_t* levels, bool int4, const MatrixDims& dims, uint8_t* out) {
+  for (int64_t l = 0; l < dims.lines; ++l) {
+    uint8_t* line = out + l * int_layout::kLineBytes;
+    for (int r = 0; r < kBlockRows; ++r) {
+      const uint8_t* q = levels + r * dims.padded_k;
+      // int4 levels are < 16, so shifting a word by 4 keeps each nibble in its byte.
+      const uint32_t word = int4 ? load_u32(q + 8 * l) | load_u32(q + 8 * l + 4) << 4
+                                 : load_u32(q + 4 * l);
+      std::memcpy(line + 4 * r, &word, sizeof(word));
+    }
+  }
+}
+
 // Quantizes rows [row0, row0 + 16) of `matrix` ([dims.rows, dims.k] of `type`) into one
 // block at `out` (int_layout.h). Rows past the matrix are zero weights.
 void pack_block(const void* matrix, ElementType type, PackedFormat format, const MatrixDims& dims,
@@ -55,46 +71,91 @@ void pack_block(const void* matrix, ElementType type, PackedFormat format, const
       if (dims.minimums) minimums[g * kBlockRows + r] = row_minimums[g];
     }
   }
-  // Lines: 4 consecutive k of a row are one 32-bit word of the line.
-  for (int64_t l = 0; l < dims.lines; ++l) {
-    uint8_t* line = out + l * int_layout::kLineBytes;
-    for (int r = 0; r < kBlockRows; ++r) {
-      const uint8_t* q = levels.data() + r * Kp;
-      // int4 levels are < 16, so shifting a word by 4 keeps each nibble in its byte.
-      const uint32_t word = int4 ? load_u32(q + 8 * l) | load_u32(q + 8 * l + 4) << 4
-                                 : load_u32(q + 4 * l);
-      std::memcpy(line + 4 * r, &word, sizeof(word));
+  write_lines(levels.data(), int4, dims, out);
+}
+
+// Rows [row0, row0 + 16) of one expert's already-quantized int4 matrix (`source`
+// pointers at that expert) into one block at `out`. Rows past the matrix are zero weights.
+void copy_int4_block(const Int4Source& source, const MatrixDims& dims, int64_t row0, uint8_t* out) {
+  const int64_t K = dims.k, groups = dims.groups;
+  thread_local std::vector<uint8_t> levels;
+  levels.resize(kBlockRows * K);
+  float* scales = reinterpret_cast<float*>(out + dims.scales_offset());
+  float* minimums = reinterpret_cast<float*>(out + dims.minimums_offset());
+  const uint8_t zero = dims.minimums ? 0 : int_layout::kInt4Zero;
+  for (int r = 0; r < kBlockRows; ++r) {
+    uint8_t* q = levels.data() + r * K;
+    const int64_t row = row0 + r;
+    if (row >= dims.rows) {
+      std::fill(q, q + K, zero);
+      for (int64_t g = 0; g < groups; ++g) {
+        scales[g * kBlockRows + r] = 0.0f;
+        if (dims.minimums) minimums[g * kBlockRows + r] = 0.0f;
+      }
+      continue;
+    }
+    const uint8_t* packed = source.nibbles + row * (K / 2);
+    for (int64_t k = 0; k < K; k += 2) {
+      q[k] = packed[k / 2] & 0x0F;
+      q[k + 1] = packed[k / 2] >> 4;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      scales[g * kBlockRows + r] = source.scales[row * groups + g];
+      if (dims.minimums) minimums[g * kBlockRows + r] = source.minimums[row * groups + g];
     }
   }
+  write_lines(levels.data(), true, dims, out);
+}
+
+}  // namespace
+
+namespace {
+
+// Runs `block(matrix, expert, block index, first row, out)` for every 16-row block of
+// every expert on the Engine, after writing the header. Gate block 2b and up block
+// 2b + 1 hold rows [16b, 16b + 16) of gate and up (interleaved).
+template <typename Block>
+void for_each_block(const PackedLayout& layout, uint8_t* blob, const Block& block) {
+  const int_layout::Dims dims(layout.shape);
+  write_packed_header(layout, blob);
+  const int64_t gate_up_jobs = layout.shape.num_experts * dims.gate_up.blocks;
+  const int64_t down_jobs = layout.shape.num_experts * dims.down.blocks;
+  Engine::instance().parallel_for(gate_up_jobs + down_jobs, [&](int64_t job) {
+    if (job < gate_up_jobs) {
+      const int64_t expert = job / dims.gate_up.blocks, b = job % dims.gate_up.blocks;
+      block(b % 2, expert, dims.gate_up, (b / 2) * kBlockRows,
+            blob + layout.gate_up_offset + expert * layout.gate_up_expert_bytes + b * dims.gate_up.block_bytes());
+    } else {
+      const int64_t expert = (job - gate_up_jobs) / dims.down.blocks, b = (job - gate_up_jobs) % dims.down.blocks;
+      block(2, expert, dims.down, b * kBlockRows,
+            blob + layout.down_offset + expert * layout.down_expert_bytes + b * dims.down.block_bytes());
+    }
+  });
 }
 
 }  // namespace
 
 void pack_int_experts(const void* gate, const void* up, const void* down, ElementType type,
                       const PackedLayout& layout, const QuantOptions& options, uint8_t* blob) {
-  const PackedShape& shape = layout.shape;
-  const int_layout::Dims dims(shape);
-  const int64_t H = dims.hidden, I = dims.intermediate;
+  const int_layout::Dims dims(layout.shape);
   const size_t element = type == ElementType::kF32 ? 4 : 2;
-  write_packed_header(layout, blob);
-  const int64_t gate_up_jobs = shape.num_experts * dims.gate_up.blocks;
-  const int64_t down_jobs = shape.num_experts * dims.down.blocks;
-  Engine::instance().parallel_for(gate_up_jobs + down_jobs, [&](int64_t job) {
-    if (job < gate_up_jobs) {
-      // Block 2b is gate rows [16b, 16b + 16), block 2b + 1 the same rows of up.
-      const int64_t expert = job / dims.gate_up.blocks, block = job % dims.gate_up.blocks;
-      const auto* source = static_cast<const uint8_t*>(block % 2 == 0 ? gate : up) + expert * I * H * element;
-      pack_block(source, type, shape.format, dims.gate_up, (block / 2) * kBlockRows, options,
-                 blob + layout.gate_up_offset + expert * layout.gate_up_expert_bytes +
-                     block * dims.gate_up.block_bytes());
-    } else {
-      const int64_t expert = (job - gate_up_jobs) / dims.down.blocks;
-      const int64_t block = (job - gate_up_jobs) % dims.down.blocks;
-      pack_block(static_cast<const uint8_t*>(down) + expert * H * I * element, type, shape.format,
-                 dims.down, block * kBlockRows, options,
-                 blob + layout.down_offset + expert * layout.down_expert_bytes +
-                     block * dims.down.block_bytes());
-    }
+  const void* matrices[3] = {gate, up, down};
+  const int64_t expert_elements = dims.hidden * dims.intermediate;
+  for_each_block(layout, blob, [&](int m, int64_t expert, const MatrixDims& matrix, int64_t row0, uint8_t* out) {
+    const auto* source = static_cast<const uint8_t*>(matrices[m]) + expert * expert_elements * element;
+    pack_block(source, type, layout.shape.format, matrix, row0, options, out);
+  });
+}
+
+void pack_int4_sources(const Int4Source sources[3], const PackedLayout& layout, uint8_t* blob) {
+  const int_layout::Dims dims(layout.shape);
+  for_each_block(layout, blob, [&](int m, int64_t expert, const MatrixDims& matrix, int64_t row0, uint8_t* out) {
+    const int64_t rows = matrix.rows, k = matrix.k, groups = matrix.groups;
+    Int4Source source = sources[m];
+    source.nibbles += expert * rows * (k / 2);
+    source.scales += expert * rows * groups;
+    if (source.minimums != nullptr) source.minimums += expert * rows * groups;
+    copy_int4_block(source, matrix, row0, out);
   });
 }
 

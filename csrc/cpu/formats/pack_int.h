@@ -1,4 +1,5 @@
-// Quantizes Hugging Face expert weights into the INT8 / INT4 layouts (int_layout.h).
+// Hugging Face expert weights into the INT8 / INT4 layouts (int_layout.h): quantized
+// from float weights, or copied from an INT4 checkpoint's levels.
 #pragma once
 
 #include <cstdint>
@@ -14,5 +15,20 @@ namespace kt::cpu {
 // One job per (matrix, expert, 16-row block) on the Engine.
 void pack_int_experts(const void* gate, const void* up, const void* down, ElementType type,
                       const PackedLayout& layout, const QuantOptions& options, uint8_t* blob);
+
+// One already-quantized INT4 matrix [E, N, K] (a checkpoint's RAWINT4/GPTQ/AWQ
+// weights, normalized): nibbles [E, N, K / 2], element k of a row in byte k / 2, the
+// low nibble for even k, values 0..15; scales and (int4_asym only) minimums fp32
+// [E, N, K / G] with w = scale * (q - 8) (int4) or w = scale * q + minimum (int4_asym).
+struct Int4Source {
+  const uint8_t* nibbles = nullptr;
+  const float* scales = nullptr;
+  const float* minimums = nullptr;
+};
+
+// gate, up, down (sources[0..2], N = I, I, H; K = H, H, I) into `layout` (format int4 or
+// int4_asym, group size G): the levels, scales and minimums are copied, nothing is
+// re-quantized. One job per (matrix, expert, 16-row block) on the Engine.
+void pack_int4_sources(const Int4Source sources[3], const PackedLayout& layout, uint8_t* blob);
 
 }  // namespace kt::cpu

@@ -1,0 +1,271 @@
+"""INT4 checkpoints read in place (kt_ops.hf_int4): RAWINT4 (compressed-tensors), GPTQ
+(symmetric, asymmetric, v2) and AWQ, written here by independent quantizers in every
+naming; the packed blob must dequantize exactly to the checkpoint's own formula
+(kt_ops.reference.dequantize_*), the wrapper's output must match the oracle, and bad
+files are ValueErrors naming the tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import kt_ops
+from conftest import random_routing, rel_err
+from kt_ops import reference
+from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.hf_int4 import int4_method, load_int4_experts
+from kt_ops.wrappers import KTMoEWrapper
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+E, H, I, LAYER = 3, 256, 128, 1
+
+
+def words(nibbles: np.ndarray) -> np.ndarray:
+    """[..., 8] nibbles -> int32 words, nibble i at bits 4i."""
+    out = np.zeros(nibbles.shape[:-1], dtype=np.uint32)
+    for i in range(8):
+        out |= nibbles[..., i].astype(np.uint32) << np.uint32(4 * i)
+    return out.view(np.int32)
+
+
+def quantize(w: torch.Tensor, gs: int, asym: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w [N, K] -> (q [N, K] 0..15, scale [N, K/gs] fp16-rounded, zero [N, K/gs] 0..15)."""
+    N, K = w.shape
+    g = w.reshape(N, K // gs, gs).double()
+    if asym:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-6).half().double()
+        zero = torch.round(-lo / scale).clamp(0, 15)
+    else:
+        scale = (g.abs().amax(-1) / 7).clamp(min=1e-6).half().double()
+        zero = torch.full_like(scale, 8.0)
+    q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, 15).reshape(N, K)
+    return q.long().numpy(), scale.float().numpy(), zero.long().numpy()
+
+
+def rawint4_tensors(w: torch.Tensor, gs: int = 32, as_bytes: bool = False) -> dict[str, torch.Tensor]:
+    q, scale, _ = quantize(w, gs, asym=False)
+    N, K = q.shape
+    packed = torch.from_numpy(words(q.reshape(N, K // 8, 8)).copy())
+    if as_bytes:
+        packed = packed.view(torch.uint8).reshape(N, K // 2)
+    return {"weight_packed": packed, "weight_scale": torch.from_numpy(scale).bfloat16(),
+            "weight_shape": torch.tensor([N, K], dtype=torch.int32)}
+
+
+def gptq_tensors(w: torch.Tensor, gs: int = 128, asym: bool = False, v2: bool = False) -> dict[str, torch.Tensor]:
+    q, scale, zero = quantize(w, gs, asym)
+    N, K = q.shape
+    qweight = words(q.T.reshape(K // 8, 8, N).transpose(0, 2, 1))  # [K/8, N]
+    stored = zero if v2 else zero - 1  # v1 stores zero - 1
+    qzeros = words((stored.T & 0xF).reshape(K // gs, N // 8, 8))  # [K/gs, N/8]
+    return {"qweight": torch.from_numpy(qweight.copy()), "qzeros": torch.from_numpy(qzeros.copy()),
+            "scales": torch.from_numpy(scale.T.copy()).half(),
+            "g_idx": torch.arange(K, dtype=torch.int32) // gs}
+
+
+def awq_tensors(w: torch.Tensor, gs: int = 128) -> dict[str, torch.Tensor]:
+    q, scale, zero = quantize(w, gs, asym=True)
+    N, K = q.shape
+
+    def pack(values: np.ndarray) -> np.ndarray:  # [R, N] -> [R, N/8], nibble i = column AWQ_ORDER[i]
+        grouped = values.reshape(values.shape[0], N // 8, 8)
+        return words(grouped[:, :, list(AWQ_ORDER)])
+
+    return {"qweight": torch.from_numpy(pack(q.T).copy()), "qzeros": torch.from_numpy(pack(zero.T).copy()),
+            "scales": torch.from_numpy(scale.T.copy()).half()}
+
+
+def dequantized(method: str, t: dict[str, torch.Tensor], v2: bool = False) -> torch.Tensor:
+    """The oracle's [N, K] for one matrix's checkpoint tensors."""
+    if method == "RAWINT4":
+        return reference.dequantize_rawint4(t["weight_packed"], t["weight_scale"])
+    if method == "GPTQ_INT4":
+        return reference.dequantize_gptq(t["qweight"], t["scales"], t.get("qzeros"), t.get("g_idx"),
+                                         zero_offset=0 if v2 else 1)
+    return reference.dequantize_awq(t["qweight"], t["qzeros"], t["scales"])
+
+
+CONFIGS = {
+    "RAWINT4": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    "GPTQ_INT4": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
+    "GPTQ_INT4-asym": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False},
+    "GPTQ_INT4-v2": {"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False, "checkpoint_format": "gptq_v2"},
+    "AWQ_INT4": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+}
+
+
+def write_int4_checkpoint(path: Path, case: str, convention: str = "per_expert", seed: int = 0,
+                          edit=None) -> tuple[Path, list[torch.Tensor]]:
+    """A one-layer INT4 checkpoint of ``case`` (a CONFIGS key); returns it and the oracle's
+    dequantized [E, N, K] gate, up, down. ``edit(tensors)`` may damage it first."""
+    method = case.split("-")[0]
+    g = torch.Generator().manual_seed(seed)
+    base = f"model.layers.{LAYER}"
+    block, names = (("block_sparse_moe", ("w1", "w3", "w2")) if convention == "w123"
+                    else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.zeros(4, H, dtype=torch.bfloat16)}
+    expected = []
+    for name, (N, K) in zip(names, ((I, H), (I, H), (H, I))):
+        per_expert = []
+        for e in range(E):
+            w = torch.randn(N, K, generator=g) * 0.05
+            if method == "RAWINT4":
+                t = rawint4_tensors(w, as_bytes=e == 1)
+            elif method == "GPTQ_INT4":
+                t = gptq_tensors(w, gs=64 if case.endswith("v2") else 128, asym=case != "GPTQ_INT4",
+                                 v2=case.endswith("v2"))
+            else:
+                t = awq_tensors(w)
+            per_expert.append(dequantized(method, t, v2=case.endswith("v2")))
+            for suffix, tensor in t.items():
+                tensors[f"{base}.{block}.experts.{e}.{name}.{suffix}"] = tensor
+        expected.append(torch.stack(per_expert))
+    if edit is not None:
+        edit(tensors)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"model_type": "test", "hidden_size": H, "moe_intermediate_size": I,
+                                                  "quantization_config": CONFIGS[case]}))
+    return path, expected
+
+
+@pytest.mark.parametrize("convention", ["per_expert", "w123"])
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_read_in_place_dequantizes_exactly(tmp_path: Path, case: str, convention: str) -> None:
+    path, expected = write_int4_checkpoint(tmp_path, case, convention)
+    method = case.split("-")[0]
+    checkpoint = HfCheckpoint(path)
+    assert int4_method(checkpoint, LAYER) == method
+    picked = [2, 0, 2]
+    experts = load_int4_experts(checkpoint, LAYER, picked, H, I)
+    packed = kt_ops.pack_int4_experts(experts.gate, experts.up, experts.down, experts.scales, experts.minimums,
+                                      experts.group_size)
+    assert packed.format == ("int4" if case in ("RAWINT4", "GPTQ_INT4") else "int4_asym")
+    for got, want in zip(reference.dequantize(packed.data), expected):
+        torch.testing.assert_close(got[:, :want.shape[1], :want.shape[2]], want[picked], rtol=0, atol=0)
+    # resident size: nibbles plus fp32 scales (and minimums), against the checkpoint's bytes
+    stored = sum(t.numel() * t.element_size() for t in _layer_tensors(path))
+    limit = 1.15 if packed.format == "int4" or experts.group_size >= 64 else 1.35
+    assert packed.nbytes <= limit * stored * len(picked) / E + 4096
+
+
+def _layer_tensors(path: Path) -> list[torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return [f.get_tensor(k) for k in f.keys() if ".experts." in k and not k.endswith(("g_idx", "weight_shape"))]
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_wrapper_matches_the_oracle(tmp_path: Path, case: str, variant: str) -> None:
+    path, (gate, up, down) = write_int4_checkpoint(tmp_path, case)
+    method = case.split("-")[0]
+    for given in (method, None):
+        wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method=given, threadpool_count=1)
+        wrapper.load_weights()
+        assert wrapper.method == method
+        x = torch.randn(7, H, generator=torch.Generator().manual_seed(3)).bfloat16()
+        ids, weights = random_routing(7, E, 2, seed=4)
+        out = wrapper.forward(x, ids, weights)
+        ref = reference.moe_forward(x, ids, weights, gate, up, down)
+        assert rel_err(out, ref) <= 4e-2
+
+
+def test_parts_and_activation(tmp_path: Path) -> None:
+    """threadpool_count splits the intermediate dimension at group boundaries; the
+    activation variants and biases apply to INT4 checkpoints like any format."""
+    path, (gate, up, down) = write_int4_checkpoint(tmp_path, "GPTQ_INT4-v2")
+    g = torch.Generator().manual_seed(5)
+    biases = (torch.randn(E, I, generator=g) * 0.1, torch.randn(E, I, generator=g) * 0.1, torch.randn(E, H, generator=g) * 0.1)
+    x = torch.randn(6, H, generator=g)
+    ids, weights = random_routing(6, E, 2, seed=6)
+    outs = []
+    for parts in (1, 2):  # gptq_v2 groups of 64: I = 128 splits into two parts of one group each
+        wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="GPTQ_INT4", threadpool_count=parts,
+                               swiglu_limit=7.0, swiglu_alpha=1.702)
+        wrapper.load_weights()
+        assert len(wrapper._parts) == parts and wrapper._parts[0].group_size == 64
+        outs.append(wrapper.forward(x, ids, weights))
+    with pytest.raises(ValueError, match="inside a 64-wide int4 group"):
+        KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="GPTQ_INT4", threadpool_count=4).load_weights()
+    ref = reference.moe_forward(x, ids, weights, gate, up, down, swiglu_limit=7.0, swiglu_alpha=1.702)
+    for out in outs:
+        assert rel_err(out, ref) <= 4e-2
+    experts = load_int4_experts(HfCheckpoint(path), LAYER, range(E), H, I)
+    packed = kt_ops.set_activation(kt_ops.pack_int4_experts(experts.gate, experts.up, experts.down, experts.scales,
+                                                            experts.minimums, experts.group_size),
+                                   swiglu_limit=7.0, biases=biases)
+    out = kt_ops.moe_forward(x, ids, weights, packed)
+    ref = reference.moe_forward(x, ids, weights, gate, up, down, swiglu_limit=7.0, biases=biases)
+    assert rel_err(out, ref) <= 4e-2
+
+
+@pytest.mark.parametrize("method,fmt,group", [("RAWINT4", "int4", 32), ("GPTQ_INT4", "int4", 128),
+                                              ("AWQ_INT4", "int4_asym", 128)])
+def test_quantize_online(method: str, fmt: str, group: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    I = 96  # a multiple of 32, not of 128
+    gate, up, down = (torch.randn(2, I, 256, generator=g), torch.randn(2, I, 256, generator=g),
+                      torch.randn(2, 256, I, generator=g))
+    if group == 128:  # I = 96 is not a multiple of 128
+        with pytest.raises(ValueError, match="group"):
+            kt_ops.pack_experts(gate, up, down, method=method)
+        down = torch.randn(2, 256, 128, generator=g)
+        gate, up = torch.randn(2, 128, 256, generator=g), torch.randn(2, 128, 256, generator=g)
+    packed = kt_ops.pack_experts(gate, up, down, method=method)
+    assert (packed.format, packed.group_size) == (fmt, group)
+    x = torch.randn(5, 256, generator=g)
+    ids, weights = random_routing(5, 2, 2, seed=8)
+    out = kt_ops.moe_forward(x, ids, weights, packed)
+    assert rel_err(out, reference.moe_forward(x, ids, weights, gate, up, down)) <= 0.25  # 4-bit rounding
+    assert rel_err(out, reference.moe_forward(x, ids, weights, *reference.dequantize(packed.data))) <= 4e-2
+
+
+def _drop(key_end: str):
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith(key_end)]:
+            del tensors[key]
+    return edit
+
+
+def _replace(key_end: str, value):
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith(key_end)]:
+            tensors[key] = value(tensors[key]).contiguous()
+    return edit
+
+
+@pytest.mark.parametrize("case,edit,match", [
+    ("GPTQ_INT4-asym", _drop("qzeros"), "qzeros.*missing.*sym: false"),
+    ("AWQ_INT4", _drop("qzeros"), "qzeros.*missing"),
+    ("GPTQ_INT4", _replace("gate_proj.g_idx", lambda t: t.flip(0)), "act-order"),
+    ("GPTQ_INT4", _replace("up_proj.scales", lambda t: t[:, :-8]), "up_proj.scales"),
+    ("GPTQ_INT4", _replace("down_proj.qweight", lambda t: t[:-1]), "down_proj.qweight"),
+    ("RAWINT4", _replace("gate_proj.weight_scale", lambda t: t[:, :3]), "group size must divide K"),
+    ("RAWINT4", _replace("down_proj.weight_shape", lambda t: t + 1), "weight_shape"),
+    ("RAWINT4", _replace("up_proj.weight_packed", lambda t: t.float()), "up_proj.weight_packed"),
+    ("RAWINT4", _replace("gate_proj.weight_scale", lambda t: t * float("nan")), "NaN"),
+    ("AWQ_INT4", _replace("gate_proj.qweight", lambda t: t[:, :-1]), "gate_proj.qweight"),
+])
+def test_bad_files_name_the_tensor(tmp_path: Path, case: str, edit, match: str) -> None:
+    path, _ = write_int4_checkpoint(tmp_path, case, edit=edit)
+    wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method=case.split("-")[0])
+    with pytest.raises(ValueError, match=match):
+        wrapper.load_weights()
+
+
+def test_a_method_the_file_does_not_hold_is_refused(tmp_path: Path) -> None:
+    path, _ = write_int4_checkpoint(tmp_path, "AWQ_INT4")
+    for method in ("GPTQ_INT4", "AMXINT4", "BF16", "FP8"):
+        wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method=method)
+        with pytest.raises(ValueError, match="holds AWQ_INT4 experts"):
+            wrapper.load_weights()
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(ValueError, match="config.json says GPTQ_INT4"):
+        int4_method(HfCheckpoint(tmp_path), LAYER)
