@@ -1,13 +1,15 @@
 """Converts a Hugging Face MoE checkpoint's routed experts to packed INT8/INT4/FP8 CPU weights.
 
-    python -m kt_ops.convert --input-path DIR --input-type bf16|fp16|fp8 --output DIR \\
-        --quant-method int8|int4|fp8|fp8_perchannel|mxfp8 [--group-size 128] [--threadpool-count N] \\
-        [--no-merge-safetensor] [--resume-layer L] [--layers START-END]
+    python -m kt_ops.convert --input-path DIR --input-type bf16|fp16|fp8|int4 --output DIR \\
+        --quant-method int8|int4|fp8|fp8_perchannel|mxfp8|rawint4|gptq_int4|awq_int4 [--group-size 128] \\
+        [--threadpool-count N] [--no-merge-safetensor] [--resume-layer L] [--layers START-END]
 
 (``scripts/convert_cpu_weights.py`` is the same program.) One layer at a time: its
 experts are read (an FP8 input dequantized with its scales: 128 x 128 blocks, per channel
 or MXFP8), quantized by :func:`kt_ops.pack_experts`, except that an FP8 input written as
-its own FP8 method is re-tiled in place (:func:`kt_ops.pack_fp8_experts`: its bytes kept), written to ``layer-{L:05d}.safetensors`` (atomically) and
+its own FP8 method is re-tiled in place (:func:`kt_ops.pack_fp8_experts`: its bytes kept) and an
+INT4 checkpoint (``--input-type int4``: RAWINT4, GPTQ or AWQ tensors) converts only to its
+own method, its nibbles copied (:mod:`kt_ops.hf_int4`), written to ``layer-{L:05d}.safetensors`` (atomically) and
 verified — the file re-read and compared byte for byte, and one expert's output through
 the kernel compared with the fp32 reference on the source weights. At the end the layer
 files are merged into ``model-0000i-of-0000N.safetensors`` shards (unless
@@ -39,19 +41,25 @@ from tqdm import tqdm
 from kt_ops import reference
 from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, save_durably
 from kt_ops.converted import MANIFEST, Manifest, layer_file, layer_key
-from kt_ops.formats import format_for_method, format_info
+from kt_ops.formats import default_group_size, format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
 from kt_ops.ops import moe_forward
 from kt_ops.packed import PackedExperts
-from kt_ops.parts import FP8_KIND_METHODS, pack_fp8_parts, pack_parts
+from kt_ops.parts import FP8_KIND_METHODS, pack_fp8_parts, pack_int4_parts, pack_parts
 
-METHODS = {"int8": "AMXINT8", "int4": "AMXINT4", "fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8"}
-INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+METHODS = {"int8": "AMXINT8", "int4": "AMXINT4", "fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8",
+           "rawint4": "RAWINT4", "gptq_int4": "GPTQ_INT4", "awq_int4": "AWQ_INT4"}
+# --input-type -> the stored dtype of the expert weights ("int4": an INT4 checkpoint's own tensors).
+INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "int4": None}
 MAX_SHARD_BYTES = 4 << 30
 # Verification bound: one expert through the kernel vs the fp32 reference on the source
 # weights (quantization error included: int8 ~3%, int4 ~15-20%, e4m3 ~3-5% on Gaussian
 # weights; an FP8 input kept in place: the bf16 activations only).
-VERIFY_BOUND = {"int8": 0.1, "int4": 0.45, "fp8": 0.1, "fp8_perchannel": 0.1, "mxfp8": 0.1}
+VERIFY_BOUND = {"int8": 0.1, "int4": 0.45, "fp8": 0.1, "fp8_perchannel": 0.1, "mxfp8": 0.1, "rawint4": 0.45,
+                "gptq_int4": 0.45, "awq_int4": 0.45}
+# An INT4 checkpoint kept in place: the kernel vs the oracle on the checkpoint's own weights.
+VERIFY_IN_PLACE = 0.1
 
 
 class ConversionError(Exception):
@@ -69,7 +77,8 @@ def build_parser(prog: str = "python -m kt_ops.convert") -> argparse.ArgumentPar
     parser.add_argument("--input-type", required=True, choices=sorted(INPUT_TYPES))
     parser.add_argument("--output", required=True, help="output directory")
     parser.add_argument("--quant-method", required=True, choices=sorted(METHODS))
-    parser.add_argument("--group-size", type=int, default=128, help="int4 k-group (32, 64, 128)")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="int4 k-group for online quantization (32, 64, 128; default 128, rawint4 32)")
     parser.add_argument("--threadpool-count", type=int, default=1,
                         help="split each expert's intermediate dimension in N parts (KTMoEWrapper threadpool_count)")
     parser.add_argument("--cpuinfer-threads", type=int, default=None, help="kernel threads = torch's intra-op threads (default: torch's, the physical cores)")
@@ -104,6 +113,9 @@ def model_sizes(checkpoint: HfCheckpoint, config: dict, first: int) -> tuple[int
                   or where.num_experts)
     hidden = config.get("hidden_size")
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if (hidden is None or inter is None) and where.suffix != "weight":
+        raise UsageError(f"{checkpoint.path}/config.json must give hidden_size and moe_intermediate_size for an "
+                         "INT4 checkpoint (its packed tensors do not show them)")
     if hidden is None or inter is None:
         with safe_open(os.fspath(checkpoint.key_file[where.key(2)]), framework="pt") as handle:
             shape = handle.get_slice(where.key(2)).get_shape()
@@ -112,7 +124,7 @@ def model_sizes(checkpoint: HfCheckpoint, config: dict, first: int) -> tuple[int
 
 
 def verify_layer(path: Path, layer: int, parts: list[PackedExperts], gate: torch.Tensor, up: torch.Tensor,
-                 down: torch.Tensor, method: str) -> None:
+                 down: torch.Tensor, bound: float) -> None:
     """Re-reads the layer file and compares it with what was packed, then checks one
     expert's kernel output against the fp32 reference on the source weights."""
     with safe_open(os.fspath(path), framework="pt") as handle:
@@ -131,9 +143,23 @@ def verify_layer(path: Path, layer: int, parts: list[PackedExperts], gate: torch
     ref = reference.moe_forward(x, torch.zeros_like(ids), weights, gate[expert:expert + 1],
                                 up[expert:expert + 1], down[expert:expert + 1])
     err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-    if not err <= VERIFY_BOUND[method]:
+    if not err <= bound:
         raise ConversionError(f"layer {layer}: expert {expert} through the kernel is {err:.3g} from the reference "
-                              f"(bound {VERIFY_BOUND[method]}); the written weights are wrong")
+                              f"(bound {bound}); the written weights are wrong")
+
+
+def int4_weights(experts: Int4Experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An INT4 layer's weights as fp32 ``[E, N, K]``, unpacked in plain torch from what
+    :func:`load_int4_experts` read (the verification's reference weights)."""
+    out = []
+    for m, nibbles in enumerate((experts.gate, experts.up, experts.down)):
+        q = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(*nibbles.shape[:-1], -1).float()
+        scale = experts.scales[m].repeat_interleave(experts.group_size, dim=-1)
+        if experts.minimums is None:
+            out.append(scale * (q - 8))
+        else:
+            out.append(scale * q + experts.minimums[m].repeat_interleave(experts.group_size, dim=-1))
+    return out[0], out[1], out[2]
 
 
 def convert(args: argparse.Namespace) -> Path:
@@ -141,6 +167,8 @@ def convert(args: argparse.Namespace) -> Path:
     out = Path(args.output)
     method = METHODS[args.quant_method]
     fmt = format_for_method(method)
+    if args.group_size is None:
+        args.group_size = default_group_size(method)
     if args.threadpool_count < 1:
         raise UsageError(f"--threadpool-count must be >= 1, got {args.threadpool_count}")
     if args.cpuinfer_threads is not None and args.cpuinfer_threads < 1:
@@ -166,20 +194,36 @@ def convert(args: argparse.Namespace) -> Path:
         if not layers:
             raise UsageError(f"--layers {args.layers}: no layer with experts there (layers with experts: "
                              f"{moe_layers[0]}-{moe_layers[-1]})")
-        stored = {layer: checkpoint.dtype(layer) for layer in layers}
+        int4 = {layer: int4_method(checkpoint, layer) for layer in layers}
+        stored = {layer: int4[layer] or checkpoint.dtype(layer) for layer in layers}
     except (FileNotFoundError, KeyError, ValueError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         raise UsageError(f"--input-path: {message}") from None
-    wrong = [layer for layer in layers if stored[layer] != INPUT_TYPES[args.input_type]]
+    want = INPUT_TYPES[args.input_type]
+    wrong = [layer for layer in layers if (int4[layer] is not None) != (want is None)
+             or (want is not None and stored[layer] != want)]
     if wrong:
         raise UsageError(f"--input-type {args.input_type}, but layer {wrong[0]}'s tensors are {stored[wrong[0]]}")
+    in_place = want is None
+    if in_place and any(int4[layer] != method for layer in layers):
+        held = next(int4[layer] for layer in layers if int4[layer] != method)
+        raise UsageError(f"--quant-method {args.quant_method}: the checkpoint holds {held} experts, which convert only "
+                         f"to their own method (--quant-method {held.lower()})")
     config_file = source / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     E, H, I = model_sizes(checkpoint, config, layers[0])
-    if fmt == "int4" and (H % args.group_size or I % args.group_size):
+    grouped = fmt in ("int4", "int4_asym")
+    if grouped and not in_place and (H % args.group_size or I % args.group_size):
         raise UsageError(f"--group-size {args.group_size} must divide hidden_size {H} and moe_intermediate_size {I}")
-    group = args.group_size if fmt == "int4" else 0
-    pack_args = {"group_size": args.group_size} if fmt == "int4" else {}
+    group = args.group_size if grouped else 0
+    pack_args = {"group_size": args.group_size} if grouped else {}
+    if in_place:  # the checkpoint decides the format and group (probed on expert 0 of the first layer)
+        try:
+            probe = pack_int4_parts(load_int4_experts(checkpoint, layers[0], [0], H, I, method),
+                                    args.threadpool_count)[0]
+        except (KeyError, ValueError) as error:
+            raise UsageError(f"--input-path: {error.args[0] if error.args else error}") from None
+        fmt, group = probe.format, probe.group_size
     if args.cpuinfer_threads is not None:
         from kt_ops.cpu import set_num_threads
 
@@ -208,15 +252,25 @@ def convert(args: argparse.Namespace) -> Path:
     with progress_bar(len(todo)) as progress:
         for layer in todo:
             progress.set_description_str(f"layer {layer}")
-            gate, up, down = checkpoint.load_experts(layer, range(E), H, I)
-            if fmt in FP8_KIND_METHODS and checkpoint.fp8_kind(layer) == fmt:  # the checkpoint's own bytes
-                parts = pack_fp8_parts(checkpoint.load_fp8_experts(layer, range(E), H, I), args.threadpool_count)
+            bound = VERIFY_BOUND[args.quant_method]
+            if in_place:  # an INT4 checkpoint's own nibbles
+                experts = load_int4_experts(checkpoint, layer, range(E), H, I, method)
+                parts = pack_int4_parts(experts, args.threadpool_count)
+                if (parts[0].format, parts[0].group_size) != (fmt, group):
+                    raise ConversionError(f"layer {layer} is {parts[0].format} in groups of {parts[0].group_size}; "
+                                          f"layer {layers[0]} was {fmt} in groups of {group} (one format per model)")
+                gate, up, down = int4_weights(experts)
+                bound = VERIFY_IN_PLACE
             else:
-                parts = pack_parts(gate, up, down, method, args.threadpool_count, **pack_args)
+                gate, up, down = checkpoint.load_experts(layer, range(E), H, I)
+                if fmt in FP8_KIND_METHODS and checkpoint.fp8_kind(layer) == fmt:  # the checkpoint's own bytes
+                    parts = pack_fp8_parts(checkpoint.load_fp8_experts(layer, range(E), H, I), args.threadpool_count)
+                else:
+                    parts = pack_parts(gate, up, down, method, args.threadpool_count, **pack_args)
             path = out / layer_file(layer)
             tensors = {layer_key(layer, p): packed.data for p, packed in enumerate(parts)}
             save_durably(tensors, path)
-            verify_layer(path, layer, parts, gate, up, down, args.quant_method)
+            verify_layer(path, layer, parts, gate, up, down, bound)
             del gate, up, down, parts, tensors
             progress.update()
     if args.no_merge_safetensor:

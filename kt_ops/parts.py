@@ -98,20 +98,29 @@ def pack_fp8_parts(experts: Fp8Experts, parts: int) -> list[PackedExperts]:
 
 def pack_int4_parts(experts: Int4Experts, parts: int) -> list[PackedExperts]:
     """An INT4 checkpoint's experts (:func:`kt_ops.hf_int4.load_int4_experts`) packed in
-    place as ``parts`` parts of the intermediate dimension (:func:`part_bounds`). A part
-    boundary inside down's k must fall on a group; ``ValueError`` otherwise."""
-    G = experts.group_size
+    place as ``parts`` parts of the intermediate dimension (:func:`part_bounds`). Where a
+    part's width is not a multiple of the checkpoint's group, the group is stored as
+    smaller groups with the same scale (exact); ``ValueError`` when the width is not a
+    multiple of 32."""
     I = int(experts.gate.shape[1])
-    mins = experts.minimums
+    bounds = part_bounds(I, parts)
+    width = bounds[0][1] - bounds[0][0]
+    G = next((g for g in (128, 64, 32) if experts.group_size % g == 0 and width % g == 0), None)
+    if G is None:
+        raise ValueError(f"threadpool_count {parts} splits I = {I} into parts of {width}, not a multiple of 32 (the "
+                         "smallest int4 group); choose a count that leaves multiples of 32")
+    factor = experts.group_size // G
+
+    def regroup(values: torch.Tensor) -> torch.Tensor:
+        return values if factor == 1 else values.repeat_interleave(factor, dim=-1)
+
+    scales = [regroup(s) for s in experts.scales]
+    mins = None if experts.minimums is None else [regroup(m) for m in experts.minimums]
     out = []
-    for a, b in part_bounds(I, parts) if parts > 1 else [(0, I)]:
-        if a % G or (b - a) % G:
-            raise ValueError(f"threadpool_count {parts} splits down_proj's k (I = {I}) at {a}, inside a {G}-wide "
-                             f"int4 group; choose a count that splits I at multiples of {G}")
+    for a, b in bounds:
         rows = slice(a, b)
-        scales = (experts.scales[0][:, rows], experts.scales[1][:, rows],
-                  experts.scales[2][:, :, a // G: b // G])
-        minimums = None if mins is None else (mins[0][:, rows], mins[1][:, rows], mins[2][:, :, a // G: b // G])
-        out.append(pack_int4_experts(experts.gate[:, rows], experts.up[:, rows],
-                                     experts.down[:, :, a // 2: b // 2], scales, minimums, G))
+        part_scales = (scales[0][:, rows], scales[1][:, rows], scales[2][:, :, a // G: b // G])
+        part_mins = None if mins is None else (mins[0][:, rows], mins[1][:, rows], mins[2][:, :, a // G: b // G])
+        out.append(pack_int4_experts(experts.gate[:, rows], experts.up[:, rows], experts.down[:, :, a // 2: b // 2],
+                                     part_scales, part_mins, G))
     return out

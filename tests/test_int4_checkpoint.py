@@ -192,8 +192,13 @@ def test_parts_and_activation(tmp_path: Path) -> None:
         wrapper.load_weights()
         assert len(wrapper._parts) == parts and wrapper._parts[0].group_size == 64
         outs.append(wrapper.forward(x, ids, weights))
-    with pytest.raises(ValueError, match="inside a 64-wide int4 group"):
-        KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="GPTQ_INT4", threadpool_count=4).load_weights()
+    four = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="GPTQ_INT4", threadpool_count=4,
+                        swiglu_limit=7.0, swiglu_alpha=1.702)
+    four.load_weights()  # parts of 32: each group of 64 stored as two groups of 32
+    assert four._parts[0].group_size == 32
+    outs.append(four.forward(x, ids, weights))
+    with pytest.raises(ValueError, match="parts of 16, not a multiple of 32"):
+        KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="GPTQ_INT4", threadpool_count=8).load_weights()
     ref = reference.moe_forward(x, ids, weights, gate, up, down, swiglu_limit=7.0, swiglu_alpha=1.702)
     for out in outs:
         assert rel_err(out, ref) <= 4e-2
@@ -269,3 +274,30 @@ def test_a_method_the_file_does_not_hold_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(ValueError, match="config.json says GPTQ_INT4"):
         int4_method(HfCheckpoint(tmp_path), LAYER)
+
+
+@pytest.mark.parametrize("case", ["AWQ_INT4", "RAWINT4"])
+def test_converter_keeps_the_nibbles(tmp_path: Path, case: str, capsys) -> None:
+    """kt_ops.convert --input-type int4 --quant-method <own method>: the converted layer
+    computes exactly what reading the checkpoint in place computes; another method or
+    input type is refused before anything is written."""
+    from kt_ops import convert
+
+    path, _ = write_int4_checkpoint(tmp_path / "src", case)
+    quant = case.lower()
+    out = tmp_path / "out"
+    args = ["--input-path", str(path), "--input-type", "int4", "--output", str(out), "--threadpool-count", "2"]
+    assert convert.main([*args, "--quant-method", quant]) == 0
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(9))
+    ids, weights = random_routing(5, E, 2, seed=10)
+    outs = []
+    for source in (out, path):
+        wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=source, method=case, threadpool_count=2)
+        wrapper.load_weights()
+        outs.append(wrapper.forward(x, ids, weights))
+    assert torch.equal(outs[0], outs[1])
+    for bad in (["--quant-method", "int4"], ["--quant-method", "gptq_int4" if case != "GPTQ_INT4" else "awq_int4"]):
+        assert convert.main([*args[:-2], *bad, "--output", str(tmp_path / "o2")]) == 2
+        assert f"holds {case} experts" in capsys.readouterr().err
+    bf16 = ["--input-path", str(path), "--input-type", "bf16", "--output", str(tmp_path / "o3"), "--quant-method", "int8"]
+    assert convert.main(bf16) == 2 and not (tmp_path / "o3").exists()

@@ -352,7 +352,10 @@ class KTMoEWrapper:
 
     def _load_converted(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
         manifest, parts = load_converted_layer(path, self.layer_idx)
-        if manifest.format != self.format or (self.format == "int4" and manifest.group_size != self.group_size):
+        # an INT4 checkpoint's conversion keeps its own symmetry and group size
+        own_int4 = self.method in CHECKPOINT_METHODS and manifest.format in ("int4", "int4_asym")
+        if not own_int4 and (manifest.format != self.format
+                             or (self.format == "int4" and manifest.group_size != self.group_size)):
             raise ValueError(f"{path} holds {manifest.format} weights (group size {manifest.group_size}); this wrapper's "
                              f"method {self.method} needs {self.format}"
                              + (f" with group size {self.group_size}" if self.format == "int4" else ""))
