@@ -8,7 +8,7 @@ The routed experts of an MoE layer are packed once (:func:`pack_experts`) and ru
 torch's intra-op threads (:func:`thread_source`).
 """
 
-from kt_ops import reference
+from kt_ops import hf_experts, reference
 from kt_ops.cpu import (
     CPU_VARIANTS,
     cpu_variant,
@@ -26,6 +26,8 @@ from kt_ops.ops import moe_forward, pack_experts, pack_fp8_experts, pack_int4_ex
 from kt_ops.packed import PackedExperts
 from kt_ops.wrappers import HybridMoE, KTMoEWrapper, PatchReport, Routing, generate_gpu_experts_masks, patch_model
 
+hf_experts.install()  # experts_implementation="kt_ops" in transformers, once transformers is imported
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "doctor",
     "generate_gpu_experts_masks",
     "get_num_threads",
+    "hf_experts",
     "load_gguf_experts",
     "missing_features",
     "moe_forward",

@@ -49,6 +49,26 @@ CONFIGS = {
 }
 
 
+# Architectures that transformers routes through its experts interface, beyond CONFIGS
+# (patch_model's list): experts_implementation="kt_ops" covers them (tests/test_hf_experts.py).
+EXPERTS_CONFIGS = {
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=True, head_dim=16),
+    "gpt_oss": lambda: transformers.GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=8,
+                                                 num_experts_per_tok=2, head_dim=16, sliding_window=16),
+    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(**COMMON, intermediate_size=32, num_local_experts=8,
+                                                       num_experts_per_tok=2, head_dim=16),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        **COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        shared_expert_intermediate_size=32, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
+    "deepseek_v4": lambda: transformers.DeepseekV4Config(**{**COMMON, "num_key_value_heads": 1}, intermediate_size=32,
+                                                         num_local_experts=8, num_experts_per_tok=2),
+}
+
+
 def tiny_model(model_type: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0, router_scale: float = 4.0) -> torch.nn.Module:
     """A 2-layer, 8-expert causal LM of ``model_type`` with random weights, in eval mode.
 
@@ -56,14 +76,14 @@ def tiny_model(model_type: str, dtype: torch.dtype = torch.bfloat16, seed: int =
     near tie flips on any rounding difference), and DeepSeek-V3's expert bias is
     randomised so the biased choice is exercised."""
     torch.manual_seed(seed)
-    config = CONFIGS[model_type]()
+    config = {**CONFIGS, **EXPERTS_CONFIGS}[model_type]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.mul_(router_scale)
             if name == "lm_head.weight":  # a peaked next-token distribution, as trained
                 param.mul_(4.0)

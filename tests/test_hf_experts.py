@@ -1,0 +1,159 @@
+"""experts_implementation="kt_ops" (kt_ops.hf_experts): every transformers MoE architecture
+whose experts class uses transformers' experts interface runs its experts through
+kt::moe_forward — loaded from a saved checkpoint with from_pretrained, compared with the
+same checkpoint in transformers eager; activations probed from the class (never a silent
+SiLU); torch.compile after packing; registration without importing transformers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kt_ops  # noqa: E402  (registers kt_ops once transformers is imported)
+from hf_models import CONFIGS, EXPERTS_CONFIGS, tiny_model  # noqa: E402
+from kt_ops import hf_experts  # noqa: E402
+
+ARCHS = ["qwen3_moe", "deepseek_v3", "deepseek_v4", "glm4_moe", "gpt_oss", "qwen3_next", "minimax_m2", "mixtral",
+         "olmoe", "qwen2_moe", "deepseek_v2"]
+assert set(ARCHS) <= set(CONFIGS) | set(EXPERTS_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each architecture saved once with save_pretrained (bf16 weights, fp32 on disk)."""
+    root = tmp_path_factory.mktemp("hf_experts")
+    paths = {}
+    for arch in ARCHS:
+        model = tiny_model(arch, dtype=torch.bfloat16).float()
+        model.save_pretrained(root / arch)
+        paths[arch] = root / arch
+    return paths
+
+
+def load(path: Path, implementation: str) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation=implementation,
+                                                             dtype=torch.float32).eval()
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hf_experts.is_experts_module(m)]
+
+
+def kt_calls(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Logits and how many kt::moe_forward calls one forward made."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
+        logits = model(ids).logits
+    return logits, sum(1 for e in prof.events() if e.name == "kt::moe_forward")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_pretrained_matches_eager(saved: dict[str, Path], arch: str) -> None:
+    ours, eager = load(saved[arch], "kt_ops"), load(saved[arch], "eager")
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits, calls = kt_calls(ours, ids)
+    layers = len(experts_modules(ours))
+    assert layers >= 1 and calls == layers, f"{calls} kt::moe_forward calls for {layers} MoE layers"
+    assert all(hf_experts.packed_blob(m) is not None for m in experts_modules(ours))
+    with torch.no_grad():
+        want = eager(ids).logits
+    per_token = ((logits - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
+    assert per_token.median() <= 1e-2, f"median per-token relative error {per_token.median():.3g}"
+    prompt = ids[:1, :4]
+    generated = ours.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    assert torch.equal(generated, eager.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16))
+
+
+@pytest.mark.parametrize("method,bound", [("AMXINT8", 5e-2), ("LLAMAFILE", 5e-2)])
+def test_pack_model_experts_chooses_the_format(saved: dict[str, Path], method: str, bound: float) -> None:
+    ours, eager = load(saved["qwen3_moe"], "kt_ops"), load(saved["qwen3_moe"], "eager")
+    extra = {"gguf_type": "Q8_0"} if method == "LLAMAFILE" else {}
+    assert hf_experts.pack_model_experts(ours, method, **extra) == 2
+    assert {kt_ops.PackedExperts(hf_experts.packed_blob(m)).format for m in experts_modules(ours)} == \
+        {"gguf" if method == "LLAMAFILE" else "int8"}
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = ours(ids).logits, eager(ids).logits
+    assert ((got - want).norm() / want.norm()) <= bound
+
+
+def test_activations_are_read_from_the_class(saved: dict[str, Path]) -> None:
+    gpt_oss = experts_modules(load(saved["gpt_oss"], "kt_ops"))[0]
+    assert hf_experts.activation_of(gpt_oss, 32) == (7.0, 1.702)
+    v4 = experts_modules(load(saved["deepseek_v4"], "kt_ops"))[0]
+    assert hf_experts.activation_of(v4, 32) == (float(v4.limit), 0.0)
+    qwen = experts_modules(load(saved["qwen3_moe"], "kt_ops"))[0]
+    assert hf_experts.activation_of(qwen, 32) == (0.0, 0.0)
+    # gpt-oss's biases and interleaved gate/up reach the blob
+    blob = hf_experts.pack_module_experts(gpt_oss)
+    assert kt_ops.PackedExperts(blob).has_biases
+
+
+def _custom_experts(act: str = "gelu", **flags: bool) -> torch.nn.Module:
+    from transformers.activations import ACT2FN
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(**flags)
+    class OddExperts(torch.nn.Module):
+        def __init__(self, config: object) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, 32))
+            self.up_proj = torch.nn.Parameter(torch.randn(4, 32, 32))
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 32, 32))
+            self.act_fn = ACT2FN[act]
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # pragma: no cover - not used
+            raise NotImplementedError
+
+    config = transformers.PretrainedConfig()
+    config._experts_implementation = "kt_ops"
+    return OddExperts(config)
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("gelu", "OddExperts._apply_gate is an activation kt_ops does not compute"),
+    ("no_gate", "OddExperts has no gate"),
+    ("post_norm", "OddExperts applies a norm after each expert"),
+])
+def test_what_kt_ops_cannot_compute_is_refused(kind: str, match: str) -> None:
+    module = {"gelu": lambda: _custom_experts("gelu"), "no_gate": lambda: _custom_experts("silu", has_gate=False),
+              "post_norm": lambda: _custom_experts("silu", has_post_expert_norm=True)}[kind]()
+    x, ids, w = torch.randn(3, 32), torch.randint(0, 4, (3, 2)), torch.rand(3, 2)
+    with pytest.raises(ValueError, match=match):
+        module(x, ids, w)
+    silu = _custom_experts("silu")  # the same class with SiLU runs
+    out = silu(x, ids, w)
+    gate, up = silu.gate_up_proj.detach().chunk(2, dim=1)
+    ref = kt_ops.reference.moe_forward(x, ids, w, gate, up, silu.down_proj.detach())
+    assert ((out - ref).norm() / ref.norm()) <= 1e-2
+
+
+def test_compile_after_packing(saved: dict[str, Path]) -> None:
+    model = load(saved["qwen3_moe"], "kt_ops")
+    experts = experts_modules(model)[0]
+    x, ids, w = torch.randn(5, 64), torch.randint(0, 8, (5, 2)), torch.rand(5, 2)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="before torch.compile"):
+        torch.compile(experts, fullgraph=True)(x, ids, w)
+    hf_experts.pack_model_experts(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True)
+    assert torch.equal(compiled(x, ids, w), experts(x, ids, w))
+    torch._dynamo.reset()
+    whole = torch.compile(model, fullgraph=True)  # the whole model: no graph break in the experts
+    tokens = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want = whole(tokens).logits, model(tokens).logits
+    assert ((got - want).norm() / want.norm()) <= 1e-5
+
+
+def test_import_kt_ops_does_not_import_transformers() -> None:
+    code = ("import sys, kt_ops; assert 'transformers' not in sys.modules; "
+            "import transformers.integrations.moe as m; assert 'kt_ops' in m.ALL_EXPERTS_FUNCTIONS; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
