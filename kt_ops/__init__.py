@@ -30,11 +30,21 @@ hf_experts.install()  # experts_implementation="kt_ops" in transformers, once tr
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``KtOpsConfig`` (and its quantizer) import transformers: loaded on first use."""
+    if name == "KtOpsConfig":
+        from kt_ops.hf_quantizer import KtOpsConfig
+
+        return KtOpsConfig
+    raise AttributeError(f"module 'kt_ops' has no attribute {name!r}")
+
 __all__ = [
     "CPU_VARIANTS",
     "GgufModelInfo",
     "HybridMoE",
     "KTMoEWrapper",
+    "KtOpsConfig",
     "METHOD_FORMATS",
     "PackedExperts",
     "PatchReport",

@@ -58,7 +58,9 @@ def is_experts_module(module: nn.Module) -> bool:
     return all(hasattr(module, name) for name in ("has_gate", "is_concatenated", "is_transposed", "_apply_gate"))
 
 
-def _refuse_unsupported(module: nn.Module) -> None:
+def check_supported(module: nn.Module) -> None:
+    """``ValueError`` naming the class for experts kt_ops cannot compute (no gate, a
+    post-expert norm, expert parallelism)."""
     name = type(module).__name__
     if not module.has_gate:
         raise ValueError(f"{name} has no gate (has_gate=False: act(up) experts); kt_ops computes gated experts only")
@@ -111,12 +113,17 @@ def activation_of(module: nn.Module, intermediate: int) -> tuple[float, float]:
                      f"and alpha-SwiGLU with alpha {alphas[1:] or 'none'})")
 
 
-def module_weights(module: nn.Module) -> dict[str, Any]:
+def module_weights(module: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The keyword arguments of :func:`kt_ops.pack_experts` that describe ``module``: ``gate [E,
     I, H]``, ``up``, ``down [E, H, I]`` (CPU, stored dtype), ``biases`` or None,
-    ``swiglu_limit``, ``swiglu_alpha``."""
-    _refuse_unsupported(module)
-    gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
+    ``swiglu_limit``, ``swiglu_alpha``. ``tensors``: ``gate_up_proj``, ``down_proj`` (and
+    ``gate_up_proj_bias``, ``down_proj_bias``) in the module's layout, instead of its own
+    parameters (while a checkpoint loads)."""
+    check_supported(module)
+    source = tensors if tensors is not None else {name: getattr(module, name).detach() for name in
+                                                 ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+                                                 if getattr(module, name, None) is not None}
+    gate_up, down = source["gate_up_proj"], source["down_proj"]
     if gate_up.is_meta or down.is_meta:
         raise ValueError(f"{type(module).__name__}: the expert weights are on the meta device (not loaded)")
     if module.is_transposed:  # [E, H, 2I] and [E, I, H]
@@ -124,21 +131,22 @@ def module_weights(module: nn.Module) -> dict[str, Any]:
     gate, up = _split(gate_up, module.is_concatenated)
     biases = None
     if getattr(module, "has_bias", False):
-        gate_up_bias = module.gate_up_proj_bias.detach().unsqueeze(-1)
+        gate_up_bias = source["gate_up_proj_bias"].unsqueeze(-1)
         gate_bias, up_bias = (b.squeeze(-1).cpu() for b in _split(gate_up_bias, module.is_concatenated))
-        biases = (gate_bias, up_bias, module.down_proj_bias.detach().cpu())
+        biases = (gate_bias, up_bias, source["down_proj_bias"].cpu())
     limit, alpha = activation_of(module, int(gate.shape[1]))
     return {"gate_proj": gate.cpu().contiguous(), "up_proj": up.cpu().contiguous(),
             "down_proj": down.cpu().contiguous(), "biases": biases, "swiglu_limit": limit, "swiglu_alpha": alpha}
 
 
-def pack_module_experts(module: nn.Module, method: str = "BF16", **pack_args: Any) -> torch.Tensor:
+def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[str, torch.Tensor] | None = None,
+                        **pack_args: Any) -> torch.Tensor:
     """Packs one experts module into ``method`` (``pack_args``: ``group_size``, ``gguf_type``,
-    ``scale_search`` as :func:`kt_ops.pack_experts`), keeps the blob on the module and
-    returns it."""
+    ``scale_search`` as :func:`kt_ops.pack_experts`; ``tensors`` as :func:`module_weights`),
+    keeps the blob on the module and returns it."""
     from kt_ops.ops import pack_experts
 
-    weights = module_weights(module)
+    weights = module_weights(module, tensors)
     packed = pack_experts(weights.pop("gate_proj"), weights.pop("up_proj"), weights.pop("down_proj"), method=method,
                           **weights, **pack_args)
     setattr(module, _BLOB, packed.data)

@@ -73,3 +73,45 @@ def load_uint8_tensor(path: str | os.PathLike[str], key: str, copy: bool = False
     if read != nbytes:
         raise ValueError(f"{os.fspath(path)!r} is truncated: tensor {key!r} needs {nbytes} bytes, read {read}")
     return data
+
+
+_MADV_DONTNEED = 4
+
+
+def _file_backed(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of a file (``/proc/self/maps`` names a path)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                begin, end = (int(v, 16) for v in fields[0].split("-"))
+                if begin <= address < end:
+                    return len(fields) == 6 and fields[5].strip().startswith("/")
+    except OSError:
+        return False
+    return False
+
+
+def release_file_pages(tensor: torch.Tensor) -> int:
+    """Drops the pages of a tensor read from a memory-mapped file from this process's
+    resident set (``madvise(MADV_DONTNEED)`` on the whole pages inside its bytes; they
+    re-read from the file if touched again, and pages shared with neighbouring tensors are
+    left alone). For a file-backed tensor whose contents were consumed (packed) but whose
+    file stays mapped for other tensors. Anonymous memory is never touched. Returns the
+    bytes released (0 where nothing applied)."""
+    import ctypes
+    import mmap
+
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
+        return 0
+    start = tensor.data_ptr()
+    if not _file_backed(start):
+        return 0
+    page = mmap.PAGESIZE
+    begin = (start + page - 1) // page * page
+    end = (start + tensor.numel() * tensor.element_size()) // page * page
+    if end <= begin:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return end - begin if libc.madvise(begin, end - begin, _MADV_DONTNEED) == 0 else 0

@@ -152,8 +152,94 @@ def test_compile_after_packing(saved: dict[str, Path]) -> None:
     assert ((got - want).norm() / want.norm()) <= 1e-5
 
 
+def test_quantization_config_packs_while_loading(saved: dict[str, Path]) -> None:
+    """from_pretrained(..., quantization_config=KtOpsConfig(...)): the experts are packed as
+    they load (their parameters left empty), the experts implementation is kt_ops, and the
+    model computes what the eager model computes."""
+    for arch, method, bound in (("qwen3_moe", "BF16", 1e-5), ("gpt_oss", "BF16", 1e-5), ("mixtral", "AMXINT8", 5e-2)):
+        ours = transformers.AutoModelForCausalLM.from_pretrained(
+            saved[arch], dtype=torch.float32, quantization_config=kt_ops.KtOpsConfig(method=method, progress=False))
+        eager = load(saved[arch], "eager")
+        assert ours.config._experts_implementation == "kt_ops"
+        for module in experts_modules(ours):
+            assert module.gate_up_proj.numel() == 0 and hf_experts.packed_blob(module) is not None
+        ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            got, want = ours(ids).logits, eager(ids).logits
+        assert ((got - want).norm() / want.norm()) <= bound, arch
+    with pytest.raises(ValueError, match="not available"):
+        kt_ops.KtOpsConfig(method="NOPE")
+
+
+def write_big_checkpoint(path: str, layers: str) -> int:
+    """A Qwen3-MoE checkpoint of random bf16 weights, one shard per layer, ~288 MiB of
+    experts per layer (64 experts, H 1024, I 768), written tensor by tensor."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=1024, num_hidden_layers=int(layers), num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64, intermediate_size=1024, moe_intermediate_size=768, num_experts=64, num_experts_per_tok=4,
+        norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=256)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+    for key, param in model.state_dict().items():
+        tensor = torch.empty(param.shape, dtype=torch.bfloat16)
+        tensor.fill_(1) if "norm" in key else tensor.normal_(0, 0.02, generator=g)
+        shard[key] = tensor
+        if key.endswith("down_proj") or key == "lm_head.weight":
+            name = f"model-{len(set(index.values())):05d}.safetensors"
+            save_file(shard, f"{path}/{name}", metadata={"format": "pt"})
+            index.update({k: name for k in shard})
+            shard = {}
+    Path(path, "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return 0
+
+
+def load_and_measure(path: str, method: str) -> int:
+    """Loads with KtOpsConfig and prints final RSS, peak RSS (VmHWM) and packed bytes."""
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, quantization_config=kt_ops.KtOpsConfig(method=method, progress=False))
+    blobs = sum(hf_experts.packed_blob(m).numel() for m in experts_modules(model))
+    print("final", status("VmRSS:"), "peak", status("VmHWM:"), "blobs", blobs)
+    return 0
+
+
+def test_loading_peak_rss_is_bounded(tmp_path: Path) -> None:
+    """Peak RSS while loading <= final RSS + 2 layers of unpacked experts + 1 GiB, on a
+    checkpoint of 1.7 GiB of bf16 experts (6 layers of 288 MiB) packed into AMXINT4."""
+    here = Path(__file__)
+    layers, layer_bytes = 6, 3 * 64 * 1024 * 768 * 2
+    assert layers * layer_bytes >= 1.5 * 2**30
+    run = [sys.executable, str(here)]
+    written = subprocess.run([*run, "write_big_checkpoint", str(tmp_path / "big"), str(layers)], capture_output=True,
+                             text=True, timeout=600, cwd=here.parent)
+    assert written.returncode == 0, written.stderr[-2000:]
+    loaded = subprocess.run([*run, "load_and_measure", str(tmp_path / "big"), "AMXINT4"], capture_output=True,
+                            text=True, timeout=600, cwd=here.parent)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    values = dict(zip(loaded.stdout.split()[-6::2], map(int, loaded.stdout.split()[-5::2])))
+    bound = values["final"] + 2 * layer_bytes + 2**30
+    assert values["peak"] <= bound, f"peak {values['peak'] / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB ({values})"
+    assert values["final"] <= values["blobs"] + 2**30  # the bf16 experts are not resident after loading
+
+
 def test_import_kt_ops_does_not_import_transformers() -> None:
     code = ("import sys, kt_ops; assert 'transformers' not in sys.modules; "
             "import transformers.integrations.moe as m; assert 'kt_ops' in m.ALL_EXPERTS_FUNCTIONS; print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+if __name__ == "__main__":
+    sys.exit(globals()[sys.argv[1]](*sys.argv[2:]))
