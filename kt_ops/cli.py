@@ -4,6 +4,7 @@
     kt-ops bench ARGS      the benchmark (python -m kt_ops.bench's options)
     kt-ops convert ARGS    the CPU-weight converter (python -m kt_ops.convert's options)
     kt-ops inspect PATH    what a weight file or directory holds (kt_ops.inspection)
+    kt-ops generate MODEL --prompt TEXT   load a model with kt_ops experts, stream text, print tokens/s
 
 Exit status 0 on success, 2 for a bad argument or path (the last stderr line says what is
 wrong; argparse's usage line may precede it), 1 when the work itself fails (e.g. a
@@ -28,11 +29,13 @@ COMMANDS = {
     "convert": "convert a Hugging Face checkpoint's routed experts to packed INT8/INT4 CPU weights "
                "(python -m kt_ops.convert; 'kt-ops convert --help' lists its options)",
     "inspect": "what a packed file, converted directory, GGUF file/directory or Hugging Face checkpoint holds",
+    "generate": "load a Hugging Face model with its experts packed by kt_ops, stream a continuation of --prompt and "
+                "print prefill/decode tokens/s (python -m kt_ops.generate; 'kt-ops generate --help')",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``kt-ops``' parser. ``bench`` and ``convert`` appear for their help lines only:
+    """``kt-ops``' parser. ``bench``, ``convert`` and ``generate`` appear for their help lines only:
     :func:`main` hands their arguments to the tools' own parsers."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="kt_ops' tools: PyTorch MoE operators on the CPU.",
@@ -41,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     doctor = commands.add_parser("doctor", help=COMMANDS["doctor"], description=COMMANDS["doctor"] + ".")
     doctor.set_defaults(run=_doctor)
-    for name in ("bench", "convert"):
+    for name in ("bench", "convert", "generate"):
         commands.add_parser(name, help=COMMANDS[name], add_help=False)
     inspect = commands.add_parser(
         "inspect", help=COMMANDS["inspect"],
@@ -85,8 +88,14 @@ def _convert(argv: list[str]) -> int:
     return convert_main(argv, prog=f"{PROG} convert")
 
 
+def _generate(argv: list[str]) -> int:
+    from kt_ops.generate import main as generate_main
+
+    return generate_main(argv, prog=f"{PROG} generate")
+
+
 # Commands whose arguments go unparsed to the tool's own main(argv) -> int.
-FORWARDED: dict[str, Callable[[list[str]], int]] = {"bench": _bench, "convert": _convert}
+FORWARDED: dict[str, Callable[[list[str]], int]] = {"bench": _bench, "convert": _convert, "generate": _generate}
 
 
 def _exit_status(code: object) -> int:

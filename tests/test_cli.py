@@ -100,7 +100,7 @@ def test_help_lists_every_command_and_each_command_has_help(capsys) -> None:
 def test_no_command_and_unknown_command_exit_2(capsys) -> None:
     status, _, err = run(capsys)
     assert status == 2 and "usage: kt-ops" in err
-    assert last_line(err) == "kt-ops: error: a command is required: doctor, bench, convert, inspect"
+    assert last_line(err) == "kt-ops: error: a command is required: doctor, bench, convert, inspect, generate"
     status, _, err = run(capsys, "frobnicate")
     assert status == 2 and last_line(err).startswith("kt-ops: error: argument COMMAND: invalid choice: 'frobnicate'")
     status, _, err = run(capsys, "inspect")

@@ -234,6 +234,39 @@ def test_loading_peak_rss_is_bounded(tmp_path: Path) -> None:
     assert values["final"] <= values["blobs"] + 2**30  # the bf16 experts are not resident after loading
 
 
+def save_tokenizer(path: Path, vocab_size: int = 96) -> None:
+    """A word-level tokenizer over "w0" ... "w94" (and [UNK]) for the tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)} | {"[UNK]": vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="w0")
+    fast.save_pretrained(path)
+
+
+def test_kt_ops_generate_runs_on_a_saved_model(saved: dict[str, Path]) -> None:
+    """kt-ops generate MODEL --prompt ...: streams tokens (the same as transformers eager,
+    greedy) and reports prefill/decode tokens/s; a bad directory is exit status 2."""
+    path = saved["qwen3_moe"]
+    save_tokenizer(path)
+    prompt = "w5 w17 w42 w3"
+    result = subprocess.run([sys.executable, "-m", "kt_ops", "generate", str(path), "--prompt", prompt,
+                             "--max-new-tokens", "8", "--dtype", "float32"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "decode" in result.stderr and "tokens/s" in result.stderr and "BF16" in result.stderr
+    eager = load(path, "eager")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    want = eager.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    expected = tokenizer.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+    assert result.stdout.split() == expected.split()
+    bad = subprocess.run([sys.executable, "-m", "kt_ops", "generate", str(path.parent / "missing"), "--prompt", "w1"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "error" in bad.stderr.splitlines()[-1]
+
+
 def test_import_kt_ops_does_not_import_transformers() -> None:
     code = ("import sys, kt_ops; assert 'transformers' not in sys.modules; "
             "import transformers.integrations.moe as m; assert 'kt_ops' in m.ALL_EXPERTS_FUNCTIONS; print('ok')")

@@ -1,0 +1,121 @@
+"""``kt-ops generate MODEL --prompt TEXT`` (``python -m kt_ops.generate``): the command a user runs first.
+
+Loads a Hugging Face model directory with its routed experts packed while they load
+(``from_pretrained(..., quantization_config=kt_ops.KtOpsConfig(method=...))``, the rest of
+the model in ``--dtype`` on the CPU), streams the greedy (or sampled) continuation of the
+prompt to stdout, and prints prefill and decode tokens/s to stderr at the end. Exit status
+2 for a bad argument or a model directory it cannot load, 1 when generation fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Sequence
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def build_parser(prog: str = "python -m kt_ops.generate") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Generate text with a model whose experts run on kt_ops.")
+    parser.add_argument("model", metavar="MODEL", help="a Hugging Face model directory (config, tokenizer, weights)")
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--method", default="BF16", help="the experts' kt_ops method (BF16, AMXINT8, AMXINT4, ...)")
+    parser.add_argument("--group-size", type=int, default=None, help="INT4 k-group (32, 64, 128)")
+    parser.add_argument("--gguf-type", default=None, help="LLAMAFILE: the GGUF type, e.g. Q4_K")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the rest of the model's dtype")
+    parser.add_argument("--threads", type=int, default=None, help="torch's (and kt_ops') threads")
+    parser.add_argument("--sample", action="store_true", help="sample (temperature 0.7) instead of greedy")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    return parser
+
+
+class _Timing:
+    """A streamer that prints decoded text as it comes and notes when each token arrived."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from transformers import TextStreamer
+
+        self.text = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.prompt_seen = False
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        if self.prompt_seen:
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+        self.text.put(value)
+
+    def end(self) -> None:
+        self.text.end()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    import kt_ops
+
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    pack: dict[str, Any] = {"method": args.method}
+    if args.group_size is not None:
+        pack["group_size"] = args.group_size
+    if args.gguf_type is not None:
+        pack["gguf_type"] = args.gguf_type
+    try:
+        config = kt_ops.KtOpsConfig(**pack)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    started = time.perf_counter()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=getattr(torch, args.dtype), quantization_config=config).eval()
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{args.model}: {error}") from None
+    loaded = time.perf_counter()
+    if args.chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            return_tensors="pt")
+    else:
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    streamer = _Timing(tokenizer)
+    sampling = {"do_sample": True, "temperature": 0.7} if args.sample else {"do_sample": False}
+    begin = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **sampling,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    new = int(out.shape[1] - ids.shape[1])
+    times = streamer.times
+    prefill = (times[0] - begin) if times else float("nan")
+    decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+    print(file=sys.stderr)
+    print(f"kt_ops {args.method}: loaded in {loaded - started:.1f} s; prompt {ids.shape[1]} tokens, prefill "
+          f"{ids.shape[1] / prefill:.1f} tokens/s ({prefill * 1e3:.0f} ms to the first token); {new} new tokens, "
+          f"decode {decode:.2f} tokens/s; {torch.get_num_threads()} threads, CPU variant {kt_ops.cpu_variant()}",
+          file=sys.stderr)
+    return 0
+
+
+class UsageError(Exception):
+    """A bad argument or a model that cannot be loaded (exit status 2)."""
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m kt_ops.generate") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
