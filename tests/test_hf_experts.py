@@ -234,6 +234,29 @@ def test_loading_peak_rss_is_bounded(tmp_path: Path) -> None:
     assert values["final"] <= values["blobs"] + 2**30  # the bf16 experts are not resident after loading
 
 
+@pytest.mark.parametrize("arch", ["gpt_oss", "olmoe", "glm4_moe", "deepseek_v4"])
+def test_patch_model_covers_the_experts_interface(arch: str) -> None:
+    """patch_model on a model type without kt_ops' own MoE block: the experts interface,
+    the expert tensors released, the logits kept."""
+    from kt_ops.wrappers import HYBRID_MODEL_TYPES, supported_model_types
+
+    assert arch not in HYBRID_MODEL_TYPES and arch in supported_model_types()
+    model = tiny_model(arch, dtype=torch.bfloat16).float().eval()
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids).logits
+    with pytest.raises(ValueError, match="GPU experts need kt_ops' own MoE block"):
+        kt_ops.patch_model(model, num_gpu_experts=2)
+    kt_ops.patch_model(model, method="BF16")
+    report = model.kt_ops_patch_report
+    assert report.layers == len(experts_modules(model)) and report.released_bytes > 0
+    assert all(m.gate_up_proj.numel() == 0 for m in experts_modules(model))
+    logits, calls = kt_calls(model, ids)
+    assert calls == report.layers
+    assert ((logits - want).norm() / want.norm()) <= 1e-5
+    assert "nemotron_h" not in supported_model_types()  # has_gate=False: not computed
+
+
 def save_tokenizer(path: Path, vocab_size: int = 96) -> None:
     """A word-level tokenizer over "w0" ... "w94" (and [UNK]) for the tiny models."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -1,22 +1,29 @@
 """patch_model: swap the MoE blocks of a Hugging Face ``transformers`` model for
 :class:`HybridMoE` layers whose routed experts run on the CPU.
 
-Supported (``config.model_type``): ``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
-``deepseek_v3``, ``deepseek_v2`` — transformers v5's fused expert tensors
-(``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) and v4's
-per-expert ``nn.Linear`` lists (``gate_proj/up_proj/down_proj`` or Mixtral's
-``w1/w3/w2``) alike.
+With :class:`HybridMoE` (its own routing, GPU experts by mask): ``qwen3_moe``,
+``qwen2_moe``, ``mixtral``, ``deepseek_v3``, ``deepseek_v2`` — transformers v5's fused
+expert tensors (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) and
+v4's per-expert ``nn.Linear`` lists (``gate_proj/up_proj/down_proj`` or Mixtral's
+``w1/w3/w2``) alike. Every other model whose experts class uses transformers' experts
+interface is patched through it (:mod:`kt_ops.hf_experts`: the model's own routing, the
+experts packed, CPU experts only). :func:`supported_model_types` lists both, read from
+the installed transformers.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from kt_ops import hf_experts
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.wrappers.hybrid_moe import HybridMoE
 from kt_ops.wrappers.routing import Routing
@@ -75,7 +82,37 @@ _BLOCKS: dict[str, tuple[str, ...]] = {  # model_type -> MoE block class names (
     "deepseek_v3": ("DeepseekV3MoE",),
     "deepseek_v2": ("DeepseekV2Moe", "DeepseekV2MoE"),
 }
-SUPPORTED_MODEL_TYPES = tuple(_BLOCKS)
+HYBRID_MODEL_TYPES = tuple(_BLOCKS)
+
+
+@functools.lru_cache(maxsize=1)
+def supported_model_types() -> tuple[str, ...]:
+    """The ``model_type``s :func:`patch_model` handles: :data:`HYBRID_MODEL_TYPES` and every
+    model of the installed transformers whose modeling code decorates its experts class
+    with ``@use_experts_implementation`` (without ``has_gate=False`` or a post-expert norm,
+    which kt_ops does not compute). Empty of the latter without transformers."""
+    found = set(_BLOCKS)
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+    except ImportError:
+        return tuple(sorted(found))
+    root = Path(transformers.__file__).parent / "models"
+    for model_type in CONFIG_MAPPING_NAMES:
+        name = model_type_to_module_name(model_type)
+        source = root / name / f"modeling_{name}.py"
+        if not source.is_file():
+            continue
+        decorators = re.findall(r"@use_experts_implementation(\([^)]*\))?", source.read_text(encoding="utf-8"))
+        if decorators and all("has_gate=False" not in d and "has_post_expert_norm=True" not in d for d in decorators):
+            found.add(model_type)
+    return tuple(sorted(found))
+
+
+def __getattr__(name: str) -> object:
+    if name == "SUPPORTED_MODEL_TYPES":  # generated from the installed transformers on first use
+        return supported_model_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _expert_tensors(experts: nn.Module, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,7 +160,7 @@ def patch_model(
 
     Args:
         model: a ``PreTrainedModel`` (or any module with a ``config``) of a supported
-            ``model_type`` (:data:`SUPPORTED_MODEL_TYPES`).
+            ``model_type`` (:func:`supported_model_types`).
         method: packing method of the CPU experts (``BF16``, ``AMXINT8``, ``AMXINT4``,
             ``LLAMAFILE`` with ``gguf_type`` …).
         gpu_experts_mask: bool ``[num_moe_layers, E]``: experts kept in torch on the
@@ -144,8 +181,15 @@ def patch_model(
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _BLOCKS:
-        raise ValueError(f"kt_ops.patch_model does not support model_type {model_type!r} "
-                         f"({type(model).__name__}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        experts = [(name, m) for name, m in model.named_modules() if hf_experts.is_experts_module(m)]
+        if not experts:
+            raise ValueError(f"kt_ops.patch_model does not support model_type {model_type!r} "
+                             f"({type(model).__name__}: no experts class using transformers' experts interface); "
+                             f"supported: {', '.join(supported_model_types())}")
+        if gpu_experts_mask is not None or num_gpu_experts:
+            raise ValueError(f"GPU experts need kt_ops' own MoE block, which exists for model types "
+                             f"{', '.join(HYBRID_MODEL_TYPES)}; {model_type!r} runs all its experts on the CPU")
+        return _patch_experts(model, experts, method, group_size, gguf_type, progress)
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"the CPU experts compute SiLU; this model's hidden_act is {config.hidden_act!r}")
     blocks = [(name, module) for name, module in model.named_modules()
@@ -177,6 +221,37 @@ def patch_model(
         if progress is not None:
             progress(index + 1, len(blocks))
     report = PatchReport(len(blocks), method.upper(), released, packed_bytes, gpu_bytes)
+    model.kt_ops_patch_report = report
+    logger.info("%s", report)
+    return model
+
+
+def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], method: str, group_size: int,
+                   gguf_type: object, progress: Callable[[int, int], None] | None) -> nn.Module:
+    """patch_model through transformers' experts interface: each experts module packed
+    (its activation probed, biases kept), its expert tensors released, the model's experts
+    implementation set to kt_ops."""
+    from kt_ops.formats import GROUPED_FORMATS, format_for_method
+
+    pack_args: dict[str, object] = {}
+    if format_for_method(method) in GROUPED_FORMATS:
+        pack_args["group_size"] = group_size
+    if gguf_type is not None:
+        pack_args["gguf_type"] = gguf_type
+    for _, module in experts:  # refuse before anything changes
+        hf_experts.check_supported(module)
+    released = packed_bytes = 0
+    for index, (_, module) in enumerate(experts):
+        packed_bytes += hf_experts.pack_module_experts(module, method, **pack_args).numel()
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            param = getattr(module, name, None)
+            if isinstance(param, torch.Tensor):
+                released += param.numel() * param.element_size()
+                setattr(module, name, nn.Parameter(param.new_empty(0), requires_grad=False))
+        if progress is not None:
+            progress(index + 1, len(experts))
+    model.set_experts_implementation(hf_experts.IMPLEMENTATION)
+    report = PatchReport(len(experts), method.upper(), released, packed_bytes, 0)
     model.kt_ops_patch_report = report
     logger.info("%s", report)
     return model
