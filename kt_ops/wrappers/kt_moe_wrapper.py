@@ -27,7 +27,14 @@ import kt_ops.cuda
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.formats import format_for_method
-from kt_ops.gguf_loader import gguf_files, load_gguf_experts
+from kt_ops.gguf_loader import (
+    GPT_OSS_SWIGLU_ALPHA,
+    GPT_OSS_SWIGLU_LIMIT,
+    gguf_files,
+    load_gguf_expert_biases,
+    load_gguf_experts,
+    read_gguf_config,
+)
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases
@@ -81,12 +88,17 @@ class KTMoEWrapper:
         weight_path: a Hugging Face safetensors directory (online quantization into
             ``method``; an FP8 checkpoint under its own FP8 method is read in place, its
             e4m3 bytes kept), a directory written by ``python -m kt_ops.convert``, or a
-            GGUF file or directory (``LLAMAFILE``).
+            GGUF file or directory (``LLAMAFILE`` or ``MXFP4``). A GGUF of architecture
+            ``gpt-oss`` brings its expert biases and alpha-SwiGLU (``swiglu_alpha`` 1.702,
+            ``swiglu_limit`` 7), each applied only where the constructor's value is the
+            default 0.
         chunked_prefill_size: at most this many tokens per kernel call (None: no limit).
         cpu_save: keep the unpacked source tensors (``source_weights``) after packing.
         max_deferred_experts_per_token: d, see the module docstring.
         method: ``BF16``, ``AMXINT8``/``MOE_INT8``, ``AMXINT4``/``MOE_INT4``, ``LLAMAFILE``,
-            ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``.
+            ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``, ``MXFP4`` (GGUF
+            type MXFP4 of format gguf: e2m1 with an E8M0 exponent per 32 weights; a bf16
+            checkpoint or ``load_weights_from_tensors`` is quantized online).
         numa_nodes: accepted for compatibility; its length must equal threadpool_count.
         num_gpu_experts: instead of a mask: slots ``[0, n)`` run on the GPU.
         group_size: INT4 k-group for online quantization (default 128).
@@ -242,7 +254,7 @@ class KTMoEWrapper:
     def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                           biases: Biases | None = None) -> None:
         """Packs the CPU slots' experts (``gate/up/down`` and ``biases`` hold those, in slot order)."""
-        if self.format == "gguf":
+        if self.format == "gguf" and self.method != "MXFP4":
             raise ValueError("method LLAMAFILE loads GGUF files (weight_path); online quantization into GGUF "
                              "is kt_ops.pack_experts(..., method='LLAMAFILE', gguf_type=...)")
         pack_args = {"group_size": self.group_size} if self.format == "int4" else {}
@@ -338,8 +350,21 @@ class KTMoEWrapper:
             raise ValueError(f"{path} holds GGUF files: use method='LLAMAFILE', not {self.method!r}")
         gguf_files(path)  # FileNotFoundError / ValueError for a bad directory
         packed = load_gguf_experts(path, self.layer_idx)
+        biases = None
+        if read_gguf_config(path).architecture == "gpt-oss":
+            self._use_gpt_oss_activation(GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA)
+            biases = load_gguf_expert_biases(path, self.layer_idx)
         # GGUF blobs are mapped from the file as one part: threadpool_count does not split them.
-        self._set_packed([packed], self._physical_map(physical_to_logical_map, packed.num_experts))
+        self._set_packed([packed], self._physical_map(physical_to_logical_map, packed.num_experts), biases)
+
+    def _use_gpt_oss_activation(self, limit: float, alpha: float) -> None:
+        """gpt-oss weights: alpha-SwiGLU (GGUF: alpha 1.702 and limit 7, which llama.cpp
+        hard-codes; Hugging Face: config.json's values), each taken only where the
+        constructor's value is the default 0 (a non-zero value the user passed is kept)."""
+        if self.swiglu_alpha == 0:
+            self.swiglu_alpha = alpha
+        if self.swiglu_limit == 0:
+            self.swiglu_limit = limit
 
     # ---- forward ----------------------------------------------------------------------
 
