@@ -36,6 +36,7 @@ from kt_ops.gguf_loader import (
     read_gguf_config,
 )
 from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_parts
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases
 from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_parts, part_bounds
@@ -87,11 +88,13 @@ class KTMoEWrapper:
             NUMA node in kt-kernel); the output is the sum of the parts. Must divide I.
         weight_path: a Hugging Face safetensors directory (online quantization into
             ``method``; an FP8 checkpoint under its own FP8 method is read in place, its
-            e4m3 bytes kept), a directory written by ``python -m kt_ops.convert``, or a
-            GGUF file or directory (``LLAMAFILE`` or ``MXFP4``). A GGUF of architecture
-            ``gpt-oss`` brings its expert biases and alpha-SwiGLU (``swiglu_alpha`` 1.702,
-            ``swiglu_limit`` 7), each applied only where the constructor's value is the
-            default 0.
+            e4m3 bytes kept, and so is an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash)
+            under ``MXFP4``, :mod:`kt_ops.hf_mxfp4`), a directory written by
+            ``python -m kt_ops.convert``, or a GGUF file or directory (``LLAMAFILE`` or
+            ``MXFP4``). gpt-oss weights (a GGUF of architecture ``gpt-oss``, or the
+            Hugging Face gpt-oss layout) bring their expert biases and alpha-SwiGLU:
+            ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7 (Hugging Face: config.json's
+            values), each applied only where the constructor's value is the default 0.
         chunked_prefill_size: at most this many tokens per kernel call (None: no limit).
         cpu_save: keep the unpacked source tensors (``source_weights``) after packing.
         max_deferred_experts_per_token: d, see the module docstring.
@@ -308,6 +311,12 @@ class KTMoEWrapper:
         if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
             return self._load_gguf(path, physical_to_logical_map)
         checkpoint = HfCheckpoint(path)
+        mxfp4 = find_mxfp4_layer(checkpoint, self.layer_idx)
+        if mxfp4 is not None:
+            if self.method != "MXFP4":
+                raise ValueError(f"{path} layer {self.layer_idx} holds MXFP4 experts ({mxfp4.kind}); "
+                                 f"method {self.method} cannot read them: use method='MXFP4'")
+            return self._load_mxfp4(checkpoint, self._physical_map(physical_to_logical_map, mxfp4.num_experts))
         logical = checkpoint.layer(self.layer_idx).num_experts
         mapping = self._physical_map(physical_to_logical_map, logical)
         cpu = mapping[~self.gpu_experts_mask].tolist()
@@ -332,6 +341,25 @@ class KTMoEWrapper:
             parts = pack_fp8_parts(experts, self.threadpool_count)
             self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
         self._set_packed(parts, route)
+
+    def _load_mxfp4(self, checkpoint: HfCheckpoint, mapping: torch.Tensor) -> None:
+        """The CPU slots' experts of an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash),
+        re-ordered into GGUF MXFP4 blocks without widening; gpt-oss's biases and activation
+        (:meth:`_use_gpt_oss_activation`) come with them."""
+        cpu = mapping[~self.gpu_experts_mask].tolist()
+        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
+        route = torch.full((self.num_experts,), -1, dtype=torch.long)
+        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        parts: list[PackedExperts] = []
+        biases = None
+        if cpu:
+            experts = load_mxfp4_experts(checkpoint, self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
+            if experts.kind == "gpt_oss":
+                self._use_gpt_oss_activation(experts.swiglu_limit, experts.swiglu_alpha)
+            parts = pack_mxfp4_parts(experts, self.threadpool_count)
+            biases = experts.biases
+            self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
+        self._set_packed(parts, route, biases)
 
     def _load_converted(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
         manifest, parts = load_converted_layer(path, self.layer_idx)
