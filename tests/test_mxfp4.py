@@ -123,6 +123,23 @@ def test_quantizer_ties_and_saturation_match_gguf() -> None:
     np.testing.assert_array_equal(ours, theirs)
 
 
+def test_quantizer_exponent_just_below_powers_of_two_matches_gguf() -> None:
+    """max|x| one to three ulps below 2^k, k in [-100, 100): log2f rounds some of these up to
+    k, and the exponent must follow ggml's log2f, not the exact binary exponent."""
+    rows = []
+    for k in range(-100, 100):
+        v = np.float32(2.0**k)
+        for _ in range(3):
+            v = np.nextafter(v, np.float32(0))
+            rows.append(np.array([v, -v / 3, v / 7] + [0.0] * 29, dtype=np.float32))
+    x = torch.from_numpy(np.stack(rows)[:576]).reshape(1, 576, 32)
+    packed = kt_ops.pack_experts(x, x, torch.zeros(1, 32, 576), method="MXFP4")
+    offset = _C.packed_info(packed.data)["matrix_offsets"][0]
+    ours = packed.data[offset : offset + 576 * BLOCK_BYTES].numpy()
+    theirs = gguf.quants.quantize(x.reshape(576, 32).numpy(), MXFP4).reshape(-1)
+    np.testing.assert_array_equal(ours, theirs)
+
+
 def cases() -> list:
     return [pytest.param(*s, id="E{}k{}H{}I{}T{}".format(*s)) for s in SHAPES]
 
