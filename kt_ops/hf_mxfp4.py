@@ -40,7 +40,6 @@ from kt_ops.packed import PackedExperts
 from kt_ops.parts import part_bounds
 
 MXFP4_GROUP = 32  # weights per exponent along k
-MXFP4_KINDS = ("gpt_oss", "deepseek_v4")
 
 _GPT_OSS = re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.mlp\.experts\.gate_up_proj_blocks$")
 _DEEPSEEK_V4 = re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.ffn\.experts\.(?P<e>\d+)\.w1\.weight$")
