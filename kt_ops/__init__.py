@@ -21,7 +21,7 @@ from kt_ops.cpu import (
 )
 from kt_ops.diagnostics import doctor
 from kt_ops.formats import METHOD_FORMATS
-from kt_ops.gguf_loader import GgufModelInfo, load_gguf_experts, read_gguf_config
+from kt_ops.gguf_loader import GgufModelInfo, load_gguf_expert_biases, load_gguf_experts, read_gguf_config
 from kt_ops.ops import moe_forward, pack_experts, pack_fp8_experts, pack_int4_experts, set_activation
 from kt_ops.packed import PackedExperts
 from kt_ops.wrappers import HybridMoE, KTMoEWrapper, PatchReport, Routing, generate_gpu_experts_masks, patch_model
@@ -55,6 +55,7 @@ __all__ = [
     "get_num_threads",
     "hf_experts",
     "load_gguf_experts",
+    "load_gguf_expert_biases",
     "missing_features",
     "moe_forward",
     "pack_experts",

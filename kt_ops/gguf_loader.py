@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import numpy as np
+import torch
 
 from kt_ops._native import _C
 from kt_ops.gguf_types import gguf_type_id
@@ -185,3 +187,56 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool =
         offsets.append(int(tensor.data_offset))
     data = _C.map_gguf_experts(files, offsets, types, E, H, I)
     return PackedExperts(data.clone() if copy else data)
+
+
+# gpt-oss's activation, which llama.cpp hard-codes for the architecture (no GGUF keys):
+# alpha-SwiGLU with alpha 1.702, gate clamped from above and up to [-7, 7].
+GPT_OSS_SWIGLU_ALPHA = 1.702
+GPT_OSS_SWIGLU_LIMIT = 7.0
+
+
+def load_gguf_expert_biases(
+    path: str | os.PathLike[str], layer_idx: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The routed experts' biases of layer ``layer_idx`` of a GGUF model (gpt-oss has them).
+
+    Reads ``blk.{layer_idx}.ffn_{gate,up,down}_exps.bias`` (F32, ggml shapes ``[I, E]``,
+    ``[I, E]``, ``[H, E]``).
+
+    Returns:
+        ``(gate_bias [E, I], up_bias [E, I], down_bias [E, H])``, fp32 copies; an entry is
+        ``None`` where the file has no such tensor (most models: all three). The tuple is
+        what :func:`kt_ops.set_activation` and ``KTMoEWrapper`` take as ``biases``.
+
+    Raises:
+        ValueError: a bias of another type than F32, or of a shape the metadata disagrees
+            with (naming the tensor); a layer outside the model.
+        TypeError: ``layer_idx`` is not an int.
+    """
+    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+        raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
+    info = read_gguf_config(path)
+    if not 0 <= layer_idx < info.num_layers:
+        raise ValueError(f"layer_idx {layer_idx} is outside the model's {info.num_layers} layers")
+    names = [f"blk.{layer_idx}.{m}.bias" for m in _MATRICES]
+    found: dict[str, tuple[Path, gguf.gguf_reader.ReaderTensor]] = {}
+    for file in info.files:
+        for tensor in open_gguf(file).tensors:
+            if tensor.name in names:
+                found[tensor.name] = (file, tensor)
+    E, H = info.num_experts, info.hidden_size
+    out: list[torch.Tensor | None] = []
+    for name in names:
+        if name not in found:
+            out.append(None)
+            continue
+        file, tensor = found[name]
+        if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
+            raise ValueError(f"{name} in {file.name} is {tensor.tensor_type.name}; expert biases must be F32")
+        shape = tuple(int(d) for d in tensor.shape)  # ggml order: [width, E]
+        width = H if name.endswith("ffn_down_exps.bias") else (info.moe_intermediate_size or shape[0])
+        if shape != (width, E):
+            raise ValueError(f"{name} in {file.name} has ggml shape {list(shape)} but the metadata (E={E}, "
+                             f"H={H}) needs {[width, E]}")
+        out.append(torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(E, width)))
+    return out[0], out[1], out[2]

@@ -32,7 +32,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import KeysView, Sequence
 
 import torch
 from safetensors import safe_open
@@ -161,6 +161,20 @@ class HfCheckpoint:
             )
         return layers[layer]
 
+    def keys(self) -> KeysView[str]:
+        """Every tensor key of the checkpoint (from the index or the file headers)."""
+        return self.key_file.keys()
+
+    def tensor_info(self, key: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype name such as ``"U8"``, shape) of tensor ``key``, from its
+        file's header; ``KeyError`` if the checkpoint has no such tensor."""
+        return self._header(key)
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """Tensor ``key`` as stored (nothing converted); ``KeyError`` if absent,
+        ``ValueError`` naming the file if it cannot be read."""
+        return self._tensor(key)
+
     def _file(self, key: str) -> Path:
         if key not in self.key_file:
             raise KeyError(f"{self.path}: tensor {key!r} is missing")
@@ -182,19 +196,6 @@ class HfCheckpoint:
                                  f"{error}") from None
             self._headers[file] = entries
         return self._headers[file]
-
-    def has(self, key: str) -> bool:
-        """Whether the checkpoint holds tensor ``key``."""
-        return key in self.key_file
-
-    def header(self, key: str) -> tuple[str, tuple[int, ...]]:
-        """(safetensors dtype name, shape) of tensor ``key``, from its file's header."""
-        return self._header(key)
-
-    def tensor(self, key: str) -> torch.Tensor:
-        """Tensor ``key`` as stored; ``KeyError`` if missing, ``ValueError`` naming the file if
-        it cannot be read."""
-        return self._tensor(key)
 
     def _header(self, key: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype name, shape) of a tensor, from its file's header."""

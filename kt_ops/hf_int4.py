@@ -82,11 +82,11 @@ def int4_method(checkpoint: HfCheckpoint, layer: int) -> str | None:
     if where.suffix != "qweight":
         return None
     stem = where.stem(0, 0)
-    qweight = checkpoint.header(f"{stem}.qweight")[1]
+    qweight = checkpoint.tensor_info(f"{stem}.qweight")[1]
     scales_key = f"{stem}.scales"
-    if not checkpoint.has(scales_key):
+    if scales_key not in checkpoint.keys():
         raise ValueError(f"{checkpoint.path}: {stem}.qweight has no {scales_key!r} beside it")
-    scales = checkpoint.header(scales_key)[1]
+    scales = checkpoint.tensor_info(scales_key)[1]
     by_shape = None
     if len(qweight) == 2 and len(scales) == 2:
         if scales[1] == qweight[1]:
@@ -105,32 +105,32 @@ def int4_method(checkpoint: HfCheckpoint, layer: int) -> str | None:
 
 
 def _float(checkpoint: HfCheckpoint, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    if not checkpoint.has(key):
+    if key not in checkpoint.keys():
         raise ValueError(f"{checkpoint.path}: tensor {key!r} is missing")
-    dtype, got = checkpoint.header(key)
+    dtype, got = checkpoint.tensor_info(key)
     if dtype not in _FLOATS or tuple(got) != shape:
         raise ValueError(f"{checkpoint.path}: tensor {key!r} is {dtype} {list(got)}; expected a float tensor "
                          f"{list(shape)}")
-    value = checkpoint.tensor(key).float()
+    value = checkpoint.read_tensor(key).float()
     if not torch.isfinite(value).all():
         raise ValueError(f"{checkpoint.path}: tensor {key!r} holds NaN or infinite values")
     return value
 
 
 def _int32(checkpoint: HfCheckpoint, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    if not checkpoint.has(key):
+    if key not in checkpoint.keys():
         raise ValueError(f"{checkpoint.path}: tensor {key!r} is missing")
-    dtype, got = checkpoint.header(key)
+    dtype, got = checkpoint.tensor_info(key)
     if dtype != "I32" or tuple(got) != shape:
         raise ValueError(f"{checkpoint.path}: tensor {key!r} is {dtype} {list(got)}; expected I32 {list(shape)}")
-    return checkpoint.tensor(key)
+    return checkpoint.read_tensor(key)
 
 
 def _groups(checkpoint: HfCheckpoint, key: str, K: int) -> int:
     """The group size of a ``[K/gs, ...]`` (GPTQ/AWQ) or ``[..., K/gs]`` (RAWINT4) scale."""
-    if not checkpoint.has(key):
+    if key not in checkpoint.keys():
         raise ValueError(f"{checkpoint.path}: tensor {key!r} is missing")
-    _, shape = checkpoint.header(key)
+    _, shape = checkpoint.tensor_info(key)
     if len(shape) != 2:
         raise ValueError(f"{checkpoint.path}: tensor {key!r} is {list(shape)}; scales are 2-D")
     count = shape[-1] if key.endswith("weight_scale") else shape[0]
@@ -162,17 +162,17 @@ def _read_matrix(checkpoint: HfCheckpoint, method: str, stem: str, N: int, K: in
         raise ValueError(f"{checkpoint.path}: {stem} has K = {K}, not a multiple of 8 (int4 words)")
     if method == "RAWINT4":
         key = f"{stem}.weight_packed"
-        dtype, shape = checkpoint.header(key)
+        dtype, shape = checkpoint.tensor_info(key)
         if not ((dtype == "I32" and tuple(shape) == (N, K // 8)) or (dtype == "U8" and tuple(shape) == (N, K // 2))):
             raise ValueError(f"{checkpoint.path}: tensor {key!r} is {dtype} {list(shape)}; expected I32 "
                              f"[{N}, {K // 8}] or U8 [{N}, {K // 2}]")
-        if checkpoint.has(f"{stem}.weight_shape"):
-            declared = [int(v) for v in checkpoint.tensor(f"{stem}.weight_shape").reshape(-1).tolist()]
+        if f"{stem}.weight_shape" in checkpoint.keys():
+            declared = [int(v) for v in checkpoint.read_tensor(f"{stem}.weight_shape").reshape(-1).tolist()]
             if declared != [N, K]:
                 raise ValueError(f"{checkpoint.path}: {stem}.weight_shape is {declared}; the layer needs [{N}, {K}]")
         gs = _groups(checkpoint, f"{stem}.weight_scale", K)
         scales = _float(checkpoint, f"{stem}.weight_scale", (N, K // gs))
-        nibbles = checkpoint.tensor(key).contiguous().view(torch.uint8).reshape(N, K // 2)
+        nibbles = checkpoint.read_tensor(key).contiguous().view(torch.uint8).reshape(N, K // 2)
         return nibbles, scales, None, gs
     if N % 8:
         raise ValueError(f"{checkpoint.path}: {stem} has N = {N}, not a multiple of 8 (packed zero points)")
@@ -183,14 +183,14 @@ def _read_matrix(checkpoint: HfCheckpoint, method: str, stem: str, N: int, K: in
         qweight = _int32(checkpoint, f"{stem}.qweight", (K // 8, N))
         nibbles = qweight.t().contiguous().view(torch.uint8)  # [N, K/2]: words along k, low nibble first
         g_idx_key = f"{stem}.g_idx"
-        if checkpoint.has(g_idx_key):
-            g_idx = checkpoint.tensor(g_idx_key).reshape(-1).long()
+        if g_idx_key in checkpoint.keys():
+            g_idx = checkpoint.read_tensor(g_idx_key).reshape(-1).long()
             if g_idx.numel() != K or not torch.equal(g_idx, torch.arange(K) // gs):
                 raise ValueError(
                     f"{checkpoint.path}: {g_idx_key} is an act-order (desc_act) permutation; kt_ops reads GPTQ "
                     "checkpoints quantized without act-order only (gate/up would need the hidden state permuted "
                     "per layer). Quantize with desc_act=False, or load the float model with method AMXINT4")
-        if not checkpoint.has(zeros_key):
+        if zeros_key not in checkpoint.keys():
             if not sym:
                 raise ValueError(f"{checkpoint.path}: {zeros_key!r} is missing but config.json says sym: false "
                                  "(asymmetric GPTQ needs its zero points)")
@@ -199,7 +199,7 @@ def _read_matrix(checkpoint: HfCheckpoint, method: str, stem: str, N: int, K: in
         return nibbles, scales, zeros, gs
     qweight = _int32(checkpoint, f"{stem}.qweight", (K, N // 8))
     nibbles = _pack_nibbles(_unpack_columns(qweight, AWQ_ORDER).t())
-    if not checkpoint.has(zeros_key):
+    if zeros_key not in checkpoint.keys():
         raise ValueError(f"{checkpoint.path}: {zeros_key!r} is missing; AWQ checkpoints carry zero points")
     zeros = _unpack_columns(_int32(checkpoint, zeros_key, (K // gs, N // 8)), AWQ_ORDER).t()
     return nibbles, scales, zeros, gs

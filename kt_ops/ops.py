@@ -10,6 +10,8 @@ from kt_ops.formats import CHECKPOINT_METHODS, DEFAULT_GROUP_SIZE, GROUPED_FORMA
 from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
 from kt_ops.packed import PackedExperts
 
+MXFP4_TYPE = 39  # GGML_TYPE_MXFP4, the ggml type method "MXFP4" packs
+
 
 def pack_experts(
     gate_proj: torch.Tensor,
@@ -36,14 +38,18 @@ def pack_experts(
             ``"AMXINT8"``/``"MOE_INT8"`` int8 symmetric per output channel;
             ``"AMXINT4"``/``"MOE_INT4"`` int4 in k-groups of ``group_size``;
             ``"LLAMAFILE"`` GGUF blocks of ``gguf_type`` (round-to-nearest);
+            ``"MXFP4"`` GGUF type MXFP4 (ggml type 39: e2m1 codes with one E8M0 exponent
+            per 32 weights along k, 17 bytes per block; ggml's round-to-nearest, byte for
+            byte as ``gguf.quants.quantize``) for all three matrices, format ``gguf``:
+            H and I must be multiples of 32;
             the INT4 checkpoint methods quantize as their checkpoints are written
             (round-to-nearest): ``"RAWINT4"`` symmetric int4 in groups of 32,
             ``"GPTQ_INT4"`` symmetric in groups of 128, ``"AWQ_INT4"`` with zero points
             (int4_asym) in groups of 128. To keep a checkpoint's own nibbles, load it
             (:mod:`kt_ops.hf_int4`, ``KTMoEWrapper(weight_path=...)``).
         group_size: INT4 k-group, 32, 64 or 128; None: the method's default (128;
-            RAWINT4 32). It must divide H and I (``ValueError`` otherwise). Other methods
-            take none.
+            RAWINT4 32). It must divide H and I (``ValueError`` otherwise). MXFP4 takes
+            32 or none (its groups are fixed at 32). Other methods take none.
         zero_point: INT4 only: asymmetric groups (``w = scale * q + minimum``).
         scale_search: quantized methods: per row/group, try candidate scales (with a
             least-squares refit) and keep the one with the smallest squared error,
@@ -102,6 +108,14 @@ def _pack(
     gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None,
 ) -> PackedExperts:
     fmt = format_for_method(method, zero_point)
+    if fmt == "gguf" and method.upper() == "MXFP4":
+        # MXFP4 is ggml type 39 of the gguf format for all three matrices (docs/formats.md).
+        if gguf_type is not None and gguf_type_ids(gguf_type) != (MXFP4_TYPE,) * 3:
+            raise ValueError(f"method 'MXFP4' packs every matrix as GGUF type MXFP4; got gguf_type={gguf_type!r}")
+        if group_size not in (None, DEFAULT_GROUP_SIZE, 32) or scale_search:
+            raise ValueError(f"method 'MXFP4' has fixed groups of 32 and no scale_search; got group_size="
+                             f"{group_size}, scale_search={scale_search}")
+        method, gguf_type, group_size = "LLAMAFILE", "MXFP4", None
     if fmt == "gguf":
         if gguf_type is None:
             raise ValueError("method 'LLAMAFILE' needs gguf_type, e.g. 'Q4_K' or ('Q4_K', 'Q4_K', 'Q6_K')")

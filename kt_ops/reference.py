@@ -251,6 +251,37 @@ def decode_ue8m0(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, torch.full_like(value, float("nan")), value)
 
 
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The OCP e2m1 value of each 4-bit code (ggml stores them doubled, with a halved scale);
+code 8, e2m1's -0, reads as +0 as in ggml and gguf.quants (the kernels' integer 0)."""
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """MXFP4 blocks as GGUF stores them (ggml type 39) -> fp32 weights, in plain torch.
+
+    Args:
+        blocks: uint8 ``[..., n * 17]``: per block of 32 weights one E8M0 exponent byte
+            ``e``, then 16 bytes whose byte ``j`` holds weight ``j`` in its low nibble and
+            weight ``j + 16`` in its high nibble (e2m1 codes, :data:`MXFP4_VALUES`).
+        k: the row length (``n * 32``); checked when given.
+
+    Returns:
+        fp32 ``[..., n * 32]``: ``e2m1(code) * 2^(e - 127)``; a block with ``e == 255`` is
+        NaN (OCP MX; ggml and ``gguf.quants`` read 255 as ``2^127``, see docs/formats.md).
+    """
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] % 17:
+        raise ValueError(f"MXFP4 blocks must be uint8 [..., n * 17], got {blocks.dtype} {tuple(blocks.shape)}")
+    n = blocks.shape[-1] // 17
+    if k is not None and k != 32 * n:
+        raise ValueError(f"MXFP4 row of {blocks.shape[-1]} bytes holds {32 * n} weights, not k = {k}")
+    b = blocks.reshape(*blocks.shape[:-1], n, 17)
+    scale = decode_ue8m0(b[..., 0:1])  # [..., n, 1]
+    qs = b[..., 1:].to(torch.int64)
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # [..., n, 32]: weights 0-15, then 16-31
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)[codes]
+    return (values * scale).reshape(*blocks.shape[:-1], 32 * n)
+
+
 def _fp8_matrix(blob: torch.Tensor, offset: int, experts: int, blocks: int, k: int, format: str) -> torch.Tensor:
     """One packed fp8 / fp8_perchannel / mxfp8 matrix -> ``[E, 16 * blocks, padded k]`` fp32
     (docs/formats.md): e4m3 codes decoded by torch's ``float8_e4m3fn``, times their scales
@@ -289,7 +320,8 @@ def dequantize(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     Decodes the byte layout of docs/formats.md in torch, independently of the C++
     kernels, so tests can compare a kernel with :func:`moe_forward` on exactly the
     weights it multiplies. bf16 blobs are supported too; gguf blobs are decoded by the
-    ``gguf`` package's own ``gguf.quants.dequantize``.
+    ``gguf`` package's own ``gguf.quants.dequantize`` (MXFP4 matrices by
+    :func:`dequantize_mxfp4`, which agrees with it except that exponent 255 is NaN).
     """
     from kt_ops._native import _C
 
@@ -364,6 +396,9 @@ def _gguf_dequantize(packed: torch.Tensor, info: dict) -> tuple[torch.Tensor, to
             data = raw.view(np.float16)
         else:
             data = raw
+        if qtype == gguf.GGMLQuantizationType.MXFP4:  # e = 255 is NaN here, 2^127 in gguf.quants
+            out.append(dequantize_mxfp4(packed[offset : offset + nbytes].reshape(E, rows, -1), k))
+            continue
         values = gguf.quants.dequantize(data.reshape(E * rows, -1), qtype)
         out.append(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(E, rows, k))
     return out[0], out[1], out[2]

@@ -336,5 +336,6 @@ def test_extra_gguf_methods_pack_their_types(method: str) -> None:
 
 def test_gguf_methods_are_every_method_but_the_packed_formats() -> None:
     """A method packs as GGUF exactly when GGUF_METHODS names it (BF16 is also a ggml type name)."""
-    assert set(runner.ALL_METHODS) - set(runner.GGUF_METHODS) == {"BF16", "AMXINT8", "AMXINT4", *runner.FP8_METHODS}
+    assert set(runner.ALL_METHODS) - set(runner.GGUF_METHODS) == {"BF16", "AMXINT8", "AMXINT4", *runner.FP8_METHODS,
+                                                                  *runner.CHECKPOINT_METHODS}
     assert set(runner.GGUF_METHODS) <= set(runner.ALL_METHODS)

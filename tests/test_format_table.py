@@ -155,9 +155,10 @@ def test_ggml_types_match_the_gguf_package() -> None:
         assert _C.ggml_type(row["id"]) == (row["name"], row["block_elems"], row["block_bytes"])
         if row["llama_cpp_fallback"] is not None:
             assert row["llama_cpp_fallback"] in gguf.GGMLQuantizationType.__members__
-        # every variant reads Q8_0, Q4_0 and Q4_1 in place, only the AVX-512 ones the other quantized types
+        # every variant reads Q8_0, Q4_0, Q4_1 and MXFP4 in place, only the AVX-512 ones the other quantized types
         wide = ("avx512", "avx512_bf16", "amx")
-        expected = () if row["is_float"] else kt_ops.CPU_VARIANTS if row["name"] in ("Q8_0", "Q4_0", "Q4_1") else wide
+        every = ("Q8_0", "Q4_0", "Q4_1", "MXFP4")
+        expected = () if row["is_float"] else kt_ops.CPU_VARIANTS if row["name"] in every else wide
         assert tuple(row["in_place_variants"]) == tuple(expected)
 
 

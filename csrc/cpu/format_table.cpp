@@ -59,7 +59,7 @@ constexpr FormatRow kRows[] = {
       {int4_asym_moe_avx512, "int4_asym/avx512 (vpmaddubsw + vpmaddwd)"},
       {int4_asym_moe_avx512_bf16, "int4_asym/avx512_bf16 (vpdpbusd)"},
       {int4_asym_moe_amx, "int4_asym/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}}},
-    {PackedFormat::kGguf, "gguf", {"LLAMAFILE", nullptr}, false,
+    {PackedFormat::kGguf, "gguf", {"LLAMAFILE", "MXFP4"}, false,
      1, 0, 0, 0,
      RowRule::kGgmlBlock, 1, 0, nullptr, 0, 0, false,
      pack_gguf_experts, "pack_gguf_experts", ActivationQuant::kGgmlBlocks, kOracle,

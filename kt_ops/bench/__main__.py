@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
         nargs="+",
         choices=ALL_METHODS,
         default=None,
-        help=f"default: {' '.join(METHODS)} (the others: the remaining GGUF types, llama.cpp's Q5_K_M mix, FP8, FP8_PERCHANNEL, MXFP8 and the INT4 checkpoint methods RAWINT4, GPTQ_INT4, AWQ_INT4)",
+        help=f"default: {' '.join(METHODS)} (the others: the remaining GGUF types, llama.cpp's Q5_K_M mix, FP8, FP8_PERCHANNEL, MXFP8 and the 4-bit checkpoint methods MXFP4, RAWINT4, GPTQ_INT4, AWQ_INT4)",
     )
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 1 with --quick)")

@@ -33,6 +33,7 @@ FORMATS: list[tuple[str, str, int, bool, bool]] = [
     ("FP8 (128 x 128 blocks)", "FP8", 128, False, False),
     ("FP8 per channel", "FP8_PERCHANNEL", 128, False, False),
     ("MXFP8", "MXFP8", 128, False, False),
+    ("MXFP4", "MXFP4", 128, False, False),
 ]
 
 

@@ -41,10 +41,10 @@ METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4", "Q4_K", "Q4_K_M", "Q6_
 EXTRA_METHODS: tuple[str, ...] = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q5_K_M")
 # FP8 methods (e4m3 weights decoded to bf16 in the kernels; quantized online here).
 FP8_METHODS: tuple[str, ...] = ("FP8", "FP8_PERCHANNEL", "MXFP8")
-# INT4 checkpoint methods (kt_ops.hf_int4), quantized online as their checkpoints are:
-# int4 groups of 32 (RAWINT4), int4 groups of 128 (GPTQ), int4_asym groups of 128 (AWQ).
-INT4_CHECKPOINT_METHODS: tuple[str, ...] = ("RAWINT4", "GPTQ_INT4", "AWQ_INT4")
-ALL_METHODS: tuple[str, ...] = METHODS + EXTRA_METHODS + FP8_METHODS + INT4_CHECKPOINT_METHODS
+# 4-bit checkpoint methods, quantized online as their checkpoints are: MXFP4 (GGUF type
+# MXFP4), int4 groups of 32 (RAWINT4), int4 groups of 128 (GPTQ), int4_asym groups of 128 (AWQ).
+CHECKPOINT_METHODS: tuple[str, ...] = ("MXFP4", "RAWINT4", "GPTQ_INT4", "AWQ_INT4")
+ALL_METHODS: tuple[str, ...] = METHODS + EXTRA_METHODS + FP8_METHODS + CHECKPOINT_METHODS
 # GGUF file mixes: (gate and up type, down type), as llama.cpp's Q4_K_M and Q5_K_M store the experts.
 GGUF_MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
 # Bench methods that are GGUF types or mixes (LLAMAFILE, quantized online with our round-to-nearest).

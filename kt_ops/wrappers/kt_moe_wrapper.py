@@ -27,9 +27,17 @@ import kt_ops.cuda
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.formats import CHECKPOINT_METHODS, default_group_size, format_for_method
-from kt_ops.gguf_loader import gguf_files, load_gguf_experts
+from kt_ops.gguf_loader import (
+    GPT_OSS_SWIGLU_ALPHA,
+    GPT_OSS_SWIGLU_LIMIT,
+    gguf_files,
+    load_gguf_expert_biases,
+    load_gguf_experts,
+    read_gguf_config,
+)
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import int4_method, load_int4_experts
+from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_parts
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases
 from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_parts, part_bounds
@@ -80,19 +88,27 @@ class KTMoEWrapper:
         threadpool_count: parts each expert's intermediate dimension is split into (one per
             NUMA node in kt-kernel); the output is the sum of the parts. Must divide I.
         weight_path: a Hugging Face safetensors directory (online quantization into
-            ``method``; an FP8 checkpoint under its own FP8 method and an INT4 checkpoint
-            under its own INT4 method are read in place, their bytes kept), a directory
-            written by ``python -m kt_ops.convert``, or a GGUF file or directory
-            (``LLAMAFILE``).
+            ``method``; an FP8 checkpoint under its own FP8 method, an INT4 checkpoint
+            under its own INT4 method and an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash)
+            under ``MXFP4`` are read in place, their bytes kept: :mod:`kt_ops.hf_int4`,
+            :mod:`kt_ops.hf_mxfp4`), a directory written by ``python -m kt_ops.convert``,
+            or a GGUF file or directory (``LLAMAFILE`` or ``MXFP4``). gpt-oss weights (a GGUF
+            of architecture ``gpt-oss``, or the Hugging Face gpt-oss layout) bring their
+            expert biases and alpha-SwiGLU: ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7
+            (Hugging Face: config.json's values), each applied only where the constructor's
+            value is the default 0.
         chunked_prefill_size: at most this many tokens per kernel call (None: no limit).
         cpu_save: keep the unpacked source tensors (``source_weights``) after packing.
         max_deferred_experts_per_token: d, see the module docstring.
         method: ``BF16``, ``AMXINT8``/``MOE_INT8``, ``AMXINT4``/``MOE_INT4``, ``LLAMAFILE``,
-            ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``, and the INT4
+            ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``, ``MXFP4`` (GGUF
+            type MXFP4 of format gguf: e2m1 with an E8M0 exponent per 32 weights; a bf16
+            checkpoint or ``load_weights_from_tensors`` is quantized online), and the INT4
             checkpoint methods ``RAWINT4``, ``GPTQ_INT4``, ``AWQ_INT4`` (:mod:`kt_ops.hf_int4`).
-            None: detected from ``weight_path`` (an INT4 or FP8 checkpoint's own method,
-            ``LLAMAFILE`` for GGUF, ``BF16`` for a float checkpoint). A checkpoint whose
-            INT4 experts another method cannot read is a ``ValueError`` naming its method.
+            None: detected from ``weight_path`` (an INT4, MXFP4 or FP8 checkpoint's own
+            method, ``LLAMAFILE`` for GGUF, ``BF16`` for a float checkpoint). A checkpoint
+            whose quantized experts another method cannot read is a ``ValueError`` naming
+            its method.
         numa_nodes: accepted for compatibility; its length must equal threadpool_count.
         num_gpu_experts: instead of a mask: slots ``[0, n)`` run on the GPU.
         group_size: INT4 k-group for online quantization (None: 128; RAWINT4: 32).
@@ -252,7 +268,7 @@ class KTMoEWrapper:
     def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                           biases: Biases | None = None) -> None:
         """Packs the CPU slots' experts (``gate/up/down`` and ``biases`` hold those, in slot order)."""
-        if self.format == "gguf":
+        if self.format == "gguf" and self.method != "MXFP4":
             raise ValueError("method LLAMAFILE loads GGUF files (weight_path); online quantization into GGUF "
                              "is kt_ops.pack_experts(..., method='LLAMAFILE', gguf_type=...)")
         pack_args = {"group_size": self.group_size} if self.format in ("int4", "int4_asym") else {}
@@ -306,6 +322,12 @@ class KTMoEWrapper:
         if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
             return self._load_gguf(path, physical_to_logical_map)
         checkpoint = HfCheckpoint(path)
+        mxfp4 = find_mxfp4_layer(checkpoint, self.layer_idx)
+        if mxfp4 is not None:
+            if self.method != "MXFP4":
+                raise ValueError(f"{path} layer {self.layer_idx} holds MXFP4 experts ({mxfp4.kind}); "
+                                 f"method {self.method} cannot read them: use method='MXFP4' (or method=None)")
+            return self._load_mxfp4(checkpoint, self._physical_map(physical_to_logical_map, mxfp4.num_experts))
         logical = checkpoint.layer(self.layer_idx).num_experts
         mapping = self._physical_map(physical_to_logical_map, logical)
         cpu = mapping[~self.gpu_experts_mask].tolist()
@@ -350,6 +372,25 @@ class KTMoEWrapper:
             self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
         self._set_packed(parts, route)
 
+    def _load_mxfp4(self, checkpoint: HfCheckpoint, mapping: torch.Tensor) -> None:
+        """The CPU slots' experts of an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash),
+        re-ordered into GGUF MXFP4 blocks without widening; gpt-oss's biases and activation
+        (:meth:`_use_gpt_oss_activation`) come with them."""
+        cpu = mapping[~self.gpu_experts_mask].tolist()
+        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
+        route = torch.full((self.num_experts,), -1, dtype=torch.long)
+        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        parts: list[PackedExperts] = []
+        biases = None
+        if cpu:
+            experts = load_mxfp4_experts(checkpoint, self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
+            if experts.kind == "gpt_oss":
+                self._use_gpt_oss_activation(experts.swiglu_limit, experts.swiglu_alpha)
+            parts = pack_mxfp4_parts(experts, self.threadpool_count)
+            biases = experts.biases
+            self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
+        self._set_packed(parts, route, biases)
+
     def _load_converted(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
         manifest, parts = load_converted_layer(path, self.layer_idx)
         # an INT4 checkpoint's conversion keeps its own symmetry and group size
@@ -370,8 +411,21 @@ class KTMoEWrapper:
             raise ValueError(f"{path} holds GGUF files: use method='LLAMAFILE', not {self.method!r}")
         gguf_files(path)  # FileNotFoundError / ValueError for a bad directory
         packed = load_gguf_experts(path, self.layer_idx)
+        biases = None
+        if read_gguf_config(path).architecture == "gpt-oss":
+            self._use_gpt_oss_activation(GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA)
+            biases = load_gguf_expert_biases(path, self.layer_idx)
         # GGUF blobs are mapped from the file as one part: threadpool_count does not split them.
-        self._set_packed([packed], self._physical_map(physical_to_logical_map, packed.num_experts))
+        self._set_packed([packed], self._physical_map(physical_to_logical_map, packed.num_experts), biases)
+
+    def _use_gpt_oss_activation(self, limit: float, alpha: float) -> None:
+        """gpt-oss weights: alpha-SwiGLU (GGUF: alpha 1.702 and limit 7, which llama.cpp
+        hard-codes; Hugging Face: config.json's values), each taken only where the
+        constructor's value is the default 0 (a non-zero value the user passed is kept)."""
+        if self.swiglu_alpha == 0:
+            self.swiglu_alpha = alpha
+        if self.swiglu_limit == 0:
+            self.swiglu_limit = limit
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -617,6 +671,8 @@ def detect_method(path: Path, layer_idx: int) -> str:
     if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
         return "LLAMAFILE"
     checkpoint = HfCheckpoint(path)
+    if find_mxfp4_layer(checkpoint, layer_idx) is not None:
+        return "MXFP4"
     int4 = int4_method(checkpoint, layer_idx)
     if int4 is not None:
         return int4

@@ -9,6 +9,7 @@
 #include "../engine/engine.h"
 #include "../isa/scalar_convert.h"
 #include "gguf_types.h"
+#include "mxfp4_block.h"
 #include "source_rows.h"
 
 namespace kt::cpu {
@@ -270,6 +271,7 @@ void gguf_quantize_row(uint32_t type, const float* x, int64_t k, uint8_t* out) {
     case GgmlType::kQ5_0: block = q5_0; break;
     case GgmlType::kQ5_1: block = q5_1; break;
     case GgmlType::kQ8_0: block = q8_0; break;
+    case GgmlType::kMxfp4: block = mxfp4::quantize_block; break;
     case GgmlType::kQ2_K: block = q2_k; break;
     case GgmlType::kQ3_K: block = q3_k; break;
     case GgmlType::kQ4_K: block = q4_k; break;

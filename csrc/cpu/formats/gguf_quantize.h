@@ -1,8 +1,8 @@
 // [NOTE] Online quantization into GGUF blocks (round-to-nearest), byte for byte as GGUF
-// stores them. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 follow ggml's reference quantizers
-// (quantize_row_*_ref, which gguf.quants reproduces bit for bit); the K-quants use a
-// plain round-to-nearest of each sub-block's range (not ggml's iterative search), which
-// yields valid blocks that any GGUF reader decodes.
+// stores them. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and MXFP4 (mxfp4_block.h) follow ggml's
+// reference quantizers (quantize_row_*_ref, which gguf.quants reproduces bit for bit);
+// the K-quants use a plain round-to-nearest of each sub-block's range (not ggml's
+// iterative search), which yields valid blocks that any GGUF reader decodes.
 #pragma once
 
 #include <cstdint>

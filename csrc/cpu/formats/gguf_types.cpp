@@ -27,7 +27,6 @@ const char* unsupported_name(uint32_t id) {
     case 29: return "IQ1_M";
     case 34: return "TQ1_0";
     case 35: return "TQ2_0";
-    case 39: return "MXFP4";
     default: return nullptr;
   }
 }

@@ -25,6 +25,7 @@ enum class GgmlType : uint32_t {
   kQ5_K = 13,
   kQ6_K = 14,
   kBf16 = 30,
+  kMxfp4 = 39,  // formats/mxfp4_block.h
 };
 
 struct GgmlTypeInfo {
@@ -40,9 +41,9 @@ struct GgmlTypeInfo {
   // The AVX-512 variants (avx512, avx512_bf16, amx) dot this type straight from its
   // bytes for any number of tokens instead of decoding its rows first
   // (kernels/gguf/gguf_q4k_avx512.h (Q4_K, Q5_K), gguf_q6k_avx512.h, gguf_q23k_avx512.h,
-  // gguf_block32_avx512.h).
+  // gguf_block32_avx512.h (the 32-weight types, MXFP4 included)).
   bool avx512_in_place;
-  // avx2 and avx_vnni do too (kernels/gguf/gguf_block32_avx2.h: Q8_0, Q4_0, Q4_1).
+  // avx2 and avx_vnni do too (kernels/gguf/gguf_block32_avx2.h: Q8_0, Q4_0, Q4_1, MXFP4).
   bool avx2_in_place;
 };
 
@@ -60,6 +61,7 @@ inline constexpr GgmlTypeInfo kGgmlTypes[] = {
     {GgmlType::kBf16, "BF16", 1, 2, true, nullptr, false, false},
     {GgmlType::kQ4_0, "Q4_0", 32, 18, false, nullptr, true, true},
     {GgmlType::kQ4_1, "Q4_1", 32, 20, false, nullptr, true, true},
+    {GgmlType::kMxfp4, "MXFP4", 32, 17, false, nullptr, true, true},
     {GgmlType::kQ5_0, "Q5_0", 32, 22, false, nullptr, true, false},
     {GgmlType::kQ5_1, "Q5_1", 32, 24, false, nullptr, true, false},
     {GgmlType::kQ8_0, "Q8_0", 32, 34, false, nullptr, true, true},

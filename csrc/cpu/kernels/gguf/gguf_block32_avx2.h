@@ -1,4 +1,4 @@
-// [NOTE] Q8_0, Q4_0 and Q4_1 dotted straight from their GGUF bytes on AVX2 and AVX-VNNI:
+// [NOTE] Q8_0, Q4_0, Q4_1 and MXFP4 dotted straight from their GGUF bytes on AVX2 and AVX-VNNI:
 // the AVX-512 kernel's arithmetic (gguf_block32_avx512.h) on 256-bit registers. A step
 // of four blocks is two halves of two blocks; each half's levels go in two registers
 // whose 128-bit lane L holds block L's weights 0-15 (lo) and 16-31 (hi), matching the
@@ -47,11 +47,13 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
                                  const float* const* min_sums8, bool prefetch, float* out) {
   static_assert(M <= kBlock32Avx2Tokens);
   constexpr bool kNibbles = kType != GgmlType::kQ8_0;
-  static_assert(kType == GgmlType::kQ8_0 || kType == GgmlType::kQ4_0 || kType == GgmlType::kQ4_1);
+  static_assert(kType == GgmlType::kQ8_0 || kType == GgmlType::kQ4_0 || kType == GgmlType::kQ4_1 ||
+                kType == GgmlType::kMxfp4);
   constexpr bool kMin = kType == GgmlType::kQ4_1;  // d * q + m
   constexpr int kBytes = kBlock32Bytes<kType>, kQs = kBlock32Levels<kType>, kStep = 4 * kBytes;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i mxfp4_levels = _mm256_broadcastsi128_si256(mxfp4_level_table());
   __m256 acc[M][4];
   for (int j = 0; j < M; ++j)
     for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
@@ -86,8 +88,11 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
         m[0] = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
         m[1] = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(5, 5, 5, 5, 7, 7, 7, 7));
       } else {
-        const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(
-            _mm_cvtsi64_si128(static_cast<int64_t>(half(0) | half(1) << 16 | half(2) << 32 | half(3) << 48))));
+        const __m256 d4 = _mm256_castps128_ps256(
+            kType == GgmlType::kMxfp4
+                ? mxfp4_half_scales4(b, kBytes)
+                : _mm_cvtph_ps(_mm_cvtsi64_si128(
+                      static_cast<int64_t>(half(0) | half(1) << 16 | half(2) << 32 | half(3) << 48))));
         d[0] = _mm256_permutevar8x32_ps(d4, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
         d[1] = _mm256_permutevar8x32_ps(d4, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
       }
@@ -98,6 +103,10 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
           const __m256i v = load_lanes2<kBytes>(b, 2 * h, kQs);
           lo = _mm256_and_si256(v, low);
           hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (kType == GgmlType::kMxfp4) {  // levels v + 16 (gguf_decode.h)
+            lo = _mm256_shuffle_epi8(mxfp4_levels, lo);
+            hi = _mm256_shuffle_epi8(mxfp4_levels, hi);
+          }
         } else {
           lo = _mm256_xor_si256(load_lanes2<kBytes>(b, 2 * h, kQs), flip);
           hi = _mm256_xor_si256(load_lanes2<kBytes>(b, 2 * h, kQs + 16), flip);
@@ -108,6 +117,7 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
           const __m256i a_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[j] + at + 64));
           const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias8[j] + 4 * b0 + 8 * h));
           const __m256i start = kType == GgmlType::kQ4_0                      ? _mm256_srai_epi32(bias, 4)
+                                : kType == GgmlType::kMxfp4                     ? _mm256_srai_epi32(bias, 3)
                                 : kType == GgmlType::kQ8_0 && Ops::kInt8Bias != 0 ? bias
                                                                                    : _mm256_setzero_si256();
           const __m256i p = kNibbles ? Ops::dot(Ops::dot(start, lo, a_lo), hi, a_hi)

@@ -1,4 +1,4 @@
-// [NOTE] The block-32 types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) dotted straight from their
+// [NOTE] The block-32 types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) dotted straight from their
 // GGUF bytes on AVX-512 (no decoded copy), four rows in lockstep, four blocks (128
 // weights) per step. The step's levels go in two 64-byte registers whose 128-bit lane L
 // holds block L's weights 0-15 (lo) and 16-31 (hi); the activation is stored in the same
@@ -9,7 +9,9 @@
 // Q4_0 at 512 tokens 0.76-0.79x the time now). Q8_0's levels are made offset binary for
 // vpdpbusd, whose start value (-128 * the lane's level sum, bias8) cancels the offset
 // exactly; Q4_0's nibbles (q - 8) start from -8 * sum = bias8 / 16, Q5_0's levels
-// (q - 16, the fifth bits of a block's qh added under byte masks) from bias8 / 8. Q4_1's
+// (q - 16, the fifth bits of a block's qh added under byte masks) from bias8 / 8, and so
+// do MXFP4's (its nibbles looked up by vpshufb as the levels v + 16 of the doubled e2m1
+// values v, gguf_decode.h; d the block's half scale from its exponent byte). Q4_1's
 // and Q5_1's levels (d * q + m) start from 0; their minimums take one more fma per 128
 // weights, m times the activation's scaled level sums (min_sums8). A row's last step,
 // when its block count is not a multiple of 4, reads a zero-padded copy of the
@@ -34,11 +36,13 @@ constexpr int kBlock32Bytes = kType == GgmlType::kQ4_0   ? 18
                               : kType == GgmlType::kQ4_1 ? 20
                               : kType == GgmlType::kQ5_0 ? 22
                               : kType == GgmlType::kQ5_1 ? 24
+                              : kType == GgmlType::kMxfp4 ? mxfp4::kBlockBytes
                                                          : 34;
 template <GgmlType kType>
 constexpr int kBlock32Levels = kType == GgmlType::kQ4_1   ? 4
                                : kType == GgmlType::kQ5_0 ? 6
                                : kType == GgmlType::kQ5_1 ? 8
+                               : kType == GgmlType::kMxfp4 ? 1
                                                           : 2;
 
 // 16 bytes at `off` of each of the 4 blocks from `b` in the 4 128-bit lanes.
@@ -74,7 +78,7 @@ inline void block_scales4(const uint8_t* b, __m512* d, __m512* m) {
   }
 }
 
-// out[4 * j + i] = dot(row i of kType (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), activation row j)
+// out[4 * j + i] = dot(row i of kType (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4), activation row j)
 // for i < 4, j < M over a row of k values, each step of the 4 rows extracted once and
 // dotted with the M activation rows. Row j in quad order (gguf_act.h): aq[j] levels
 // [kp], scale8[j], bias8[j] and min_sums8[j] (the activation scale times the level sum:
@@ -91,6 +95,7 @@ void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t*
   constexpr int kBytes = kBlock32Bytes<kType>, kQs = kBlock32Levels<kType>, kStep = 4 * kBytes;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i mxfp4_levels = _mm512_broadcast_i32x4(mxfp4_level_table());
   __m512 acc[M][4];
 #pragma GCC unroll 4
   for (int j = 0; j < M; ++j)
@@ -116,7 +121,7 @@ void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t*
       if constexpr (kMin) min_sum[j] = _mm512_loadu_ps(min_sums8[j] + 4 * b0);
       const __m512i bias = _mm512_loadu_si512(bias8[j] + 4 * b0);
       start[j] = kType == GgmlType::kQ4_0   ? _mm512_srai_epi32(bias, 4)
-                 : kType == GgmlType::kQ5_0 ? _mm512_srai_epi32(bias, 3)
+                 : kType == GgmlType::kQ5_0 || kType == GgmlType::kMxfp4 ? _mm512_srai_epi32(bias, 3)
                  : kType == GgmlType::kQ8_0 && Ops::kInt8Bias != 0 ? bias
                                                                     : _mm512_setzero_si512();
     }
@@ -129,12 +134,20 @@ void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t*
         _mm_prefetch(ahead + kStep - 1, _MM_HINT_T0);
       }
       __m512 d, m;  // the blocks' scales; Q4_1 / Q5_1: their minimums
-      block_scales4<kBytes, kMin>(b, &d, &m);
+      if constexpr (kType == GgmlType::kMxfp4)
+        d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                  _mm512_castps128_ps512(mxfp4_half_scales4(b, kBytes)));
+      else
+        block_scales4<kBytes, kMin>(b, &d, &m);
       __m512i lo, hi;  // weights 0-15 / 16-31 of block L in 128-bit lane L (Q8_0: offset binary)
       if constexpr (kNibbles) {  // nibbles: low = weight j, high = j + 16
         const __m512i v = load_lanes4<kBytes>(b, kQs);
         lo = _mm512_and_si512(v, low);
         hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (kType == GgmlType::kMxfp4) {
+          lo = _mm512_shuffle_epi8(mxfp4_levels, lo);
+          hi = _mm512_shuffle_epi8(mxfp4_levels, hi);
+        }
         if constexpr (kFifth) {  // bit j of qh (before the nibbles): + 16 to weight j
           uint64_t mask_lo = 0, mask_hi = 0;
           for (int blk = 0; blk < 4; ++blk) {  // bits 0-15 / 16-31 of each qh

@@ -5,8 +5,10 @@
 // (Q4_0's -8, Q6_K's -32, Q3_K's -4, Q8_0's offset binary) become per-16 minimums that
 // the kernel removes with the activation sums. Q8_0 keeps its levels as offset binary
 // (q + 128): the vpdpbusd kernels cancel the offset in integers (gguf_act.h's bias4),
-// the vpmaddubsw paths multiply signed levels directly; either way no minimum.
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K have AVX2 decoders (every
+// the vpmaddubsw paths multiply signed levels directly; either way no minimum. MXFP4's
+// doubled e2m1 values v (|v| <= 12) become levels v + 16 with minimum 16 * d per 16, as
+// Q5_0's q - 16 (its half scale d per block).
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q4_K and Q6_K have AVX2 decoders (every
 // variant has AVX2 + F16C); the others are plain loops over fixed-size arrays that each
 // variant's compiler vectorizes. Include only from a variant translation unit, after
 // its target pragma.
@@ -18,6 +20,7 @@
 #include <cstring>
 
 #include "../../formats/gguf_types.h"
+#include "../../formats/mxfp4_block.h"
 #include "../../isa/scalar_convert.h"
 
 namespace kt::cpu {
@@ -105,6 +108,37 @@ void decode_q45_01(const uint8_t* b, int blocks, GgufDecoded& out) {
       q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(high), _mm256_set1_epi8(0x10)));
     }
     store256(out.q + 32 * k, q);
+  }
+  spread8x8(_mm256_load_ps(d), out.scale);
+  spread8x2(_mm256_load_ps(m), out.minimum);
+}
+
+// MXFP4's half scales 2^(e - 128) of 4 blocks `stride` bytes apart (exponent byte
+// first) from their bits (mxfp4::half_scale_bits: e < 2 subnormal, 255 NaN).
+inline __m128 mxfp4_half_scales4(const uint8_t* b, int stride) {
+  const __m128i e = _mm_setr_epi32(b[0], b[stride], b[2 * stride], b[3 * stride]);
+  __m128i bits = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+  bits = _mm_blendv_epi8(bits, _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e), _mm_cmplt_epi32(e, _mm_set1_epi32(2)));
+  bits = _mm_blendv_epi8(bits, _mm_set1_epi32(0x7fc00000), _mm_cmpeq_epi32(e, _mm_set1_epi32(mxfp4::kNanExponent)));
+  return _mm_castsi128_ps(bits);
+}
+
+// The levels v + 16 of MXFP4's codes, for a vpshufb on the nibbles (either 128-bit lane).
+inline __m128i mxfp4_level_table() {
+  static_assert(mxfp4::kValues[7] == 12 && mxfp4::kValues[15] == -12);
+  return _mm_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4);
+}
+
+// MXFP4: `blocks` (1..8) blocks of 17 bytes.
+void decode_mxfp4(const uint8_t* b, int blocks, GgufDecoded& out) {
+  const __m128i low = _mm_set1_epi8(0x0f), table = mxfp4_level_table();
+  alignas(32) float d[8] = {}, m[8] = {};
+  for (int k = 0; k < blocks; ++k, b += mxfp4::kBlockBytes) {
+    d[k] = mxfp4::half_scale(b[0]);
+    m[k] = 16.0f * d[k];
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1));
+    store256(out.q + 32 * k, _mm256_setr_m128i(_mm_shuffle_epi8(table, _mm_and_si128(v, low)),
+                                               _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), low))));
   }
   spread8x8(_mm256_load_ps(d), out.scale);
   spread8x2(_mm256_load_ps(m), out.minimum);
@@ -238,6 +272,7 @@ void decode_unit(const uint8_t* src, int blocks, GgufDecoded& o) {
   else if constexpr (kType == GgmlType::kQ4_1) decode_q45_01<false, true>(src, blocks, o);
   else if constexpr (kType == GgmlType::kQ5_0) decode_q45_01<true, false>(src, blocks, o);
   else if constexpr (kType == GgmlType::kQ5_1) decode_q45_01<true, true>(src, blocks, o);
+  else if constexpr (kType == GgmlType::kMxfp4) decode_mxfp4(src, blocks, o);
   else if constexpr (kType == GgmlType::kQ2_K) decode_q2_k(src, o);
   else if constexpr (kType == GgmlType::kQ3_K) decode_q3_k(src, o);
   else if constexpr (kType == GgmlType::kQ4_K) decode_q4_k(src, o);
@@ -268,6 +303,7 @@ GgufDecodeRowFn gguf_decoder(GgmlType type) {
     case GgmlType::kQ4_1: return gguf_decode_row_of<GgmlType::kQ4_1, 32, 20>;
     case GgmlType::kQ5_0: return gguf_decode_row_of<GgmlType::kQ5_0, 32, 22>;
     case GgmlType::kQ5_1: return gguf_decode_row_of<GgmlType::kQ5_1, 32, 24>;
+    case GgmlType::kMxfp4: return gguf_decode_row_of<GgmlType::kMxfp4, 32, mxfp4::kBlockBytes>;
     case GgmlType::kQ2_K: return gguf_decode_row_of<GgmlType::kQ2_K, 256, 84>;
     case GgmlType::kQ3_K: return gguf_decode_row_of<GgmlType::kQ3_K, 256, 110>;
     case GgmlType::kQ4_K: return gguf_decode_row_of<GgmlType::kQ4_K, 256, 144>;

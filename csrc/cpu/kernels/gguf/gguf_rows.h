@@ -153,7 +153,9 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
         return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
       case GgmlType::kQ4_0:
         return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-      default:  // kQ4_1 (avx2_in_place: Q8_0, Q4_0, Q4_1)
+      case GgmlType::kMxfp4:
+        return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kMxfp4, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      default:  // kQ4_1 (avx2_in_place: Q8_0, Q4_0, Q4_1, MXFP4)
         return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
     }
   } else {  // AVX-512: every quantized type
@@ -175,6 +177,8 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
         return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
       case GgmlType::kQ5_1:
         return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      case GgmlType::kMxfp4:
+        return gguf_block32_dot_rows4<Ops, GgmlType::kMxfp4, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
       default:  // kQ5_0, the last in-place type
         return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
     }

@@ -1,0 +1,237 @@
+"""MXFP4 checkpoints through KTMoEWrapper(method="MXFP4"): tiny gpt-oss-style
+(fused, gate/up rows interleaved, biased) and DeepSeek-V4-Flash-style (per expert
+w1/w3/w2 + E8M0 scales) safetensors directories, and a gpt-oss GGUF with MXFP4 experts
+and expert biases, against kt_ops.reference on the weights transformers' own
+``convert_moe_packed_tensors`` decodes (gpt-oss's alpha-SwiGLU and biases included);
+bad input is a ValueError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+import kt_ops
+from conftest import random_routing, rel_err
+from kt_ops import KTMoEWrapper, reference
+from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.hf_mxfp4 import load_mxfp4_experts
+
+E, H, I = 4, 96, 64
+
+
+def hf_codes(lead: tuple[int, ...], k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Hugging Face MXFP4 groups: codes uint8 [*lead, k/32, 16], exponents uint8 [*lead, k/32] in [119, 124]."""
+    codes = torch.randint(0, 256, (*lead, k // 32, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    exps = torch.randint(119, 125, (*lead, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    return codes, exps
+
+
+def hf_weights(codes: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """transformers' decode of [..., N, k/32, 16] groups -> fp32 [..., N, k] (its output is [.., k, N])."""
+    lead = codes.dim() == 3
+    c, e = (codes[None], exps[None]) if lead else (codes, exps)
+    out = convert_moe_packed_tensors(c, e, dtype=torch.float32).transpose(1, 2)
+    return out[0] if lead else out
+
+
+def write_gpt_oss(path: Path, g: torch.Generator, layer: int = 1, config: dict | None = None, bias: bool = True):
+    """A gpt-oss layer: fused interleaved gate_up (+ bias), down (+ bias). Returns the
+    dequantized (gate, up, down) and biases as the model uses them."""
+    path.mkdir(parents=True, exist_ok=True)
+    gu_codes, gu_exps = hf_codes((E, 2 * I), H, g)
+    d_codes, d_exps = hf_codes((E, H), I, g)
+    gu_bias = torch.randn(E, 2 * I, generator=g).bfloat16()
+    d_bias = torch.randn(E, H, generator=g).bfloat16()
+    prefix = f"model.layers.{layer}.mlp.experts"
+    tensors = {f"{prefix}.gate_up_proj_blocks": gu_codes, f"{prefix}.gate_up_proj_scales": gu_exps,
+               f"{prefix}.down_proj_blocks": d_codes, f"{prefix}.down_proj_scales": d_exps,
+               f"model.layers.{layer}.mlp.router.weight": torch.zeros(E, H)}
+    if bias:
+        tensors.update({f"{prefix}.gate_up_proj_bias": gu_bias, f"{prefix}.down_proj_bias": d_bias})
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config if config is not None else {"model_type": "gpt_oss",
+                                                                                     "swiglu_limit": 7.0}))
+    gate_up = hf_weights(gu_codes, gu_exps)  # [E, 2I, H]
+    weights = (gate_up[:, 0::2], gate_up[:, 1::2], hf_weights(d_codes, d_exps))
+    biases = (gu_bias[:, 0::2].float(), gu_bias[:, 1::2].float(), d_bias.float()) if bias else None
+    return weights, biases, sum(t.numel() for t in (gu_codes, gu_exps, d_codes, d_exps))
+
+
+def write_deepseek_v4(path: Path, g: torch.Generator, layer: int = 0, scale_dtype: torch.dtype = torch.float8_e8m0fnu):
+    """DeepSeek-V4-Flash layer keys (no ``model.`` prefix): int8 codes [N, K/2], E8M0 scales [N, K/32]."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors, mats = {}, [[], [], []]
+    for e in range(E):
+        for m, (name, (n, k)) in enumerate(zip(("w1", "w3", "w2"), ((I, H), (I, H), (H, I)))):
+            codes, exps = hf_codes((n,), k, g)
+            key = f"layers.{layer}.ffn.experts.{e}.{name}"
+            tensors[f"{key}.weight"] = codes.reshape(n, k // 2).view(torch.int8)
+            tensors[f"{key}.scale"] = exps.view(scale_dtype) if scale_dtype != torch.uint8 else exps
+            mats[m].append(hf_weights(codes, exps))
+    save_file(tensors, str(path / "model.safetensors"))
+    return tuple(torch.stack(m) for m in mats)
+
+
+def run_wrapper(path: Path, layer: int, **kwargs) -> tuple[KTMoEWrapper, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    wrapper = KTMoEWrapper(layer_idx=layer, num_experts=E, num_experts_per_tok=2, hidden_size=H,
+                           moe_intermediate_size=I, weight_path=path, method=kwargs.pop("method", "MXFP4"), **kwargs)
+    wrapper.load_weights()
+    T = 7
+    ids, weights = random_routing(T, E, 2, seed=3)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(8))
+    return wrapper, x, ids, weights, wrapper.forward(x, ids.long(), weights)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_gpt_oss_checkpoint(tmp_path: Path, parts: int) -> None:
+    (gate, up, down), biases, checkpoint_bytes = write_gpt_oss(tmp_path, torch.Generator().manual_seed(1))
+    wrapper, x, ids, weights, out = run_wrapper(tmp_path, 1, threadpool_count=parts)
+    assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (pytest.approx(1.702), 7.0)
+    assert [p.format for p in wrapper._parts] == ["gguf"] * parts
+    assert sum(p.nbytes for p in wrapper._parts) <= 1.15 * checkpoint_bytes  # never widened
+    if parts == 1:  # the blob holds exactly the checkpoint's weights (nibble order, interleave)
+        dq = reference.dequantize(wrapper._parts[0].data)
+        for ours, theirs in zip(dq, (gate, up, down)):
+            assert torch.equal(ours, theirs)
+    ref = reference.moe_forward(x, ids, weights, gate, up, down, swiglu_limit=7.0, swiglu_alpha=1.702, biases=biases)
+    assert rel_err(out, ref) <= 3e-2
+
+
+def test_gpt_oss_activation_keeps_user_values_and_reads_config(tmp_path: Path) -> None:
+    write_gpt_oss(tmp_path, torch.Generator().manual_seed(2), config={"model_type": "gpt_oss", "swiglu_limit": 5.0})
+    wrapper, *_ = run_wrapper(tmp_path, 1, swiglu_alpha=1.5)
+    assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (1.5, 5.0)  # the user's alpha, config.json's limit
+
+
+def test_gpt_oss_without_biases(tmp_path: Path) -> None:
+    (gate, up, down), _, _ = write_gpt_oss(tmp_path, torch.Generator().manual_seed(6), bias=False)
+    wrapper, x, ids, weights, out = run_wrapper(tmp_path, 1)
+    assert not wrapper._parts[0].has_biases
+    ref = reference.moe_forward(x, ids, weights, gate, up, down, swiglu_limit=7.0, swiglu_alpha=1.702)
+    assert rel_err(out, ref) <= 3e-2
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.uint8], ids=["e8m0", "u8"])
+def test_deepseek_v4_checkpoint(tmp_path: Path, scale_dtype: torch.dtype) -> None:
+    gate, up, down = write_deepseek_v4(tmp_path, torch.Generator().manual_seed(3), scale_dtype=scale_dtype)
+    wrapper, x, ids, weights, out = run_wrapper(tmp_path, 0, swiglu_limit=10.0, num_gpu_experts=1)
+    assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (0.0, 10.0)
+    dq = reference.dequantize(wrapper._parts[0].data)  # CPU experts 1..3
+    for ours, theirs in zip(dq, (gate[1:], up[1:], down[1:])):
+        assert torch.equal(ours, theirs)
+    cpu_ids = torch.where(ids == 0, -1, ids)  # expert 0 runs on the GPU: skipped here
+    ref = reference.moe_forward(x, cpu_ids, weights, gate, up, down, swiglu_limit=10.0)
+    assert rel_err(out, ref) <= 3e-2
+
+
+def test_bf16_checkpoint_and_tensors_quantize_online(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    gate, up, down = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g)
+    wrapper = KTMoEWrapper(layer_idx=0, num_experts=E, num_experts_per_tok=2, hidden_size=H, moe_intermediate_size=I,
+                           method="MXFP4")
+    wrapper.load_weights_from_tensors(gate, up, down)
+    assert torch.equal(wrapper._parts[0].data, kt_ops.pack_experts(gate, up, down, method="MXFP4").data)
+
+
+def test_wrong_method_on_an_mxfp4_checkpoint(tmp_path: Path) -> None:
+    write_gpt_oss(tmp_path, torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="holds MXFP4 experts .*use method='MXFP4'"):
+        run_wrapper(tmp_path, 1, method="BF16")
+
+
+def test_method_none_detects_mxfp4(tmp_path: Path) -> None:
+    write_gpt_oss(tmp_path, torch.Generator().manual_seed(6))
+    wrapper, x, ids, weights, out = run_wrapper(tmp_path, 1, method=None)
+    assert wrapper.method == "MXFP4" and (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (pytest.approx(1.702), 7.0)
+    assert torch.equal(out, run_wrapper(tmp_path, 1)[4])
+
+
+def test_bad_checkpoints(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(7)
+    prefix = "model.layers.0.mlp.experts"
+    gu_codes, gu_exps = hf_codes((E, 2 * I), H, g)
+    d_codes, d_exps = hf_codes((E, H), I, g)
+    good = {f"{prefix}.gate_up_proj_blocks": gu_codes, f"{prefix}.gate_up_proj_scales": gu_exps,
+            f"{prefix}.down_proj_blocks": d_codes, f"{prefix}.down_proj_scales": d_exps}
+    cases = {
+        "missing": ({k: v for k, v in good.items() if k != f"{prefix}.down_proj_scales"},
+                    r"down_proj_scales' \(down scales\) is missing"),
+        "shape": ({**good, f"{prefix}.gate_up_proj_scales": gu_exps[:, :, :2].contiguous()},
+                  r"gate_up_proj_scales' \(gate/up scales\) has shape \[4, 128, 2\]; expected \[4, 128, 3\]"),
+        "dtype": ({**good, f"{prefix}.down_proj_blocks": d_codes.float()}, r"down_proj_blocks' \(down codes\) is F32"),
+        "bias": ({**good, f"{prefix}.down_proj_bias": torch.zeros(E, H + 1)}, r"down_proj_bias' \(expert bias\) has shape"),
+    }
+    for name, (tensors, message) in cases.items():
+        path = tmp_path / name
+        path.mkdir()
+        save_file(tensors, str(path / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            run_wrapper(path, 0)
+    v4 = tmp_path / "v4"
+    write_deepseek_v4(v4, g)
+    tensors = {k: v for k, v in load_file(str(v4 / "model.safetensors")).items() if k != "layers.0.ffn.experts.2.w2.scale"}
+    save_file(tensors, str(v4 / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.0\.ffn\.experts\.2\.w2\.scale' \(scales\) is missing"):
+        run_wrapper(v4, 0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        load_mxfp4_experts(HfCheckpoint(v4), 0, [0], 48, I)
+
+
+# --- GGUF ------------------------------------------------------------------------------
+
+
+def write_gpt_oss_gguf(path: Path, g: torch.Generator, arch: str = "gpt-oss"):
+    """A one-layer GGUF with MXFP4 experts (ggml block order) and F32 expert biases."""
+    rng = np.random.default_rng(int(torch.randint(0, 1000, (1,), generator=g)))
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    writer.add_block_count(1)
+    writer.add_expert_count(E)
+    writer.add_expert_used_count(2)
+    writer.add_embedding_length(H)
+    writer.add_expert_feed_forward_length(I)
+    weights, biases = [], []
+    for name, (rows, k) in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), ((I, H), (I, H), (H, I))):
+        raw = rng.integers(0, 256, size=(E, rows, k // 32, 17), dtype=np.uint8)
+        raw[..., 0] = rng.integers(119, 125, size=(E, rows, k // 32), dtype=np.uint8)
+        writer.add_tensor(f"blk.0.{name}.weight", raw.reshape(E, rows, -1), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        bias = rng.standard_normal((E, rows)).astype(np.float32)
+        writer.add_tensor(f"blk.0.{name}.bias", bias)
+        weights.append(torch.from_numpy(gguf.quants.dequantize(raw.reshape(E * rows, -1), gguf.GGMLQuantizationType.MXFP4))
+                       .reshape(E, rows, k))
+        biases.append(torch.from_numpy(bias))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tuple(weights), tuple(biases)
+
+
+def test_gpt_oss_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "gpt-oss.gguf"
+    (gate, up, down), biases = write_gpt_oss_gguf(path, torch.Generator().manual_seed(9))
+    got = kt_ops.load_gguf_expert_biases(path, 0)
+    for ours, theirs in zip(got, biases):
+        assert torch.equal(ours, theirs)
+    for method in ("LLAMAFILE", "MXFP4"):
+        wrapper, x, ids, weights, out = run_wrapper(path, 0, method=method)
+        assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (pytest.approx(1.702), 7.0)
+        assert wrapper._parts[0].has_biases
+        ref = reference.moe_forward(x, ids, weights, gate, up, down, swiglu_limit=7.0, swiglu_alpha=1.702, biases=biases)
+        assert rel_err(out, ref) <= 3e-2
+
+
+def test_other_gguf_architectures_keep_their_activation(tmp_path: Path) -> None:
+    path = tmp_path / "qwen.gguf"
+    (gate, up, down), _ = write_gpt_oss_gguf(path, torch.Generator().manual_seed(10), arch="qwen3moe")
+    wrapper, x, ids, weights, out = run_wrapper(path, 0, method="LLAMAFILE")
+    assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (0.0, 0.0) and not wrapper._parts[0].has_biases
+    assert rel_err(out, reference.moe_forward(x, ids, weights, gate, up, down)) <= 3e-2
