@@ -48,6 +48,8 @@ _CODE_DTYPES = ("U8", "I8")
 _EXPONENT_DTYPES = ("U8", "F8_E8M0")
 
 
+DEEPSEEK_V4_SWIGLU_LIMIT = 10.0  # transformers' DeepseekV4Config default
+
 @dataclass(frozen=True)
 class Mxfp4Layer:
     """Where one layer's MXFP4 experts are: layout kind, key prefix and expert count."""
@@ -64,7 +66,8 @@ class Mxfp4Experts:
     ``gate``, ``up``: uint8 ``[n, I, H / 32 * 17]``; ``down``: uint8 ``[n, H, I / 32 * 17]``;
     ``biases``: fp32 ``(gate [n, I], up [n, I], down [n, H])`` (entries None where the
     checkpoint has none; DeepSeek-V4: all None); ``swiglu_limit``, ``swiglu_alpha``: the
-    layout's activation (gpt-oss: 7 and 1.702; DeepSeek-V4: 0 and 0, the caller's choice).
+    layout's activation (gpt-oss: 7 and 1.702; DeepSeek-V4: its clamp, 10, and 0; both from
+    config.json where it has them).
     """
 
     kind: str
@@ -147,6 +150,14 @@ def _gpt_oss_activation(checkpoint: HfCheckpoint) -> tuple[float, float]:
             float(config.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)))
 
 
+def _deepseek_v4_limit(checkpoint: HfCheckpoint) -> float:
+    """DeepSeek-V4's clamped SwiGLU limit: config.json's ``swiglu_limit`` (10, transformers'
+    DeepseekV4Config default, where absent)."""
+    config_file = checkpoint.path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return float(config.get("swiglu_limit", DEEPSEEK_V4_SWIGLU_LIMIT))
+
+
 def load_mxfp4_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[int], hidden: int,
                        intermediate: int) -> Mxfp4Experts:
     """Experts ``experts`` (in that order) of ``layer`` as GGUF MXFP4 rows.
@@ -194,7 +205,7 @@ def load_mxfp4_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[i
             rows.append(repack_to_gguf(codes.reshape(n, k // 32, 16), scale))
         width = k // 32 * 17
         matrices.append(torch.stack(rows) if rows else torch.empty(0, n, width, dtype=torch.uint8))
-    return Mxfp4Experts("deepseek_v4", *matrices, (None, None, None), 0.0, 0.0)
+    return Mxfp4Experts("deepseek_v4", *matrices, (None, None, None), _deepseek_v4_limit(checkpoint), 0.0)
 
 
 def pack_mxfp4_parts(experts: Mxfp4Experts, parts: int) -> list[PackedExperts]:

@@ -123,8 +123,8 @@ def test_gpt_oss_without_biases(tmp_path: Path) -> None:
 @pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.uint8], ids=["e8m0", "u8"])
 def test_deepseek_v4_checkpoint(tmp_path: Path, scale_dtype: torch.dtype) -> None:
     gate, up, down = write_deepseek_v4(tmp_path, torch.Generator().manual_seed(3), scale_dtype=scale_dtype)
-    wrapper, x, ids, weights, out = run_wrapper(tmp_path, 0, swiglu_limit=10.0, num_gpu_experts=1)
-    assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (0.0, 10.0)
+    wrapper, x, ids, weights, out = run_wrapper(tmp_path, 0, num_gpu_experts=1)
+    assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (0.0, 10.0)  # DeepSeek-V4's clamp, applied by default
     dq = reference.dequantize(wrapper._parts[0].data)  # CPU experts 1..3
     for ours, theirs in zip(dq, (gate[1:], up[1:], down[1:])):
         assert torch.equal(ours, theirs)

@@ -375,7 +375,7 @@ class KTMoEWrapper:
     def _load_mxfp4(self, checkpoint: HfCheckpoint, mapping: torch.Tensor) -> None:
         """The CPU slots' experts of an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash),
         re-ordered into GGUF MXFP4 blocks without widening; gpt-oss's biases and activation
-        (:meth:`_use_gpt_oss_activation`) come with them."""
+        (:meth:`_use_checkpoint_activation`) come with them."""
         cpu = mapping[~self.gpu_experts_mask].tolist()
         cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
         route = torch.full((self.num_experts,), -1, dtype=torch.long)
@@ -384,8 +384,7 @@ class KTMoEWrapper:
         biases = None
         if cpu:
             experts = load_mxfp4_experts(checkpoint, self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
-            if experts.kind == "gpt_oss":
-                self._use_gpt_oss_activation(experts.swiglu_limit, experts.swiglu_alpha)
+            self._use_checkpoint_activation(experts.swiglu_limit, experts.swiglu_alpha)
             parts = pack_mxfp4_parts(experts, self.threadpool_count)
             biases = experts.biases
             self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
@@ -413,15 +412,17 @@ class KTMoEWrapper:
         packed = load_gguf_experts(path, self.layer_idx)
         biases = None
         if read_gguf_config(path).architecture == "gpt-oss":
-            self._use_gpt_oss_activation(GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA)
+            self._use_checkpoint_activation(GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA)
             biases = load_gguf_expert_biases(path, self.layer_idx)
         # GGUF blobs are mapped from the file as one part: threadpool_count does not split them.
         self._set_packed([packed], self._physical_map(physical_to_logical_map, packed.num_experts), biases)
 
-    def _use_gpt_oss_activation(self, limit: float, alpha: float) -> None:
-        """gpt-oss weights: alpha-SwiGLU (GGUF: alpha 1.702 and limit 7, which llama.cpp
-        hard-codes; Hugging Face: config.json's values), each taken only where the
-        constructor's value is the default 0 (a non-zero value the user passed is kept)."""
+    def _use_checkpoint_activation(self, limit: float, alpha: float) -> None:
+        """The activation the weights come with — gpt-oss: alpha-SwiGLU (GGUF: alpha 1.702
+        and limit 7, which llama.cpp hard-codes; Hugging Face: config.json's values);
+        DeepSeek-V4-Flash: the clamp (config.json's ``swiglu_limit``, 10) — each taken only
+        where the constructor's value is the default 0 (a non-zero value the user passed is
+        kept)."""
         if self.swiglu_alpha == 0:
             self.swiglu_alpha = alpha
         if self.swiglu_limit == 0:
