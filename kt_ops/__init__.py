@@ -32,11 +32,16 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``KtOpsConfig`` (and its quantizer) import transformers: loaded on first use."""
+    """``KtOpsConfig`` (and its quantizer) and ``from_gguf`` import transformers: loaded
+    on first use."""
     if name == "KtOpsConfig":
         from kt_ops.hf_quantizer import KtOpsConfig
 
         return KtOpsConfig
+    if name == "from_gguf":
+        from kt_ops.hf_gguf import from_gguf
+
+        return from_gguf
     raise AttributeError(f"module 'kt_ops' has no attribute {name!r}")
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "Routing",
     "cpu_variant",
     "doctor",
+    "from_gguf",
     "generate_gpu_experts_masks",
     "get_num_threads",
     "hf_experts",

@@ -1,0 +1,105 @@
+"""kt_ops.from_gguf: a GGUF file becomes a transformers model whose routed experts run from
+the mapped file through kt::moe_forward (the rest dequantized by transformers' GGUF loader);
+checked against the same weights in plain transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+import kt_ops  # noqa: E402
+from hf_models import tiny_model  # noqa: E402
+from kt_ops import hf_experts  # noqa: E402
+
+
+def write_qwen3moe_gguf(model: torch.nn.Module, path: Path, expert_type: str) -> torch.nn.Module:
+    """``model`` (a tiny Qwen3-MoE, fp32) written as a GGUF of llama.cpp's names, its expert
+    tensors in ``expert_type``; returns the model with its experts replaced by what the file
+    holds (dequantized by the gguf package), the reference."""
+    cfg = model.config
+    kind = gguf.GGMLQuantizationType[expert_type]
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg.num_hidden_layers)
+
+    def add_experts(name: str, weights: torch.Tensor) -> torch.Tensor:
+        array = np.ascontiguousarray(weights.numpy())
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+            return weights
+        raw = gguf.quants.quantize(array, kind)
+        writer.add_tensor(name, raw, raw_dtype=kind)
+        return torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(array.shape).copy())
+
+    state = {}
+    for key, tensor in model.state_dict().items():
+        tensor = tensor.float()
+        block = key.split(".")[2] if ".layers." in f".{key}" else None
+        if key.endswith("mlp.experts.gate_up_proj"):
+            half = tensor.shape[1] // 2
+            gate = add_experts(f"blk.{block}.ffn_gate_exps.weight", tensor[:, :half].contiguous())
+            up = add_experts(f"blk.{block}.ffn_up_exps.weight", tensor[:, half:].contiguous())
+            state[key] = torch.cat((gate, up), dim=1)
+        elif key.endswith("mlp.experts.down_proj"):
+            state[key] = add_experts(f"blk.{block}.ffn_down_exps.weight", tensor.contiguous())
+        else:
+            base, suffix = key.rsplit(".", 1)
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(tensor.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+@pytest.mark.parametrize("expert_type,bound", [("F32", 1e-5), ("Q8_0", 3e-2), ("Q4_0", 3e-2)])
+def test_from_gguf_matches_transformers_on_the_same_weights(tmp_path: Path, expert_type: str, bound: float) -> None:
+    path = tmp_path / "tiny.gguf"
+    reference = write_qwen3moe_gguf(tiny_model("qwen3_moe", dtype=torch.bfloat16).float().eval(), path, expert_type)
+    model = kt_ops.from_gguf(path, dtype=torch.float32)
+    experts = [m for m in model.modules() if hf_experts.is_experts_module(m)]
+    assert len(experts) == 2 and all(m.gate_up_proj.numel() == 0 for m in experts)
+    for module in experts:  # mapped from the file: the blob is the GGUF's own blocks
+        packed = kt_ops.PackedExperts(hf_experts.packed_blob(module))
+        assert packed.format == "gguf"
+        assert kt_ops._native._C.changed_mapped_file(packed.data) == ""
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
+        got = model(ids).logits
+    assert sum(1 for e in prof.events() if e.name == "kt::moe_forward") == 2
+    with torch.no_grad():
+        want = reference(ids).logits
+    assert ((got - want).norm() / want.norm()) <= bound
+
+
+def test_from_gguf_refuses_what_it_cannot_read(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        kt_ops.from_gguf(tmp_path / "missing.gguf")
+    from gguf_helpers import random_blocks, write_model
+
+    rng = np.random.default_rng(0)
+    layer = {name: ("Q8_0", random_blocks("Q8_0", 4 * rows, 64, rng).reshape(4, rows, -1))
+             for name, rows in (("ffn_gate_exps", 64), ("ffn_up_exps", 64), ("ffn_down_exps", 64))}
+    write_model(tmp_path / "split.gguf", [layer, layer], 4, 64, 64, split_max_tensors=4)
+    with pytest.raises(ValueError, match="split into"):
+        kt_ops.from_gguf(tmp_path)
