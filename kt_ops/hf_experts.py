@@ -15,6 +15,10 @@ weights are packed once — by :func:`pack_model_experts`, or as ``BF16`` on its
 into a host-memory blob kept on the module (``_kt_ops_blob``, a plain attribute: moving
 the model to a GPU leaves it in host RAM; inputs on a GPU use the operator's CUDA key).
 
+:func:`pack_model_experts` can keep some experts in torch on the model's device
+(``gpu_experts_mask`` / ``num_gpu_experts``, as :class:`kt_ops.HybridMoE`), computed densely
+over the batch with the class's own gate; the others are packed.
+
 The decorator's flags are honoured: concatenated or interleaved gate/up, transposed
 storage, biases. The activation is read from the class's ``_apply_gate`` by probing it
 against kt_ops' variants (``silu(g) * u``, DeepSeek-V4's clamped SwiGLU, gpt-oss's
@@ -35,6 +39,8 @@ from torch import nn
 
 IMPLEMENTATION = "kt_ops"
 _BLOB = "_kt_ops_blob"
+_ROUTE = "_kt_ops_route"  # int64 [E]: expert -> packed index, -1 for the experts kept in torch
+_LOCAL = "_kt_ops_local"  # the experts kept in torch: (ids [G], gate_up, gate_up_bias, down, down_bias)
 _MOE_MODULE = "transformers.integrations.moe"
 
 
@@ -49,8 +55,32 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                                "kt_ops.hf_experts.pack_model_experts(model) (or run the model once) before "
                                "torch.compile")
         blob = pack_module_experts(self)
-    return torch.ops.kt.moe_forward(hidden_states.contiguous(), top_k_index.contiguous(),
-                                    top_k_weights.contiguous(), blob)
+    local = getattr(self, _LOCAL, None)
+    if blob.numel() == 0:  # every expert kept in torch
+        return _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
+    route = getattr(self, _ROUTE, None)
+    ids = top_k_index if route is None else torch.take(route.to(top_k_index.device), top_k_index)
+    out = torch.ops.kt.moe_forward(hidden_states.contiguous(), ids.contiguous(), top_k_weights.contiguous(), blob)
+    if local is not None:
+        out = out + _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
+    return out
+
+
+def _local_experts(module: nn.Module, local: tuple, x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """The experts kept in torch (``gpu_experts_mask``), dense over the tokens on x's device
+    with the class's own ``_apply_gate``: ``[T, H]`` in x's dtype (shape-static, for compile
+    and CUDA graphs)."""
+    expert_ids, gate_up, gate_up_bias, down, down_bias = local
+    routed = ids.unsqueeze(-1) == expert_ids.to(ids.device)  # [T, K, G]
+    per_expert = (routed * weights.unsqueeze(-1).float()).sum(dim=1)  # [T, G]
+    projected = torch.einsum("th,gjh->gtj", x, gate_up.to(x.dtype))
+    if gate_up_bias is not None:
+        projected = projected + gate_up_bias.to(x.dtype).unsqueeze(1)
+    y = torch.einsum("gti,ghi->gth", module._apply_gate(projected), down.to(x.dtype))  # [G, T, H]
+    if down_bias is not None:
+        y = y + down_bias.to(x.dtype).unsqueeze(1)
+    return (y.float() * per_expert.t().unsqueeze(-1)).sum(dim=0).to(x.dtype)
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -140,28 +170,75 @@ def module_weights(module: nn.Module, tensors: dict[str, torch.Tensor] | None = 
 
 
 def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[str, torch.Tensor] | None = None,
-                        **pack_args: Any) -> torch.Tensor:
+                        gpu_experts_mask: torch.Tensor | None = None, **pack_args: Any) -> torch.Tensor:
     """Packs one experts module into ``method`` (``pack_args``: ``group_size``, ``gguf_type``,
     ``scale_search`` as :func:`kt_ops.pack_experts`; ``tensors`` as :func:`module_weights`),
-    keeps the blob on the module and returns it."""
+    keeps the blob on the module and returns it. ``gpu_experts_mask`` (bool ``[E]``): those
+    experts are not packed but kept in torch on the module's device (its ``gate_up_proj``'s;
+    pass ``tensors`` on that device while loading), computed densely over the batch."""
     from kt_ops.ops import pack_experts
 
     weights = module_weights(module, tensors)
-    packed = pack_experts(weights.pop("gate_proj"), weights.pop("up_proj"), weights.pop("down_proj"), method=method,
-                          **weights, **pack_args)
+    gate, up, down = weights.pop("gate_proj"), weights.pop("up_proj"), weights.pop("down_proj")
+    E = int(gate.shape[0])
+    for name in (_ROUTE, _LOCAL):
+        module.__dict__.pop(name, None)
+    if gpu_experts_mask is not None:
+        mask = torch.as_tensor(gpu_experts_mask).to("cpu")
+        if mask.dtype != torch.bool or mask.shape != (E,):
+            raise ValueError(f"{type(module).__name__}: gpu_experts_mask must be bool [{E}], got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+        if bool(mask.any()):
+            source = tensors if tensors is not None else {n: getattr(module, n).detach() for n in
+                                                          ("gate_up_proj", "down_proj", "gate_up_proj_bias",
+                                                           "down_proj_bias") if getattr(module, n, None) is not None}
+            gate_up, down_local = source["gate_up_proj"], source["down_proj"]
+            if module.is_transposed:
+                gate_up, down_local = gate_up.transpose(1, 2), down_local.transpose(1, 2)
+            keep = torch.nonzero(mask).reshape(-1)
+            on = gate_up.device
+            bias = source.get("gate_up_proj_bias") if getattr(module, "has_bias", False) else None
+            down_bias = source.get("down_proj_bias") if getattr(module, "has_bias", False) else None
+            setattr(module, _LOCAL, (keep.to(on), gate_up[keep.to(on)].contiguous(),
+                                     None if bias is None else bias[keep.to(bias.device)].contiguous(),
+                                     down_local[keep.to(on)].contiguous(),
+                                     None if down_bias is None else down_bias[keep.to(down_bias.device)].contiguous()))
+            cpu = ~mask
+            route = torch.full((E,), -1, dtype=torch.long)
+            route[cpu] = torch.arange(int(cpu.sum()))
+            setattr(module, _ROUTE, route)
+            gate, up, down = gate[cpu], up[cpu], down[cpu]
+            if weights["biases"] is not None:
+                weights["biases"] = tuple(None if b is None else b[cpu] for b in weights["biases"])
+    if gate.shape[0] == 0:  # every expert kept in torch: nothing for the CPU (an empty blob)
+        setattr(module, _BLOB, torch.empty(0, dtype=torch.uint8))
+        return getattr(module, _BLOB)
+    packed = pack_experts(gate, up, down, method=method, **weights, **pack_args)
     setattr(module, _BLOB, packed.data)
     return packed.data
 
 
-def pack_model_experts(model: nn.Module, method: str = "BF16", **pack_args: Any) -> int:
+def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask: torch.Tensor | None = None,
+                       num_gpu_experts: int | None = None, **pack_args: Any) -> int:
     """Packs every experts module of ``model`` (eagerly: required before ``torch.compile``);
-    returns how many. ``ValueError`` naming the class for experts kt_ops cannot compute."""
-    count = 0
-    for module in model.modules():
-        if is_experts_module(module):
-            pack_module_experts(module, method, **pack_args)
-            count += 1
-    return count
+    returns how many. ``gpu_experts_mask`` (bool ``[num_moe_layers, E]``, in model order) or
+    ``num_gpu_experts`` (experts ``[0, n)`` of each layer) keeps those experts in torch on
+    the model's device. ``ValueError`` naming the class for experts kt_ops cannot compute."""
+    modules = [m for m in model.modules() if is_experts_module(m)]
+    if gpu_experts_mask is not None and num_gpu_experts is not None:
+        raise ValueError("give gpu_experts_mask or num_gpu_experts, not both")
+    masks: list[torch.Tensor | None] = [None] * len(modules)
+    if gpu_experts_mask is not None:
+        mask = torch.as_tensor(gpu_experts_mask)
+        if mask.dim() != 2 or mask.shape[0] != len(modules):
+            raise ValueError(f"gpu_experts_mask must be bool [num_moe_layers={len(modules)}, E], got "
+                             f"{tuple(mask.shape)}")
+        masks = list(mask)
+    elif num_gpu_experts is not None:
+        masks = [torch.arange(int(m.down_proj.shape[0])) < num_gpu_experts for m in modules]
+    for module, mask in zip(modules, masks):
+        pack_module_experts(module, method, gpu_experts_mask=mask, **pack_args)
+    return len(modules)
 
 
 def packed_blob(module: nn.Module) -> torch.Tensor | None:

@@ -82,6 +82,28 @@ def test_pack_model_experts_chooses_the_format(saved: dict[str, Path], method: s
     assert ((got - want).norm() / want.norm()) <= bound
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_gpu_experts_in_torch(saved: dict[str, Path], arch: str) -> None:
+    """Experts kept in torch (a mask or num_gpu_experts; here on the CPU device) with the
+    class's own gate and biases, the rest packed: the same logits, and kt::moe_forward
+    still runs once per layer."""
+    ours, eager = load(saved[arch], "kt_ops"), load(saved[arch], "eager")
+    layers = len(experts_modules(ours))
+    mask = torch.zeros(layers, 8, dtype=torch.bool)
+    mask[0, [1, 5]] = True
+    mask[-1, [0, 2, 7]] = True
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = eager(ids).logits
+    for kwargs in ({"gpu_experts_mask": mask}, {"num_gpu_experts": 3}, {"num_gpu_experts": 8}):
+        hf_experts.pack_model_experts(ours, "BF16", **kwargs)
+        logits, calls = kt_calls(ours, ids)
+        assert calls == (0 if kwargs.get("num_gpu_experts") == 8 else layers)
+        assert ((logits - want).norm() / want.norm()) <= 1e-5, kwargs
+    with pytest.raises(ValueError, match="num_moe_layers"):
+        hf_experts.pack_model_experts(ours, gpu_experts_mask=mask[:1])
+
+
 def test_activations_are_read_from_the_class(saved: dict[str, Path]) -> None:
     gpt_oss = experts_modules(load(saved["gpt_oss"], "kt_ops"))[0]
     assert hf_experts.activation_of(gpt_oss, 32) == (7.0, 1.702)
@@ -245,11 +267,11 @@ def test_patch_model_covers_the_experts_interface(arch: str) -> None:
     ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = model(ids).logits
-    with pytest.raises(ValueError, match="GPU experts need kt_ops' own MoE block"):
-        kt_ops.patch_model(model, num_gpu_experts=2)
-    kt_ops.patch_model(model, method="BF16")
+    with pytest.raises(ValueError, match="num_gpu_experts must be"):
+        kt_ops.patch_model(model, num_gpu_experts=9)
+    kt_ops.patch_model(model, method="BF16", num_gpu_experts=2)  # experts 0, 1 of each layer kept in torch
     report = model.kt_ops_patch_report
-    assert report.layers == len(experts_modules(model)) and report.released_bytes > 0
+    assert report.layers == len(experts_modules(model)) and report.released_bytes > 0 and report.gpu_expert_bytes > 0
     assert all(m.gate_up_proj.numel() == 0 for m in experts_modules(model))
     logits, calls = kt_calls(model, ids)
     assert calls == report.layers

@@ -186,10 +186,9 @@ def patch_model(
             raise ValueError(f"kt_ops.patch_model does not support model_type {model_type!r} "
                              f"({type(model).__name__}: no experts class using transformers' experts interface); "
                              f"supported: {', '.join(supported_model_types())}")
-        if gpu_experts_mask is not None or num_gpu_experts:
-            raise ValueError(f"GPU experts need kt_ops' own MoE block, which exists for model types "
-                             f"{', '.join(HYBRID_MODEL_TYPES)}; {model_type!r} runs all its experts on the CPU")
-        return _patch_experts(model, experts, method, group_size, gguf_type, progress)
+        num_experts = int(experts[0][1].down_proj.shape[0])
+        masks = _layer_masks(len(experts), num_experts, gpu_experts_mask, num_gpu_experts)
+        return _patch_experts(model, experts, masks, method, group_size, gguf_type, progress)
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"the CPU experts compute SiLU; this model's hidden_act is {config.hidden_act!r}")
     blocks = [(name, module) for name, module in model.named_modules()
@@ -226,11 +225,13 @@ def patch_model(
     return model
 
 
-def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], method: str, group_size: int,
-                   gguf_type: object, progress: Callable[[int, int], None] | None) -> nn.Module:
+def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], masks: list[torch.Tensor | None],
+                   method: str, group_size: int, gguf_type: object,
+                   progress: Callable[[int, int], None] | None) -> nn.Module:
     """patch_model through transformers' experts interface: each experts module packed
-    (its activation probed, biases kept), its expert tensors released, the model's experts
-    implementation set to kt_ops."""
+    (its activation probed, biases kept; the experts of its mask kept in torch on the
+    model's device), its expert tensors released, the model's experts implementation set
+    to kt_ops."""
     from kt_ops.formats import GROUPED_FORMATS, format_for_method
 
     pack_args: dict[str, object] = {}
@@ -240,9 +241,11 @@ def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], metho
         pack_args["gguf_type"] = gguf_type
     for _, module in experts:  # refuse before anything changes
         hf_experts.check_supported(module)
-    released = packed_bytes = 0
-    for index, (_, module) in enumerate(experts):
-        packed_bytes += hf_experts.pack_module_experts(module, method, **pack_args).numel()
+    released = packed_bytes = gpu_bytes = 0
+    for index, ((_, module), mask) in enumerate(zip(experts, masks)):
+        packed_bytes += hf_experts.pack_module_experts(module, method, gpu_experts_mask=mask, **pack_args).numel()
+        local = getattr(module, hf_experts._LOCAL, None)
+        gpu_bytes += sum(t.numel() * t.element_size() for t in (local or ())[1:] if t is not None)
         for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
             param = getattr(module, name, None)
             if isinstance(param, torch.Tensor):
@@ -251,7 +254,7 @@ def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], metho
         if progress is not None:
             progress(index + 1, len(experts))
     model.set_experts_implementation(hf_experts.IMPLEMENTATION)
-    report = PatchReport(len(experts), method.upper(), released, packed_bytes, 0)
+    report = PatchReport(len(experts), method.upper(), released, packed_bytes, gpu_bytes)
     model.kt_ops_patch_report = report
     logger.info("%s", report)
     return model
