@@ -59,11 +59,22 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if blob.numel() == 0:  # every expert kept in torch
         return _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
     route = getattr(self, _ROUTE, None)
-    ids = top_k_index if route is None else torch.take(route.to(top_k_index.device), top_k_index)
+    ids = top_k_index if route is None else torch.take(_on(self, route, top_k_index.device), top_k_index)
     out = torch.ops.kt.moe_forward(hidden_states.contiguous(), ids.contiguous(), top_k_weights.contiguous(), blob)
     if local is not None:
         out = out + _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
     return out
+
+
+def _on(module: nn.Module, route: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``route`` on ``device``, copied once per device (no copy inside a captured CUDA graph
+    once an eager call on that device has run)."""
+    if route.device == device:
+        return route
+    cache = module.__dict__.setdefault("_kt_ops_route_on", {})
+    if device not in cache:
+        cache[device] = route.to(device)
+    return cache[device]
 
 
 def _local_experts(module: nn.Module, local: tuple, x: torch.Tensor, ids: torch.Tensor,
@@ -181,7 +192,7 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
     weights = module_weights(module, tensors)
     gate, up, down = weights.pop("gate_proj"), weights.pop("up_proj"), weights.pop("down_proj")
     E = int(gate.shape[0])
-    for name in (_ROUTE, _LOCAL):
+    for name in (_ROUTE, _LOCAL, "_kt_ops_route_on"):
         module.__dict__.pop(name, None)
     if gpu_experts_mask is not None:
         mask = torch.as_tensor(gpu_experts_mask).to("cpu")
