@@ -119,14 +119,40 @@ class KtOpsHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
         experts = [m for m in model.modules() if hf_experts.is_experts_module(m)]
-        for module in experts:
-            hf_experts.check_supported(module)  # before any tensor is read
+        for module in experts:  # before any tensor is read
+            hf_experts.check_supported(module)
+            self._check_sizes(module)
         model.set_experts_implementation(hf_experts.IMPLEMENTATION)
         if self.quantization_config.progress and experts:
             from tqdm import tqdm
 
             self._bar = tqdm(total=len(experts), desc=f"kt_ops: packing experts ({self.quantization_config.method})",
                              unit=" layers")
+
+    def _check_sizes(self, module: torch.nn.Module) -> None:
+        """``ValueError`` naming the class when the method cannot pack its experts' sizes (a
+        group size that does not divide H or I, a GGUF block that does not fit a row)."""
+        from kt_ops._native import _C
+        from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method
+        from kt_ops.gguf_types import check_row_lengths, gguf_type_ids
+
+        config = self.quantization_config
+        down = module.down_proj.shape
+        hidden, intermediate = (int(down[2]), int(down[1])) if module.is_transposed else (int(down[1]), int(down[2]))
+        try:
+            fmt = format_for_method(config.method, config.zero_point)
+            if fmt == "gguf":
+                kind = "MXFP4" if config.method.upper() == "MXFP4" else config.gguf_type
+                if kind is not None:
+                    check_row_lengths(gguf_type_ids(kind), hidden, intermediate)
+            else:
+                group = 0
+                if fmt in GROUPED_FORMATS:
+                    group = config.group_size or default_group_size(config.method)
+                _C.packed_nbytes(fmt, 1, hidden, intermediate, group)
+        except ValueError as error:
+            raise ValueError(f"{type(module).__name__} (H={hidden}, I={intermediate}) cannot be packed as "
+                             f"{config.method}: {error}") from None
 
     def pack(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         hf_experts.pack_module_experts(module, tensors=tensors, **self.quantization_config.pack_args())

@@ -194,6 +194,18 @@ def test_quantization_config_packs_while_loading(saved: dict[str, Path], arch: s
         kt_ops.KtOpsConfig(method="NOPE")
 
 
+def test_quantization_config_checks_sizes_before_loading(saved: dict[str, Path]) -> None:
+    """A method that cannot hold the experts' sizes (AWQ's groups of 128 with H = 64) is a
+    ValueError naming the class, before any tensor is read."""
+    with pytest.raises(ValueError, match="GptOssExperts .H=64, I=32. cannot be packed as AWQ_INT4"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            saved["gpt_oss"], dtype=torch.float32, quantization_config=kt_ops.KtOpsConfig(method="AWQ_INT4"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(  # groups of 32 fit
+        saved["gpt_oss"], dtype=torch.float32,
+        quantization_config=kt_ops.KtOpsConfig(method="AWQ_INT4", group_size=32, progress=False))
+    assert {kt_ops.PackedExperts(hf_experts.packed_blob(m)).format for m in experts_modules(model)} == {"int4_asym"}
+
+
 def write_big_checkpoint(path: str, layers: str) -> int:
     """A Qwen3-MoE checkpoint of random bf16 weights, one shard per layer, ~288 MiB of
     experts per layer (64 experts, H 1024, I 768), written tensor by tensor."""
