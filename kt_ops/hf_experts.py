@@ -252,6 +252,19 @@ def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask:
     return len(modules)
 
 
+def local_experts(module: nn.Module) -> tuple | None:
+    """The experts a module keeps in torch: ``(ids [G], gate_up, gate_up_bias, down,
+    down_bias)`` in the module's layout, or None."""
+    return getattr(module, _LOCAL, None)
+
+
+def move_local_experts(module: nn.Module, device: torch.device) -> None:
+    """Moves the experts a module keeps in torch to ``device`` (after a checkpoint loaded)."""
+    local = local_experts(module)
+    if local is not None:
+        setattr(module, _LOCAL, tuple(None if t is None else t.to(device) for t in local))
+
+
 def packed_blob(module: nn.Module) -> torch.Tensor | None:
     """The packed blob an experts module runs with, or None before it is packed."""
     return getattr(module, _BLOB, None)

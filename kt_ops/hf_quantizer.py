@@ -42,11 +42,15 @@ class KtOpsConfig(QuantizationConfigMixin):
         method: a kt_ops method (``BF16``, ``AMXINT8``, ``AMXINT4``, ``LLAMAFILE``, ``FP8``,
             ``RAWINT4``, ...), as :func:`kt_ops.pack_experts`.
         group_size, gguf_type, scale_search, zero_point: as :func:`kt_ops.pack_experts`.
+        num_gpu_experts: experts ``[0, n)`` of every layer are not packed but kept in torch
+            on the device the layer's other weights load to (``device_map``), as
+            :func:`kt_ops.hf_experts.pack_model_experts` keeps them.
         progress: a tqdm bar over the MoE layers while loading.
     """
 
     def __init__(self, method: str = "BF16", group_size: int | None = None, gguf_type: Any = None,
-                 scale_search: bool = False, zero_point: bool = False, progress: bool = True, **kwargs: Any) -> None:
+                 scale_search: bool = False, zero_point: bool = False, num_gpu_experts: int = 0,
+                 progress: bool = True, **kwargs: Any) -> None:
         from kt_ops.formats import format_for_method
 
         format_for_method(method, zero_point)  # ValueError naming the methods
@@ -56,6 +60,9 @@ class KtOpsConfig(QuantizationConfigMixin):
         self.gguf_type = gguf_type
         self.scale_search = scale_search
         self.zero_point = zero_point
+        if not isinstance(num_gpu_experts, int) or isinstance(num_gpu_experts, bool) or num_gpu_experts < 0:
+            raise ValueError(f"num_gpu_experts must be an int >= 0, got {num_gpu_experts!r}")
+        self.num_gpu_experts = num_gpu_experts
         self.progress = progress
 
     def pack_args(self) -> dict[str, Any]:
@@ -122,12 +129,19 @@ class KtOpsHfQuantizer(HfQuantizer):
         for module in experts:  # before any tensor is read
             hf_experts.check_supported(module)
             self._check_sizes(module)
+            self._check_gpu_experts(module)
         model.set_experts_implementation(hf_experts.IMPLEMENTATION)
         if self.quantization_config.progress and experts:
             from tqdm import tqdm
 
             self._bar = tqdm(total=len(experts), desc=f"kt_ops: packing experts ({self.quantization_config.method})",
                              unit=" layers")
+
+    def _check_gpu_experts(self, module: torch.nn.Module) -> None:
+        experts = int(module.down_proj.shape[0])
+        if self.quantization_config.num_gpu_experts > experts:
+            raise ValueError(f"num_gpu_experts {self.quantization_config.num_gpu_experts} exceeds "
+                             f"{type(module).__name__}'s {experts} experts")
 
     def _check_sizes(self, module: torch.nn.Module) -> None:
         """``ValueError`` naming the class when the method cannot pack its experts' sizes (a
@@ -155,7 +169,10 @@ class KtOpsHfQuantizer(HfQuantizer):
                              f"{config.method}: {error}") from None
 
     def pack(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        hf_experts.pack_module_experts(module, tensors=tensors, **self.quantization_config.pack_args())
+        config = self.quantization_config
+        experts = int(tensors["down_proj"].shape[0])
+        mask = torch.arange(experts) < config.num_gpu_experts if config.num_gpu_experts else None
+        hf_experts.pack_module_experts(module, tensors=tensors, gpu_experts_mask=mask, **config.pack_args())
         if self._bar is not None:
             self._bar.update()
 
@@ -165,6 +182,12 @@ class KtOpsHfQuantizer(HfQuantizer):
             self._bar = None
         missing = [name for name, m in model.named_modules()
                    if hf_experts.is_experts_module(m) and hf_experts.packed_blob(m) is None]
+        for name, module in model.named_modules():  # the experts kept in torch go where their layer went
+            if hf_experts.is_experts_module(module) and hf_experts.local_experts(module) is not None:
+                parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+                device = next((p.device for p in parent.parameters() if p.numel() and not p.is_meta), None)
+                if device is not None:
+                    hf_experts.move_local_experts(module, device)
         if missing:
             raise ValueError(f"the checkpoint did not provide every expert tensor of {', '.join(missing[:4])}"
                              f"{' ...' if len(missing) > 4 else ''} (gate_up_proj, down_proj and, with biases, "

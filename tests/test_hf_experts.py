@@ -194,6 +194,25 @@ def test_quantization_config_packs_while_loading(saved: dict[str, Path], arch: s
         kt_ops.KtOpsConfig(method="NOPE")
 
 
+def test_quantization_config_keeps_gpu_experts_in_torch(saved: dict[str, Path]) -> None:
+    """KtOpsConfig(num_gpu_experts=n): experts [0, n) of every layer stay in torch (here on
+    the CPU device), the rest are packed; the logits are the eager model's."""
+    eager = load(saved["gpt_oss"], "eager")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(
+        saved["gpt_oss"], dtype=torch.float32,
+        quantization_config=kt_ops.KtOpsConfig(method="BF16", num_gpu_experts=3, progress=False))
+    for module in experts_modules(ours):
+        assert hf_experts.local_experts(module)[0].tolist() == [0, 1, 2]
+        assert kt_ops.PackedExperts(hf_experts.packed_blob(module)).num_experts == 5
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got, want = ours(ids).logits, eager(ids).logits
+    assert ((got - want).norm() / want.norm()) <= 1e-5
+    with pytest.raises(ValueError, match="num_gpu_experts 9 exceeds"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            saved["gpt_oss"], quantization_config=kt_ops.KtOpsConfig(num_gpu_experts=9))
+
+
 def test_quantization_config_checks_sizes_before_loading(saved: dict[str, Path]) -> None:
     """A method that cannot hold the experts' sizes (AWQ's groups of 128 with H = 64) is a
     ValueError naming the class, before any tensor is read."""
