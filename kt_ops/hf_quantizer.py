@@ -54,6 +54,8 @@ class KtOpsConfig(QuantizationConfigMixin):
         from kt_ops.formats import format_for_method
 
         format_for_method(method, zero_point)  # ValueError naming the methods
+        if method.upper() == "LLAMAFILE" and gguf_type is None:
+            raise ValueError("KtOpsConfig(method='LLAMAFILE') needs gguf_type, e.g. 'Q4_K' or ('Q4_K', 'Q4_K', 'Q6_K')")
         self.quant_method = QUANT_METHOD
         self.method = method
         self.group_size = group_size

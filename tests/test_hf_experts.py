@@ -192,6 +192,8 @@ def test_quantization_config_packs_while_loading(saved: dict[str, Path], arch: s
         assert ((got - want).norm() / want.norm()) <= bound, arch
     with pytest.raises(ValueError, match="not available"):
         kt_ops.KtOpsConfig(method="NOPE")
+    with pytest.raises(ValueError, match="needs gguf_type"):
+        kt_ops.KtOpsConfig(method="LLAMAFILE")
 
 
 def test_quantization_config_keeps_gpu_experts_in_torch(saved: dict[str, Path]) -> None:
