@@ -116,10 +116,17 @@ void decode_q45_01(const uint8_t* b, int blocks, GgufDecoded& out) {
 // MXFP4's half scales 2^(e - 128) of 4 blocks `stride` bytes apart (exponent byte
 // first) from their bits (mxfp4::half_scale_bits: e < 2 subnormal, 255 NaN).
 inline __m128 mxfp4_half_scales4(const uint8_t* b, int stride) {
-  const __m128i e = _mm_setr_epi32(b[0], b[stride], b[2 * stride], b[3 * stride]);
-  __m128i bits = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
-  bits = _mm_blendv_epi8(bits, _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e), _mm_cmplt_epi32(e, _mm_set1_epi32(2)));
-  bits = _mm_blendv_epi8(bits, _mm_set1_epi32(0x7fc00000), _mm_cmpeq_epi32(e, _mm_set1_epi32(mxfp4::kNanExponent)));
+  const uint32_t e0 = b[0], e1 = b[stride], e2 = b[2 * stride], e3 = b[3 * stride];
+  const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(e0 | e1 << 8 | e2 << 16 | e3 << 24)));
+  __m128i bits = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);  // e in [2, 254]: a normal float
+  // Exponents 0, 1 (subnormal scales) and 255 (NaN) are rare: one well-predicted branch
+  // keeps their blends off the common path.
+  if (__builtin_expect((e0 - 2u > 252u) | (e1 - 2u > 252u) | (e2 - 2u > 252u) | (e3 - 2u > 252u), 0)) {
+    bits = _mm_blendv_epi8(bits, _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e),
+                           _mm_cmplt_epi32(e, _mm_set1_epi32(2)));
+    bits = _mm_blendv_epi8(bits, _mm_set1_epi32(0x7fc00000),
+                           _mm_cmpeq_epi32(e, _mm_set1_epi32(mxfp4::kNanExponent)));
+  }
   return _mm_castsi128_ps(bits);
 }
 
