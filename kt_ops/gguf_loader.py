@@ -131,6 +131,25 @@ def read_gguf_config(path: str | os.PathLike[str]) -> GgufModelInfo:
     )
 
 
+def _layer_tensors(path: str | os.PathLike[str], layer_idx: int, suffix: str
+                   ) -> tuple[GgufModelInfo, list[str], dict[str, tuple[Path, gguf.gguf_reader.ReaderTensor]]]:
+    """The model's metadata, the names ``blk.{layer_idx}.ffn_{gate,up,down}_exps.{suffix}``
+    and those of them the files hold (name -> (file, tensor)). ``TypeError`` for a layer
+    index that is not an int, ``ValueError`` for one outside the model."""
+    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+        raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
+    info = read_gguf_config(path)
+    if not 0 <= layer_idx < info.num_layers:
+        raise ValueError(f"layer_idx {layer_idx} is outside the model's {info.num_layers} layers")
+    names = [f"blk.{layer_idx}.{m}.{suffix}" for m in _MATRICES]
+    found: dict[str, tuple[Path, gguf.gguf_reader.ReaderTensor]] = {}
+    for file in info.files:
+        for tensor in open_gguf(file).tensors:
+            if tensor.name in names:
+                found[tensor.name] = (file, tensor)
+    return info, names, found
+
+
 def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool = False) -> PackedExperts:
     """The routed experts of layer ``layer_idx`` of a GGUF model, memory-mapped.
 
@@ -150,17 +169,7 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool =
             shapes that disagree with the metadata, a truncated file.
         TypeError: ``layer_idx`` is not an int.
     """
-    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
-        raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
-    info = read_gguf_config(path)
-    if not 0 <= layer_idx < info.num_layers:
-        raise ValueError(f"layer_idx {layer_idx} is outside the model's {info.num_layers} layers")
-    names = [f"blk.{layer_idx}.{m}.weight" for m in _MATRICES]
-    found: dict[str, tuple[Path, gguf.gguf_reader.ReaderTensor]] = {}
-    for file in info.files:
-        for tensor in open_gguf(file).tensors:
-            if tensor.name in names:
-                found[tensor.name] = (file, tensor)
+    info, names, found = _layer_tensors(path, layer_idx, "weight")
     missing = [n for n in names if n not in found]
     if missing:
         raise ValueError(
@@ -213,17 +222,7 @@ def load_gguf_expert_biases(
             with (naming the tensor); a layer outside the model.
         TypeError: ``layer_idx`` is not an int.
     """
-    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
-        raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
-    info = read_gguf_config(path)
-    if not 0 <= layer_idx < info.num_layers:
-        raise ValueError(f"layer_idx {layer_idx} is outside the model's {info.num_layers} layers")
-    names = [f"blk.{layer_idx}.{m}.bias" for m in _MATRICES]
-    found: dict[str, tuple[Path, gguf.gguf_reader.ReaderTensor]] = {}
-    for file in info.files:
-        for tensor in open_gguf(file).tensors:
-            if tensor.name in names:
-                found[tensor.name] = (file, tensor)
+    info, names, found = _layer_tensors(path, layer_idx, "bias")
     E, H = info.num_experts, info.hidden_size
     out: list[torch.Tensor | None] = []
     for name in names:

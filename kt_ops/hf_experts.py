@@ -42,6 +42,7 @@ _BLOB = "_kt_ops_blob"
 _ROUTE = "_kt_ops_route"  # int64 [E]: expert -> packed index, -1 for the experts kept in torch
 _LOCAL = "_kt_ops_local"  # the experts kept in torch: (ids [G], gate_up, gate_up_bias, down, down_bias)
 _MOE_MODULE = "transformers.integrations.moe"
+EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # an experts class's weights
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -154,6 +155,33 @@ def activation_of(module: nn.Module, intermediate: int) -> tuple[float, float]:
                      f"and alpha-SwiGLU with alpha {alphas[1:] or 'none'})")
 
 
+def _stored(module: nn.Module, tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """``tensors``, or the module's own expert tensors (:data:`EXPERT_TENSORS` it has)."""
+    if tensors is not None:
+        return tensors
+    return {name: getattr(module, name).detach() for name in EXPERT_TENSORS if getattr(module, name, None) is not None}
+
+
+def _untransposed(module: nn.Module, source: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up [E, 2I, H]`` and ``down [E, H, I]`` (views) whatever the module's storage."""
+    gate_up, down = source["gate_up_proj"], source["down_proj"]
+    if module.is_transposed:  # stored [E, H, 2I] and [E, I, H]
+        return gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
+
+
+def release_weights(module: nn.Module) -> int:
+    """Replaces the module's expert tensors by empty parameters (its packed blob computes
+    them now); returns the bytes they held."""
+    released = 0
+    for name in EXPERT_TENSORS:
+        param = getattr(module, name, None)
+        if isinstance(param, torch.Tensor):
+            released += param.numel() * param.element_size()
+            setattr(module, name, nn.Parameter(param.new_empty(0), requires_grad=False))
+    return released
+
+
 def module_weights(module: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The keyword arguments of :func:`kt_ops.pack_experts` that describe ``module``: ``gate [E,
     I, H]``, ``up``, ``down [E, H, I]`` (CPU, stored dtype), ``biases`` or None,
@@ -161,14 +189,10 @@ def module_weights(module: nn.Module, tensors: dict[str, torch.Tensor] | None = 
     ``gate_up_proj_bias``, ``down_proj_bias``) in the module's layout, instead of its own
     parameters (while a checkpoint loads)."""
     check_supported(module)
-    source = tensors if tensors is not None else {name: getattr(module, name).detach() for name in
-                                                 ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
-                                                 if getattr(module, name, None) is not None}
-    gate_up, down = source["gate_up_proj"], source["down_proj"]
+    source = _stored(module, tensors)
+    gate_up, down = _untransposed(module, source)
     if gate_up.is_meta or down.is_meta:
         raise ValueError(f"{type(module).__name__}: the expert weights are on the meta device (not loaded)")
-    if module.is_transposed:  # [E, H, 2I] and [E, I, H]
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     gate, up = _split(gate_up, module.is_concatenated)
     biases = None
     if getattr(module, "has_bias", False):
@@ -200,12 +224,8 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
             raise ValueError(f"{type(module).__name__}: gpu_experts_mask must be bool [{E}], got {mask.dtype} "
                              f"{tuple(mask.shape)}")
         if bool(mask.any()):
-            source = tensors if tensors is not None else {n: getattr(module, n).detach() for n in
-                                                          ("gate_up_proj", "down_proj", "gate_up_proj_bias",
-                                                           "down_proj_bias") if getattr(module, n, None) is not None}
-            gate_up, down_local = source["gate_up_proj"], source["down_proj"]
-            if module.is_transposed:
-                gate_up, down_local = gate_up.transpose(1, 2), down_local.transpose(1, 2)
+            source = _stored(module, tensors)
+            gate_up, down_local = _untransposed(module, source)
             keep = torch.nonzero(mask).reshape(-1)
             on = gate_up.device
             bias = source.get("gate_up_proj_bias") if getattr(module, "has_bias", False) else None
@@ -263,6 +283,14 @@ def move_local_experts(module: nn.Module, device: torch.device) -> None:
     local = local_experts(module)
     if local is not None:
         setattr(module, _LOCAL, tuple(None if t is None else t.to(device) for t in local))
+
+
+def install_blob(module: nn.Module, blob: torch.Tensor) -> None:
+    """Makes ``blob`` (a packed uint8 blob in host memory, e.g. a mapped GGUF layer) the one
+    the module's experts run with; the experts kept in torch are dropped."""
+    for name in (_ROUTE, _LOCAL, "_kt_ops_route_on"):
+        module.__dict__.pop(name, None)
+    setattr(module, _BLOB, blob)
 
 
 def packed_blob(module: nn.Module) -> torch.Tensor | None:

@@ -78,17 +78,14 @@ def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16)
                 raise ValueError(f"{name}: cannot tell which GGUF block (blk.N) this experts module is")
             hf_experts.check_supported(module)
             experts[int(match.group(1))] = (name, module)
-            for tensor in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-                param = getattr(module, tensor, None)
-                if isinstance(param, torch.Tensor):  # never touched: released before the weights load
-                    setattr(module, tensor, torch.nn.Parameter(param.new_empty(0), requires_grad=False))
+            hf_experts.release_weights(module)  # never touched: released before the weights load
     if not experts:
         raise ValueError(f"{type(model).__name__} has no experts class using transformers' experts interface")
     with _without_expert_tensors():
         tensors = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     expert_params = {f"{name}.{t}" for name, _ in experts.values()
-                     for t in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")}
+                     for t in hf_experts.EXPERT_TENSORS}
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     other = sorted(set(missing) - expert_params - tied)
     if other or unexpected:
@@ -103,6 +100,6 @@ def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16)
         biases = load_gguf_expert_biases(file, layer) if gpt_oss else None
         if limit or alpha or (biases is not None and any(b is not None for b in biases)):
             packed = set_activation(packed, limit, alpha, biases)  # a resident copy with the activation
-        setattr(module, hf_experts._BLOB, packed.data)
+        hf_experts.install_blob(module, packed.data)
     model.set_experts_implementation(hf_experts.IMPLEMENTATION)
     return model.eval()

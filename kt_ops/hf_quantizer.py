@@ -31,7 +31,6 @@ from kt_ops.mapped_files import release_file_pages
 
 QUANT_METHOD = "kt_ops"
 _PENDING = "_kt_ops_pending"
-_EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -124,7 +123,7 @@ class KtOpsHfQuantizer(HfQuantizer):
 
     def param_needs_quantization(self, model: torch.nn.Module, param_name: str, **kwargs: Any) -> bool:
         module, name = get_module_from_name(model, param_name)
-        return name in _EXPERT_TENSORS and hf_experts.is_experts_module(module)
+        return name in hf_experts.EXPERT_TENSORS and hf_experts.is_experts_module(module)
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
         experts = [m for m in model.modules() if hf_experts.is_experts_module(m)]

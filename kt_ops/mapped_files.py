@@ -25,12 +25,11 @@ from kt_ops._native import _C
 _MAX_HEADER = 100 << 20  # as safetensors itself
 
 
-def safetensors_range(path: str | os.PathLike[str], key: str) -> tuple[int, int]:
-    """``(offset, nbytes)`` of tensor ``key``'s bytes in a safetensors file.
+def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict, int]:
+    """(the JSON header of a safetensors file, the offset its data starts at).
 
-    Raises ``ValueError`` for a header that is not safetensors', a key that is not a 1-D
-    ``U8`` tensor, or a range past the end of the file; ``KeyError`` for a missing key.
-    """
+    Raises ``ValueError`` for a file that is not safetensors' (too short, a header length
+    past the file or above 100 MiB, a header that is not a JSON object)."""
     name = os.fspath(path)
     size = os.path.getsize(name)
     with open(name, "rb") as file:
@@ -44,26 +43,45 @@ def safetensors_range(path: str | os.PathLike[str], key: str) -> tuple[int, int]
             header = json.loads(file.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"{name!r} is not a safetensors file ({error})") from None
-    if not isinstance(header, dict) or key not in header:
+    if not isinstance(header, dict):
+        raise ValueError(f"{name!r} is not a safetensors file (its header is not a JSON object)")
+    return header, 8 + length
+
+
+def safetensors_range(path: str | os.PathLike[str], key: str,
+                      header: tuple[dict, int] | None = None) -> tuple[int, int]:
+    """``(offset, nbytes)`` of tensor ``key``'s bytes in a safetensors file (``header``: what
+    :func:`read_safetensors_header` returned for it, to skip reading it again).
+
+    Raises ``ValueError`` for a header that is not safetensors', a key that is not a 1-D
+    ``U8`` tensor, or a range past the end of the file; ``KeyError`` for a missing key.
+    """
+    name = os.fspath(path)
+    entries, data_start = read_safetensors_header(name) if header is None else header
+    if key not in entries:
         raise KeyError(f"{name!r} has no tensor {key!r}")
-    entry = header[key]
-    begin, end = entry.get("data_offsets", (None, None)) if isinstance(entry, dict) else (None, None)
-    shape = entry.get("shape") if isinstance(entry, dict) else None
+    entry = entries[key]
+    if not isinstance(entry, dict):
+        raise ValueError(f"{name!r}: tensor {key!r} has no valid entry ({entry!r})")
+    begin, end = entry.get("data_offsets", (None, None))
+    shape = entry.get("shape")
     if (entry.get("dtype") != "U8" or not isinstance(shape, list) or len(shape) != 1
             or not isinstance(begin, int) or not isinstance(end, int) or not 0 <= begin <= end
             or end - begin != shape[0]):
         raise ValueError(f"{name!r}: tensor {key!r} is not a 1-D uint8 tensor ({entry!r})")
-    offset = 8 + length + begin
+    offset, size = data_start + begin, os.path.getsize(name)
     if offset + (end - begin) > size:
         raise ValueError(f"{name!r} is truncated: tensor {key!r} needs bytes [{offset}, {offset + end - begin}) "
                          f"but the file has {size} bytes")
     return offset, end - begin
 
 
-def load_uint8_tensor(path: str | os.PathLike[str], key: str, copy: bool = False) -> torch.Tensor:
+def load_uint8_tensor(path: str | os.PathLike[str], key: str, copy: bool = False,
+                      header: tuple[dict, int] | None = None) -> torch.Tensor:
     """Tensor ``key`` (1-D uint8) of a safetensors file: memory-mapped copy-on-write and
-    watched for changes (see the module docstring), or read into RAM with ``copy=True``."""
-    offset, nbytes = safetensors_range(path, key)
+    watched for changes (see the module docstring), or read into RAM with ``copy=True``
+    (``header`` as :func:`safetensors_range`)."""
+    offset, nbytes = safetensors_range(path, key, header)
     if not copy:
         return _C.map_file(os.fspath(path), offset, nbytes)
     data = torch.empty(nbytes, dtype=torch.uint8)

@@ -6,11 +6,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kt_ops._native import _C
-from kt_ops.mapped_files import load_uint8_tensor
+from kt_ops.mapped_files import load_uint8_tensor, read_safetensors_header
 
 _TENSOR_KEY = "packed"
 _METADATA = {"producer": "kt_ops", "content": "packed_experts"}
@@ -115,12 +114,12 @@ class PackedExperts:
                                     "KTMoEWrapper(weight_path=...))")
         if not os.path.exists(path):
             raise FileNotFoundError(f"{os.fspath(path)!r} does not exist")
-        with safe_open(os.fspath(path), framework="pt", device="cpu") as file:
-            metadata = file.metadata() or {}
-            keys = list(file.keys())
-        if metadata.get("content") != _METADATA["content"] or keys != [_TENSOR_KEY]:
+        header = read_safetensors_header(path)  # read once: the check below and the mapping
+        metadata = header[0].get("__metadata__") or {}
+        keys = [key for key in header[0] if key != "__metadata__"]
+        if not isinstance(metadata, dict) or metadata.get("content") != _METADATA["content"] or keys != [_TENSOR_KEY]:
             raise ValueError(f"{os.fspath(path)!r} is not a kt_ops packed-experts file")
-        return cls(load_uint8_tensor(path, _TENSOR_KEY, copy=copy))
+        return cls(load_uint8_tensor(path, _TENSOR_KEY, copy=copy, header=header))
 
     def __repr__(self) -> str:
         return (

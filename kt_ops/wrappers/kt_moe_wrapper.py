@@ -265,6 +265,14 @@ class KTMoEWrapper:
         self._route = torch.where(self.gpu_experts_mask, -1, route).to(torch.int32)
         self._tables = {}
 
+    def _cpu_route(self) -> torch.Tensor:
+        """Physical slot -> packed expert for packs of the CPU slots only (in slot order);
+        -1 for the GPU slots."""
+        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
+        route = torch.full((self.num_experts,), -1, dtype=torch.long)
+        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        return route
+
     def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                           biases: Biases | None = None) -> None:
         """Packs the CPU slots' experts (``gate/up/down`` and ``biases`` hold those, in slot order)."""
@@ -272,10 +280,8 @@ class KTMoEWrapper:
             raise ValueError("method LLAMAFILE loads GGUF files (weight_path); online quantization into GGUF "
                              "is kt_ops.pack_experts(..., method='LLAMAFILE', gguf_type=...)")
         pack_args = {"group_size": self.group_size} if self.format in ("int4", "int4_asym") else {}
-        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
-        route = torch.full((self.num_experts,), -1, dtype=torch.long)
-        route[cpu_slots] = torch.arange(cpu_slots.numel())
-        parts = pack_parts(gate, up, down, self.method, self.threadpool_count, **pack_args) if cpu_slots.numel() else []
+        route = self._cpu_route()
+        parts = pack_parts(gate, up, down, self.method, self.threadpool_count, **pack_args) if gate.shape[0] else []
         self._set_packed(parts, route, biases)
         self.source_weights = (gate, up, down) if self.cpu_save else None
 
@@ -349,9 +355,7 @@ class KTMoEWrapper:
 
     def _load_fp8(self, checkpoint: HfCheckpoint, cpu: list[int]) -> None:
         """The CPU slots' experts of an FP8 checkpoint, packed without widening."""
-        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
-        route = torch.full((self.num_experts,), -1, dtype=torch.long)
-        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        route = self._cpu_route()
         parts: list[PackedExperts] = []
         if cpu:
             experts = checkpoint.load_fp8_experts(self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
@@ -361,9 +365,7 @@ class KTMoEWrapper:
 
     def _load_int4(self, checkpoint: HfCheckpoint, cpu: list[int]) -> None:
         """The CPU slots' experts of an INT4 checkpoint, packed without re-quantizing."""
-        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
-        route = torch.full((self.num_experts,), -1, dtype=torch.long)
-        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        route = self._cpu_route()
         parts: list[PackedExperts] = []
         if cpu:
             experts = load_int4_experts(checkpoint, self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size,
@@ -377,9 +379,7 @@ class KTMoEWrapper:
         re-ordered into GGUF MXFP4 blocks without widening; gpt-oss's biases and activation
         (:meth:`_use_checkpoint_activation`) come with them."""
         cpu = mapping[~self.gpu_experts_mask].tolist()
-        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
-        route = torch.full((self.num_experts,), -1, dtype=torch.long)
-        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        route = self._cpu_route()
         parts: list[PackedExperts] = []
         biases = None
         if cpu:

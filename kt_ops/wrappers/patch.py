@@ -244,13 +244,9 @@ def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], masks
     released = packed_bytes = gpu_bytes = 0
     for index, ((_, module), mask) in enumerate(zip(experts, masks)):
         packed_bytes += hf_experts.pack_module_experts(module, method, gpu_experts_mask=mask, **pack_args).numel()
-        local = getattr(module, hf_experts._LOCAL, None)
+        local = hf_experts.local_experts(module)
         gpu_bytes += sum(t.numel() * t.element_size() for t in (local or ())[1:] if t is not None)
-        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-            param = getattr(module, name, None)
-            if isinstance(param, torch.Tensor):
-                released += param.numel() * param.element_size()
-                setattr(module, name, nn.Parameter(param.new_empty(0), requires_grad=False))
+        released += hf_experts.release_weights(module)
         if progress is not None:
             progress(index + 1, len(experts))
     model.set_experts_implementation(hf_experts.IMPLEMENTATION)
