@@ -73,8 +73,9 @@ def tiny_model(model_type: str, dtype: torch.dtype = torch.bfloat16, seed: int =
     """A 2-layer, 8-expert causal LM of ``model_type`` with random weights, in eval mode.
 
     The routers are scaled up (trained routers are decisive; random ones near-tie, and a
-    near tie flips on any rounding difference), and DeepSeek-V3's expert bias is
-    randomised so the biased choice is exercised."""
+    near tie flips on any rounding difference), DeepSeek-V3's expert bias is randomised so
+    the biased choice is exercised, and expert biases (gpt-oss) are made non-zero so a
+    dropped bias shows."""
     torch.manual_seed(seed)
     config = {**CONFIGS, **EXPERTS_CONFIGS}[model_type]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -85,6 +86,8 @@ def tiny_model(model_type: str, dtype: torch.dtype = torch.bfloat16, seed: int =
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.mul_(router_scale)
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):  # gpt-oss: init leaves 0
+                param.normal_(0.0, 0.5)
             if name == "lm_head.weight":  # a peaked next-token distribution, as trained
                 param.mul_(4.0)
     return model
