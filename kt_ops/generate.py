@@ -22,7 +22,9 @@ def build_parser(prog: str = "python -m kt_ops.generate") -> argparse.ArgumentPa
     parser.add_argument("model", metavar="MODEL", help="a Hugging Face model directory (config, tokenizer, weights)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--method", default="BF16", help="the experts' kt_ops method (BF16, AMXINT8, AMXINT4, ...)")
+    parser.add_argument("--method", default="native",
+                        help="the experts' kt_ops method (BF16, AMXINT8, AMXINT4, ...); default native: as the "
+                             "checkpoint stores them (FP8/INT4/MXFP4 read in place, float packed as BF16)")
     parser.add_argument("--group-size", type=int, default=None, help="INT4 k-group (32, 64, 128)")
     parser.add_argument("--gguf-type", default=None, help="LLAMAFILE: the GGUF type, e.g. Q4_K")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the rest of the model's dtype")
@@ -97,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     prefill = (times[0] - begin) if times else float("nan")
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
     print(file=sys.stderr)
-    print(f"kt_ops {args.method}: loaded in {loaded - started:.1f} s; prompt {ids.shape[1]} tokens, prefill "
+    methods = getattr(model.config.quantization_config, "packed_methods", None) or [args.method]
+    print(f"kt_ops {'/'.join(methods)}: loaded in {loaded - started:.1f} s; prompt {ids.shape[1]} tokens, prefill "
           f"{ids.shape[1] / prefill:.1f} tokens/s ({prefill * 1e3:.0f} ms to the first token); {new} new tokens, "
           f"decode {decode:.2f} tokens/s; {torch.get_num_threads()} threads, CPU variant {kt_ops.cpu_variant()}",
           file=sys.stderr)

@@ -11,9 +11,15 @@ implementation is set to ``"kt_ops"``. Importing this module imports transformer
 registers ``kt_ops`` as a quantization method; ``kt_ops.KtOpsConfig`` does that on first
 use.
 
-Float checkpoints (bf16/fp16/fp32) only, quantized online; a pre-quantized checkpoint
-(FP8, GPTQ, AWQ, compressed-tensors, MXFP4) is refused by transformers' own config merge
-or loads through :class:`kt_ops.KTMoEWrapper` in place.
+Float checkpoints (bf16/fp16/fp32) are quantized online into ``method``. A pre-quantized
+checkpoint (FP8, GPTQ, AWQ, compressed-tensors, MXFP4: its config.json has a
+``quantization_config``) loads with ``method="native"``: its experts are packed as they are
+stored (:mod:`kt_ops.hf_native`), its quantized non-expert linears dequantized into the
+model's dtype. transformers refuses a second quantization config for such a checkpoint;
+importing this module wraps ``AutoHfQuantizer.merge_quantization_configs`` so that a
+``KtOpsConfig`` given to ``from_pretrained`` takes the checkpoint's place (the checkpoint's
+own is kept as ``KtOpsConfig.checkpoint_quantization``); any other pair goes to
+transformers unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 import torch
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AutoHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -30,6 +37,7 @@ from kt_ops import hf_experts
 from kt_ops.mapped_files import release_file_pages
 
 QUANT_METHOD = "kt_ops"
+NATIVE = "native"
 _PENDING = "_kt_ops_pending"
 
 
@@ -39,8 +47,11 @@ class KtOpsConfig(QuantizationConfigMixin):
 
     Args:
         method: a kt_ops method (``BF16``, ``AMXINT8``, ``AMXINT4``, ``LLAMAFILE``, ``FP8``,
-            ``RAWINT4``, ...), as :func:`kt_ops.pack_experts`.
-        group_size, gguf_type, scale_search, zero_point: as :func:`kt_ops.pack_experts`.
+            ``RAWINT4``, ...), as :func:`kt_ops.pack_experts`, or ``"native"``: the experts as
+            the checkpoint stores them (FP8, INT4 and MXFP4 checkpoints read in place, float
+            ones packed as ``BF16``); the only method a pre-quantized checkpoint accepts.
+        group_size, gguf_type, scale_search, zero_point: as :func:`kt_ops.pack_experts` (not
+            with ``"native"``: the checkpoint decides).
         num_gpu_experts: experts ``[0, n)`` of every layer are not packed but kept in torch
             on the device the layer's other weights load to (``device_map``), as
             :func:`kt_ops.hf_experts.pack_model_experts` keeps them.
@@ -52,7 +63,17 @@ class KtOpsConfig(QuantizationConfigMixin):
                  progress: bool = True, **kwargs: Any) -> None:
         from kt_ops.formats import format_for_method
 
-        format_for_method(method, zero_point)  # ValueError naming the methods
+        if not isinstance(method, str):
+            raise ValueError(f"method must be a string, got {method!r}")
+        if method.lower() == NATIVE:
+            given = [n for n, v in (("group_size", group_size), ("gguf_type", gguf_type), ("scale_search", scale_search),
+                                    ("zero_point", zero_point)) if v]
+            if given:
+                raise ValueError(f"KtOpsConfig(method='native') keeps the checkpoint's own format; {', '.join(given)} "
+                                 "cannot apply")
+            method = NATIVE
+        else:
+            format_for_method(method, zero_point)  # ValueError naming the methods
         if method.upper() == "LLAMAFILE" and gguf_type is None:
             raise ValueError("KtOpsConfig(method='LLAMAFILE') needs gguf_type, e.g. 'Q4_K' or ('Q4_K', 'Q4_K', 'Q6_K')")
         self.quant_method = QUANT_METHOD
@@ -65,9 +86,16 @@ class KtOpsConfig(QuantizationConfigMixin):
             raise ValueError(f"num_gpu_experts must be an int >= 0, got {num_gpu_experts!r}")
         self.num_gpu_experts = num_gpu_experts
         self.progress = progress
+        self.checkpoint_quantization: dict[str, Any] | None = kwargs.get("checkpoint_quantization")
+        self.packed_methods: list[str] = []  # the methods the experts were packed in, once loaded
+
+    @property
+    def native(self) -> bool:
+        return self.method == NATIVE
 
     def pack_args(self) -> dict[str, Any]:
-        args: dict[str, Any] = {"method": self.method}
+        """:func:`kt_ops.pack_experts`' keywords for float checkpoints (``native``: BF16)."""
+        args: dict[str, Any] = {"method": "BF16" if self.native else self.method}
         for name in ("group_size", "gguf_type"):
             if getattr(self, name) is not None:
                 args[name] = getattr(self, name)
@@ -114,12 +142,43 @@ class KtOpsHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: KtOpsConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         self._bar: Any = None
+        self._dtype: torch.dtype | None = None
+        self._native: tuple | None = None  # (checkpoint, {linear: kind}, device_map) while reading in place
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        config = self.quantization_config
+        if self.pre_quantized and config.native and config.num_gpu_experts:
+            raise ValueError("KtOpsConfig(method='native', num_gpu_experts=...) is not supported: experts kept in "
+                             "torch would need the checkpoint's quantized experts dequantized; use num_gpu_experts=0 "
+                             "(or kt_ops.KTMoEWrapper, whose GPU experts are the caller's)")
+
+    def _reads_in_place(self, model: torch.nn.Module, checkpoint_files: list[str] | None) -> bool:
+        """Whether kt_ops reads the experts from the files: ``method="native"`` on a
+        pre-quantized checkpoint, or on one whose experts are stored quantized although
+        transformers did not recognise its quantization config."""
+        if not self.quantization_config.native:
+            return False
         if self.pre_quantized:
-            raise ValueError("KtOpsConfig packs float checkpoints while they load; this checkpoint is already "
-                             "quantized (its config.json has a quantization_config): load its experts with "
-                             "kt_ops.KTMoEWrapper(weight_path=...), which reads FP8 and INT4 checkpoints in place")
+            return True
+        if not checkpoint_files or not str(checkpoint_files[0]).endswith(".safetensors"):
+            return False
+        from pathlib import Path
+
+        from kt_ops import hf_native
+        from kt_ops.hf_checkpoint import HfCheckpoint
+
+        checkpoint = HfCheckpoint(Path(checkpoint_files[0]).parent)
+        names = [name for name, m in model.named_modules() if hf_experts.is_experts_module(m)]
+        if not names:
+            return False
+        try:
+            return hf_native.native_method(checkpoint, hf_native.layer_of(names[0])) != "BF16"
+        except (KeyError, ValueError):
+            return False  # no experts under a name kt_ops reads: transformers' loader decides
+
+    def preprocess_model(self, model: torch.nn.Module, dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        self._dtype = dtype
+        super().preprocess_model(model, dtype=dtype, **kwargs)
 
     def param_needs_quantization(self, model: torch.nn.Module, param_name: str, **kwargs: Any) -> bool:
         module, name = get_module_from_name(model, param_name)
@@ -127,16 +186,82 @@ class KtOpsHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
         experts = [m for m in model.modules() if hf_experts.is_experts_module(m)]
+        if self._reads_in_place(model, kwargs.get("checkpoint_files")):
+            with torch.device("cpu"):  # transformers builds the model under a meta-device context
+                self._read_in_place(model, kwargs.get("checkpoint_files"), kwargs.get("device_map"))
+            return
         for module in experts:  # before any tensor is read
             hf_experts.check_supported(module)
             self._check_sizes(module)
             self._check_gpu_experts(module)
         model.set_experts_implementation(hf_experts.IMPLEMENTATION)
+        self.quantization_config.packed_methods = [self.quantization_config.pack_args()["method"]]
         if self.quantization_config.progress and experts:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=len(experts), desc=f"kt_ops: packing experts ({self.quantization_config.method})",
+            self._bar = tqdm(total=len(experts), desc=f"kt_ops: packing experts ({self.quantization_config.pack_args()['method']})",
                              unit=" layers")
+
+    def _read_in_place(self, model: torch.nn.Module, checkpoint_files: list[str] | None,
+                       device_map: dict | None) -> None:
+        """``method="native"`` on a pre-quantized checkpoint: every experts module packed from
+        the files now (its parameters removed, so transformers neither reads nor expects the
+        experts); quantized non-expert linears' weights removed too, dequantized after loading."""
+        from pathlib import Path
+
+        from kt_ops import hf_native
+        from kt_ops.hf_checkpoint import HfCheckpoint
+
+        if not checkpoint_files:
+            raise ValueError("KtOpsConfig(method='native') reads the experts from the checkpoint's safetensors "
+                             "files; from_pretrained was given none (a state_dict?)")
+        checkpoint = HfCheckpoint(Path(checkpoint_files[0]).parent)
+        experts = [(name, m) for name, m in model.named_modules() if hf_experts.is_experts_module(m)]
+        for name, module in experts:
+            hf_experts.check_supported(module)
+        linears = hf_native.quantized_linears(model, checkpoint, tuple(name for name, _ in experts))
+        bar = None
+        if self.quantization_config.progress and experts:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(experts), desc="kt_ops: reading experts in place", unit=" layers")
+        methods = set()
+        try:
+            for name, module in experts:
+                layer = hf_native.layer_of(name)
+                try:
+                    methods.add(hf_native.pack_native_layer(checkpoint, layer, module))
+                except (KeyError, ValueError) as error:
+                    raise ValueError(f"{name} (layer {layer}): {error}") from None
+                hf_native.remove_parameters(module, hf_experts.EXPERT_TENSORS)
+                if bar is not None:
+                    bar.update()
+        finally:
+            if bar is not None:
+                bar.close()
+        for name in linears:
+            hf_native.remove_parameters(model.get_submodule(name), ("weight",))
+        self._native = (checkpoint, linears, device_map)
+        self.quantization_config.packed_methods = sorted(methods)
+        ignore = set(model._keys_to_ignore_on_load_unexpected or ())
+        model._keys_to_ignore_on_load_unexpected = ignore | hf_native.ignore_patterns(
+            [name for name, _ in experts], list(linears))
+        model.set_experts_implementation(hf_experts.IMPLEMENTATION)
+
+    def _dequantize_linears(self, model: torch.nn.Module) -> None:
+        """The quantized non-expert linears (:meth:`_read_in_place`), dequantized into the
+        model's dtype on the device ``device_map`` gives them."""
+        from transformers.integrations.accelerate import get_device
+
+        from kt_ops import hf_native
+
+        checkpoint, linears, device_map = self._native
+        for name, kind in linears.items():
+            module = model.get_submodule(name)
+            weight = hf_native.dequantize_linear(checkpoint, name, kind, module.out_features, module.in_features)
+            dtype = module.bias.dtype if module.bias is not None else (self._dtype or torch.get_default_dtype())
+            device = get_device(device_map, f"{name}.weight", valid_torch_device=True) if device_map else "cpu"
+            module.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
 
     def _check_gpu_experts(self, module: torch.nn.Module) -> None:
         experts = int(module.down_proj.shape[0])
@@ -154,20 +279,21 @@ class KtOpsHfQuantizer(HfQuantizer):
         config = self.quantization_config
         down = module.down_proj.shape
         hidden, intermediate = (int(down[2]), int(down[1])) if module.is_transposed else (int(down[1]), int(down[2]))
+        method = config.pack_args()["method"]
         try:
-            fmt = format_for_method(config.method, config.zero_point)
+            fmt = format_for_method(method, config.zero_point)
             if fmt == "gguf":
-                kind = "MXFP4" if config.method.upper() == "MXFP4" else config.gguf_type
+                kind = "MXFP4" if method.upper() == "MXFP4" else config.gguf_type
                 if kind is not None:
                     check_row_lengths(gguf_type_ids(kind), hidden, intermediate)
             else:
                 group = 0
                 if fmt in GROUPED_FORMATS:
-                    group = config.group_size or default_group_size(config.method)
+                    group = config.group_size or default_group_size(method)
                 _C.packed_nbytes(fmt, 1, hidden, intermediate, group)
         except ValueError as error:
             raise ValueError(f"{type(module).__name__} (H={hidden}, I={intermediate}) cannot be packed as "
-                             f"{config.method}: {error}") from None
+                             f"{method}: {error}") from None
 
     def pack(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         config = self.quantization_config
@@ -178,6 +304,10 @@ class KtOpsHfQuantizer(HfQuantizer):
             self._bar.update()
 
     def _process_model_after_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        if self._native is not None:
+            self._dequantize_linears(model)
+            self._native = None
+            return model
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -204,3 +334,27 @@ class KtOpsHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+_merge = AutoHfQuantizer.merge_quantization_configs.__func__
+
+
+def _merge_quantization_configs(cls: type, quantization_config: Any, quantization_config_from_args: Any) -> Any:
+    """transformers' merge of the checkpoint's quantization config with the one given to
+    ``from_pretrained``, except for a :class:`KtOpsConfig`: ``method="native"`` takes the
+    checkpoint's place (which it reads as stored), any other method is refused (kt_ops
+    would re-quantize weights already quantized)."""
+    if not isinstance(quantization_config_from_args, KtOpsConfig):
+        return _merge(cls, quantization_config, quantization_config_from_args)
+    stored = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    if isinstance(quantization_config, KtOpsConfig) or stored.get("quant_method") == QUANT_METHOD:
+        return quantization_config_from_args
+    if not quantization_config_from_args.native:
+        raise ValueError(f"this checkpoint is already quantized (quant_method {stored.get('quant_method')!r} in its "
+                         f"config.json); KtOpsConfig(method={quantization_config_from_args.method!r}) would "
+                         "re-quantize it. Use KtOpsConfig(method='native') to run its experts as stored")
+    quantization_config_from_args.checkpoint_quantization = stored
+    return quantization_config_from_args
+
+
+AutoHfQuantizer.merge_quantization_configs = classmethod(_merge_quantization_configs)
