@@ -20,10 +20,12 @@ from kt_ops.cpu import (
     thread_source,
 )
 from kt_ops.diagnostics import doctor
+from kt_ops.expert_stats import ExpertStats
 from kt_ops.formats import METHOD_FORMATS
 from kt_ops.gguf_loader import GgufModelInfo, load_gguf_expert_biases, load_gguf_experts, read_gguf_config
 from kt_ops.ops import moe_forward, pack_experts, pack_fp8_experts, pack_int4_experts, set_activation
 from kt_ops.packed import PackedExperts
+from kt_ops.placement import budget_from_bytes, placement_masks
 from kt_ops.wrappers import HybridMoE, KTMoEWrapper, PatchReport, Routing, generate_gpu_experts_masks, patch_model
 
 hf_experts.install()  # experts_implementation="kt_ops" in transformers, once transformers is imported
@@ -46,6 +48,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "CPU_VARIANTS",
+    "ExpertStats",
     "GgufModelInfo",
     "HybridMoE",
     "KTMoEWrapper",
@@ -54,6 +57,7 @@ __all__ = [
     "PackedExperts",
     "PatchReport",
     "Routing",
+    "budget_from_bytes",
     "cpu_variant",
     "doctor",
     "from_gguf",
@@ -68,6 +72,7 @@ __all__ = [
     "pack_fp8_experts",
     "pack_int4_experts",
     "patch_model",
+    "placement_masks",
     "read_gguf_config",
     "reference",
     "set_activation",

@@ -31,16 +31,21 @@ experts packed first (:func:`pack_model_experts`); then the call is one opaque o
 from __future__ import annotations
 
 import importlib.abc
+import re
 import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from kt_ops import expert_stats
+
 IMPLEMENTATION = "kt_ops"
 _BLOB = "_kt_ops_blob"
 _ROUTE = "_kt_ops_route"  # int64 [E]: expert -> packed index, -1 for the experts kept in torch
 _LOCAL = "_kt_ops_local"  # the experts kept in torch: (ids [G], gate_up, gate_up_bias, down, down_bias)
+_LAYER_ID = "_kt_ops_layer"  # (layer index in the model, E): the module's row in kt_ops.ExpertStats
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _MOE_MODULE = "transformers.integrations.moe"
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # an experts class's weights
 
@@ -56,6 +61,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                                "kt_ops.hf_experts.pack_model_experts(model) (or run the model once) before "
                                "torch.compile")
         blob = pack_module_experts(self)
+    layer_id, experts = getattr(self, _LAYER_ID, None) or (None, 0)
+    expert_stats.record(layer_id, top_k_index, experts)  # kt_ops.ExpertStats (a no-op outside one)
     local = getattr(self, _LOCAL, None)
     if blob.numel() == 0:  # every expert kept in torch
         return _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
@@ -93,6 +100,24 @@ def _local_experts(module: nn.Module, local: tuple, x: torch.Tensor, ids: torch.
     if down_bias is not None:
         y = y + down_bias.to(x.dtype).unsqueeze(1)
     return (y.float() * per_expert.t().unsqueeze(-1)).sum(dim=0).to(x.dtype)
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder-layer index in a module name (``model.layers.3.mlp.experts`` -> 3), or None."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def set_layer_ids(model: nn.Module) -> None:
+    """Tells every experts module of ``model`` its decoder-layer index (from its name) and
+    expert count, so :class:`kt_ops.ExpertStats` counts it under that row. Call while the
+    expert parameters still have their shapes (meta is fine)."""
+    for name, module in model.named_modules():
+        if is_experts_module(module) and getattr(module, _LAYER_ID, None) is None:
+            layer = layer_index(name)
+            down = getattr(module, "down_proj", None)
+            if layer is not None and isinstance(down, torch.Tensor) and down.dim() == 3:
+                setattr(module, _LAYER_ID, (layer, int(down.shape[0])))
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -255,6 +280,7 @@ def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask:
     returns how many. ``gpu_experts_mask`` (bool ``[num_moe_layers, E]``, in model order) or
     ``num_gpu_experts`` (experts ``[0, n)`` of each layer) keeps those experts in torch on
     the model's device. ``ValueError`` naming the class for experts kt_ops cannot compute."""
+    set_layer_ids(model)
     modules = [m for m in model.modules() if is_experts_module(m)]
     if gpu_experts_mask is not None and num_gpu_experts is not None:
         raise ValueError("give gpu_experts_mask or num_gpu_experts, not both")

@@ -25,7 +25,6 @@ from kt_ops.gguf_loader import gguf_files, load_gguf_expert_biases, load_gguf_ex
 from kt_ops.ops import set_activation
 
 _EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @contextlib.contextmanager
@@ -71,13 +70,14 @@ def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16)
     with no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts: dict[int, tuple[str, torch.nn.Module]] = {}
+    hf_experts.set_layer_ids(model)
     for name, module in model.named_modules():
         if hf_experts.is_experts_module(module):
-            match = _LAYER.search(f".{name}")
-            if match is None:
+            layer = hf_experts.layer_index(name)
+            if layer is None:
                 raise ValueError(f"{name}: cannot tell which GGUF block (blk.N) this experts module is")
             hf_experts.check_supported(module)
-            experts[int(match.group(1))] = (name, module)
+            experts[layer] = (name, module)
             hf_experts.release_weights(module)  # never touched: released before the weights load
     if not experts:
         raise ValueError(f"{type(model).__name__} has no experts class using transformers' experts interface")

@@ -24,7 +24,6 @@ from kt_ops.hf_int4 import int4_method, load_int4_experts, quantization_config
 from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_parts
 from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # checkpoint tensor names that only a quantized linear layer has
 _QUANTIZED_SUFFIXES = ("weight_packed", "qweight", "weight_scale_inv", "weight_scale", "blocks", "scales", "qzeros")
 _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -33,10 +32,10 @@ _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 def layer_of(name: str) -> int:
     """The decoder-layer index in a module name (``model.layers.3.mlp.experts`` -> 3);
     ``ValueError`` when the name has none."""
-    match = _LAYER.search(f".{name}")
-    if match is None:
+    layer = hf_experts.layer_index(name)
+    if layer is None:
         raise ValueError(f"{name}: cannot tell which decoder layer (layers.N) this experts module belongs to")
-    return int(match.group(1))
+    return layer
 
 
 def native_method(checkpoint: HfCheckpoint, layer: int) -> str:

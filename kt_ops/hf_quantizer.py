@@ -185,6 +185,7 @@ class KtOpsHfQuantizer(HfQuantizer):
         return name in hf_experts.EXPERT_TENSORS and hf_experts.is_experts_module(module)
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
+        hf_experts.set_layer_ids(model)
         experts = [m for m in model.modules() if hf_experts.is_experts_module(m)]
         if self._reads_in_place(model, kwargs.get("checkpoint_files")):
             with torch.device("cpu"):  # transformers builds the model under a meta-device context

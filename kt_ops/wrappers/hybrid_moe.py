@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from kt_ops import expert_stats
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.ops import pack_experts
@@ -42,6 +43,9 @@ class HybridMoE(nn.Module):
             ``sigmoid(gate(x))`` (Qwen2-MoE), or None.
         group_size / gguf_type: forwarded to :func:`kt_ops.pack_experts`.
         gpu_dtype: dtype of the GPU experts' weights (default: ``gate_proj``'s).
+        layer_idx: the layer's index in the model: its row in :class:`kt_ops.ExpertStats`
+            (:func:`kt_ops.patch_model` sets it). None: the layer is not counted (warned
+            once when statistics are being collected).
 
     ``forward(hidden_states [..., H])`` returns ``[..., H]`` in the input's dtype. The
     GPU experts are computed densely over the batch (every GPU expert sees every token,
@@ -65,6 +69,7 @@ class HybridMoE(nn.Module):
         group_size: int = 128,
         gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None = None,
         gpu_dtype: torch.dtype | None = None,
+        layer_idx: int | None = None,
     ) -> None:
         super().__init__()
         experts, intermediate, hidden = gate_proj.shape
@@ -80,6 +85,9 @@ class HybridMoE(nn.Module):
         if mask.dtype != torch.bool or mask.shape != (experts,):
             raise ValueError(f"gpu_experts_mask must be a bool tensor of shape [{experts}], got {mask.dtype} "
                              f"{tuple(mask.shape)}")
+        if layer_idx is not None and (not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0):
+            raise ValueError(f"layer_idx must be a non-negative int or None, got {layer_idx!r}")
+        self.layer_idx = layer_idx
         self.num_experts, self.hidden_size, self.intermediate_size = int(experts), int(hidden), int(intermediate)
         self.routing = routing
         self.method = method
@@ -149,6 +157,7 @@ class HybridMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         weights, ids = self.route(x)
+        expert_stats.record(self.layer_idx, ids, self.num_experts)  # kt_ops.ExpertStats: logical ids, x's device
         side = self._side_stream(x)
         if side is None:
             routed = self._cpu_experts(x, ids, weights, live_tokens)

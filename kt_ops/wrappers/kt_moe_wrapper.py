@@ -24,6 +24,7 @@ from typing import ClassVar, Sequence
 import torch
 
 import kt_ops.cuda
+from kt_ops import expert_stats
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.formats import CHECKPOINT_METHODS, default_group_size, format_for_method
@@ -41,27 +42,8 @@ from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_par
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases
 from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_parts, part_bounds
+from kt_ops.placement import generate_gpu_experts_masks  # noqa: F401 (its former home; kt_ops.wrappers re-exports it)
 from kt_ops.wrappers.wrapper_cuda import capture_call_sizes, experts_on_device, resolve_stream, route_table
-
-
-def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: int) -> torch.Tensor:
-    """The ``num_gpu_experts`` most frequently activated experts of the whole model
-    (``activation_freq [num_layers, num_experts]``), as a bool ``[num_layers, num_experts]``
-    CPU mask (True: on the GPU). As kt-kernel's, the choice is global: a layer may get
-    more GPU experts than another, or none. As kt-kernel's, ``num_gpu_experts`` is clamped
-    to ``[0, num_layers * num_experts]``: more than that puts every expert on the GPU, a
-    negative count none. A count that is not an int (or a bool) is a ``TypeError``."""
-    if activation_freq.dim() != 2:
-        raise ValueError(f"activation_freq must be [num_layers, num_experts], got shape {tuple(activation_freq.shape)}")
-    if not isinstance(num_gpu_experts, int) or isinstance(num_gpu_experts, bool):
-        raise TypeError(f"num_gpu_experts must be an int, got {num_gpu_experts!r}")
-    total = activation_freq.numel()
-    num_gpu_experts = max(min(num_gpu_experts, total), 0)
-    flat = activation_freq.detach().reshape(-1).to("cpu", torch.float64)
-    mask = torch.zeros(total, dtype=torch.bool)
-    if num_gpu_experts:
-        mask[torch.topk(flat, num_gpu_experts, sorted=False).indices] = True
-    return mask.view(activation_freq.shape)
 
 
 @dataclass
@@ -503,7 +485,9 @@ class KTMoEWrapper:
 
         ``topk_ids`` must be int32/int64 in ``[-1, num_experts)`` and ``topk_weights``
         float32/bfloat16/float16, as :func:`kt_ops.moe_forward` requires (``ValueError``
-        otherwise; on the CUDA path an id out of range is reported by the next call)."""
+        otherwise; on the CUDA path an id out of range is reported by the next call).
+        Inside a :class:`kt_ops.ExpertStats` block the ids are counted as given (before
+        deferral), under row ``layer_idx``."""
         if not self._parts and bool((~self.gpu_experts_mask).any()):
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
         if self._inflight is not None:
@@ -526,6 +510,7 @@ class KTMoEWrapper:
             KTMoEWrapper._warned_no_cuda_key = True
             warnings.warn("this kt_ops build has no CUDA key: KTMoEWrapper copies CUDA inputs to the CPU and waits "
                           "(not asynchronous, not capturable in a CUDA graph); see kt_ops.cuda.is_built()", stacklevel=2)
+        expert_stats.record(self.layer_idx, topk_ids, self.num_experts)  # kt_ops.ExpertStats, on topk_ids' device
         x = hidden_states.to("cpu").contiguous()
         ids = topk_ids.to("cpu")
         weights = topk_weights.to("cpu").float()
@@ -553,6 +538,7 @@ class KTMoEWrapper:
             self._reserve_capture_buffers(device.index if device.index is not None else torch.cuda.current_device())
         table = self._table(device, capturing)
         with torch.cuda.stream(stream):
+            expert_stats.record(self.layer_idx, topk_ids, self.num_experts)  # kt_ops.ExpertStats, stream-ordered
             weights = topk_weights.float()
             ids, deferred = topk_ids, None
             d = self.max_deferred_experts_per_token

@@ -209,7 +209,7 @@ def patch_model(
             e_score_correction_bias=getattr(gate_module, "e_score_correction_bias", None),
             shared_experts=getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None),
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
-            group_size=group_size, gguf_type=gguf_type,
+            group_size=group_size, gguf_type=gguf_type, layer_idx=hf_experts.layer_index(name),
         )
         layer.to(gate_module.weight.device)  # the packed experts stay in host memory
         packed_bytes += layer.packed.numel()
