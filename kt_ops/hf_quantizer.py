@@ -55,12 +55,20 @@ class KtOpsConfig(QuantizationConfigMixin):
         num_gpu_experts: experts ``[0, n)`` of every layer are not packed but kept in torch
             on the device the layer's other weights load to (``device_map``), as
             :func:`kt_ops.hf_experts.pack_model_experts` keeps them.
+        placement, gpu_budget, expert_stats: instead of ``num_gpu_experts``: the experts kept
+            in torch chosen by SGLang's placement strategy (``uniform``, ``frequency``,
+            ``front-loading``, ``random``; :func:`kt_ops.placement_masks`) for ``gpu_budget``
+            GPU experts per MoE layer (int), a ratio of all routed experts (float in (0, 1])
+            or GPU bytes (``"24GiB"``, divided by one expert's bytes in the model's dtype);
+            ``expert_stats`` (counts ``[num_hidden_layers, E]``, an ExpertStats or a dump
+            path) for ``frequency``.
         progress: a tqdm bar over the MoE layers while loading.
     """
 
     def __init__(self, method: str = "BF16", group_size: int | None = None, gguf_type: Any = None,
                  scale_search: bool = False, zero_point: bool = False, num_gpu_experts: int = 0,
-                 progress: bool = True, **kwargs: Any) -> None:
+                 progress: bool = True, placement: str | None = None, gpu_budget: int | float | str | None = None,
+                 expert_stats: Any = None, **kwargs: Any) -> None:
         from kt_ops.formats import format_for_method
 
         if not isinstance(method, str):
@@ -85,6 +93,19 @@ class KtOpsConfig(QuantizationConfigMixin):
         if not isinstance(num_gpu_experts, int) or isinstance(num_gpu_experts, bool) or num_gpu_experts < 0:
             raise ValueError(f"num_gpu_experts must be an int >= 0, got {num_gpu_experts!r}")
         self.num_gpu_experts = num_gpu_experts
+        if placement is not None:
+            from kt_ops.placement import STRATEGIES
+
+            if placement not in STRATEGIES:
+                raise ValueError(f"unknown placement strategy {placement!r}; choose one of {', '.join(STRATEGIES)}")
+            if num_gpu_experts:
+                raise ValueError("give placement= (with gpu_budget=) or num_gpu_experts, not both")
+            if gpu_budget is None:
+                raise ValueError(f"placement={placement!r} needs gpu_budget: GPU experts per MoE layer (int), a ratio "
+                                 "of all routed experts (float in (0, 1]) or GPU bytes ('24GiB')")
+        self.placement = placement
+        self.gpu_budget = gpu_budget
+        self.expert_stats = expert_stats
         self.progress = progress
         self.checkpoint_quantization: dict[str, Any] | None = kwargs.get("checkpoint_quantization")
         self.packed_methods: list[str] = []  # the methods the experts were packed in, once loaded
@@ -144,13 +165,20 @@ class KtOpsHfQuantizer(HfQuantizer):
         self._bar: Any = None
         self._dtype: torch.dtype | None = None
         self._native: tuple | None = None  # (checkpoint, {linear: kind}, device_map) while reading in place
+        self._masks: dict[int, torch.Tensor] = {}  # id(experts module) -> bool [E] GPU experts (placement)
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         config = self.quantization_config
-        if self.pre_quantized and config.native and config.num_gpu_experts:
-            raise ValueError("KtOpsConfig(method='native', num_gpu_experts=...) is not supported: experts kept in "
-                             "torch would need the checkpoint's quantized experts dequantized; use num_gpu_experts=0 "
-                             "(or kt_ops.KTMoEWrapper, whose GPU experts are the caller's)")
+        if self.pre_quantized and config.native:
+            self._refuse_gpu_experts()
+
+    def _refuse_gpu_experts(self) -> None:
+        config = self.quantization_config
+        if config.num_gpu_experts or config.placement is not None:
+            raise ValueError("KtOpsConfig(method='native') with GPU experts (num_gpu_experts / placement) is not "
+                             "supported: experts kept in torch would need the checkpoint's quantized experts "
+                             "dequantized; leave them out (or use kt_ops.KTMoEWrapper, whose GPU experts are the "
+                             "caller's)")
 
     def _reads_in_place(self, model: torch.nn.Module, checkpoint_files: list[str] | None) -> bool:
         """Whether kt_ops reads the experts from the files: ``method="native"`` on a
@@ -195,6 +223,8 @@ class KtOpsHfQuantizer(HfQuantizer):
             hf_experts.check_supported(module)
             self._check_sizes(module)
             self._check_gpu_experts(module)
+        with torch.device("cpu"):  # transformers builds the model under a meta-device context
+            self._masks = self._placement(model)
         model.set_experts_implementation(hf_experts.IMPLEMENTATION)
         self.quantization_config.packed_methods = [self.quantization_config.pack_args()["method"]]
         if self.quantization_config.progress and experts:
@@ -213,6 +243,7 @@ class KtOpsHfQuantizer(HfQuantizer):
         from kt_ops import hf_native
         from kt_ops.hf_checkpoint import HfCheckpoint
 
+        self._refuse_gpu_experts()
         if not checkpoint_files:
             raise ValueError("KtOpsConfig(method='native') reads the experts from the checkpoint's safetensors "
                              "files; from_pretrained was given none (a state_dict?)")
@@ -264,6 +295,30 @@ class KtOpsHfQuantizer(HfQuantizer):
             device = get_device(device_map, f"{name}.weight", valid_torch_device=True) if device_map else "cpu"
             module.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
 
+    def _placement(self, model: torch.nn.Module) -> dict[int, torch.Tensor]:
+        """``{id(experts module): bool [E]}`` of ``KtOpsConfig(placement=...)``, or empty."""
+        config = self.quantization_config
+        if config.placement is None:
+            return {}
+        from kt_ops.placement import gpu_masks
+
+        experts = [(name, m) for name, m in model.named_modules() if hf_experts.is_experts_module(m)]
+        if not experts:
+            return {}
+        layers = [hf_experts.layer_index(name) for name, _ in experts]
+        if any(layer is None for layer in layers):
+            raise ValueError(f"placement needs each experts module's layer index (layers.N in its name); "
+                             f"{experts[layers.index(None)][0]!r} has none")
+        first = experts[0][1]
+        E = int(first.down_proj.shape[0])
+        nbytes = (first.gate_up_proj.numel() + first.down_proj.numel()) // E * first.down_proj.element_size()
+        text = model.config.get_text_config()
+        hidden_layers = getattr(text, "num_hidden_layers", None)
+        masks = gpu_masks(config.placement, config.gpu_budget, E, layers, nbytes, config.expert_stats,
+                          num_hidden_layers=hidden_layers if isinstance(hidden_layers, int)
+                          and hidden_layers > max(layers) else None)
+        return {id(module): mask for (_, module), mask in zip(experts, masks)}
+
     def _check_gpu_experts(self, module: torch.nn.Module) -> None:
         experts = int(module.down_proj.shape[0])
         if self.quantization_config.num_gpu_experts > experts:
@@ -299,7 +354,9 @@ class KtOpsHfQuantizer(HfQuantizer):
     def pack(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         config = self.quantization_config
         experts = int(tensors["down_proj"].shape[0])
-        mask = torch.arange(experts) < config.num_gpu_experts if config.num_gpu_experts else None
+        mask = self._masks.get(id(module))
+        if mask is None and config.num_gpu_experts:
+            mask = torch.arange(experts) < config.num_gpu_experts
         hf_experts.pack_module_experts(module, tensors=tensors, gpu_experts_mask=mask, **config.pack_args())
         if self._bar is not None:
             self._bar.update()

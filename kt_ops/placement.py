@@ -219,3 +219,21 @@ def budget_from_bytes(spec: str | int, expert_nbytes: int, num_moe_layers: int) 
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     return parse_bytes(spec) // (int(expert_nbytes) * int(num_moe_layers))
+
+
+def gpu_masks(
+    strategy: str,
+    budget: int | float | str,
+    num_experts: int,
+    moe_layers: Sequence[int],
+    expert_nbytes: int,
+    stats: StatsLike | None = None,
+    seed: int = 42,
+    num_hidden_layers: int | None = None,
+) -> torch.Tensor:
+    """:func:`placement_masks` for a model being loaded or patched, where ``budget`` may
+    also be a GPU byte budget (``"24GiB"``, :func:`budget_from_bytes` with the layer's
+    ``expert_nbytes`` on the GPU). bool ``[len(moe_layers), E]``."""
+    if isinstance(budget, str):
+        budget = budget_from_bytes(budget, expert_nbytes, max(len(moe_layers), 1))
+    return placement_masks(strategy, num_experts, moe_layers, budget, stats, seed, num_hidden_layers=num_hidden_layers)

@@ -271,3 +271,68 @@ def test_budget_from_bytes():
     for nbytes, layers in ((0, 1), (1, 0), (1.0, 1), (1, True)):
         with pytest.raises(ValueError):
             budget_from_bytes("1GB", nbytes, layers)
+
+
+# ---- placement as an argument of patch_model and KtOpsConfig ----------------------------
+
+
+def _tiny(arch: str):
+    pytest.importorskip("transformers")
+    from hf_models import tiny_model
+
+    return tiny_model(arch).float()  # bf16-exact weights: BF16 packing is exact
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])  # HybridMoE blocks / transformers' experts interface
+def test_patch_model_places_gpu_experts_by_strategy(arch):
+    from kt_ops import hf_experts
+
+    model = _tiny(arch)
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    counts = torch.arange(2 * 8, dtype=torch.int64).reshape(2, 8) % 5
+    expected = kt_ops.placement_masks("frequency", 8, [0, 1], 3, stats=counts, num_hidden_layers=2)
+    kt_ops.patch_model(model, "BF16", placement="frequency", gpu_budget=3, expert_stats=counts)
+    if arch == "qwen3_moe":
+        got = torch.stack([m.cpu_index.cpu() < 0 for m in model.modules() if isinstance(m, kt_ops.HybridMoE)])
+    else:
+        rows = []
+        for m in model.modules():
+            if hf_experts.is_experts_module(m):
+                row = torch.zeros(8, dtype=torch.bool)
+                row[hf_experts.local_experts(m)[0]] = True
+                rows.append(row)
+        got = torch.stack(rows)
+    assert torch.equal(got, expected)
+    with torch.no_grad():
+        assert ((model(ids).logits - want).norm() / want.norm()) <= 1e-5
+
+
+def test_patch_model_placement_arguments_are_checked():
+    model = _tiny("olmoe")
+    with pytest.raises(ValueError, match="needs gpu_budget"):
+        kt_ops.patch_model(model, placement="uniform")
+    with pytest.raises(ValueError, match="not both"):
+        kt_ops.patch_model(model, placement="uniform", gpu_budget=1, num_gpu_experts=2)
+    with pytest.raises(ValueError, match="unknown placement strategy"):
+        kt_ops.patch_model(model, placement="busiest", gpu_budget=1)
+
+
+def test_ktops_config_places_gpu_experts_by_byte_budget(tmp_path):
+    """KtOpsConfig(placement=..., gpu_budget="...B"): the budget divided by one expert's bytes
+    (gate + up + down in the model's dtype) and by the MoE layers gives experts per layer."""
+    transformers = pytest.importorskip("transformers")
+    from kt_ops import hf_experts
+
+    _tiny("olmoe").save_pretrained(tmp_path)
+    expert_bytes = 3 * 64 * 32 * 4  # H 64, I 32, fp32
+    config = kt_ops.KtOpsConfig(placement="front-loading", gpu_budget=f"{5 * 2 * expert_bytes + 7}B", progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, quantization_config=config)
+    local = [hf_experts.local_experts(m)[0].tolist() for m in model.modules() if hf_experts.is_experts_module(m)]
+    assert local == [list(range(8)), [0, 1]]  # 5 per layer x 2 layers, front-loaded: 8, then 2
+    assert kt_ops.budget_from_bytes(f"{5 * 2 * expert_bytes + 7}B", expert_bytes, 2) == 5
+    with pytest.raises(ValueError, match="needs gpu_budget"):
+        kt_ops.KtOpsConfig(placement="uniform")
+    with pytest.raises(ValueError, match="not both"):
+        kt_ops.KtOpsConfig(placement="uniform", gpu_budget=2, num_gpu_experts=1)

@@ -146,6 +146,28 @@ def _layer_masks(
     return [torch.arange(experts) < c for c in counts]
 
 
+def _placement_mask(model: nn.Module, names: list[str], num_experts: int, expert_nbytes: int, placement: str,
+                    gpu_budget: int | float | str | None, expert_stats: object, other: tuple) -> torch.Tensor:
+    """The GPU-expert mask ``[num_moe_layers, E]`` of ``placement`` (:func:`kt_ops.placement_masks`)."""
+    from kt_ops.placement import gpu_masks
+
+    if any(value is not None for value in other):
+        raise ValueError("give placement= (with gpu_budget=) or gpu_experts_mask / num_gpu_experts, not both")
+    if gpu_budget is None:
+        raise ValueError(f"placement={placement!r} needs gpu_budget: GPU experts per MoE layer (int), a ratio of all "
+                         "routed experts (float in (0, 1]) or GPU bytes ('24GiB')")
+    layers = [hf_experts.layer_index(name) for name in names]
+    if any(layer is None for layer in layers):
+        raise ValueError(f"placement needs each MoE block's layer index (layers.N in its name); {names[layers.index(None)]!r} "
+                         "has none")
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden_layers = getattr(text, "num_hidden_layers", None)
+    return gpu_masks(placement, gpu_budget, num_experts, layers, expert_nbytes, expert_stats,
+                     num_hidden_layers=hidden_layers if isinstance(hidden_layers, int) and hidden_layers > max(layers)
+                     else None)
+
+
 def patch_model(
     model: nn.Module,
     method: str = "BF16",
@@ -155,6 +177,9 @@ def patch_model(
     group_size: int = 128,
     gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    placement: str | None = None,
+    gpu_budget: int | float | str | None = None,
+    expert_stats: object = None,
 ) -> nn.Module:
     """Replaces every MoE block of a ``transformers`` model, in place, by a :class:`HybridMoE`.
 
@@ -167,6 +192,13 @@ def patch_model(
             model's device (in model order of the MoE blocks).
         num_gpu_experts: instead of a mask: experts ``[0, n)`` of each layer (an int, or
             one per MoE layer).
+        placement, gpu_budget, expert_stats: instead of a mask: SGLang's placement strategy
+            (``uniform``, ``frequency``, ``front-loading``, ``random``;
+            :func:`kt_ops.placement_masks`) for ``gpu_budget`` GPU experts per MoE layer
+            (int), a ratio of all routed experts (float) or GPU bytes (``"24GiB"``, divided
+            by one expert's bytes in the experts' dtype); ``expert_stats`` (counts
+            ``[num_hidden_layers, E]``, a :class:`kt_ops.ExpertStats` or a dump path) for
+            ``frequency``.
         group_size, gguf_type: as :func:`kt_ops.pack_experts`.
         progress: called as ``progress(done, total)`` after each layer.
 
@@ -187,6 +219,11 @@ def patch_model(
                              f"({type(model).__name__}: no experts class using transformers' experts interface); "
                              f"supported: {', '.join(supported_model_types())}")
         num_experts = int(experts[0][1].down_proj.shape[0])
+        if placement is not None:
+            first = experts[0][1]
+            nbytes = (first.gate_up_proj.numel() + first.down_proj.numel()) // num_experts * first.down_proj.element_size()
+            gpu_experts_mask = _placement_mask(model, [name for name, _ in experts], num_experts, nbytes, placement,
+                                               gpu_budget, expert_stats, (gpu_experts_mask, num_gpu_experts))
         masks = _layer_masks(len(experts), num_experts, gpu_experts_mask, num_gpu_experts)
         return _patch_experts(model, experts, masks, method, group_size, gguf_type, progress)
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -198,6 +235,10 @@ def patch_model(
     routing = _routing(config, model_type)
     hidden = int(config.hidden_size)
     num_experts = int(blocks[0][1].gate.weight.shape[0])
+    if placement is not None:
+        nbytes = sum(p.numel() * p.element_size() for p in blocks[0][1].experts.parameters()) // num_experts
+        gpu_experts_mask = _placement_mask(model, [name for name, _ in blocks], num_experts, nbytes, placement,
+                                           gpu_budget, expert_stats, (gpu_experts_mask, num_gpu_experts))
     masks = _layer_masks(len(blocks), num_experts, gpu_experts_mask, num_gpu_experts)
     released = packed_bytes = gpu_bytes = 0
     for index, ((name, block), mask) in enumerate(zip(blocks, masks)):
