@@ -26,7 +26,15 @@ from kt_ops.gguf_loader import GgufModelInfo, load_gguf_expert_biases, load_gguf
 from kt_ops.ops import moe_forward, pack_experts, pack_fp8_experts, pack_int4_experts, set_activation
 from kt_ops.packed import PackedExperts
 from kt_ops.placement import budget_from_bytes, placement_masks
-from kt_ops.wrappers import HybridMoE, KTMoEWrapper, PatchReport, Routing, generate_gpu_experts_masks, patch_model
+from kt_ops.wrappers import (
+    HybridMoE,
+    KTMoEWrapper,
+    PatchReport,
+    Routing,
+    generate_gpu_experts_masks,
+    patch_model,
+    rebalance_gpu_experts,
+)
 
 hf_experts.install()  # experts_implementation="kt_ops" in transformers, once transformers is imported
 
@@ -74,6 +82,7 @@ __all__ = [
     "patch_model",
     "placement_masks",
     "read_gguf_config",
+    "rebalance_gpu_experts",
     "reference",
     "set_activation",
     "set_cpu_variant",

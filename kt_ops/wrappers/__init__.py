@@ -1,7 +1,7 @@
 """kt-kernel-compatible wrappers (KTMoEWrapper), the nn.Module MoE layer (HybridMoE) and
 Hugging Face model patching (patch_model)."""
 
-from kt_ops.wrappers.hybrid_moe import HybridMoE
+from kt_ops.wrappers.hybrid_moe import HybridMoE, rebalance_gpu_experts
 from kt_ops.wrappers.kt_moe_wrapper import KTMoEWrapper, generate_gpu_experts_masks
 from kt_ops.wrappers.patch import HYBRID_MODEL_TYPES, PatchReport, patch_model, supported_model_types
 from kt_ops.wrappers.routing import Routing
@@ -15,6 +15,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "generate_gpu_experts_masks",
     "patch_model",
+    "rebalance_gpu_experts",
     "supported_model_types",
 ]
 

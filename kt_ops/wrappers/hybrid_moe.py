@@ -25,6 +25,17 @@ from kt_ops.wrappers.routing import Routing
 _HOST_BUFFERS = ("packed",)  # stay in host memory whatever .to()/.cuda() asks
 
 
+def _host_copy(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in host memory, pinned where CUDA is available (GPU slots fill from it)."""
+    host = weight.detach().to("cpu").contiguous()
+    if torch.cuda.is_available():
+        try:
+            return host.pin_memory()
+        except RuntimeError:  # pinning can fail (limits); pageable copies still work
+            return host
+    return host
+
+
 class HybridMoE(nn.Module):
     """One MoE layer: routing, CPU experts (packed), GPU experts (torch), shared experts.
 
@@ -46,6 +57,11 @@ class HybridMoE(nn.Module):
         layer_idx: the layer's index in the model: its row in :class:`kt_ops.ExpertStats`
             (:func:`kt_ops.patch_model` sets it). None: the layer is not counted (warned
             once when statistics are being collected).
+        dynamic: the GPU experts may change at run time (:meth:`update_gpu_experts`,
+            :meth:`rebalance`): every expert is packed for the CPU (the GPU ones skipped
+            there) and the float weights stay in host memory (pinned where CUDA is
+            available) to fill GPU slots from — about one more copy of the experts in
+            host RAM. Their number stays ``gpu_experts_mask.sum()``.
 
     ``forward(hidden_states [..., H])`` returns ``[..., H]`` in the input's dtype. The
     GPU experts are computed densely over the batch (every GPU expert sees every token,
@@ -70,6 +86,7 @@ class HybridMoE(nn.Module):
         gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None = None,
         gpu_dtype: torch.dtype | None = None,
         layer_idx: int | None = None,
+        dynamic: bool = False,
     ) -> None:
         super().__init__()
         experts, intermediate, hidden = gate_proj.shape
@@ -98,10 +115,15 @@ class HybridMoE(nn.Module):
         self.shared_experts = shared_experts
         self.shared_expert_gate = shared_expert_gate
 
-        cpu_experts = torch.nonzero(~mask).reshape(-1)
+        self.dynamic = bool(dynamic)
+        cpu_experts = torch.arange(experts) if self.dynamic else torch.nonzero(~mask).reshape(-1)
         gpu_experts = torch.nonzero(mask).reshape(-1)
         cpu_index = torch.full((experts,), -1, dtype=torch.int32)
         cpu_index[cpu_experts] = torch.arange(cpu_experts.numel(), dtype=torch.int32)
+        cpu_index[gpu_experts] = -1  # dynamic: packed too, skipped on the CPU while on the GPU
+        self._source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if self.dynamic:
+            self._source = tuple(_host_copy(w) for w in (gate_proj, up_proj, down_proj))  # type: ignore[assignment]
         self.register_buffer("cpu_index", cpu_index)  # expert -> packed slot, -1: a GPU expert
         self.register_buffer("gpu_experts", gpu_experts)  # [G] expert ids computed in torch
         packed = torch.empty(0, dtype=torch.uint8)
@@ -204,6 +226,47 @@ class HybridMoE(nn.Module):
             out = shared if out is None else out + shared
         return out
 
+    @torch.no_grad()
+    def update_gpu_experts(self, expert_ids: torch.Tensor | Sequence[int]) -> None:
+        """Makes ``expert_ids`` (``num_gpu_experts`` distinct ids in ``[0, E)``) the GPU
+        experts, in ascending order (slot ``i`` holds the ``i``-th smallest id, as SGLang),
+        without reloading: the slots whose expert changed are copied from the host weights,
+        and the expert lists and CPU slot map are updated in place, so CUDA graphs captured
+        before keep working (replay after this returns; the copies are queued on the
+        current stream). Needs ``dynamic=True``."""
+        if not self.dynamic or self._source is None:
+            raise RuntimeError("update_gpu_experts needs HybridMoE(dynamic=True) (all experts packed for the CPU, "
+                               "host weights kept to fill GPU slots from)")
+        ids = torch.as_tensor(expert_ids).to("cpu")
+        G = self.num_gpu_experts
+        if ids.dtype in (torch.bool,) or ids.is_floating_point() or ids.dim() != 1 or ids.numel() != G:
+            raise ValueError(f"expert_ids must be {G} integer expert ids (the layer's GPU expert count), got "
+                             f"{ids.dtype} {tuple(ids.shape)}")
+        ids = torch.sort(ids.long()).values
+        if G and (int(ids[0]) < 0 or int(ids[-1]) >= self.num_experts or bool((ids[1:] == ids[:-1]).any())):
+            raise ValueError(f"expert_ids must be distinct ids in [0, {self.num_experts}), got {ids.tolist()}")
+        old = self.gpu_experts.to("cpu")
+        gate, up, down = self._source
+        for slot in torch.nonzero(old != ids).reshape(-1).tolist():
+            e = int(ids[slot])
+            self.gpu_gate_up[slot].copy_(torch.cat([gate[e], up[e]], dim=0), non_blocking=True)
+            self.gpu_down[slot].copy_(down[e], non_blocking=True)
+        index = torch.arange(self.num_experts, dtype=torch.int32)
+        index[ids] = -1
+        self.cpu_index.copy_(index, non_blocking=True)
+        self.gpu_experts.copy_(ids, non_blocking=True)
+
+    def rebalance(self, counts: torch.Tensor) -> torch.Tensor:
+        """Moves the layer's ``num_gpu_experts`` most activated experts (``counts [E]``, e.g.
+        a row of :attr:`kt_ops.ExpertStats.counts`) to the GPU, as SGLang picks them
+        (``topk`` of the counts, then ascending ids); returns the new GPU expert ids."""
+        counts = torch.as_tensor(counts).to("cpu")
+        if counts.shape != (self.num_experts,):
+            raise ValueError(f"counts must be [{self.num_experts}], got {tuple(counts.shape)}")
+        chosen = torch.topk(counts.double(), self.num_gpu_experts, sorted=True).indices
+        self.update_gpu_experts(chosen)
+        return torch.sort(chosen).values
+
     def _gpu_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The GPU experts, dense over the tokens: ``[T, H]`` in x's dtype."""
         routed = ids.unsqueeze(-1) == self.gpu_experts  # [T, K, G]
@@ -212,3 +275,27 @@ class HybridMoE(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         y = torch.einsum("gti,ghi->gth", F.silu(gate) * up, self.gpu_down.to(x.dtype))  # [G, T, H]
         return (y.float() * per_expert.t().unsqueeze(-1)).sum(dim=0).to(x.dtype)
+
+
+def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
+    """Moves each dynamic :class:`HybridMoE` layer's GPU experts to its most activated ones
+    (:meth:`HybridMoE.rebalance`) from ``stats``: counts ``[num_hidden_layers, E]`` indexed
+    by layer id, a :class:`kt_ops.ExpertStats` or a dump path. Returns how many layers
+    changed nothing or something (the layers rebalanced); layers without a ``layer_idx`` or
+    a row in ``stats`` are left alone. Call between forwards (e.g. every N decode steps, then
+    ``stats.reset()``)."""
+    from kt_ops.expert_stats import ExpertStats
+
+    if isinstance(stats, ExpertStats):
+        counts = stats.counts
+    elif isinstance(stats, torch.Tensor):
+        counts = stats.detach().to("cpu")
+    else:
+        counts = ExpertStats.load(stats).counts  # type: ignore[arg-type]
+    done = 0
+    for module in model.modules():
+        if (isinstance(module, HybridMoE) and module.dynamic and module.num_gpu_experts
+                and module.layer_idx is not None and module.layer_idx < counts.shape[0]):
+            module.rebalance(counts[module.layer_idx])
+            done += 1
+    return done

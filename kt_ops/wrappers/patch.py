@@ -180,6 +180,7 @@ def patch_model(
     placement: str | None = None,
     gpu_budget: int | float | str | None = None,
     expert_stats: object = None,
+    dynamic_gpu_experts: bool = False,
 ) -> nn.Module:
     """Replaces every MoE block of a ``transformers`` model, in place, by a :class:`HybridMoE`.
 
@@ -199,6 +200,10 @@ def patch_model(
             by one expert's bytes in the experts' dtype); ``expert_stats`` (counts
             ``[num_hidden_layers, E]``, a :class:`kt_ops.ExpertStats` or a dump path) for
             ``frequency``.
+        dynamic_gpu_experts: the GPU experts may be moved at run time
+            (:func:`kt_ops.rebalance_gpu_experts`, :meth:`HybridMoE.update_gpu_experts`):
+            every expert packed for the CPU, host float weights kept (HybridMoE
+            architectures only; ``ValueError`` for the others).
         group_size, gguf_type: as :func:`kt_ops.pack_experts`.
         progress: called as ``progress(done, total)`` after each layer.
 
@@ -224,6 +229,10 @@ def patch_model(
             nbytes = (first.gate_up_proj.numel() + first.down_proj.numel()) // num_experts * first.down_proj.element_size()
             gpu_experts_mask = _placement_mask(model, [name for name, _ in experts], num_experts, nbytes, placement,
                                                gpu_budget, expert_stats, (gpu_experts_mask, num_gpu_experts))
+        if dynamic_gpu_experts:
+            raise ValueError(f"dynamic_gpu_experts needs a HybridMoE architecture ({', '.join(sorted(_BLOCKS))}); "
+                             f"{model_type!r} runs through transformers' experts interface, whose GPU experts are "
+                             "fixed at packing")
         masks = _layer_masks(len(experts), num_experts, gpu_experts_mask, num_gpu_experts)
         return _patch_experts(model, experts, masks, method, group_size, gguf_type, progress)
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -251,6 +260,7 @@ def patch_model(
             shared_experts=getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None),
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
             group_size=group_size, gguf_type=gguf_type, layer_idx=hf_experts.layer_index(name),
+            dynamic=dynamic_gpu_experts,
         )
         layer.to(gate_module.weight.device)  # the packed experts stay in host memory
         packed_bytes += layer.packed.numel()

@@ -1,0 +1,127 @@
+"""Dynamic GPU experts (issue 21, part 3): HybridMoE(dynamic=True) moves experts between the
+torch ("GPU") side and the packed CPU side at run time — every expert packed, slots refilled
+from host weights, expert lists and slot map updated in place — so a compiled function or a
+captured CUDA graph keeps computing the right layer; rebalancing from ExpertStats as SGLang
+picks the hot experts. On this machine the "GPU" side is torch on the CPU device; the CUDA
+graph test runs where a GPU is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kt_ops
+
+E, K, H, I = 8, 2, 64, 32
+
+
+def weights(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    def rand(*shape: int, scale: float = 0.1) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).float()  # bf16-exact
+    return rand(E, H, scale=1.0), rand(E, I, H), rand(E, I, H), rand(E, H, I)
+
+
+def layer(mask: list[int], dynamic: bool = False, device: str = "cpu") -> kt_ops.HybridMoE:
+    router, gate, up, down = weights()
+    gpu = torch.zeros(E, dtype=torch.bool)
+    gpu[mask] = True
+    return kt_ops.HybridMoE(router, gate, up, down, kt_ops.Routing(K), gpu_experts_mask=gpu, dynamic=dynamic,
+                            layer_idx=0).to(device)
+
+
+def tokens(n: int = 9, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(n, H, generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, bound: float = 1e-5) -> bool:
+    return float((a - b).norm() / b.norm()) <= bound
+
+
+def test_dynamic_layer_computes_what_a_fixed_one_computes():
+    x = tokens()
+    assert close(layer([0, 1], dynamic=True)(x), layer([0, 1])(x))
+    dyn = layer([0, 1], dynamic=True)
+    assert kt_ops.PackedExperts(dyn.packed).num_experts == E  # every expert packed for the CPU
+    assert dyn.cpu_index.tolist() == [-1, -1, 2, 3, 4, 5, 6, 7]
+
+
+def test_update_moves_experts_in_place():
+    x = tokens()
+    dyn = layer([0, 1], dynamic=True)
+    buffers = {name: t.data_ptr() for name, t in dyn.named_buffers()}
+    dyn.update_gpu_experts([6, 3])
+    assert dyn.gpu_experts.tolist() == [3, 6]
+    assert dyn.cpu_index.tolist() == [0, 1, 2, -1, 4, 5, -1, 7]
+    assert {name: t.data_ptr() for name, t in dyn.named_buffers()} == buffers  # nothing reallocated
+    assert close(dyn(x), layer([3, 6])(x))
+    dyn.update_gpu_experts(torch.tensor([3, 7]))  # slot 0 keeps expert 3, slot 1 refilled
+    assert close(dyn(x), layer([3, 7])(x))
+
+
+def test_rebalance_picks_the_most_activated():
+    dyn = layer([0, 1], dynamic=True)
+    counts = torch.tensor([5, 0, 9, 1, 9, 3, 2, 8])
+    assert dyn.rebalance(counts).tolist() == [2, 4]
+    assert dyn.gpu_experts.tolist() == [2, 4]
+
+
+def test_bad_updates_are_refused():
+    with pytest.raises(RuntimeError, match="dynamic=True"):
+        layer([0, 1]).update_gpu_experts([2, 3])
+    dyn = layer([0, 1], dynamic=True)
+    for ids, match in (([2], "2 integer expert ids"), ([2, 2], "distinct"), ([2, 8], r"in \[0, 8\)"),
+                       (torch.tensor([1.0, 2.0]), "integer")):
+        with pytest.raises(ValueError, match=match):
+            dyn.update_gpu_experts(ids)
+    with pytest.raises(ValueError, match=r"counts must be \[8\]"):
+        dyn.rebalance(torch.ones(7))
+    assert dyn.gpu_experts.tolist() == [0, 1]  # unchanged by the refusals
+
+
+def test_compiled_layer_sees_the_update():
+    x = tokens()
+    dyn = layer([0, 1], dynamic=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(dyn, fullgraph=True)
+    assert close(compiled(x), dyn(x))
+    dyn.update_gpu_experts([4, 5])
+    assert close(compiled(x), layer([4, 5])(x))
+
+
+def test_patched_model_rebalances_from_statistics():
+    transformers = pytest.importorskip("transformers")
+    from hf_models import tiny_model
+
+    model = tiny_model("qwen3_moe").float()
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    kt_ops.patch_model(model, "BF16", num_gpu_experts=2, dynamic_gpu_experts=True)
+    with kt_ops.ExpertStats(num_hidden_layers=2) as stats, torch.no_grad():
+        model(ids)
+    assert kt_ops.rebalance_gpu_experts(model, stats) == 2
+    for moe in (m for m in model.modules() if isinstance(m, kt_ops.HybridMoE)):
+        counts = stats.counts[moe.layer_idx]
+        assert moe.gpu_experts.tolist() == sorted(torch.topk(counts.double(), 2).indices.tolist())
+    with torch.no_grad():
+        assert close(model(ids).logits, want)
+    with pytest.raises(ValueError, match="dynamic_gpu_experts needs a HybridMoE architecture"):
+        kt_ops.patch_model(tiny_model("olmoe").float(), num_gpu_experts=2, dynamic_gpu_experts=True)
+    del transformers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_update_under_a_captured_cuda_graph():
+    x = tokens(device="cuda")
+    dyn = layer([0, 1], dynamic=True, device="cuda")
+    dyn.set_capture_batch_sizes([x.shape[0]], x.device)
+    dyn(x)  # warm-up: allocations outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dyn(x)
+    dyn.update_gpu_experts([4, 7])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert close(out.cpu(), layer([4, 7])(x.cpu()), 1e-2)
