@@ -272,3 +272,16 @@ def test_quantized_experts_without_a_config_are_still_read_as_stored(tmp_path_fa
     ours, info = load_native(quantized)
     assert ours.config.quantization_config.packed_methods == ["FP8"]
     assert compare(ours, plain) <= 1e-2
+
+
+def test_device_map_places_the_dequantized_layers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """device_map (accelerate's dispatch): the dequantized attention goes where the map says
+    (here the CPU device, the only one), the experts stay packed in host memory."""
+    pytest.importorskip("accelerate")
+    quantized, plain = write_pair(tmp_path_factory.mktemp("device_map"), "qwen3_moe", "GPTQ_INT4", True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        quantized, dtype=torch.float32, device_map={"": "cpu"},
+        quantization_config=kt_ops.KtOpsConfig(method="native", progress=False)).eval()
+    assert model.model.layers[1].self_attn.o_proj.weight.device.type == "cpu"
+    assert model.model.layers[1].self_attn.o_proj.weight.dtype == torch.float32
+    assert compare(model, plain) <= BOUNDS["GPTQ_INT4"]
