@@ -8,7 +8,7 @@ The routed experts of an MoE layer are packed once (:func:`pack_experts`) and ru
 torch's intra-op threads (:func:`thread_source`).
 """
 
-from kt_ops import hf_experts, reference
+from kt_ops import autograd, hf_experts, reference  # noqa: F401  (autograd: kt::moe_forward's backward)
 from kt_ops.cpu import (
     CPU_VARIANTS,
     cpu_variant,
@@ -23,7 +23,16 @@ from kt_ops.diagnostics import doctor
 from kt_ops.expert_stats import ExpertStats
 from kt_ops.formats import METHOD_FORMATS
 from kt_ops.gguf_loader import GgufModelInfo, load_gguf_expert_biases, load_gguf_experts, read_gguf_config
-from kt_ops.ops import moe_forward, pack_experts, pack_fp8_experts, pack_int4_experts, set_activation
+from kt_ops.lora import LoraExperts, moe_lora_forward
+from kt_ops.ops import (
+    dequantize_experts,
+    moe_forward,
+    moe_forward_parts,
+    pack_experts,
+    pack_fp8_experts,
+    pack_int4_experts,
+    set_activation,
+)
 from kt_ops.packed import PackedExperts
 from kt_ops.placement import budget_from_bytes, placement_masks
 from kt_ops.wrappers import (
@@ -60,6 +69,7 @@ __all__ = [
     "GgufModelInfo",
     "HybridMoE",
     "KTMoEWrapper",
+    "LoraExperts",
     "KtOpsConfig",
     "METHOD_FORMATS",
     "PackedExperts",
@@ -67,6 +77,7 @@ __all__ = [
     "Routing",
     "budget_from_bytes",
     "cpu_variant",
+    "dequantize_experts",
     "doctor",
     "from_gguf",
     "generate_gpu_experts_masks",
@@ -76,6 +87,8 @@ __all__ = [
     "load_gguf_expert_biases",
     "missing_features",
     "moe_forward",
+    "moe_forward_parts",
+    "moe_lora_forward",
     "pack_experts",
     "pack_fp8_experts",
     "pack_int4_experts",

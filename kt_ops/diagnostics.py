@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import torch
 
-from kt_ops import host
-from kt_ops._native import _C
+from kt_ops import host, numa
 from kt_ops.cpu import (
     CPU_VARIANTS,
     cpu_variant,
@@ -60,14 +60,74 @@ def amx_status(cpu_flags: frozenset[str] | None, missing: str) -> str:
     return f"unavailable: missing {missing}"
 
 
-def _numa_line() -> str:
+def cpu_list(cpus: Sequence[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``"0-3,8"`` (the kernel's CPU list notation); ``""`` for none."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def pool_line(plan: numa.PoolPlan) -> str:
+    """One node's pool: ``"  pool of node0: 4 threads: the caller (CPU 0 kept for it), pinned to CPUs 1-3"``."""
+    pinned = [cpu for cpu in plan.cpus if cpu >= 0]
+    words = []
+    if plan.caller_cpu >= 0:
+        words.append(f"the caller (CPU {plan.caller_cpu} kept for it)")
+    if pinned:
+        words.append(f"pinned to CPU{'s' if len(pinned) > 1 else ''} {cpu_list(pinned)}")
+    if len(pinned) < len(plan.cpus):
+        words.append(f"{len(plan.cpus) - len(pinned)} unpinned (more threads than CPUs)")
+    if not words:
+        words.append("no thread (its parts run on the caller's node)")
+    return f"  pool of node{plan.node}: {plan.threads} thread{'s' if plan.threads != 1 else ''}: {', '.join(words)}"
+
+
+def _numa_lines() -> list[str]:
+    """The machine's nodes, the engine's (simulated ones say so), the pools NUMA parts run
+    on, and where the packed parts of live KTMoEWrappers lie (``/proc/self/numa_maps``)."""
     nodes = host.numa_nodes()
-    pools = _C.num_pools()
-    pool_words = f"; kt_ops' own thread pools: {pools} (one per node with helpers)" if pools else ""
-    if not nodes:
-        return "NUMA nodes: unknown (no /sys/devices/system/node)" + pool_words
-    listed = ", ".join(f"node{node}: CPUs {cpus}" for node, cpus in nodes.items())
-    return f"NUMA nodes: {len(nodes)} ({listed}){pool_words}"
+    if nodes:
+        listed = ", ".join(f"node{node}: CPUs {cpus}" for node, cpus in nodes.items())
+        lines = [f"NUMA nodes: {len(nodes)} ({listed})"]
+    else:
+        lines = ["NUMA nodes: unknown (no /sys/devices/system/node)"]
+    engine = numa.topology()
+    if engine.simulated:
+        listed = ", ".join(f"node{node.id}: CPUs {cpu_list(node.cpus)}" for node in engine.nodes)
+        lines.append(f"simulated NUMA nodes (KT_OPS_NUMA_SIMULATE={len(engine.nodes)}, no memory of their own): "
+                     f"{listed}")
+    if len(engine.nodes) == 1:
+        lines.append("NUMA parts (threadpool_count >= 2): one node, so a layer's parts run one after another on "
+                     "all threads")
+    else:
+        lines.append(f"NUMA parts (threadpool_count >= 2) run at once on kt_ops' own pools, one per node, "
+                     f"{get_num_threads()} threads in all:")
+        lines += [pool_line(plan) for plan in numa.pool_plans()]
+    lines += _parts_memory_lines()
+    return lines
+
+
+def _parts_memory_lines() -> list[str]:
+    """Per part of each live KTMoEWrapper that runs on nodes: its node and the nodes its
+    blob's pages are on (from ``/proc/self/numa_maps``; empty when not readable)."""
+    from kt_ops.wrappers.kt_moe_wrapper import KTMoEWrapper
+
+    lines: list[str] = []
+    wrappers = [w for w in sorted(KTMoEWrapper._instances, key=lambda w: w.layer_idx) if w._part_nodes is not None]
+    if not wrappers:
+        return lines
+    numa_maps = numa.read_numa_maps()
+    for wrapper in wrappers:
+        for index, (part, node) in enumerate(zip(wrapper._parts, wrapper._part_nodes)):
+            pages = numa.memory_nodes(part.data, numa_maps)
+            where = ", ".join(f"node{n}: {count}" for n, count in pages.items()) or "unknown"
+            lines.append(f"  layer {wrapper.layer_idx} part {index} ({part.nbytes} bytes) runs on node{node}; "
+                         f"pages of the mapping holding it: {where}")
+    return lines
 
 
 def _hugepages_line() -> str:
@@ -80,7 +140,9 @@ def _hugepages_line() -> str:
 
 def doctor() -> str:
     """A report: torch, the active CPU variant and why, every variant (supported or what
-    is missing), AMX (CPU and OS permission), threads, NUMA nodes, huge pages, and for
+    is missing), AMX (CPU and OS permission), threads, NUMA nodes (the machine's, the
+    simulated ones, the pool of each node and the CPUs it is pinned to, where the packed
+    parts of live wrappers lie), huge pages, and for
     every row of the format table the kernel it runs under the active variant (for gguf
     also the ggml types that variant reads in place)."""
     active = cpu_variant()
@@ -91,7 +153,7 @@ def doctor() -> str:
         lines.append(f"  {variant:12s} {'supported' if not missing else 'unsupported: missing ' + missing}")
     lines.append(f"AMX: {amx_status(host.cpu_flags(), missing_features('amx'))}")
     lines.append(f"threads: {get_num_threads()} on {thread_source()}")
-    lines.append(_numa_line())
+    lines += _numa_lines()
     lines.append(_hugepages_line())
     lines.append(f"formats (kernel under {active}):")
     width = max(len(fmt.name) for fmt in FORMATS)

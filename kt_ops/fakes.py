@@ -31,6 +31,20 @@ def _moe_forward_fake(
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("kt::moe_forward_parts")
+def _moe_forward_parts_fake(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    parts: list[torch.Tensor],
+    nodes: list[int],
+) -> torch.Tensor:
+    torch._check(len(parts) >= 1, lambda: "parts must hold at least one packed blob")
+    torch._check(len(nodes) == len(parts),
+                 lambda: f"nodes has {len(nodes)} entries but parts has {len(parts)} (one NUMA node id per part)")
+    return _moe_forward_fake(hidden_states, topk_ids, topk_weights, parts[0])
+
+
 @torch.library.register_fake("kt::pack_experts")
 def _pack_experts_fake(
     gate_proj: torch.Tensor,
@@ -91,12 +105,85 @@ def _pack_int4_experts_fake(
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 
-def _inference_only(ctx: object, grad: torch.Tensor) -> None:
-    raise RuntimeError("kt::moe_forward is an inference kernel and has no backward")
+@torch.library.register_fake("kt::moe_backward")
+def _moe_backward_fake(
+    grad_output: torch.Tensor,
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: torch.Tensor,
+    live_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(grad_output.shape == hidden_states.shape,
+                 lambda: f"grad_output {grad_output.shape} must have hidden_states' shape {hidden_states.shape}")
+    _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    return (torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
+            torch.empty_like(topk_weights, memory_format=torch.contiguous_format))
 
 
-def _no_context(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
-    return None
+def _check_lora_fake(gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor, up_b: torch.Tensor,
+                     down_a: torch.Tensor, down_b: torch.Tensor) -> None:
+    for name, t in (("gate_a", gate_a), ("gate_b", gate_b), ("up_a", up_a), ("up_b", up_b), ("down_a", down_a),
+                    ("down_b", down_b)):
+        torch._check(t.dim() == 3, lambda name=name, t=t: f"{name} must be 3-D [E, ., .], got {t.shape}")
 
 
-torch.library.register_autograd("kt::moe_forward", _inference_only, setup_context=_no_context)
+@torch.library.register_fake("kt::moe_lora_forward")
+def _moe_lora_forward_fake(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: torch.Tensor,
+    gate_a: torch.Tensor,
+    gate_b: torch.Tensor,
+    up_a: torch.Tensor,
+    up_b: torch.Tensor,
+    down_a: torch.Tensor,
+    down_b: torch.Tensor,
+    scaling: float,
+    live_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    _check_lora_fake(gate_a, gate_b, up_a, up_b, down_a, down_b)
+    return _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+
+
+@torch.library.register_fake("kt::moe_lora_backward")
+def _moe_lora_backward_fake(
+    grad_output: torch.Tensor,
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: torch.Tensor,
+    gate_a: torch.Tensor,
+    gate_b: torch.Tensor,
+    up_a: torch.Tensor,
+    up_b: torch.Tensor,
+    down_a: torch.Tensor,
+    down_b: torch.Tensor,
+    scaling: float,
+    live_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    _check_lora_fake(gate_a, gate_b, up_a, up_b, down_a, down_b)
+    grads = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    return (*grads, *(torch.empty_like(t, memory_format=torch.contiguous_format)
+                      for t in (gate_a, gate_b, up_a, up_b, down_a, down_b)))
+
+
+@torch.library.register_fake("kt::dequantize_experts")
+def _dequantize_experts_fake(
+    packed: torch.Tensor,
+    expert_ids: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # I and H live in the blob's header, which a FakeTensor does not hold: they are new
+    # data-dependent sizes (as nonzero's length), one each, shared by the three outputs.
+    # kt_ops.dequantize_experts pins them with torch._check when it is given a
+    # PackedExperts (whose header was read eagerly), so compiled code sees them as constants.
+    torch._check(expert_ids.dim() == 1, lambda: f"expert_ids must be 1-D, got {expert_ids.shape}")
+    out = torch.float32 if dtype is None else dtype
+    torch._check(out in (torch.float32, torch.bfloat16), lambda: f"dtype must be float32 or bfloat16; got {out}")
+    ctx = torch.library.get_ctx()
+    intermediate, hidden = ctx.new_dynamic_size(min=1), ctx.new_dynamic_size(min=1)
+    n = expert_ids.shape[0]
+    gate = packed.new_empty((n, intermediate, hidden), dtype=out)
+    return gate, torch.empty_like(gate), packed.new_empty((n, hidden, intermediate), dtype=out)

@@ -66,6 +66,9 @@ class FormatInfo:
     """True when ``pack_experts(..., scale_search=True)`` applies."""
     packer: str
     """The C++ packing function (``csrc/cpu/formats/``)."""
+    dequantizer: str
+    """The C++ "dequantize rows" micro-kernel (``csrc/cpu/formats/dequantize_*``) that
+    :func:`kt_ops.dequantize_experts` runs: the oracle's values, bit for bit."""
     activations: str
     """What the kernels do to activations: ``"none"``, ``"int8_per_token"`` or
     ``"int8_ggml_blocks"`` (8-bit blocks of the weight type's block)."""

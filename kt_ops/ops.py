@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from kt_ops import fakes  # noqa: F401  (registers the fake implementations)
@@ -285,3 +287,69 @@ def moe_forward(
     """
     data = packed.data if isinstance(packed, PackedExperts) else packed
     return torch.ops.kt.moe_forward(hidden_states, topk_ids, topk_weights, data, live_tokens)
+
+
+def moe_forward_parts(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    parts: Sequence[PackedExperts | torch.Tensor],
+    nodes: Sequence[int],
+) -> torch.Tensor:
+    """:func:`moe_forward` of a layer split into parts over its intermediate dimension
+    (:mod:`kt_ops.parts`): the sum of the parts' outputs, every part at once on the
+    threads of its NUMA node.
+
+    Args:
+        hidden_states, topk_ids, topk_weights: as :func:`moe_forward`'s, on the CPU.
+        parts: the packed parts (:class:`PackedExperts` or their ``data``), one E and H.
+        nodes: the NUMA node id each part runs on (:mod:`kt_ops.numa`; ids, not
+            positions), one per part. Parts of different nodes run at once, each on its
+            node's threads; parts of one node one after another. An id the machine (or
+            ``KT_OPS_NUMA_SIMULATE``) does not have is a ``ValueError``.
+
+    The parts' fp32 outputs are summed in part order (whichever part finishes first), then
+    rounded once to the output dtype.
+
+    Returns:
+        ``[T, H]`` in the dtype of ``hidden_states`` (a new tensor).
+    """
+    blobs = [part.data if isinstance(part, PackedExperts) else part for part in parts]
+    return torch.ops.kt.moe_forward_parts(hidden_states, topk_ids, topk_weights, blobs, [int(n) for n in nodes])
+
+
+def dequantize_experts(
+    packed: PackedExperts | torch.Tensor,
+    expert_ids: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chosen experts of a packed layer, any format, back as Hugging Face weights: the
+    values the kernels multiply (bit for bit :func:`kt_ops.reference.dequantize`'s), for
+    the backward GEMMs of fine-tuning, GPU-slot refills and staging.
+
+    Args:
+        packed: a :class:`PackedExperts` or its ``data`` tensor (host memory).
+        expert_ids: int32/int64 ``[n]`` expert ids in ``[0, E)``, repeats allowed, CPU;
+            ``None``: every expert, ``0 .. E - 1`` (reads the header: pass ids under
+            ``torch.compile``).
+        dtype: ``torch.float32`` (exact) or ``torch.bfloat16`` (those values rounded to
+            nearest even).
+
+    Returns:
+        ``gate [n, I, H]``, ``up [n, I, H]``, ``down [n, H, I]`` of ``dtype`` (new CPU
+        tensors; padding removed, biases not included). ``ValueError`` for an id out of
+        range, ``TypeError`` for another ``dtype`` or id dtype.
+
+    Under ``torch.compile`` I and H come from the blob's header, so the traced sizes are
+    data-dependent; given a :class:`PackedExperts` (whose header is read eagerly) they are
+    pinned to its sizes.
+    """
+    data = packed.data if isinstance(packed, PackedExperts) else packed
+    if expert_ids is None:
+        info = packed if isinstance(packed, PackedExperts) else PackedExperts(data)
+        expert_ids = torch.arange(info.num_experts, dtype=torch.int64)
+    gate, up, down = torch.ops.kt.dequantize_experts(data, expert_ids, dtype)
+    if isinstance(packed, PackedExperts):
+        torch._check(gate.shape[1] == packed.intermediate_size)
+        torch._check(gate.shape[2] == packed.hidden_size)
+    return gate, up, down

@@ -50,15 +50,6 @@ def test_opcheck_moe_forward_quantized(method: str, group: int, zero_point: bool
     torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(9, 128), ids, weights, packed.data))
 
 
-def test_backward_is_refused_loudly() -> None:
-    experts = make_experts(4, 32, 16)
-    ids, weights = random_routing(3, 4, 2)
-    x = torch.randn(3, 32, requires_grad=True)
-    out = kt_ops.moe_forward(x, ids, weights, experts.packed)
-    with pytest.raises(RuntimeError, match="inference kernel"):
-        out.sum().backward()
-
-
 @pytest.mark.parametrize("types", [["Q4_K", "Q4_K", "Q6_K"], ["Q8_0", "F16", "Q4_0"]])
 def test_opcheck_gguf(types: list[str]) -> None:
     import gguf
@@ -113,3 +104,14 @@ def test_opcheck_pack_int4_experts(asym: bool) -> None:
     packed = torch.ops.kt.pack_int4_experts(*args)
     ids, weights = random_routing(7, E, 2)
     torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(7, H), ids, weights, packed))
+
+
+@pytest.mark.parametrize("method,kwargs", [("BF16", {}), ("AMXINT4", {"group_size": 32, "zero_point": True}),
+                                           ("MXFP8", {}), ("LLAMAFILE", {"gguf_type": ("Q4_K", "Q4_K", "Q6_K")})])
+def test_opcheck_dequantize_experts(method: str, kwargs: dict) -> None:
+    """The fake's I and H are data-dependent sizes (the blob's header); n is expert_ids'."""
+    experts = make_experts(4, 256, 256)
+    packed = kt_ops.pack_experts(experts.gate, experts.up, experts.down, method=method, **kwargs).data
+    for args in [(packed, torch.tensor([3, 0, 3], dtype=torch.int32)), (packed, torch.tensor([1]), torch.bfloat16),
+                 (packed, torch.zeros(0, dtype=torch.int64), torch.float32)]:
+        torch.library.opcheck(torch.ops.kt.dequantize_experts.default, args)

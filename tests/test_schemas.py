@@ -23,7 +23,12 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(
             text,
             """\
+kt::dequantize_experts(Tensor packed, Tensor expert_ids, ScalarType? dtype=None) -> (Tensor, Tensor, Tensor)
+kt::moe_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor? live_tokens=None) -> (Tensor, Tensor)
 kt::moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor? live_tokens=None) -> Tensor
+kt::moe_forward_parts(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor[] parts, int[] nodes) -> Tensor
+kt::moe_lora_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b, float scaling, Tensor? live_tokens=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
+kt::moe_lora_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b, float scaling, Tensor? live_tokens=None) -> Tensor
 kt::pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format, int group_size=0, bool scale_search=False) -> Tensor
 kt::pack_fp8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale, Tensor up_scale, Tensor down_scale, str format) -> Tensor
 kt::pack_gguf_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, int[] gguf_types) -> Tensor

@@ -4,6 +4,10 @@
 #include <stdexcept>
 
 #include "formats/bf16_layout.h"
+#include "formats/dequantize_bf16.h"
+#include "formats/dequantize_fp8.h"
+#include "formats/dequantize_gguf.h"
+#include "formats/dequantize_int.h"
 #include "formats/fp8_layout.h"
 #include "formats/pack_fp8.h"
 #include "formats/gguf_quantize.h"
@@ -26,7 +30,8 @@ constexpr FormatRow kRows[] = {
     {PackedFormat::kBf16, "bf16", {"BF16", nullptr}, false,
      bf16_layout::kBlockRows, 2, bf16_layout::kLineBytes, 0,
      RowRule::kAny, 2, 0, nullptr, 0, 0, false,
-     pack_bf16_experts, "pack_bf16_experts", ActivationQuant::kNone, kOracle,
+     pack_bf16_experts, "pack_bf16_experts", dequantize_bf16_rows, "dequantize_bf16_rows",
+     ActivationQuant::kNone, kOracle,
      {{bf16_moe_avx2, "bf16/avx2 (fp32 FMA on widened bf16)"},
       {bf16_moe_avx2, "bf16/avx_vnni (the avx2 kernel: fp32 FMA on widened bf16)"},
       {bf16_moe_avx512, "bf16/avx512 (fp32 FMA on widened bf16)"},
@@ -35,7 +40,8 @@ constexpr FormatRow kRows[] = {
     {PackedFormat::kInt8, "int8", {"AMXINT8", "MOE_INT8"}, false,
      int_layout::kBlockRows, 4, int_layout::kLineBytes, 4,
      RowRule::kAny, int_layout::kKAlign, int_layout::kInt8MaxK, nullptr, 0, 0, true,
-     pack_int_experts, "pack_int_experts", ActivationQuant::kInt8PerToken, kOracle,
+     pack_int_experts, "pack_int_experts", dequantize_int_rows, "dequantize_int_rows",
+     ActivationQuant::kInt8PerToken, kOracle,
      {{int8_moe_avx2, "int8/avx2 (vpmaddubsw + vpmaddwd)"},
       {int8_moe_avx_vnni, "int8/avx_vnni (256-bit vpdpbusd)"},
       {int8_moe_avx512, "int8/avx512 (vpmaddubsw + vpmaddwd)"},
@@ -44,7 +50,8 @@ constexpr FormatRow kRows[] = {
     {PackedFormat::kInt4, "int4", {"AMXINT4", "MOE_INT4"}, false,
      int_layout::kBlockRows, 8, int_layout::kLineBytes, 4,
      RowRule::kGroupSize, 1, 0, kInt4Groups, kNumInt4Groups, kInt4DefaultGroup, true,
-     pack_int_experts, "pack_int_experts", ActivationQuant::kInt8PerToken, kOracle,
+     pack_int_experts, "pack_int_experts", dequantize_int_rows, "dequantize_int_rows",
+     ActivationQuant::kInt8PerToken, kOracle,
      {{int4_moe_avx2, "int4/avx2 (vpmaddubsw + vpmaddwd)"},
       {int4_moe_avx_vnni, "int4/avx_vnni (256-bit vpdpbusd)"},
       {int4_moe_avx512, "int4/avx512 (vpmaddubsw + vpmaddwd)"},
@@ -53,7 +60,8 @@ constexpr FormatRow kRows[] = {
     {PackedFormat::kInt4Asym, "int4_asym", {"AMXINT4", "MOE_INT4"}, true,
      int_layout::kBlockRows, 8, int_layout::kLineBytes, 8,
      RowRule::kGroupSize, 1, 0, kInt4Groups, kNumInt4Groups, kInt4DefaultGroup, true,
-     pack_int_experts, "pack_int_experts", ActivationQuant::kInt8PerToken, kOracle,
+     pack_int_experts, "pack_int_experts", dequantize_int_rows, "dequantize_int_rows",
+     ActivationQuant::kInt8PerToken, kOracle,
      {{int4_asym_moe_avx2, "int4_asym/avx2 (vpmaddubsw + vpmaddwd)"},
       {int4_asym_moe_avx_vnni, "int4_asym/avx_vnni (256-bit vpdpbusd)"},
       {int4_asym_moe_avx512, "int4_asym/avx512 (vpmaddubsw + vpmaddwd)"},
@@ -62,7 +70,8 @@ constexpr FormatRow kRows[] = {
     {PackedFormat::kGguf, "gguf", {"LLAMAFILE", "MXFP4"}, false,
      1, 0, 0, 0,
      RowRule::kGgmlBlock, 1, 0, nullptr, 0, 0, false,
-     pack_gguf_experts, "pack_gguf_experts", ActivationQuant::kGgmlBlocks, kOracle,
+     pack_gguf_experts, "pack_gguf_experts", dequantize_gguf_rows, "dequantize_gguf_rows",
+     ActivationQuant::kGgmlBlocks, kOracle,
      {{gguf_moe_avx2, "gguf/avx2 (vpmaddubsw + vpmaddwd on decoded blocks)"},
       {gguf_moe_avx_vnni, "gguf/avx_vnni (256-bit vpdpbusd on decoded blocks)"},
       {gguf_moe_avx512,
@@ -76,7 +85,8 @@ constexpr FormatRow kRows[] = {
     {PackedFormat::kFp8, "fp8", {"FP8", nullptr}, false,
      fp8_layout::kBlockRows, 4, 64, 4,
      RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,
-     pack_fp8_experts, "pack_fp8_experts", ActivationQuant::kNone, kOracle,
+     pack_fp8_experts, "pack_fp8_experts", dequantize_fp8_rows, "dequantize_fp8_rows",
+     ActivationQuant::kNone, kOracle,
      {{fp8_moe_avx2, "fp8/avx2 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
       {fp8_moe_avx2, "fp8/avx_vnni (the avx2 kernel: e4m3 -> fp32 in registers, fp32 FMA)"},
       {fp8_moe_avx512, "fp8/avx512 (e4m3 -> bf16 in registers, widened to fp32, fp32 FMA)"},
@@ -86,7 +96,8 @@ constexpr FormatRow kRows[] = {
     {PackedFormat::kFp8PerChannel, "fp8_perchannel", {"FP8_PERCHANNEL", nullptr}, false,
      fp8_layout::kBlockRows, 4, 64, 4,
      RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,
-     pack_fp8_experts, "pack_fp8_experts", ActivationQuant::kNone, kOracle,
+     pack_fp8_experts, "pack_fp8_experts", dequantize_fp8_rows, "dequantize_fp8_rows",
+     ActivationQuant::kNone, kOracle,
      {{fp8_perchannel_moe_avx2, "fp8_perchannel/avx2 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
       {fp8_perchannel_moe_avx2, "fp8_perchannel/avx_vnni (the avx2 kernel: e4m3 -> fp32 in registers, fp32 FMA)"},
       {fp8_perchannel_moe_avx512, "fp8_perchannel/avx512 (e4m3 -> bf16 in registers, widened to fp32, fp32 FMA)"},
@@ -95,7 +106,8 @@ constexpr FormatRow kRows[] = {
     {PackedFormat::kMxfp8, "mxfp8", {"MXFP8", nullptr}, false,
      fp8_layout::kBlockRows, 4, 64, 1,
      RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,
-     pack_fp8_experts, "pack_fp8_experts", ActivationQuant::kNone, kOracle,
+     pack_fp8_experts, "pack_fp8_experts", dequantize_fp8_rows, "dequantize_fp8_rows",
+     ActivationQuant::kNone, kOracle,
      {{mxfp8_moe_avx2, "mxfp8/avx2 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
       {mxfp8_moe_avx2, "mxfp8/avx_vnni (the avx2 kernel: e4m3 -> fp32 in registers, fp32 FMA)"},
       {mxfp8_moe_avx512, "mxfp8/avx512 (e4m3 -> bf16 in registers, widened to fp32, fp32 FMA)"},

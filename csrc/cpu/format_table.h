@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "formats/dequantize_experts.h"
 #include "formats/gguf_types.h"
 #include "formats/packed_header.h"
 #include "formats/quantize.h"
@@ -75,6 +76,10 @@ struct FormatRow {
   bool scale_search;     // QuantOptions::scale_search applies to its packer
   PackExpertsFn pack;
   const char* packer;    // the packer's name, e.g. "pack_int_experts"
+  // How weights get out of it: rows of one matrix of one expert -> fp32, bit for bit the
+  // oracle's values (formats/dequantize_experts.h; kt::dequantize_experts runs it).
+  DequantizeRowsFn dequantize;
+  const char* dequantizer;  // its name, e.g. "dequantize_int_rows"
   ActivationQuant activations;
   const char* oracle;    // the kt_ops.reference function that decodes a blob of it
   MoeKernel by_variant[kNumCpuVariants];  // indexed by CpuVariant

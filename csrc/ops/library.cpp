@@ -13,6 +13,14 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed,"
       " Tensor? live_tokens=None) -> Tensor");
+  // A layer split over the intermediate dimension into parts (kt_ops/parts.py), the sum of
+  // moe_forward over them: hidden_states, topk_ids, topk_weights as moe_forward's (CPU);
+  // parts: packed uint8 blobs of one E and H; nodes: the NUMA node id each part runs on
+  // (one per part). The parts run at once, each on its node's threads; their fp32 outputs
+  // are summed in part order -> [T, H] (hidden dtype).
+  m.def(
+      "moe_forward_parts(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor[] parts,"
+      " int[] nodes) -> Tensor");
   // gate_proj, up_proj [E, I, H], down_proj [E, H, I] (f32|bf16|f16) -> packed uint8 [n];
   // format bf16|int8|int4|int4_asym, group_size: int4 k-group (32|64|128), else 0.
   m.def(
@@ -41,4 +49,33 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "pack_fp8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale,"
       " Tensor up_scale, Tensor down_scale, str format) -> Tensor");
+  // The backward of moe_forward with the experts frozen: grad_output [T, H] and
+  // moe_forward's inputs -> (grad_hidden [T, H] in hidden_states' dtype, grad_weights
+  // [T, K] in topk_weights' dtype). Kernel: csrc/ops/moe_train_cpu.cpp (fp32 on the
+  // dequantized weights, activation and biases of the blob's header).
+  m.def(
+      "moe_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights,"
+      " Tensor packed, Tensor? live_tokens=None) -> (Tensor, Tensor)");
+  // moe_forward with LoRA on every expert's gate, up and down over the frozen packed base
+  // (csrc/ops/moe_train_cpu.cpp): gate_a, up_a [E, r, H], gate_b, up_b [E, I, r], down_a
+  // [E, r, I], down_b [E, H, r] (f32|bf16|f16), scaling = alpha / r -> [T, H] (hidden dtype).
+  m.def(
+      "moe_lora_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed,"
+      " Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b, float scaling,"
+      " Tensor? live_tokens=None) -> Tensor");
+  // Its backward: (grad_hidden, grad_weights, grad_gate_a, grad_gate_b, grad_up_a, grad_up_b,
+  // grad_down_a, grad_down_b), each in its input's dtype.
+  m.def(
+      "moe_lora_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights,"
+      " Tensor packed, Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b,"
+      " float scaling, Tensor? live_tokens=None)"
+      " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Chosen experts of a packed blob (any format) as Hugging Face weights: packed uint8 [n]
+  // (host memory), expert_ids int32|int64 [m] (ids in [0, E), repeats allowed), dtype
+  // float32 (None) or bfloat16 -> (gate [m, I, H], up [m, I, H], down [m, H, I]), padding
+  // dropped: the values the kernels multiply, bit for bit kt_ops.reference.dequantize's
+  // (bf16: those rounded to nearest even). Fake: I and H are data-dependent (the header).
+  m.def(
+      "dequantize_experts(Tensor packed, Tensor expert_ids, ScalarType? dtype=None)"
+      " -> (Tensor, Tensor, Tensor)");
 }

@@ -33,7 +33,7 @@ std::string first_bad(const Id* ids, int64_t count, int64_t top_k, int64_t exper
 }  // namespace
 
 cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                            const at::Tensor& topk_weights, const at::Tensor& packed) {
+                            const at::Tensor& topk_weights, const at::Tensor& packed, const char* packed_name) {
   check_dtype(hidden_states, "hidden_states", {at::kBFloat16, at::kHalf, at::kFloat});
   check_dtype(topk_ids, "topk_ids", {at::kInt, at::kLong});
   check_dtype(topk_weights, "topk_weights", {at::kFloat, at::kBFloat16, at::kHalf});
@@ -44,10 +44,11 @@ cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& t
   TORCH_CHECK_VALUE(topk_ids.size(0) == hidden_states.size(0), "topk_ids has ", topk_ids.size(0),
                     " rows but hidden_states has ", hidden_states.size(0), " tokens");
   check_mapped_file(packed.const_data_ptr());  // before the header is read: a shrunk file would SIGBUS
-  const cpu::PackedLayout layout = read_packed(packed, "packed");
+  const cpu::PackedLayout layout = read_packed(packed, packed_name);
   const int64_t experts = layout.shape.num_experts;
   TORCH_CHECK_VALUE(hidden_states.size(1) == layout.shape.hidden_size, "hidden_states has hidden size ",
-                    hidden_states.size(1), " but the packed experts have H = ", layout.shape.hidden_size);
+                    hidden_states.size(1), " but ", packed_name, " (the packed experts) has H = ",
+                    layout.shape.hidden_size);
   TORCH_CHECK_VALUE(topk_ids.size(1) <= experts, "top-k = ", topk_ids.size(1),
                     " exceeds the number of experts E = ", experts);
   TORCH_CHECK_VALUE(topk_ids.numel() < std::numeric_limits<int32_t>::max(), "tokens x top-k = ",
@@ -55,6 +56,7 @@ cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& t
                     " split the batch");
   cpu::MoeArgs args;
   args.hidden_type = element_type(hidden_states.scalar_type());
+  args.output_type = args.hidden_type;
   args.tokens = hidden_states.size(0);
   args.topk_ids_int64 = topk_ids.scalar_type() == at::kLong;
   args.top_k = topk_ids.size(1);

@@ -14,10 +14,12 @@
 namespace kt::ops {
 
 // Checks hidden_states [T, H], topk_ids [T, K], topk_weights [T, K] and the packed blob
-// against each other (not their devices); returns the kernel arguments with the dtypes,
-// top_k, tokens and packed blob filled in and no data pointers for the activations.
+// (named `packed_name` in messages) against each other (not their devices); returns the
+// kernel arguments with the dtypes, top_k, tokens and packed blob filled in and no data
+// pointers for the activations.
 cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                            const at::Tensor& topk_weights, const at::Tensor& packed);
+                            const at::Tensor& topk_weights, const at::Tensor& packed,
+                            const char* packed_name = "packed");
 
 // live_tokens: an optional one-element int32/int64 tensor; only its first `value` tokens
 // are computed (the rest of the output is zero). Checks its dtype and size only.

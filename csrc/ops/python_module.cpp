@@ -10,9 +10,11 @@
 #include <chrono>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "../cpu/bench/read_bandwidth.h"
 #include "../cpu/engine/engine.h"
+#include "../cpu/engine/node_memory.h"
 #include "../cpu/format_table.h"
 #include "../cpu/formats/gguf_types.h"
 #include "../cpu/isa/cpu_variant.h"
@@ -122,6 +124,7 @@ py::list format_table() {
     d["default_group_size"] = row.default_group_size;
     d["scale_search"] = row.scale_search;
     d["packer"] = row.packer;
+    d["dequantizer"] = row.dequantizer;
     d["activations"] = cpu::activation_quant_name(row.activations);
     d["oracle"] = row.oracle;
     d["kernels"] = kernels;
@@ -195,6 +198,90 @@ std::vector<int64_t> engine_thread_ids(int64_t jobs) {
   return loop_thread_ids(jobs, [&](auto job) { cpu::Engine::instance().parallel_for(jobs, job); });
 }
 
+// Test support: the OS thread of each part of one Engine::run_on_nodes over `nodes`.
+// Each part waits (up to 10 s) until every part has started, so parts that really run
+// at once return at once with as many threads as nodes, and parts run one after another
+// show up as one thread or as a wait that ran out (-1 in place of its thread id).
+std::vector<int64_t> engine_node_thread_ids(const std::vector<int>& nodes) {
+  return translate_errors([&] {
+    py::gil_scoped_release no_gil;
+    const int64_t parts = static_cast<int64_t>(nodes.size());
+    std::vector<int64_t> ids(nodes.size(), -1);
+    std::atomic<int64_t> arrived{0};
+    cpu::Engine::instance().run_on_nodes(nodes, [&](int64_t part) {
+      arrived.fetch_add(1);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (arrived.load() < parts && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+      if (arrived.load() == parts) ids[part] = static_cast<int64_t>(syscall(SYS_gettid));
+    });
+    return ids;
+  });
+}
+
+// {"simulated": bool, "nodes": [{"id": int, "cpus": [int], "physical_cpus": [int]}]}: the
+// nodes the engine sees (the machine's, or KT_OPS_NUMA_SIMULATE's).
+py::dict numa_topology() {
+  const cpu::Topology& topology = cpu::Engine::instance().topology();
+  py::list nodes;
+  for (const cpu::NumaNode& node : topology.nodes) {
+    py::dict d;
+    d["id"] = node.id;
+    d["cpus"] = node.cpus;
+    d["physical_cpus"] = node.physical_cpus;
+    nodes.append(d);
+  }
+  py::dict info;
+  info["simulated"] = topology.simulated;
+  info["nodes"] = nodes;
+  return info;
+}
+
+// One dict per node: {"node", "caller_cpu" (-1: the caller is not its first thread),
+// "cpus" (its own pinned threads, -1: unpinned)}.
+py::list pool_plans() {
+  py::list plans;
+  for (const cpu::NodePlan& plan : cpu::Engine::instance().pool_plans()) {
+    py::dict d;
+    d["node"] = plan.node;
+    d["caller_cpu"] = plan.caller_cpu;
+    d["cpus"] = plan.cpus;
+    plans.append(d);
+  }
+  return plans;
+}
+
+// (node, OS thread id, CPU at its start) of each part of the last run_on_nodes.
+std::vector<std::tuple<int, int64_t, int>> last_parts() {
+  std::vector<std::tuple<int, int64_t, int>> runs;
+  for (const cpu::PartRun& run : cpu::Engine::instance().last_parts()) runs.emplace_back(run.node, run.thread, run.cpu);
+  return runs;
+}
+
+// uint8 copy of `packed` in memory of NUMA node `node` (cpu/engine/node_memory.h), freed
+// with the tensor; also returns whether the kernel accepted the node preference.
+std::tuple<at::Tensor, bool> copy_to_node(const at::Tensor& packed, int64_t node) {
+  check_dtype(packed, "packed", {at::kByte});
+  check_cpu_contiguous(packed, "packed");
+  check_dim(packed, "packed", 1);
+  return translate_errors([&] {
+    TORCH_CHECK_VALUE(node >= 0 && node < (int64_t{1} << 30), "node = ", node, " is not a NUMA node id");
+    cpu::NodeMemory memory;
+    {
+      py::gil_scoped_release no_gil;
+      memory = cpu::copy_to_node(packed.const_data_ptr<uint8_t>(), static_cast<size_t>(packed.numel()),
+                                 static_cast<int>(node));
+    }
+    try {
+      at::Tensor copy = at::from_blob(memory.data, {packed.numel()}, [memory](void*) { cpu::free_node_memory(memory); },
+                                      at::TensorOptions().dtype(at::kByte));
+      return std::make_tuple(copy, memory.bound);
+    } catch (...) {
+      cpu::free_node_memory(memory);
+      throw;
+    }
+  });
+}
+
 std::vector<int64_t> torch_thread_ids(int64_t jobs) {
   return loop_thread_ids(jobs, [&](auto job) {
     at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
@@ -221,7 +308,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::gil_scoped_release no_gil;
     cpu::Engine::instance().set_num_threads(n);
   });
-  m.def("num_pools", [] { return cpu::Engine::instance().num_pools(); });
+  m.def("numa_topology", &numa_topology);
+  m.def("pool_plans", &pool_plans);
+  m.def("last_parts", &last_parts);
+  m.def("copy_to_node", &copy_to_node, py::arg("packed"), py::arg("node"));
   m.def("thread_source", [] { return cpu::Engine::instance().thread_source(); });
   m.def("packed_info", &packed_info);
   m.def("packed_nbytes", &packed_nbytes, py::arg("format"), py::arg("experts"), py::arg("hidden"),
@@ -241,6 +331,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("time_read_passes", &time_read_passes);
   m.def("_engine_thread_ids", &engine_thread_ids);
   m.def("_torch_thread_ids", &torch_thread_ids);
+  m.def("_engine_node_thread_ids", &engine_node_thread_ids);
 #ifdef KT_OPS_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("reserve_graph_staging", &cuda::reserve_graph_staging, py::arg("device"), py::arg("tokens"),

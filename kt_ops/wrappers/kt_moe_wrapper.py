@@ -39,6 +39,7 @@ from kt_ops.gguf_loader import (
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import int4_method, load_int4_experts
 from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_parts
+from kt_ops.numa import place_parts, resolve_nodes
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases
 from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_parts, part_bounds
@@ -67,8 +68,14 @@ class KTMoEWrapper:
         gpu_experts_mask: bool ``[E]`` (True: the slot runs on the GPU, not here), or None.
         cpuinfer_threads: the kernels' threads (:func:`kt_ops.set_num_threads`, which is torch's
             intra-op thread count: kt_ops runs on torch's threads); None keeps them.
-        threadpool_count: parts each expert's intermediate dimension is split into (one per
-            NUMA node in kt-kernel); the output is the sum of the parts. Must divide I.
+        threadpool_count: parts each expert's intermediate dimension is split into, as
+            kt-kernel's one part per NUMA node (:mod:`kt_ops.parts`). Must divide I. Two or
+            more parts run at once, part ``i`` on the threads of node ``numa_nodes[i]``
+            (kt_ops' own pinned pool of that node), and their fp32 outputs are summed once,
+            in part order: the result does not depend on which part finishes first. Parts
+            sharing a node run one after another on its threads (on a one-node machine:
+            on all threads). GGUF blobs are mapped from the file whole: one part, on
+            ``numa_nodes[0]`` when numa_nodes is given, else on all threads.
         weight_path: a Hugging Face safetensors directory (online quantization into
             ``method``; an FP8 checkpoint under its own FP8 method, an INT4 checkpoint
             under its own INT4 method and an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash)
@@ -91,7 +98,13 @@ class KTMoEWrapper:
             method, ``LLAMAFILE`` for GGUF, ``BF16`` for a float checkpoint). A checkpoint
             whose quantized experts another method cannot read is a ``ValueError`` naming
             its method.
-        numa_nodes: accepted for compatibility; its length must equal threadpool_count.
+        numa_nodes: the NUMA node *id* of each part (as ``/sys/devices/system/node``
+            numbers them; ``KT_OPS_NUMA_SIMULATE=N`` makes ids ``0 .. N-1``), one per part:
+            ``[1]`` with one part runs it on node 1. None: the nodes in turn (part ``i`` on
+            the ``i % N``-th node), and a single part on all threads. Where the machine has
+            several nodes, each part's packed blob is copied into memory of its node when
+            loaded. A length other than threadpool_count, or an id the machine does not
+            have, is a ``ValueError`` here. docs/numa.md.
         num_gpu_experts: instead of a mask: slots ``[0, n)`` run on the GPU.
         group_size: INT4 k-group for online quantization (None: 128; RAWINT4: 32).
         deferral_group: the model this layer belongs to, for deferred experts: layer L's
@@ -156,8 +169,7 @@ class KTMoEWrapper:
         self.format = format_for_method(method)  # ValueError naming the implemented methods
         if cpuinfer_threads is not None and (not isinstance(cpuinfer_threads, int) or cpuinfer_threads < threadpool_count):
             raise ValueError(f"cpuinfer_threads ({cpuinfer_threads}) must be an int >= threadpool_count ({threadpool_count})")
-        if numa_nodes is not None and len(numa_nodes) != threadpool_count:
-            raise ValueError(f"numa_nodes has {len(numa_nodes)} entries; threadpool_count is {threadpool_count}")
+        nodes = resolve_nodes(numa_nodes, threadpool_count)  # ValueError for a length or id that does not fit
         if not 0 <= max_deferred_experts_per_token <= num_experts_per_tok:
             raise ValueError(f"max_deferred_experts_per_token must be in [0, {num_experts_per_tok}], "
                              f"got {max_deferred_experts_per_token}")
@@ -174,6 +186,8 @@ class KTMoEWrapper:
         self.moe_intermediate_size = moe_intermediate_size
         self.gpu_experts_mask = self._mask(gpu_experts_mask, num_gpu_experts)
         self.threadpool_count = threadpool_count
+        self.numa_nodes = nodes
+        self._numa_nodes_given = numa_nodes is not None
         self.weight_path = None if weight_path is None else Path(weight_path)
         self.chunked_prefill_size = chunked_prefill_size
         self.cpu_save = cpu_save
@@ -185,6 +199,7 @@ class KTMoEWrapper:
         self.deferral_group = self._group(deferral_group, layer_idx)
         self.source_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._parts: list[PackedExperts] = []
+        self._part_nodes: list[int] | None = None  # node of each part (None: one part on all threads)
         self._route = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, -1 on the GPU
         self._tables: dict[torch.device, torch.Tensor] = {}  # _route per device (route_table)
         self._reserved: set[tuple[int, tuple[int, ...]]] = set()  # (device, call sizes) with pinned staging
@@ -243,7 +258,10 @@ class KTMoEWrapper:
                 raise ValueError(f"layer {self.layer_idx}: weights are H={packed.hidden_size}, "
                                  f"I={packed.intermediate_size * len(parts)}; the wrapper was built for "
                                  f"H={self.hidden_size}, I={self.moe_intermediate_size}")
-        self._parts = activate_parts(parts, self.swiglu_limit, self.swiglu_alpha, biases)
+        parts = activate_parts(parts, self.swiglu_limit, self.swiglu_alpha, biases)
+        on_nodes = len(parts) > 1 or (len(parts) == 1 and self._numa_nodes_given)
+        self._part_nodes = self.numa_nodes[:len(parts)] if on_nodes else None
+        self._parts = place_parts(parts, self._part_nodes) if on_nodes else parts
         self._route = torch.where(self.gpu_experts_mask, -1, route).to(torch.int32)
         self._tables = {}
 
@@ -454,7 +472,8 @@ class KTMoEWrapper:
         if bool(((ids >= self.num_experts) | (ids < -1)).any()):
             raise ValueError(f"topk_ids must be in [-1, num_experts = {self.num_experts}) (-1 skips a slot); got values in "
                              f"[{int(ids.min())}, {int(ids.max())}]")
-        return experts_on_device(self._parts, x, ids, weights, self._table(x.device), self.chunked_prefill_size)
+        return experts_on_device(self._parts, x, ids, weights, self._table(x.device), self.chunked_prefill_size,
+                                 self._part_nodes)
 
     @classmethod
     def _pool(cls) -> ThreadPoolExecutor:
@@ -545,7 +564,7 @@ class KTMoEWrapper:
             if d > 0:
                 ids, deferred = self.select_deferred_experts(ids, weights, self.num_experts_per_tok - d)
             chunk = self.chunked_prefill_size
-            out = experts_on_device(self._parts, hidden_states, ids, weights, table, chunk)
+            out = experts_on_device(self._parts, hidden_states, ids, weights, table, chunk, self._part_nodes)
             previous = KTMoEWrapper._pending.pop((self.deferral_group, self.layer_idx), None)
         if deferred is not None:
             queue = stream if capturing else self._deferred_stream(device)
@@ -556,7 +575,8 @@ class KTMoEWrapper:
             # Under capture the deferred call stays on the capturing stream: graph staging is
             # shared per shape, so two captured calls must not run concurrently.
             with torch.cuda.stream(queue):
-                later = experts_on_device(self._parts, hidden_states, deferred, weights, table, chunk)
+                later = experts_on_device(self._parts, hidden_states, deferred, weights, table, chunk,
+                                          self._part_nodes)
             KTMoEWrapper._pending[(self.deferral_group, self.layer_idx + 1)] = (later, hidden_states.shape[0], queue)
         self._inflight = _Inflight(out, previous, device, hidden_states.dtype, stream)
 

@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 
-from kt_ops.ops import moe_forward
+from kt_ops.numa import resolve_nodes
+from kt_ops.ops import moe_forward, moe_forward_parts
 from kt_ops.packed import PackedExperts
 
 
@@ -58,9 +59,19 @@ def experts_on_device(
     weights: torch.Tensor,
     table: torch.Tensor,
     chunk: int | None,
+    nodes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """fp32 ``[T, H]`` on x's device: the CPU experts of physical ``ids [T, K]`` summed
-    over ``parts`` (fp32 rows in and out, as on the CPU path), ``chunk`` tokens per call."""
+    over ``parts`` (fp32 rows in and out, as on the CPU path), ``chunk`` tokens per call.
+
+    CPU tensors: several parts (or ``nodes`` given) run in one ``kt::moe_forward_parts``
+    call, part ``i`` on the threads of NUMA node ``nodes[i]`` (None: the nodes in turn,
+    :func:`kt_ops.numa.resolve_nodes`), all parts at once; one part without ``nodes`` is
+    one ``kt::moe_forward`` on all threads. CUDA tensors: one ``kt::moe_forward`` per part
+    (the CUDA key has no parts operator), one after another, each on all threads."""
+    on_nodes = x.device.type == "cpu" and (nodes is not None or len(parts) > 1)
+    if on_nodes and nodes is None:
+        nodes = resolve_nodes(None, len(parts))
     x = x.float().contiguous()
     weights = weights.float().contiguous()
     routed = packed_ids(ids, table).contiguous()
@@ -72,6 +83,9 @@ def experts_on_device(
     for t0 in range(0, tokens, step):
         n = min(step, tokens - t0)  # narrow, not x[a:b]: indexing does not trace with fake CUDA tensors
         rows = [t.narrow(0, t0, n) for t in (x, routed, weights)]
+        if on_nodes:
+            pieces.append(moe_forward_parts(*rows, parts, nodes))
+            continue
         total = None
         for packed in parts:
             part = moe_forward(*rows, packed)

@@ -1,17 +1,37 @@
 #include "engine.h"
 
 #include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <exception>
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace kt::cpu {
 namespace {
 
 thread_local bool inside_parallel_region = false;
+thread_local NodePool* current_node = nullptr;  // the node whose part this thread runs
+
+// Sets a thread_local for one scope and restores its previous value (also on a throw).
+template <typename T>
+class ScopedValue {
+ public:
+  ScopedValue(T& variable, T value) : variable_(variable), previous_(variable) { variable_ = value; }
+  ~ScopedValue() { variable_ = previous_; }
+  ScopedValue(const ScopedValue&) = delete;
+  ScopedValue& operator=(const ScopedValue&) = delete;
+
+ private:
+  T& variable_;
+  T previous_;
+};
 
 int64_t env_int(const char* name, int64_t fallback) {
   const char* text = std::getenv(name);
@@ -24,6 +44,21 @@ int64_t env_int(const char* name, int64_t fallback) {
   return value;
 }
 
+// The machine's nodes, or KT_OPS_NUMA_SIMULATE=N simulated ones.
+Topology engine_topology() {
+  const int64_t simulated = env_int("KT_OPS_NUMA_SIMULATE", 0);
+  Topology real = read_topology();
+  return simulated == 0 ? real : simulate_nodes(real, static_cast<int>(simulated));
+}
+
+PartRun this_thread_on(int node) {
+  PartRun run;
+  run.node = node;
+  run.thread = static_cast<int64_t>(syscall(SYS_gettid));
+  run.cpu = sched_getcpu();
+  return run;
+}
+
 }  // namespace
 
 Engine& Engine::instance() {
@@ -32,9 +67,9 @@ Engine& Engine::instance() {
 }
 
 // The own pools are built on first use, so a process that installs a team (the
-// extension does, at load) never starts their threads.
+// extension does, at load) never starts their threads unless it runs NUMA parts.
 Engine::Engine()
-    : topology_(read_topology()), spin_ns_(env_int("KT_OPS_SPIN_US", 200) * 1000) {
+    : topology_(engine_topology()), spin_ns_(env_int("KT_OPS_SPIN_US", 200) * 1000) {
   num_threads_ = static_cast<int>(env_int("KT_OPS_NUM_THREADS", topology_.num_physical_cores()));
   rebuild_pools_ = true;
   pthread_atfork([] { instance().remember_threads_before_fork(); }, nullptr,
@@ -69,53 +104,44 @@ void Engine::forget_threads_after_fork() {
 }
 
 int Engine::num_threads() const {
+  if (current_node != nullptr) return current_node->num_threads();
   if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return team->num_threads();
   std::lock_guard<std::mutex> lock(mutex_);
   return num_threads_;
-}
-
-int Engine::num_pools() {
-  if (team_.load(std::memory_order_acquire) != nullptr) return 0;
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (rebuild_pools_) {
-    rebuild_pools_ = false;
-    build_pools(num_threads_);
-  }
-  return static_cast<int>(pools_.size());
 }
 
 void Engine::set_num_threads(int n) {
   if (n < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
   if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return team->set_num_threads(n);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (n != num_threads_ || rebuild_pools_) build_pools(n);
-  rebuild_pools_ = false;
+  num_threads_ = n;
+  ensure_pools();
 }
 
-// Thread 0 is the caller (not pinned; it keeps the first physical core free for
-// itself). Helpers take the next physical cores node by node, then SMT siblings;
-// helpers beyond the CPU count are left unpinned.
+std::vector<NodePlan> Engine::pool_plans() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return plan_pools(topology_, pool_threads());
+}
+
+// The own pools' thread count: the team's while one is installed (they then run NUMA
+// parts only), else the engine's own.
+int Engine::pool_threads() const {
+  ThreadTeam* team = team_.load(std::memory_order_acquire);
+  return team != nullptr ? team->num_threads() : num_threads_;
+}
+
+void Engine::ensure_pools() {
+  const int wanted = pool_threads();
+  if (!rebuild_pools_ && wanted == pools_threads_) return;
+  rebuild_pools_ = false;
+  build_pools(wanted);
+}
+
 void Engine::build_pools(int num_threads) {
   pools_.clear();
-  std::vector<std::vector<int>> pinned(topology_.nodes.size());
-  std::vector<std::pair<size_t, int>> order;  // (node index, cpu)
-  for (size_t node = 0; node < topology_.nodes.size(); ++node)
-    for (int cpu : topology_.nodes[node].physical_cpus) order.emplace_back(node, cpu);
-  for (size_t node = 0; node < topology_.nodes.size(); ++node)
-    for (int cpu : topology_.nodes[node].cpus) {
-      bool physical = false;
-      for (int p : topology_.nodes[node].physical_cpus) physical |= p == cpu;
-      if (!physical) order.emplace_back(node, cpu);
-    }
-  for (int thread = 1; thread < num_threads; ++thread) {
-    if (static_cast<size_t>(thread) < order.size())
-      pinned[order[thread].first].push_back(order[thread].second);
-    else
-      pinned[0].push_back(-1);
-  }
-  for (const auto& cpus : pinned)
-    if (!cpus.empty()) pools_.push_back(std::make_unique<WorkerPool>(cpus, spin_ns_));
-  num_threads_ = num_threads;
+  for (const NodePlan& plan : plan_pools(topology_, num_threads))
+    pools_.push_back(std::make_unique<NodePool>(plan, spin_ns_));
+  pools_threads_ = num_threads;
 }
 
 void Engine::parallel_for_team(ThreadTeam* team, int64_t n, FunctionRef<void(int64_t)> fn) {
@@ -123,10 +149,8 @@ void Engine::parallel_for_team(ThreadTeam* team, int64_t n, FunctionRef<void(int
   job.count = n;
   job.fn = &fn;
   team->run(static_cast<int>(std::min<int64_t>(n, team->num_threads())), [&](int) {
-    const bool outer = inside_parallel_region;
-    inside_parallel_region = true;
+    const ScopedValue<bool> region(inside_parallel_region, true);
     job.work();  // catches and records the jobs' exceptions
-    inside_parallel_region = outer;
   });
   if (job.error) std::rethrow_exception(job.error);
 }
@@ -137,34 +161,99 @@ void Engine::parallel_for(int64_t n, FunctionRef<void(int64_t)> fn) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
+  if (NodePool* node = current_node) {
+    const ScopedValue<bool> region(inside_parallel_region, true);
+    return node->parallel_for(n, fn);
+  }
   if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return parallel_for_team(team, n, fn);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (rebuild_pools_) {
-    rebuild_pools_ = false;
-    build_pools(num_threads_);
-  }
-  inside_parallel_region = true;
-  job_.count = n;
-  job_.fn = &fn;
-  job_.next.store(0, std::memory_order_relaxed);
-  job_.error = nullptr;
-  job_.caller_sleeping.store(false, std::memory_order_relaxed);
+  ensure_pools();
+  const ScopedValue<bool> region(inside_parallel_region, true);
   uint32_t helpers = 0;
-  for (const auto& pool : pools_) helpers += static_cast<uint32_t>(pool->num_helpers());
-  job_.unfinished_helpers.store(helpers, std::memory_order_seq_cst);
+  for (const auto& pool : pools_) helpers += pool->num_own_threads();
+  job_.reset(n, &fn, helpers);
   for (const auto& pool : pools_) pool->start(&job_);
   job_.work();
-  // Helpers still running work on other cores: spin briefly, then sleep.
-  const int64_t deadline = now_ns() + spin_ns_;
-  for (uint32_t spins = 1; job_.unfinished_helpers.load(std::memory_order_acquire) != 0; ++spins) {
-    cpu_relax();
-    if (spins % 64 != 0 || now_ns() < deadline) continue;
-    job_.caller_sleeping.store(true, std::memory_order_seq_cst);
-    const uint32_t left = job_.unfinished_helpers.load(std::memory_order_seq_cst);
-    if (left != 0) futex_wait(&job_.unfinished_helpers, left);
+  job_.wait_for_helpers(spin_ns_);
+}
+
+void Engine::require_node(int id) const {
+  if (topology_.find(id) == nullptr)
+    throw std::invalid_argument("NUMA node " + std::to_string(id) + " does not exist; this process has " +
+                                (topology_.simulated ? "simulated (KT_OPS_NUMA_SIMULATE) node ids " : "node ids ") +
+                                topology_.ids());
+}
+
+void Engine::run_parts_here(NodePool* pool, const std::vector<int64_t>& parts, FunctionRef<void(int64_t)> fn) {
+  const ScopedValue<NodePool*> node(current_node, pool);
+  for (int64_t part : parts) {
+    last_parts_[part] = this_thread_on(pool->node());
+    fn(part);
   }
-  inside_parallel_region = false;
-  if (job_.error) std::rethrow_exception(job_.error);
+}
+
+void Engine::run_on_nodes(const std::vector<int>& part_nodes, FunctionRef<void(int64_t)> fn) {
+  if (inside_parallel_region || current_node != nullptr)
+    throw std::logic_error("Engine::run_on_nodes called inside a parallel region or a part");
+  for (int id : part_nodes) require_node(id);
+  const int64_t P = static_cast<int64_t>(part_nodes.size());
+  if (topology_.nodes.size() == 1) {  // nothing to split: all threads, part after part
+    std::vector<PartRun> runs(P);
+    for (int64_t p = 0; p < P; ++p) {
+      runs[p] = this_thread_on(part_nodes[p]);
+      fn(p);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    last_parts_ = std::move(runs);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_parts_.assign(P, PartRun{});
+  ensure_pools();
+  // parts[k]: the parts pools_[k] runs; a node whose pool has no thread lends them to
+  // the caller's (pools_[0]).
+  std::vector<std::vector<int64_t>> parts(pools_.size());
+  for (int64_t p = 0; p < P; ++p) {
+    size_t k = 0;
+    while (pools_[k]->node() != part_nodes[p]) ++k;
+    if (pools_[k]->num_threads() == 0) k = 0;
+    parts[k].push_back(p);
+  }
+  auto leader_task = [&](size_t k) {
+    return [this, &parts, &fn, k](int64_t) { run_parts_here(pools_[k].get(), parts[k], fn); };
+  };
+  using LeaderTask = decltype(leader_task(0));
+  std::vector<LeaderTask> tasks;
+  std::vector<FunctionRef<void(int64_t)>> calls;
+  tasks.reserve(pools_.size());
+  calls.reserve(pools_.size());
+  for (size_t k = 0; k < pools_.size(); ++k) tasks.push_back(leader_task(k));
+  for (size_t k = 0; k < pools_.size(); ++k) calls.emplace_back(tasks[k]);
+  std::vector<size_t> started;
+  for (size_t k = 1; k < pools_.size(); ++k)
+    if (!parts[k].empty()) {
+      pools_[k]->start_leader(&calls[k]);
+      started.push_back(k);
+    }
+  std::exception_ptr error;
+  try {
+    if (!parts[0].empty()) run_parts_here(pools_[0].get(), parts[0], fn);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  for (size_t k : started) {
+    try {
+      pools_[k]->wait_for_leader();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+std::vector<PartRun> Engine::last_parts() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_parts_;
 }
 
 }  // namespace kt::cpu

@@ -3,9 +3,12 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -68,6 +71,18 @@ int Topology::num_physical_cores() const {
   return count;
 }
 
+const NumaNode* Topology::find(int id) const {
+  for (const auto& node : nodes)
+    if (node.id == id) return &node;
+  return nullptr;
+}
+
+std::string Topology::ids() const {
+  std::string text;
+  for (const auto& node : nodes) text += (text.empty() ? "" : ", ") + std::to_string(node.id);
+  return text;
+}
+
 Topology read_topology() {
   const std::vector<int> allowed = allowed_cpus();
   const std::set<int> allowed_set(allowed.begin(), allowed.end());
@@ -89,6 +104,37 @@ Topology read_topology() {
   }
   for (auto& node : topology.nodes) fill_physical_cpus(node);
   return topology;
+}
+
+Topology simulate_nodes(const Topology& real, int count) {
+  std::vector<int> cores;
+  for (const auto& node : real.nodes) cores.insert(cores.end(), node.physical_cpus.begin(), node.physical_cpus.end());
+  const int64_t M = static_cast<int64_t>(cores.size());
+  if (count < 1 || count > M)
+    throw std::invalid_argument("KT_OPS_NUMA_SIMULATE=" + std::to_string(count) + " asks for " +
+                                std::to_string(count) + " simulated NUMA nodes, but the process may run on " +
+                                std::to_string(M) + " physical cores (each node needs at least one)");
+  Topology simulated;
+  simulated.simulated = true;
+  std::map<std::pair<std::string, std::string>, size_t> node_of_core;
+  for (int i = 0; i < count; ++i) {
+    NumaNode node;
+    node.id = i;
+    for (int64_t c = i * M / count; c < (i + 1) * M / count; ++c) {
+      node.physical_cpus.push_back(cores[c]);
+      node.cpus.push_back(cores[c]);
+      node_of_core[core_identity(cores[c])] = static_cast<size_t>(i);
+    }
+    simulated.nodes.push_back(std::move(node));
+  }
+  for (const auto& node : real.nodes)
+    for (int cpu : node.cpus) {
+      if (std::find(cores.begin(), cores.end(), cpu) != cores.end()) continue;
+      const auto it = node_of_core.find(core_identity(cpu));
+      simulated.nodes[it != node_of_core.end() ? it->second : 0].cpus.push_back(cpu);
+    }
+  for (auto& node : simulated.nodes) std::sort(node.cpus.begin(), node.cpus.end());
+  return simulated;
 }
 
 }  // namespace kt::cpu

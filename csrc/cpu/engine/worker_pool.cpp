@@ -33,6 +33,28 @@ int64_t now_ns() {
       .count();
 }
 
+void Job::reset(int64_t n, const FunctionRef<void(int64_t)>* function, uint32_t helpers) {
+  count = n;
+  fn = function;
+  next.store(0, std::memory_order_relaxed);
+  error = nullptr;
+  caller_sleeping.store(false, std::memory_order_relaxed);
+  unfinished_helpers.store(helpers, std::memory_order_seq_cst);
+}
+
+void Job::wait_for_helpers(int64_t spin_ns) {
+  // Helpers still running work on other cores: spin briefly, then sleep.
+  const int64_t deadline = now_ns() + spin_ns;
+  for (uint32_t spins = 1; unfinished_helpers.load(std::memory_order_acquire) != 0; ++spins) {
+    cpu_relax();
+    if (spins % 64 != 0 || now_ns() < deadline) continue;
+    caller_sleeping.store(true, std::memory_order_seq_cst);
+    const uint32_t left = unfinished_helpers.load(std::memory_order_seq_cst);
+    if (left != 0) futex_wait(&unfinished_helpers, left);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 void Job::work() {
   for (int64_t index = next.fetch_add(1, std::memory_order_relaxed); index < count;
        index = next.fetch_add(1, std::memory_order_relaxed)) {

@@ -3,8 +3,9 @@
 // (decode calls arrive every few hundred microseconds, and a futex wake-up costs tens
 // of microseconds) and then sleeping on a futex, so an idle pool burns no CPU.
 // A Job is shared by every pool the Engine starts it on: helpers take job indices from
-// one atomic counter until none are left. The Engine owns one Job and reuses it, so a
-// helper may still touch it after the caller has seen the work finish.
+// one atomic counter until none are left. Jobs are owned by the Engine and its node
+// pools and reused, so a helper may still touch one after the caller has seen the work
+// finish.
 #pragma once
 
 #include <atomic>
@@ -19,8 +20,14 @@
 namespace kt::cpu {
 
 struct Job {
+  // Readies the job for `count` indices of `fn` and `helpers` helper threads (the caller
+  // then starts their pools).
+  void reset(int64_t count, const FunctionRef<void(int64_t)>* fn, uint32_t helpers);
   // Runs job indices until the counter passes `count`; records the first exception.
   void work();
+  // The caller, its own share done: waits until every helper has finished (spinning for
+  // `spin_ns`, then sleeping on the futex), then rethrows the first exception of a job.
+  void wait_for_helpers(int64_t spin_ns);
 
   int64_t count = 0;
   const FunctionRef<void(int64_t)>* fn = nullptr;

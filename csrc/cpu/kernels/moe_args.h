@@ -20,7 +20,9 @@ struct MoeArgs {
   ElementType weights_type = ElementType::kF32;
   const uint8_t* packed = nullptr;  // blob described by `layout` (header validated)
   PackedLayout layout;
-  void* output = nullptr;  // [tokens, hidden_size] of hidden_type
+  void* output = nullptr;  // [tokens, hidden_size] of output_type
+  // The operators' output has hidden_type; a part of a layer (moe_parts.h) writes fp32.
+  ElementType output_type = ElementType::kBf16;
 };
 
 }  // namespace kt::cpu

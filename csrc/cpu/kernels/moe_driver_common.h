@@ -135,7 +135,7 @@ void combine_outputs(const MoeArgs& args, const MoePlan& plan, const float* weig
           const float w = weights[t * K + j] * (pair_scale != nullptr ? pair_scale[pair] : 1.0f);
           acc = V::fma(V::set1(w), V::load(down_out + pair * out_cols + h), acc);
         }
-        store_output<V>(args.output, args.hidden_type, t * H + h, std::min<int64_t>(W, H - h), acc);
+        store_output<V>(args.output, args.output_type, t * H + h, std::min<int64_t>(W, H - h), acc);
       }
     }
   });

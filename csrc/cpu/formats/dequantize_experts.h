@@ -1,0 +1,54 @@
+// [NOTE] Dequantizing packed experts: chosen experts of a packed blob of any format back
+// as Hugging Face weights, gate [n, I, H], up [n, I, H], down [n, H, I], padding dropped:
+// the values the MoE kernels multiply, as kt_ops.reference.dequantize decodes them, bit
+// for bit. The fine-tuning backward (its GEMMs on the frozen base weights), GPU-slot
+// refills and staging read experts this way.
+//
+// Each format has one "dequantize rows" micro-kernel, a column of the format table
+// (../format_table.h; dequantize_bf16.h, dequantize_int.h, dequantize_fp8.h,
+// dequantize_gguf.h): a row range of one matrix of one expert -> fp32 rows. Each decodes
+// with the oracle's operations in the oracle's order (two roundings where it rounds
+// twice, as int4_asym's q * scale + minimum), in plain C++ compiled for baseline x86-64,
+// which has no FMA to fuse them. dequantize_experts runs them on the Engine, one job per
+// (expert slot, matrix, kDequantizeJobRows rows).
+#pragma once
+
+#include <cstdint>
+
+#include "../isa/element_type.h"
+#include "packed_header.h"
+
+namespace kt::cpu {
+
+enum class ExpertMatrix : uint8_t { kGate = 0, kUp = 1, kDown = 2 };
+
+// Rows [row_begin, row_end) of `matrix` of expert `expert` of a blob laid out as `layout`
+// (gate and up: I rows of K = H weights; down: H rows of K = I) -> fp32
+// out[(r - row_begin) * K + k] for k < K. Every format's micro-kernel has this signature.
+using DequantizeRowsFn = void (*)(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix,
+                                  int64_t expert, int64_t row_begin, int64_t row_end, float* out);
+
+// Rows per job: the 16-row block of the bf16, int and fp8 layouts, so a job decodes one
+// block (gate and up blocks alternate in job order, as they do in the blob).
+constexpr int64_t kDequantizeJobRows = 16;
+
+// The 16-row block holding row r of `matrix` of `expert` in the bf16, int and fp8 layouts,
+// whose blocks are `block_bytes` long: gate_up block 2b holds gate rows [16b, 16b + 16),
+// block 2b + 1 the same rows of up; down block b holds rows [16b, 16b + 16).
+inline const uint8_t* row_block(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
+                                int64_t r, size_t block_bytes) {
+  const bool down = matrix == ExpertMatrix::kDown;
+  const uint8_t* first = down ? blob + layout.down_offset + expert * layout.down_expert_bytes
+                              : blob + layout.gate_up_offset + expert * layout.gate_up_expert_bytes;
+  const int64_t block = down ? r / kDequantizeJobRows : 2 * (r / kDequantizeJobRows) + (matrix == ExpertMatrix::kUp);
+  return first + block * block_bytes;
+}
+
+// experts[0, n): expert ids in [0, E) (the caller checks them; repeats allowed). gate, up:
+// [n, I, H] and down: [n, H, I] row-major of `out_type`, kF32 or kBf16 (fp32 rounded to
+// the nearest bf16, ties to even); throws std::invalid_argument for kF16.
+void dequantize_experts(DequantizeRowsFn dequantize_rows, const uint8_t* blob, const PackedLayout& layout,
+                        const int64_t* experts, int64_t n, ElementType out_type, void* gate, void* up,
+                        void* down);
+
+}  // namespace kt::cpu

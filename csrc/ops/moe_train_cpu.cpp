@@ -1,0 +1,350 @@
+// CPU kernels of the training operators: kt::moe_backward (moe_forward's backward with the
+// experts frozen), kt::moe_lora_forward and kt::moe_lora_backward (per-expert LoRA on gate,
+// up and down over a frozen base of any format).
+//
+// One pass over the experts the live tokens route to, in C++: each expert's weights are
+// dequantized to fp32 (the format table's "dequantize rows" column, the values the
+// inference kernels multiply), its tokens gathered, and the expert's forward recomputed and
+// differentiated with ATen GEMMs in fp32 — nothing is saved by the forward but its inputs.
+// The activation and biases are the blob header's. For expert e of token t (slot j, weight
+// w, input row x, output gradient G, s = LoRA scaling, A/B that expert's LoRA matrices):
+//   g = x Wg^T + bg + s (x Ag^T) Bg^T     (u likewise)       h = act(g, u)
+//   d = h Wd^T + bd + s (h Ad^T) Bd^T     out[t] += w d
+//   grad_w[t, j] = <G, d> = <G Wd, h> + <G, bd> + s <G Bd, h Ad^T>   (d is not recomputed)
+//   dd = w G    dh = dd Wd + s (dd Bd) Ad    dg = dh act_g'   du = dh act_u'
+//   dx += dg Wg + du Wu + s (dg Bg) Ag + s (du Bu) Au
+//   dBd += s dd^T (h Ad^T)   dAd += s (dd Bd)^T h   (gate/up: with dg/du and x)
+// Rows past live_tokens have zero output and zero gradients.
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "../cpu/format_table.h"
+#include "../cpu/formats/dequantize_experts.h"
+#include "checks.h"
+#include "packed_blob.h"
+
+namespace kt::ops {
+namespace {
+
+// The token rows and slots each expert is routed from, for the first `live` tokens.
+struct Routes {
+  std::vector<int64_t> experts;               // distinct experts, ascending
+  std::vector<std::vector<int64_t>> tokens;   // per expert: token rows
+  std::vector<std::vector<int64_t>> flat;     // per expert: t * K + j
+};
+
+Routes routes(const at::Tensor& topk_ids, int64_t live, int64_t num_experts) {
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const int64_t K = ids.size(1);
+  const int64_t* p = ids.const_data_ptr<int64_t>();
+  std::vector<int64_t> slot_of(static_cast<size_t>(num_experts), -1);
+  Routes r;
+  for (int64_t t = 0; t < live; ++t) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = p[t * K + j];
+      if (e < 0) continue;
+      TORCH_CHECK_VALUE(e < num_experts, "topk_ids[", t, ", ", j, "] = ", e, " is out of range: the packed layer has ",
+                        num_experts, " experts");
+      if (slot_of[e] < 0) {
+        slot_of[e] = static_cast<int64_t>(r.experts.size());
+        r.experts.push_back(e);
+        r.tokens.emplace_back();
+        r.flat.emplace_back();
+      }
+      r.tokens[slot_of[e]].push_back(t);
+      r.flat[slot_of[e]].push_back(t * K + j);
+    }
+  }
+  return r;
+}
+
+struct Dequantized {
+  at::Tensor gate, up, down;  // fp32 [I, H], [I, H], [H, I]
+};
+
+// A packed blob's layout, format row and fp32 biases (undefined without biases).
+struct Layer {
+  at::Tensor packed;
+  cpu::PackedLayout layout;
+  const cpu::FormatRow* row = nullptr;
+  at::Tensor gate_bias, up_bias, down_bias;  // fp32 [E, I], [E, I], [E, H] views into the blob
+
+  explicit Layer(const at::Tensor& blob) : packed(blob), layout(read_packed(blob, "packed")) {
+    row = &cpu::format_row(layout.shape.format);
+    if (layout.shape.glu.biases) {
+      const int64_t E = layout.shape.num_experts, H = layout.shape.hidden_size, I = layout.shape.intermediate_size;
+      const int64_t I16 = (I + 15) / 16 * 16, H16 = (H + 15) / 16 * 16;
+      auto* base = const_cast<uint8_t*>(blob.const_data_ptr<uint8_t>()) + layout.bias_offset;
+      const at::Tensor floats = at::from_blob(base, {E * (2 * I16 + H16)}, at::TensorOptions().dtype(at::kFloat));
+      gate_bias = floats.narrow(0, 0, E * I16).view({E, I16}).narrow(1, 0, I);
+      up_bias = floats.narrow(0, E * I16, E * I16).view({E, I16}).narrow(1, 0, I);
+      down_bias = floats.narrow(0, 2 * E * I16, E * H16).view({E, H16}).narrow(1, 0, H);
+    }
+  }
+
+  Dequantized expert(int64_t e) const {
+    const int64_t H = layout.shape.hidden_size, I = layout.shape.intermediate_size;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    Dequantized w{at::empty({1, I, H}, f32), at::empty({1, I, H}, f32), at::empty({1, H, I}, f32)};
+    translate_errors([&] {
+      cpu::dequantize_experts(row->dequantize, packed.const_data_ptr<uint8_t>(), layout, &e, 1, cpu::ElementType::kF32,
+                              w.gate.data_ptr(), w.up.data_ptr(), w.down.data_ptr());
+    });
+    return {w.gate[0], w.up[0], w.down[0]};
+  }
+};
+
+// h = act(g, u) and its partial derivatives (the header's activation; kt_ops.reference.glu).
+// A clamp passes the gradient inside its range, bounds included (torch.clamp's gradient).
+struct Glu {
+  at::Tensor h, dg, du;
+};
+
+Glu glu(at::Tensor g, at::Tensor u, float limit, float alpha) {
+  at::Tensor g_in, u_in;
+  if (limit > 0) {
+    g_in = g.le(limit).to(at::kFloat);
+    u_in = at::logical_and(u.ge(-limit), u.le(limit)).to(at::kFloat);
+    g = g.clamp_max(limit);
+    u = u.clamp(-limit, limit);
+  }
+  Glu out;
+  if (alpha > 0) {
+    const at::Tensor s = at::sigmoid(g * alpha), gs = g * s;
+    out.h = gs * (u + 1);
+    out.dg = (s + gs * (1 - s) * alpha) * (u + 1);
+    out.du = gs;
+  } else {
+    const at::Tensor s = at::sigmoid(g), silu = g * s;
+    out.h = silu * u;
+    out.dg = s * (g * (1 - s) + 1) * u;
+    out.du = silu;
+  }
+  if (limit > 0) {
+    out.dg = out.dg * g_in;
+    out.du = out.du * u_in;
+  }
+  return out;
+}
+
+int64_t live_rows(const std::optional<at::Tensor>& live_tokens, int64_t T) {
+  if (!live_tokens.has_value()) return T;
+  const int64_t n = live_tokens->reshape({-1})[0].item<int64_t>();
+  return n < 0 ? 0 : (n > T ? T : n);
+}
+
+at::Tensor index_tensor(const std::vector<int64_t>& v) {
+  return at::tensor(v, at::TensorOptions().dtype(at::kLong));
+}
+
+// The LoRA matrices of one call, fp32 (undefined: no LoRA).
+struct Lora {
+  at::Tensor gate_a, gate_b, up_a, up_b, down_a, down_b;
+  double scaling = 0.0;
+  bool on() const { return gate_a.defined(); }
+};
+
+void check_lora(const Lora& lora, int64_t E, int64_t H, int64_t I) {
+  const int64_t r = lora.gate_a.size(1);
+  const std::vector<std::tuple<const at::Tensor*, const char*, std::vector<int64_t>>> want = {
+      {&lora.gate_a, "gate_a", {E, r, H}}, {&lora.gate_b, "gate_b", {E, I, r}}, {&lora.up_a, "up_a", {E, r, H}},
+      {&lora.up_b, "up_b", {E, I, r}},     {&lora.down_a, "down_a", {E, r, I}}, {&lora.down_b, "down_b", {E, H, r}}};
+  for (const auto& [t, name, shape] : want) {
+    TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef(shape), name, " must be ", at::IntArrayRef(shape),
+                      " (E, H, I of the packed layer, rank ", r, "); got ", t->sizes());
+    TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be on the CPU; got ", t->device());
+    check_dtype(*t, name, {at::kFloat, at::kBFloat16, at::kHalf});
+  }
+}
+
+void check_call(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w, const cpu::PackedLayout& layout) {
+  check_dim(x, "hidden_states", 2);
+  check_dim(ids, "topk_ids", 2);
+  check_dtype(ids, "topk_ids", {at::kInt, at::kLong});
+  check_dtype(x, "hidden_states", {at::kFloat, at::kBFloat16, at::kHalf});
+  check_dtype(w, "topk_weights", {at::kFloat, at::kBFloat16, at::kHalf});
+  TORCH_CHECK_VALUE(ids.size(0) == x.size(0), "topk_ids has ", ids.size(0), " rows but hidden_states has ", x.size(0),
+                    " tokens");
+  TORCH_CHECK_VALUE(w.sizes() == ids.sizes(), "topk_weights must have the shape of topk_ids ", ids.sizes(), ", got ",
+                    w.sizes());
+  TORCH_CHECK_VALUE(x.size(1) == layout.shape.hidden_size, "hidden_states has ", x.size(1),
+                    " features but the packed layer's hidden size is ", layout.shape.hidden_size);
+}
+
+// Everything one routed expert computes and needs for its backward.
+struct ExpertPass {
+  at::Tensor x, xa_g, xa_u, g, u, h, ha_d, d;  // fp32, rows = the expert's tokens
+  Glu act;
+};
+
+// with_output: also d (the forward; the backward needs only up to h and h A_d^T).
+ExpertPass expert_forward(const Layer& layer, const Dequantized& w, const Lora& lora, int64_t e, const at::Tensor& x,
+                          bool with_output = true) {
+  ExpertPass p;
+  p.x = x;
+  p.g = at::matmul(x, w.gate.t());
+  p.u = at::matmul(x, w.up.t());
+  if (lora.on()) {
+    p.xa_g = at::matmul(x, lora.gate_a[e].t());
+    p.xa_u = at::matmul(x, lora.up_a[e].t());
+    p.g = p.g + at::matmul(p.xa_g, lora.gate_b[e].t()) * lora.scaling;
+    p.u = p.u + at::matmul(p.xa_u, lora.up_b[e].t()) * lora.scaling;
+  }
+  if (layer.gate_bias.defined()) {
+    p.g = p.g + layer.gate_bias[e];
+    p.u = p.u + layer.up_bias[e];
+  }
+  p.act = glu(p.g, p.u, layer.layout.shape.glu.swiglu_limit, layer.layout.shape.glu.swiglu_alpha);
+  p.h = p.act.h;
+  if (lora.on()) p.ha_d = at::matmul(p.h, lora.down_a[e].t());
+  if (!with_output) return p;
+  p.d = at::matmul(p.h, w.down.t());
+  if (lora.on()) p.d = p.d + at::matmul(p.ha_d, lora.down_b[e].t()) * lora.scaling;
+  if (layer.down_bias.defined()) p.d = p.d + layer.down_bias[e];
+  return p;
+}
+
+Lora lora_of(const at::Tensor& gate_a, const at::Tensor& gate_b, const at::Tensor& up_a, const at::Tensor& up_b,
+             const at::Tensor& down_a, const at::Tensor& down_b, double scaling, const cpu::PackedLayout& layout) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&gate_a, "gate_a"}, {&gate_b, "gate_b"},
+                                {&up_a, "up_a"}, {&up_b, "up_b"}, {&down_a, "down_a"}, {&down_b, "down_b"}}) {
+    check_dim(*t, name, 3);
+  }
+  Lora lora{gate_a.to(at::kFloat), gate_b.to(at::kFloat), up_a.to(at::kFloat),
+            up_b.to(at::kFloat),   down_a.to(at::kFloat), down_b.to(at::kFloat), scaling};
+  check_lora(lora, layout.shape.num_experts, layout.shape.hidden_size, layout.shape.intermediate_size);
+  return lora;
+}
+
+at::Tensor lora_forward(const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                        const Layer& layer, const Lora& lora, const std::optional<at::Tensor>& live_tokens) {
+  const at::Tensor x = hidden_states.to(at::kFloat).contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous().view({-1});
+  at::Tensor out = at::zeros_like(x);
+  const Routes r = routes(topk_ids, live_rows(live_tokens, x.size(0)), layer.layout.shape.num_experts);
+  for (size_t i = 0; i < r.experts.size(); ++i) {
+    const int64_t e = r.experts[i];
+    const at::Tensor tokens = index_tensor(r.tokens[i]);
+    const ExpertPass p = expert_forward(layer, layer.expert(e), lora, e, x.index_select(0, tokens));
+    out.index_add_(0, tokens, p.d * weights.index_select(0, index_tensor(r.flat[i])).unsqueeze(1));
+  }
+  return out.to(hidden_states.scalar_type());
+}
+
+// grad_x, grad_w and (with LoRA) the six LoRA gradients, fp32.
+struct Grads {
+  at::Tensor x, w, gate_a, gate_b, up_a, up_b, down_a, down_b;
+};
+
+Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+               const at::Tensor& topk_weights, const Layer& layer, const Lora& lora,
+               const std::optional<at::Tensor>& live_tokens) {
+  TORCH_CHECK_VALUE(grad_output.sizes() == hidden_states.sizes(), "grad_output must have hidden_states' shape ",
+                    hidden_states.sizes(), ", got ", grad_output.sizes());
+  const at::Tensor x = hidden_states.to(at::kFloat).contiguous();
+  const at::Tensor grad = grad_output.to(at::kFloat).contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous().view({-1});
+  Grads out;
+  out.x = at::zeros_like(x);
+  out.w = at::zeros({weights.numel()}, x.options());
+  if (lora.on()) {
+    out.gate_a = at::zeros_like(lora.gate_a);
+    out.gate_b = at::zeros_like(lora.gate_b);
+    out.up_a = at::zeros_like(lora.up_a);
+    out.up_b = at::zeros_like(lora.up_b);
+    out.down_a = at::zeros_like(lora.down_a);
+    out.down_b = at::zeros_like(lora.down_b);
+  }
+  const Routes r = routes(topk_ids, live_rows(live_tokens, x.size(0)), layer.layout.shape.num_experts);
+  const double s = lora.scaling;
+  for (size_t i = 0; i < r.experts.size(); ++i) {
+    const int64_t e = r.experts[i];
+    const at::Tensor tokens = index_tensor(r.tokens[i]), flat = index_tensor(r.flat[i]);
+    const Dequantized w = layer.expert(e);
+    const ExpertPass p = expert_forward(layer, w, lora, e, x.index_select(0, tokens), /*with_output=*/false);
+    const at::Tensor g_rows = grad.index_select(0, tokens);
+    const at::Tensor route_w = weights.index_select(0, flat).unsqueeze(1);  // [n, 1]
+    // grad_w = <G, d> = <G Wd, h> + <G, bd> + s <G Bd, h Ad^T>: d itself is never formed
+    const at::Tensor g_down = at::matmul(g_rows, w.down);  // [n, I]
+    at::Tensor grad_w = (g_down * p.h).sum(1);
+    if (layer.down_bias.defined()) grad_w = grad_w + (g_rows * layer.down_bias[e]).sum(1);
+    at::Tensor dh = g_down * route_w;  // (w G) Wd
+    if (lora.on()) {
+      const at::Tensor g_b = at::matmul(g_rows, lora.down_b[e]);  // [n, r]
+      grad_w = grad_w + (g_b * p.ha_d).sum(1) * s;
+      const at::Tensor dd = g_rows * route_w, dd_b = g_b * route_w;
+      out.down_b[e].add_(at::matmul(dd.t(), p.ha_d), s);
+      out.down_a[e].add_(at::matmul(dd_b.t(), p.h), s);
+      dh = dh + at::matmul(dd_b, lora.down_a[e]) * s;
+    }
+    out.w.index_copy_(0, flat, grad_w);
+    const at::Tensor dg = dh * p.act.dg, du = dh * p.act.du;
+    at::Tensor dx = at::matmul(dg, w.gate) + at::matmul(du, w.up);
+    if (lora.on()) {
+      const at::Tensor dg_b = at::matmul(dg, lora.gate_b[e]), du_b = at::matmul(du, lora.up_b[e]);
+      out.gate_b[e].add_(at::matmul(dg.t(), p.xa_g), s);
+      out.up_b[e].add_(at::matmul(du.t(), p.xa_u), s);
+      out.gate_a[e].add_(at::matmul(dg_b.t(), p.x), s);
+      out.up_a[e].add_(at::matmul(du_b.t(), p.x), s);
+      dx = dx + (at::matmul(dg_b, lora.gate_a[e]) + at::matmul(du_b, lora.up_a[e])) * s;
+    }
+    out.x.index_add_(0, tokens, dx);
+  }
+  out.w = out.w.view(topk_weights.sizes());
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_backward_cpu(const at::Tensor& grad_output, const at::Tensor& hidden_states,
+                                                    const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                                                    const at::Tensor& packed,
+                                                    const std::optional<at::Tensor>& live_tokens) {
+  RECORD_FUNCTION("kt::moe_backward", std::vector<c10::IValue>({hidden_states, topk_ids}));
+  const Layer layer(packed);
+  check_call(hidden_states, topk_ids, topk_weights, layer.layout);
+  const Grads g = backward(grad_output, hidden_states, topk_ids, topk_weights, layer, Lora{}, live_tokens);
+  return {g.x.to(hidden_states.scalar_type()), g.w.to(topk_weights.scalar_type())};
+}
+
+at::Tensor moe_lora_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                                const at::Tensor& topk_weights, const at::Tensor& packed, const at::Tensor& gate_a,
+                                const at::Tensor& gate_b, const at::Tensor& up_a, const at::Tensor& up_b,
+                                const at::Tensor& down_a, const at::Tensor& down_b, double scaling,
+                                const std::optional<at::Tensor>& live_tokens) {
+  RECORD_FUNCTION("kt::moe_lora_forward", std::vector<c10::IValue>({hidden_states, topk_ids}));
+  const Layer layer(packed);
+  check_call(hidden_states, topk_ids, topk_weights, layer.layout);
+  const Lora lora = lora_of(gate_a, gate_b, up_a, up_b, down_a, down_b, scaling, layer.layout);
+  return lora_forward(hidden_states, topk_ids, topk_weights, layer, lora, live_tokens);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+moe_lora_backward_cpu(const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                      const at::Tensor& topk_weights, const at::Tensor& packed, const at::Tensor& gate_a,
+                      const at::Tensor& gate_b, const at::Tensor& up_a, const at::Tensor& up_b,
+                      const at::Tensor& down_a, const at::Tensor& down_b, double scaling,
+                      const std::optional<at::Tensor>& live_tokens) {
+  RECORD_FUNCTION("kt::moe_lora_backward", std::vector<c10::IValue>({hidden_states, topk_ids}));
+  const Layer layer(packed);
+  check_call(hidden_states, topk_ids, topk_weights, layer.layout);
+  const Lora lora = lora_of(gate_a, gate_b, up_a, up_b, down_a, down_b, scaling, layer.layout);
+  const Grads g = backward(grad_output, hidden_states, topk_ids, topk_weights, layer, lora, live_tokens);
+  return {g.x.to(hidden_states.scalar_type()), g.w.to(topk_weights.scalar_type()),
+          g.gate_a.to(gate_a.scalar_type()),   g.gate_b.to(gate_b.scalar_type()),
+          g.up_a.to(up_a.scalar_type()),       g.up_b.to(up_b.scalar_type()),
+          g.down_a.to(down_a.scalar_type()),   g.down_b.to(down_b.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kt, CPU, m) {
+  m.impl("moe_backward", &moe_backward_cpu);
+  m.impl("moe_lora_forward", &moe_lora_forward_cpu);
+  m.impl("moe_lora_backward", &moe_lora_backward_cpu);
+}
+
+}  // namespace kt::ops
