@@ -45,6 +45,9 @@ _BLOB = "_kt_ops_blob"
 _ROUTE = "_kt_ops_route"  # int64 [E]: expert -> packed index, -1 for the experts kept in torch
 _LOCAL = "_kt_ops_local"  # the experts kept in torch: (ids [G], gate_up, gate_up_bias, down, down_bias)
 _LAYER_ID = "_kt_ops_layer"  # (layer index in the model, E): the module's row in kt_ops.ExpertStats
+_SHAPES = "_kt_ops_shapes"  # {"gate_up_proj": shape, "down_proj": shape} as stored before packing
+_LORA = "_kt_ops_lora"  # {parameter name: PEFT LoRA factors} while a PEFT adapter is active (kt_ops.hf_peft)
+_PEFT_MODULE = "peft.tuners.lora.layer"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _MOE_MODULE = "transformers.integrations.moe"
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # an experts class's weights
@@ -64,6 +67,10 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     layer_id, experts = getattr(self, _LAYER_ID, None) or (None, 0)
     expert_stats.record(layer_id, top_k_index, experts)  # kt_ops.ExpertStats (a no-op outside one)
     local = getattr(self, _LOCAL, None)
+    if self.__dict__.get(_LORA):  # a PEFT LoRA adapter on the experts (kt_ops.hf_peft)
+        from kt_ops.hf_peft import lora_forward
+
+        return lora_forward(self, self.__dict__[_LORA], hidden_states, top_k_index, top_k_weights, blob)
     if blob.numel() == 0:  # every expert kept in torch
         return _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
     route = getattr(self, _ROUTE, None)
@@ -108,11 +115,29 @@ def layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def record_shapes(module: nn.Module) -> None:
+    """Keeps the shapes of an experts module's ``gate_up_proj`` and ``down_proj`` (read by
+    PEFT's LoRA wrappers once the parameters are released: :mod:`kt_ops.hf_peft`)."""
+    if module.__dict__.get(_SHAPES) is None:
+        shapes = {name: tuple(getattr(module, name).shape) for name in ("gate_up_proj", "down_proj")
+                  if isinstance(getattr(module, name, None), torch.Tensor)}
+        if all(len(shape) == 3 for shape in shapes.values()) and len(shapes) == 2:
+            module.__dict__[_SHAPES] = shapes
+
+
+def stored_shape(module: nn.Module, name: str) -> tuple[int, ...] | None:
+    """The shape :func:`record_shapes` kept for parameter ``name``, or None."""
+    return (module.__dict__.get(_SHAPES) or {}).get(name)
+
+
 def set_layer_ids(model: nn.Module) -> None:
     """Tells every experts module of ``model`` its decoder-layer index (from its name) and
-    expert count, so :class:`kt_ops.ExpertStats` counts it under that row. Call while the
-    expert parameters still have their shapes (meta is fine)."""
+    expert count, so :class:`kt_ops.ExpertStats` counts it under that row, and keeps its
+    weights' shapes (:func:`record_shapes`). Call while the expert parameters still have
+    their shapes (meta is fine)."""
     for name, module in model.named_modules():
+        if is_experts_module(module):
+            record_shapes(module)
         if is_experts_module(module) and getattr(module, _LAYER_ID, None) is None:
             layer = layer_index(name)
             down = getattr(module, "down_proj", None)
@@ -238,6 +263,8 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
     pass ``tensors`` on that device while loading), computed densely over the batch."""
     from kt_ops.ops import pack_experts
 
+    if tensors is None:
+        record_shapes(module)
     weights = module_weights(module, tensors)
     gate, up, down = weights.pop("gate_proj"), weights.pop("up_proj"), weights.pop("down_proj")
     E = int(gate.shape[0])
@@ -336,11 +363,14 @@ def register(moe_module: Any = None) -> bool:
     return True
 
 
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Registers ``kt_ops`` right after ``transformers.integrations.moe`` is imported."""
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback(module)`` right after module ``name`` is imported."""
+
+    def __init__(self, name: str, callback: Any) -> None:
+        self.name, self.callback = name, callback
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _MOE_MODULE:
+        if name != self.name:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -352,16 +382,29 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
 
             def exec_module(module: Any, run: Any = run) -> None:
                 run(module)
-                register(module)
+                self.callback(module)
 
             spec.loader.exec_module = exec_module  # this module's loader instance only
             return spec
         return None
 
 
+def on_import(name: str, callback: Any) -> None:
+    """``callback(module)`` now if module ``name`` is imported, else right after it is."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+    elif not any(isinstance(f, _OnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport(name, callback))
+
+
+def _patch_peft(module: Any) -> None:
+    from kt_ops.hf_peft import patch
+
+    patch(module)
+
+
 def install() -> None:
-    """Registers now if transformers' MoE integration is already imported, else when it is."""
-    if _MOE_MODULE in sys.modules:
-        register(sys.modules[_MOE_MODULE])
-    elif not any(isinstance(finder, _RegisterOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
+    """Registers ``kt_ops`` in transformers' experts interface now if it is imported, else
+    when it is; teaches PEFT's LoRA parameter wrappers about packed experts likewise."""
+    on_import(_MOE_MODULE, register)
+    on_import(_PEFT_MODULE, _patch_peft)

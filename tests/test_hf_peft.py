@@ -1,0 +1,103 @@
+"""PEFT LoRA adapters on kt_ops experts (issue 22, part 3): a tiny Qwen3-MoE loaded with
+KtOpsConfig (experts packed) takes PEFT's LoRA on its fused experts
+(``target_parameters``), trains with AdamW like the same model in plain transformers +
+PEFT (losses step by step), and its saved adapter loads into an unpatched model with the
+same outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import kt_ops  # noqa: E402
+from hf_models import tiny_model  # noqa: E402
+from kt_ops import hf_experts  # noqa: E402
+
+TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("peft")
+    paths = {}
+    for arch in ("qwen3_moe", "gpt_oss"):
+        tiny_model(arch).float().save_pretrained(root / arch)  # bf16-exact weights: BF16 packs them exactly
+        paths[arch] = root / arch
+    return paths
+
+
+def load(path: Path, kt: bool) -> torch.nn.Module:
+    config = kt_ops.KtOpsConfig(method="BF16", progress=False) if kt else None
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=config)
+
+
+def with_lora(model: torch.nn.Module, seed: int = 0, targets: list[str] = TARGETS) -> torch.nn.Module:
+    torch.manual_seed(seed)  # PEFT draws lora_A from torch's generator: the same init for both models
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=targets, init_lora_weights=True)
+    return peft.get_peft_model(model, config)
+
+
+def train(model: torch.nn.Module, steps: int = 20) -> list[float]:
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_lora_trains_like_transformers_and_peft(saved: dict[str, Path], arch: str) -> None:
+    ours, plain = with_lora(load(saved[arch], kt=True)), with_lora(load(saved[arch], kt=False))
+    assert all(hf_experts.packed_blob(m) is not None for m in ours.modules() if hf_experts.is_experts_module(m))
+    trainable = {n for n, p in ours.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, p in plain.named_parameters() if p.requires_grad} and trainable
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
+        ours(input_ids=torch.tensor([[1, 2, 3]]))
+    assert any(e.name == "kt::moe_lora_forward" for e in prof.events())
+    ours_losses, plain_losses = train(ours), train(plain)
+    assert plain_losses[-1] < plain_losses[0]
+    for got, want in zip(ours_losses, plain_losses):
+        assert abs(got - want) <= 1e-3 * abs(want), (ours_losses, plain_losses)
+
+
+def test_saved_adapter_loads_into_an_unpatched_model(saved: dict[str, Path], tmp_path: Path) -> None:
+    ours = with_lora(load(saved["qwen3_moe"], kt=True), seed=3)
+    train(ours, steps=5)
+    ours.save_pretrained(tmp_path / "adapter")
+    plain = peft.PeftModel.from_pretrained(load(saved["qwen3_moe"], kt=False), tmp_path / "adapter")
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want = ours(input_ids=ids).logits, plain(input_ids=ids).logits
+        base = load(saved["qwen3_moe"], kt=False)(input_ids=ids).logits
+    assert ((got - want).norm() / want.norm()) <= 1e-5
+    assert ((base - want).norm() / want.norm()) > 1e-3  # the adapter changed the model
+
+
+def test_only_down_proj_targeted(saved: dict[str, Path]) -> None:
+    ours = with_lora(load(saved["qwen3_moe"], kt=True), targets=["mlp.experts.down_proj"])
+    plain = with_lora(load(saved["qwen3_moe"], kt=False), targets=["mlp.experts.down_proj"])
+    ours_losses, plain_losses = train(ours, steps=5), train(plain, steps=5)
+    for got, want in zip(ours_losses, plain_losses):
+        assert abs(got - want) <= 1e-3 * abs(want)
+
+
+def test_unsupported_uses_are_refused(saved: dict[str, Path]) -> None:
+    ours = with_lora(load(saved["qwen3_moe"], kt=True))
+    with pytest.raises(ValueError, match="cannot be merged into packed experts"):
+        ours.merge_and_unload()
+    gpu = transformers.AutoModelForCausalLM.from_pretrained(
+        saved["qwen3_moe"], dtype=torch.float32,
+        quantization_config=kt_ops.KtOpsConfig(method="BF16", num_gpu_experts=2, progress=False))
+    gpu = with_lora(gpu)
+    with pytest.raises(ValueError, match="GPU experts"):
+        gpu(input_ids=torch.tensor([[1, 2, 3]]))
