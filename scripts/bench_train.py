@@ -1,0 +1,75 @@
+"""Training-step cost of one MoE layer through kt_ops: forward alone (the inference kernel),
+forward + backward w.r.t. the inputs (kt::moe_backward), and LoRA forward + backward
+(kt::moe_lora_forward / kt::moe_lora_backward), per format, on the bench shapes.
+
+    python scripts/bench_train.py [--shape S1] [--tokens 512] [--method BF16 AMXINT8 AMXINT4 Q4_K] [--repeats 5]
+
+Prints medians of ``--repeats`` timed calls (after one warm-up), interleaved method by
+method, and the ratio (forward + backward) / forward. Run on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import kt_ops
+from kt_ops.bench.runner import SHAPES
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="S1", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--method", nargs="+", default=["BF16", "AMXINT8", "AMXINT4", "Q4_K"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rank", type=int, default=16)
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
+    g = torch.Generator().manual_seed(0)
+    gate = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
+    up = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
+    down = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    x = torch.randn(args.tokens, H, generator=g).bfloat16()
+    weights, ids = torch.rand(args.tokens, E, generator=g).softmax(-1).topk(K)
+    probe = torch.randn(args.tokens, H, generator=g).bfloat16()
+    print(f"{shape.name} (E={E}, K={K}, H={H}, I={I}), {args.tokens} tokens, {kt_ops.get_num_threads()} threads, "
+          f"CPU variant {kt_ops.cpu_variant()}, torch threads {torch.get_num_threads()}")
+    print(f"{'method':10} {'forward':>10} {'fwd+bwd':>10} {'ratio':>6} {'LoRA f+b':>10} {'ratio':>6}")
+    for method in args.method:
+        kwargs = {"gguf_type": method} if method.startswith("Q") else {}
+        packed = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE" if kwargs else method, **kwargs)
+        lora = kt_ops.LoraExperts(E, H, I, rank=args.rank, dtype=torch.bfloat16)
+
+        def forward() -> None:
+            with torch.no_grad():
+                kt_ops.moe_forward(x, ids, weights, packed)
+
+        def train() -> None:
+            inp = x.detach().requires_grad_()
+            (kt_ops.moe_forward(inp, ids, weights, packed) * probe).sum().backward()
+
+        def train_lora() -> None:
+            inp = x.detach().requires_grad_()
+            (lora(inp, ids, weights, packed) * probe).sum().backward()
+
+        f, t, lt = timed(forward, args.repeats), timed(train, args.repeats), timed(train_lora, args.repeats)
+        print(f"{method:10} {f * 1e3:8.1f}ms {t * 1e3:8.1f}ms {t / f:6.1f} {lt * 1e3:8.1f}ms {lt / f:6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
