@@ -130,15 +130,22 @@ def stored_shape(module: nn.Module, name: str) -> tuple[int, ...] | None:
     return (module.__dict__.get(_SHAPES) or {}).get(name)
 
 
+def expert_nbytes(module: nn.Module) -> int:
+    """Bytes of one expert's gate, up and down in the module's stored dtype (meta is fine)."""
+    E = int(module.down_proj.shape[0])
+    return (module.gate_up_proj.numel() + module.down_proj.numel()) // E * module.down_proj.element_size()
+
+
 def set_layer_ids(model: nn.Module) -> None:
     """Tells every experts module of ``model`` its decoder-layer index (from its name) and
     expert count, so :class:`kt_ops.ExpertStats` counts it under that row, and keeps its
     weights' shapes (:func:`record_shapes`). Call while the expert parameters still have
     their shapes (meta is fine)."""
     for name, module in model.named_modules():
-        if is_experts_module(module):
-            record_shapes(module)
-        if is_experts_module(module) and getattr(module, _LAYER_ID, None) is None:
+        if not is_experts_module(module):
+            continue
+        record_shapes(module)
+        if getattr(module, _LAYER_ID, None) is None:
             layer = layer_index(name)
             down = getattr(module, "down_proj", None)
             if layer is not None and isinstance(down, torch.Tensor) and down.dim() == 3:

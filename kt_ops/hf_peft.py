@@ -109,9 +109,8 @@ def _untransposed(lhs: torch.Tensor, rhs: torch.Tensor, swapped: bool) -> tuple[
 def lora_tensors(module: nn.Module, active: dict[str, tuple]) -> tuple[torch.Tensor, ...]:
     """The six LoRA tensors of ``kt::moe_lora_forward`` (scaling folded into the ``B``s) from
     the PEFT factors an experts module was handed; a projection without an adapter gets zeros."""
-    E = int(hf_experts.stored_shape(module, "down_proj")[0])
-    shape = hf_experts.stored_shape(module, "down_proj")
-    H, I = (shape[2], shape[1]) if module.is_transposed else (shape[1], shape[2])
+    E, *rest = hf_experts.stored_shape(module, "down_proj")
+    H, I = (rest[1], rest[0]) if module.is_transposed else (rest[0], rest[1])
     parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, (lhs, rhs, scaling, swapped) in active.items():
         b, a = _untransposed(lhs, rhs, swapped)

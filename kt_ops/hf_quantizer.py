@@ -180,29 +180,36 @@ class KtOpsHfQuantizer(HfQuantizer):
                              "dequantized; leave them out (or use kt_ops.KTMoEWrapper, whose GPU experts are the "
                              "caller's)")
 
-    def _reads_in_place(self, model: torch.nn.Module, checkpoint_files: list[str] | None) -> bool:
-        """Whether kt_ops reads the experts from the files: ``method="native"`` on a
-        pre-quantized checkpoint, or on one whose experts are stored quantized although
-        transformers did not recognise its quantization config."""
+    def _in_place_checkpoint(self, model: torch.nn.Module, checkpoint_files: list[str] | None) -> Any:
+        """The checkpoint kt_ops reads the experts from (an ``HfCheckpoint``), or None when
+        transformers' loader reads them: ``method="native"`` on a pre-quantized checkpoint, or
+        on one whose experts are stored quantized although transformers did not recognise its
+        quantization config. ``ValueError`` for a pre-quantized load without files."""
         if not self.quantization_config.native:
-            return False
-        if self.pre_quantized:
-            return True
-        if not checkpoint_files or not str(checkpoint_files[0]).endswith(".safetensors"):
-            return False
+            return None
         from pathlib import Path
 
         from kt_ops import hf_native
         from kt_ops.hf_checkpoint import HfCheckpoint
 
+        if self.pre_quantized:  # GPU experts were refused in validate_environment
+            if not checkpoint_files:
+                raise ValueError("KtOpsConfig(method='native') reads the experts from the checkpoint's safetensors "
+                                 "files; from_pretrained was given none (a state_dict?)")
+            return HfCheckpoint(Path(checkpoint_files[0]).parent)
+        if not checkpoint_files or not str(checkpoint_files[0]).endswith(".safetensors"):
+            return None
         checkpoint = HfCheckpoint(Path(checkpoint_files[0]).parent)
         names = [name for name, m in model.named_modules() if hf_experts.is_experts_module(m)]
         if not names:
-            return False
+            return None
         try:
-            return hf_native.native_method(checkpoint, hf_native.layer_of(names[0])) != "BF16"
+            quantized = hf_native.native_method(checkpoint, hf_native.layer_of(names[0])) != "BF16"
         except (KeyError, ValueError):
-            return False  # no experts under a name kt_ops reads: transformers' loader decides
+            return None  # no experts under a name kt_ops reads: transformers' loader decides
+        if quantized:
+            self._refuse_gpu_experts()
+        return checkpoint if quantized else None
 
     def preprocess_model(self, model: torch.nn.Module, dtype: torch.dtype | None = None, **kwargs: Any) -> None:
         self._dtype = dtype
@@ -215,9 +222,10 @@ class KtOpsHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
         hf_experts.set_layer_ids(model)
         experts = [m for m in model.modules() if hf_experts.is_experts_module(m)]
-        if self._reads_in_place(model, kwargs.get("checkpoint_files")):
+        checkpoint = self._in_place_checkpoint(model, kwargs.get("checkpoint_files"))
+        if checkpoint is not None:
             with torch.device("cpu"):  # transformers builds the model under a meta-device context
-                self._read_in_place(model, kwargs.get("checkpoint_files"), kwargs.get("device_map"))
+                self._read_in_place(model, checkpoint, kwargs.get("device_map"))
             return
         for module in experts:  # before any tensor is read
             hf_experts.check_supported(module)
@@ -233,21 +241,12 @@ class KtOpsHfQuantizer(HfQuantizer):
             self._bar = tqdm(total=len(experts), desc=f"kt_ops: packing experts ({self.quantization_config.pack_args()['method']})",
                              unit=" layers")
 
-    def _read_in_place(self, model: torch.nn.Module, checkpoint_files: list[str] | None,
-                       device_map: dict | None) -> None:
+    def _read_in_place(self, model: torch.nn.Module, checkpoint: Any, device_map: dict | None) -> None:
         """``method="native"`` on a pre-quantized checkpoint: every experts module packed from
         the files now (its parameters removed, so transformers neither reads nor expects the
         experts); quantized non-expert linears' weights removed too, dequantized after loading."""
-        from pathlib import Path
-
         from kt_ops import hf_native
-        from kt_ops.hf_checkpoint import HfCheckpoint
 
-        self._refuse_gpu_experts()
-        if not checkpoint_files:
-            raise ValueError("KtOpsConfig(method='native') reads the experts from the checkpoint's safetensors "
-                             "files; from_pretrained was given none (a state_dict?)")
-        checkpoint = HfCheckpoint(Path(checkpoint_files[0]).parent)
         experts = [(name, m) for name, m in model.named_modules() if hf_experts.is_experts_module(m)]
         for name, module in experts:
             hf_experts.check_supported(module)
@@ -300,23 +299,14 @@ class KtOpsHfQuantizer(HfQuantizer):
         config = self.quantization_config
         if config.placement is None:
             return {}
-        from kt_ops.placement import gpu_masks
+        from kt_ops.placement import model_masks
 
         experts = [(name, m) for name, m in model.named_modules() if hf_experts.is_experts_module(m)]
         if not experts:
             return {}
-        layers = [hf_experts.layer_index(name) for name, _ in experts]
-        if any(layer is None for layer in layers):
-            raise ValueError(f"placement needs each experts module's layer index (layers.N in its name); "
-                             f"{experts[layers.index(None)][0]!r} has none")
         first = experts[0][1]
-        E = int(first.down_proj.shape[0])
-        nbytes = (first.gate_up_proj.numel() + first.down_proj.numel()) // E * first.down_proj.element_size()
-        text = model.config.get_text_config()
-        hidden_layers = getattr(text, "num_hidden_layers", None)
-        masks = gpu_masks(config.placement, config.gpu_budget, E, layers, nbytes, config.expert_stats,
-                          num_hidden_layers=hidden_layers if isinstance(hidden_layers, int)
-                          and hidden_layers > max(layers) else None)
+        masks = model_masks(model, [name for name, _ in experts], config.placement, config.gpu_budget,
+                            int(first.down_proj.shape[0]), hf_experts.expert_nbytes(first), config.expert_stats)
         return {id(module): mask for (_, module), mask in zip(experts, masks)}
 
     def _check_gpu_experts(self, module: torch.nn.Module) -> None:

@@ -221,19 +221,31 @@ def budget_from_bytes(spec: str | int, expert_nbytes: int, num_moe_layers: int) 
     return parse_bytes(spec) // (int(expert_nbytes) * int(num_moe_layers))
 
 
-def gpu_masks(
+def model_masks(
+    model: torch.nn.Module,
+    module_names: Sequence[str],
     strategy: str,
     budget: int | float | str,
     num_experts: int,
-    moe_layers: Sequence[int],
     expert_nbytes: int,
     stats: StatsLike | None = None,
     seed: int = 42,
-    num_hidden_layers: int | None = None,
 ) -> torch.Tensor:
-    """:func:`placement_masks` for a model being loaded or patched, where ``budget`` may
-    also be a GPU byte budget (``"24GiB"``, :func:`budget_from_bytes` with the layer's
-    ``expert_nbytes`` on the GPU). bool ``[len(moe_layers), E]``."""
+    """:func:`placement_masks` for the MoE modules ``module_names`` of a model being loaded or
+    patched: the MoE layers are the modules' layer indices (``layers.N`` in their names),
+    ``num_hidden_layers`` comes from the model's config, and ``budget`` may also be a GPU
+    byte budget (``"24GiB"``, :func:`budget_from_bytes` with one expert's ``expert_nbytes``
+    on the GPU). bool ``[len(module_names), E]``; ``ValueError`` for a name without an index."""
+    from kt_ops.hf_experts import layer_index
+
+    layers = [layer_index(name) for name in module_names]
+    if any(layer is None for layer in layers):
+        raise ValueError(f"placement needs each MoE module's layer index (layers.N in its name); "
+                         f"{module_names[layers.index(None)]!r} has none")
     if isinstance(budget, str):
-        budget = budget_from_bytes(budget, expert_nbytes, max(len(moe_layers), 1))
-    return placement_masks(strategy, num_experts, moe_layers, budget, stats, seed, num_hidden_layers=num_hidden_layers)
+        budget = budget_from_bytes(budget, expert_nbytes, max(len(layers), 1))
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "num_hidden_layers", None)
+    hidden = hidden if isinstance(hidden, int) and layers and hidden > max(layers) else None
+    return placement_masks(strategy, num_experts, layers, budget, stats, seed, num_hidden_layers=hidden)

@@ -39,6 +39,7 @@ from kt_ops.gguf_loader import (
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import int4_method, load_int4_experts
 from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_parts
+from kt_ops.hf_native import native_method
 from kt_ops.numa import place_parts, resolve_nodes
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases
@@ -677,11 +678,4 @@ def detect_method(path: Path, layer_idx: int) -> str:
         raise ValueError(f"{path} was written by kt_ops.convert; pass the method it was converted with")
     if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
         return "LLAMAFILE"
-    checkpoint = HfCheckpoint(path)
-    if find_mxfp4_layer(checkpoint, layer_idx) is not None:
-        return "MXFP4"
-    int4 = int4_method(checkpoint, layer_idx)
-    if int4 is not None:
-        return int4
-    kind = checkpoint.fp8_kind(layer_idx)
-    return FP8_KIND_METHODS[kind] if kind is not None else "BF16"
+    return native_method(HfCheckpoint(path), layer_idx)

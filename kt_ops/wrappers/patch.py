@@ -148,24 +148,15 @@ def _layer_masks(
 
 def _placement_mask(model: nn.Module, names: list[str], num_experts: int, expert_nbytes: int, placement: str,
                     gpu_budget: int | float | str | None, expert_stats: object, other: tuple) -> torch.Tensor:
-    """The GPU-expert mask ``[num_moe_layers, E]`` of ``placement`` (:func:`kt_ops.placement_masks`)."""
-    from kt_ops.placement import gpu_masks
+    """The GPU-expert mask ``[num_moe_layers, E]`` of ``placement`` (:func:`kt_ops.placement.model_masks`)."""
+    from kt_ops.placement import model_masks
 
     if any(value is not None for value in other):
         raise ValueError("give placement= (with gpu_budget=) or gpu_experts_mask / num_gpu_experts, not both")
     if gpu_budget is None:
         raise ValueError(f"placement={placement!r} needs gpu_budget: GPU experts per MoE layer (int), a ratio of all "
                          "routed experts (float in (0, 1]) or GPU bytes ('24GiB')")
-    layers = [hf_experts.layer_index(name) for name in names]
-    if any(layer is None for layer in layers):
-        raise ValueError(f"placement needs each MoE block's layer index (layers.N in its name); {names[layers.index(None)]!r} "
-                         "has none")
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden_layers = getattr(text, "num_hidden_layers", None)
-    return gpu_masks(placement, gpu_budget, num_experts, layers, expert_nbytes, expert_stats,
-                     num_hidden_layers=hidden_layers if isinstance(hidden_layers, int) and hidden_layers > max(layers)
-                     else None)
+    return model_masks(model, names, placement, gpu_budget, num_experts, expert_nbytes, expert_stats)
 
 
 def patch_model(
@@ -225,8 +216,7 @@ def patch_model(
                              f"supported: {', '.join(supported_model_types())}")
         num_experts = int(experts[0][1].down_proj.shape[0])
         if placement is not None:
-            first = experts[0][1]
-            nbytes = (first.gate_up_proj.numel() + first.down_proj.numel()) // num_experts * first.down_proj.element_size()
+            nbytes = hf_experts.expert_nbytes(experts[0][1])
             gpu_experts_mask = _placement_mask(model, [name for name, _ in experts], num_experts, nbytes, placement,
                                                gpu_budget, expert_stats, (gpu_experts_mask, num_gpu_experts))
         if dynamic_gpu_experts:
