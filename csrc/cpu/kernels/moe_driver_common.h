@@ -104,6 +104,14 @@ float weight_at(const void* weights, ElementType type, int64_t index) {
   }
 }
 
+// Blocks per job of a streaming (decode) pass over `blocks` blocks of 16 rows: at least 4
+// jobs per thread, a multiple of `multiple` in [least, most]. Each job streams its blocks
+// from memory, and its first blocks start cold: longer jobs read faster.
+inline int64_t streaming_job_blocks(int64_t blocks, int threads, int64_t least, int64_t most, int64_t multiple) {
+  const int64_t per_job = blocks / (4 * std::max(threads, 1)) / multiple * multiple;
+  return std::clamp<int64_t>(per_job, least, most);
+}
+
 struct ExpertTile {
   int32_t expert;
   int32_t first_block;

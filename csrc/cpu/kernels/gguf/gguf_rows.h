@@ -34,8 +34,7 @@ constexpr int64_t kGgufJobRows = 64;      // rows per job of the tile path (kTil
 // start cold, so longer jobs stream faster: 1-token S1 Q4_K 1130-1150 us with 64-row
 // jobs, 1000-1030 with 192-256 (Q8_0 1790-1850 -> 1580-1640).
 inline int64_t streaming_job_rows(int64_t rows, int threads) {
-  const int64_t per_job = rows / (4 * std::max(threads, 1)) / 16 * 16;
-  return std::clamp<int64_t>(per_job, kGgufJobRows, 256);
+  return 16 * streaming_job_blocks(rows / 16, threads, kGgufJobRows / 16, 16, 1);
 }
 
 constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's and Q5_K's direct path

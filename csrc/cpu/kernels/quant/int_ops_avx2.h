@@ -39,6 +39,13 @@ struct IntOpsAvx2 {
     return dot(acc, _mm256_abs_epi8(s), _mm256_sign_epi8(a, s));
   }
   static IReg add(IReg a, IReg b) { return _mm256_add_epi32(a, b); }
+  // int4: a line's low and high nibble products summed as int16 pairs, widened once
+  // (|pair| <= 2 * 15 * 127 = 3810, so the sum of two is exact).
+  static constexpr bool kDotInt4 = true;
+  static IReg dot_int4(IReg acc, IReg lo, IReg a0, IReg hi, IReg a1) {
+    const IReg pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_maddubs_epi16(hi, a1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
   static IReg sub(IReg v, int32_t s) { return _mm256_sub_epi32(v, _mm256_set1_epi32(s)); }
   static Vec::Reg to_float(IReg v) { return _mm256_cvtepi32_ps(v); }
 };

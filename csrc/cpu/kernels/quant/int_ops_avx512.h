@@ -40,6 +40,13 @@ struct IntOpsAvx512 {
     const IReg signed_a = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
     return dot(acc, _mm512_abs_epi8(s), signed_a);
   }
+  // int4: a line's low and high nibble products summed as int16 pairs, widened once
+  // (|pair| <= 2 * 15 * 127 = 3810, so the sum of two is exact).
+  static constexpr bool kDotInt4 = true;
+  static IReg dot_int4(IReg acc, IReg lo, IReg a0, IReg hi, IReg a1) {
+    const IReg pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, a0), _mm512_maddubs_epi16(hi, a1));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+  }
   // acc + per int32 lane: a16[2l] * b16[2l] + a16[2l+1] * b16[2l+1] (int16 pairs).
   static IReg dot16(IReg acc, IReg a16, IReg b16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a16, b16)); }
   static IReg add(IReg a, IReg b) { return _mm512_add_epi32(a, b); }

@@ -14,6 +14,8 @@
 //     IReg dot(IReg acc, IReg w_u8, IReg a_s8);       // acc + sum of 4 products, w < 16
 //     IReg dot_int8(IReg acc, IReg w_u8, IReg a_s8);  // acc + sum (w - 128) a + kInt8Bias sum a
 //     IReg add(IReg, IReg), sub(IReg, int32_t); Vec::Reg to_float(IReg); IReg zero();
+//     // optional (kDotInt4 = true): acc + dot(lo, a0) + dot(hi, a1), one widening
+//     static constexpr bool kDotInt4; IReg dot_int4(IReg acc, IReg lo, IReg a0, IReg hi, IReg a1);
 //   };
 //
 // Activations are int8 rows a (per-token symmetric, scale applied by the driver) with
@@ -33,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../../formats/int_layout.h"
 
@@ -88,7 +91,12 @@ struct QuantTileArgs {
   int64_t ldc;
   bool accumulate;               // add to c instead of overwriting it
   int64_t prefetch;              // lines ahead to prefetch (0: none; decode streams DRAM)
-  const uint8_t* stream = nullptr;  // prefill: line l of this to L2 at line l (the next k block)
+  // Line l of `stream_blocks` blocks from `stream` (block_stride apart) to L2 at line l:
+  // prefill, the next k block of one block; decode, the job's next tile of blocks, with
+  // their scale (and minimum) rows at each group's start (stream_scales).
+  const uint8_t* stream = nullptr;
+  int stream_blocks = 1;
+  bool stream_scales = false;
 };
 
 // Activation rows for a GEMM: int8 levels and their sums per 32 k.
@@ -104,6 +112,12 @@ inline int32_t load_i32(const void* p) {
   std::memcpy(&value, p, sizeof(value));
   return value;
 }
+
+// Ops with dot_int4(acc, lo, a0, hi, a1) (kDotInt4): one widening for a line's two nibble products.
+template <class Ops, class = void>
+struct HasDotInt4 : std::false_type {};
+template <class Ops>
+struct HasDotInt4<Ops, std::void_t<decltype(Ops::kDotInt4)>> : std::bool_constant<Ops::kDotInt4> {};
 
 template <class Ops, QuantKind Kind>
 struct QuantGemm {
@@ -149,6 +163,17 @@ struct QuantGemm {
       // latency; int4 then keeps the high nibbles' sums apart (no measurable change on
       // this memory-bound machine; it costs nothing).
       constexpr bool kSplit = kInt4 && M <= 2;
+      if (t.stream_scales) {  // the streamed blocks have the tile's layout: same offsets
+        const int64_t group_at = Kind == QuantKind::kInt8 ? 0 : g * 64;
+        const int64_t scales_at = reinterpret_cast<const uint8_t*>(t.scales) - t.w + group_at;
+        const int64_t minimums_at =
+            t.minimums != nullptr ? reinterpret_cast<const uint8_t*>(t.minimums) - t.w + group_at : -1;
+        for (int b = 0; b < t.stream_blocks; ++b) {
+          const char* block = reinterpret_cast<const char*>(t.stream + b * t.block_stride);
+          if (Kind != QuantKind::kInt8 || g == 0) _mm_prefetch(block + scales_at, _MM_HINT_T1);
+          if (minimums_at >= 0) _mm_prefetch(block + minimums_at, _MM_HINT_T1);
+        }
+      }
       IReg sums[M][NB][R], high_sums[M][NB][R];
       for (int m = 0; m < M; ++m)
         for (int b = 0; b < NB; ++b)
@@ -157,7 +182,8 @@ struct QuantGemm {
       for (int64_t l = first_line; l < first_line + group_k / kKPerLine; ++l) {
         const int64_t k = l * kKPerLine;
         if (t.stream != nullptr)
-          _mm_prefetch(reinterpret_cast<const char*>(t.stream + l * 64), _MM_HINT_T1);
+          for (int b = 0; b < t.stream_blocks; ++b)
+            _mm_prefetch(reinterpret_cast<const char*>(t.stream + b * t.block_stride + l * 64), _MM_HINT_T1);
         if constexpr (kInt4) {
           IReg lo[NB][R], hi[NB][R];
           for (int b = 0; b < NB; ++b) {
@@ -173,11 +199,18 @@ struct QuantGemm {
             const IReg a0 = Ops::broadcast4(t.a[m] + k), a1 = Ops::broadcast4(t.a[m] + k + 4);
             for (int b = 0; b < NB; ++b)
               for (int r = 0; r < R; ++r) {
-                sums[m][b][r] = Ops::dot(sums[m][b][r], lo[b][r], a0);
-                if constexpr (kSplit)  // two dependency chains where few rows give few
-                  high_sums[m][b][r] = Ops::dot(high_sums[m][b][r], hi[b][r], a1);
-                else
-                  sums[m][b][r] = Ops::dot(sums[m][b][r], hi[b][r], a1);
+                if constexpr (HasDotInt4<Ops>::value) {
+                  // Few rows chain every dot of a block on one register: odd lines
+                  // accumulate apart.
+                  IReg& acc = kSplit && (l & 1) ? high_sums[m][b][r] : sums[m][b][r];
+                  acc = Ops::dot_int4(acc, lo[b][r], a0, hi[b][r], a1);
+                } else {
+                  sums[m][b][r] = Ops::dot(sums[m][b][r], lo[b][r], a0);
+                  if constexpr (kSplit)  // two dependency chains where few rows give few
+                    high_sums[m][b][r] = Ops::dot(high_sums[m][b][r], hi[b][r], a1);
+                  else
+                    sums[m][b][r] = Ops::dot(sums[m][b][r], hi[b][r], a1);
+                }
               }
           }
         } else {
