@@ -207,6 +207,9 @@ def test_compute_bound_rows_use_the_gemm_of_their_arithmetic() -> None:
     assert int8_row.bound == "int8 gemm" and int8_row.limit_fraction == pytest.approx(0.25)
     no_int8 = rate(row_of("Q4_K", us=2000.0, weight_bytes=1e6, flops=1e9), limits_of(int8_gflops=None))
     assert no_int8.bound == "bf16 gemm"
+    # torch's int8 GEMM slower than its float one (no fast _int_mm): the float GEMM binds.
+    slow_int8 = rate(row_of("Q4_K", us=2000.0, weight_bytes=1e6, flops=1e9), limits_of(int8_gflops=2.0))
+    assert slow_int8.bound == "bf16 gemm" and slow_int8.limit_fraction == pytest.approx(0.5)
 
 
 def test_compute_limits_keep_the_best_of_two_brackets() -> None:

@@ -20,10 +20,13 @@ class MachineLimits:
     llc_bytes: int
 
     def gemm_for(self, row: Row) -> GemmReference:
-        """The compute limit of ``row``: int8 for int8 arithmetic where torch has an int8
-        GEMM, else the float one."""
-        if row.arithmetic == "int8" and self.compute.int8_gemm is not None:
-            return self.compute.int8_gemm
+        """The compute limit of ``row``: for int8 arithmetic the faster of torch's int8 and
+        float GEMMs (a kernel can always multiply in float, so an int8 GEMM slower than the
+        float one, as ``torch._int_mm`` on CPUs it has no fast path for, is no limit: 2
+        GOP/s against fp32's 167 GFLOP/s on an AVX2 Zen 3), else the float one."""
+        int8 = self.compute.int8_gemm
+        if row.arithmetic == "int8" and int8 is not None and int8.gflops >= self.compute.float_gemm.gflops:
+            return int8
         return self.compute.float_gemm
 
 
