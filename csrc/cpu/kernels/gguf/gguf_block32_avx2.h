@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "../../formats/gguf_types.h"
+#include "../quant/quant_gemm.h"
 #include "gguf_block32_avx512.h"
 #include "gguf_decode.h"
 
@@ -120,8 +121,13 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
                                 : kType == GgmlType::kMxfp4                     ? _mm256_srai_epi32(bias, 3)
                                 : kType == GgmlType::kQ8_0 && Ops::kInt8Bias != 0 ? bias
                                                                                    : _mm256_setzero_si256();
-          const __m256i p = kNibbles ? Ops::dot(Ops::dot(start, lo, a_lo), hi, a_hi)
-                                     : Ops::dot_int8(Ops::dot_int8(start, lo, a_lo), hi, a_hi);
+          __m256i p;
+          if constexpr (!kNibbles)
+            p = Ops::dot_int8(Ops::dot_int8(start, lo, a_lo), hi, a_hi);
+          else if constexpr (HasDotInt4<Ops>::value)  // levels < 32: exact int16 pair sums
+            p = Ops::dot_int4(start, lo, a_lo, hi, a_hi);
+          else
+            p = Ops::dot(Ops::dot(start, lo, a_lo), hi, a_hi);
           const __m256 scale = _mm256_mul_ps(d[h], _mm256_loadu_ps(scale8[j] + 4 * b0 + 8 * h));
           acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[j][i]);
           if constexpr (kMin)

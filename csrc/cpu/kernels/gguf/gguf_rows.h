@@ -29,12 +29,13 @@ namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int kGgufRows = 4;             // weight rows decoded and dotted together
 constexpr int64_t kGgufJobRows = 64;      // rows per job of the tile path (kTileBlocks blocks of 16)
-// Rows per job of the row (decode) paths: up to 256, 16-aligned, at least 4 jobs per
+// Rows per job of the row (decode) paths: up to 1024, 16-aligned, at least 4 jobs per
 // thread over `rows` (active experts x rows per expert). Each job's four row streams
 // start cold, so longer jobs stream faster: 1-token S1 Q4_K 1130-1150 us with 64-row
-// jobs, 1000-1030 with 192-256 (Q8_0 1790-1850 -> 1580-1640).
+// jobs, 1000-1030 with 192-256 (Q8_0 1790-1850 -> 1580-1640; Zen 5); 256 -> 1024 with
+// MXFP4 1056-1105 -> 933-1009 us, Q4_0 830 -> 773 (Zen 3, avx2, with the int16 pair sums).
 inline int64_t streaming_job_rows(int64_t rows, int threads) {
-  return 16 * streaming_job_blocks(rows / 16, threads, kGgufJobRows / 16, 16, 1);
+  return 16 * streaming_job_blocks(rows / 16, threads, kGgufJobRows / 16, 64, 1);
 }
 
 constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's and Q5_K's direct path

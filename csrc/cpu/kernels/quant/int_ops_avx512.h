@@ -41,7 +41,8 @@ struct IntOpsAvx512 {
     return dot(acc, _mm512_abs_epi8(s), signed_a);
   }
   // int4: a line's low and high nibble products summed as int16 pairs, widened once
-  // (|pair| <= 2 * 15 * 127 = 3810, so the sum of two is exact).
+  // (weights < 64 and |a| <= 127: |pair| <= 2 * 63 * 127, the sum of two < 2^15: exact;
+  // int4 levels < 16, MXFP4's levels + 16 < 32).
   static constexpr bool kDotInt4 = true;
   static IReg dot_int4(IReg acc, IReg lo, IReg a0, IReg hi, IReg a1) {
     const IReg pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, a0), _mm512_maddubs_epi16(hi, a1));
