@@ -16,6 +16,7 @@
 #include "../cpu/engine/engine.h"
 #include "../cpu/engine/node_memory.h"
 #include "../cpu/format_table.h"
+#include "../cpu/formats/expert_staging.h"
 #include "../cpu/formats/gguf_types.h"
 #include "../cpu/isa/cpu_variant.h"
 #include "checks.h"
@@ -160,6 +161,35 @@ std::string kernel_name(const std::string& format, const std::string& variant) {
   return translate_errors([&] {
     return std::string(
         cpu::moe_kernel(cpu::parse_packed_format(format), cpu::parse_cpu_variant(variant)).name);
+  });
+}
+
+// One expert of a packed layer in staging rows (cpu/formats/expert_staging.h): `outs` =
+// gate, up, down, gate_scale, up_scale, down_scale (uint8, CPU, contiguous, exactly the
+// rows' bytes; the scales empty where the format has none).
+void stage_expert_rows(const at::Tensor& packed, int64_t expert, const std::vector<at::Tensor>& outs) {
+  translate_errors([&] {
+    check_dtype(packed, "packed", {at::kByte});
+    check_cpu_contiguous(packed, "packed");
+    const uint8_t* blob = packed.const_data_ptr<uint8_t>();
+    const size_t blob_bytes = static_cast<size_t>(packed.numel());
+    const cpu::StagingSizes sizes = cpu::staging_sizes(cpu::read_packed_header(blob, blob_bytes));
+    TORCH_CHECK_VALUE(outs.size() == 6, "stage_expert_rows takes 6 outputs, got ", outs.size());
+    const int64_t rows[6] = {sizes.intermediate, sizes.intermediate, sizes.hidden,
+                             sizes.intermediate, sizes.intermediate, sizes.hidden};
+    const size_t row_bytes[6] = {sizes.gate_up_row, sizes.gate_up_row, sizes.down_row,
+                                 sizes.gate_up_scale_row, sizes.gate_up_scale_row, sizes.down_scale_row};
+    const char* names[6] = {"gate", "up", "down", "gate_scale", "up_scale", "down_scale"};
+    uint8_t* ptr[6];
+    for (int i = 0; i < 6; ++i) {
+      check_dtype(outs[i], names[i], {at::kByte});
+      check_cpu_contiguous(outs[i], names[i]);
+      const int64_t want = rows[i] * static_cast<int64_t>(row_bytes[i]);
+      TORCH_CHECK_VALUE(outs[i].numel() == want, names[i], " must hold ", want, " bytes, got ", outs[i].numel());
+      ptr[i] = want == 0 ? nullptr : outs[i].data_ptr<uint8_t>();
+    }
+    py::gil_scoped_release no_gil;
+    cpu::stage_expert_rows(blob, blob_bytes, expert, {ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5]});
   });
 }
 
@@ -329,6 +359,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("format_table", &format_table);
   m.def("ggml_type_table", &ggml_type_table);
   m.def("time_read_passes", &time_read_passes);
+  m.def("stage_expert_rows", &stage_expert_rows, py::arg("packed"), py::arg("expert"), py::arg("outs"));
   m.def("_engine_thread_ids", &engine_thread_ids);
   m.def("_torch_thread_ids", &torch_thread_ids);
   m.def("_engine_node_thread_ids", &engine_node_thread_ids);

@@ -45,6 +45,7 @@ from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases
 from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_parts, part_bounds
 from kt_ops.placement import generate_gpu_experts_masks  # noqa: F401 (its former home; kt_ops.wrappers re-exports it)
+from kt_ops.staging import Destination, write_weight_scale_to_buffer
 from kt_ops.wrappers.wrapper_cuda import capture_call_sizes, experts_on_device, resolve_stream, route_table
 
 
@@ -206,6 +207,7 @@ class KTMoEWrapper:
         self._reserved: set[tuple[int, tuple[int, ...]]] = set()  # (device, call sizes) with pinned staging
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # deferred experts, eager CUDA calls
         self._inflight: _Inflight | None = None
+        self._staging: Future | None = None  # submit_write_weight_scale_to_buffer's write
         if cpuinfer_threads is not None and cpuinfer_threads != get_num_threads():
             set_num_threads(cpuinfer_threads)
         KTMoEWrapper._instances.add(self)
@@ -482,6 +484,42 @@ class KTMoEWrapper:
             if cls._executor is None:
                 cls._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kt_ops_moe")
             return cls._executor
+
+    def submit_write_weight_scale_to_buffer(
+        self,
+        gpu_tp_count: int,
+        expert_id: int,
+        w13_weight_ptrs: Sequence[Destination],
+        w13_scale_ptrs: Sequence[Destination],
+        w2_weight_ptrs: Sequence[Destination],
+        w2_scale_ptrs: Sequence[Destination],
+    ) -> None:
+        """Starts writing CPU expert slot ``expert_id`` into kt-kernel's GPU staging layouts,
+        one destination per GPU TP rank for each tensor (layer-wise GPU prefill; layouts and
+        destinations: :mod:`kt_ops.staging`); :meth:`sync_write_weight_scale_to_buffer` waits.
+        Runs on the wrapper's worker thread, after any forward submitted before it.
+
+        Here: ``ValueError`` for a slot outside the layer or on the GPU (``gpu_experts_mask``:
+        its weights are not held here), ``RuntimeError`` before :meth:`load_weights`. From
+        the sync: ``ValueError`` for a format with no staging layout, a ``gpu_tp_count`` that
+        does not divide I into whole scale groups, or a destination of the wrong size."""
+        if not self._parts:
+            raise RuntimeError(f"layer {self.layer_idx}: load_weights first; no CPU experts are packed")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert_id {expert_id} is not a slot of this layer's {self.num_experts}")
+        packed = int(self._route[expert_id])
+        if packed < 0:
+            raise ValueError(f"expert_id {expert_id} is a GPU expert (gpu_experts_mask): the CPU holds no weights for it")
+        self.sync_write_weight_scale_to_buffer()
+        self._staging = self._pool().submit(write_weight_scale_to_buffer, list(self._parts), packed, gpu_tp_count,
+                                            w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs)
+
+    def sync_write_weight_scale_to_buffer(self) -> None:
+        """Waits for the write :meth:`submit_write_weight_scale_to_buffer` started (and raises
+        its error); returns at once when none is pending."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.result()
 
     def submit_forward(
         self,

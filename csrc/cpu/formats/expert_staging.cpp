@@ -1,0 +1,210 @@
+#include "expert_staging.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "../engine/engine.h"
+#include "bf16_layout.h"
+#include "fp8_layout.h"
+#include "gguf_types.h"
+#include "int_layout.h"
+#include "mxfp4_block.h"
+#include "packed_header.h"
+
+namespace kt::cpu {
+namespace {
+
+constexpr int kRows = 16;  // rows per block of the tiled formats
+
+// The rows of one 16-row block of a matrix: gate_up blocks alternate gate (even) and up
+// (odd) over intermediate rows; down blocks are hidden rows.
+struct BlockRows {
+  uint8_t* codes;   // destination of the block's first row
+  uint8_t* scales;  // same for the scales (nullptr: none)
+  int64_t rows;     // real rows in the block (the last block may be partial; 0: padding only)
+};
+
+BlockRows block_rows(const StagingRows& out, bool gate_up, int64_t block, int64_t real_rows, size_t row_bytes,
+                     size_t scale_row_bytes) {
+  const int64_t first = (gate_up ? block / 2 : block) * kRows;
+  const int64_t rows = std::clamp<int64_t>(real_rows - first, 0, kRows);
+  uint8_t* codes = gate_up ? (block % 2 == 0 ? out.gate : out.up) : out.down;
+  uint8_t* scales = gate_up ? (block % 2 == 0 ? out.gate_scale : out.up_scale) : out.down_scale;
+  return {codes + first * row_bytes, scales == nullptr ? nullptr : scales + first * scale_row_bytes, rows};
+}
+
+// Lines of k-pairs (bf16 and the e4m3 formats): line p holds, for each of the 16 rows i,
+// elements 2p and 2p + 1 of `element` bytes each at byte 2 i element.
+void untile_pairs(const uint8_t* block, int element, int64_t k, const BlockRows& dst, size_t row_bytes) {
+  const int64_t line = 2 * kRows * element, pair = 2 * element;
+  for (int64_t i = 0; i < dst.rows; ++i) {
+    uint8_t* d = dst.codes + i * row_bytes;
+    const uint8_t* s = block + i * pair;
+    for (int64_t p = 0; p < k / 2; ++p) std::memcpy(d + p * pair, s + p * line, pair);
+    if (k % 2) std::memcpy(d + (k / 2) * pair, s + (k / 2) * line, element);
+  }
+}
+
+uint16_t bf16_truncated(const uint8_t* fp32) {
+  uint32_t bits;
+  std::memcpy(&bits, fp32, 4);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// 2^(e - 127) as bf16 bits: e = 0 the subnormal 2^-127, 255 NaN.
+uint16_t ue8m0_bf16(uint8_t e) {
+  return e == mxfp4::kNanExponent ? 0x7fc0 : e == 0 ? 0x0040 : static_cast<uint16_t>(e << 7);
+}
+
+template <class Fn>
+void for_blocks(int64_t blocks, Fn&& fn) {
+  Engine::instance().parallel_for(blocks, [&](int64_t b) { fn(b); });
+}
+
+void stage_bf16(const uint8_t* blob, const PackedLayout& layout, int64_t e, const StagingRows& out) {
+  const int64_t H = layout.shape.hidden_size, I = layout.shape.intermediate_size;
+  const bf16_layout::Dims dims(H, I);
+  const uint8_t* gu = blob + layout.gate_up_offset + e * layout.gate_up_expert_bytes;
+  const uint8_t* dn = blob + layout.down_offset + e * layout.down_expert_bytes;
+  for_blocks(dims.gate_up_blocks + dims.down_blocks, [&](int64_t job) {
+    const bool gate_up = job < dims.gate_up_blocks;
+    const int64_t b = gate_up ? job : job - dims.gate_up_blocks;
+    const int64_t k = gate_up ? H : I;
+    const BlockRows dst = block_rows(out, gate_up, b, gate_up ? I : H, 2 * k, 0);
+    const uint8_t* block = gate_up ? gu + b * dims.gate_up_block_bytes() : dn + b * dims.down_block_bytes();
+    untile_pairs(block, 2, k, dst, 2 * k);
+  });
+}
+
+void stage_fp8(const uint8_t* blob, const PackedLayout& layout, int64_t e, const StagingRows& out) {
+  const fp8_layout::Dims dims(layout.shape);
+  const PackedFormat format = layout.shape.format;
+  const uint8_t* gu = blob + layout.gate_up_offset + e * layout.gate_up_expert_bytes;
+  const uint8_t* dn = blob + layout.down_offset + e * layout.down_expert_bytes;
+  for_blocks(dims.gate_up.blocks + dims.down.blocks, [&](int64_t job) {
+    const bool gate_up = job < dims.gate_up.blocks;
+    const fp8_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
+    const int64_t b = gate_up ? job : job - dims.gate_up.blocks;
+    const size_t scale_bytes = m.byte_scales ? 1 : 4;
+    const int64_t groups = format == PackedFormat::kFp8PerChannel ? 1 : m.groups;
+    const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k, groups * scale_bytes);
+    const uint8_t* block = (gate_up ? gu : dn) + b * m.block_bytes();
+    untile_pairs(block, 1, m.k, dst, m.k);
+    const uint8_t* scales = block + m.scales_offset();  // [groups][16], fp32 or bytes
+    for (int64_t i = 0; i < dst.rows; ++i)
+      for (int64_t g = 0; g < groups; ++g)
+        std::memcpy(dst.scales + (i * groups + g) * scale_bytes, scales + (g * kRows + i) * scale_bytes, scale_bytes);
+  });
+}
+
+void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, const StagingRows& out) {
+  const int_layout::Dims dims(layout.shape);
+  const uint8_t* gu = blob + layout.gate_up_offset + e * layout.gate_up_expert_bytes;
+  const uint8_t* dn = blob + layout.down_offset + e * layout.down_expert_bytes;
+  for_blocks(dims.gate_up.blocks + dims.down.blocks, [&](int64_t job) {
+    const bool gate_up = job < dims.gate_up.blocks;
+    const int_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
+    const int64_t b = gate_up ? job : job - dims.gate_up.blocks;
+    const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * 2);
+    const uint8_t* block = (gate_up ? gu : dn) + b * m.block_bytes();
+    for (int64_t i = 0; i < dst.rows; ++i) {
+      // byte 4 i + j of line l: q(8 l + j) | q(8 l + 4 + j) << 4; out byte: k = 2 c low, 2 c + 1 high
+      uint8_t* d = dst.codes + i * (m.k / 2);
+      for (int64_t l = 0; l < m.lines; ++l) {
+        const uint8_t* s = block + l * int_layout::kLineBytes + 4 * i;
+        d[4 * l + 0] = static_cast<uint8_t>((s[0] & 15) | (s[1] << 4));
+        d[4 * l + 1] = static_cast<uint8_t>((s[2] & 15) | (s[3] << 4));
+        d[4 * l + 2] = static_cast<uint8_t>((s[0] >> 4) | (s[1] & 0xf0));
+        d[4 * l + 3] = static_cast<uint8_t>((s[2] >> 4) | (s[3] & 0xf0));
+      }
+      auto* scale = reinterpret_cast<uint16_t*>(dst.scales + i * m.groups * 2);
+      for (int64_t g = 0; g < m.groups; ++g)
+        scale[g] = bf16_truncated(block + m.scales_offset() + (g * kRows + i) * 4);
+    }
+  });
+}
+
+void stage_mxfp4(const uint8_t* blob, const PackedLayout& layout, int64_t e, const StagingRows& out) {
+  const int64_t H = layout.shape.hidden_size, I = layout.shape.intermediate_size;
+  const int64_t rows[3] = {I, I, H}, ks[3] = {H, H, I};
+  uint8_t* codes[3] = {out.gate, out.up, out.down};
+  uint8_t* scales[3] = {out.gate_scale, out.up_scale, out.down_scale};
+  const int64_t chunks = (2 * I + H + kRows - 1) / kRows;  // 16-row jobs over the three matrices
+  for_blocks(chunks, [&](int64_t job) {
+    for (int64_t n = job * kRows; n < std::min<int64_t>((job + 1) * kRows, 2 * I + H); ++n) {
+      const int m = n < I ? 0 : n < 2 * I ? 1 : 2;
+      const int64_t row = n - (m == 0 ? 0 : m == 1 ? I : 2 * I), blocks = ks[m] / mxfp4::kBlockElems;
+      const uint8_t* src = blob + layout.matrix_offset[m] + e * layout.matrix_expert_bytes[m] +
+                           row * blocks * mxfp4::kBlockBytes;
+      uint8_t* d = codes[m] + row * ks[m] / 2;
+      auto* scale = reinterpret_cast<uint16_t*>(scales[m] + row * blocks * 2);
+      for (int64_t blk = 0; blk < blocks; ++blk, src += mxfp4::kBlockBytes, d += 16) {
+        const uint8_t* qs = src + 1;  // low nibble: weight j, high: j + 16 (ggml's order)
+        for (int c = 0; c < 8; ++c) d[c] = static_cast<uint8_t>((qs[2 * c] & 15) | (qs[2 * c + 1] << 4));
+        for (int c = 0; c < 8; ++c) d[8 + c] = static_cast<uint8_t>((qs[2 * c] >> 4) | (qs[2 * c + 1] & 0xf0));
+        scale[blk] = ue8m0_bf16(src[0]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+StagingSizes staging_sizes(const PackedLayout& layout) {
+  const PackedShape& s = layout.shape;
+  const int64_t H = s.hidden_size, I = s.intermediate_size;
+  StagingSizes sizes;
+  sizes.intermediate = I;
+  sizes.hidden = H;
+  switch (s.format) {
+    case PackedFormat::kBf16:
+      sizes.gate_up_row = 2 * H, sizes.down_row = 2 * I;
+      return sizes;
+    case PackedFormat::kFp8:
+    case PackedFormat::kFp8PerChannel:
+    case PackedFormat::kMxfp8: {
+      const fp8_layout::Dims dims(s);
+      const bool per_channel = s.format == PackedFormat::kFp8PerChannel;
+      const size_t scale = s.format == PackedFormat::kMxfp8 ? 1 : 4;
+      sizes.gate_up_row = H, sizes.down_row = I;
+      sizes.gate_up_scale_row = (per_channel ? 1 : dims.gate_up.groups) * scale;
+      sizes.down_scale_row = (per_channel ? 1 : dims.down.groups) * scale;
+      return sizes;
+    }
+    case PackedFormat::kInt4:
+      sizes.gate_up_row = H / 2, sizes.down_row = I / 2;
+      sizes.gate_up_scale_row = H / s.group_size * 2, sizes.down_scale_row = I / s.group_size * 2;
+      return sizes;
+    case PackedFormat::kGguf: {
+      const uint32_t mxfp4 = static_cast<uint32_t>(GgmlType::kMxfp4);
+      if (s.gguf_types[0] != mxfp4 || s.gguf_types[1] != mxfp4 || s.gguf_types[2] != mxfp4) break;
+      sizes.gate_up_row = H / 2, sizes.down_row = I / 2;
+      sizes.gate_up_scale_row = H / mxfp4::kBlockElems * 2, sizes.down_scale_row = I / mxfp4::kBlockElems * 2;
+      return sizes;
+    }
+    default: break;
+  }
+  throw std::invalid_argument("this layer's format has no GPU staging layout (kt-kernel writes BF16, FP8, "
+                              "FP8_PERCHANNEL, MXFP8, RAWINT4 and MXFP4 layers; a symmetric INT4 layer stages as "
+                              "RAWINT4)");
+}
+
+void stage_expert_rows(const uint8_t* blob, size_t blob_bytes, int64_t expert, const StagingRows& out) {
+  const PackedLayout layout = read_packed_header(blob, blob_bytes);
+  staging_sizes(layout);  // throws for a layer with no staging layout
+  if (expert < 0 || expert >= static_cast<int64_t>(layout.shape.num_experts))
+    throw std::invalid_argument("expert " + std::to_string(expert) + " is not in this layer's " +
+                                std::to_string(layout.shape.num_experts) + " packed experts");
+  switch (layout.shape.format) {
+    case PackedFormat::kBf16: return stage_bf16(blob, layout, expert, out);
+    case PackedFormat::kFp8:
+    case PackedFormat::kFp8PerChannel:
+    case PackedFormat::kMxfp8: return stage_fp8(blob, layout, expert, out);
+    case PackedFormat::kInt4: return stage_int4(blob, layout, expert, out);
+    default: return stage_mxfp4(blob, layout, expert, out);  // gguf, MXFP4 x 3 (staging_sizes checked)
+  }
+}
+
+}  // namespace kt::cpu

@@ -1,0 +1,257 @@
+"""One expert's weights in kt-kernel's GPU staging layouts (``write_weight_scale_to_buffer``).
+
+For layer-wise GPU prefill a serving engine (SGLang's ``kt_ep_wrapper``) copies every
+expert of a layer to the GPU, one expert at a time through pinned double buffers, in the
+checkpoint's own orientation and dtypes so the GPU kernels of that format can run it.
+kt-kernel writes these buffers from its packed CPU layers (its ``write_weights_to_buffer``,
+``../shared/reference/kt-kernel-upstream-specs.md`` §6.5); :func:`stage_expert` and
+:func:`write_weight_scale_to_buffer` do the same from a kt_ops packed layer, un-tiling
+the kernel layout back to rows, never widening the codes.
+
+Per GPU tensor-parallel rank ``r`` of ``gpu_tp_count``, with ``I_r = I / gpu_tp_count``
+(gate and up rows ``[r I_r, (r + 1) I_r)``, down columns likewise):
+
+========================  ==========================  ============================  =====================  ===========================
+format (methods)          w13_weight                  w13_scale                     w2_weight              w2_scale
+========================  ==========================  ============================  =====================  ===========================
+bf16 (BF16)               bf16 ``[2 I_r, H]``         --                            bf16 ``[H, I_r]``      --
+fp8 (FP8)                 e4m3 ``[2 I_r, H]``         fp32 ``[2 ceil(I_r/128),      e4m3 ``[H, I_r]``      fp32 ``[ceil(H/128),
+                                                      ceil(H/128)]``                                       ceil(I_r/128)]``
+fp8_perchannel            e4m3 ``[2 I_r, H]``         fp32 ``[2 I_r]``              e4m3 ``[H, I_r]``      fp32 ``[H]`` (unsplit)
+mxfp8 (MXFP8)             e4m3 ``[2 I_r, H]``         uint8 ue8m0 ``[2 I_r, H/32]`` e4m3 ``[H, I_r]``      uint8 ``[H, I_r/32]``
+int4 (RAWINT4, and any    uint8 ``[2 I_r, H/2]``      bf16 ``[2 I_r, H/gs]``        uint8 ``[H, I_r/2]``   bf16 ``[H, I_r/gs]``
+symmetric INT4 layer)
+gguf, all MXFP4 (MXFP4)   uint8 ``[2 I_r, H/2]``      bf16 ``[2 I_r, H/32]``        uint8 ``[H, I_r/2]``   bf16 ``[H, I_r/32]``
+========================  ==========================  ============================  =====================  ===========================
+
+``w13`` is the rank's gate rows, then its up rows. 4-bit bytes hold element ``2j`` in the
+low nibble and ``2j + 1`` in the high one (compressed-tensors' and DeepSeek-V4's order);
+int4 nibbles are ``q + 8`` (``w = (nibble - 8) * scale``, compressed-tensors'
+``pack-quantized``), MXFP4 nibbles e2m1 codes. int4 scales are the fp32 scales truncated
+to bf16 (kt-kernel's conversion: lossless for scales read from a bf16 checkpoint). MXFP4
+scales are ``2^(e - 127)`` as bf16; where kt-kernel writes ``e << 7`` (exponent 0 as +0,
+255 as +inf) this writes the OCP values: 0 as ``2^-127`` (a bf16 subnormal) and 255 as
+NaN. FP8 block scales must be equal over each 128-row block (they are, for layers read
+from block-FP8 checkpoints and for ``pack_experts(..., method="FP8")``). Layers with no
+staging layout in kt-kernel (int8, asymmetric int4, GGUF types other than MXFP4) raise
+``ValueError``, as does a split that cuts a scale group (``I_r`` a multiple of 128 for
+FP8 blocks, of ``gs`` for INT4, of 32 for MXFP4/MXFP8).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+from kt_ops._native import _C
+from kt_ops.packed import PackedExperts
+
+Destination = Union[int, torch.Tensor]
+"""A host address (what kt-kernel takes: a pinned buffer's pointer as an int) or a tensor
+of exactly the staged bytes (any dtype and device, contiguous)."""
+
+_FP8_BLOCK = 128
+_MX_GROUP = 32
+
+
+@dataclass(frozen=True)
+class ExpertStaging:
+    """One expert for one GPU TP rank, in the layouts of the module's table."""
+
+    w13_weight: torch.Tensor
+    w13_scale: torch.Tensor | None
+    w2_weight: torch.Tensor
+    w2_scale: torch.Tensor | None
+
+
+@dataclass
+class _Rows:
+    """An expert back in checkpoint rows (``kt::stage_expert_rows``): ``gate``/``up`` ``[I, .]``
+    and ``down`` ``[H, .]`` in the staging element types (bf16, e4m3 bytes, or two 4-bit codes
+    per byte), with per-row scales ``[rows, groups]`` (fp32, ue8m0 bytes or bf16) where the
+    format has them."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_scale: torch.Tensor | None = None
+    up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+
+# format -> (code dtype, bytes per element of a row: 2 bf16, 1 e4m3, 0.5 two 4-bit codes per
+# byte), scale dtype (None: no scales) and k per scale group (None: one scale per row).
+def _row_formats(fmt: str, group: int) -> tuple[torch.dtype, float, torch.dtype | None, int | None]:
+    return {
+        "bf16": (torch.bfloat16, 2.0, None, None),
+        "fp8": (torch.uint8, 1.0, torch.float32, _FP8_BLOCK),
+        "fp8_perchannel": (torch.uint8, 1.0, torch.float32, None),
+        "mxfp8": (torch.uint8, 1.0, torch.uint8, _MX_GROUP),
+        "int4": (torch.uint8, 0.5, torch.bfloat16, group),
+        "mxfp4": (torch.uint8, 0.5, torch.bfloat16, _MX_GROUP),
+    }[fmt]
+
+
+def _expert_rows(packed: PackedExperts, expert: int) -> tuple[str, int, _Rows]:
+    """(format, group size, rows) of one expert of one packed layer."""
+    blob = packed.data
+    info = _C.packed_info(blob)
+    fmt, E, H, I, G = (info[key] for key in ("format", "num_experts", "hidden_size", "intermediate_size", "group_size"))
+    if not 0 <= expert < E:
+        raise ValueError(f"expert {expert} is not in this layer's {E} packed experts")
+    if fmt == "gguf" and list(info["gguf_types"]) == ["MXFP4"] * 3:
+        fmt, G = "mxfp4", _MX_GROUP
+    if fmt not in ("bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "mxfp4"):
+        kind = f"gguf ({'/'.join(info['gguf_types'])})" if fmt == "gguf" else fmt
+        raise ValueError(f"a {kind} layer has no GPU staging layout (kt-kernel writes BF16, FP8, FP8_PERCHANNEL, "
+                         "MXFP8, RAWINT4 and MXFP4 layers; a symmetric INT4 layer stages as RAWINT4)")
+    code_dtype, code_bytes, scale_dtype, group = _row_formats(fmt, G)
+
+    def codes(rows: int, k: int) -> torch.Tensor:
+        return torch.empty(rows, int(k * code_bytes), dtype=torch.uint8)
+
+    def scales(rows: int, k: int) -> torch.Tensor:
+        if scale_dtype is None:
+            return torch.empty(0, dtype=torch.uint8)
+        groups = 1 if group is None else -(-k // group)
+        return torch.empty(rows, groups * scale_dtype.itemsize, dtype=torch.uint8)
+
+    outs = [codes(I, H), codes(I, H), codes(H, I), scales(I, H), scales(I, H), scales(H, I)]
+    _C.stage_expert_rows(blob, expert, outs)
+    c = [t.view(code_dtype) for t in outs[:3]]
+    sc = [t.view(scale_dtype) if scale_dtype is not None else None for t in outs[3:]]
+    return fmt, G, _Rows(c[0], c[1], c[2], sc[0], sc[1], sc[2])
+
+
+def _cat(parts: list[_Rows], field: str, dim: int) -> torch.Tensor | None:
+    values = [getattr(p, field) for p in parts]
+    return None if values[0] is None else torch.cat(values, dim=dim)
+
+
+def _block_scales(rows: torch.Tensor, name: str) -> torch.Tensor:
+    """Per-row fp32 scales ``[n, g]`` -> the block grid ``[ceil(n / 128), g]``, refused where a
+    block's rows disagree. NaN entries (the packer's mark of a row whose group holds a NaN
+    code: that code is NaN on the GPU too) are left out; a block of NaN only stays NaN."""
+    n, g = rows.shape
+    blocks = -(-n // _FP8_BLOCK)
+    padded = torch.full((blocks * _FP8_BLOCK, g), float("nan"))
+    padded[:n] = rows
+    padded = padded.reshape(blocks, _FP8_BLOCK, g)
+    valid = ~torch.isnan(padded)
+    top = torch.where(valid, padded, float("-inf")).amax(dim=1)
+    bottom = torch.where(valid, padded, float("inf")).amin(dim=1)
+    seen = valid.any(dim=1)
+    if bool((seen & (top != bottom)).any()):
+        raise ValueError(f"{name}: the FP8 scales differ within a 128-row block, so the layer has no block-FP8 "
+                         "staging layout")
+    return torch.where(seen, top, torch.full_like(top, float("nan"))).contiguous()
+
+
+def stage_expert(packed: PackedExperts | Sequence[PackedExperts], expert: int,
+                 gpu_tp_count: int = 1) -> list[ExpertStaging]:
+    """Expert ``expert`` (a packed expert index) of a layer, per GPU TP rank, in the layouts
+    of this module's table.
+
+    Args:
+        packed: the layer, or its NUMA parts (``KTMoEWrapper``'s parts: each holds a slice
+            of I, in order).
+        expert: the expert's index in the packed layer.
+        gpu_tp_count: GPU tensor-parallel ranks; must divide I (and keep scale groups whole).
+
+    Returns:
+        ``gpu_tp_count`` :class:`ExpertStaging`, new contiguous CPU tensors.
+    """
+    parts = [packed] if isinstance(packed, PackedExperts) else list(packed)
+    if not parts:
+        raise ValueError("stage_expert needs a packed layer")
+    if gpu_tp_count < 1:
+        raise ValueError(f"gpu_tp_count must be >= 1, got {gpu_tp_count}")
+    staged = [_expert_rows(p, expert) for p in parts]
+    fmt, group = staged[0][0], staged[0][1]
+    if any(s[0] != fmt or s[1] != group for s in staged):
+        raise ValueError("the parts of a layer must share one format and group size")
+    rows = [s[2] for s in staged]
+    gate, up, down = _cat(rows, "gate", 0), _cat(rows, "up", 0), _cat(rows, "down", 1)
+    gate_s, up_s, down_s = _cat(rows, "gate_scale", 0), _cat(rows, "up_scale", 0), _cat(rows, "down_scale", 1)
+    H, I = down.shape[0], gate.shape[0]
+    if I % gpu_tp_count:
+        raise ValueError(f"gpu_tp_count {gpu_tp_count} does not divide I = {I}")
+    ir = I // gpu_tp_count
+    unit = {"fp8": _FP8_BLOCK, "mxfp8": _MX_GROUP, "int4": group, "mxfp4": _MX_GROUP}.get(fmt, 1)
+    if gpu_tp_count > 1 and ir % unit:
+        raise ValueError(f"gpu_tp_count {gpu_tp_count} splits I = {I} into {ir}-row slices, not multiples of the "
+                         f"{fmt} scale group ({unit})")
+    out = []
+    for r in range(gpu_tp_count):
+        rs = slice(r * ir, (r + 1) * ir)
+        w13 = torch.cat((gate[rs], up[rs]), dim=0)
+        per_byte = 2 if fmt in ("int4", "mxfp4") else 1  # elements per byte of a row
+        w2 = down[:, r * ir // per_byte : (r + 1) * ir // per_byte].contiguous()
+        if fmt == "bf16":
+            out.append(ExpertStaging(w13, None, w2, None))
+        elif fmt in ("fp8", "fp8_perchannel", "mxfp8"):
+            w13_codes, w2_codes = w13.view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn)
+            if fmt == "fp8":
+                gs = torch.cat((_block_scales(gate_s[rs], "gate"), _block_scales(up_s[rs], "up")), dim=0)
+                first = r * ir // _FP8_BLOCK
+                ds = _block_scales(down_s, "down")[:, first : first + -(-ir // _FP8_BLOCK)]
+                out.append(ExpertStaging(w13_codes, gs.contiguous(), w2_codes, ds.contiguous()))
+            elif fmt == "fp8_perchannel":
+                gs = torch.cat((gate_s[rs, 0], up_s[rs, 0]))
+                out.append(ExpertStaging(w13_codes, gs.contiguous(), w2_codes, down_s[:, 0].contiguous()))
+            else:
+                gs = torch.cat((gate_s[rs], up_s[rs]), dim=0)
+                ds = down_s[:, r * ir // _MX_GROUP : (r + 1) * ir // _MX_GROUP]
+                out.append(ExpertStaging(w13_codes, gs.contiguous(), w2_codes, ds.contiguous()))
+        else:  # int4 and mxfp4: two codes per byte, bf16 scales per group
+            gs = torch.cat((gate_s[rs], up_s[rs]), dim=0)
+            ds = down_s[:, r * ir // group : (r + 1) * ir // group]
+            out.append(ExpertStaging(w13, gs.contiguous(), w2, ds.contiguous()))
+    return out
+
+
+def _write(destination: Destination, source: torch.Tensor, name: str) -> None:
+    data = source.contiguous().reshape(-1).view(torch.uint8)
+    if isinstance(destination, torch.Tensor):
+        if not destination.is_contiguous() or destination.numel() * destination.element_size() != data.numel():
+            raise ValueError(f"{name}: the destination must be a contiguous tensor of {data.numel()} bytes "
+                             f"({source.dtype} {tuple(source.shape)}), got {destination.dtype} "
+                             f"{tuple(destination.shape)}")
+        destination.reshape(-1).view(torch.uint8).copy_(data)
+        return
+    if not isinstance(destination, int) or destination <= 0:
+        raise ValueError(f"{name}: a destination is a host address (int > 0) or a tensor, got {destination!r}")
+    target = torch.frombuffer((ctypes.c_uint8 * data.numel()).from_address(destination), dtype=torch.uint8)
+    target.copy_(data)
+
+
+def write_weight_scale_to_buffer(
+    packed: PackedExperts | Sequence[PackedExperts],
+    expert: int,
+    gpu_tp_count: int,
+    w13_weight_ptrs: Sequence[Destination],
+    w13_scale_ptrs: Sequence[Destination],
+    w2_weight_ptrs: Sequence[Destination],
+    w2_scale_ptrs: Sequence[Destination],
+) -> None:
+    """Writes expert ``expert`` of a layer into one destination per GPU TP rank for each of
+    the four tensors (kt-kernel's ``write_weight_scale_to_buffer``; layouts in this module's
+    table). A destination is a host address (an int, as kt-kernel takes a pinned buffer's
+    pointer, already at this expert's slot; the caller guarantees the bytes are writable) or
+    a contiguous tensor of exactly the staged bytes. Formats without scales (BF16) ignore
+    the scale destinations (``None`` entries are fine)."""
+    staged = stage_expert(packed, expert, gpu_tp_count)
+    lists = {"w13_weight_ptrs": w13_weight_ptrs, "w13_scale_ptrs": w13_scale_ptrs,
+             "w2_weight_ptrs": w2_weight_ptrs, "w2_scale_ptrs": w2_scale_ptrs}
+    for name, values in lists.items():
+        if len(values) != gpu_tp_count:
+            raise ValueError(f"{name} has {len(values)} entries for gpu_tp_count {gpu_tp_count}")
+    for r, s in enumerate(staged):
+        _write(w13_weight_ptrs[r], s.w13_weight, f"w13_weight_ptrs[{r}]")
+        _write(w2_weight_ptrs[r], s.w2_weight, f"w2_weight_ptrs[{r}]")
+        if s.w13_scale is not None:
+            _write(w13_scale_ptrs[r], s.w13_scale, f"w13_scale_ptrs[{r}]")
+            _write(w2_scale_ptrs[r], s.w2_scale, f"w2_scale_ptrs[{r}]")

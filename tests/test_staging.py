@@ -1,0 +1,268 @@
+"""GPU staging layouts (kt_ops.staging, KTMoEWrapper.submit_write_weight_scale_to_buffer):
+checkpoints read in place are written back byte for byte in kt-kernel's per-rank layouts
+(../shared/reference/kt-kernel-upstream-specs.md §6.5), layers quantized online decode to
+the oracle's weights, and what has no layout is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kt_ops
+from checkpoint_helpers import make_weights, write_checkpoint, write_fp8_layer
+from kt_ops import reference
+from kt_ops.staging import stage_expert, write_weight_scale_to_buffer
+from kt_ops.wrappers import KTMoEWrapper
+from test_int4_checkpoint import write_int4_checkpoint
+from test_mxfp4_checkpoint import write_deepseek_v4
+
+E2M1 = torch.tensor(reference.MXFP4_VALUES)
+NAN_CODES = (0x7F, 0xFF)
+
+
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``[n, k / 2]`` uint8 -> ``[n, k]`` codes, element 2j from the low nibble."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+
+
+def decode(method: str, s, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An independent decode of one rank's staged (w13, w2) to fp32."""
+    def one(w: torch.Tensor, scale: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+        if method == "BF16":
+            return w.float()
+        if method == "FP8":
+            per = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+            return w.float() * per
+        if method == "FP8_PERCHANNEL":
+            return w.float() * scale.reshape(-1, 1)
+        if method == "MXFP8":
+            return w.float() * torch.exp2(scale.float() - 127).repeat_interleave(32, 1)
+        codes = nibbles(w)
+        values = (codes - 8).float() if method == "RAWINT4" else E2M1[codes]
+        return values * scale.float().repeat_interleave(k // scale.shape[1], 1)
+
+    H = s.w2_weight.shape[0]
+    k13 = s.w13_weight.shape[1] * (2 if s.w13_weight.dtype == torch.uint8 else 1)
+    return one(s.w13_weight, s.w13_scale, 2 * rows, k13), one(s.w2_weight, s.w2_scale, H, rows)
+
+
+@pytest.mark.parametrize("method", ["BF16", "FP8", "FP8_PERCHANNEL", "MXFP8", "RAWINT4", "MXFP4"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_online_layers_stage_the_oracles_weights(method: str, tp: int) -> None:
+    E, H, I = 3, 256, 256
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(*shape, generator=g) * 0.05 for shape in ((E, I, H), (E, I, H), (E, H, I)))
+    packed = kt_ops.pack_experts(gate, up, down, method=method)
+    rg, ru, rd = reference.dequantize(packed.data)
+    ir = I // tp
+    staged = stage_expert(packed, 1, tp)
+    assert len(staged) == tp
+    for r, s in enumerate(staged):
+        rows = slice(r * ir, (r + 1) * ir)
+        w13, w2 = decode(method, s, ir)
+        want13, want2 = torch.cat((rg[1, rows], ru[1, rows])), rd[1, :, rows]
+        if method == "RAWINT4":  # fp32 scales truncated to bf16, as kt-kernel does
+            torch.testing.assert_close(w13, want13, rtol=2**-7, atol=0)
+            torch.testing.assert_close(w2, want2, rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(w13, want13) and torch.equal(w2, want2)
+
+
+def fp8_wrapper(tmp_path: Path, kind: str, method: str) -> tuple[KTMoEWrapper, dict]:
+    E, H, I = 3, 256, 256
+    path, mats = write_fp8_layer(tmp_path, kind, "per_expert", E=E, H=H, I=I, layer=1)
+    if kind == "mxfp8":  # exponent code 0 is refused by the packer (docs/formats.md): use 127
+        tensors = load_file(str(path / "model.safetensors"))
+        for key, t in tensors.items():
+            if key.endswith("weight_scale_inv"):
+                codes = t.view(torch.uint8).clone()
+                codes[codes == 0] = 127
+                tensors[key] = codes
+        save_file(tensors, str(path / "model.safetensors"))
+        for name, (codes, scale) in mats.items():
+            scale[scale == 0] = 127
+    wrapper = KTMoEWrapper(layer_idx=1, num_experts=E, num_experts_per_tok=2, hidden_size=H, moe_intermediate_size=I,
+                           weight_path=path, method=method)
+    wrapper.load_weights()
+    return wrapper, mats
+
+
+def staged_by_wrapper(wrapper: KTMoEWrapper, expert: int, tp: int) -> list[dict[str, torch.Tensor]]:
+    """Writes through submit/sync into tensors (rank 0) and raw host addresses (the others)."""
+    shapes = stage_expert(wrapper._parts, int(wrapper._route[expert]), tp)
+    out, keep = [], []
+    dests: dict[str, list] = {"w13_weight": [], "w13_scale": [], "w2_weight": [], "w2_scale": []}
+    for r, s in enumerate(shapes):
+        bufs = {}
+        for name in dests:
+            t = getattr(s, name)
+            buf = torch.full((t.numel() * t.element_size(),), 0xAB, dtype=torch.uint8) if t is not None else None
+            bufs[name] = buf
+            dests[name].append(None if buf is None else (buf if r == 0 else buf.data_ptr()))
+        out.append(bufs)
+        keep.append(shapes[r])
+    wrapper.submit_write_weight_scale_to_buffer(tp, expert, dests["w13_weight"], dests["w13_scale"],
+                                                dests["w2_weight"], dests["w2_scale"])
+    wrapper.sync_write_weight_scale_to_buffer()
+    return [{name: None if b is None else b.view(getattr(keep[r], name).dtype).reshape(getattr(keep[r], name).shape)
+             for name, b in bufs.items()} for r, bufs in enumerate(out)]
+
+
+@pytest.mark.parametrize("kind,method", [("fp8", "FP8"), ("fp8_perchannel", "FP8_PERCHANNEL"), ("mxfp8", "MXFP8")])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_checkpoints_stage_their_own_bytes(tmp_path: Path, kind: str, method: str, tp: int) -> None:
+    wrapper, mats = fp8_wrapper(tmp_path, kind, method)
+    (gate, gate_s), (up, up_s), (down, down_s) = mats["gate"], mats["up"], mats["down"]
+    I, e = gate.shape[1], 2
+    ir = I // tp
+    for r, got in enumerate(staged_by_wrapper(wrapper, e, tp)):
+        rows = slice(r * ir, (r + 1) * ir)
+        assert torch.equal(got["w13_weight"].view(torch.uint8), torch.cat((gate[e, rows], up[e, rows])))
+        assert torch.equal(got["w2_weight"].view(torch.uint8), down[e, :, rows])
+        if kind == "fp8":
+            want13 = torch.cat((gate_s[e, r * ir // 128 : (r + 1) * ir // 128], up_s[e, r * ir // 128 : (r + 1) * ir // 128]))
+            assert torch.equal(got["w13_scale"], want13)
+            assert torch.equal(got["w2_scale"], down_s[e][:, r * ir // 128 : (r + 1) * ir // 128])
+            continue
+        # Rows (per channel) or groups (mxfp8) holding a NaN code carry the packer's NaN mark
+        # (docs/formats.md): their outputs are NaN on the GPU either way.
+        def nan_groups(codes: torch.Tensor, group: int) -> torch.Tensor:
+            bad = (codes == NAN_CODES[0]) | (codes == NAN_CODES[1])
+            return bad.reshape(codes.shape[0], -1, group).any(-1) if group else bad.any(-1)
+
+        if kind == "fp8_perchannel":
+            checks = ((got["w13_scale"], torch.cat((gate_s[e, rows], up_s[e, rows])),
+                       nan_groups(torch.cat((gate[e, rows], up[e, rows])), 0)),
+                      (got["w2_scale"], down_s[e], nan_groups(down[e], 0)))
+            for staged, want, bad in checks:
+                assert torch.equal(staged[~bad], want[~bad]) and bool(staged[bad].isnan().all())
+        else:
+            checks = ((got["w13_scale"], torch.cat((gate_s[e, rows], up_s[e, rows])),
+                       nan_groups(torch.cat((gate[e, rows], up[e, rows])), 32)),
+                      (got["w2_scale"], down_s[e][:, r * ir // 32 : (r + 1) * ir // 32],
+                       nan_groups(down[e][:, rows].contiguous(), 32)))
+            for staged, want, bad in checks:
+                assert torch.equal(staged[~bad], want[~bad]) and bool((staged[bad] == 255).all())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_rawint4_checkpoint_stages_its_own_bytes(tmp_path: Path, tp: int) -> None:
+    path, _ = write_int4_checkpoint(tmp_path, "RAWINT4")
+    tensors = load_file(str(path / "model.safetensors"))
+    E, H, I = 3, 256, 128
+    wrapper = KTMoEWrapper(layer_idx=1, num_experts=E, num_experts_per_tok=2, hidden_size=H, moe_intermediate_size=I,
+                           weight_path=path, method="RAWINT4")
+    wrapper.load_weights()
+    e, ir = 0, I // tp  # expert 0 stores int32 words (expert 1 uint8 bytes: the same bytes)
+    base = f"model.layers.1.mlp.experts.{e}"
+
+    def raw(name: str, suffix: str) -> torch.Tensor:
+        t = tensors[f"{base}.{name}.{suffix}"]
+        return t.view(torch.uint8).reshape(t.shape[0], -1) if suffix == "weight_packed" else t
+
+    for r, got in enumerate(staged_by_wrapper(wrapper, e, tp)):
+        rows = slice(r * ir, (r + 1) * ir)
+        assert torch.equal(got["w13_weight"], torch.cat((raw("gate_proj", "weight_packed")[rows],
+                                                         raw("up_proj", "weight_packed")[rows])))
+        assert torch.equal(got["w2_weight"], raw("down_proj", "weight_packed")[:, r * ir // 2 : (r + 1) * ir // 2])
+        assert torch.equal(got["w13_scale"], torch.cat((raw("gate_proj", "weight_scale")[rows],
+                                                        raw("up_proj", "weight_scale")[rows])))
+        assert torch.equal(got["w2_scale"], raw("down_proj", "weight_scale")[:, r * ir // 32 : (r + 1) * ir // 32])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_deepseek_v4_mxfp4_stages_its_own_bytes(tmp_path: Path, tp: int, parts: int) -> None:
+    write_deepseek_v4(tmp_path, torch.Generator().manual_seed(5))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    E, H, I = 4, 96, 64
+    wrapper = KTMoEWrapper(layer_idx=0, num_experts=E, num_experts_per_tok=2, hidden_size=H, moe_intermediate_size=I,
+                           weight_path=tmp_path, method="MXFP4", threadpool_count=parts)
+    wrapper.load_weights()
+    e, ir = 3, I // tp
+    key = f"layers.0.ffn.experts.{e}"
+    w = {n: tensors[f"{key}.{n}.weight"].view(torch.uint8) for n in ("w1", "w3", "w2")}
+    s = {n: tensors[f"{key}.{n}.scale"].view(torch.uint8) for n in ("w1", "w3", "w2")}
+    bf16 = lambda codes: (codes.to(torch.int32) << 7).to(torch.int16).view(torch.bfloat16)  # 2^(e - 127), e in (0, 255)
+    for r, got in enumerate(staged_by_wrapper(wrapper, e, tp)):
+        rows = slice(r * ir, (r + 1) * ir)
+        assert torch.equal(got["w13_weight"], torch.cat((w["w1"][rows], w["w3"][rows])))
+        assert torch.equal(got["w2_weight"], w["w2"][:, r * ir // 2 : (r + 1) * ir // 2])
+        assert torch.equal(got["w13_scale"], bf16(torch.cat((s["w1"][rows], s["w3"][rows]))))
+        assert torch.equal(got["w2_scale"], bf16(s["w2"][:, r * ir // 32 : (r + 1) * ir // 32]))
+
+
+def test_bf16_checkpoint_stages_its_own_bytes(tmp_path: Path) -> None:
+    E, H, I = 3, 64, 96
+    weights = make_weights([1], E, H, I)
+    path = write_checkpoint(tmp_path, weights)
+    wrapper = KTMoEWrapper(layer_idx=1, num_experts=E, num_experts_per_tok=2, hidden_size=H, moe_intermediate_size=I,
+                           weight_path=path, method="BF16")
+    wrapper.load_weights()
+    gate, up, down = (t.bfloat16() for t in weights[1])
+    for r, got in enumerate(staged_by_wrapper(wrapper, 1, 2)):
+        rows = slice(r * 48, (r + 1) * 48)
+        assert torch.equal(got["w13_weight"], torch.cat((gate[1, rows], up[1, rows])))
+        assert torch.equal(got["w2_weight"], down[1, :, rows])
+        assert got["w13_scale"] is None and got["w2_scale"] is None
+
+
+def test_scale_conversions() -> None:
+    """int4 scales: fp32 -> bf16 by truncation (kt-kernel's); MXFP4: the OCP values of ue8m0."""
+    E, H, I = 1, 64, 64
+    w = torch.zeros(E, I, H)
+    w[0, 0, 0] = -8 * (1.0 + 2**-8 + 2**-9)  # the group's scale: its largest weight / -8 = 1 + 2^-8 + 2^-9
+    packed = kt_ops.pack_experts(w, w, w.transpose(1, 2).contiguous(), method="RAWINT4")
+    scale = stage_expert(packed, 0)[0].w13_scale[0, 0].item()
+    assert scale == 1.0, scale  # rounding would give 1 + 2^-7
+    blob = kt_ops.pack_experts(w, w, w.transpose(1, 2).contiguous(), method="MXFP4").data.clone()
+    info = kt_ops._native._C.packed_info(blob)
+    gate = blob[info["matrix_offsets"][0] :].view(-1)
+    codes = torch.tensor([0, 1, 127, 254, 255], dtype=torch.uint8)
+    gate[torch.arange(5) * 17] = codes  # the exponents of gate row 0's first blocks... (2 blocks per row)
+    staged = stage_expert(kt_ops.PackedExperts(blob), 0)[0].w13_scale.float().reshape(-1)[:5]
+    assert staged[0].item() == 2.0**-127 and staged[1].item() == 2.0**-126 and staged[2].item() == 1.0
+    assert staged[3].item() == 2.0**127 and staged[4].isnan()
+
+
+def test_what_has_no_staging_layout_is_refused(tmp_path: Path) -> None:
+    E, H, I = 3, 256, 128
+    g = torch.randn(E, I, H) * 0.05
+    d = torch.randn(E, H, I) * 0.05
+    for method, kwargs in (("AMXINT8", {}), ("AWQ_INT4", {}), ("LLAMAFILE", {"gguf_type": "Q8_0"})):
+        packed = kt_ops.pack_experts(g, g, d, method=method, **kwargs)
+        with pytest.raises(ValueError, match="no GPU staging layout"):
+            stage_expert(packed, 0)
+    fp8 = kt_ops.pack_experts(g, g, d, method="FP8")
+    with pytest.raises(ValueError, match="does not divide"):
+        stage_expert(fp8, 0, 5)
+    with pytest.raises(ValueError, match="not multiples of the fp8 scale group"):
+        stage_expert(fp8, 0, 2)  # I_r = 64 cuts 128-row blocks
+    with pytest.raises(ValueError, match="not in this layer"):
+        stage_expert(fp8, 3)
+    staged = stage_expert(fp8, 0)[0]
+    with pytest.raises(ValueError, match="contiguous tensor of"):
+        write_weight_scale_to_buffer(fp8, 0, 1, [torch.empty(3, dtype=torch.uint8)], [staged.w13_scale],
+                                     [staged.w2_weight], [staged.w2_scale])
+    with pytest.raises(ValueError, match="entries for gpu_tp_count"):
+        write_weight_scale_to_buffer(fp8, 0, 1, [], [], [], [])
+
+    weights = make_weights([1], E, 64, 32)
+    path = write_checkpoint(tmp_path, weights)
+    wrapper = KTMoEWrapper(layer_idx=1, num_experts=E, num_experts_per_tok=2, hidden_size=64, moe_intermediate_size=32,
+                           weight_path=path, method="BF16", num_gpu_experts=1)
+    with pytest.raises(RuntimeError, match="load_weights first"):
+        wrapper.submit_write_weight_scale_to_buffer(1, 1, [0], [0], [0], [0])
+    wrapper.load_weights()
+    gpu_slot = int(torch.nonzero(wrapper.gpu_experts_mask)[0])
+    with pytest.raises(ValueError, match="GPU expert"):
+        wrapper.submit_write_weight_scale_to_buffer(1, gpu_slot, [0], [0], [0], [0])
+    with pytest.raises(ValueError, match="not a slot"):
+        wrapper.submit_write_weight_scale_to_buffer(1, E, [0], [0], [0], [0])
+    cpu_slot = int(torch.nonzero(~wrapper.gpu_experts_mask)[0])
+    wrapper.submit_write_weight_scale_to_buffer(1, cpu_slot, [0], [None], [0], [None])
+    with pytest.raises(ValueError, match="host address"):
+        wrapper.sync_write_weight_scale_to_buffer()
