@@ -30,7 +30,8 @@
 //     void carve(ScratchLayout&);  void bind(uint8_t* scratch);
 //     void prepare_token(int64_t t, const float* x);     // phase 1, once per token
 //     void prepare_pairs(Engine&, const float* tokens);   // phase 1, pair rows
-//     int64_t gate_up_job_rows() const;  int64_t down_job_rows() const;  // multiples of 16
+//     int64_t gate_up_job_rows(int64_t e) const;  // rows per job of expert e: multiples of 16
+//     int64_t down_job_rows(int64_t e) const;
 //     int64_t chunk_pairs() const;           // pairs per gate_up call
 //     GateUpTile gate_up(e, n0, n1, p0, p1); // rows [n0, n1) of gate and up, pairs [p0, p1)
 //     float gate_up_scale(int64_t p) const;  // kScaled only: applied before act()
@@ -118,11 +119,11 @@ void moe_forward(const MoeArgs& args) {
   format.prepare_pairs(engine, x);
 
   // 2. gate + up, then the activation into the intermediate rows.
-  const int64_t gate_up_rows = format.gate_up_job_rows(), chunk = format.chunk_pairs();
-  build_tiles(plan.active_experts, ceil_div(I16, 16), tiles, gate_up_rows / 16);
+  const int64_t chunk = format.chunk_pairs();
+  build_tiles(plan.active_experts, ceil_div(I16, 16), tiles, [&](int32_t e) { return format.gate_up_job_rows(e) / 16; });
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
     const int64_t e = tiles[job].expert;
-    const int64_t n0 = tiles[job].first_block * int64_t{16}, n1 = std::min(I16, n0 + gate_up_rows);
+    const int64_t n0 = tiles[job].first_block * int64_t{16}, n1 = std::min(I16, n0 + format.gate_up_job_rows(e));
     const int64_t begin = plan.expert_begin[e], end = plan.expert_begin[e + 1];
     for (int64_t p0 = begin; p0 < end; p0 += chunk) {
       const int64_t p1 = std::min(end, p0 + chunk);
@@ -156,11 +157,10 @@ void moe_forward(const MoeArgs& args) {
   format.prepare_intermediate(engine);
 
   // 3. down.
-  const int64_t down_rows = format.down_job_rows();
-  build_tiles(plan.active_experts, ceil_div(H16, 16), tiles, down_rows / 16);
+  build_tiles(plan.active_experts, ceil_div(H16, 16), tiles, [&](int32_t e) { return format.down_job_rows(e) / 16; });
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
     const int64_t e = tiles[job].expert;
-    const int64_t h0 = tiles[job].first_block * int64_t{16}, h1 = std::min(H16, h0 + down_rows);
+    const int64_t h0 = tiles[job].first_block * int64_t{16}, h1 = std::min(H16, h0 + format.down_job_rows(e));
     const int64_t p0 = plan.expert_begin[e], p1 = plan.expert_begin[e + 1];
     format.down(e, h0, h1, p0, p1, down_out + p0 * H16 + h0, H16);
     if (biases.down == nullptr) return;

@@ -117,13 +117,17 @@ struct ExpertTile {
   int32_t first_block;
 };
 
-// (expert, first block) jobs covering `blocks` blocks of every active expert.
-void build_tiles(const std::vector<int32_t>& experts, int64_t blocks,
-                 std::vector<ExpertTile>& tiles, int64_t step = kTileBlocks) {
+// (expert, first block) jobs covering `blocks` blocks of every active expert, step_of(expert)
+// blocks per job.
+template <class StepOf>
+void build_tiles(const std::vector<int32_t>& experts, int64_t blocks, std::vector<ExpertTile>& tiles,
+                 StepOf step_of) {
   tiles.clear();
-  for (int32_t expert : experts)
+  for (int32_t expert : experts) {
+    const int64_t step = step_of(expert);
     for (int64_t b = 0; b < blocks; b += step)
       tiles.push_back({expert, static_cast<int32_t>(b)});
+  }
 }
 
 // out[t] = sum_j w[t, j] * pair_scale[p] * down_out[p] over the slots' pairs p (phase 4);

@@ -174,8 +174,8 @@ class Bf16Format {
   }
 
   // Jobs of kTileBlocks blocks: 2 gate + 2 up blocks (32 intermediate rows), 4 down blocks.
-  int64_t gate_up_job_rows() const { return kTileBlocks / 2 * 16; }
-  int64_t down_job_rows() const { return kTileBlocks * 16; }
+  int64_t gate_up_job_rows(int64_t /*expert*/) const { return kTileBlocks / 2 * 16; }
+  int64_t down_job_rows(int64_t /*expert*/) const { return kTileBlocks * 16; }
   int64_t chunk_pairs() const { return kBf16RowChunk; }
 
   // Gate/up blocks 2 n0 / 16 ... are interleaved [gate 16 | up 16] per intermediate block.

@@ -133,8 +133,8 @@ class Fp8Format {
     convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
   }
 
-  int64_t gate_up_job_rows() const { return kTileBlocks / 2 * 16; }
-  int64_t down_job_rows() const { return kTileBlocks * 16; }
+  int64_t gate_up_job_rows(int64_t /*expert*/) const { return kTileBlocks / 2 * 16; }
+  int64_t down_job_rows(int64_t /*expert*/) const { return kTileBlocks * 16; }
   int64_t chunk_pairs() const { return kBf16RowChunk; }
 
   GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {

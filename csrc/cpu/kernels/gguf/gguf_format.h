@@ -120,8 +120,8 @@ class GgufFormat {
     if (tile_) pack_chunks(engine, tokens, true, gate_.kp, b_up_);
   }
 
-  int64_t gate_up_job_rows() const { return gate_up_rows_; }
-  int64_t down_job_rows() const { return down_rows_; }
+  int64_t gate_up_job_rows(int64_t /*expert*/) const { return gate_up_rows_; }
+  int64_t down_job_rows(int64_t /*expert*/) const { return down_rows_; }
   // All of an expert's pairs at once: each row is decoded (or read) once per job.
   int64_t chunk_pairs() const { return std::numeric_limits<int32_t>::max(); }
 

@@ -187,17 +187,15 @@ class QuantFormat {
         inter_sums_(inter_cols_ / int_layout::kKAlign),
         gate_up_{args.packed + args.layout.gate_up_offset, args.layout.gate_up_expert_bytes, dims_.gate_up},
         down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down} {
-    // Decode (every expert streams its weights once for at most kDecodeRows pairs): longer
-    // jobs, whose tiles prefetch the next ones (quant_gemm_rows), as many as keep every
-    // thread busy; more pairs keep kTileBlocks-block jobs (the GEMM's epilogue buffer).
-    int64_t most_pairs = 0;
-    for (int32_t e : plan.active_experts)
-      most_pairs = std::max(most_pairs, plan.expert_begin[e + 1] - plan.expert_begin[e]);
-    if (most_pairs <= Micro::kDecodeRows) {
-      const int64_t active = static_cast<int64_t>(plan.active_experts.size());
-      gate_up_blocks_ = streaming_job_blocks(active * dims_.gate_up.blocks, threads, kTileBlocks, kDecodeJobBlocks, kTileBlocks);
-      down_blocks_ = streaming_job_blocks(active * dims_.down.blocks, threads, kTileBlocks, kDecodeJobBlocks, kTileBlocks);
-    }
+    // Experts of at most kDecodeRows pairs stream their weights once (decode): longer jobs,
+    // whose tiles prefetch the next ones (quant_gemm_rows), as many as keep every thread
+    // busy; experts of more pairs keep kTileBlocks-block jobs (the GEMM's epilogue buffer).
+    int64_t decode_experts = 0;
+    for (int32_t e : plan.active_experts) decode_experts += pairs(e) <= Micro::kDecodeRows;
+    gate_up_decode_blocks_ = streaming_job_blocks(decode_experts * dims_.gate_up.blocks, threads, kTileBlocks,
+                                                  kDecodeJobBlocks, kTileBlocks);
+    down_decode_blocks_ = streaming_job_blocks(decode_experts * dims_.down.blocks, threads, kTileBlocks,
+                                               kDecodeJobBlocks, kTileBlocks);
   }
 
   int64_t token_cols() const { return act_cols_; }
@@ -250,10 +248,14 @@ class QuantFormat {
     });
   }
 
-  // Jobs of kTileBlocks blocks (decode: up to kDecodeJobBlocks): 2 gate + 2 up blocks (32
-  // intermediate rows), 4 down blocks, ...
-  int64_t gate_up_job_rows() const { return gate_up_blocks_ / 2 * 16; }
-  int64_t down_job_rows() const { return down_blocks_ * 16; }
+  // Jobs of kTileBlocks blocks (decode experts: up to kDecodeJobBlocks): 2 gate + 2 up
+  // blocks (32 intermediate rows), 4 down blocks, ...
+  int64_t gate_up_job_rows(int64_t e) const {
+    return (pairs(e) <= Micro::kDecodeRows ? gate_up_decode_blocks_ : kTileBlocks) / 2 * 16;
+  }
+  int64_t down_job_rows(int64_t e) const {
+    return (pairs(e) <= Micro::kDecodeRows ? down_decode_blocks_ : kTileBlocks) * 16;
+  }
   int64_t chunk_pairs() const { return kQuantRowChunk; }
 
   // Gate/up blocks 2 n0 / 16 ... are interleaved [gate 16 | up 16] per intermediate block.
@@ -293,7 +295,8 @@ class QuantFormat {
   int_layout::Dims dims_;
   int64_t tokens_, act_cols_, act_sums_, inter_cols_, inter_sums_;
   QuantMatrix gate_up_, down_;
-  int64_t gate_up_blocks_ = kTileBlocks, down_blocks_ = kTileBlocks;  // per job
+  int64_t gate_up_decode_blocks_ = kTileBlocks, down_decode_blocks_ = kTileBlocks;  // per decode job
+  int64_t pairs(int64_t e) const { return plan_.expert_begin[e + 1] - plan_.expert_begin[e]; }
   size_t at_[9] = {};
   int8_t* token_q_ = nullptr;
   int32_t* token_sums_ = nullptr;
