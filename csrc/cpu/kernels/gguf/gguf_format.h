@@ -4,7 +4,7 @@
 // Include only from a variant translation unit (variants/*.cpp), after its target pragma.
 //   tokens:        each token quantized once per distinct activation format gate and up
 //                  need (8-bit blocks of 32 or 256; gguf_act.h); fp32 for float types.
-//   gate + up:     jobs (expert, up to 256 rows): the rows are dotted with every token
+//   gate + up:     jobs (expert, up to 1024 rows): the rows are dotted with every token
 //                  routed to the expert (gguf_rows.h) into fp32 gate and up rows [P, Ip];
 //                  act() is written over the gate rows (the intermediate). The types
 //                  gguf_types.h's gguf_in_place names (every quantized type on AVX-512;
