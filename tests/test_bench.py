@@ -206,10 +206,14 @@ def test_compute_bound_rows_use_the_gemm_of_their_arithmetic() -> None:
     assert float_row.bound == "bf16 gemm" and float_row.limit_fraction == pytest.approx(0.5)
     assert int8_row.bound == "int8 gemm" and int8_row.limit_fraction == pytest.approx(0.25)
     no_int8 = rate(row_of("Q4_K", us=2000.0, weight_bytes=1e6, flops=1e9), limits_of(int8_gflops=None))
-    assert no_int8.bound == "bf16 gemm"
-    # torch's int8 GEMM slower than its float one (no fast _int_mm): the float GEMM binds.
+    assert no_int8.bound == "no int8 ref" and no_int8.limit_fraction is None
+    # torch's int8 GEMM slower than its float one (no fast _int_mm): no int8 reference, no
+    # fraction, where the row is compute-bound; bandwidth-bound rows are rated as usual.
     slow_int8 = rate(row_of("Q4_K", us=2000.0, weight_bytes=1e6, flops=1e9), limits_of(int8_gflops=2.0))
-    assert slow_int8.bound == "bf16 gemm" and slow_int8.limit_fraction == pytest.approx(0.5)
+    assert slow_int8.bound == "no int8 ref" and slow_int8.limit_fraction is None
+    assert fraction_text(slow_int8) == "-"
+    streaming = rate(row_of("Q4_K", us=4000.0, weight_bytes=100e6, flops=1e6), limits_of(int8_gflops=2.0))
+    assert streaming.bound == "bandwidth" and streaming.limit_fraction == pytest.approx(0.5)
 
 
 def test_compute_limits_keep_the_best_of_two_brackets() -> None:

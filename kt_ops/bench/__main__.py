@@ -14,8 +14,9 @@ pass of the faster of two readers (the extension's, torch's sum) over a buffer o
 least 8x the last-level cache, measured before every row and after the last, the best
 of these brackets being the limit of all rows. GEMM: torch's fastest matmul, measured
 before and after the rows, in bf16 or fp32 (the faster, for BF16) and in int8
-(torch._int_mm, for the quantized methods, whose kernels multiply int8; the float GEMM
-where torch's int8 one is slower). A row whose
+(torch._int_mm, for the quantized methods, whose kernels multiply int8; where torch's
+int8 GEMM is slower than its float one it is no reference, and their compute-bound rows
+print "no int8 ref" without a fraction). A row whose
 activated weights fit in the last-level cache is marked (cache) and given no fraction
 of DRAM bandwidth; a row above its limit prints ">100%?" (the limit was measured too
 low). Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE), Q4_K_M their mix in
@@ -209,7 +210,8 @@ def limits_text(brackets: BandwidthBrackets, compute: ComputeLimits, flush: Cach
     if compute.int8_gemm is not None:
         faster = compute.int8_gemm.gflops >= compute.float_gemm.gflops
         gemms.append(gemm_text(compute.int8_gemm) + (" for the quantized methods" if faster else
-                                                     " (slower than the float GEMM, which bounds the quantized methods)"))
+                                                     " (slower than the float GEMM: no reference for the quantized "
+                                                     "methods, whose compute-bound rows say 'no int8 ref')"))
     return (
         f"read bandwidth limit: {best.gbs:.1f} GB/s, the best of {len(brackets.readings)} brackets around the rows "
         f"(lowest {brackets.lowest_gbs:.1f}; in the best: {readers}) over {buffer_bytes >> 20} MiB = "

@@ -19,15 +19,15 @@ class MachineLimits:
     compute: ComputeLimits
     llc_bytes: int
 
-    def gemm_for(self, row: Row) -> GemmReference:
-        """The compute limit of ``row``: for int8 arithmetic the faster of torch's int8 and
-        float GEMMs (a kernel can always multiply in float, so an int8 GEMM slower than the
-        float one, as ``torch._int_mm`` on CPUs it has no fast path for, is no limit: 2
-        GOP/s against fp32's 167 GFLOP/s on an AVX2 Zen 3), else the float one."""
+    def gemm_for(self, row: Row) -> GemmReference | None:
+        """The compute limit of ``row``: the float GEMM for float arithmetic; for int8
+        arithmetic torch's int8 GEMM, or None where torch has none or where it runs slower
+        than the float one (``torch._int_mm`` without a fast path: 2 GOP/s against fp32's
+        167 GFLOP/s on an AVX2 Zen 3), which is then no reference for int8 kernels."""
+        if row.arithmetic != "int8":
+            return self.compute.float_gemm
         int8 = self.compute.int8_gemm
-        if row.arithmetic == "int8" and int8 is not None and int8.gflops >= self.compute.float_gemm.gflops:
-            return int8
-        return self.compute.float_gemm
+        return int8 if int8 is not None and int8.gflops >= self.compute.float_gemm.gflops else None
 
 
 def rate(row: Row, limits: MachineLimits) -> Row:
@@ -35,6 +35,8 @@ def rate(row: Row, limits: MachineLimits) -> Row:
 
     - ``<dtype> gemm`` (e.g. ``int8 gemm``): its FLOPs at the GEMM reference of its
       arithmetic take longer than reading its weights at the read bandwidth;
+    - ``no int8 ref`` (no fraction): an int8 row without an int8 reference (see
+      :meth:`MachineLimits.gemm_for`) whose FLOPs at the float GEMM's rate take longer;
     - ``cache``: otherwise, when the activated experts' weights of one call fit in the
       last-level cache. The bench evicts the caches before each call, but an LLC with a
       scan-resistant replacement policy (RRIP-like, on current Intel and AMD parts) may
@@ -47,6 +49,10 @@ def rate(row: Row, limits: MachineLimits) -> Row:
     seconds = row.us * 1e-6
     gemm = limits.gemm_for(row)
     bandwidth_seconds = row.weight_bytes / (limits.read_gbs * 1e9)
+    if gemm is None:
+        if row.flops / (limits.compute.float_gemm.gflops * 1e9) >= bandwidth_seconds:
+            return dataclasses.replace(row, bound="no int8 ref", limit_fraction=None)
+        gemm = limits.compute.float_gemm  # bandwidth-bound either way
     compute_seconds = row.flops / (gemm.gflops * 1e9)
     if compute_seconds >= bandwidth_seconds:
         bound = f"{DTYPE_NAMES[gemm.dtype]} gemm"
