@@ -148,7 +148,8 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
       t.a = row_at;
       t.a_sums = sums_at;
       // The job's next tile of blocks comes to L2 while this one runs: its streams start
-      // warm (1-token S1 int4, 64-block jobs: down 24 -> 30 GB/s of a plain reader's 31).
+      // warm (Zen 3, a C++ harness of S1's 1-token down jobs of 16 blocks: 24 -> 30 GB/s,
+      // a plain reader of the same bytes 31).
       if (b0 + max_blocks < blocks) {
         t.stream = w + (b0 + max_blocks) * block_bytes;
         t.stream_blocks = std::min(max_blocks, blocks - b0 - max_blocks);
