@@ -58,39 +58,39 @@ uint16_t ue8m0_bf16(uint8_t e) {
   return e == mxfp4::kNanExponent ? 0x7fc0 : e == 0 ? 0x0040 : static_cast<uint16_t>(e << 7);
 }
 
+// fn(gate_up, b, block) for every 16-row block b of expert e's gate_up matrix, then of its
+// down matrix, on the engine's threads.
 template <class Fn>
-void for_blocks(int64_t blocks, Fn&& fn) {
-  Engine::instance().parallel_for(blocks, [&](int64_t b) { fn(b); });
+void for_expert_blocks(const uint8_t* blob, const PackedLayout& layout, int64_t e, int64_t gate_up_blocks,
+                       size_t gate_up_block_bytes, int64_t down_blocks, size_t down_block_bytes, Fn&& fn) {
+  const uint8_t* gu = blob + layout.gate_up_offset + e * layout.gate_up_expert_bytes;
+  const uint8_t* dn = blob + layout.down_offset + e * layout.down_expert_bytes;
+  Engine::instance().parallel_for(gate_up_blocks + down_blocks, [&](int64_t job) {
+    const bool gate_up = job < gate_up_blocks;
+    const int64_t b = gate_up ? job : job - gate_up_blocks;
+    fn(gate_up, b, gate_up ? gu + b * gate_up_block_bytes : dn + b * down_block_bytes);
+  });
 }
 
 void stage_bf16(const uint8_t* blob, const PackedLayout& layout, int64_t e, const StagingRows& out) {
   const int64_t H = layout.shape.hidden_size, I = layout.shape.intermediate_size;
   const bf16_layout::Dims dims(H, I);
-  const uint8_t* gu = blob + layout.gate_up_offset + e * layout.gate_up_expert_bytes;
-  const uint8_t* dn = blob + layout.down_offset + e * layout.down_expert_bytes;
-  for_blocks(dims.gate_up_blocks + dims.down_blocks, [&](int64_t job) {
-    const bool gate_up = job < dims.gate_up_blocks;
-    const int64_t b = gate_up ? job : job - dims.gate_up_blocks;
-    const int64_t k = gate_up ? H : I;
-    const BlockRows dst = block_rows(out, gate_up, b, gate_up ? I : H, 2 * k, 0);
-    const uint8_t* block = gate_up ? gu + b * dims.gate_up_block_bytes() : dn + b * dims.down_block_bytes();
-    untile_pairs(block, 2, k, dst, 2 * k);
-  });
+  for_expert_blocks(blob, layout, e, dims.gate_up_blocks, dims.gate_up_block_bytes(), dims.down_blocks,
+                    dims.down_block_bytes(), [&](bool gate_up, int64_t b, const uint8_t* block) {
+                      const int64_t k = gate_up ? H : I;
+                      untile_pairs(block, 2, k, block_rows(out, gate_up, b, gate_up ? I : H, 2 * k, 0), 2 * k);
+                    });
 }
 
 void stage_fp8(const uint8_t* blob, const PackedLayout& layout, int64_t e, const StagingRows& out) {
   const fp8_layout::Dims dims(layout.shape);
   const PackedFormat format = layout.shape.format;
-  const uint8_t* gu = blob + layout.gate_up_offset + e * layout.gate_up_expert_bytes;
-  const uint8_t* dn = blob + layout.down_offset + e * layout.down_expert_bytes;
-  for_blocks(dims.gate_up.blocks + dims.down.blocks, [&](int64_t job) {
-    const bool gate_up = job < dims.gate_up.blocks;
+  for_expert_blocks(blob, layout, e, dims.gate_up.blocks, dims.gate_up.block_bytes(), dims.down.blocks,
+                    dims.down.block_bytes(), [&](bool gate_up, int64_t b, const uint8_t* block) {
     const fp8_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
-    const int64_t b = gate_up ? job : job - dims.gate_up.blocks;
     const size_t scale_bytes = m.byte_scales ? 1 : 4;
     const int64_t groups = format == PackedFormat::kFp8PerChannel ? 1 : m.groups;
     const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k, groups * scale_bytes);
-    const uint8_t* block = (gate_up ? gu : dn) + b * m.block_bytes();
     untile_pairs(block, 1, m.k, dst, m.k);
     const uint8_t* scales = block + m.scales_offset();  // [groups][16], fp32 or bytes
     for (int64_t i = 0; i < dst.rows; ++i)
@@ -101,14 +101,10 @@ void stage_fp8(const uint8_t* blob, const PackedLayout& layout, int64_t e, const
 
 void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, const StagingRows& out) {
   const int_layout::Dims dims(layout.shape);
-  const uint8_t* gu = blob + layout.gate_up_offset + e * layout.gate_up_expert_bytes;
-  const uint8_t* dn = blob + layout.down_offset + e * layout.down_expert_bytes;
-  for_blocks(dims.gate_up.blocks + dims.down.blocks, [&](int64_t job) {
-    const bool gate_up = job < dims.gate_up.blocks;
+  for_expert_blocks(blob, layout, e, dims.gate_up.blocks, dims.gate_up.block_bytes(), dims.down.blocks,
+                    dims.down.block_bytes(), [&](bool gate_up, int64_t b, const uint8_t* block) {
     const int_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
-    const int64_t b = gate_up ? job : job - dims.gate_up.blocks;
     const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * 2);
-    const uint8_t* block = (gate_up ? gu : dn) + b * m.block_bytes();
     for (int64_t i = 0; i < dst.rows; ++i) {
       // byte 4 i + j of line l: q(8 l + j) | q(8 l + 4 + j) << 4; out byte: k = 2 c low, 2 c + 1 high
       uint8_t* d = dst.codes + i * (m.k / 2);
@@ -128,11 +124,11 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
 
 void stage_mxfp4(const uint8_t* blob, const PackedLayout& layout, int64_t e, const StagingRows& out) {
   const int64_t H = layout.shape.hidden_size, I = layout.shape.intermediate_size;
-  const int64_t rows[3] = {I, I, H}, ks[3] = {H, H, I};
+  const int64_t ks[3] = {H, H, I};  // row lengths of gate, up, down
   uint8_t* codes[3] = {out.gate, out.up, out.down};
   uint8_t* scales[3] = {out.gate_scale, out.up_scale, out.down_scale};
   const int64_t chunks = (2 * I + H + kRows - 1) / kRows;  // 16-row jobs over the three matrices
-  for_blocks(chunks, [&](int64_t job) {
+  Engine::instance().parallel_for(chunks, [&](int64_t job) {
     for (int64_t n = job * kRows; n < std::min<int64_t>((job + 1) * kRows, 2 * I + H); ++n) {
       const int m = n < I ? 0 : n < 2 * I ? 1 : 2;
       const int64_t row = n - (m == 0 ? 0 : m == 1 ? I : 2 * I), blocks = ks[m] / mxfp4::kBlockElems;
