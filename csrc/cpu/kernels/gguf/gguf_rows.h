@@ -3,7 +3,7 @@
 // streaming paths, rows decoded once (gguf_decode.h) and dotted with every token of an
 // expert (gguf_dot.h), rows read in place (AVX-512: gguf_q4k_avx512.h,
 // gguf_q6k_avx512.h, gguf_q23k_avx512.h, gguf_block32_avx512.h; AVX2:
-// gguf_block32_avx2.h), and rows decoded to bf16 for AMX tiles (gguf_amx.h). Include only from a variant translation unit, after its target pragma.
+// gguf_block32_avx2.h, gguf_kquant_avx2.h), and rows decoded to bf16 for AMX tiles (gguf_amx.h). Include only from a variant translation unit, after its target pragma.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +20,7 @@
 #include "gguf_block32_avx512.h"
 #include "gguf_decode.h"
 #include "gguf_dot.h"
+#include "gguf_kquant_avx2.h"
 #include "gguf_q23k_avx512.h"
 #include "gguf_q4k_avx512.h"
 #include "gguf_q6k_avx512.h"
@@ -148,15 +149,27 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     min_sums8[j] = scale4[j] + m.kp / 8;  // quad order (gguf_act.h)
   }
   if constexpr (Ops::kRegsPerLine != 1) {  // AVX2 / AVX-VNNI: the avx2_in_place types
+    const int64_t units = m.kp / kGgufSuper;
     switch (m.type) {
-      case GgmlType::kQ8_0:
-        return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-      case GgmlType::kQ4_0:
-        return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-      case GgmlType::kMxfp4:
-        return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kMxfp4, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-      default:  // kQ4_1 (avx2_in_place: Q8_0, Q4_0, Q4_1, MXFP4)
-        return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      case GgmlType::kQ4_K:
+        return gguf_q4k_dot_rows4_avx2<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
+      case GgmlType::kQ5_K:
+        return gguf_q4k_dot_rows4_avx2<Ops, M, true>(rows, q, scale4, level_sums, units, prefetch, out);
+      case GgmlType::kQ6_K:
+        return gguf_q6k_dot_rows4_avx2<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
+      default: break;
+    }
+    if constexpr (M <= kBlock32Avx2Tokens) {  // the block-32 types take at most 2 (gguf_direct_tokens)
+      switch (m.type) {
+        case GgmlType::kQ8_0:
+          return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+        case GgmlType::kQ4_0:
+          return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+        case GgmlType::kMxfp4:
+          return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kMxfp4, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+        default:  // kQ4_1 (avx2_in_place: Q8_0, Q4_0, Q4_1, MXFP4, Q4_K, Q5_K, Q6_K)
+          return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+      }
     }
   } else {  // AVX-512: every quantized type
     const int64_t units = m.kp / kGgufSuper;
@@ -185,11 +198,24 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
   }
 }
 
+// Activation rows per pass of the in-place kernels (the rows' extraction is shared by
+// them; registers bound it): 4 on AVX-512, 4 for the K-quants on AVX2, 2 for AVX2's
+// block-32 types. AVX2 K-quants, paired A/B on Zen 3 (avx2, 2026-11-26): passes of 4
+// against 8 took 0.88-0.93 of the time at 512 tokens (S1 Q4_K/Q5_K/Q6_K, S2 Q4_K) and
+// the same at 64; passes of 8 against 2 0.89-1.06 at 512, 0.91-0.97 at 64.
+constexpr int kKquantAvx2Tokens = 4;
+static_assert(kKquantAvx2Tokens <= kGgufDirectTokens);  // gguf_direct_rows' result buffer
+template <class Ops>
+int64_t gguf_direct_tokens(GgmlType type) {
+  if constexpr (Ops::kRegsPerLine == 1) return kGgufDirectTokens;
+  const bool kquant = type == GgmlType::kQ4_K || type == GgmlType::kQ5_K || type == GgmlType::kQ6_K;
+  return kquant ? kKquantAvx2Tokens : kBlock32Avx2Tokens;
+}
+
 // Rows [n0, n1) of an in-place type (gguf_in_place) dotted from their bytes: four rows
 // a quarter of the range apart at a time, so four memory streams are in flight (1-token
 // S1 Q4_K: 7.5 -> 16 GB/s), each group of four dotted with the pairs in blocks of
-// kGgufDirectTokens (AVX-512) or kBlock32Avx2Tokens (one extraction of the rows per
-// block, no decoded copy).
+// gguf_direct_tokens (one extraction of the rows per block, no decoded copy).
 template <class Ops>
 void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                       const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
@@ -208,23 +234,36 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
       n[i] = std::min(n0 + j + i * stride, n1 - 1);  // past the end: repeat the last row
       rows[i] = m.row(expert, n[i]);
     }
-    constexpr int kTokens = Ops::kRegsPerLine == 1 ? kGgufDirectTokens : kBlock32Avx2Tokens;
-    for (int64_t p = p0; p < p1; p += kTokens) {
-      float result[4 * kTokens];
-      const int64_t count = std::min<int64_t>(kTokens, p1 - p);
+    const int64_t tokens = gguf_direct_tokens<Ops>(m.type);
+    for (int64_t p = p0; p < p1; p += tokens) {
+      float result[4 * kGgufDirectTokens];
+      const int64_t count = std::min<int64_t>(tokens, p1 - p);
       const bool prefetch = p == p0;  // later blocks find the rows in the cache
-      static_assert(kGgufDirectTokens == 4 && kBlock32Avx2Tokens == 2);
-      if constexpr (kTokens == 4) {
+      if constexpr (Ops::kRegsPerLine == 1) {  // AVX-512
+        static_assert(kGgufDirectTokens == 4);
         switch (count) {
           case 4: gguf_direct_block<Ops, 4>(m, rows, acts, act_rows, p, prefetch, result); break;
           case 3: gguf_direct_block<Ops, 3>(m, rows, acts, act_rows, p, prefetch, result); break;
           case 2: gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p, prefetch, result); break;
           default: gguf_direct_block<Ops, 1>(m, rows, acts, act_rows, p, prefetch, result); break;
         }
-      } else if (count == 2) {
-        gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p, prefetch, result);
-      } else {
-        gguf_direct_block<Ops, 1>(m, rows, acts, act_rows, p, prefetch, result);
+      } else {  // AVX2: passes of 4 (the K-quants only), 2 and 1 activation rows
+        static_assert(kKquantAvx2Tokens == 4 && kBlock32Avx2Tokens == 2);
+        for (int64_t done = 0; done < count;) {
+          const int64_t left = count - done;
+          float* r = result + 4 * done;
+          const bool first = prefetch && done == 0;
+          if (left >= 4) {
+            gguf_direct_block<Ops, 4>(m, rows, acts, act_rows, p + done, first, r);
+            done += 4;
+          } else if (left >= 2) {
+            gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p + done, first, r);
+            done += 2;
+          } else {
+            gguf_direct_block<Ops, 1>(m, rows, acts, act_rows, p + done, first, r);
+            done += 1;
+          }
+        }
       }
       for (int64_t t = 0; t < count; ++t)
         for (int i = 0; i < 4; ++i) out[(p + t) * ldo + n[i]] = result[4 * t + i];

@@ -1,0 +1,218 @@
+// [NOTE] Q4_K, Q5_K and Q6_K dotted straight from their GGUF bytes on AVX2 and AVX-VNNI
+// (no decoded copy): the K-quants of Q4_K_M / Q5_K_M files, which the avx2 variants
+// used to decode row by row before every dot (1-token S1 Q4_K: 13 GB/s on Zen 3).
+// In ggml's layout each 32-byte load of a super-block's nibbles holds one 32-weight
+// sub-block in its low nibbles and the next in its high nibbles, so on 256-bit
+// registers every register of levels belongs to one sub-block (Q4_K, Q5_K) or to two
+// groups of 16, one per 128-bit lane (Q6_K): the scales are applied in integers by
+// vpmaddwd against the register's scale(s) broadcast as int16, after vpmaddubsw's
+// pair sums (|.| <= 2 * 63 * 127), into one int32 sum per lane and (row, token, unit);
+// one float multiply-add by d * da follows.
+// Q4_K / Q5_K take the activations of the AVX-512 kernel (gguf_act.h: kGgufQ4kOrder,
+// each unit's 32-63 and 64-95 swapped in each half; level sums per sub-block): the
+// sub-block pairs with its activation bytes by offset, and the minimums of two rows go
+// together (vpmaddwd of the rows' 6-bit minimums against the level sums), times
+// dmin * da. Q5_K's fifth bits: bit r of qh[l] belongs to weight 32r + l, so each
+// register's levels take one bit test (AND, compare) and + 16.
+// Q6_K takes natural-order activations with level sums per 16 (kGgufQ6kActs); the
+// half's 32 qh bytes give each register's bits 4-5 by one shift and mask; the -32
+// offset is 32 * sum_g scale_g * (level sum of group g), removed in integers.
+// Each (row, activation row) result takes the same operations in the same order
+// whatever the number of activation rows per pass or the row's place among the four.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "gguf_decode.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+// acc + vpmaddwd(pairs, scales): int16 pair sums times int16 scales into int32 lanes.
+inline __m256i kquant_scaled_add(__m256i acc, __m256i pairs, __m256i scales) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
+}
+
+// Horizontal sum of 8 floats, in one fixed order.
+inline float kquant_reduce(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Two rows' Q4_K / Q5_K headers (d, dmin, 12 scale bytes) -> per 128-bit lane (row):
+// bytes 0-7 the 8 six-bit scales, bytes 8-15 the 8 six-bit minimums (ggml's
+// get_scale_min_k4; lane words s0 s1 s2 = the 12 scale bytes).
+inline __m256i q4k_scales_mins2(const uint8_t* row0, const uint8_t* row1) {
+  const __m256i raw = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row0))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(row1)), 1);
+  const __m256i k6k4 = _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
+                                         0x3f3f3f3f, 0x0f0f0f0f);
+  const __m256i k2hi = _mm256_setr_epi32(0, 0x03030303, 0, 0x03030303, 0, 0x03030303, 0, 0x03030303);
+  const __m256i low_shift = _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4);
+  const __m256i p = _mm256_shuffle_epi32(raw, 0xED);  // s0 s2 s1 s2
+  const __m256i q = _mm256_shuffle_epi32(raw, 0xA5);  // s0 s0 s1 s1
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(p, low_shift), k6k4),
+                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q, 6), k2hi), 4));
+}
+
+// out[4 * j + i] = dot(Q4_K row i, activation row j) for i < 4, j < M (gguf_rows.h
+// passes up to kKquantAvx2Tokens), arguments as gguf_q4k_dot_rows4
+// (gguf_q4k_avx512.h). kFive: Q5_K rows (176 bytes per super-block) instead of Q4_K (144).
+template <class Ops, int M, bool kFive = false>
+void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
+                             const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
+  constexpr int64_t kBytes = kFive ? 176 : 144;  // per super-block
+  constexpr int64_t kQs = kFive ? 48 : 16;       // offset of the nibbles
+  // Sub-block r's activation bytes in kGgufQ4kOrder.
+  constexpr int kActAt[8] = {0, 64, 32, 96, 128, 192, 160, 224};
+  const __m256i low = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16), zero = _mm256_setzero_si256();
+  __m256 acc[M][4], accm[M];
+  for (int j = 0; j < M; ++j) {
+    accm[j] = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
+  }
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* b[4];
+    uint32_t first[4];
+    for (int i = 0; i < 4; ++i) {
+      b[i] = rows[i] + u * kBytes;
+      std::memcpy(&first[i], b[i], 4);
+    }
+    // [d0 dmin0 d1 dmin1 d2 dmin2 d3 dmin3]
+    const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi32(static_cast<int>(first[0]), static_cast<int>(first[1]),
+                                                     static_cast<int>(first[2]), static_cast<int>(first[3])));
+    const __m256i sm01 = q4k_scales_mins2(b[0], b[1]), sm23 = q4k_scales_mins2(b[2], b[3]);
+    __m256 d[M];
+    for (int j = 0; j < M; ++j) {
+      d[j] = _mm256_mul_ps(dw, _mm256_set1_ps(scale4[j][u * 64]));
+      // Minimums of rows 0-1 (2-3) per lane times the 8 sub-blocks' level sums, then
+      // lanes [row 0: 2, row 2: 2 | row 1: 2, row 3: 2] times their dmin * da.
+      const __m256i sums = _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(level_sums[j] + u * 16 + 8)));
+      const __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_unpackhi_epi8(sm01, zero), sums),
+                                          _mm256_madd_epi16(_mm256_unpackhi_epi8(sm23, zero), sums));
+      accm[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m),
+                                _mm256_permutevar8x32_ps(d[j], _mm256_setr_epi32(1, 1, 5, 5, 3, 3, 7, 7)), accm[j]);
+    }
+    // Each row's scales as int16 pairs (s, s): dwords s0-s3 (lo) and s4-s7 (hi) per lane.
+    const __m256i sc01 = _mm256_unpacklo_epi8(sm01, zero), sc23 = _mm256_unpacklo_epi8(sm23, zero);
+    const __m256i pairs_lo[2] = {_mm256_unpacklo_epi16(sc01, sc01), _mm256_unpacklo_epi16(sc23, sc23)};
+    const __m256i pairs_hi[2] = {_mm256_unpackhi_epi16(sc01, sc01), _mm256_unpackhi_epi16(sc23, sc23)};
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      if (prefetch)
+        for (int line = 0; line < kBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(b[i] + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      const __m256i lo = i % 2 != 0 ? _mm256_permute2x128_si256(pairs_lo[i / 2], pairs_lo[i / 2], 0x11)
+                                    : _mm256_permute2x128_si256(pairs_lo[i / 2], pairs_lo[i / 2], 0x00);
+      const __m256i hi = i % 2 != 0 ? _mm256_permute2x128_si256(pairs_hi[i / 2], pairs_hi[i / 2], 0x11)
+                                    : _mm256_permute2x128_si256(pairs_hi[i / 2], pairs_hi[i / 2], 0x00);
+      __m256i qh = zero;
+      if constexpr (kFive) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + 16));
+      __m256i t[M];
+      for (int j = 0; j < M; ++j) t[j] = zero;
+      // Sub-blocks 2c (low nibbles) and 2c + 1 (high); c a constant for the immediates.
+      const auto chunk = [&](auto chunk_index) {
+        constexpr int c = decltype(chunk_index)::value;
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + kQs + 32 * c));
+        __m256i l0 = _mm256_and_si256(q, low), l1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+        if constexpr (kFive) {
+          const __m256i bit0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
+          const __m256i bit1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
+          l0 = _mm256_or_si256(l0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit0), bit0), sixteen));
+          l1 = _mm256_or_si256(l1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit1), bit1), sixteen));
+        }
+        const __m256i src = c < 2 ? lo : hi;
+        const __m256i s0 = _mm256_shuffle_epi32(src, (2 * c % 4) * 0x55);
+        const __m256i s1 = _mm256_shuffle_epi32(src, ((2 * c + 1) % 4) * 0x55);
+        for (int j = 0; j < M; ++j) {
+          const int8_t* a = aq[j] + u * 256;
+          const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kActAt[2 * c]));
+          const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kActAt[2 * c + 1]));
+          t[j] = kquant_scaled_add(t[j], _mm256_maddubs_epi16(l0, a0), s0);
+          t[j] = kquant_scaled_add(t[j], _mm256_maddubs_epi16(l1, a1), s1);
+        }
+      };
+      chunk(std::integral_constant<int, 0>{});
+      chunk(std::integral_constant<int, 1>{});
+      chunk(std::integral_constant<int, 2>{});
+      chunk(std::integral_constant<int, 3>{});
+      for (int j = 0; j < M; ++j)
+        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[j]),
+                                    _mm256_permutevar8x32_ps(d[j], _mm256_set1_epi32(2 * i)), acc[j][i]);
+    }
+  }
+  for (int j = 0; j < M; ++j) {
+    alignas(32) float minimums[8];
+    _mm256_store_ps(minimums, accm[j]);
+    constexpr int kMinLane[4] = {0, 4, 2, 6};  // row i's two lanes of accm
+    for (int i = 0; i < 4; ++i)
+      out[4 * j + i] = kquant_reduce(acc[j][i]) - (minimums[kMinLane[i]] + minimums[kMinLane[i] + 1]);
+  }
+}
+
+// out[4 * j + i] = dot(Q6_K row i, activation row j) for i < 4, j < M, arguments as gguf_q6k_dot_rows4 (gguf_q6k_avx512.h).
+template <class Ops, int M>
+void gguf_q6k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
+                             const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
+  // vpermd indices: lane 0 takes dword 2k (scale pair (s, s)), lane 1 dword 2k + 1.
+  const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                           _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  __m256 acc[M][4];
+  for (int j = 0; j < M; ++j)
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < units; ++u) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* b = rows[i] + u * 210;
+      if (prefetch)
+        for (int line = 0; line < 256; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      // Scales s0-s15 as int16; as pairs (s, s): P = s0-s3 | s8-s11, Q = s4-s7 | s12-s15.
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      const __m256i P = _mm256_unpacklo_epi16(sc, sc), Q = _mm256_unpackhi_epi16(sc, sc);
+      const float d = gguf_f16(b + 208);
+      __m256i t[M];
+      for (int j = 0; j < M; ++j) t[j] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int n = 0; n < 2; ++n) {  // halves of 128 weights
+        const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n));
+        const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32));
+        const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+        const __m256i v[4] = {
+            _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), bits45)),
+            _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi16(H, 2), bits45)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low), _mm256_and_si256(H, bits45)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
+                            _mm256_and_si256(_mm256_srli_epi16(H, 2), bits45))};
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {  // weights 128n + 32r: groups 8n + 2r (lane 0), + 1 (lane 1)
+          const __m256i s = _mm256_permutevar8x32_epi32(r < 2 ? P : Q, pick[2 * n + r % 2]);
+          for (int j = 0; j < M; ++j) {
+            const __m256i a =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[j] + u * 256 + 128 * n + 32 * r));
+            t[j] = kquant_scaled_add(t[j], _mm256_maddubs_epi16(v[r], a), s);
+          }
+        }
+      }
+      for (int j = 0; j < M; ++j) {
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums[j] + u * 16));
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc, sums), 5);  // 32 * scale_g * sum_g
+        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t[j], offset)),
+                                    _mm256_set1_ps(d * scale4[j][u * 64]), acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < M; ++j)
+    for (int i = 0; i < 4; ++i) out[4 * j + i] = kquant_reduce(acc[j][i]);
+}
+
+}  // namespace
+}  // namespace kt::cpu
