@@ -8,7 +8,7 @@
 //                  routed to the expert (gguf_rows.h) into fp32 gate and up rows [P, Ip];
 //                  act() is written over the gate rows (the intermediate). The types
 //                  gguf_types.h's gguf_in_place names (every quantized type on AVX-512;
-//                  Q8_0, Q4_0, Q4_1, MXFP4, Q4_K, Q5_K, Q6_K on AVX2 / AVX-VNNI) are read
+//                  all but Q5_0 and Q5_1 on AVX2 / AVX-VNNI) are read
 //                  from their bytes for any number of tokens (each unit of 4 rows extracted
 //                  once per 4 tokens, 2 for AVX2's block-32 types); the others are decoded
 //                  once per job and dotted with every token.

@@ -1,22 +1,24 @@
-// [NOTE] Q4_K, Q5_K and Q6_K dotted straight from their GGUF bytes on AVX2 and AVX-VNNI
-// (no decoded copy): the K-quants of Q4_K_M / Q5_K_M files, which the avx2 variants
-// used to decode row by row before every dot (1-token S1 Q4_K: 13 GB/s on Zen 3).
-// In ggml's layout each 32-byte load of a super-block's nibbles holds one 32-weight
-// sub-block in its low nibbles and the next in its high nibbles, so on 256-bit
-// registers every register of levels belongs to one sub-block (Q4_K, Q5_K) or to two
-// groups of 16, one per 128-bit lane (Q6_K): the scales are applied in integers by
-// vpmaddwd against the register's scale(s) broadcast as int16, after vpmaddubsw's
-// pair sums (|.| <= 2 * 63 * 127), into one int32 sum per lane and (row, token, unit);
-// one float multiply-add by d * da follows.
+// [NOTE] The K-quants (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K) dotted straight from their GGUF bytes
+// on AVX2 and AVX-VNNI (no decoded copy): the types of Q4_K_M / Q5_K_M / Q3_K_M / Q2_K
+// files, which the avx2 variants used to decode row by row before every dot (1-token
+// S1 Q4_K: 13 GB/s on Zen 3). In ggml's layout each 32-byte load of a super-block's
+// level bytes gives, by a shift and a mask, the levels of 32 consecutive weights: one
+// 32-weight sub-block (Q4_K, Q5_K) or two groups of 16, one per 128-bit lane (Q6_K,
+// Q2_K, Q3_K). So on 256-bit registers the scales are applied in integers by vpmaddwd
+// against the register's scale(s) broadcast as int16, after vpmaddubsw's pair sums
+// (|.| <= 2 * 63 * 127), into one int32 sum per lane and (row, token, unit); one float
+// multiply-add by d * da follows.
 // Q4_K / Q5_K take the activations of the AVX-512 kernel (gguf_act.h: kGgufQ4kOrder,
 // each unit's 32-63 and 64-95 swapped in each half; level sums per sub-block): the
 // sub-block pairs with its activation bytes by offset, and the minimums of two rows go
 // together (vpmaddwd of the rows' 6-bit minimums against the level sums), times
 // dmin * da. Q5_K's fifth bits: bit r of qh[l] belongs to weight 32r + l, so each
 // register's levels take one bit test (AND, compare) and + 16.
-// Q6_K takes natural-order activations with level sums per 16 (kGgufQ6kActs); the
-// half's 32 qh bytes give each register's bits 4-5 by one shift and mask; the -32
-// offset is 32 * sum_g scale_g * (level sum of group g), removed in integers.
+// Q6_K, Q2_K and Q3_K take natural-order activations with level sums per 16
+// (kGgufQ6kActs): Q6_K's qh bits reach bits 4-5 by one shift and mask per register;
+// Q2_K's and Q3_K's levels are bits 2r of the half's 32 qs bytes (Q3_K: + 4 where its
+// hmask bit is set, one AND and compare). The offsets (Q6_K -32, Q3_K -4) are removed
+// in integers as offset * sum_g scale_g * (level sum of g); Q2_K's minimums in floats.
 // Each (row, activation row) result takes the same operations in the same order
 // whatever the number of activation rows per pass or the row's place among the four.
 #pragma once
@@ -27,7 +29,9 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../../formats/gguf_types.h"
 #include "gguf_decode.h"
+#include "gguf_q23k_avx512.h"  // Q23k: the Q2_K / Q3_K geometry and scale unpacking (256-bit)
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
@@ -157,11 +161,17 @@ void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
   }
 }
 
-// out[4 * j + i] = dot(Q6_K row i, activation row j) for i < 4, j < M, arguments as gguf_q6k_dot_rows4 (gguf_q6k_avx512.h).
-template <class Ops, int M>
-void gguf_q6k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
-                             const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
+// out[4 * j + i] = dot(row i, activation row j) for i < 4, j < M, kType Q6_K, Q2_K or
+// Q3_K (16 groups of 16 weights per unit), arguments as gguf_q6k_dot_rows4
+// (gguf_q6k_avx512.h), whose activations (natural order, level sums of 16) they take.
+template <class Ops, GgmlType kType, int M>
+void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
+                                 const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
+  static_assert(kType == GgmlType::kQ6_K || kType == GgmlType::kQ2_K || kType == GgmlType::kQ3_K);
+  constexpr bool kSix = kType == GgmlType::kQ6_K, kThree = kType == GgmlType::kQ3_K;
+  constexpr int64_t kBytes = kSix ? 210 : Q23k<kType>::kBytes;
   const __m256i low = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
   // vpermd indices: lane 0 takes dword 2k (scale pair (s, s)), lane 1 dword 2k + 1.
   const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
                            _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
@@ -171,29 +181,55 @@ void gguf_q6k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
   for (int64_t u = 0; u < units; ++u) {
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const uint8_t* b = rows[i] + u * 210;
+      const uint8_t* b = rows[i] + u * kBytes;
       if (prefetch)
-        for (int line = 0; line < 256; line += 64)
+        for (int line = 0; line < kBytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
-      // Scales s0-s15 as int16; as pairs (s, s): P = s0-s3 | s8-s11, Q = s4-s7 | s12-s15.
-      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      // The 16 groups' scales as int16 (Q2_K: and minimums); as pairs (s, s):
+      // P = s0-s3 | s8-s11, Q = s4-s7 | s12-s15.
+      __m256i sc, minimums = _mm256_setzero_si256();
+      float d, dmin = 0.0f;
+      if constexpr (kSix) {
+        sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+        d = gguf_f16(b + 208);
+      } else {
+        Q23k<kType>::scales(b, sc, minimums);
+        d = Q23k<kType>::d(b);
+        dmin = Q23k<kType>::dmin(b);
+      }
       const __m256i P = _mm256_unpacklo_epi16(sc, sc), Q = _mm256_unpackhi_epi16(sc, sc);
-      const float d = gguf_f16(b + 208);
+      __m256i hmask = _mm256_setzero_si256();
+      if constexpr (kThree) hmask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
       __m256i t[M];
       for (int j = 0; j < M; ++j) t[j] = _mm256_setzero_si256();
 #pragma GCC unroll 2
       for (int n = 0; n < 2; ++n) {  // halves of 128 weights
-        const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n));
-        const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32));
-        const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
-        const __m256i v[4] = {
-            _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), bits45)),
-            _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi16(H, 2), bits45)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low), _mm256_and_si256(H, bits45)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
-                            _mm256_and_si256(_mm256_srli_epi16(H, 2), bits45))};
+        // v[r]: levels of weights 128n + 32r .. + 31 (groups 8n + 2r, + 1).
+        __m256i v[4];
+        if constexpr (kSix) {  // ql low nibbles, high nibbles; qh bits 2r, 2r + 1 to bits 4-5
+          const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n));
+          const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32));
+          const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+          v[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi16(H, 4), bits45));
+          v[1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi16(H, 2), bits45));
+          v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low), _mm256_and_si256(H, bits45));
+          v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
+                                 _mm256_and_si256(_mm256_srli_epi16(H, 2), bits45));
+        } else {  // bits 2r..2r + 1 of qs[32n + l] (Q3_K: + 4 where hmask bit 4n + r is set)
+          const __m256i qs =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + Q23k<kType>::kQs + 32 * n));
+          v[0] = _mm256_and_si256(qs, three);
+          v[1] = _mm256_and_si256(_mm256_srli_epi16(qs, 2), three);
+          v[2] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), three);
+          v[3] = _mm256_and_si256(_mm256_srli_epi16(qs, 6), three);
+          if constexpr (kThree)
+            for (int r = 0; r < 4; ++r) {
+              const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (4 * n + r)));
+              v[r] = _mm256_or_si256(v[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit), four));
+            }
+        }
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {  // weights 128n + 32r: groups 8n + 2r (lane 0), + 1 (lane 1)
+        for (int r = 0; r < 4; ++r) {
           const __m256i s = _mm256_permutevar8x32_epi32(r < 2 ? P : Q, pick[2 * n + r % 2]);
           for (int j = 0; j < M; ++j) {
             const __m256i a =
@@ -204,9 +240,16 @@ void gguf_q6k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
       }
       for (int j = 0; j < M; ++j) {
         const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums[j] + u * 16));
-        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc, sums), 5);  // 32 * scale_g * sum_g
-        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t[j], offset)),
-                                    _mm256_set1_ps(d * scale4[j][u * 64]), acc[j][i]);
+        const float da = scale4[j][u * 64];
+        if constexpr (kType == GgmlType::kQ2_K) {  // minimums in floats, as on AVX-512
+          const __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(minimums, sums));
+          acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[j]), _mm256_set1_ps(d * da), acc[j][i]);
+          acc[j][i] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(dmin * da), acc[j][i]);
+        } else {  // the offset (Q6_K 32, Q3_K 4) times sum_g scale_g * sum_g, in integers
+          const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc, sums), kSix ? 5 : 2);
+          acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t[j], offset)), _mm256_set1_ps(d * da),
+                                      acc[j][i]);
+        }
       }
     }
   }

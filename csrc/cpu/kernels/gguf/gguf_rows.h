@@ -156,7 +156,11 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
       case GgmlType::kQ5_K:
         return gguf_q4k_dot_rows4_avx2<Ops, M, true>(rows, q, scale4, level_sums, units, prefetch, out);
       case GgmlType::kQ6_K:
-        return gguf_q6k_dot_rows4_avx2<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
+        return gguf_group16_dot_rows4_avx2<Ops, GgmlType::kQ6_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
+      case GgmlType::kQ2_K:
+        return gguf_group16_dot_rows4_avx2<Ops, GgmlType::kQ2_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
+      case GgmlType::kQ3_K:
+        return gguf_group16_dot_rows4_avx2<Ops, GgmlType::kQ3_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
       default: break;
     }
     if constexpr (M <= kBlock32Avx2Tokens) {  // the block-32 types take at most 2 (gguf_direct_tokens)
@@ -167,7 +171,7 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
           return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
         case GgmlType::kMxfp4:
           return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kMxfp4, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
-        default:  // kQ4_1 (avx2_in_place: Q8_0, Q4_0, Q4_1, MXFP4, Q4_K, Q5_K, Q6_K)
+        default:  // kQ4_1 (avx2_in_place: Q8_0, Q4_0, Q4_1, MXFP4 and the K-quants)
           return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
       }
     }
@@ -200,7 +204,7 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
 
 // Activation rows per pass of the in-place kernels (the rows' extraction is shared by
 // them; registers bound it): 4 on AVX-512, 4 for the K-quants on AVX2, 2 for AVX2's
-// block-32 types. AVX2 K-quants, paired A/B on Zen 3 (avx2, 2026-11-26): passes of 4
+// block-32 types (Q4_K, Q5_K, Q6_K measured; Q2_K and Q3_K take the same). AVX2 K-quants, paired A/B on Zen 3 (avx2, 2026-11-26): passes of 4
 // against 8 took 0.88-0.93 of the time at 512 tokens (S1 Q4_K/Q5_K/Q6_K, S2 Q4_K) and
 // the same at 64; passes of 8 against 2 0.89-1.06 at 512, 0.91-0.97 at 64.
 constexpr int kKquantAvx2Tokens = 4;
@@ -208,7 +212,7 @@ static_assert(kKquantAvx2Tokens <= kGgufDirectTokens);  // gguf_direct_rows' res
 template <class Ops>
 int64_t gguf_direct_tokens(GgmlType type) {
   if constexpr (Ops::kRegsPerLine == 1) return kGgufDirectTokens;
-  const bool kquant = type == GgmlType::kQ4_K || type == GgmlType::kQ5_K || type == GgmlType::kQ6_K;
+  const bool kquant = ggml_type_info(static_cast<uint32_t>(type)).block_elems == 256;
   return kquant ? kKquantAvx2Tokens : kBlock32Avx2Tokens;
 }
 
@@ -227,6 +231,7 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
     for (int line = 0; line < kGgufPrefetchBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(first + line), _MM_HINT_T0);
   }
+  const int64_t tokens = gguf_direct_tokens<Ops>(m.type);
   for (int64_t j = 0; j < stride; ++j) {
     int64_t n[4];
     const uint8_t* rows[4];
@@ -234,7 +239,6 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
       n[i] = std::min(n0 + j + i * stride, n1 - 1);  // past the end: repeat the last row
       rows[i] = m.row(expert, n[i]);
     }
-    const int64_t tokens = gguf_direct_tokens<Ops>(m.type);
     for (int64_t p = p0; p < p1; p += tokens) {
       float result[4 * kGgufDirectTokens];
       const int64_t count = std::min<int64_t>(tokens, p1 - p);
