@@ -64,7 +64,8 @@ Routes routes(const at::Tensor& topk_ids, int64_t live, int64_t num_experts) {
 }
 
 struct Dequantized {
-  at::Tensor gate, up, down;  // fp32 [I, H], [I, H], [H, I]
+  at::Tensor gate_up;         // fp32 [2I, H]: gate rows, then up rows (one GEMM for both)
+  at::Tensor gate, up, down;  // fp32 [I, H] (views of gate_up), [I, H], [H, I]
 };
 
 // A packed blob's layout, format row and fp32 biases (undefined without biases).
@@ -87,16 +88,27 @@ struct Layer {
     }
   }
 
-  Dequantized expert(int64_t e) const {
+  // Expert e's fp32 weights, written over the previous expert's: one buffer per call (a
+  // fresh 3 x I x H fp32 allocation per expert cost page faults on every expert). Valid
+  // until the next call; nothing keeps them past the expert's pass.
+  const Dequantized& expert(int64_t e) const {
     const int64_t H = layout.shape.hidden_size, I = layout.shape.intermediate_size;
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    Dequantized w{at::empty({1, I, H}, f32), at::empty({1, I, H}, f32), at::empty({1, H, I}, f32)};
+    if (!weights_.gate.defined()) {
+      const auto f32 = at::TensorOptions().dtype(at::kFloat);
+      weights_.gate_up = at::empty({2 * I, H}, f32);
+      weights_.gate = weights_.gate_up.narrow(0, 0, I);
+      weights_.up = weights_.gate_up.narrow(0, I, I);
+      weights_.down = at::empty({H, I}, f32);
+    }
     translate_errors([&] {
       cpu::dequantize_experts(row->dequantize, packed.const_data_ptr<uint8_t>(), layout, &e, 1, cpu::ElementType::kF32,
-                              w.gate.data_ptr(), w.up.data_ptr(), w.down.data_ptr());
+                              weights_.gate.data_ptr(), weights_.up.data_ptr(), weights_.down.data_ptr());
     });
-    return {w.gate[0], w.up[0], w.down[0]};
+    return weights_;
   }
+
+ private:
+  mutable Dequantized weights_;
 };
 
 // h = act(g, u) and its partial derivatives (the header's activation; kt_ops.reference.glu).
@@ -187,8 +199,10 @@ ExpertPass expert_forward(const Layer& layer, const Dequantized& w, const Lora& 
                           bool with_output = true) {
   ExpertPass p;
   p.x = x;
-  p.g = at::matmul(x, w.gate.t());
-  p.u = at::matmul(x, w.up.t());
+  const at::Tensor gu = at::matmul(x, w.gate_up.t());  // [n, 2I]
+  const int64_t I = w.gate.size(0);
+  p.g = gu.narrow(1, 0, I);
+  p.u = gu.narrow(1, I, I);
   if (lora.on()) {
     p.xa_g = at::matmul(x, lora.gate_a[e].t());
     p.xa_u = at::matmul(x, lora.up_a[e].t());
@@ -265,7 +279,7 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
   for (size_t i = 0; i < r.experts.size(); ++i) {
     const int64_t e = r.experts[i];
     const at::Tensor tokens = index_tensor(r.tokens[i]), flat = index_tensor(r.flat[i]);
-    const Dequantized w = layer.expert(e);
+    const Dequantized& w = layer.expert(e);
     const ExpertPass p = expert_forward(layer, w, lora, e, x.index_select(0, tokens), /*with_output=*/false);
     const at::Tensor g_rows = grad.index_select(0, tokens);
     const at::Tensor route_w = weights.index_select(0, flat).unsqueeze(1);  // [n, 1]
@@ -284,7 +298,7 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
     }
     out.w.index_copy_(0, flat, grad_w);
     const at::Tensor dg = dh * p.act.dg, du = dh * p.act.du;
-    at::Tensor dx = at::matmul(dg, w.gate) + at::matmul(du, w.up);
+    at::Tensor dx = at::matmul(at::cat({dg, du}, 1), w.gate_up);  // dg Wg + du Wu, one GEMM
     if (lora.on()) {
       const at::Tensor dg_b = at::matmul(dg, lora.gate_b[e]), du_b = at::matmul(du, lora.up_b[e]);
       out.gate_b[e].add_(at::matmul(dg.t(), p.xa_g), s);
