@@ -88,9 +88,10 @@ struct Layer {
     }
   }
 
-  // Expert e's fp32 weights, written over the previous expert's: one buffer per call (a
-  // fresh 3 x I x H fp32 allocation per expert cost page faults on every expert). Valid
-  // until the next call; nothing keeps them past the expert's pass.
+  // Expert e's fp32 weights, written over the previous expert's: one buffer per call
+  // instead of three allocations per expert, gate and up contiguous so one GEMM serves
+  // both (S1 512-token BF16 forward + backward 1.81 -> 1.78 s, Zen 3: within the noise).
+  // Valid until the next call; nothing keeps them past the expert's pass.
   const Dequantized& expert(int64_t e) const {
     const int64_t H = layout.shape.hidden_size, I = layout.shape.intermediate_size;
     if (!weights_.gate.defined()) {

@@ -163,7 +163,11 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
         return gguf_group16_dot_rows4_avx2<Ops, GgmlType::kQ3_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
       default: break;
     }
-    if constexpr (M <= kBlock32Avx2Tokens) {  // the block-32 types take at most 2 (gguf_direct_tokens)
+    if constexpr (M > kBlock32Avx2Tokens) {  // the block-32 kernel takes 2 rows per pass at most
+      gguf_direct_block<Ops, kBlock32Avx2Tokens>(m, rows, acts, act_rows, p0, prefetch, out);
+      return gguf_direct_block<Ops, M - kBlock32Avx2Tokens>(m, rows, acts, act_rows, p0 + kBlock32Avx2Tokens, false,
+                                                            out + 4 * kBlock32Avx2Tokens);
+    } else {
       switch (m.type) {
         case GgmlType::kQ8_0:
           return gguf_block32_dot_rows4_avx2<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
@@ -204,9 +208,10 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
 
 // Activation rows per pass of the in-place kernels (the rows' extraction is shared by
 // them; registers bound it): 4 on AVX-512, 4 for the K-quants on AVX2, 2 for AVX2's
-// block-32 types (Q4_K, Q5_K, Q6_K measured; Q2_K and Q3_K take the same). AVX2 K-quants, paired A/B on Zen 3 (avx2, 2026-11-26): passes of 4
-// against 8 took 0.88-0.93 of the time at 512 tokens (S1 Q4_K/Q5_K/Q6_K, S2 Q4_K) and
-// the same at 64; passes of 8 against 2 0.89-1.06 at 512, 0.91-0.97 at 64.
+// block-32 types. AVX2 K-quants, paired A/B on Zen 3 (avx2, 2026-11-26; Q4_K, Q5_K and
+// Q6_K measured, Q2_K and Q3_K take the same): passes of 4 against 8 took 0.88-0.93 of
+// the time at 512 tokens (S1 Q4_K/Q5_K/Q6_K, S2 Q4_K) and the same at 64; passes of 8
+// against 2 0.89-1.06 at 512, 0.91-0.97 at 64.
 constexpr int kKquantAvx2Tokens = 4;
 static_assert(kKquantAvx2Tokens <= kGgufDirectTokens);  // gguf_direct_rows' result buffer
 template <class Ops>
