@@ -34,6 +34,13 @@ constexpr int kGgufSuper = 256;  // weights per decoded unit
 // measured no better than 1 KiB).
 constexpr int kGgufPrefetchBytes = 1024;
 
+// A unit's `bytes` at b, requested kGgufPrefetchBytes ahead (to L1, line by line): the
+// in-place K-quant kernels' prefetch of each row's next bytes.
+inline void gguf_prefetch_ahead(const uint8_t* b, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
+}
+
 struct alignas(64) GgufDecoded {
   uint8_t q[kGgufSuper];
   float scale[kGgufSuper / 4];

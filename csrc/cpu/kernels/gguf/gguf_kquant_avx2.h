@@ -41,13 +41,6 @@ inline __m256i kquant_scaled_add(__m256i acc, __m256i pairs, __m256i scales) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
 }
 
-// Horizontal sum of 8 floats, in one fixed order.
-inline float kquant_reduce(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // Two rows' Q4_K / Q5_K headers (d, dmin, 12 scale bytes) -> per 128-bit lane (row):
 // bytes 0-7 the 8 six-bit scales, bytes 8-15 the 8 six-bit minimums (ggml's
 // get_scale_min_k4; lane words s0 s1 s2 = the 12 scale bytes).
@@ -110,9 +103,7 @@ void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
     const __m256i pairs_hi[2] = {_mm256_unpackhi_epi16(sc01, sc01), _mm256_unpackhi_epi16(sc23, sc23)};
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      if (prefetch)
-        for (int line = 0; line < kBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(b[i] + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      if (prefetch) gguf_prefetch_ahead(b[i], kBytes);
       const __m256i lo = i % 2 != 0 ? _mm256_permute2x128_si256(pairs_lo[i / 2], pairs_lo[i / 2], 0x11)
                                     : _mm256_permute2x128_si256(pairs_lo[i / 2], pairs_lo[i / 2], 0x00);
       const __m256i hi = i % 2 != 0 ? _mm256_permute2x128_si256(pairs_hi[i / 2], pairs_hi[i / 2], 0x11)
@@ -157,7 +148,7 @@ void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
     _mm256_store_ps(minimums, accm[j]);
     constexpr int kMinLane[4] = {0, 4, 2, 6};  // row i's two lanes of accm
     for (int i = 0; i < 4; ++i)
-      out[4 * j + i] = kquant_reduce(acc[j][i]) - (minimums[kMinLane[i]] + minimums[kMinLane[i] + 1]);
+      out[4 * j + i] = Ops::Vec::reduce_add(acc[j][i]) - (minimums[kMinLane[i]] + minimums[kMinLane[i] + 1]);
   }
 }
 
@@ -182,9 +173,7 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * kBytes;
-      if (prefetch)
-        for (int line = 0; line < kBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      if (prefetch) gguf_prefetch_ahead(b, kBytes);
       // The 16 groups' scales as int16 (Q2_K: and minimums); as pairs (s, s):
       // P = s0-s3 | s8-s11, Q = s4-s7 | s12-s15.
       __m256i sc, minimums = _mm256_setzero_si256();
@@ -254,7 +243,7 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
     }
   }
   for (int j = 0; j < M; ++j)
-    for (int i = 0; i < 4; ++i) out[4 * j + i] = kquant_reduce(acc[j][i]);
+    for (int i = 0; i < 4; ++i) out[4 * j + i] = Ops::Vec::reduce_add(acc[j][i]);
 }
 
 }  // namespace

@@ -85,9 +85,7 @@ void gguf_q23k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, co
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * T::kBytes;
-      if (prefetch)
-        for (int line = 0; line < T::kBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      if (prefetch) gguf_prefetch_ahead(b, T::kBytes);
       __m256i scales, minimums;
       T::scales(b, scales, minimums);
       const __m512i sc = _mm512_castsi256_si512(scales);  // lanes 16-31 never selected

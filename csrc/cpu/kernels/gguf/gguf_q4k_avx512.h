@@ -105,9 +105,7 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * kBytes;
-      if (prefetch)
-        for (int line = 0; line < kBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      if (prefetch) gguf_prefetch_ahead(b, kBytes);
       const __m512i own = _mm512_shuffle_i32x4(scale_bytes, scale_bytes, 0x55 * i);  // row i's lane x 4
       const __m512i qa = _mm512_loadu_si512(b + kQs), qb = _mm512_loadu_si512(b + kQs + 64);
       __m512i l0 = _mm512_and_si512(qa, low), l1 = _mm512_and_si512(_mm512_srli_epi16(qa, 4), low);

@@ -53,9 +53,7 @@ void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * 210;
-      if (prefetch)
-        for (int line = 0; line < 256; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
+      if (prefetch) gguf_prefetch_ahead(b, 210);  // lines 0, 64, 128, 192
       const __m512i ql0 = _mm512_loadu_si512(b), ql1 = _mm512_loadu_si512(b + 64), qh = _mm512_loadu_si512(b + 128);
       const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
       const __m512i sc = _mm512_castsi256_si512(scales);  // lanes 16-31 never selected
