@@ -121,6 +121,40 @@ def _moe_backward_fake(
             torch.empty_like(topk_weights, memory_format=torch.contiguous_format))
 
 
+@torch.library.register_fake("kt::moe_forward_train")
+def _moe_forward_train_fake(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: torch.Tensor,
+    intermediate_size: int,
+    gate_up_delta: torch.Tensor | None = None,
+    live_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    torch._check(intermediate_size >= 1, lambda: f"intermediate_size must be >= 1, got {intermediate_size}")
+    shape = (hidden_states.shape[0], topk_ids.shape[1], 2 * intermediate_size)
+    if gate_up_delta is not None:
+        torch._check(tuple(gate_up_delta.shape) == shape,
+                     lambda: f"gate_up_delta must be [T, K, 2 * I] = {shape}; got {tuple(gate_up_delta.shape)}")
+    return out, hidden_states.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("kt::moe_train_backward")
+def _moe_train_backward_fake(
+    grad_output: torch.Tensor,
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: torch.Tensor,
+    gate_up: torch.Tensor,
+    live_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_x, grad_w = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    torch._check(gate_up.dim() == 3, lambda: f"gate_up must be [T, K, 2I], got {gate_up.shape}")
+    return grad_x, grad_w, torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+
+
 def _check_lora_fake(gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor, up_b: torch.Tensor,
                      down_a: torch.Tensor, down_b: torch.Tensor) -> None:
     for name, t in (("gate_a", gate_a), ("gate_b", gate_b), ("up_a", up_a), ("up_b", up_b), ("down_a", down_a),
@@ -142,9 +176,11 @@ def _moe_lora_forward_fake(
     down_b: torch.Tensor,
     scaling: float,
     live_tokens: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_lora_fake(gate_a, gate_b, up_a, up_b, down_a, down_b)
-    return _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    out = _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    shape = (hidden_states.shape[0], topk_ids.shape[1], 2 * gate_b.shape[1])
+    return out, hidden_states.new_empty(shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("kt::moe_lora_backward")
@@ -162,6 +198,7 @@ def _moe_lora_backward_fake(
     down_b: torch.Tensor,
     scaling: float,
     live_tokens: torch.Tensor | None = None,
+    gate_up: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     _check_lora_fake(gate_a, gate_b, up_a, up_b, down_a, down_b)
     grads = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)

@@ -38,10 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from kt_ops import expert_stats
+from kt_ops import autograd, expert_stats
+from kt_ops._native import _C
 
 IMPLEMENTATION = "kt_ops"
 _BLOB = "_kt_ops_blob"
+_INTERMEDIATE = "_kt_ops_intermediate_size"  # the blob's I, read once (kt_ops.autograd.moe_forward)
 _ROUTE = "_kt_ops_route"  # int64 [E]: expert -> packed index, -1 for the experts kept in torch
 _LOCAL = "_kt_ops_local"  # the experts kept in torch: (ids [G], gate_up, gate_up_bias, down, down_bias)
 _LAYER_ID = "_kt_ops_layer"  # (layer index in the model, E): the module's row in kt_ops.ExpertStats
@@ -75,7 +77,14 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         return _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
     route = getattr(self, _ROUTE, None)
     ids = top_k_index if route is None else torch.take(_on(self, route, top_k_index.device), top_k_index)
-    out = torch.ops.kt.moe_forward(hidden_states.contiguous(), ids.contiguous(), top_k_weights.contiguous(), blob)
+    x, weights = hidden_states.contiguous(), top_k_weights.contiguous()
+    if autograd.saves_gate_up(x, weights):  # training: save gate and up for the backward
+        size = self.__dict__.get(_INTERMEDIATE)
+        if size is None and not torch.compiler.is_compiling():
+            size = self.__dict__[_INTERMEDIATE] = int(_C.packed_info(blob)["intermediate_size"])
+        out = autograd.moe_forward(x, ids.contiguous(), weights, blob, size)
+    else:
+        out = torch.ops.kt.moe_forward(x, ids.contiguous(), weights, blob)
     if local is not None:
         out = out + _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
     return out

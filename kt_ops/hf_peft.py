@@ -151,5 +151,6 @@ def lora_forward(module: nn.Module, active: dict[str, tuple], hidden_states: tor
                          "pack every expert (num_gpu_experts=0) to train a LoRA adapter through kt_ops")
     tensors = lora_tensors(module, active)
     tensors = tuple(t.to(hidden_states.device) for t in tensors)
-    return torch.ops.kt.moe_lora_forward(hidden_states.contiguous(), top_k_index.contiguous(),
-                                         top_k_weights.contiguous(), blob, *tensors, 1.0)
+    out, _gate_up = torch.ops.kt.moe_lora_forward(hidden_states.contiguous(), top_k_index.contiguous(),
+                                                  top_k_weights.contiguous(), blob, *tensors, 1.0)
+    return out

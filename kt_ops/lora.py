@@ -7,8 +7,10 @@ kt-kernel's SFT layout and math (spec §7.3): per expert, gate and up get ``A [r
     d = act(g, u) Wd^T + s (act(g, u) Ad^T) Bd^T      out = sum_j w_j d_j
 
 computed by ``kt::moe_lora_forward`` over the frozen base of any format (its activation
-variant and biases included), differentiated by ``kt::moe_lora_backward``
-(:mod:`kt_ops.autograd`): gradients for the six LoRA tensors, ``hidden_states`` and
+variant and biases included): the base runs on the inference kernel, the gate and up
+branches enter it before the activation, the down branch is added to its output, and the
+kernel's ``g`` and ``u`` are kept for the backward. ``kt::moe_lora_backward``
+(:mod:`kt_ops.autograd`) gives the gradients for the six LoRA tensors, ``hidden_states`` and
 ``topk_weights`` in one pass over the routed experts, no Python loop over experts.
 """
 
@@ -35,8 +37,9 @@ def moe_lora_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_w
     data = packed.data if isinstance(packed, PackedExperts) else packed
     if len(lora) != 6:
         raise ValueError(f"lora must be (gate_a, gate_b, up_a, up_b, down_a, down_b), got {len(lora)} tensors")
-    return torch.ops.kt.moe_lora_forward(hidden_states, topk_ids, topk_weights, data, *lora, float(scaling),
-                                         live_tokens)
+    out, _gate_up = torch.ops.kt.moe_lora_forward(hidden_states, topk_ids, topk_weights, data, *lora,
+                                                  float(scaling), live_tokens)
+    return out
 
 
 class LoraExperts(nn.Module):

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from kt_ops import fakes  # noqa: F401  (registers the fake implementations)
+from kt_ops import autograd, fakes  # noqa: F401  (fakes: registers the fake implementations)
 from kt_ops._native import _C
 from kt_ops.formats import CHECKPOINT_METHODS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, default_group_size, format_for_method
 from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
@@ -282,11 +282,26 @@ def moe_forward(
     the result back: stream-ordered, asynchronous to the Python thread, capturable in a
     CUDA graph once :func:`kt_ops.cuda.reserve_cuda_graph_buffers` has reserved the batch size.
 
+    Under autograd (a gradient needed for ``hidden_states`` or ``topk_weights``) this runs
+    ``kt::moe_forward_train``, which also saves each slot's gate and up for the backward
+    (:mod:`kt_ops.autograd`).
+
     Returns:
         ``[T, H]`` in the dtype and on the device of ``hidden_states`` (a new tensor).
     """
     data = packed.data if isinstance(packed, PackedExperts) else packed
-    return torch.ops.kt.moe_forward(hidden_states, topk_ids, topk_weights, data, live_tokens)
+    if not autograd.saves_gate_up(hidden_states, topk_weights):
+        return torch.ops.kt.moe_forward(hidden_states, topk_ids, topk_weights, data, live_tokens)
+    size = packed.intermediate_size if isinstance(packed, PackedExperts) else _intermediate_size(packed)
+    return autograd.moe_forward(hidden_states, topk_ids, topk_weights, data, size, live_tokens)
+
+
+def _intermediate_size(blob: torch.Tensor) -> int | None:
+    """A raw blob's ``I`` from its header, read eagerly (``None`` while compiling: the blob is
+    a FakeTensor there, and the caller falls back to the recomputing backward)."""
+    if torch.compiler.is_compiling() or blob.device.type != "cpu" or blob.dtype != torch.uint8:
+        return None
+    return int(_C.packed_info(blob)["intermediate_size"])
 
 
 def moe_forward_parts(

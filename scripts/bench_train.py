@@ -1,6 +1,9 @@
 """Training-step cost of one MoE layer through kt_ops: forward alone (the inference kernel),
-forward + backward w.r.t. the inputs (kt::moe_backward), and LoRA forward + backward
-(kt::moe_lora_forward / kt::moe_lora_backward), per format, on the bench shapes.
+forward + backward w.r.t. the inputs as ``kt_ops.moe_forward`` runs it under autograd
+(kt::moe_forward_train saving gate and up, kt::moe_train_backward), the same with gate and
+up recomputed in the backward (``torch.ops.kt.moe_forward`` + kt::moe_backward), and LoRA
+forward + backward (kt::moe_lora_forward / kt::moe_lora_backward), per format, on the
+bench shapes.
 
     python scripts/bench_train.py [--shape S1] [--tokens 512] [--method BF16 AMXINT8 AMXINT4 Q4_K] [--repeats 5]
 
@@ -49,7 +52,8 @@ def main() -> None:
     probe = torch.randn(args.tokens, H, generator=g).bfloat16()
     print(f"{shape.name} (E={E}, K={K}, H={H}, I={I}), {args.tokens} tokens, {kt_ops.get_num_threads()} threads, "
           f"CPU variant {kt_ops.cpu_variant()}, torch threads {torch.get_num_threads()}")
-    print(f"{'method':10} {'forward':>10} {'fwd+bwd':>10} {'ratio':>6} {'LoRA f+b':>10} {'ratio':>6}")
+    print(f"{'method':10} {'forward':>10} {'fwd+bwd':>10} {'ratio':>6} {'recompute':>10} {'ratio':>6} "
+          f"{'LoRA f+b':>10} {'ratio':>6}")
     for method in args.method:
         kwargs = {"gguf_type": method} if method.startswith("Q") else {}
         packed = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE" if kwargs else method, **kwargs)
@@ -63,12 +67,18 @@ def main() -> None:
             inp = x.detach().requires_grad_()
             (kt_ops.moe_forward(inp, ids, weights, packed) * probe).sum().backward()
 
+        def train_recompute() -> None:
+            inp = x.detach().requires_grad_()
+            (torch.ops.kt.moe_forward(inp, ids, weights, packed.data) * probe).sum().backward()
+
         def train_lora() -> None:
             inp = x.detach().requires_grad_()
             (lora(inp, ids, weights, packed) * probe).sum().backward()
 
-        f, t, lt = timed(forward, args.repeats), timed(train, args.repeats), timed(train_lora, args.repeats)
-        print(f"{method:10} {f * 1e3:8.1f}ms {t * 1e3:8.1f}ms {t / f:6.1f} {lt * 1e3:8.1f}ms {lt / f:6.1f}", flush=True)
+        f, t, r = timed(forward, args.repeats), timed(train, args.repeats), timed(train_recompute, args.repeats)
+        lt = timed(train_lora, args.repeats)
+        print(f"{method:10} {f * 1e3:8.1f}ms {t * 1e3:8.1f}ms {t / f:6.1f} {r * 1e3:8.1f}ms {r / f:6.1f} "
+              f"{lt * 1e3:8.1f}ms {lt / f:6.1f}", flush=True)
 
 
 if __name__ == "__main__":

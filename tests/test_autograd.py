@@ -23,11 +23,15 @@ def glu64(g: torch.Tensor, u: torch.Tensor, limit: float, alpha: float) -> torch
     return g * torch.sigmoid(alpha * g) * (u + 1) if alpha > 0 else F.silu(g) * u
 
 
-def fp64_forward(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """The layer in fp64 on the blob's dequantized weights (autograd does the backward)."""
+def fp64_forward(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, packed: torch.Tensor,
+                 gate_up: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer in fp64 on the blob's dequantized weights (autograd does the backward).
+    gate_up: moe_forward_train's [T, K, 2I]: g and u take those values (the kernel's), their
+    gradients still those of x Wg^T + bg and x Wu^T + bu."""
     gate, up, down = (t.double() for t in reference.dequantize(packed))
     act = reference.activation_of(packed)
     biases = act["biases"] or (None, None, None)
+    I = gate.shape[1]
     out = torch.zeros_like(x)
     for e in torch.unique(ids[ids >= 0]).tolist():
         tokens, slots = torch.nonzero(ids == e, as_tuple=True)
@@ -36,6 +40,10 @@ def fp64_forward(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, packed: to
             g = g + biases[0][e].double()
         if biases[1] is not None:
             u = u + biases[1][e].double()
+        if gate_up is not None:
+            saved = gate_up[tokens, slots].double()
+            g = g + (saved[:, :I] - g).detach()
+            u = u + (saved[:, I:] - u).detach()
         y = glu64(g, u, act["swiglu_limit"], act["swiglu_alpha"]) @ down[e].T
         if biases[2] is not None:
             y = y + biases[2][e].double()
@@ -50,18 +58,28 @@ def grads(fn, x: torch.Tensor, w: torch.Tensor, probe: torch.Tensor) -> tuple[to
 
 
 def check(packed: torch.Tensor, T: int = 7, K: int = 2, bound: float = 1e-4, seed: int = 0) -> None:
+    """Both backward paths against fp64 autograd: kt::moe_forward's (g and u recomputed in
+    fp32: the ideal layer's gradient) and kt_ops.moe_forward's under autograd
+    (kt::moe_forward_train: g and u saved by the kernel, the gradient at those values)."""
     info = kt_ops.PackedExperts(packed)
-    E, H = info.num_experts, info.hidden_size
+    E, H, I = info.num_experts, info.hidden_size, info.intermediate_size
     ids, w = random_routing(T, E, K, seed)
     ids[1, 0] = -1  # a skipped slot: no gradient for its weight
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed))
     probe = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1))
-    gx, gw = grads(lambda a, b: kt_ops.moe_forward(a, ids, b, packed), x, w, probe)
-    rx, rw = grads(lambda a, b: fp64_forward(a, ids, b, packed), x.double(), w.double(), probe)
-    assert gx.dtype == x.dtype and gw.dtype == w.dtype
-    assert rel_err(gx, rx.float()) <= bound, rel_err(gx, rx.float())
-    assert rel_err(gw, rw.float()) <= bound, rel_err(gw, rw.float())
-    assert gw[1, 0] == 0
+    with torch.no_grad():
+        out, gate_up = torch.ops.kt.moe_forward_train(x, ids, w, packed, I)
+        assert torch.equal(out, torch.ops.kt.moe_forward(x, ids, w, packed))
+    assert gate_up.shape == (T, K, 2 * I) and gate_up.dtype == torch.float32
+    assert gate_up[1, 0].abs().sum() == 0  # the skipped slot
+    for fn, gu in ((lambda a, b: torch.ops.kt.moe_forward(a, ids, b, packed), None),
+                   (lambda a, b: kt_ops.moe_forward(a, ids, b, packed), gate_up)):
+        gx, gw = grads(fn, x, w, probe)
+        rx, rw = grads(lambda a, b: fp64_forward(a, ids, b, packed, gu), x.double(), w.double(), probe)
+        assert gx.dtype == x.dtype and gw.dtype == w.dtype
+        assert rel_err(gx, rx.float()) <= bound, (gu is None, rel_err(gx, rx.float()))
+        assert rel_err(gw, rw.float()) <= bound, (gu is None, rel_err(gw, rw.float()))
+        assert gw[1, 0] == 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -82,6 +100,77 @@ def test_activation_variants_and_biases(method: str, limit: float, alpha: float)
     biases = (torch.randn(5, 32, generator=g) * 0.1, torch.randn(5, 32, generator=g) * 0.1,
               torch.randn(5, 64, generator=g) * 0.1)
     check(kt_ops.set_activation(packed, limit, alpha, biases).data, T=9)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_saved_gate_up_is_the_kernels_preactivation(case) -> None:
+    """moe_forward_train's gate_up: each slot's g and u as the kernel's activation saw them,
+    within the format's forward tolerance of the fp32 values on the dequantized weights."""
+    experts = make_experts(4, case.hidden, case.intermediate, seed=7)
+    packed = case.pack(experts.gate, experts.up, experts.down).data
+    info = kt_ops.PackedExperts(packed)
+    ids, w = random_routing(6, 4, 3, seed=7)
+    x = torch.randn(6, case.hidden, generator=torch.Generator().manual_seed(8))
+    _, gate_up = torch.ops.kt.moe_forward_train(x, ids, w, packed, info.intermediate_size)
+    gate, up, _ = reference.dequantize(packed)
+    want = torch.cat([torch.einsum("th,tkih->tki", x, gate[ids]), torch.einsum("th,tkih->tki", x, up[ids])], -1)
+    assert rel_err(gate_up, want) <= 4e-2, rel_err(gate_up, want)
+
+
+def test_gate_up_delta_is_added_before_the_activation_and_gets_the_gradient() -> None:
+    """gate_up_delta shifts g and u before the activation (the LoRA hook); its gradient is
+    the one w.r.t. g and u, checked against fp64 autograd."""
+    experts = make_experts(4, 48, 24, seed=9)
+    packed = experts.packed.data
+    ids, w = random_routing(5, 4, 2, seed=9)
+    g = torch.Generator().manual_seed(10)
+    x, probe = torch.randn(5, 48, generator=g), torch.randn(5, 48, generator=g)
+    delta = (torch.randn(5, 2, 48, generator=g) * 0.3).requires_grad_()
+    out, gate_up = torch.ops.kt.moe_forward_train(x, ids, w, packed, 24, delta)
+    _, plain = torch.ops.kt.moe_forward_train(x, ids, w, packed, 24)
+    assert rel_err(gate_up, plain + delta.detach()) <= 1e-6
+    (out * probe).sum().backward()
+    got = delta.grad.clone()
+
+    gate, up, down = (t.double() for t in reference.dequantize(packed))
+    d64 = delta.detach().double().requires_grad_()
+    ref = torch.zeros(5, 48, dtype=torch.float64)
+    for t in range(5):
+        for j in range(2):
+            e = int(ids[t, j])
+            gg = x[t].double() @ gate[e].T + d64[t, j, :24]
+            uu = x[t].double() @ up[e].T + d64[t, j, 24:]
+            ref[t] = ref[t] + w[t, j].double() * (F.silu(gg) * uu) @ down[e].T
+    (ref * probe.double()).sum().backward()
+    assert rel_err(got, d64.grad.float()) <= 1e-4, rel_err(got, d64.grad.float())
+
+
+def test_forward_train_rejects_bad_arguments() -> None:
+    experts = make_experts(4, 32, 16)
+    ids, w = random_routing(3, 4, 2)
+    x = torch.randn(3, 32)
+    with pytest.raises(ValueError, match="intermediate_size = 17"):
+        torch.ops.kt.moe_forward_train(x, ids, w, experts.packed.data, 17)
+    with pytest.raises(ValueError, match=r"gate_up_delta must be \[T, K, 2 \* I\]"):
+        torch.ops.kt.moe_forward_train(x, ids, w, experts.packed.data, 16, torch.zeros(3, 2, 16))
+    with pytest.raises(ValueError, match="gate_up must be"):
+        torch.ops.kt.moe_train_backward(x, x, ids, w, experts.packed.data, torch.zeros(3, 2, 16))
+
+
+def test_set_save_gate_up_false_recomputes() -> None:
+    experts = make_experts(4, 32, 16)
+    ids, w = random_routing(3, 4, 2)
+    x = torch.randn(3, 32, requires_grad=True)
+    kt_ops.autograd.set_save_gate_up(False)
+    try:
+        out = kt_ops.moe_forward(x, ids, w, experts.packed)
+        assert "kt_moe_forward_default" in str(out.grad_fn)
+    finally:
+        kt_ops.autograd.set_save_gate_up(True)
+    out = kt_ops.moe_forward(x, ids, w, experts.packed)
+    assert "kt_moe_forward_train_default" in str(out.grad_fn)
+    with torch.no_grad():
+        assert torch.equal(out, kt_ops.moe_forward(x, ids, w, experts.packed))
 
 
 def test_finite_differences_bf16_fp32_inputs() -> None:
@@ -133,16 +222,27 @@ def test_opcheck_moe_backward_and_forward_with_grad() -> None:
     torch.library.opcheck(torch.ops.kt.moe_backward.default, (torch.randn(5, 48), x, ids, w, experts.packed.data))
     torch.library.opcheck(torch.ops.kt.moe_forward.default,
                           (x.clone().requires_grad_(), ids, w.clone().requires_grad_(), experts.packed.data))
+    _, gate_up = torch.ops.kt.moe_forward_train(x, ids, w, experts.packed.data, 32)
+    torch.library.opcheck(torch.ops.kt.moe_train_backward.default,
+                          (torch.randn(5, 48), x, ids, w, experts.packed.data, gate_up))
+    torch.library.opcheck(torch.ops.kt.moe_forward_train.default,
+                          (x.clone().requires_grad_(), ids, w.clone().requires_grad_(), experts.packed.data, 32))
+    torch.library.opcheck(torch.ops.kt.moe_forward_train.default,
+                          (x, ids, w, experts.packed.data, 32, torch.randn(5, 2, 64, requires_grad=True)))
 
 
-def test_compiled_training_step_has_no_graph_break() -> None:
+@pytest.mark.parametrize("blob", ["tensor", "PackedExperts"])
+def test_compiled_training_step_has_no_graph_break(blob: str) -> None:
+    """A raw blob compiles through kt::moe_forward (recomputing backward), a PackedExperts
+    through kt::moe_forward_train (saving): both without a graph break, both as eager."""
     experts = make_experts(4, 48, 32)
     ids, w = random_routing(5, 4, 2)
     linear = torch.nn.Linear(48, 48)
     x = torch.randn(5, 48)
+    packed = experts.packed.data if blob == "tensor" else experts.packed
 
     def step(inp: torch.Tensor) -> torch.Tensor:
-        return kt_ops.moe_forward(linear(inp), ids, w, experts.packed.data).square().mean()
+        return kt_ops.moe_forward(linear(inp), ids, w, packed).square().mean()
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)

@@ -27,8 +27,10 @@ kt::dequantize_experts(Tensor packed, Tensor expert_ids, ScalarType? dtype=None)
 kt::moe_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor? live_tokens=None) -> (Tensor, Tensor)
 kt::moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor? live_tokens=None) -> Tensor
 kt::moe_forward_parts(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor[] parts, int[] nodes) -> Tensor
-kt::moe_lora_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b, float scaling, Tensor? live_tokens=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
-kt::moe_lora_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b, float scaling, Tensor? live_tokens=None) -> Tensor
+kt::moe_forward_train(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, int intermediate_size, Tensor? gate_up_delta=None, Tensor? live_tokens=None) -> (Tensor, Tensor)
+kt::moe_lora_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b, float scaling, Tensor? live_tokens=None, Tensor? gate_up=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
+kt::moe_lora_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b, float scaling, Tensor? live_tokens=None) -> (Tensor, Tensor)
+kt::moe_train_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed, Tensor gate_up, Tensor? live_tokens=None) -> (Tensor, Tensor, Tensor)
 kt::pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format, int group_size=0, bool scale_search=False) -> Tensor
 kt::pack_fp8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale, Tensor up_scale, Tensor down_scale, str format) -> Tensor
 kt::pack_gguf_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, int[] gguf_types) -> Tensor

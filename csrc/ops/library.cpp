@@ -49,6 +49,22 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "pack_fp8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale,"
       " Tensor up_scale, Tensor down_scale, str format) -> Tensor");
+  // moe_forward for training: the same output, and gate_up fp32 [T, K, 2 * I], each slot's
+  // gate (columns [0, I)) and up ([I, 2I)) as the activation saw them (after the format's
+  // scale and the biases; zero for skipped slots and rows past live_tokens), which
+  // moe_train_backward reads instead of recomputing them. intermediate_size: the packed
+  // layer's I (checked against its header; the fake cannot read it). gate_up_delta:
+  // optional f32|bf16|f16 [T, K, 2 * I] added to gate and up before the activation (a LoRA
+  // branch's contribution) -> (output [T, H] (hidden dtype), gate_up).
+  m.def(
+      "moe_forward_train(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed,"
+      " int intermediate_size, Tensor? gate_up_delta=None, Tensor? live_tokens=None) -> (Tensor, Tensor)");
+  // Its backward: grad_output [T, H], the forward's inputs and its gate_up -> (grad_hidden
+  // [T, H] (hidden dtype), grad_weights [T, K] (weights dtype), grad_gate_up fp32 [T, K, 2I]:
+  // the gradient w.r.t. gate and up before the activation, which is gate_up_delta's).
+  m.def(
+      "moe_train_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights,"
+      " Tensor packed, Tensor gate_up, Tensor? live_tokens=None) -> (Tensor, Tensor, Tensor)");
   // The backward of moe_forward with the experts frozen: grad_output [T, H] and
   // moe_forward's inputs -> (grad_hidden [T, H] in hidden_states' dtype, grad_weights
   // [T, K] in topk_weights' dtype). Kernel: csrc/ops/moe_train_cpu.cpp (fp32 on the
@@ -57,18 +73,21 @@ TORCH_LIBRARY(kt, m) {
       "moe_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights,"
       " Tensor packed, Tensor? live_tokens=None) -> (Tensor, Tensor)");
   // moe_forward with LoRA on every expert's gate, up and down over the frozen packed base
-  // (csrc/ops/moe_train_cpu.cpp): gate_a, up_a [E, r, H], gate_b, up_b [E, I, r], down_a
-  // [E, r, I], down_b [E, H, r] (f32|bf16|f16), scaling = alpha / r -> [T, H] (hidden dtype).
+  // (csrc/ops/moe_train_cpu.cpp, on the inference kernel): gate_a, up_a [E, r, H], gate_b,
+  // up_b [E, I, r], down_a [E, r, I], down_b [E, H, r] (f32|bf16|f16), scaling = alpha / r
+  // -> (output [T, H] (hidden dtype), gate_up fp32 [T, K, 2I]: g and u as moe_forward_train's,
+  // LoRA branch included, for the backward).
   m.def(
       "moe_lora_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor packed,"
       " Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b, float scaling,"
-      " Tensor? live_tokens=None) -> Tensor");
+      " Tensor? live_tokens=None) -> (Tensor, Tensor)");
   // Its backward: (grad_hidden, grad_weights, grad_gate_a, grad_gate_b, grad_up_a, grad_up_b,
-  // grad_down_a, grad_down_b), each in its input's dtype.
+  // grad_down_a, grad_down_b), each in its input's dtype. gate_up: the forward's, or None
+  // (g and u recomputed in fp32).
   m.def(
       "moe_lora_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights,"
       " Tensor packed, Tensor gate_a, Tensor gate_b, Tensor up_a, Tensor up_b, Tensor down_a, Tensor down_b,"
-      " float scaling, Tensor? live_tokens=None)"
+      " float scaling, Tensor? live_tokens=None, Tensor? gate_up=None)"
       " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Chosen experts of a packed blob (any format) as Hugging Face weights: packed uint8 [n]
   // (host memory), expert_ids int32|int64 [m] (ids in [0, E), repeats allowed), dtype

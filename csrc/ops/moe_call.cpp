@@ -1,5 +1,6 @@
 #include "moe_call.h"
 
+#include <algorithm>
 #include <limits>
 #include <sstream>
 
@@ -88,6 +89,15 @@ std::string find_bad_expert_id(const void* ids, bool int64, int64_t tokens, int6
   const int64_t count = tokens * top_k;
   return int64 ? first_bad(static_cast<const int64_t*>(ids), count, top_k, experts)
                : first_bad(static_cast<const int32_t*>(ids), count, top_k, experts);
+}
+
+void zero_unrouted_rows(at::Tensor& rows_by_slot, const at::Tensor& topk_ids, int64_t live) {
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const int64_t K = ids.size(1), slots = ids.numel(), cols = rows_by_slot.numel() / std::max<int64_t>(slots, 1);
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  float* rows = rows_by_slot.data_ptr<float>();
+  for (int64_t s = 0; s < slots; ++s)
+    if (id[s] < 0 || s / K >= live) std::fill(rows + s * cols, rows + (s + 1) * cols, 0.0f);
 }
 
 }  // namespace kt::ops

@@ -34,4 +34,9 @@ int64_t clamp_live_tokens(int64_t value, int64_t tokens, std::string* error);
 std::string find_bad_expert_id(const void* ids, bool int64, int64_t tokens, int64_t top_k,
                                int64_t experts);
 
+// Zeroes the rows of rows_by_slot [tokens * top_k, C] (float32, contiguous) of slots that
+// route nowhere: id -1, or a token at or past `live`. The training operators' per-slot
+// outputs are written by the kernels for every other row.
+void zero_unrouted_rows(at::Tensor& rows_by_slot, const at::Tensor& topk_ids, int64_t live);
+
 }  // namespace kt::ops

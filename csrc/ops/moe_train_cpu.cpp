@@ -1,19 +1,25 @@
-// CPU kernels of the training operators: kt::moe_backward (moe_forward's backward with the
-// experts frozen), kt::moe_lora_forward and kt::moe_lora_backward (per-expert LoRA on gate,
-// up and down over a frozen base of any format).
+// CPU kernels of the training operators: kt::moe_train_backward (moe_forward_train's
+// backward), kt::moe_backward (moe_forward's, recomputing), kt::moe_lora_forward and
+// kt::moe_lora_backward (per-expert LoRA on gate, up and down over a frozen base of any
+// format), the experts frozen.
 //
-// One pass over the experts the live tokens route to, in C++: each expert's weights are
-// dequantized to fp32 (the format table's "dequantize rows" column, the values the
-// inference kernels multiply), its tokens gathered, and the expert's forward recomputed and
-// differentiated with ATen GEMMs in fp32 — nothing is saved by the forward but its inputs.
-// The activation and biases are the blob header's. For expert e of token t (slot j, weight
-// w, input row x, output gradient G, s = LoRA scaling, A/B that expert's LoRA matrices):
+// The LoRA forward runs the inference kernel (moe_forward_cpu.h): its gate and up branches
+// go in as the kernel's gate_up_add, its down branch is added to the kernel's fp32 output,
+// and the kernel's g and u come back for the backward. The backwards are one pass over the
+// experts the live tokens route to, in C++: each expert's weights are dequantized to fp32
+// (the format table's "dequantize rows" column, the values the inference kernels multiply),
+// its tokens gathered, and differentiated with ATen GEMMs in fp32 — at the g and u the
+// forward saved (moe_forward_train, moe_lora_forward), or at g and u recomputed in fp32
+// (moe_backward, and moe_lora_backward without gate_up). The activation and biases are the
+// blob header's. For expert e of token t (slot j, weight w, input row x, output gradient G,
+// s = LoRA scaling, A/B that expert's LoRA matrices):
 //   g = x Wg^T + bg + s (x Ag^T) Bg^T     (u likewise)       h = act(g, u)
 //   d = h Wd^T + bd + s (h Ad^T) Bd^T     out[t] += w d
 //   grad_w[t, j] = <G, d> = <G Wd, h> + <G, bd> + s <G Bd, h Ad^T>   (d is not recomputed)
 //   dd = w G    dh = dd Wd + s (dd Bd) Ad    dg = dh act_g'   du = dh act_u'
 //   dx += dg Wg + du Wu + s (dg Bg) Ag + s (du Bu) Au
 //   dBd += s dd^T (h Ad^T)   dAd += s (dd Bd)^T h   (gate/up: with dg/du and x)
+// [dg du] is also the gradient of moe_forward_train's gate_up_delta.
 // Rows past live_tokens have zero output and zero gradients.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -26,6 +32,8 @@
 #include "../cpu/format_table.h"
 #include "../cpu/formats/dequantize_experts.h"
 #include "checks.h"
+#include "moe_call.h"
+#include "moe_forward_cpu.h"
 #include "packed_blob.h"
 
 namespace kt::ops {
@@ -196,21 +204,25 @@ struct ExpertPass {
 };
 
 // with_output: also d (the forward; the backward needs only up to h and h A_d^T).
+// saved: the expert's rows of moe_forward_train's gate_up [n, 2I] (g and u with the
+// biases and the LoRA branch already in), or undefined to recompute them.
 ExpertPass expert_forward(const Layer& layer, const Dequantized& w, const Lora& lora, int64_t e, const at::Tensor& x,
-                          bool with_output = true) {
+                          bool with_output = true, const at::Tensor& saved = {}) {
   ExpertPass p;
   p.x = x;
-  const at::Tensor gu = at::matmul(x, w.gate_up.t());  // [n, 2I]
   const int64_t I = w.gate.size(0);
+  const at::Tensor gu = saved.defined() ? saved : at::matmul(x, w.gate_up.t());  // [n, 2I]
   p.g = gu.narrow(1, 0, I);
   p.u = gu.narrow(1, I, I);
   if (lora.on()) {
     p.xa_g = at::matmul(x, lora.gate_a[e].t());
     p.xa_u = at::matmul(x, lora.up_a[e].t());
+  }
+  if (lora.on() && !saved.defined()) {
     p.g = p.g + at::matmul(p.xa_g, lora.gate_b[e].t()) * lora.scaling;
     p.u = p.u + at::matmul(p.xa_u, lora.up_b[e].t()) * lora.scaling;
   }
-  if (layer.gate_bias.defined()) {
+  if (layer.gate_bias.defined() && !saved.defined()) {
     p.g = p.g + layer.gate_bias[e];
     p.u = p.u + layer.up_bias[e];
   }
@@ -236,29 +248,53 @@ Lora lora_of(const at::Tensor& gate_a, const at::Tensor& gate_b, const at::Tenso
   return lora;
 }
 
-at::Tensor lora_forward(const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                        const Layer& layer, const Lora& lora, const std::optional<at::Tensor>& live_tokens) {
+// The LoRA forward on the inference kernel: the gate and up branches s (x A^T) B^T go in
+// as the kernel's gate_up_add, the down branch s (h Ad^T) Bd^T is added to its fp32
+// output, h = act(g, u) from the g and u it saved. -> (output [T, H] in hidden_states'
+// dtype, gate_up fp32 [T, K, 2I] for the backward).
+std::tuple<at::Tensor, at::Tensor> lora_forward(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                                                const at::Tensor& topk_weights, const Layer& layer, const Lora& lora,
+                                                const std::optional<at::Tensor>& live_tokens) {
   const at::Tensor x = hidden_states.to(at::kFloat).contiguous();
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous().view({-1});
-  at::Tensor out = at::zeros_like(x);
-  const Routes r = routes(topk_ids, live_rows(live_tokens, x.size(0)), layer.layout.shape.num_experts);
+  const int64_t T = x.size(0), K = topk_ids.size(1), I = layer.layout.shape.intermediate_size;
+  const Routes r = routes(topk_ids, live_rows(live_tokens, T), layer.layout.shape.num_experts);
+  const double s = lora.scaling;
+  at::Tensor delta = at::empty({T, K, 2 * I}, x.options());  // rows of unrouted slots are never read
+  const at::Tensor delta_rows = delta.view({T * K, 2 * I});
   for (size_t i = 0; i < r.experts.size(); ++i) {
     const int64_t e = r.experts[i];
-    const at::Tensor tokens = index_tensor(r.tokens[i]);
-    const ExpertPass p = expert_forward(layer, layer.expert(e), lora, e, x.index_select(0, tokens));
-    out.index_add_(0, tokens, p.d * weights.index_select(0, index_tensor(r.flat[i])).unsqueeze(1));
+    const at::Tensor xe = x.index_select(0, index_tensor(r.tokens[i]));
+    const at::Tensor dg = at::matmul(at::matmul(xe, lora.gate_a[e].t()), lora.gate_b[e].t()) * s;
+    const at::Tensor du = at::matmul(at::matmul(xe, lora.up_a[e].t()), lora.up_b[e].t()) * s;
+    delta_rows.index_copy_(0, index_tensor(r.flat[i]), at::cat({dg, du}, 1));
   }
-  return out.to(hidden_states.scalar_type());
+  auto [out, gate_up] = moe_forward_train_kernel(hidden_states.contiguous(), topk_ids.contiguous(),
+                                                 topk_weights.contiguous(), layer.packed, I, delta, live_tokens,
+                                                 /*fp32_output=*/true);
+  const at::Tensor gate_up_rows = gate_up.view({T * K, 2 * I});
+  const float limit = layer.layout.shape.glu.swiglu_limit, alpha = layer.layout.shape.glu.swiglu_alpha;
+  for (size_t i = 0; i < r.experts.size(); ++i) {
+    const int64_t e = r.experts[i];
+    const at::Tensor flat = index_tensor(r.flat[i]);
+    const at::Tensor gu = gate_up_rows.index_select(0, flat);
+    const at::Tensor h = glu(gu.narrow(1, 0, I), gu.narrow(1, I, I), limit, alpha).h;
+    const at::Tensor d = at::matmul(at::matmul(h, lora.down_a[e].t()), lora.down_b[e].t()) * s;
+    out.index_add_(0, index_tensor(r.tokens[i]), d * weights.index_select(0, flat).unsqueeze(1));
+  }
+  return {out.to(hidden_states.scalar_type()), gate_up};
 }
 
-// grad_x, grad_w and (with LoRA) the six LoRA gradients, fp32.
+// grad_x, grad_w, (with LoRA) the six LoRA gradients and (with a saved gate_up) the
+// gradient w.r.t. gate and up before the activation [T * K, 2I], fp32.
 struct Grads {
-  at::Tensor x, w, gate_a, gate_b, up_a, up_b, down_a, down_b;
+  at::Tensor x, w, gate_a, gate_b, up_a, up_b, down_a, down_b, gate_up;
 };
 
+// gate_up: moe_forward_train's [T, K, 2I], or undefined (recompute g and u).
 Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                const at::Tensor& topk_weights, const Layer& layer, const Lora& lora,
-               const std::optional<at::Tensor>& live_tokens) {
+               const std::optional<at::Tensor>& live_tokens, const at::Tensor& gate_up = {}) {
   TORCH_CHECK_VALUE(grad_output.sizes() == hidden_states.sizes(), "grad_output must have hidden_states' shape ",
                     hidden_states.sizes(), ", got ", grad_output.sizes());
   const at::Tensor x = hidden_states.to(at::kFloat).contiguous();
@@ -275,13 +311,21 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
     out.down_a = at::zeros_like(lora.down_a);
     out.down_b = at::zeros_like(lora.down_b);
   }
-  const Routes r = routes(topk_ids, live_rows(live_tokens, x.size(0)), layer.layout.shape.num_experts);
+  const int64_t live = live_rows(live_tokens, x.size(0));
+  at::Tensor saved;  // [T * K, 2I]
+  if (gate_up.defined()) {
+    saved = gate_up.to(at::kFloat).contiguous().view({weights.numel(), -1});
+    out.gate_up = at::empty_like(saved);
+    zero_unrouted_rows(out.gate_up, topk_ids, live);  // the routed rows are written below
+  }
+  const Routes r = routes(topk_ids, live, layer.layout.shape.num_experts);
   const double s = lora.scaling;
   for (size_t i = 0; i < r.experts.size(); ++i) {
     const int64_t e = r.experts[i];
     const at::Tensor tokens = index_tensor(r.tokens[i]), flat = index_tensor(r.flat[i]);
     const Dequantized& w = layer.expert(e);
-    const ExpertPass p = expert_forward(layer, w, lora, e, x.index_select(0, tokens), /*with_output=*/false);
+    const ExpertPass p = expert_forward(layer, w, lora, e, x.index_select(0, tokens), /*with_output=*/false,
+                                        saved.defined() ? saved.index_select(0, flat) : at::Tensor());
     const at::Tensor g_rows = grad.index_select(0, tokens);
     const at::Tensor route_w = weights.index_select(0, flat).unsqueeze(1);  // [n, 1]
     // grad_w = <G, d> = <G Wd, h> + <G, bd> + s <G Bd, h Ad^T>: d itself is never formed
@@ -298,8 +342,9 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
       dh = dh + at::matmul(dd_b, lora.down_a[e]) * s;
     }
     out.w.index_copy_(0, flat, grad_w);
-    const at::Tensor dg = dh * p.act.dg, du = dh * p.act.du;
-    at::Tensor dx = at::matmul(at::cat({dg, du}, 1), w.gate_up);  // dg Wg + du Wu, one GEMM
+    const at::Tensor dg = dh * p.act.dg, du = dh * p.act.du, dgu = at::cat({dg, du}, 1);
+    if (out.gate_up.defined()) out.gate_up.index_copy_(0, flat, dgu);
+    at::Tensor dx = at::matmul(dgu, w.gate_up);  // dg Wg + du Wu, one GEMM
     if (lora.on()) {
       const at::Tensor dg_b = at::matmul(dg, lora.gate_b[e]), du_b = at::matmul(du, lora.up_b[e]);
       out.gate_b[e].add_(at::matmul(dg.t(), p.xa_g), s);
@@ -325,11 +370,32 @@ std::tuple<at::Tensor, at::Tensor> moe_backward_cpu(const at::Tensor& grad_outpu
   return {g.x.to(hidden_states.scalar_type()), g.w.to(topk_weights.scalar_type())};
 }
 
-at::Tensor moe_lora_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                                const at::Tensor& topk_weights, const at::Tensor& packed, const at::Tensor& gate_a,
-                                const at::Tensor& gate_b, const at::Tensor& up_a, const at::Tensor& up_b,
-                                const at::Tensor& down_a, const at::Tensor& down_b, double scaling,
-                                const std::optional<at::Tensor>& live_tokens) {
+// gate_up: the forward's saved [T, K, 2I] fp32 (topk_ids already checked).
+void check_gate_up(const at::Tensor& gate_up, const at::Tensor& topk_ids, const cpu::PackedLayout& layout) {
+  const std::vector<int64_t> want = {topk_ids.size(0), topk_ids.size(1), 2 * layout.shape.intermediate_size};
+  TORCH_CHECK_VALUE(gate_up.sizes() == at::IntArrayRef(want), "gate_up must be the forward's [T, K, 2I] = ",
+                    at::IntArrayRef(want), "; got ", gate_up.sizes());
+  check_dtype(gate_up, "gate_up", {at::kFloat});
+  TORCH_CHECK_VALUE(gate_up.device().is_cpu(), "gate_up must be on the CPU; got ", gate_up.device());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_train_backward_cpu(
+    const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+    const at::Tensor& topk_weights, const at::Tensor& packed, const at::Tensor& gate_up,
+    const std::optional<at::Tensor>& live_tokens) {
+  RECORD_FUNCTION("kt::moe_train_backward", std::vector<c10::IValue>({hidden_states, topk_ids}));
+  const Layer layer(packed);
+  check_call(hidden_states, topk_ids, topk_weights, layer.layout);
+  check_gate_up(gate_up, topk_ids, layer.layout);
+  const Grads g = backward(grad_output, hidden_states, topk_ids, topk_weights, layer, Lora{}, live_tokens, gate_up);
+  return {g.x.to(hidden_states.scalar_type()), g.w.to(topk_weights.scalar_type()), g.gate_up.view(gate_up.sizes())};
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_lora_forward_cpu(
+    const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const at::Tensor& packed, const at::Tensor& gate_a, const at::Tensor& gate_b, const at::Tensor& up_a,
+    const at::Tensor& up_b, const at::Tensor& down_a, const at::Tensor& down_b, double scaling,
+    const std::optional<at::Tensor>& live_tokens) {
   RECORD_FUNCTION("kt::moe_lora_forward", std::vector<c10::IValue>({hidden_states, topk_ids}));
   const Layer layer(packed);
   check_call(hidden_states, topk_ids, topk_weights, layer.layout);
@@ -342,12 +408,14 @@ moe_lora_backward_cpu(const at::Tensor& grad_output, const at::Tensor& hidden_st
                       const at::Tensor& topk_weights, const at::Tensor& packed, const at::Tensor& gate_a,
                       const at::Tensor& gate_b, const at::Tensor& up_a, const at::Tensor& up_b,
                       const at::Tensor& down_a, const at::Tensor& down_b, double scaling,
-                      const std::optional<at::Tensor>& live_tokens) {
+                      const std::optional<at::Tensor>& live_tokens, const std::optional<at::Tensor>& gate_up) {
   RECORD_FUNCTION("kt::moe_lora_backward", std::vector<c10::IValue>({hidden_states, topk_ids}));
   const Layer layer(packed);
   check_call(hidden_states, topk_ids, topk_weights, layer.layout);
   const Lora lora = lora_of(gate_a, gate_b, up_a, up_b, down_a, down_b, scaling, layer.layout);
-  const Grads g = backward(grad_output, hidden_states, topk_ids, topk_weights, layer, lora, live_tokens);
+  if (gate_up.has_value()) check_gate_up(*gate_up, topk_ids, layer.layout);
+  const Grads g = backward(grad_output, hidden_states, topk_ids, topk_weights, layer, lora, live_tokens,
+                           gate_up.has_value() ? *gate_up : at::Tensor());
   return {g.x.to(hidden_states.scalar_type()), g.w.to(topk_weights.scalar_type()),
           g.gate_a.to(gate_a.scalar_type()),   g.gate_b.to(gate_b.scalar_type()),
           g.up_a.to(up_a.scalar_type()),       g.up_b.to(up_b.scalar_type()),
@@ -358,6 +426,7 @@ moe_lora_backward_cpu(const at::Tensor& grad_output, const at::Tensor& hidden_st
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("moe_backward", &moe_backward_cpu);
+  m.impl("moe_train_backward", &moe_train_backward_cpu);
   m.impl("moe_lora_forward", &moe_lora_forward_cpu);
   m.impl("moe_lora_backward", &moe_lora_backward_cpu);
 }

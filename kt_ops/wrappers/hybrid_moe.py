@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kt_ops import expert_stats
+from kt_ops import autograd, expert_stats
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.ops import pack_experts
@@ -214,7 +214,8 @@ class HybridMoE(nn.Module):
             return torch.zeros_like(x)
         # take, not indexing: fake CUDA tensors index only where torch has CUDA
         cpu_ids = torch.take(self.cpu_index.to(x.device), ids)
-        return torch.ops.kt.moe_forward(x.contiguous(), cpu_ids, weights.contiguous(), self.packed, live_tokens)
+        return autograd.moe_forward(x.contiguous(), cpu_ids, weights.contiguous(), self.packed, self.intermediate_size,
+                                    live_tokens)
 
     def _local_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
         """The GPU experts plus the shared experts (in torch on x's device), or None."""

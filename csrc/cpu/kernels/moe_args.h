@@ -23,6 +23,12 @@ struct MoeArgs {
   void* output = nullptr;  // [tokens, hidden_size] of output_type
   // The operators' output has hidden_type; a part of a layer (moe_parts.h) writes fp32.
   ElementType output_type = ElementType::kBf16;
+  // Training (kt::moe_forward_train), both optional, fp32 [tokens * top_k, 2 * I] in slot
+  // order (row t * top_k + j; gate in columns [0, I), up in [I, 2I)):
+  const float* gate_up_add = nullptr;  // added to gate and up before the activation
+  float* gate_up_out = nullptr;        // gate and up as the activation sees them (after the
+                                       // format's scale, the biases and gate_up_add); rows
+                                       // of skipped slots are not written
 };
 
 }  // namespace kt::cpu

@@ -120,6 +120,7 @@ void moe_forward(const MoeArgs& args) {
 
   // 2. gate + up, then the activation into the intermediate rows.
   const int64_t chunk = format.chunk_pairs();
+  const bool train = args.gate_up_add != nullptr || args.gate_up_out != nullptr;
   build_tiles(plan.active_experts, ceil_div(I16, 16), tiles, [&](int32_t e) { return format.gate_up_job_rows(e) / 16; });
   engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
     const int64_t e = tiles[job].expert;
@@ -136,6 +137,10 @@ void moe_forward(const MoeArgs& args) {
         typename Format::Inter* out = format.intermediate_row(p) + n0;
         typename V::Reg scale = V::set1(1.0f);
         if constexpr (Format::kScaled) scale = V::set1(format.gate_up_scale(p));
+        // Training: this pair's slot row of gate_up_add / gate_up_out (moe_args.h).
+        const int64_t slot_row = train ? plan.pair_slot[p] * 2 * I : 0;
+        const float* add = args.gate_up_add != nullptr ? args.gate_up_add + slot_row : nullptr;
+        float* save = args.gate_up_out != nullptr ? args.gate_up_out + slot_row : nullptr;
         for (int64_t s = 0; s < (n1 - n0) / 16; ++s)
           for (int v = 0; v < 16; v += W) {
             typename V::Reg gv = V::load(g + s * c.segment + v), uv = V::load(u + s * c.segment + v);
@@ -146,6 +151,15 @@ void moe_forward(const MoeArgs& args) {
             if (gate_bias != nullptr) {
               gv = V::add(gv, V::load(gate_bias + s * 16 + v));
               uv = V::add(uv, V::load(up_bias + s * 16 + v));
+            }
+            const int64_t n = n0 + s * 16 + v;  // intermediate row of lane 0; rows >= I are padding
+            if (add != nullptr) {
+              gv = V::add(gv, load_columns<V>(add, n, I));
+              uv = V::add(uv, load_columns<V>(add + I, n, I));
+            }
+            if (save != nullptr) {
+              store_columns<V>(save, n, I, gv);
+              store_columns<V>(save + I, n, I, uv);
             }
             store_act<V>(out + s * 16 + v, glu.apply(gv, uv));
           }

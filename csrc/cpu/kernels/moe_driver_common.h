@@ -27,6 +27,26 @@ void store_act(uint16_t* p, typename V::Reg v) { V::store_bf16(p, v); }
 template <class V>
 void store_act(float* p, typename V::Reg v) { V::store(p, v); }
 
+// row[n, n + W) as a register, lanes at or past `limit` zero (training rows, moe_args.h).
+template <class V>
+typename V::Reg load_columns(const float* row, int64_t n, int64_t limit) {
+  constexpr int W = V::kWidth;
+  if (n + W <= limit) return V::load(row + n);
+  float lanes[W] = {};
+  for (int64_t i = n; i < limit; ++i) lanes[i - n] = row[i];
+  return V::load(lanes);
+}
+
+// row[n, min(n + W, limit)) = the first lanes of v.
+template <class V>
+void store_columns(float* row, int64_t n, int64_t limit, typename V::Reg v) {
+  constexpr int W = V::kWidth;
+  if (n + W <= limit) return V::store(row + n, v);
+  float lanes[W];
+  V::store(lanes, v);
+  for (int64_t i = n; i < limit; ++i) row[i] = lanes[i - n];
+}
+
 // dst[0, cols) = src[0, n) converted, zero past n.
 template <class V, typename Act>
 void convert_row(const void* src, ElementType type, int64_t n, Act* dst, int64_t cols) {

@@ -23,6 +23,7 @@ void MoePlan::build(const void* ids, bool ids_int64, int64_t tokens, int64_t top
   }
   num_pairs = expert_begin[experts];
   pair_token.resize(num_pairs);
+  pair_slot.resize(num_pairs);
   slot_pair.resize(slots);
   std::vector<int64_t>& next = expert_begin;  // reuse as a cursor, then restore
   for (int64_t slot = 0; slot < slots; ++slot) {
@@ -33,6 +34,7 @@ void MoePlan::build(const void* ids, bool ids_int64, int64_t tokens, int64_t top
     }
     const int64_t pair = next[expert]++;
     pair_token[pair] = static_cast<int32_t>(slot / top_k);
+    pair_slot[pair] = static_cast<int32_t>(slot);
     slot_pair[slot] = static_cast<int32_t>(pair);
   }
   // next[e] now equals the old begin[e + 1]; shift back.

@@ -12,6 +12,7 @@ struct MoePlan {
   int64_t num_pairs = 0;
   std::vector<int64_t> expert_begin;  // [E + 1]: pairs of expert e are [begin[e], begin[e+1])
   std::vector<int32_t> pair_token;    // [num_pairs]: token of each pair, grouped by expert
+  std::vector<int32_t> pair_slot;     // [num_pairs]: its slot t * top_k + j
   std::vector<int32_t> slot_pair;     // [tokens * top_k]: pair of (t, j), or -1 if skipped
   std::vector<int32_t> active_experts;  // experts with at least one pair, ascending
 
