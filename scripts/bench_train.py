@@ -7,8 +7,8 @@ bench shapes.
 
     python scripts/bench_train.py [--shape S1] [--tokens 512] [--method BF16 AMXINT8 AMXINT4 Q4_K] [--repeats 5]
 
-Prints medians of ``--repeats`` timed calls (after one warm-up), interleaved method by
-method, and the ratio (forward + backward) / forward. Run on an idle machine.
+Prints medians of ``--repeats`` timed calls of each (after one warm-up), the four calls of
+a method interleaved, and the ratio (forward + backward) / forward. Run on an idle machine.
 """
 
 from __future__ import annotations
@@ -23,14 +23,18 @@ import kt_ops
 from kt_ops.bench.runner import SHAPES
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def timed(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each function, the functions called in turn (one warm-up each),
+    so that a slow spell of the machine hits them all alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -75,8 +79,7 @@ def main() -> None:
             inp = x.detach().requires_grad_()
             (lora(inp, ids, weights, packed) * probe).sum().backward()
 
-        f, t, r = timed(forward, args.repeats), timed(train, args.repeats), timed(train_recompute, args.repeats)
-        lt = timed(train_lora, args.repeats)
+        f, t, r, lt = timed([forward, train, train_recompute, train_lora], args.repeats)
         print(f"{method:10} {f * 1e3:8.1f}ms {t * 1e3:8.1f}ms {t / f:6.1f} {r * 1e3:8.1f}ms {r / f:6.1f} "
               f"{lt * 1e3:8.1f}ms {lt / f:6.1f}", flush=True)
 

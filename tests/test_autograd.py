@@ -265,3 +265,26 @@ def test_parts_backward_is_the_sum_of_the_parts() -> None:
     gx, gw = grads(lambda a, b: kt_ops.moe_forward_parts(a, ids, b, parts, [0, 0]), x, w, probe)
     rx, rw = grads(lambda a, b: kt_ops.moe_forward(a, ids, b, whole), x, w, probe)
     assert rel_err(gx, rx) <= 1e-5 and rel_err(gw, rw) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT4"])
+def test_gradients_do_not_depend_on_the_thread_count(method: str) -> None:
+    """The backward runs one expert per job on the Engine's threads and adds their rows in
+    expert order: the same bits with 1 or 2 threads (and enough experts to share)."""
+    experts = make_experts(16, 256, 128, seed=11)
+    packed = kt_ops.pack_experts(experts.gate, experts.up, experts.down, method=method)
+    ids, w = random_routing(40, 16, 4, seed=11)
+    g = torch.Generator().manual_seed(12)
+    x, probe = torch.randn(40, 256, generator=g), torch.randn(40, 256, generator=g)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            for fn in (kt_ops.moe_forward, torch.ops.kt.moe_forward):  # saved, recomputed
+                results.append(grads(lambda a, b: fn(a, ids, b, packed if fn is kt_ops.moe_forward else packed.data),
+                                     x, w, probe))
+    finally:
+        torch.set_num_threads(before)
+    for (gx, gw), (hx, hw) in zip(results[:2], results[2:]):
+        assert torch.equal(gx, hx) and torch.equal(gw, hw)

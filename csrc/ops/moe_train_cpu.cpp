@@ -25,10 +25,12 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
 
+#include "../cpu/engine/engine.h"
 #include "../cpu/format_table.h"
 #include "../cpu/formats/dequantize_experts.h"
 #include "checks.h"
@@ -71,12 +73,8 @@ Routes routes(const at::Tensor& topk_ids, int64_t live, int64_t num_experts) {
   return r;
 }
 
-struct Dequantized {
-  at::Tensor gate_up;         // fp32 [2I, H]: gate rows, then up rows (one GEMM for both)
-  at::Tensor gate, up, down;  // fp32 [I, H] (views of gate_up), [I, H], [H, I]
-};
-
-// A packed blob's layout, format row and fp32 biases (undefined without biases).
+// A packed blob's layout, format row and fp32 biases (undefined without biases), and the
+// fp32 GEMMs of the backward on its experts' dequantized weights.
 struct Layer {
   at::Tensor packed;
   cpu::PackedLayout layout;
@@ -96,28 +94,45 @@ struct Layer {
     }
   }
 
-  // Expert e's fp32 weights, written over the previous expert's: one buffer per call
-  // instead of three allocations per expert, gate and up contiguous so one GEMM serves
-  // both (S1 512-token BF16 forward + backward 1.81 -> 1.78 s, Zen 3: within the noise).
-  // Valid until the next call; nothing keeps them past the expert's pass.
-  const Dequantized& expert(int64_t e) const {
-    const int64_t H = layout.shape.hidden_size, I = layout.shape.intermediate_size;
-    if (!weights_.gate.defined()) {
-      const auto f32 = at::TensorOptions().dtype(at::kFloat);
-      weights_.gate_up = at::empty({2 * I, H}, f32);
-      weights_.gate = weights_.gate_up.narrow(0, 0, I);
-      weights_.up = weights_.gate_up.narrow(0, I, I);
-      weights_.down = at::empty({H, I}, f32);
-    }
-    translate_errors([&] {
-      cpu::dequantize_experts(row->dequantize, packed.const_data_ptr<uint8_t>(), layout, &e, 1, cpu::ElementType::kF32,
-                              weights_.gate.data_ptr(), weights_.up.data_ptr(), weights_.down.data_ptr());
-    });
-    return weights_;
+  // x W^T for matrix m of expert e: x fp32 [n, K] -> [n, N] (W [N, K]: gate and up [I, H],
+  // down [H, I]).
+  at::Tensor times_transposed(cpu::ExpertMatrix m, int64_t e, const at::Tensor& x) const {
+    at::Tensor out = at::empty({x.size(0), rows_of(m)}, x.options());
+    for_chunks(m, e, [&](int64_t r0, const at::Tensor& w) { out.narrow(1, r0, w.size(0)).copy_(at::mm(x, w.t())); });
+    return out;
+  }
+
+  // out += a W for matrix m of expert e: a fp32 [n, N], out fp32 [n, K].
+  void add_times(cpu::ExpertMatrix m, int64_t e, const at::Tensor& a, at::Tensor& out) const {
+    for_chunks(m, e, [&](int64_t r0, const at::Tensor& w) { out.addmm_(a.narrow(1, r0, w.size(0)), w); });
   }
 
  private:
-  mutable Dequantized weights_;
+  int64_t rows_of(cpu::ExpertMatrix m) const {
+    return m == cpu::ExpertMatrix::kDown ? layout.shape.hidden_size : layout.shape.intermediate_size;
+  }
+
+  // fn(r0, W[r0 : r0 + c] as fp32 [c, K]) for consecutive chunks of ~512 KiB of rows
+  // (multiples of 16), each dequantized over the previous one into the thread's buffer: the
+  // rows stay in L2 between their decode and their GEMM, where whole experts (19 MB of fp32
+  // each for S1) went through L3 and memory.
+  template <typename Fn>
+  void for_chunks(cpu::ExpertMatrix m, int64_t e, Fn&& fn) const {
+    const int64_t N = rows_of(m);
+    const int64_t K = m == cpu::ExpertMatrix::kDown ? layout.shape.intermediate_size : layout.shape.hidden_size;
+    const int64_t chunk = std::max<int64_t>(16, (kChunkBytes / (4 * K)) / 16 * 16);
+    thread_local std::vector<float> buffer;  // one per thread: experts run in parallel
+    if (buffer.size() < static_cast<size_t>(chunk * K)) buffer.resize(chunk * K);
+    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+      const int64_t c = std::min(chunk, N - r0);
+      // Inside the backward's expert jobs: decoded on this thread (a nested parallel_for).
+      cpu::dequantize_expert_rows(row->dequantize, packed.const_data_ptr<uint8_t>(), layout, m, e, r0, r0 + c,
+                                  buffer.data());
+      fn(r0, at::from_blob(buffer.data(), {c, K}, at::TensorOptions().dtype(at::kFloat)));
+    }
+  }
+
+  static constexpr int64_t kChunkBytes = 512 * 1024;
 };
 
 // h = act(g, u) and its partial derivatives (the header's activation; kt_ops.reference.glu).
@@ -199,21 +214,24 @@ void check_call(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
 
 // Everything one routed expert computes and needs for its backward.
 struct ExpertPass {
-  at::Tensor x, xa_g, xa_u, g, u, h, ha_d, d;  // fp32, rows = the expert's tokens
+  at::Tensor x, xa_g, xa_u, g, u, h, ha_d;  // fp32, rows = the expert's tokens
   Glu act;
 };
 
-// with_output: also d (the forward; the backward needs only up to h and h A_d^T).
-// saved: the expert's rows of moe_forward_train's gate_up [n, 2I] (g and u with the
-// biases and the LoRA branch already in), or undefined to recompute them.
-ExpertPass expert_forward(const Layer& layer, const Dequantized& w, const Lora& lora, int64_t e, const at::Tensor& x,
-                          bool with_output = true, const at::Tensor& saved = {}) {
+// saved: the expert's rows of the forward's gate_up [n, 2I] (g and u with the biases and
+// the LoRA branch already in), or undefined to recompute them.
+ExpertPass expert_forward(const Layer& layer, const Lora& lora, int64_t e, const at::Tensor& x,
+                          const at::Tensor& saved) {
   ExpertPass p;
   p.x = x;
-  const int64_t I = w.gate.size(0);
-  const at::Tensor gu = saved.defined() ? saved : at::matmul(x, w.gate_up.t());  // [n, 2I]
-  p.g = gu.narrow(1, 0, I);
-  p.u = gu.narrow(1, I, I);
+  const int64_t I = layer.layout.shape.intermediate_size;
+  if (saved.defined()) {
+    p.g = saved.narrow(1, 0, I);
+    p.u = saved.narrow(1, I, I);
+  } else {
+    p.g = layer.times_transposed(cpu::ExpertMatrix::kGate, e, x);
+    p.u = layer.times_transposed(cpu::ExpertMatrix::kUp, e, x);
+  }
   if (lora.on()) {
     p.xa_g = at::matmul(x, lora.gate_a[e].t());
     p.xa_u = at::matmul(x, lora.up_a[e].t());
@@ -229,10 +247,6 @@ ExpertPass expert_forward(const Layer& layer, const Dequantized& w, const Lora& 
   p.act = glu(p.g, p.u, layer.layout.shape.glu.swiglu_limit, layer.layout.shape.glu.swiglu_alpha);
   p.h = p.act.h;
   if (lora.on()) p.ha_d = at::matmul(p.h, lora.down_a[e].t());
-  if (!with_output) return p;
-  p.d = at::matmul(p.h, w.down.t());
-  if (lora.on()) p.d = p.d + at::matmul(p.ha_d, lora.down_b[e].t()) * lora.scaling;
-  if (layer.down_bias.defined()) p.d = p.d + layer.down_bias[e];
   return p;
 }
 
@@ -291,6 +305,47 @@ struct Grads {
   at::Tensor x, w, gate_a, gate_b, up_a, up_b, down_a, down_b, gate_up;
 };
 
+// Expert e's part of the backward: writes its slots of out.w (and out.gate_up) and its
+// LoRA gradients, returns its rows of grad_x [n, H] (n = its tokens).
+at::Tensor expert_backward(const Layer& layer, const Lora& lora, int64_t e, const at::Tensor& x, const at::Tensor& grad,
+                           const at::Tensor& weights, const at::Tensor& saved, const at::Tensor& tokens,
+                           const at::Tensor& flat, Grads& out) {
+  const double s = lora.scaling;
+  const ExpertPass p = expert_forward(layer, lora, e, x.index_select(0, tokens),
+                                      saved.defined() ? saved.index_select(0, flat) : at::Tensor());
+  const at::Tensor g_rows = grad.index_select(0, tokens);
+  const at::Tensor route_w = weights.index_select(0, flat).unsqueeze(1);  // [n, 1]
+  // grad_w = <G, d> = <G Wd, h> + <G, bd> + s <G Bd, h Ad^T>: d itself is never formed
+  at::Tensor g_down = at::zeros({g_rows.size(0), layer.layout.shape.intermediate_size}, g_rows.options());
+  layer.add_times(cpu::ExpertMatrix::kDown, e, g_rows, g_down);  // G Wd [n, I]
+  at::Tensor grad_w = (g_down * p.h).sum(1);
+  if (layer.down_bias.defined()) grad_w = grad_w + (g_rows * layer.down_bias[e]).sum(1);
+  at::Tensor dh = g_down * route_w;  // (w G) Wd
+  if (lora.on()) {
+    const at::Tensor g_b = at::matmul(g_rows, lora.down_b[e]);  // [n, r]
+    grad_w = grad_w + (g_b * p.ha_d).sum(1) * s;
+    const at::Tensor dd = g_rows * route_w, dd_b = g_b * route_w;
+    out.down_b[e].add_(at::matmul(dd.t(), p.ha_d), s);
+    out.down_a[e].add_(at::matmul(dd_b.t(), p.h), s);
+    dh = dh + at::matmul(dd_b, lora.down_a[e]) * s;
+  }
+  out.w.index_copy_(0, flat, grad_w);
+  const at::Tensor dg = dh * p.act.dg, du = dh * p.act.du, dgu = at::cat({dg, du}, 1);
+  if (out.gate_up.defined()) out.gate_up.index_copy_(0, flat, dgu);
+  at::Tensor dx = at::zeros_like(p.x);  // dg Wg + du Wu
+  layer.add_times(cpu::ExpertMatrix::kGate, e, dg, dx);
+  layer.add_times(cpu::ExpertMatrix::kUp, e, du, dx);
+  if (lora.on()) {
+    const at::Tensor dg_b = at::matmul(dg, lora.gate_b[e]), du_b = at::matmul(du, lora.up_b[e]);
+    out.gate_b[e].add_(at::matmul(dg.t(), p.xa_g), s);
+    out.up_b[e].add_(at::matmul(du.t(), p.xa_u), s);
+    out.gate_a[e].add_(at::matmul(dg_b.t(), p.x), s);
+    out.up_a[e].add_(at::matmul(du_b.t(), p.x), s);
+    dx = dx + (at::matmul(dg_b, lora.gate_a[e]) + at::matmul(du_b, lora.up_a[e])) * s;
+  }
+  return dx;
+}
+
 // gate_up: moe_forward_train's [T, K, 2I], or undefined (recompute g and u).
 Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                const at::Tensor& topk_weights, const Layer& layer, const Lora& lora,
@@ -320,41 +375,20 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
   }
   const Routes r = routes(topk_ids, live, layer.layout.shape.num_experts);
   const double s = lora.scaling;
-  for (size_t i = 0; i < r.experts.size(); ++i) {
-    const int64_t e = r.experts[i];
-    const at::Tensor tokens = index_tensor(r.tokens[i]), flat = index_tensor(r.flat[i]);
-    const Dequantized& w = layer.expert(e);
-    const ExpertPass p = expert_forward(layer, w, lora, e, x.index_select(0, tokens), /*with_output=*/false,
-                                        saved.defined() ? saved.index_select(0, flat) : at::Tensor());
-    const at::Tensor g_rows = grad.index_select(0, tokens);
-    const at::Tensor route_w = weights.index_select(0, flat).unsqueeze(1);  // [n, 1]
-    // grad_w = <G, d> = <G Wd, h> + <G, bd> + s <G Bd, h Ad^T>: d itself is never formed
-    const at::Tensor g_down = at::matmul(g_rows, w.down);  // [n, I]
-    at::Tensor grad_w = (g_down * p.h).sum(1);
-    if (layer.down_bias.defined()) grad_w = grad_w + (g_rows * layer.down_bias[e]).sum(1);
-    at::Tensor dh = g_down * route_w;  // (w G) Wd
-    if (lora.on()) {
-      const at::Tensor g_b = at::matmul(g_rows, lora.down_b[e]);  // [n, r]
-      grad_w = grad_w + (g_b * p.ha_d).sum(1) * s;
-      const at::Tensor dd = g_rows * route_w, dd_b = g_b * route_w;
-      out.down_b[e].add_(at::matmul(dd.t(), p.ha_d), s);
-      out.down_a[e].add_(at::matmul(dd_b.t(), p.h), s);
-      dh = dh + at::matmul(dd_b, lora.down_a[e]) * s;
-    }
-    out.w.index_copy_(0, flat, grad_w);
-    const at::Tensor dg = dh * p.act.dg, du = dh * p.act.du, dgu = at::cat({dg, du}, 1);
-    if (out.gate_up.defined()) out.gate_up.index_copy_(0, flat, dgu);
-    at::Tensor dx = at::matmul(dgu, w.gate_up);  // dg Wg + du Wu, one GEMM
-    if (lora.on()) {
-      const at::Tensor dg_b = at::matmul(dg, lora.gate_b[e]), du_b = at::matmul(du, lora.up_b[e]);
-      out.gate_b[e].add_(at::matmul(dg.t(), p.xa_g), s);
-      out.up_b[e].add_(at::matmul(du.t(), p.xa_u), s);
-      out.gate_a[e].add_(at::matmul(dg_b.t(), p.x), s);
-      out.up_a[e].add_(at::matmul(du_b.t(), p.x), s);
-      dx = dx + (at::matmul(dg_b, lora.gate_a[e]) + at::matmul(du_b, lora.up_a[e])) * s;
-    }
-    out.x.index_add_(0, tokens, dx);
-  }
+  // One expert per job, the jobs on the Engine's threads (each ATen op and GEMM inside runs
+  // on its job's thread): an expert's decoded rows stay in its core's L2, and no GEMM waits
+  // for the other core. Each job writes only its expert's slots and LoRA slices; the dx
+  // rows are added to grad_x afterwards in expert order, so the sum is the same whatever
+  // thread ran which expert (2026-11-26, Zen 3, S1 512 tokens BF16, scripts/bench_train.py:
+  // the backward ~1050 -> ~460 ms against one expert at a time on both threads).
+  std::vector<at::Tensor> dxs(r.experts.size());
+  translate_errors([&] {
+    cpu::Engine::instance().parallel_for(static_cast<int64_t>(r.experts.size()), [&](int64_t i) {
+      dxs[i] = expert_backward(layer, lora, r.experts[i], x, grad, weights, saved, index_tensor(r.tokens[i]),
+                               index_tensor(r.flat[i]), out);
+    });
+  });
+  for (size_t i = 0; i < r.experts.size(); ++i) out.x.index_add_(0, index_tensor(r.tokens[i]), dxs[i]);
   out.w = out.w.view(topk_weights.sizes());
   return out;
 }

@@ -3,9 +3,50 @@
 #include <algorithm>
 #include <cstring>
 
+#include <immintrin.h>
+
 #include "bf16_layout.h"
 
 namespace kt::cpu {
+namespace {
+
+// 8 rows x 16 consecutive values (8 k-pairs) of a block: lines[p * kLineBytes + 4 * i]
+// holds row i's pair p. Loads 8 lines of 8 rows, transposes the 8 x 8 pairs, widens each
+// pair to two fp32 values (bf16 -> fp32 is a 16-bit shift: exact, as the scalar loop).
+__attribute__((target("avx2"))) void widen_8x8_pairs_avx2(const uint8_t* lines, float* out, int64_t ld) {
+  using bf16_layout::kLineBytes;
+  __m256i r[8], t[8];
+  for (int p = 0; p < 8; ++p) r[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + p * kLineBytes));
+  // r[p] lane i = pair p of row i; transpose so that t'[i] lane p = pair p of row i.
+  for (int q = 0; q < 8; q += 2) {
+    t[q] = _mm256_unpacklo_epi32(r[q], r[q + 1]);
+    t[q + 1] = _mm256_unpackhi_epi32(r[q], r[q + 1]);
+  }
+  for (int q = 0; q < 8; q += 4) {
+    r[q] = _mm256_unpacklo_epi64(t[q], t[q + 2]);
+    r[q + 1] = _mm256_unpackhi_epi64(t[q], t[q + 2]);
+    r[q + 2] = _mm256_unpacklo_epi64(t[q + 1], t[q + 3]);
+    r[q + 3] = _mm256_unpackhi_epi64(t[q + 1], t[q + 3]);
+  }
+  // r[0..3]: rows {0, 1, 2, 3} (lanes 0-3 of the 128-bit halves: lines 0-3 / 4-7 in r[0..3],
+  // r[4..7] the same for lines 4-7); rows 4-7 sit in the high halves.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x20);      // row i: pairs 0-7
+    t[i + 4] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x31);  // row i + 4
+  }
+  const __m256i high_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int i = 0; i < 8; ++i) {
+    const __m256i even = _mm256_slli_epi32(t[i], 16), odd = _mm256_and_si256(t[i], high_mask);
+    const __m256i a = _mm256_unpacklo_epi32(even, odd), b = _mm256_unpackhi_epi32(even, odd);
+    float* row = out + i * ld;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm256_permute2x128_si256(a, b, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 8), _mm256_permute2x128_si256(a, b, 0x31));
+  }
+}
+
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
+}  // namespace
 
 void dequantize_bf16_rows(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
                           int64_t row_begin, int64_t row_end, float* out) {
@@ -28,7 +69,13 @@ void dequantize_bf16_rows(const uint8_t* blob, const PackedLayout& layout, Exper
     float* block_out = out + (r0 - row_begin) * K;
     for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
       const int64_t p1 = std::min(pairs, p0 + kChunkPairs);
-      for (int64_t i = 0; i < r1 - r0; ++i) {
+      int64_t i = 0;
+      if (kHasAvx2 && p1 - p0 == kChunkPairs) {  // 8 rows x 8 pairs at a time
+        for (; i + 8 <= r1 - r0; i += 8)
+          for (int64_t p = p0; p < p1; p += 8)
+            widen_8x8_pairs_avx2(block + p * kLineBytes + 4 * i, block_out + i * K + 2 * p, K);
+      }
+      for (; i < r1 - r0; ++i) {
         const uint8_t* line = block + p0 * kLineBytes + 4 * i;
         float* row = block_out + i * K;
         for (int64_t p = p0; p < p1; ++p, line += kLineBytes) {

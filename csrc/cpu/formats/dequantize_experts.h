@@ -51,4 +51,11 @@ void dequantize_experts(DequantizeRowsFn dequantize_rows, const uint8_t* blob, c
                         const int64_t* experts, int64_t n, ElementType out_type, void* gate, void* up,
                         void* down);
 
+// Rows [row_begin, row_end) of `matrix` of `expert` -> fp32 out[(r - row_begin) * K + k]
+// (K = H for gate and up, I for down), decoded on the Engine in jobs of the 16-row blocks
+// they touch: what the training backward multiplies a chunk at a time, so the fp32 rows
+// stay in cache.
+void dequantize_expert_rows(DequantizeRowsFn dequantize_rows, const uint8_t* blob, const PackedLayout& layout,
+                            ExpertMatrix matrix, int64_t expert, int64_t row_begin, int64_t row_end, float* out);
+
 }  // namespace kt::cpu
