@@ -3,37 +3,18 @@
 #include <algorithm>
 #include <cstring>
 
-#include <immintrin.h>
-
 #include "bf16_layout.h"
+#include "transpose_avx2.h"
 
 namespace kt::cpu {
 namespace {
 
 // 8 rows x 16 consecutive values (8 k-pairs) of a block: lines[p * kLineBytes + 4 * i]
-// holds row i's pair p. Loads 8 lines of 8 rows, transposes the 8 x 8 pairs, widens each
-// pair to two fp32 values (bf16 -> fp32 is a 16-bit shift: exact, as the scalar loop).
+// holds row i's pair p. Each pair widens to two fp32 values (bf16 -> fp32 is a 16-bit
+// shift: exact, as the scalar loop).
 __attribute__((target("avx2"))) void widen_8x8_pairs_avx2(const uint8_t* lines, float* out, int64_t ld) {
-  using bf16_layout::kLineBytes;
-  __m256i r[8], t[8];
-  for (int p = 0; p < 8; ++p) r[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + p * kLineBytes));
-  // r[p] lane i = pair p of row i; transpose so that t'[i] lane p = pair p of row i.
-  for (int q = 0; q < 8; q += 2) {
-    t[q] = _mm256_unpacklo_epi32(r[q], r[q + 1]);
-    t[q + 1] = _mm256_unpackhi_epi32(r[q], r[q + 1]);
-  }
-  for (int q = 0; q < 8; q += 4) {
-    r[q] = _mm256_unpacklo_epi64(t[q], t[q + 2]);
-    r[q + 1] = _mm256_unpackhi_epi64(t[q], t[q + 2]);
-    r[q + 2] = _mm256_unpacklo_epi64(t[q + 1], t[q + 3]);
-    r[q + 3] = _mm256_unpackhi_epi64(t[q + 1], t[q + 3]);
-  }
-  // r[0..3]: rows {0, 1, 2, 3} (lanes 0-3 of the 128-bit halves: lines 0-3 / 4-7 in r[0..3],
-  // r[4..7] the same for lines 4-7); rows 4-7 sit in the high halves.
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x20);      // row i: pairs 0-7
-    t[i + 4] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x31);  // row i + 4
-  }
+  __m256i t[8];
+  load_transposed_8x8(lines, bf16_layout::kLineBytes, t);  // t[i] lane p = row i's pair p
   const __m256i high_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int i = 0; i < 8; ++i) {
     const __m256i even = _mm256_slli_epi32(t[i], 16), odd = _mm256_and_si256(t[i], high_mask);

@@ -1,8 +1,10 @@
 #include "dequantize_int.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "int_layout.h"
+#include "transpose_avx2.h"
 
 namespace kt::cpu {
 namespace {
@@ -16,24 +18,25 @@ inline float load_float(const uint8_t* p) {
   return v;
 }
 
-// Row n of a block: line l holds its 4 bytes at 64 l + 4 n (int_layout.h).
-void int8_row(const uint8_t* block, const int_layout::MatrixDims& dims, int n, float* out) {
+// Row n of a block from k = k_begin: line l holds its 4 bytes at 64 l + 4 n (int_layout.h).
+void int8_row(const uint8_t* block, const int_layout::MatrixDims& dims, int n, float* out, int64_t k_begin) {
   const float scale = load_float(block + dims.scales_offset() + 4 * n);
   const uint8_t* bytes = block + 4 * n;
-  for (int64_t k = 0; k < dims.k; ++k) {
+  for (int64_t k = k_begin; k < dims.k; ++k) {
     const uint8_t* line = bytes + (k / 4) * kLineBytes;
     out[k] = static_cast<float>(line[k % 4] - int_layout::kInt8Zero) * scale;
   }
 }
 
 // Line l holds k = 8l + i (low nibbles of row n's 4 bytes) and 8l + 4 + i (high nibbles).
+// k_begin: a multiple of 8.
 template <bool kMinimums>
-void int4_row(const uint8_t* block, const int_layout::MatrixDims& dims, int n, float* out) {
+void int4_row(const uint8_t* block, const int_layout::MatrixDims& dims, int n, float* out, int64_t k_begin) {
   const uint8_t* bytes = block + 4 * n;
-  for (int64_t g = 0; g < dims.groups; ++g) {
+  for (int64_t g = k_begin / dims.group; g < dims.groups; ++g) {
     const float scale = load_float(block + dims.scales_offset() + (g * kBlockRows + n) * 4);
     const float minimum = kMinimums ? load_float(block + dims.minimums_offset() + (g * kBlockRows + n) * 4) : 0.0f;
-    for (int64_t k = g * dims.group; k < (g + 1) * dims.group; k += 8) {
+    for (int64_t k = std::max(g * dims.group, k_begin); k < (g + 1) * dims.group; k += 8) {
       uint32_t word;  // byte i: k + i (low nibble), k + 4 + i (high nibble)
       std::memcpy(&word, bytes + (k / 8) * kLineBytes, 4);
       for (int i = 0; i < 8; ++i) {
@@ -49,6 +52,59 @@ void int4_row(const uint8_t* block, const int_layout::MatrixDims& dims, int n, f
   }
 }
 
+// The AVX2 paths: rows n0..n0+7 of a block, lines [l0, l0 + 8), the same operations as the
+// scalar rows above (a product, then a sum where they have one: no FMA), so the same bits.
+// Byte j (j < 8) of `v` (as 128 bits, from byte 8 * half) widened to 8 int32.
+__attribute__((target("avx2"))) inline __m256i bytes_to_int32(__m128i v, int half) {
+  return _mm256_cvtepu8_epi32(half ? _mm_srli_si128(v, 8) : v);
+}
+
+__attribute__((target("avx2"))) void int8_8x8_avx2(const uint8_t* block, const int_layout::MatrixDims& dims, int n0,
+                                                   int64_t l0, float* out, int64_t ld) {
+  __m256i t[8];  // t[i]: row n0 + i's bytes of k = 4 l0 .. 4 l0 + 31
+  load_transposed_8x8(block + l0 * kLineBytes + 4 * n0, kLineBytes, t);
+  const __m256i zero = _mm256_set1_epi32(int_layout::kInt8Zero);
+  for (int i = 0; i < 8; ++i) {
+    const __m256 scale = _mm256_set1_ps(load_float(block + dims.scales_offset() + 4 * (n0 + i)));
+    const __m128i halves[2] = {_mm256_castsi256_si128(t[i]), _mm256_extracti128_si256(t[i], 1)};
+    float* row = out + i * ld + 4 * l0;
+    for (int q = 0; q < 4; ++q) {
+      const __m256i v = _mm256_sub_epi32(bytes_to_int32(halves[q / 2], q % 2), zero);
+      _mm256_storeu_ps(row + 8 * q, _mm256_mul_ps(_mm256_cvtepi32_ps(v), scale));
+    }
+  }
+}
+
+template <bool kMinimums>
+__attribute__((target("avx2"))) void int4_8x8_avx2(const uint8_t* block, const int_layout::MatrixDims& dims, int n0,
+                                                   int64_t l0, float* out, int64_t ld) {
+  __m256i t[8];  // t[i] lane j: row n0 + i's word of line l0 + j (k = 8 (l0 + j) .. + 7)
+  load_transposed_8x8(block + l0 * kLineBytes + 4 * n0, kLineBytes, t);
+  const __m256i nibble = _mm256_set1_epi8(15), zero = _mm256_set1_epi32(int_layout::kInt4Zero);
+  for (int i = 0; i < 8; ++i) {
+    const __m256i low = _mm256_and_si256(t[i], nibble), high = _mm256_and_si256(_mm256_srli_epi16(t[i], 4), nibble);
+    // Per word: its 4 low nibbles (k + 0..3), then its 4 high nibbles (k + 4..7).
+    const __m256i a = _mm256_unpacklo_epi32(low, high), b = _mm256_unpackhi_epi32(low, high);
+    const __m256i ordered[2] = {_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)};
+    float* row = out + i * ld;
+    for (int q = 0; q < 8; ++q) {  // k = 8 (l0 + q) .. + 7: one group
+      const int64_t k = 8 * (l0 + q), g = k / dims.group;
+      const __m128i half = q % 4 < 2 ? _mm256_castsi256_si128(ordered[q / 4]) : _mm256_extracti128_si256(ordered[q / 4], 1);
+      const __m256i v = bytes_to_int32(half, q % 2);
+      const __m256 scale = _mm256_set1_ps(load_float(block + dims.scales_offset() + (g * kBlockRows + n0 + i) * 4));
+      if (kMinimums) {
+        const __m256 minimum =
+            _mm256_set1_ps(load_float(block + dims.minimums_offset() + (g * kBlockRows + n0 + i) * 4));
+        _mm256_storeu_ps(row + k, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), scale), minimum));
+      } else {
+        _mm256_storeu_ps(row + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, zero)), scale));
+      }
+    }
+  }
+}
+
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
 }  // namespace
 
 void dequantize_int_rows(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
@@ -57,12 +113,29 @@ void dequantize_int_rows(const uint8_t* blob, const PackedLayout& layout, Expert
   const bool down = matrix == ExpertMatrix::kDown;
   const int_layout::MatrixDims& m = down ? dims.down : dims.gate_up;
   const PackedFormat format = layout.shape.format;
-  for (int64_t r = row_begin; r < row_end; ++r, out += m.k) {
+  // Lines whose k all lie within the row (int8: 4 per line, int4: 8).
+  const int64_t k_per_line = format == PackedFormat::kInt8 ? 4 : 8, full_lines = m.k / k_per_line;
+  for (int64_t r = row_begin; r < row_end;) {
     const uint8_t* b = row_block(blob, layout, matrix, expert, r, m.block_bytes());
     const int n = static_cast<int>(r % kBlockRows);
-    if (format == PackedFormat::kInt8) int8_row(b, m, n, out);
-    else if (format == PackedFormat::kInt4) int4_row<false>(b, m, n, out);
-    else int4_row<true>(b, m, n, out);
+    int64_t k_begin = 0;  // where the scalar rows start
+    int rows = 1;
+    if (kHasAvx2 && n % 8 == 0 && r + 8 <= row_end && full_lines >= 8) {  // 8 rows x 8 lines at a time
+      rows = 8;
+      int64_t l0 = 0;
+      for (; l0 + 8 <= full_lines; l0 += 8) {
+        if (format == PackedFormat::kInt8) int8_8x8_avx2(b, m, n, l0, out, m.k);
+        else if (format == PackedFormat::kInt4) int4_8x8_avx2<false>(b, m, n, l0, out, m.k);
+        else int4_8x8_avx2<true>(b, m, n, l0, out, m.k);
+      }
+      k_begin = l0 * k_per_line;
+    }
+    for (int i = 0; i < rows; ++i, out += m.k) {
+      if (format == PackedFormat::kInt8) int8_row(b, m, n + i, out, k_begin);
+      else if (format == PackedFormat::kInt4) int4_row<false>(b, m, n + i, out, k_begin);
+      else int4_row<true>(b, m, n + i, out, k_begin);
+    }
+    r += rows;
   }
 }
 
