@@ -9,8 +9,11 @@
 // dequantize_gguf.h): a row range of one matrix of one expert -> fp32 rows. Each decodes
 // with the oracle's operations in the oracle's order (two roundings where it rounds
 // twice, as int4_asym's q * scale + minimum), in plain C++ compiled for baseline x86-64,
-// which has no FMA to fuse them. dequantize_experts runs them on the Engine, one job per
-// (expert slot, matrix, kDequantizeJobRows rows).
+// which has no FMA to fuse them. The BF16, INT8/INT4 and FP8 decoders also have an AVX2
+// path (target attribute, taken when the CPU has AVX2; transpose_avx2.h) for whole 8- or
+// 16-row stretches, with the same operations (no FMA either): the same bits.
+// dequantize_experts runs them on the Engine, one job per (expert slot, matrix,
+// kDequantizeJobRows rows).
 #pragma once
 
 #include <cstdint>

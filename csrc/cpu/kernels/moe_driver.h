@@ -11,7 +11,8 @@
 //                    computes gate and up for the expert's pairs in chunks; the activation
 //                    (act(g, u) of the blob's GluSpec, glu.h, after the format's per-pair
 //                    scale and the expert's gate/up biases) goes to the format's
-//                    intermediate rows.
+//                    intermediate rows. Training (moe_args.h): gate_up_add is added
+//                    to g and u first, gate_up_out receives them (slot-order rows).
 //   2b.              the format prepares the intermediate rows for down (quantize, pad).
 //   3. down:         jobs (expert, rows of the hidden dimension) -> fp32 [P, H16]; with
 //                    biases, each row is scaled (format's down scale) and biased here.
