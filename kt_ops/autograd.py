@@ -63,8 +63,9 @@ _save_gate_up = True
 
 def set_save_gate_up(save: bool) -> None:
     """Whether :func:`moe_forward` saves ``g`` and ``u`` for the backward when a gradient is
-    needed (default ``True``: ~1.6x faster backward, ``8 I`` bytes per (token, slot) held until
-    the backward) or recomputes them there (the forward holds only its inputs)."""
+    needed (default ``True``: the backward ~1.65x faster for an S1 layer at 512 tokens on Zen 3,
+    ``8 I`` bytes per (token, slot) held until the backward) or recomputes them there (the
+    forward holds only its inputs)."""
     global _save_gate_up
     _save_gate_up = bool(save)
 
