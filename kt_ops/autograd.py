@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from kt_ops._native import _C  # noqa: F401  (registers the kt:: operators)
+from kt_ops._native import _C  # also registers the kt:: operators
 
 
 def _on_host(op: object):
@@ -76,6 +76,14 @@ def saves_gate_up(hidden_states: torch.Tensor, topk_weights: torch.Tensor) -> bo
     backward)."""
     return (_save_gate_up and torch.is_grad_enabled() and hidden_states.device.type == "cpu"
             and (hidden_states.requires_grad or topk_weights.requires_grad))
+
+
+def blob_intermediate_size(blob: torch.Tensor) -> int | None:
+    """A raw blob's ``I`` from its header, read eagerly (``None`` while compiling: the blob is
+    a FakeTensor there, and :func:`moe_forward` falls back to the recomputing backward)."""
+    if torch.compiler.is_compiling() or blob.device.type != "cpu" or blob.dtype != torch.uint8:
+        return None
+    return int(_C.packed_info(blob)["intermediate_size"])
 
 
 def moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from kt_ops import autograd, expert_stats
-from kt_ops._native import _C
 
 IMPLEMENTATION = "kt_ops"
 _BLOB = "_kt_ops_blob"
@@ -80,8 +79,10 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     x, weights = hidden_states.contiguous(), top_k_weights.contiguous()
     if autograd.saves_gate_up(x, weights):  # training: save gate and up for the backward
         size = self.__dict__.get(_INTERMEDIATE)
-        if size is None and not torch.compiler.is_compiling():
-            size = self.__dict__[_INTERMEDIATE] = int(_C.packed_info(blob)["intermediate_size"])
+        if size is None:
+            size = autograd.blob_intermediate_size(blob)
+            if size is not None:
+                self.__dict__[_INTERMEDIATE] = size
         out = autograd.moe_forward(x, ids.contiguous(), weights, blob, size)
     else:
         out = torch.ops.kt.moe_forward(x, ids.contiguous(), weights, blob)

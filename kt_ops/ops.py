@@ -292,16 +292,8 @@ def moe_forward(
     data = packed.data if isinstance(packed, PackedExperts) else packed
     if not autograd.saves_gate_up(hidden_states, topk_weights):
         return torch.ops.kt.moe_forward(hidden_states, topk_ids, topk_weights, data, live_tokens)
-    size = packed.intermediate_size if isinstance(packed, PackedExperts) else _intermediate_size(packed)
+    size = packed.intermediate_size if isinstance(packed, PackedExperts) else autograd.blob_intermediate_size(packed)
     return autograd.moe_forward(hidden_states, topk_ids, topk_weights, data, size, live_tokens)
-
-
-def _intermediate_size(blob: torch.Tensor) -> int | None:
-    """A raw blob's ``I`` from its header, read eagerly (``None`` while compiling: the blob is
-    a FakeTensor there, and the caller falls back to the recomputing backward)."""
-    if torch.compiler.is_compiling() or blob.device.type != "cpu" or blob.dtype != torch.uint8:
-        return None
-    return int(_C.packed_info(blob)["intermediate_size"])
 
 
 def moe_forward_parts(

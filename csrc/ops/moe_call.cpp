@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <sstream>
+#include <vector>
 
 #include "checks.h"
 #include "mapped_file.h"
@@ -89,6 +90,15 @@ std::string find_bad_expert_id(const void* ids, bool int64, int64_t tokens, int6
   const int64_t count = tokens * top_k;
   return int64 ? first_bad(static_cast<const int64_t*>(ids), count, top_k, experts)
                : first_bad(static_cast<const int32_t*>(ids), count, top_k, experts);
+}
+
+void check_slot_rows(const at::Tensor& t, const char* name, const at::Tensor& topk_ids, int64_t intermediate_size,
+                     std::initializer_list<at::ScalarType> allowed) {
+  check_dtype(t, name, allowed);
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU; got ", t.device());
+  const std::vector<int64_t> want = {topk_ids.size(0), topk_ids.size(1), 2 * intermediate_size};
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(want), name, " must be [T, K, 2 * I] = ", at::IntArrayRef(want),
+                    "; got ", t.sizes());
 }
 
 void zero_unrouted_rows(at::Tensor& rows_by_slot, const at::Tensor& topk_ids, int64_t live) {

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <initializer_list>
 #include <string>
 
 #include "../cpu/kernels/moe_args.h"
@@ -33,6 +34,11 @@ int64_t clamp_live_tokens(int64_t value, int64_t tokens, std::string* error);
 // first bad one.
 std::string find_bad_expert_id(const void* ids, bool int64, int64_t tokens, int64_t top_k,
                                int64_t experts);
+
+// A training operator's per-slot tensor (gate_up_delta, gate_up): `name` must be
+// [T, K, 2 * intermediate_size] (T, K of topk_ids), of a dtype in `allowed`, on the CPU.
+void check_slot_rows(const at::Tensor& t, const char* name, const at::Tensor& topk_ids, int64_t intermediate_size,
+                     std::initializer_list<at::ScalarType> allowed);
 
 // Zeroes the rows of rows_by_slot [tokens * top_k, C] (float32, contiguous) of slots that
 // route nowhere: id -1, or a token at or past `live`. The training operators' per-slot

@@ -24,14 +24,6 @@ struct TrainCall {
   at::Tensor gate_up;  // the result: fp32 [T, K, 2I]
 };
 
-void check_delta(const at::Tensor& delta, const at::Tensor& hidden_states, const at::Tensor& topk_ids, int64_t I) {
-  check_dtype(delta, "gate_up_delta", {at::kFloat, at::kBFloat16, at::kHalf});
-  TORCH_CHECK_VALUE(delta.device().is_cpu(), "gate_up_delta must be on the CPU; got ", delta.device());
-  const std::vector<int64_t> want = {hidden_states.size(0), topk_ids.size(1), 2 * I};
-  TORCH_CHECK_VALUE(delta.sizes() == at::IntArrayRef(want), "gate_up_delta must be [T, K, 2 * I] = ",
-                    at::IntArrayRef(want), "; got ", delta.sizes());
-}
-
 // The checks and kernel call of moe_forward and (train != null) moe_forward_train.
 at::Tensor run_forward(const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                        const at::Tensor& packed, const c10::optional<at::Tensor>& live_tokens,
@@ -98,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_train_cpu(const at::Tensor& hidde
   if (gate_up_delta.has_value()) {
     check_dim(hidden_states, "hidden_states", 2);
     check_dim(topk_ids, "topk_ids", 2);
-    check_delta(*gate_up_delta, hidden_states, topk_ids, intermediate_size);
+    check_slot_rows(*gate_up_delta, "gate_up_delta", topk_ids, intermediate_size, {at::kFloat, at::kBFloat16, at::kHalf});
     delta = gate_up_delta->to(at::kFloat).contiguous();
   }
   return moe_forward_train_kernel(hidden_states, topk_ids, topk_weights, packed, intermediate_size, delta,

@@ -404,15 +404,6 @@ std::tuple<at::Tensor, at::Tensor> moe_backward_cpu(const at::Tensor& grad_outpu
   return {g.x.to(hidden_states.scalar_type()), g.w.to(topk_weights.scalar_type())};
 }
 
-// gate_up: the forward's saved [T, K, 2I] fp32 (topk_ids already checked).
-void check_gate_up(const at::Tensor& gate_up, const at::Tensor& topk_ids, const cpu::PackedLayout& layout) {
-  const std::vector<int64_t> want = {topk_ids.size(0), topk_ids.size(1), 2 * layout.shape.intermediate_size};
-  TORCH_CHECK_VALUE(gate_up.sizes() == at::IntArrayRef(want), "gate_up must be the forward's [T, K, 2I] = ",
-                    at::IntArrayRef(want), "; got ", gate_up.sizes());
-  check_dtype(gate_up, "gate_up", {at::kFloat});
-  TORCH_CHECK_VALUE(gate_up.device().is_cpu(), "gate_up must be on the CPU; got ", gate_up.device());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_train_backward_cpu(
     const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
     const at::Tensor& topk_weights, const at::Tensor& packed, const at::Tensor& gate_up,
@@ -420,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_train_backward_cpu(
   RECORD_FUNCTION("kt::moe_train_backward", std::vector<c10::IValue>({hidden_states, topk_ids}));
   const Layer layer(packed);
   check_call(hidden_states, topk_ids, topk_weights, layer.layout);
-  check_gate_up(gate_up, topk_ids, layer.layout);
+  check_slot_rows(gate_up, "gate_up", topk_ids, layer.layout.shape.intermediate_size, {at::kFloat});
   const Grads g = backward(grad_output, hidden_states, topk_ids, topk_weights, layer, Lora{}, live_tokens, gate_up);
   return {g.x.to(hidden_states.scalar_type()), g.w.to(topk_weights.scalar_type()), g.gate_up.view(gate_up.sizes())};
 }
@@ -447,7 +438,8 @@ moe_lora_backward_cpu(const at::Tensor& grad_output, const at::Tensor& hidden_st
   const Layer layer(packed);
   check_call(hidden_states, topk_ids, topk_weights, layer.layout);
   const Lora lora = lora_of(gate_a, gate_b, up_a, up_b, down_a, down_b, scaling, layer.layout);
-  if (gate_up.has_value()) check_gate_up(*gate_up, topk_ids, layer.layout);
+  if (gate_up.has_value())
+    check_slot_rows(*gate_up, "gate_up", topk_ids, layer.layout.shape.intermediate_size, {at::kFloat});
   const Grads g = backward(grad_output, hidden_states, topk_ids, topk_weights, layer, lora, live_tokens,
                            gate_up.has_value() ? *gate_up : at::Tensor());
   return {g.x.to(hidden_states.scalar_type()), g.w.to(topk_weights.scalar_type()),
