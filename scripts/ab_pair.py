@@ -44,7 +44,8 @@ def worker(group: str, tokens_list: list[int]) -> None:
 
     shape_name, method = group.split(":")
     shape = SHAPES[shape_name]
-    if method not in runner.METHODS and method not in runner.GGUF_METHODS:  # an older checkout's bench
+    known = getattr(runner, "ALL_METHODS", runner.METHODS + runner.GGUF_METHODS)
+    if method not in known:  # an older checkout's bench
         runner.GGUF_METHODS = (*runner.GGUF_METHODS, method)
     torch.manual_seed(0)
     layers = make_layers(shape, method, 3)

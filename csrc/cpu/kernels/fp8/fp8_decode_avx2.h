@@ -1,11 +1,17 @@
 // [NOTE] e4m3 decoding for the AVX2 variants (fp8_format.h). AVX2 has no 16-bit permute
-// for fp8_decode_avx512.h's subnormal table, so 16 codes (8 rows x 2 k of one k-pair, in
-// line order) go through fp16 instead: each code to the top byte of a 16-bit lane, an
-// arithmetic shift by one and a mask make it an fp16 of w / 256 (s, 0eeee, mmm0000000:
-// e4m3's exponent bias 7 read with fp16's 15; e4m3 subnormals are fp16 subnormals), and
-// vcvtph2ps widens it exactly. mxfp8 multiplies by 2^(e - 127) * 256 in fp32 (exact).
-// The fp32 values, in line order (row, k), are split into the micro-kernel's k and k + 1
-// vectors, or packed into the BF16 line (exact: every decoded value is a bf16).
+// for fp8_decode_avx512.h's subnormal table, so the codes go through fp16: one vpshufb per
+// k puts the k (or k + 1) code of each of a line's 16 rows into the top byte of a 16-bit
+// lane (rows in order, 0-7 | 8-15), an arithmetic shift by one and a mask make it an fp16
+// of w / 256 (s, 0eeee, mmm0000000: e4m3's exponent bias 7 read with fp16's 15; e4m3
+// subnormals are fp16 subnormals), and vcvtph2ps widens it exactly. That is the
+// micro-kernel's k and k + 1 vectors without reordering lanes: 32 codes in 12 vector
+// instructions after the load (the first version decoded in line order and reordered the
+// lanes, 22; paired A/B on Zen 3, 2026-11-26: 1-token S1/S2 decode 0.60x its time).
+// Decode stays compute-bound on AVX2 (~13 GB/s of codes per core in a loop from L1:
+// about 20 instructions per 32 weights with the fmas; an integer e4m3 -> fp32 path
+// without vcvtph2ps needs a subnormal check and measured no faster).
+// mxfp8 multiplies by 2^(e - 127) * 256 in fp32 (exact). Prefill stores the BF16 line
+// (exact: every decoded value is a bf16).
 #pragma once
 
 #include <immintrin.h>
@@ -20,20 +26,29 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-// mxfp8: one group of a block as 32 floats, each row's scale twice (line order).
-constexpr int64_t kMxGroupBytesAvx2 = 128;
+// mxfp8: one group of a block as 16 floats, the rows' scales in row order.
+constexpr int64_t kMxGroupBytesAvx2 = 64;
 
-// Codes of rows 8h..8h+7 of k-pair p (16 bytes, line order) -> fp32 w / 256 of rows
-// 8h..8h+3 (lo) and 8h+4..8h+7 (hi), each as (k, k + 1) pairs; Mx: times mx[0, 16).
+// vpshufb indexes: per 128-bit lane (8 rows of a line, bytes 2n + i), code i of row n to the
+// top byte of 16-bit lane n, zero below it.
+KT_FP8_INLINE __m256i fp8_pick_avx2(int i) {
+  return i == 0 ? _mm256_setr_epi8(-1, 0, -1, 2, -1, 4, -1, 6, -1, 8, -1, 10, -1, 12, -1, 14,  //
+                                   -1, 0, -1, 2, -1, 4, -1, 6, -1, 8, -1, 10, -1, 12, -1, 14)
+                : _mm256_setr_epi8(-1, 1, -1, 3, -1, 5, -1, 7, -1, 9, -1, 11, -1, 13, -1, 15,  //
+                                   -1, 1, -1, 3, -1, 5, -1, 7, -1, 9, -1, 11, -1, 13, -1, 15);
+}
+
+// Codes of k-pair p of a block (32 bytes, line order) -> fp32 w / 256 of rows 0-7 (v[0])
+// and 8-15 (v[1]) at k + i (i = 0: k, 1: k + 1); Mx: times the rows' scales mx[0, 16).
 template <bool Mx>
-KT_FP8_INLINE void fp8_decode_half_avx2(const uint8_t* codes, const float* mx, __m256& lo, __m256& hi) {
-  __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-  x = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1), _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
-  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(x));
-  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(x, 1));
+KT_FP8_INLINE void fp8_decode_k_avx2(__m256i line, int i, const float* mx, __m256 (&v)[2]) {
+  const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_shuffle_epi8(line, fp8_pick_avx2(i)), 1),
+                                        _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
+  v[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+  v[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
   if constexpr (Mx) {
-    lo = _mm256_mul_ps(lo, _mm256_loadu_ps(mx));
-    hi = _mm256_mul_ps(hi, _mm256_loadu_ps(mx + 8));
+    v[0] = _mm256_mul_ps(v[0], _mm256_loadu_ps(mx));
+    v[1] = _mm256_mul_ps(v[1], _mm256_loadu_ps(mx + 8));
   }
 }
 
@@ -41,28 +56,25 @@ KT_FP8_INLINE void fp8_decode_half_avx2(const uint8_t* codes, const float* mx, _
 // pair p of block b at mx + b * kMxBlockBytes + (p / 16) * kMxGroupBytes.
 template <bool Mx, bool Store>
 struct Fp8LinesAvx2 {
+  // Decoded in turn: 4 decoded blocks next to 8 accumulators spilled to the stack
+  // (1-token S1: 1958 -> 1903 us; 512 tokens, widened blocks first: 1.23x slower).
+  static constexpr bool kWidenInTurn = true;
   static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx2;
   static constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * kMxGroupBytes;
   const uint8_t* mx = nullptr;
   uint16_t* out = nullptr;
   int64_t out_stride = 0;
   KT_FP8_INLINE void widen(const uint16_t* block, int b, int64_t p, __m256 (&even)[2], __m256 (&odd)[2]) const {
-    const uint8_t* codes = reinterpret_cast<const uint8_t*>(block) + p * 32;
+    const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint8_t*>(block) + p * 32));
     const float* scale = reinterpret_cast<const float*>(mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes);
-    for (int h = 0; h < 2; ++h) {
-      __m256 lo, hi;  // rows 8h..8h+3 and 8h+4..8h+7, (k, k + 1) each
-      fp8_decode_half_avx2<Mx>(codes + 16 * h, scale + 16 * h, lo, hi);
-      // k: lanes 0, 2, 4, 6 of lo then hi; vshufps picks them per 128-bit lane (rows 0 1 4 5 |
-      // 2 3 6 7), vpermpd puts the rows in order.
-      even[h] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xd8));
-      odd[h] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8));
-      if constexpr (Store) {
-        const __m256i words = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(lo), 16),
-                                                  _mm256_srli_epi32(_mm256_castps_si256(hi), 16));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * out_stride + p * 32 + h * 16),
-                            _mm256_permute4x64_epi64(words, 0xd8));
+    fp8_decode_k_avx2<Mx>(line, 0, scale, even);
+    fp8_decode_k_avx2<Mx>(line, 1, scale, odd);
+    if constexpr (Store)
+      for (int h = 0; h < 2; ++h) {  // the BF16 line of rows 8h..8h+7: (k, k + 1) per 32-bit lane
+        const __m256i words = _mm256_blend_epi16(_mm256_srli_epi32(_mm256_castps_si256(even[h]), 16),
+                                                 _mm256_castps_si256(odd[h]), 0xaa);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * out_stride + p * 32 + h * 16), words);
       }
-    }
   }
   KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { fp8_prefetch(block, p, ahead); }
 };
@@ -73,18 +85,14 @@ struct Fp8OpsAvx2 {
   using Lines = Fp8LinesAvx2<Mx, Store>;
   static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx2;
 
-  // 16 exponent codes e (in [10, 246] or 255) -> 2^(e - 127) * 256 (255: NaN), each twice.
+  // 16 exponent codes e (in [10, 246] or 255) -> 2^(e - 127) * 256 (255: NaN), in row order.
   static void mx_prepare(const uint8_t* codes, uint8_t* out) {
     float* scale = reinterpret_cast<float*>(out);
     for (int h = 0; h < 2; ++h) {
       const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * h)));
       const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(8)), 23);
       const __m256i nan = _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255));
-      const __m256 s = _mm256_castsi256_ps(_mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7fc00000), nan));
-      // rows 8h..8h+7 -> line order (each twice): unpack within 128-bit lanes, then order.
-      const __m256 a = _mm256_unpacklo_ps(s, s), b = _mm256_unpackhi_ps(s, s);  // rows 0 0 1 1 4 4 5 5 | 2 2 3 3 6 6 7 7
-      _mm256_storeu_ps(scale + 16 * h, _mm256_permute2f128_ps(a, b, 0x20));
-      _mm256_storeu_ps(scale + 16 * h + 8, _mm256_permute2f128_ps(a, b, 0x31));
+      _mm256_storeu_ps(scale + 8 * h, _mm256_castsi256_ps(_mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7fc00000), nan)));
     }
   }
 };
