@@ -155,9 +155,8 @@ def test_ggml_types_match_the_gguf_package() -> None:
         assert _C.ggml_type(row["id"]) == (row["name"], row["block_elems"], row["block_bytes"])
         if row["llama_cpp_fallback"] is not None:
             assert row["llama_cpp_fallback"] in gguf.GGMLQuantizationType.__members__
-        # every variant reads the quantized types in place but Q5_0 and Q5_1, which only the AVX-512 ones do
-        wide = ("avx512", "avx512_bf16", "amx")
-        expected = () if row["is_float"] else wide if row["name"] in ("Q5_0", "Q5_1") else kt_ops.CPU_VARIANTS
+        # every variant reads every quantized type in place
+        expected = () if row["is_float"] else kt_ops.CPU_VARIANTS
         assert tuple(row["in_place_variants"]) == tuple(expected)
 
 

@@ -43,7 +43,7 @@ struct GgmlTypeInfo {
   // (kernels/gguf/gguf_q4k_avx512.h (Q4_K, Q5_K), gguf_q6k_avx512.h, gguf_q23k_avx512.h,
   // gguf_block32_avx512.h (the 32-weight types, MXFP4 included)).
   bool avx512_in_place;
-  // avx2 and avx_vnni do too (kernels/gguf/gguf_block32_avx2.h: Q8_0, Q4_0, Q4_1, MXFP4;
+  // avx2 and avx_vnni do too (kernels/gguf/gguf_block32_avx2.h: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4;
   // gguf_kquant_avx2.h: the K-quants).
   bool avx2_in_place;
 };
@@ -63,8 +63,8 @@ inline constexpr GgmlTypeInfo kGgmlTypes[] = {
     {GgmlType::kQ4_0, "Q4_0", 32, 18, false, nullptr, true, true},
     {GgmlType::kQ4_1, "Q4_1", 32, 20, false, nullptr, true, true},
     {GgmlType::kMxfp4, "MXFP4", 32, 17, false, nullptr, true, true},
-    {GgmlType::kQ5_0, "Q5_0", 32, 22, false, nullptr, true, false},
-    {GgmlType::kQ5_1, "Q5_1", 32, 24, false, nullptr, true, false},
+    {GgmlType::kQ5_0, "Q5_0", 32, 22, false, nullptr, true, true},
+    {GgmlType::kQ5_1, "Q5_1", 32, 24, false, nullptr, true, true},
     {GgmlType::kQ8_0, "Q8_0", 32, 34, false, nullptr, true, true},
     {GgmlType::kQ2_K, "Q2_K", 256, 84, false, "IQ4_NL", true, true},
     {GgmlType::kQ3_K, "Q3_K", 256, 110, false, "IQ4_NL", true, true},
