@@ -10,7 +10,7 @@
 // order whatever the number of rows per pass. Q5_0 and Q5_1 add their fifth bits without
 // mask registers: a shuffle spreads each qh byte over 8 bytes, AND and compare with the
 // byte's bit, AND 16. When more passes follow over the same four rows, the first keeps
-// the extracted levels and spread scales (Block32Levels::kKeep, 1.5-2 bytes per weight,
+// the extracted levels and spread scales (KeptLevels::kKeep, 1.5-2 bytes per weight,
 // L1/L2-resident) and the others read them back (kLoad) instead of extracting again: the
 // same values into the same operations, so a result does not depend on the pass.
 #pragma once
@@ -55,20 +55,15 @@ inline __m256i fifth_bits_avx2(__m256i qh, int first) {
 }
 
 // A pass's extracted step of one row, kept for the next passes over the same rows
-// (Block32Levels::kLoad): the levels (lo, hi per half) and the blocks' d (and m) spread
+// (KeptLevels::kLoad): the levels (lo, hi per half) and the blocks' d (and m) spread
 // per half, as the kernel holds them.
 template <GgmlType kType>
 constexpr int kBlock32CacheStep = (kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1) ? 256 : 192;
 
-// What a pass does with the rows' levels: extract them from the GGUF bytes (kExtract),
-// and also keep them for the next passes (kKeep), or take the kept ones (kLoad). Either
-// way each (row, activation row) result takes the same operations on the same values.
-enum class Block32Levels { kExtract, kKeep, kLoad };
-
 // out[4 * j + i] = dot(row i of kType, activation row j) for i < 4, j < M <=
 // kBlock32Avx2Tokens; arguments as gguf_block32_dot_rows4, plus `cache`
 // (4 * ceil(k / 128) * kBlock32CacheStep bytes) for kKeep and kLoad.
-template <class Ops, GgmlType kType, int M, Block32Levels kLevels = Block32Levels::kExtract>
+template <class Ops, GgmlType kType, int M, KeptLevels kLevels = KeptLevels::kExtract>
 void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const int8_t* const* aq,
                                  const float* const* scale8, const int32_t* const* bias8,
                                  const float* const* min_sums8, bool prefetch, float* out,
@@ -89,7 +84,7 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
   alignas(64) uint8_t tail[4][kStep];  // the last step's blocks, zero-padded to 4
   for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
     const int64_t n = std::min<int64_t>(4, blocks - b0);
-    if (kLevels != Block32Levels::kLoad && n < 4) {
+    if (kLevels != KeptLevels::kLoad && n < 4) {
       std::memset(tail, 0, sizeof(tail));
       for (int i = 0; i < 4; ++i) std::memcpy(tail[i], rows[i] + kBytes * b0, kBytes * n);
     }
@@ -98,7 +93,7 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
       uint8_t* kept = cache + ((b0 / 4) * 4 + i) * kCacheStep;  // [lo hi] x 2 halves, d x 2, m x 2
       const uint8_t* b = n < 4 ? tail[i] : rows[i] + kBytes * b0;
       __m256 d[2], m[2];  // the blocks' d (and m) spread per half: blocks 2h, 2h + 1
-      if constexpr (kLevels == Block32Levels::kLoad) {
+      if constexpr (kLevels == KeptLevels::kLoad) {
         for (int h = 0; h < 2; ++h) {
           d[h] = _mm256_load_ps(reinterpret_cast<const float*>(kept + 128 + 32 * h));
           if constexpr (kMin) m[h] = _mm256_load_ps(reinterpret_cast<const float*>(kept + 192 + 32 * h));
@@ -130,7 +125,7 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
           d[0] = _mm256_permutevar8x32_ps(d4, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
           d[1] = _mm256_permutevar8x32_ps(d4, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
         }
-        if constexpr (kLevels == Block32Levels::kKeep)
+        if constexpr (kLevels == KeptLevels::kKeep)
           for (int h = 0; h < 2; ++h) {
             _mm256_store_ps(reinterpret_cast<float*>(kept + 128 + 32 * h), d[h]);
             if constexpr (kMin) _mm256_store_ps(reinterpret_cast<float*>(kept + 192 + 32 * h), m[h]);
@@ -139,7 +134,7 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256i lo, hi;  // weights 0-15 / 16-31 of blocks 2h, 2h + 1 (Q8_0: offset binary)
-        if constexpr (kLevels == Block32Levels::kLoad) {
+        if constexpr (kLevels == KeptLevels::kLoad) {
           lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(kept + 64 * h));
           hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(kept + 64 * h + 32));
         } else {
@@ -160,7 +155,7 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
             lo = _mm256_xor_si256(load_lanes2<kBytes>(b, 2 * h, kQs), flip);
             hi = _mm256_xor_si256(load_lanes2<kBytes>(b, 2 * h, kQs + 16), flip);
           }
-          if constexpr (kLevels == Block32Levels::kKeep) {
+          if constexpr (kLevels == KeptLevels::kKeep) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(kept + 64 * h), lo);
             _mm256_store_si256(reinterpret_cast<__m256i*>(kept + 64 * h + 32), hi);
           }

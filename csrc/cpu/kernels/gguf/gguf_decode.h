@@ -41,6 +41,12 @@ inline void gguf_prefetch_ahead(const uint8_t* b, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(b + kGgufPrefetchBytes + line), _MM_HINT_T0);
 }
 
+// What an AVX2 in-place pass over four rows does with their levels: extract them from
+// the GGUF bytes (kExtract), extract and keep them for the next passes over the same rows
+// (kKeep), or take the kept ones (kLoad). Either way each (row, activation row) result
+// takes the same operations on the same values (gguf_rows.h's gguf_keeps_levels).
+enum class KeptLevels { kExtract, kKeep, kLoad };
+
 struct alignas(64) GgufDecoded {
   uint8_t q[kGgufSuper];
   float scale[kGgufSuper / 4];

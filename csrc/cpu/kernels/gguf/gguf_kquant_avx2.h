@@ -61,9 +61,15 @@ inline __m256i q4k_scales_mins2(const uint8_t* row0, const uint8_t* row1) {
 // out[4 * j + i] = dot(Q4_K row i, activation row j) for i < 4, j < M (gguf_rows.h
 // passes up to kKquantAvx2Tokens), arguments as gguf_q4k_dot_rows4
 // (gguf_q4k_avx512.h). kFive: Q5_K rows (176 bytes per super-block) instead of Q4_K (144).
-template <class Ops, int M, bool kFive = false>
+// A unit of four rows as gguf_q4k_dot_rows4_avx2 keeps it for the next passes
+// (KeptLevels): dw, sm01, sm23 (96 bytes), then per row its scale pairs lo, hi and the
+// levels l0, l1 of its 4 chunks (320 bytes).
+constexpr int64_t kQ4kKeptUnit = 96 + 4 * 320;
+
+template <class Ops, int M, bool kFive = false, KeptLevels kLevels = KeptLevels::kExtract>
 void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
-                             const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
+                             const int16_t* const* level_sums, int64_t units, bool prefetch, float* out,
+                             uint8_t* cache = nullptr) {
   constexpr int64_t kBytes = kFive ? 176 : 144;  // per super-block
   constexpr int64_t kQs = kFive ? 48 : 16;       // offset of the nibbles
   // Sub-block r's activation bytes in kGgufQ4kOrder.
@@ -75,16 +81,29 @@ void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
     for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
   }
   for (int64_t u = 0; u < units; ++u) {
+    uint8_t* kept = cache + u * kQ4kKeptUnit;
+    const auto kept_reg = [&](int64_t at) { return reinterpret_cast<__m256i*>(kept + at); };
     const uint8_t* b[4];
-    uint32_t first[4];
-    for (int i = 0; i < 4; ++i) {
-      b[i] = rows[i] + u * kBytes;
-      std::memcpy(&first[i], b[i], 4);
+    for (int i = 0; i < 4; ++i) b[i] = rows[i] + u * kBytes;
+    __m256 dw;  // [d0 dmin0 d1 dmin1 d2 dmin2 d3 dmin3]
+    __m256i sm01, sm23;
+    if constexpr (kLevels == KeptLevels::kLoad) {
+      dw = _mm256_load_ps(reinterpret_cast<const float*>(kept));
+      sm01 = _mm256_load_si256(kept_reg(32));
+      sm23 = _mm256_load_si256(kept_reg(64));
+    } else {
+      uint32_t first[4];
+      for (int i = 0; i < 4; ++i) std::memcpy(&first[i], b[i], 4);
+      dw = _mm256_cvtph_ps(_mm_setr_epi32(static_cast<int>(first[0]), static_cast<int>(first[1]),
+                                          static_cast<int>(first[2]), static_cast<int>(first[3])));
+      sm01 = q4k_scales_mins2(b[0], b[1]);
+      sm23 = q4k_scales_mins2(b[2], b[3]);
+      if constexpr (kLevels == KeptLevels::kKeep) {
+        _mm256_store_ps(reinterpret_cast<float*>(kept), dw);
+        _mm256_store_si256(kept_reg(32), sm01);
+        _mm256_store_si256(kept_reg(64), sm23);
+      }
     }
-    // [d0 dmin0 d1 dmin1 d2 dmin2 d3 dmin3]
-    const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi32(static_cast<int>(first[0]), static_cast<int>(first[1]),
-                                                     static_cast<int>(first[2]), static_cast<int>(first[3])));
-    const __m256i sm01 = q4k_scales_mins2(b[0], b[1]), sm23 = q4k_scales_mins2(b[2], b[3]);
     __m256 d[M];
     for (int j = 0; j < M; ++j) {
       d[j] = _mm256_mul_ps(dw, _mm256_set1_ps(scale4[j][u * 64]));
@@ -103,25 +122,46 @@ void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
     const __m256i pairs_hi[2] = {_mm256_unpackhi_epi16(sc01, sc01), _mm256_unpackhi_epi16(sc23, sc23)};
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      if (prefetch) gguf_prefetch_ahead(b[i], kBytes);
-      const __m256i lo = i % 2 != 0 ? _mm256_permute2x128_si256(pairs_lo[i / 2], pairs_lo[i / 2], 0x11)
-                                    : _mm256_permute2x128_si256(pairs_lo[i / 2], pairs_lo[i / 2], 0x00);
-      const __m256i hi = i % 2 != 0 ? _mm256_permute2x128_si256(pairs_hi[i / 2], pairs_hi[i / 2], 0x11)
-                                    : _mm256_permute2x128_si256(pairs_hi[i / 2], pairs_hi[i / 2], 0x00);
-      __m256i qh = zero;
-      if constexpr (kFive) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + 16));
+      const int64_t row_at = 96 + 320 * i;  // this row's kept scale pairs and levels
+      __m256i lo, hi, qh = zero;
+      if constexpr (kLevels == KeptLevels::kLoad) {
+        lo = _mm256_load_si256(kept_reg(row_at));
+        hi = _mm256_load_si256(kept_reg(row_at + 32));
+      } else {
+        if (prefetch) gguf_prefetch_ahead(b[i], kBytes);
+        lo = i % 2 != 0 ? _mm256_permute2x128_si256(pairs_lo[i / 2], pairs_lo[i / 2], 0x11)
+                        : _mm256_permute2x128_si256(pairs_lo[i / 2], pairs_lo[i / 2], 0x00);
+        hi = i % 2 != 0 ? _mm256_permute2x128_si256(pairs_hi[i / 2], pairs_hi[i / 2], 0x11)
+                        : _mm256_permute2x128_si256(pairs_hi[i / 2], pairs_hi[i / 2], 0x00);
+        if constexpr (kFive) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + 16));
+        if constexpr (kLevels == KeptLevels::kKeep) {
+          _mm256_store_si256(kept_reg(row_at), lo);
+          _mm256_store_si256(kept_reg(row_at + 32), hi);
+        }
+      }
       __m256i t[M];
       for (int j = 0; j < M; ++j) t[j] = zero;
       // Sub-blocks 2c (low nibbles) and 2c + 1 (high); c a constant for the immediates.
       const auto chunk = [&](auto chunk_index) {
         constexpr int c = decltype(chunk_index)::value;
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + kQs + 32 * c));
-        __m256i l0 = _mm256_and_si256(q, low), l1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-        if constexpr (kFive) {
-          const __m256i bit0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
-          const __m256i bit1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
-          l0 = _mm256_or_si256(l0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit0), bit0), sixteen));
-          l1 = _mm256_or_si256(l1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit1), bit1), sixteen));
+        __m256i l0, l1;
+        if constexpr (kLevels == KeptLevels::kLoad) {
+          l0 = _mm256_load_si256(kept_reg(row_at + 64 + 64 * c));
+          l1 = _mm256_load_si256(kept_reg(row_at + 96 + 64 * c));
+        } else {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + kQs + 32 * c));
+          l0 = _mm256_and_si256(q, low);
+          l1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+          if constexpr (kFive) {
+            const __m256i bit0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
+            const __m256i bit1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
+            l0 = _mm256_or_si256(l0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit0), bit0), sixteen));
+            l1 = _mm256_or_si256(l1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit1), bit1), sixteen));
+          }
+          if constexpr (kLevels == KeptLevels::kKeep) {
+            _mm256_store_si256(kept_reg(row_at + 64 + 64 * c), l0);
+            _mm256_store_si256(kept_reg(row_at + 96 + 64 * c), l1);
+          }
         }
         const __m256i src = c < 2 ? lo : hi;
         const __m256i s0 = _mm256_shuffle_epi32(src, (2 * c % 4) * 0x55);
@@ -155,9 +195,15 @@ void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
 // out[4 * j + i] = dot(row i, activation row j) for i < 4, j < M, kType Q6_K, Q2_K or
 // Q3_K (16 groups of 16 weights per unit), arguments as gguf_q6k_dot_rows4
 // (gguf_q6k_avx512.h), whose activations (natural order, level sums of 16) they take.
-template <class Ops, GgmlType kType, int M>
+// A unit's row as gguf_group16_dot_rows4_avx2 keeps it for the next passes (KeptLevels):
+// the levels v (8 x 32 bytes), the groups' scale pairs per register s (8 x 32), sc, the
+// minimums (Q2_K) and d, dmin.
+constexpr int64_t kGroup16Kept = 640;
+
+template <class Ops, GgmlType kType, int M, KeptLevels kLevels = KeptLevels::kExtract>
 void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
-                                 const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
+                                 const int16_t* const* level_sums, int64_t units, bool prefetch, float* out,
+                                 uint8_t* cache = nullptr) {
   static_assert(kType == GgmlType::kQ6_K || kType == GgmlType::kQ2_K || kType == GgmlType::kQ3_K);
   constexpr bool kSix = kType == GgmlType::kQ6_K, kThree = kType == GgmlType::kQ3_K;
   constexpr int64_t kBytes = kSix ? 210 : Q23k<kType>::kBytes;
@@ -173,29 +219,47 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * kBytes;
-      if (prefetch) gguf_prefetch_ahead(b, kBytes);
+      uint8_t* kept = cache + (u * 4 + i) * kGroup16Kept;
+      const auto kept_reg = [&](int64_t at) { return reinterpret_cast<__m256i*>(kept + at); };
       // The 16 groups' scales as int16 (Q2_K: and minimums); as pairs (s, s):
       // P = s0-s3 | s8-s11, Q = s4-s7 | s12-s15.
-      __m256i sc, minimums = _mm256_setzero_si256();
+      __m256i sc = _mm256_setzero_si256(), minimums = sc, P = sc, Q = sc;
       float d, dmin = 0.0f;
-      if constexpr (kSix) {
-        sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-        d = gguf_f16(b + 208);
-      } else {
-        Q23k<kType>::scales(b, sc, minimums);
-        d = Q23k<kType>::d(b);
-        dmin = Q23k<kType>::dmin(b);
-      }
-      const __m256i P = _mm256_unpacklo_epi16(sc, sc), Q = _mm256_unpackhi_epi16(sc, sc);
       __m256i hmask = _mm256_setzero_si256();
-      if constexpr (kThree) hmask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+      if constexpr (kLevels == KeptLevels::kLoad) {
+        sc = _mm256_load_si256(kept_reg(512));
+        if constexpr (kType == GgmlType::kQ2_K) minimums = _mm256_load_si256(kept_reg(544));
+        std::memcpy(&d, kept + 576, 4);
+        std::memcpy(&dmin, kept + 580, 4);
+      } else {
+        if (prefetch) gguf_prefetch_ahead(b, kBytes);
+        if constexpr (kSix) {
+          sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+          d = gguf_f16(b + 208);
+        } else {
+          Q23k<kType>::scales(b, sc, minimums);
+          d = Q23k<kType>::d(b);
+          dmin = Q23k<kType>::dmin(b);
+        }
+        P = _mm256_unpacklo_epi16(sc, sc);
+        Q = _mm256_unpackhi_epi16(sc, sc);
+        if constexpr (kThree) hmask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+        if constexpr (kLevels == KeptLevels::kKeep) {
+          _mm256_store_si256(kept_reg(512), sc);
+          _mm256_store_si256(kept_reg(544), minimums);
+          std::memcpy(kept + 576, &d, 4);
+          std::memcpy(kept + 580, &dmin, 4);
+        }
+      }
       __m256i t[M];
       for (int j = 0; j < M; ++j) t[j] = _mm256_setzero_si256();
 #pragma GCC unroll 2
       for (int n = 0; n < 2; ++n) {  // halves of 128 weights
         // v[r]: levels of weights 128n + 32r .. + 31 (groups 8n + 2r, + 1).
         __m256i v[4];
-        if constexpr (kSix) {  // ql low nibbles, high nibbles; qh bits 2r, 2r + 1 to bits 4-5
+        if constexpr (kLevels == KeptLevels::kLoad) {
+          for (int r = 0; r < 4; ++r) v[r] = _mm256_load_si256(kept_reg(32 * (4 * n + r)));
+        } else if constexpr (kSix) {  // ql low nibbles, high nibbles; qh bits 2r, 2r + 1 to bits 4-5
           const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n));
           const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32));
           const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
@@ -217,9 +281,17 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
               v[r] = _mm256_or_si256(v[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit), four));
             }
         }
+        if constexpr (kLevels == KeptLevels::kKeep)
+          for (int r = 0; r < 4; ++r) _mm256_store_si256(kept_reg(32 * (4 * n + r)), v[r]);
 #pragma GCC unroll 4
         for (int r = 0; r < 4; ++r) {
-          const __m256i s = _mm256_permutevar8x32_epi32(r < 2 ? P : Q, pick[2 * n + r % 2]);
+          __m256i s;
+          if constexpr (kLevels == KeptLevels::kLoad) {
+            s = _mm256_load_si256(kept_reg(256 + 32 * (4 * n + r)));
+          } else {
+            s = _mm256_permutevar8x32_epi32(r < 2 ? P : Q, pick[2 * n + r % 2]);
+            if constexpr (kLevels == KeptLevels::kKeep) _mm256_store_si256(kept_reg(256 + 32 * (4 * n + r)), s);
+          }
           for (int j = 0; j < M; ++j) {
             const __m256i a =
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[j] + u * 256 + 128 * n + 32 * r));

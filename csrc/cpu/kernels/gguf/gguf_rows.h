@@ -134,34 +134,73 @@ void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& ac
 // act_row(p) for the M pairs p = p0 .. p0 + M - 1, out[4 * j + i] (row i, pair p0 + j).
 // The AVX2 block-32 kernel of kType in the mode `levels` (gguf_block32_avx2.h).
 template <class Ops, GgmlType kType, int M>
-void gguf_block32_keeping(Block32Levels levels, const uint8_t* const* rows, int64_t k, const int8_t* const* q,
+void gguf_block32_keeping(KeptLevels levels, const uint8_t* const* rows, int64_t k, const int8_t* const* q,
                           const float* const* scale4, const int32_t* const* bias4, const float* const* min_sums8,
                           bool prefetch, float* out, uint8_t* cache) {
   switch (levels) {
-    case Block32Levels::kKeep:
-      return gguf_block32_dot_rows4_avx2<Ops, kType, M, Block32Levels::kKeep>(rows, k, q, scale4, bias4, min_sums8,
+    case KeptLevels::kKeep:
+      return gguf_block32_dot_rows4_avx2<Ops, kType, M, KeptLevels::kKeep>(rows, k, q, scale4, bias4, min_sums8,
                                                                               prefetch, out, cache);
-    case Block32Levels::kLoad:
-      return gguf_block32_dot_rows4_avx2<Ops, kType, M, Block32Levels::kLoad>(rows, k, q, scale4, bias4, min_sums8,
+    case KeptLevels::kLoad:
+      return gguf_block32_dot_rows4_avx2<Ops, kType, M, KeptLevels::kLoad>(rows, k, q, scale4, bias4, min_sums8,
                                                                               prefetch, out, cache);
     default:
       return gguf_block32_dot_rows4_avx2<Ops, kType, M>(rows, k, q, scale4, bias4, min_sums8, prefetch, out);
   }
 }
 
-// Whether the AVX2 passes over a group of rows keep the levels the first pass extracts:
-// every block-32 type. Paired A/B on Zen 3 (avx2, 2026-11-26) against extracting in every
+// The AVX2 K-quant kernel of kType in the mode `levels` (gguf_kquant_avx2.h).
+template <class Ops, GgmlType kType, int M, KeptLevels kLevels>
+void gguf_kquant_in_mode(const uint8_t* const* rows, const int8_t* const* q, const float* const* scale4,
+                         const int16_t* const* level_sums, int64_t units, bool prefetch, float* out, uint8_t* cache) {
+  if constexpr (kType == GgmlType::kQ4_K || kType == GgmlType::kQ5_K)
+    gguf_q4k_dot_rows4_avx2<Ops, M, kType == GgmlType::kQ5_K, kLevels>(rows, q, scale4, level_sums, units, prefetch,
+                                                                        out, cache);
+  else
+    gguf_group16_dot_rows4_avx2<Ops, kType, M, kLevels>(rows, q, scale4, level_sums, units, prefetch, out, cache);
+}
+
+template <class Ops, GgmlType kType, int M>
+void gguf_kquant_keeping(KeptLevels levels, const uint8_t* const* rows, const int8_t* const* q,
+                         const float* const* scale4, const int16_t* const* level_sums, int64_t units, bool prefetch,
+                         float* out, uint8_t* cache) {
+  switch (levels) {
+    case KeptLevels::kKeep:
+      return gguf_kquant_in_mode<Ops, kType, M, KeptLevels::kKeep>(rows, q, scale4, level_sums, units, prefetch, out, cache);
+    case KeptLevels::kLoad:
+      return gguf_kquant_in_mode<Ops, kType, M, KeptLevels::kLoad>(rows, q, scale4, level_sums, units, prefetch, out, cache);
+    default:
+      return gguf_kquant_in_mode<Ops, kType, M, KeptLevels::kExtract>(rows, q, scale4, level_sums, units, prefetch, out,
+                                                                     cache);
+  }
+}
+
+// Bytes the AVX2 passes over four rows of `type` (k weights each) keep (0: none kept):
+// every quantized type keeps the levels its first pass extracts when more passes follow.
+// Block-32 types, paired A/B on Zen 3 (avx2, 2026-11-26) against extracting in every
 // pass: 512 tokens 0.66-0.79x the time (S1 Q4_0, Q4_1, Q8_0, MXFP4; S2 Q4_0), 64 tokens
 // 0.82-0.95x, 1 token unchanged (one pass); Q5_0 / Q5_1 (before: decoded rows) 0.81-0.86x
 // at 512 tokens, 0.75-0.79x at 64, 0.56-0.70x at 1.
-inline bool gguf_block32_keeps_levels(GgmlType type) { return ggml_type_info(static_cast<uint32_t>(type)).block_elems == 32; }
+inline int64_t gguf_kept_bytes(GgmlType type, int64_t k) {
+  switch (type) {
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K: return (k / 256) * kQ4kKeptUnit;
+    case GgmlType::kQ6_K:
+    case GgmlType::kQ2_K:
+    case GgmlType::kQ3_K: return (k / 256) * 4 * kGroup16Kept;
+    default:
+      return ggml_type_info(static_cast<uint32_t>(type)).block_elems == 32
+                 ? 4 * ((k / 32 + 3) / 4) * kBlock32CacheStep<GgmlType::kQ5_1>
+                 : 0;
+  }
+}
 
-// AVX2 block-32 types (gguf_block32_keeps_levels): `levels` says whether this pass extracts
+// AVX2 (gguf_kept_bytes): `levels` says whether this pass extracts
 // the rows' levels, also keeps them in `cache` for the next passes, or takes the kept ones.
 template <class Ops, int M>
 void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const GgufActs& acts,
                        const int32_t* act_rows, int64_t p0, bool prefetch, float* out,
-                       Block32Levels levels = Block32Levels::kExtract, uint8_t* cache = nullptr) {
+                       KeptLevels levels = KeptLevels::kExtract, uint8_t* cache = nullptr) {
   const int8_t* q[M];
   const float* scale4[M];
   const int32_t* bias4[M];
@@ -179,15 +218,15 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     const int64_t units = m.kp / kGgufSuper;
     switch (m.type) {
       case GgmlType::kQ4_K:
-        return gguf_q4k_dot_rows4_avx2<Ops, M>(rows, q, scale4, level_sums, units, prefetch, out);
+        return gguf_kquant_keeping<Ops, GgmlType::kQ4_K, M>(levels, rows, q, scale4, level_sums, units, prefetch, out, cache);
       case GgmlType::kQ5_K:
-        return gguf_q4k_dot_rows4_avx2<Ops, M, true>(rows, q, scale4, level_sums, units, prefetch, out);
+        return gguf_kquant_keeping<Ops, GgmlType::kQ5_K, M>(levels, rows, q, scale4, level_sums, units, prefetch, out, cache);
       case GgmlType::kQ6_K:
-        return gguf_group16_dot_rows4_avx2<Ops, GgmlType::kQ6_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
+        return gguf_kquant_keeping<Ops, GgmlType::kQ6_K, M>(levels, rows, q, scale4, level_sums, units, prefetch, out, cache);
       case GgmlType::kQ2_K:
-        return gguf_group16_dot_rows4_avx2<Ops, GgmlType::kQ2_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
+        return gguf_kquant_keeping<Ops, GgmlType::kQ2_K, M>(levels, rows, q, scale4, level_sums, units, prefetch, out, cache);
       case GgmlType::kQ3_K:
-        return gguf_group16_dot_rows4_avx2<Ops, GgmlType::kQ3_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
+        return gguf_kquant_keeping<Ops, GgmlType::kQ3_K, M>(levels, rows, q, scale4, level_sums, units, prefetch, out, cache);
       default: break;
     }
     if constexpr (M > kBlock32Avx2Tokens) {  // the block-32 kernel takes 2 rows per pass at most
@@ -263,15 +302,17 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
       _mm_prefetch(reinterpret_cast<const char*>(first + line), _MM_HINT_T0);
   }
   const int64_t tokens = gguf_direct_tokens<Ops>(m.type);
-  // AVX2 block-32 types over more than one pass: the group's levels kept by its first pass.
+  // AVX2, more than one pass: the group's levels kept by its first pass.
   struct alignas(64) Line {
     uint8_t bytes[64];
   };
   thread_local std::vector<Line> kept;
   bool keep = false;
   if constexpr (Ops::kRegsPerLine != 1) {
-    keep = gguf_block32_keeps_levels(m.type) && p1 - p0 > kBlock32Avx2Tokens;
-    if (keep) kept.resize(static_cast<size_t>(4 * ((m.k / 32 + 3) / 4)) * kBlock32CacheStep<GgmlType::kQ5_1> / sizeof(Line));
+    // K-quants from 3 passes on (with 2, keeping took 1.02-1.06x the time at 64 tokens).
+    const int64_t bytes = gguf_kept_bytes(m.type, m.kp);
+    keep = bytes > 0 && p1 - p0 > (tokens == kKquantAvx2Tokens ? 2 * tokens : tokens);
+    if (keep) kept.resize(static_cast<size_t>((bytes + sizeof(Line) - 1) / sizeof(Line)));
   }
   for (int64_t j = 0; j < stride; ++j) {
     int64_t n[4];
@@ -298,12 +339,12 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
           const int64_t left = count - done;
           float* r = result + 4 * done;
           const bool first = prefetch && done == 0;
-          // Block-32 types over more than one pass: the first keeps the levels, the others read them.
-          const Block32Levels levels = !keep ? Block32Levels::kExtract
-                                       : p == p0 && done == 0 ? Block32Levels::kKeep
-                                                              : Block32Levels::kLoad;
+          // More than one pass: the first keeps the levels, the others read them.
+          const KeptLevels levels = !keep ? KeptLevels::kExtract
+                                       : p == p0 && done == 0 ? KeptLevels::kKeep
+                                                              : KeptLevels::kLoad;
           if (left >= 4) {
-            gguf_direct_block<Ops, 4>(m, rows, acts, act_rows, p + done, first, r);
+            gguf_direct_block<Ops, 4>(m, rows, acts, act_rows, p + done, first, r, levels, kept.data()->bytes);
             done += 4;
           } else if (left >= 2) {
             gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p + done, first, r, levels, kept.data()->bytes);
