@@ -90,7 +90,8 @@ void gguf_block32_dot_rows4_avx2(const uint8_t* const* rows, int64_t k, const in
     }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      uint8_t* kept = cache + ((b0 / 4) * 4 + i) * kCacheStep;  // [lo hi] x 2 halves, d x 2, m x 2
+      // [lo hi] x 2 halves, d x 2, m x 2 (kKeep, kLoad)
+      uint8_t* kept = kLevels == KeptLevels::kExtract ? nullptr : cache + ((b0 / 4) * 4 + i) * kCacheStep;
       const uint8_t* b = n < 4 ? tail[i] : rows[i] + kBytes * b0;
       __m256 d[2], m[2];  // the blocks' d (and m) spread per half: blocks 2h, 2h + 1
       if constexpr (kLevels == KeptLevels::kLoad) {

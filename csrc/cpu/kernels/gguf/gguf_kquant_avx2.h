@@ -81,7 +81,7 @@ void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
     for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
   }
   for (int64_t u = 0; u < units; ++u) {
-    uint8_t* kept = cache + u * kQ4kKeptUnit;
+    uint8_t* kept = kLevels == KeptLevels::kExtract ? nullptr : cache + u * kQ4kKeptUnit;
     const auto kept_reg = [&](int64_t at) { return reinterpret_cast<__m256i*>(kept + at); };
     const uint8_t* b[4];
     for (int i = 0; i < 4; ++i) b[i] = rows[i] + u * kBytes;
@@ -219,7 +219,7 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * kBytes;
-      uint8_t* kept = cache + (u * 4 + i) * kGroup16Kept;
+      uint8_t* kept = kLevels == KeptLevels::kExtract ? nullptr : cache + (u * 4 + i) * kGroup16Kept;
       const auto kept_reg = [&](int64_t at) { return reinterpret_cast<__m256i*>(kept + at); };
       // The 16 groups' scales as int16 (Q2_K: and minimums); as pairs (s, s):
       // P = s0-s3 | s8-s11, Q = s4-s7 | s12-s15.

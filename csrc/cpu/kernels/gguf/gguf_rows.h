@@ -130,8 +130,6 @@ void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& ac
     gguf_dot_rows<Ops, false, false, NR>(rows, q, s, sums, bias4, units, out);
 }
 
-// One in-place kernel call: `rows` (4 rows of m) dotted with activation rows
-// act_row(p) for the M pairs p = p0 .. p0 + M - 1, out[4 * j + i] (row i, pair p0 + j).
 // The AVX2 block-32 kernel of kType in the mode `levels` (gguf_block32_avx2.h).
 template <class Ops, GgmlType kType, int M>
 void gguf_block32_keeping(KeptLevels levels, const uint8_t* const* rows, int64_t k, const int8_t* const* q,
@@ -195,8 +193,10 @@ inline int64_t gguf_kept_bytes(GgmlType type, int64_t k) {
   }
 }
 
-// AVX2 (gguf_kept_bytes): `levels` says whether this pass extracts
-// the rows' levels, also keeps them in `cache` for the next passes, or takes the kept ones.
+// One in-place kernel call: `rows` (4 rows of m) dotted with activation rows
+// act_row(p) for the M pairs p = p0 .. p0 + M - 1, out[4 * j + i] (row i, pair p0 + j).
+// AVX2 (gguf_kept_bytes): `levels` says whether this pass extracts the rows' levels, also
+// keeps them in `cache` for the next passes, or takes the kept ones.
 template <class Ops, int M>
 void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const GgufActs& acts,
                        const int32_t* act_rows, int64_t p0, bool prefetch, float* out,
@@ -230,9 +230,9 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
       default: break;
     }
     if constexpr (M > kBlock32Avx2Tokens) {  // the block-32 kernel takes 2 rows per pass at most
-      gguf_direct_block<Ops, kBlock32Avx2Tokens>(m, rows, acts, act_rows, p0, prefetch, out);
+      gguf_direct_block<Ops, kBlock32Avx2Tokens>(m, rows, acts, act_rows, p0, prefetch, out, levels, cache);
       return gguf_direct_block<Ops, M - kBlock32Avx2Tokens>(m, rows, acts, act_rows, p0 + kBlock32Avx2Tokens, false,
-                                                            out + 4 * kBlock32Avx2Tokens);
+                                                            out + 4 * kBlock32Avx2Tokens, levels, cache);
     } else {
       switch (m.type) {
         case GgmlType::kQ8_0: return gguf_block32_keeping<Ops, GgmlType::kQ8_0, M>(levels, rows, m.k, q, scale4, bias4, min_sums8, prefetch, out, cache);
@@ -314,6 +314,7 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
     keep = bytes > 0 && p1 - p0 > (tokens == kKquantAvx2Tokens ? 2 * tokens : tokens);
     if (keep) kept.resize(static_cast<size_t>((bytes + sizeof(Line) - 1) / sizeof(Line)));
   }
+  uint8_t* kept_at = reinterpret_cast<uint8_t*>(kept.data());
   for (int64_t j = 0; j < stride; ++j) {
     int64_t n[4];
     const uint8_t* rows[4];
@@ -344,13 +345,13 @@ void gguf_direct_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n
                                        : p == p0 && done == 0 ? KeptLevels::kKeep
                                                               : KeptLevels::kLoad;
           if (left >= 4) {
-            gguf_direct_block<Ops, 4>(m, rows, acts, act_rows, p + done, first, r, levels, kept.data()->bytes);
+            gguf_direct_block<Ops, 4>(m, rows, acts, act_rows, p + done, first, r, levels, kept_at);
             done += 4;
           } else if (left >= 2) {
-            gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p + done, first, r, levels, kept.data()->bytes);
+            gguf_direct_block<Ops, 2>(m, rows, acts, act_rows, p + done, first, r, levels, kept_at);
             done += 2;
           } else {
-            gguf_direct_block<Ops, 1>(m, rows, acts, act_rows, p + done, first, r, levels, kept.data()->bytes);
+            gguf_direct_block<Ops, 1>(m, rows, acts, act_rows, p + done, first, r, levels, kept_at);
             done += 1;
           }
         }
