@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #include "../../formats/gguf_types.h"
@@ -130,47 +131,40 @@ void gguf_dot_group(const GgufMatrix& m, const void* decoded, const GgufActs& ac
     gguf_dot_rows<Ops, false, false, NR>(rows, q, s, sums, bias4, units, out);
 }
 
+// run(mode) with `levels` as a compile-time constant (std::integral_constant).
+template <class Run>
+void in_kept_mode(KeptLevels levels, Run&& run) {
+  switch (levels) {
+    case KeptLevels::kKeep: return run(std::integral_constant<KeptLevels, KeptLevels::kKeep>{});
+    case KeptLevels::kLoad: return run(std::integral_constant<KeptLevels, KeptLevels::kLoad>{});
+    default: return run(std::integral_constant<KeptLevels, KeptLevels::kExtract>{});
+  }
+}
+
 // The AVX2 block-32 kernel of kType in the mode `levels` (gguf_block32_avx2.h).
 template <class Ops, GgmlType kType, int M>
 void gguf_block32_keeping(KeptLevels levels, const uint8_t* const* rows, int64_t k, const int8_t* const* q,
                           const float* const* scale4, const int32_t* const* bias4, const float* const* min_sums8,
                           bool prefetch, float* out, uint8_t* cache) {
-  switch (levels) {
-    case KeptLevels::kKeep:
-      return gguf_block32_dot_rows4_avx2<Ops, kType, M, KeptLevels::kKeep>(rows, k, q, scale4, bias4, min_sums8,
-                                                                              prefetch, out, cache);
-    case KeptLevels::kLoad:
-      return gguf_block32_dot_rows4_avx2<Ops, kType, M, KeptLevels::kLoad>(rows, k, q, scale4, bias4, min_sums8,
-                                                                              prefetch, out, cache);
-    default:
-      return gguf_block32_dot_rows4_avx2<Ops, kType, M>(rows, k, q, scale4, bias4, min_sums8, prefetch, out);
-  }
+  in_kept_mode(levels, [&](auto mode) {
+    gguf_block32_dot_rows4_avx2<Ops, kType, M, decltype(mode)::value>(rows, k, q, scale4, bias4, min_sums8, prefetch,
+                                                                      out, cache);
+  });
 }
 
 // The AVX2 K-quant kernel of kType in the mode `levels` (gguf_kquant_avx2.h).
-template <class Ops, GgmlType kType, int M, KeptLevels kLevels>
-void gguf_kquant_in_mode(const uint8_t* const* rows, const int8_t* const* q, const float* const* scale4,
-                         const int16_t* const* level_sums, int64_t units, bool prefetch, float* out, uint8_t* cache) {
-  if constexpr (kType == GgmlType::kQ4_K || kType == GgmlType::kQ5_K)
-    gguf_q4k_dot_rows4_avx2<Ops, M, kType == GgmlType::kQ5_K, kLevels>(rows, q, scale4, level_sums, units, prefetch,
-                                                                        out, cache);
-  else
-    gguf_group16_dot_rows4_avx2<Ops, kType, M, kLevels>(rows, q, scale4, level_sums, units, prefetch, out, cache);
-}
-
 template <class Ops, GgmlType kType, int M>
 void gguf_kquant_keeping(KeptLevels levels, const uint8_t* const* rows, const int8_t* const* q,
                          const float* const* scale4, const int16_t* const* level_sums, int64_t units, bool prefetch,
                          float* out, uint8_t* cache) {
-  switch (levels) {
-    case KeptLevels::kKeep:
-      return gguf_kquant_in_mode<Ops, kType, M, KeptLevels::kKeep>(rows, q, scale4, level_sums, units, prefetch, out, cache);
-    case KeptLevels::kLoad:
-      return gguf_kquant_in_mode<Ops, kType, M, KeptLevels::kLoad>(rows, q, scale4, level_sums, units, prefetch, out, cache);
-    default:
-      return gguf_kquant_in_mode<Ops, kType, M, KeptLevels::kExtract>(rows, q, scale4, level_sums, units, prefetch, out,
-                                                                     cache);
-  }
+  in_kept_mode(levels, [&](auto mode) {
+    constexpr KeptLevels kLevels = decltype(mode)::value;
+    if constexpr (kType == GgmlType::kQ4_K || kType == GgmlType::kQ5_K)
+      gguf_q4k_dot_rows4_avx2<Ops, M, kType == GgmlType::kQ5_K, kLevels>(rows, q, scale4, level_sums, units,
+                                                                          prefetch, out, cache);
+    else
+      gguf_group16_dot_rows4_avx2<Ops, kType, M, kLevels>(rows, q, scale4, level_sums, units, prefetch, out, cache);
+  });
 }
 
 // Bytes the AVX2 passes over four rows of `type` (k weights each) keep (0: none kept):
