@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kt_ops
-from conftest import make_experts, random_routing, rel_err
+from conftest import bf16_activations, make_experts, random_routing, rel_err
 from format_cases import format_cases
 from kt_ops import reference
 
@@ -142,7 +142,8 @@ def test_gate_up_delta_is_added_before_the_activation_and_gets_the_gradient() ->
             uu = x[t].double() @ up[e].T + d64[t, j, 24:]
             ref[t] = ref[t] + w[t, j].double() * (F.silu(gg) * uu) @ down[e].T
     (ref * probe.double()).sum().backward()
-    assert rel_err(got, d64.grad.float()) <= 1e-4, rel_err(got, d64.grad.float())
+    bound = 1e-2 if bf16_activations() else 1e-4  # 1.7e-3 measured on amx (Xeon, 2026-11-26)
+    assert rel_err(got, d64.grad.float()) <= bound, rel_err(got, d64.grad.float())
 
 
 def test_forward_train_rejects_bad_arguments() -> None:
@@ -175,7 +176,19 @@ def test_set_save_gate_up_false_recomputes() -> None:
 
 def test_finite_differences_bf16_fp32_inputs() -> None:
     """Directional derivatives of the BF16 kernel's own output (fp32 inputs) agree with
-    the gradients: <grad_x, v> ~ (L(x + eps v) - L(x - eps v)) / 2 eps."""
+    the gradients: <grad_x, v> ~ (L(x + eps v) - L(x - eps v)) / 2 eps. On the avx2
+    variant (every x86 CPU we run has it): variants that round activations to bf16 make the
+    loss a step function on a 2^-8-relative grid, finer than no eps a difference can use
+    (on amx: numeric 37.6 vs analytic 42.7 at eps = 1e-2)."""
+    previous = kt_ops.cpu_variant()
+    kt_ops.set_cpu_variant("avx2")
+    try:
+        _finite_differences_agree()
+    finally:
+        kt_ops.set_cpu_variant(previous)
+
+
+def _finite_differences_agree() -> None:
     experts = make_experts(4, 96, 48, seed=5)
     ids, w = random_routing(6, 4, 2, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -250,7 +263,8 @@ def test_compiled_training_step_has_no_graph_break(blob: str) -> None:
     got = linear.weight.grad.clone()
     linear.weight.grad = None
     step(x).backward()
-    assert rel_err(got, linear.weight.grad) <= 1e-5
+    bound = 1e-2 if bf16_activations() else 1e-5  # amx: 8e-4 measured (Xeon, 2026-11-26)
+    assert rel_err(got, linear.weight.grad) <= bound
 
 
 def test_parts_backward_is_the_sum_of_the_parts() -> None:
@@ -264,7 +278,8 @@ def test_parts_backward_is_the_sum_of_the_parts() -> None:
     x = torch.randn(6, 48)
     gx, gw = grads(lambda a, b: kt_ops.moe_forward_parts(a, ids, b, parts, [0, 0]), x, w, probe)
     rx, rw = grads(lambda a, b: kt_ops.moe_forward(a, ids, b, whole), x, w, probe)
-    assert rel_err(gx, rx) <= 1e-5 and rel_err(gw, rw) <= 1e-5
+    bound = 1e-2 if bf16_activations() else 1e-5  # amx: 2.1e-3 measured (Xeon, 2026-11-26)
+    assert rel_err(gx, rx) <= bound and rel_err(gw, rw) <= bound
 
 
 @pytest.mark.parametrize("method", ["BF16", "AMXINT4"])

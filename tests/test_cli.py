@@ -346,7 +346,7 @@ def test_format_bytes() -> None:
 
 @pytest.mark.slow
 def test_python_m_kt_ops(converted, tmp_path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
 
     def kt_ops_cli(*args: object) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "kt_ops", *map(str, args)], env=env, capture_output=True,

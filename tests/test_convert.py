@@ -249,7 +249,7 @@ def test_verification_catches_wrong_weights(tmp_path, checkpoint, monkeypatch, c
 
 @pytest.mark.slow
 def test_command_line_entry_points(tmp_path, checkpoint):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run([sys.executable, "-m", "kt_ops.convert", "--input-path", checkpoint, "--input-type",
                            "bf16", "--output", tmp_path / "cli", "--quant-method", "int8", "--layers", "1-1"],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -16,12 +16,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import kt_ops  # noqa: E402  (registers kt_ops once transformers is imported)
+from conftest import bf16_activations, logits_bound  # noqa: E402
 from hf_models import CONFIGS, EXPERTS_CONFIGS, tiny_model  # noqa: E402
 from kt_ops import hf_experts  # noqa: E402
 
 ARCHS = ["qwen3_moe", "deepseek_v3", "deepseek_v4", "glm4_moe", "gpt_oss", "qwen3_next", "minimax_m2", "mixtral",
          "olmoe", "qwen2_moe", "deepseek_v2"]
 assert set(ARCHS) <= set(CONFIGS) | set(EXPERTS_CONFIGS)
+GAP = 0.3  # std of a step's logits: as tests/test_hf_patch.py's test_greedy_generation_matches
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +66,25 @@ def test_from_pretrained_matches_eager(saved: dict[str, Path], arch: str) -> Non
         want = eager(ids).logits
     per_token = ((logits - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
     assert per_token.median() <= 1e-2, f"median per-token relative error {per_token.median():.3g}"
-    prompt = ids[:1, :4]
-    generated = ours.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16)
-    assert torch.equal(generated, eager.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16))
+    assert_same_greedy_tokens(ours, eager, ids[:1, :4])
+
+
+def assert_same_greedy_tokens(ours: torch.nn.Module, eager: torch.nn.Module, prompt: torch.Tensor) -> None:
+    """16 greedy tokens: identical where the kernels compute in fp32; where they round
+    activations to bf16, the first token that differs must be a near tie of the eager model
+    (within GAP std of its choice; seen on amx: DeepSeek-V3's 9th token, 2026-11-26)."""
+    settings = dict(max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    got, want = ours.generate(prompt, **settings), eager.generate(prompt, **settings)
+    if not bf16_activations():
+        assert torch.equal(got, want)
+        return
+    differs = (got != want).nonzero()
+    if differs.numel():
+        step = int(differs[0, 1])
+        with torch.no_grad():
+            scores = eager(got[:, :step]).logits[0, -1].float()
+        gap = float((scores[want[0, step]] - scores[got[0, step]]) / scores.std())
+        assert gap <= GAP, f"token {step}: ours is {gap:.2f} std below the eager choice"
 
 
 @pytest.mark.parametrize("method,bound", [("AMXINT8", 5e-2), ("LLAMAFILE", 5e-2)])
@@ -99,7 +117,7 @@ def test_gpu_experts_in_torch(saved: dict[str, Path], arch: str) -> None:
         hf_experts.pack_model_experts(ours, "BF16", **kwargs)
         logits, calls = kt_calls(ours, ids)
         assert calls == (0 if kwargs.get("num_gpu_experts") == 8 else layers)
-        assert ((logits - want).norm() / want.norm()) <= 1e-5, kwargs
+        assert ((logits - want).norm() / want.norm()) <= logits_bound(), kwargs
     with pytest.raises(ValueError, match="num_moe_layers"):
         hf_experts.pack_model_experts(ours, gpu_experts_mask=mask[:1])
 
@@ -179,7 +197,7 @@ def test_quantization_config_packs_while_loading(saved: dict[str, Path], arch: s
     """from_pretrained(..., quantization_config=KtOpsConfig(...)): the experts are packed as
     they load (their parameters left empty), the experts implementation is kt_ops, and the
     model computes what the eager model computes."""
-    for arch, method, bound in ((arch, "BF16", 1e-5), (arch, "AMXINT8", 1e-1)):  # int8: as test_hf_patch
+    for arch, method, bound in ((arch, "BF16", logits_bound()), (arch, "AMXINT8", 1e-1)):
         ours = transformers.AutoModelForCausalLM.from_pretrained(
             saved[arch], dtype=torch.float32, quantization_config=kt_ops.KtOpsConfig(method=method, progress=False))
         eager = load(saved[arch], "eager")
@@ -189,7 +207,14 @@ def test_quantization_config_packs_while_loading(saved: dict[str, Path], arch: s
         ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
             got, want = ours(ids).logits, eager(ids).logits
-        assert ((got - want).norm() / want.norm()) <= bound, arch
+        if method == "BF16":
+            assert ((got - want).norm() / want.norm()) <= bound, arch
+        else:
+            # int8 moves close router choices in the next layer, and a token whose experts
+            # changed jumps (DeepSeek-V3 on amx, 2026-11-26: 0.19 over all tokens): the
+            # median token's error is the kernel's
+            per_token = ((got - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
+            assert per_token.median() <= bound, (arch, per_token)
     with pytest.raises(ValueError, match="not available"):
         kt_ops.KtOpsConfig(method="NOPE")
     with pytest.raises(ValueError, match="needs gguf_type"):
@@ -209,7 +234,7 @@ def test_quantization_config_keeps_gpu_experts_in_torch(saved: dict[str, Path]) 
     ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         got, want = ours(ids).logits, eager(ids).logits
-    assert ((got - want).norm() / want.norm()) <= 1e-5
+    assert ((got - want).norm() / want.norm()) <= logits_bound()
     with pytest.raises(ValueError, match="num_gpu_experts 9 exceeds"):
         transformers.AutoModelForCausalLM.from_pretrained(
             saved["gpt_oss"], quantization_config=kt_ops.KtOpsConfig(num_gpu_experts=9))
@@ -309,7 +334,7 @@ def test_patch_model_covers_the_experts_interface(arch: str) -> None:
     assert all(m.gate_up_proj.numel() == 0 for m in experts_modules(model))
     logits, calls = kt_calls(model, ids)
     assert calls == report.layers
-    assert ((logits - want).norm() / want.norm()) <= 1e-5
+    assert ((logits - want).norm() / want.norm()) <= logits_bound()
     assert "nemotron_h" not in supported_model_types()  # has_gate=False: not computed
 
 

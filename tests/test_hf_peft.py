@@ -15,10 +15,18 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import kt_ops  # noqa: E402
+from conftest import bf16_activations, logits_bound  # noqa: E402
 from hf_models import tiny_model  # noqa: E402
 from kt_ops import hf_experts  # noqa: E402
 
 TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def loss_bound() -> float:
+    """Relative bound on each step's loss against plain PEFT: 1e-3 where the kernels compute
+    in fp32; 1e-2 where they round activations to bf16 (amx, Xeon, 2026-11-26: up to
+    2.5e-3 after 5 AdamW steps, the rounding compounding step by step)."""
+    return 1e-2 if bf16_activations() else 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +75,7 @@ def test_lora_trains_like_transformers_and_peft(saved: dict[str, Path], arch: st
     ours_losses, plain_losses = train(ours), train(plain)
     assert plain_losses[-1] < plain_losses[0]
     for got, want in zip(ours_losses, plain_losses):
-        assert abs(got - want) <= 1e-3 * abs(want), (ours_losses, plain_losses)
+        assert abs(got - want) <= loss_bound() * abs(want), (ours_losses, plain_losses)
 
 
 def test_saved_adapter_loads_into_an_unpatched_model(saved: dict[str, Path], tmp_path: Path) -> None:
@@ -79,7 +87,7 @@ def test_saved_adapter_loads_into_an_unpatched_model(saved: dict[str, Path], tmp
     with torch.no_grad():
         got, want = ours(input_ids=ids).logits, plain(input_ids=ids).logits
         base = load(saved["qwen3_moe"], kt=False)(input_ids=ids).logits
-    assert ((got - want).norm() / want.norm()) <= 1e-5
+    assert ((got - want).norm() / want.norm()) <= logits_bound()
     assert ((base - want).norm() / want.norm()) > 1e-3  # the adapter changed the model
 
 
@@ -88,7 +96,7 @@ def test_only_down_proj_targeted(saved: dict[str, Path]) -> None:
     plain = with_lora(load(saved["qwen3_moe"], kt=False), targets=["mlp.experts.down_proj"])
     ours_losses, plain_losses = train(ours, steps=5), train(plain, steps=5)
     for got, want in zip(ours_losses, plain_losses):
-        assert abs(got - want) <= 1e-3 * abs(want)
+        assert abs(got - want) <= loss_bound() * abs(want)
 
 
 def test_unsupported_uses_are_refused(saved: dict[str, Path]) -> None:

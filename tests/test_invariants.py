@@ -21,6 +21,15 @@ Each probe token is computed alone (1-token call) and then placed among other to
 H and I exceed 512 (format_cases), so gate/up and down cross the k blocks of the
 GEMMs (256 for bf16, 512 for int8/int4) with a partial last block where the format's
 block rules allow one.
+
+The one documented exception (docs/formats.md, "Batch invariance"): on the amx variant,
+BF16 experts with more than 6 tokens and GGUF calls averaging 8 or more tokens per expert
+run on AMX tiles, whose sums (``tdpbf16ps``, which neither ``vdpbf16ps`` nor fp32 FMAs
+in either pair order reproduce) or inputs (GGUF rows and activations rounded to bf16)
+differ from the vector decode path. There, in the crowd37 and large300 scenarios, a row
+is compared with its solo call within AMX_TILE_BOUNDS instead of bit for bit. INT8/INT4 tiles
+compute the vector path's int32 sums and stay bit-exact there, and ``live_tokens = n``
+still equals a call on the first n rows bit for bit.
 """
 
 from __future__ import annotations
@@ -46,6 +55,12 @@ SCENARIOS = {  # name: (tokens in the call, how the other tokens are routed)
 }
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+# Formats whose amx prefill runs on AMX tiles with other sums, and the bound on the relative
+# error of a tile row against its solo (vector) call: seen on a Xeon, 2026-11-26, BF16
+# up to 1.5e-4 (fp32 outputs 1e-6), GGUF 0.2-2.2% (K-quants the most: bf16 tile inputs
+# against the vector path's 8-bit activation blocks).
+AMX_TILE_BOUNDS = {"bf16": 1e-3, "gguf": 3e-2}
+AMX_TILE_SCENARIOS = {"crowd37", "large300"}  # enough tokens per expert for those tiles
 
 
 @dataclass
@@ -156,6 +171,20 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
     )
 
 
+def on_amx_tiles(layer: Layer, variant: str, scenario: str) -> bool:
+    """Whether this scenario's rows run on the amx variant's AMX tiles (the documented
+    exception to bit-identical rows; see the module docstring)."""
+    return variant == "amx" and layer.case.format in AMX_TILE_BOUNDS and scenario in AMX_TILE_SCENARIOS
+
+
+def assert_tile_close(actual: torch.Tensor, expected: torch.Tensor, layer: Layer, what: str) -> None:
+    """An AMX-tile row against the vector path's, within the format's AMX_TILE_BOUNDS."""
+    __tracebackhide__ = True
+    bound = AMX_TILE_BOUNDS[layer.case.format]
+    error = float((actual.float() - expected.float()).norm() / expected.float().norm())
+    assert error <= bound, f"{what}: relative error {error:.3g} > {bound} (AMX tiles vs vector path)"
+
+
 def all_batches(layer: Layer) -> dict[str, list[Batch]]:
     return {name: scenario_batches(layer, name) for name in SCENARIOS}
 
@@ -197,8 +226,11 @@ def test_row_does_not_depend_on_the_other_tokens(layer: Layer, variant: str, dty
     for batch in scenario_batches(layer, scenario):
         out = forward(batch, dtype, layer)
         for row, p in batch.rows.items():
-            assert_same_bits(out[row : row + 1], solo[p],
-                             f"{layer.case.id} {variant} {scenario} probe {p} (row {row} of {len(batch.x)})")
+            what = f"{layer.case.id} {variant} {scenario} probe {p} (row {row} of {len(batch.x)})"
+            if on_amx_tiles(layer, variant, scenario):
+                assert_tile_close(out[row : row + 1], solo[p], layer, what)
+            else:
+                assert_same_bits(out[row : row + 1], solo[p], what)
 
 
 @pytest.mark.parametrize("base", ["crowd37", "large300"])
@@ -215,7 +247,10 @@ def test_live_tokens(layer: Layer, variant: str, dtype: torch.dtype, base: str) 
         short = forward(Batch(batch.x[:n], batch.ids[:n], batch.weights[:n], {}), dtype, layer)
         what = f"{layer.case.id} {variant} {base} live_tokens={n} of {T}"
         assert_same_bits(live[:n], short, f"{what} vs a call with only those {n} rows")
-        assert_same_bits(live[:n], full[:n], f"{what} vs the full call's first {n} rows")
+        if on_amx_tiles(layer, variant, base):  # the full call's rows ran on tiles, these maybe not
+            assert_tile_close(live[:n], full[:n], layer, f"{what} vs the full call's first {n} rows")
+        else:
+            assert_same_bits(live[:n], full[:n], f"{what} vs the full call's first {n} rows")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -396,7 +396,8 @@ def test_loading_streams_one_layer(tmp_path):
     path = write_checkpoint(tmp_path / "big", ws, shards=4)
     del ws
     layer_bytes = 3 * 8 * 1024 * 512 * 2  # bf16 on disk
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     done = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(path)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
