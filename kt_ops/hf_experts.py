@@ -33,18 +33,23 @@ from __future__ import annotations
 import importlib.abc
 import re
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from kt_ops import autograd, expert_stats
+from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 
 IMPLEMENTATION = "kt_ops"
 _BLOB = "_kt_ops_blob"
 _INTERMEDIATE = "_kt_ops_intermediate_size"  # the blob's I, read once (kt_ops.autograd.moe_forward)
 _ROUTE = "_kt_ops_route"  # int64 [E]: expert -> packed index, -1 for the experts kept in torch
 _LOCAL = "_kt_ops_local"  # the experts kept in torch: (ids [G], gate_up, gate_up_bias, down, down_bias)
+_LOCAL_ON = "_kt_ops_local_on"  # {device: _LOCAL's tensors there}, for inputs on another device
+_ROUTE_ON = "_kt_ops_route_on"  # {device: _ROUTE there}
+_SOURCE = "_kt_ops_source"  # dynamic: every expert's (gate_up, gate_up_bias, down, down_bias) in host memory
+_DERIVED = (_ROUTE, _LOCAL, _LOCAL_ON, _ROUTE_ON, _SOURCE)  # what packing sets besides the blob
 _LAYER_ID = "_kt_ops_layer"  # (layer index in the model, E): the module's row in kt_ops.ExpertStats
 _SHAPES = "_kt_ops_shapes"  # {"gate_up_proj": shape, "down_proj": shape} as stored before packing
 _LORA = "_kt_ops_lora"  # {parameter name: PEFT LoRA factors} while a PEFT adapter is active (kt_ops.hf_peft)
@@ -68,6 +73,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     layer_id, experts = getattr(self, _LAYER_ID, None) or (None, 0)
     expert_stats.record(layer_id, top_k_index, experts)  # kt_ops.ExpertStats (a no-op outside one)
     local = getattr(self, _LOCAL, None)
+    if local is not None:
+        local = _local_on(self, local, hidden_states.device)
     if self.__dict__.get(_LORA):  # a PEFT LoRA adapter on the experts (kt_ops.hf_peft)
         from kt_ops.hf_peft import lora_forward
 
@@ -96,9 +103,21 @@ def _on(module: nn.Module, route: torch.Tensor, device: torch.device) -> torch.T
     once an eager call on that device has run)."""
     if route.device == device:
         return route
-    cache = module.__dict__.setdefault("_kt_ops_route_on", {})
+    cache = module.__dict__.setdefault(_ROUTE_ON, {})
     if device not in cache:
         cache[device] = route.to(device)
+    return cache[device]
+
+
+def _local_on(module: nn.Module, local: tuple, device: torch.device) -> tuple:
+    """The experts kept in torch on ``device`` (the inputs'), copied there once: a model
+    moved with ``.to()`` / ``.cuda()`` after packing computes them where its activations
+    are (the first eager call copies; a captured CUDA graph then reads the copy)."""
+    if local[1].device == device:
+        return local
+    cache = module.__dict__.setdefault(_LOCAL_ON, {})
+    if device not in cache:
+        cache[device] = tuple(None if t is None else t.to(device) for t in local)
     return cache[device]
 
 
@@ -272,12 +291,15 @@ def module_weights(module: nn.Module, tensors: dict[str, torch.Tensor] | None = 
 
 
 def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[str, torch.Tensor] | None = None,
-                        gpu_experts_mask: torch.Tensor | None = None, **pack_args: Any) -> torch.Tensor:
+                        gpu_experts_mask: torch.Tensor | None = None, dynamic: bool = False,
+                        **pack_args: Any) -> torch.Tensor:
     """Packs one experts module into ``method`` (``pack_args``: ``group_size``, ``gguf_type``,
     ``scale_search`` as :func:`kt_ops.pack_experts`; ``tensors`` as :func:`module_weights`),
     keeps the blob on the module and returns it. ``gpu_experts_mask`` (bool ``[E]``): those
     experts are not packed but kept in torch on the module's device (its ``gate_up_proj``'s;
-    pass ``tensors`` on that device while loading), computed densely over the batch."""
+    pass ``tensors`` on that device while loading), computed densely over the batch.
+    ``dynamic``: every expert is packed and a host copy of every expert's weights kept, so
+    :func:`update_local_experts` can change which ones run in torch at run time."""
     from kt_ops.ops import pack_experts
 
     if tensors is None:
@@ -285,8 +307,17 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
     weights = module_weights(module, tensors)
     gate, up, down = weights.pop("gate_proj"), weights.pop("up_proj"), weights.pop("down_proj")
     E = int(gate.shape[0])
-    for name in (_ROUTE, _LOCAL, "_kt_ops_route_on"):
+    for name in _DERIVED:
         module.__dict__.pop(name, None)
+    if dynamic:
+        if gpu_experts_mask is None:
+            raise ValueError(f"{type(module).__name__}: dynamic=True needs gpu_experts_mask (the first GPU experts)")
+        source = _stored(module, tensors)
+        gate_up_all, down_all = _untransposed(module, source)
+        biases_all = [source.get(name) if getattr(module, "has_bias", False) else None
+                      for name in ("gate_up_proj_bias", "down_proj_bias")]
+        module.__dict__[_SOURCE] = tuple(None if t is None else host_copy(t)
+                                         for t in (gate_up_all, biases_all[0], down_all, biases_all[1]))
     if gpu_experts_mask is not None:
         mask = torch.as_tensor(gpu_experts_mask).to("cpu")
         if mask.dtype != torch.bool or mask.shape != (E,):
@@ -303,13 +334,16 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
                                      None if bias is None else bias[keep.to(bias.device)].contiguous(),
                                      down_local[keep.to(on)].contiguous(),
                                      None if down_bias is None else down_bias[keep.to(down_bias.device)].contiguous()))
-            cpu = ~mask
-            route = torch.full((E,), -1, dtype=torch.long)
-            route[cpu] = torch.arange(int(cpu.sum()))
-            setattr(module, _ROUTE, route)
-            gate, up, down = gate[cpu], up[cpu], down[cpu]
-            if weights["biases"] is not None:
-                weights["biases"] = tuple(None if b is None else b[cpu] for b in weights["biases"])
+            if dynamic:  # every expert packed; the route skips the ones in torch
+                setattr(module, _ROUTE, cpu_route(keep, E, torch.long))
+            else:
+                cpu = ~mask
+                route = torch.full((E,), -1, dtype=torch.long)
+                route[cpu] = torch.arange(int(cpu.sum()))
+                setattr(module, _ROUTE, route)
+                gate, up, down = gate[cpu], up[cpu], down[cpu]
+                if weights["biases"] is not None:
+                    weights["biases"] = tuple(None if b is None else b[cpu] for b in weights["biases"])
     if gate.shape[0] == 0:  # every expert kept in torch: nothing for the CPU (an empty blob)
         setattr(module, _BLOB, torch.empty(0, dtype=torch.uint8))
         return getattr(module, _BLOB)
@@ -319,11 +353,13 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
 
 
 def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask: torch.Tensor | None = None,
-                       num_gpu_experts: int | None = None, **pack_args: Any) -> int:
+                       num_gpu_experts: int | None = None, dynamic: bool = False, **pack_args: Any) -> int:
     """Packs every experts module of ``model`` (eagerly: required before ``torch.compile``);
     returns how many. ``gpu_experts_mask`` (bool ``[num_moe_layers, E]``, in model order) or
     ``num_gpu_experts`` (experts ``[0, n)`` of each layer) keeps those experts in torch on
-    the model's device. ``ValueError`` naming the class for experts kt_ops cannot compute."""
+    the model's device; ``dynamic``: they can be moved later (:func:`update_local_experts`,
+    :func:`kt_ops.rebalance_gpu_experts`). ``ValueError`` naming the class for experts kt_ops
+    cannot compute."""
     set_layer_ids(model)
     modules = [m for m in model.modules() if is_experts_module(m)]
     if gpu_experts_mask is not None and num_gpu_experts is not None:
@@ -337,8 +373,10 @@ def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask:
         masks = list(mask)
     elif num_gpu_experts is not None:
         masks = [torch.arange(int(m.down_proj.shape[0])) < num_gpu_experts for m in modules]
+    if dynamic and masks[0] is None:
+        raise ValueError("dynamic=True needs gpu_experts_mask or num_gpu_experts (the first GPU experts)")
     for module, mask in zip(modules, masks):
-        pack_module_experts(module, method, gpu_experts_mask=mask, **pack_args)
+        pack_module_experts(module, method, gpu_experts_mask=mask, dynamic=dynamic, **pack_args)
     return len(modules)
 
 
@@ -348,17 +386,74 @@ def local_experts(module: nn.Module) -> tuple | None:
     return getattr(module, _LOCAL, None)
 
 
+def layer_id(module: nn.Module) -> int | None:
+    """The module's decoder-layer index (its row in :class:`kt_ops.ExpertStats`), or None."""
+    recorded = getattr(module, _LAYER_ID, None)
+    return None if recorded is None else recorded[0]
+
+
+def is_dynamic(module: nn.Module) -> bool:
+    """Whether the module's experts in torch can be moved (packed with ``dynamic=True``)."""
+    return module.__dict__.get(_SOURCE) is not None
+
+
+@torch.no_grad()
+def update_local_experts(module: nn.Module, expert_ids: torch.Tensor | Sequence[int]) -> None:
+    """Makes ``expert_ids`` (as many distinct ids in ``[0, E)`` as the module keeps in
+    torch) the experts computed in torch, in ascending order, without reloading: the slots
+    whose expert changed are copied from the host weights into the tensors in place (on
+    every device they were copied to), and the route to the packed experts is updated in
+    place, so compiled functions and CUDA graphs captured before keep working (replay after
+    this returns; copies are queued on the current stream). Needs ``dynamic=True``."""
+    source = module.__dict__.get(_SOURCE)
+    local = local_experts(module)
+    if source is None:
+        raise RuntimeError(f"{type(module).__name__}: update_local_experts needs the experts packed with "
+                           "dynamic=True (every expert packed, host weights kept to fill the torch slots from)")
+    E = int(source[0].shape[0])
+    count = 0 if local is None else int(local[0].numel())
+    ids = checked_expert_ids(expert_ids, count, E)
+    if local is None:
+        return
+    old = local[0].to("cpu")
+    changed = torch.nonzero(old != ids).reshape(-1).tolist()
+    copies = [local, *module.__dict__.get(_LOCAL_ON, {}).values()]
+    for copy in copies:
+        for slot in changed:
+            e = int(ids[slot])
+            for target, weights in zip(copy[1:], source):
+                if target is not None:
+                    target[slot].copy_(weights[e], non_blocking=True)
+        copy[0].copy_(ids, non_blocking=True)
+    route = module.__dict__[_ROUTE]
+    new_route = cpu_route(ids, E, route.dtype)
+    for table in (route, *module.__dict__.get(_ROUTE_ON, {}).values()):
+        table.copy_(new_route, non_blocking=True)
+
+
+def rebalance_local_experts(module: nn.Module, counts: torch.Tensor) -> torch.Tensor:
+    """Moves the module's experts in torch to its most activated (``counts [E]``, a row of
+    :attr:`kt_ops.ExpertStats.counts`), as SGLang picks them; returns the new ids."""
+    local = local_experts(module)
+    source = module.__dict__.get(_SOURCE)
+    E = int(source[0].shape[0]) if source is not None else int(torch.as_tensor(counts).numel())
+    chosen = most_activated(counts, 0 if local is None else int(local[0].numel()), E)
+    update_local_experts(module, chosen)
+    return chosen
+
+
 def move_local_experts(module: nn.Module, device: torch.device) -> None:
     """Moves the experts a module keeps in torch to ``device`` (after a checkpoint loaded)."""
     local = local_experts(module)
     if local is not None:
         setattr(module, _LOCAL, tuple(None if t is None else t.to(device) for t in local))
+        module.__dict__.pop(_LOCAL_ON, None)
 
 
 def install_blob(module: nn.Module, blob: torch.Tensor) -> None:
     """Makes ``blob`` (a packed uint8 blob in host memory, e.g. a mapped GGUF layer) the one
     the module's experts run with; the experts kept in torch are dropped."""
-    for name in (_ROUTE, _LOCAL, "_kt_ops_route_on"):
+    for name in _DERIVED:
         module.__dict__.pop(name, None)
     setattr(module, _BLOB, blob)
 

@@ -2,8 +2,9 @@
 torch ("GPU") side and the packed CPU side at run time — every expert packed, slots refilled
 from host weights, expert lists and slot map updated in place — so a compiled function or a
 captured CUDA graph keeps computing the right layer; rebalancing from ExpertStats as SGLang
-picks the hot experts. On this machine the "GPU" side is torch on the CPU device; the CUDA
-graph test runs where a GPU is present."""
+picks the hot experts. The same for the experts modules of the transformers path
+(patch_model's other architectures, kt_ops.hf_experts). On this machine the "GPU" side is
+torch on the CPU device; the CUDA graph tests run where a GPU is present."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import kt_ops
+from conftest import logits_bound
 
 E, K, H, I = 8, 2, 64, 32
 
@@ -105,9 +107,7 @@ def test_patched_model_rebalances_from_statistics():
         counts = stats.counts[moe.layer_idx]
         assert moe.gpu_experts.tolist() == sorted(torch.topk(counts.double(), 2).indices.tolist())
     with torch.no_grad():
-        assert close(model(ids).logits, want)
-    with pytest.raises(ValueError, match="dynamic_gpu_experts needs a HybridMoE architecture"):
-        kt_ops.patch_model(tiny_model("olmoe").float(), num_gpu_experts=2, dynamic_gpu_experts=True)
+        assert close(model(ids).logits, want, logits_bound())
     del transformers
 
 
@@ -125,3 +125,116 @@ def test_update_under_a_captured_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert close(out.cpu(), layer([4, 7])(x.cpu()), 1e-2)
+
+
+# ---- the transformers experts path (kt_ops.hf_experts) -------------------------------
+
+
+def hf_model(arch: str, gpu: list[list[int]] | None = None, dynamic: bool = False) -> torch.nn.Module:
+    """A tiny ``arch`` model (fp32, bf16-exact weights) patched through the experts
+    interface, experts ``gpu[layer]`` kept in torch."""
+    pytest.importorskip("transformers")
+    from hf_models import tiny_model
+
+    model = tiny_model(arch).float()
+    mask = None
+    if gpu is not None:
+        mask = torch.zeros(len(gpu), E, dtype=torch.bool)
+        for row, ids in enumerate(gpu):
+            mask[row, ids] = True
+    return kt_ops.patch_model(model, "BF16", gpu_experts_mask=mask, dynamic_gpu_experts=dynamic)
+
+
+def experts_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from kt_ops import hf_experts
+
+    return [m for m in model.modules() if hf_experts.is_experts_module(m)]
+
+
+IDS = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor = IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "olmoe"])  # with and without expert biases
+def test_experts_path_dynamic_layout_computes_the_fixed_one(arch: str):
+    from kt_ops import hf_experts
+
+    dyn = hf_model(arch, [[0, 1], [2, 5]], dynamic=True)
+    for module in experts_of(dyn):
+        assert hf_experts.is_dynamic(module)
+        assert kt_ops.PackedExperts(hf_experts.packed_blob(module)).num_experts == E  # every expert packed
+    assert close(hf_logits(dyn), hf_logits(hf_model(arch, [[0, 1], [2, 5]])), 1e-6)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "olmoe"])
+def test_experts_path_update_moves_experts_in_place(arch: str):
+    from kt_ops import hf_experts
+
+    dyn = hf_model(arch, [[0, 1], [2, 5]], dynamic=True)
+    modules = experts_of(dyn)
+    held = [[t.data_ptr() for t in hf_experts.local_experts(m) if t is not None] for m in modules]
+    hf_experts.update_local_experts(modules[0], [6, 3])
+    hf_experts.update_local_experts(modules[1], torch.tensor([5, 7]))  # slot 1 keeps 5, slot 0 refilled
+    assert [hf_experts.local_experts(m)[0].tolist() for m in modules] == [[3, 6], [5, 7]]
+    assert [[t.data_ptr() for t in hf_experts.local_experts(m) if t is not None] for m in modules] == held
+    assert close(hf_logits(dyn), hf_logits(hf_model(arch, [[3, 6], [5, 7]])), 1e-6)
+
+
+def test_experts_path_bad_updates_are_refused():
+    from kt_ops import hf_experts
+
+    fixed = experts_of(hf_model("gpt_oss", [[0, 1], [2, 5]]))[0]
+    with pytest.raises(RuntimeError, match="dynamic=True"):
+        hf_experts.update_local_experts(fixed, [2, 3])
+    module = experts_of(hf_model("gpt_oss", [[0, 1], [2, 5]], dynamic=True))[0]
+    for ids, match in (([2], "2 integer expert ids"), ([2, 2], "distinct"), ([2, 8], r"in \[0, 8\)")):
+        with pytest.raises(ValueError, match=match):
+            hf_experts.update_local_experts(module, ids)
+    assert hf_experts.local_experts(module)[0].tolist() == [0, 1]
+    with pytest.raises(ValueError, match="dynamic_gpu_experts needs GPU experts"):
+        hf_model("olmoe", None, dynamic=True)
+
+
+def test_experts_path_compiled_model_sees_the_update():
+    from kt_ops import hf_experts
+
+    dyn = hf_model("olmoe", [[0, 1], [2, 5]], dynamic=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(dyn, fullgraph=True)
+    assert close(hf_logits(compiled), hf_logits(dyn), 1e-5)
+    for module in experts_of(dyn):
+        hf_experts.update_local_experts(module, [4, 7])
+    assert close(hf_logits(compiled), hf_logits(hf_model("olmoe", [[4, 7], [4, 7]])), 1e-5)
+
+
+def test_experts_path_rebalances_from_statistics():
+    from kt_ops import hf_experts
+
+    dyn = hf_model("gpt_oss", [[0, 1], [0, 1]], dynamic=True)
+    eager = hf_model("gpt_oss")  # every expert packed, none in torch
+    with kt_ops.ExpertStats(num_hidden_layers=2) as stats:
+        hf_logits(dyn)
+    assert kt_ops.rebalance_gpu_experts(dyn, stats) == 2
+    for module in experts_of(dyn):
+        counts = stats.counts[hf_experts.layer_id(module)]
+        assert hf_experts.local_experts(module)[0].tolist() == sorted(torch.topk(counts.double(), 2).indices.tolist())
+    assert close(hf_logits(dyn), hf_logits(eager), 1e-5)
+
+
+def test_experts_path_follows_the_inputs_device():
+    """Experts kept in torch, packed on the CPU, compute where the activations are (here
+    the meta device stands for a GPU the model was moved to after packing)."""
+    from kt_ops import hf_experts
+
+    module = experts_of(hf_model("olmoe", [[0, 1], [2, 5]], dynamic=True))[0]
+    x = torch.randn(4, 64, device="meta")
+    ids = torch.tensor([[0, 3], [1, 2], [5, 6], [0, 1]], device="meta")
+    out = module(x, ids, torch.rand(4, 2, device="meta"))
+    assert out.device.type == "meta" and out.shape == (4, 64)
+    hf_experts.update_local_experts(module, [2, 3])  # reaches the device copy too
+    local_on = module.__dict__["_kt_ops_local_on"][torch.device("meta")]
+    assert local_on[0].device.type == "meta"

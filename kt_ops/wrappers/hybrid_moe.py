@@ -17,23 +17,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kt_ops import autograd, expert_stats
+from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.ops import pack_experts
 from kt_ops.wrappers.routing import Routing
 
 _HOST_BUFFERS = ("packed",)  # stay in host memory whatever .to()/.cuda() asks
-
-
-def _host_copy(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` in host memory, pinned where CUDA is available (GPU slots fill from it)."""
-    host = weight.detach().to("cpu").contiguous()
-    if torch.cuda.is_available():
-        try:
-            return host.pin_memory()
-        except RuntimeError:  # pinning can fail (limits); pageable copies still work
-            return host
-    return host
 
 
 class HybridMoE(nn.Module):
@@ -123,7 +113,7 @@ class HybridMoE(nn.Module):
         cpu_index[gpu_experts] = -1  # dynamic: packed too, skipped on the CPU while on the GPU
         self._source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if self.dynamic:
-            self._source = tuple(_host_copy(w) for w in (gate_proj, up_proj, down_proj))  # type: ignore[assignment]
+            self._source = tuple(host_copy(w) for w in (gate_proj, up_proj, down_proj))  # type: ignore[assignment]
         self.register_buffer("cpu_index", cpu_index)  # expert -> packed slot, -1: a GPU expert
         self.register_buffer("gpu_experts", gpu_experts)  # [G] expert ids computed in torch
         packed = torch.empty(0, dtype=torch.uint8)
@@ -238,35 +228,23 @@ class HybridMoE(nn.Module):
         if not self.dynamic or self._source is None:
             raise RuntimeError("update_gpu_experts needs HybridMoE(dynamic=True) (all experts packed for the CPU, "
                                "host weights kept to fill GPU slots from)")
-        ids = torch.as_tensor(expert_ids).to("cpu")
-        G = self.num_gpu_experts
-        if ids.dtype in (torch.bool,) or ids.is_floating_point() or ids.dim() != 1 or ids.numel() != G:
-            raise ValueError(f"expert_ids must be {G} integer expert ids (the layer's GPU expert count), got "
-                             f"{ids.dtype} {tuple(ids.shape)}")
-        ids = torch.sort(ids.long()).values
-        if G and (int(ids[0]) < 0 or int(ids[-1]) >= self.num_experts or bool((ids[1:] == ids[:-1]).any())):
-            raise ValueError(f"expert_ids must be distinct ids in [0, {self.num_experts}), got {ids.tolist()}")
+        ids = checked_expert_ids(expert_ids, self.num_gpu_experts, self.num_experts)
         old = self.gpu_experts.to("cpu")
         gate, up, down = self._source
         for slot in torch.nonzero(old != ids).reshape(-1).tolist():
             e = int(ids[slot])
             self.gpu_gate_up[slot].copy_(torch.cat([gate[e], up[e]], dim=0), non_blocking=True)
             self.gpu_down[slot].copy_(down[e], non_blocking=True)
-        index = torch.arange(self.num_experts, dtype=torch.int32)
-        index[ids] = -1
-        self.cpu_index.copy_(index, non_blocking=True)
+        self.cpu_index.copy_(cpu_route(ids, self.num_experts, torch.int32), non_blocking=True)
         self.gpu_experts.copy_(ids, non_blocking=True)
 
     def rebalance(self, counts: torch.Tensor) -> torch.Tensor:
         """Moves the layer's ``num_gpu_experts`` most activated experts (``counts [E]``, e.g.
         a row of :attr:`kt_ops.ExpertStats.counts`) to the GPU, as SGLang picks them
         (``topk`` of the counts, then ascending ids); returns the new GPU expert ids."""
-        counts = torch.as_tensor(counts).to("cpu")
-        if counts.shape != (self.num_experts,):
-            raise ValueError(f"counts must be [{self.num_experts}], got {tuple(counts.shape)}")
-        chosen = torch.topk(counts.double(), self.num_gpu_experts, sorted=True).indices
+        chosen = most_activated(counts, self.num_gpu_experts, self.num_experts)
         self.update_gpu_experts(chosen)
-        return torch.sort(chosen).values
+        return chosen
 
     def _gpu_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The GPU experts, dense over the tokens: ``[T, H]`` in x's dtype."""
@@ -279,12 +257,15 @@ class HybridMoE(nn.Module):
 
 
 def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
-    """Moves each dynamic :class:`HybridMoE` layer's GPU experts to its most activated ones
-    (:meth:`HybridMoE.rebalance`) from ``stats``: counts ``[num_hidden_layers, E]`` indexed
-    by layer id, a :class:`kt_ops.ExpertStats` or a dump path. Returns how many layers
-    changed nothing or something (the layers rebalanced); layers without a ``layer_idx`` or
-    a row in ``stats`` are left alone. Call between forwards (e.g. every N decode steps, then
+    """Moves each dynamic MoE layer's GPU experts to its most activated ones from ``stats``:
+    counts ``[num_hidden_layers, E]`` indexed by layer id, a :class:`kt_ops.ExpertStats` or
+    a dump path. Dynamic layers are :class:`HybridMoE` ones built with ``dynamic=True``
+    (:meth:`HybridMoE.rebalance`) and experts modules of the transformers path packed with
+    ``dynamic=True`` (:func:`kt_ops.hf_experts.rebalance_local_experts`). Returns how many
+    layers were rebalanced (changed or not); layers without a layer id or a row in
+    ``stats`` are left alone. Call between forwards (e.g. every N decode steps, then
     ``stats.reset()``)."""
+    from kt_ops import hf_experts
     from kt_ops.expert_stats import ExpertStats
 
     if isinstance(stats, ExpertStats):
@@ -299,4 +280,10 @@ def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
                 and module.layer_idx is not None and module.layer_idx < counts.shape[0]):
             module.rebalance(counts[module.layer_idx])
             done += 1
+        elif hf_experts.is_experts_module(module) and hf_experts.is_dynamic(module):
+            layer = hf_experts.layer_id(module)
+            local = hf_experts.local_experts(module)
+            if layer is not None and layer < counts.shape[0] and local is not None and local[0].numel():
+                hf_experts.rebalance_local_experts(module, counts[layer])
+                done += 1
     return done

@@ -192,9 +192,9 @@ def patch_model(
             ``[num_hidden_layers, E]``, a :class:`kt_ops.ExpertStats` or a dump path) for
             ``frequency``.
         dynamic_gpu_experts: the GPU experts may be moved at run time
-            (:func:`kt_ops.rebalance_gpu_experts`, :meth:`HybridMoE.update_gpu_experts`):
-            every expert packed for the CPU, host float weights kept (HybridMoE
-            architectures only; ``ValueError`` for the others).
+            (:func:`kt_ops.rebalance_gpu_experts`, :meth:`HybridMoE.update_gpu_experts`,
+            :func:`kt_ops.hf_experts.update_local_experts` on the experts-interface
+            architectures): every expert packed for the CPU, host float weights kept.
         group_size, gguf_type: as :func:`kt_ops.pack_experts`.
         progress: called as ``progress(done, total)`` after each layer.
 
@@ -219,12 +219,8 @@ def patch_model(
             nbytes = hf_experts.expert_nbytes(experts[0][1])
             gpu_experts_mask = _placement_mask(model, [name for name, _ in experts], num_experts, nbytes, placement,
                                                gpu_budget, expert_stats, (gpu_experts_mask, num_gpu_experts))
-        if dynamic_gpu_experts:
-            raise ValueError(f"dynamic_gpu_experts needs a HybridMoE architecture ({', '.join(sorted(_BLOCKS))}); "
-                             f"{model_type!r} runs through transformers' experts interface, whose GPU experts are "
-                             "fixed at packing")
         masks = _layer_masks(len(experts), num_experts, gpu_experts_mask, num_gpu_experts)
-        return _patch_experts(model, experts, masks, method, group_size, gguf_type, progress)
+        return _patch_experts(model, experts, masks, method, group_size, gguf_type, progress, dynamic_gpu_experts)
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"the CPU experts compute SiLU; this model's hidden_act is {config.hidden_act!r}")
     blocks = [(name, module) for name, module in model.named_modules()
@@ -268,11 +264,11 @@ def patch_model(
 
 def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], masks: list[torch.Tensor | None],
                    method: str, group_size: int, gguf_type: object,
-                   progress: Callable[[int, int], None] | None) -> nn.Module:
+                   progress: Callable[[int, int], None] | None, dynamic: bool = False) -> nn.Module:
     """patch_model through transformers' experts interface: each experts module packed
     (its activation probed, biases kept; the experts of its mask kept in torch on the
-    model's device), its expert tensors released, the model's experts implementation set
-    to kt_ops."""
+    model's device; ``dynamic``: every expert packed and host weights kept, so they can
+    move), its expert tensors released, the model's experts implementation set to kt_ops."""
     from kt_ops.formats import GROUPED_FORMATS, format_for_method
 
     pack_args: dict[str, object] = {}
@@ -282,9 +278,14 @@ def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], masks
         pack_args["gguf_type"] = gguf_type
     for _, module in experts:  # refuse before anything changes
         hf_experts.check_supported(module)
+    if dynamic and all(mask is None for mask in masks):
+        raise ValueError("dynamic_gpu_experts needs GPU experts to move: give num_gpu_experts, gpu_experts_mask or "
+                         "placement")
+    hf_experts.set_layer_ids(model)  # kt_ops.ExpertStats rows (and rebalance_gpu_experts) by layer id
     released = packed_bytes = gpu_bytes = 0
     for index, ((_, module), mask) in enumerate(zip(experts, masks)):
-        packed_bytes += hf_experts.pack_module_experts(module, method, gpu_experts_mask=mask, **pack_args).numel()
+        packed_bytes += hf_experts.pack_module_experts(module, method, gpu_experts_mask=mask, dynamic=dynamic,
+                                                       **pack_args).numel()
         local = hf_experts.local_experts(module)
         gpu_bytes += sum(t.numel() * t.element_size() for t in (local or ())[1:] if t is not None)
         released += hf_experts.release_weights(module)

@@ -1,0 +1,50 @@
+"""Dynamic GPU experts: the pieces :class:`kt_ops.HybridMoE` and the transformers experts
+path (:mod:`kt_ops.hf_experts`) share — checking a new set of GPU experts, choosing the
+most activated ones as SGLang does, and host copies to refill GPU slots from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def host_copy(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in host memory, pinned where CUDA is available (GPU slots fill from it)."""
+    host = weight.detach().to("cpu").contiguous()
+    if torch.cuda.is_available():
+        try:
+            return host.pin_memory()
+        except RuntimeError:  # pinning can fail (limits); pageable copies still work
+            return host
+    return host
+
+
+def checked_expert_ids(expert_ids: torch.Tensor | Sequence[int], count: int, num_experts: int) -> torch.Tensor:
+    """``expert_ids`` as ``count`` distinct int64 ids in ``[0, num_experts)``, ascending (slot
+    ``i`` holds the ``i``-th smallest id, as SGLang); ``ValueError`` otherwise."""
+    ids = torch.as_tensor(expert_ids).to("cpu")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.dim() != 1 or ids.numel() != count:
+        raise ValueError(f"expert_ids must be {count} integer expert ids (the layer's GPU expert count), got "
+                         f"{ids.dtype} {tuple(ids.shape)}")
+    ids = torch.sort(ids.long()).values
+    if count and (int(ids[0]) < 0 or int(ids[-1]) >= num_experts or bool((ids[1:] == ids[:-1]).any())):
+        raise ValueError(f"expert_ids must be distinct ids in [0, {num_experts}), got {ids.tolist()}")
+    return ids
+
+
+def most_activated(counts: torch.Tensor, count: int, num_experts: int) -> torch.Tensor:
+    """The ``count`` most activated experts of ``counts [num_experts]`` as SGLang picks them
+    (``topk`` of the counts), ascending."""
+    counts = torch.as_tensor(counts).to("cpu")
+    if counts.shape != (num_experts,):
+        raise ValueError(f"counts must be [{num_experts}], got {tuple(counts.shape)}")
+    return torch.sort(torch.topk(counts.double(), count, sorted=True).indices).values
+
+
+def cpu_route(gpu_ids: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert -> packed slot when every expert is packed: the expert's own id, -1 for the
+    experts on the GPU (``gpu_ids``)."""
+    route = torch.arange(num_experts, dtype=dtype)
+    route[gpu_ids] = -1
+    return route
