@@ -62,13 +62,17 @@ class KtOpsConfig(QuantizationConfigMixin):
             or GPU bytes (``"24GiB"``, divided by one expert's bytes in the model's dtype);
             ``expert_stats`` (counts ``[num_hidden_layers, E]``, an ExpertStats or a dump
             path) for ``frequency``.
+        dynamic_gpu_experts: the experts kept in torch can move at run time
+            (:func:`kt_ops.rebalance_gpu_experts`,
+            :func:`kt_ops.hf_experts.update_local_experts`): every expert packed, host
+            float weights kept (about one more copy of the experts in host RAM).
         progress: a tqdm bar over the MoE layers while loading.
     """
 
     def __init__(self, method: str = "BF16", group_size: int | None = None, gguf_type: Any = None,
                  scale_search: bool = False, zero_point: bool = False, num_gpu_experts: int = 0,
                  progress: bool = True, placement: str | None = None, gpu_budget: int | float | str | None = None,
-                 expert_stats: Any = None, **kwargs: Any) -> None:
+                 expert_stats: Any = None, dynamic_gpu_experts: bool = False, **kwargs: Any) -> None:
         from kt_ops.formats import format_for_method
 
         if not isinstance(method, str):
@@ -103,6 +107,11 @@ class KtOpsConfig(QuantizationConfigMixin):
             if gpu_budget is None:
                 raise ValueError(f"placement={placement!r} needs gpu_budget: GPU experts per MoE layer (int), a ratio "
                                  "of all routed experts (float in (0, 1]) or GPU bytes ('24GiB')")
+        if not isinstance(dynamic_gpu_experts, bool):
+            raise ValueError(f"dynamic_gpu_experts must be a bool, got {dynamic_gpu_experts!r}")
+        if dynamic_gpu_experts and not num_gpu_experts and placement is None:
+            raise ValueError("dynamic_gpu_experts needs GPU experts to move: give num_gpu_experts or placement")
+        self.dynamic_gpu_experts = dynamic_gpu_experts
         self.placement = placement
         self.gpu_budget = gpu_budget
         self.expert_stats = expert_stats
@@ -347,7 +356,8 @@ class KtOpsHfQuantizer(HfQuantizer):
         mask = self._masks.get(id(module))
         if mask is None and config.num_gpu_experts:
             mask = torch.arange(experts) < config.num_gpu_experts
-        hf_experts.pack_module_experts(module, tensors=tensors, gpu_experts_mask=mask, **config.pack_args())
+        hf_experts.pack_module_experts(module, tensors=tensors, gpu_experts_mask=mask,
+                                       dynamic=bool(getattr(config, "dynamic_gpu_experts", False)), **config.pack_args())
         if self._bar is not None:
             self._bar.update()
 

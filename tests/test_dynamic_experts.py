@@ -238,3 +238,23 @@ def test_experts_path_follows_the_inputs_device():
     hf_experts.update_local_experts(module, [2, 3])  # reaches the device copy too
     local_on = module.__dict__["_kt_ops_local_on"][torch.device("meta")]
     assert local_on[0].device.type == "meta"
+
+
+def test_quantization_config_loads_dynamic_experts(tmp_path):
+    """KtOpsConfig(num_gpu_experts=2, dynamic_gpu_experts=True): packed while loading with
+    every expert and host copies, then moved like patch_model's."""
+    transformers = pytest.importorskip("transformers")
+    from hf_models import tiny_model
+
+    from kt_ops import hf_experts
+
+    tiny_model("gpt_oss").float().save_pretrained(tmp_path)
+    config = kt_ops.KtOpsConfig(method="BF16", num_gpu_experts=2, dynamic_gpu_experts=True, progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, quantization_config=config)
+    modules = experts_of(model)
+    assert all(hf_experts.is_dynamic(m) for m in modules)
+    for module in modules:
+        hf_experts.update_local_experts(module, [3, 6])
+    assert close(hf_logits(model), hf_logits(hf_model("gpt_oss", [[3, 6], [3, 6]])), 1e-6)
+    with pytest.raises(ValueError, match="dynamic_gpu_experts needs GPU experts"):
+        kt_ops.KtOpsConfig(dynamic_gpu_experts=True)
