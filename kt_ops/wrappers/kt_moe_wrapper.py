@@ -27,6 +27,7 @@ import kt_ops.cuda
 from kt_ops import expert_stats
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
+from kt_ops.dynamic_experts import host_copy
 from kt_ops.formats import CHECKPOINT_METHODS, default_group_size, format_for_method
 from kt_ops.gguf_loader import (
     GPT_OSS_SWIGLU_ALPHA,
@@ -119,6 +120,14 @@ class KTMoEWrapper:
             ``swiglu_limit`` (DeepSeek-V4: 10), alpha-SwiGLU with ``swiglu_alpha``
             (gpt-oss: 1.702, limit 7). Every method takes them (kt-kernel: MXFP4/MXFP8 only).
             Expert biases come with ``load_weights_from_tensors(..., biases=)``.
+        dynamic_gpu_experts: every slot is packed, GPU slots too, and each forward reads
+            ``gpu_experts_mask`` as it is then, so a serving engine may move experts
+            between GPU and CPU with an in-place ``wrapper.gpu_experts_mask.copy_(mask)``
+            (kt-kernel's semantics; SGLang's dynamic expert update), captured CUDA graphs
+            included (the mask is pinned and copied to the device inside the graph).
+            Costs the GPU slots' packed bytes in host memory. Without it only the CPU
+            slots are packed, and a forward after an in-place change of the mask is a
+            ``RuntimeError``.
 
     Raises:
         ValueError: an invalid argument, with the reason.
@@ -156,6 +165,7 @@ class KTMoEWrapper:
         swiglu_limit: float = 0.0,
         swiglu_alpha: float = 0.0,
         deferral_group: object | None = None,
+        dynamic_gpu_experts: bool = False,
     ) -> None:
         for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),
                             ("num_experts_per_tok", num_experts_per_tok), ("hidden_size", hidden_size),
@@ -186,7 +196,13 @@ class KTMoEWrapper:
         self.num_experts_per_tok = num_experts_per_tok
         self.hidden_size = hidden_size
         self.moe_intermediate_size = moe_intermediate_size
+        if not isinstance(dynamic_gpu_experts, bool):
+            raise ValueError(f"dynamic_gpu_experts must be a bool, got {dynamic_gpu_experts!r}")
+        self.dynamic_gpu_experts = dynamic_gpu_experts
         self.gpu_experts_mask = self._mask(gpu_experts_mask, num_gpu_experts)
+        if dynamic_gpu_experts:
+            self.gpu_experts_mask = host_copy(self.gpu_experts_mask)  # pinned: graph replays read it live
+        self._mask_at_load = self.gpu_experts_mask.clone()  # the mask the packed slots were chosen with
         self.threadpool_count = threadpool_count
         self.numa_nodes = nodes
         self._numa_nodes_given = numa_nodes is not None
@@ -203,7 +219,9 @@ class KTMoEWrapper:
         self._parts: list[PackedExperts] = []
         self._part_nodes: list[int] | None = None  # node of each part (None: one part on all threads)
         self._route = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, -1 on the GPU
-        self._tables: dict[torch.device, torch.Tensor] = {}  # _route per device (route_table)
+        self._route_all = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, GPU slots too
+        # _route per device (route_table); dynamic_gpu_experts: (base, mask, -1s, table) per device
+        self._tables: dict[torch.device, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         self._reserved: set[tuple[int, tuple[int, ...]]] = set()  # (device, call sizes) with pinned staging
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # deferred experts, eager CUDA calls
         self._inflight: _Inflight | None = None
@@ -265,15 +283,24 @@ class KTMoEWrapper:
         on_nodes = len(parts) > 1 or (len(parts) == 1 and self._numa_nodes_given)
         self._part_nodes = self.numa_nodes[:len(parts)] if on_nodes else None
         self._parts = place_parts(parts, self._part_nodes) if on_nodes else parts
+        self._route_all = route.to(torch.int32)
         self._route = torch.where(self.gpu_experts_mask, -1, route).to(torch.int32)
+        self._mask_at_load = self.gpu_experts_mask.clone()
         self._tables = {}
 
+    def _packed_slots(self) -> torch.Tensor:
+        """bool ``[E]``: the physical slots whose experts are packed here (the CPU slots;
+        every slot with ``dynamic_gpu_experts``)."""
+        if self.dynamic_gpu_experts:
+            return torch.ones(self.num_experts, dtype=torch.bool)
+        return ~self.gpu_experts_mask
+
     def _cpu_route(self) -> torch.Tensor:
-        """Physical slot -> packed expert for packs of the CPU slots only (in slot order);
-        -1 for the GPU slots."""
-        cpu_slots = torch.nonzero(~self.gpu_experts_mask).reshape(-1)
+        """Physical slot -> packed expert for packs of :meth:`_packed_slots` (in slot
+        order); -1 for the slots not packed."""
+        slots = torch.nonzero(self._packed_slots()).reshape(-1)
         route = torch.full((self.num_experts,), -1, dtype=torch.long)
-        route[cpu_slots] = torch.arange(cpu_slots.numel())
+        route[slots] = torch.arange(slots.numel())
         return route
 
     def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -306,7 +333,7 @@ class KTMoEWrapper:
             if tensor.dim() != 3 or tuple(tensor.shape[1:]) != shape:
                 raise ValueError(f"{name} must be [E, {shape[0]}, {shape[1]}], got {tuple(tensor.shape)}")
         mapping = self._physical_map(physical_to_logical_map, int(gate_proj.shape[0]))
-        cpu = mapping[~self.gpu_experts_mask]
+        cpu = mapping[self._packed_slots()]
         if biases is not None:
             if not isinstance(biases, (tuple, list)) or len(biases) != 3:
                 raise ValueError("biases must be a (gate_bias, up_bias, down_bias) tuple; any entry may be None")
@@ -339,7 +366,7 @@ class KTMoEWrapper:
             return self._load_mxfp4(checkpoint, self._physical_map(physical_to_logical_map, mxfp4.num_experts))
         logical = checkpoint.layer(self.layer_idx).num_experts
         mapping = self._physical_map(physical_to_logical_map, logical)
-        cpu = mapping[~self.gpu_experts_mask].tolist()
+        cpu = mapping[self._packed_slots()].tolist()
         int4 = int4_method(checkpoint, self.layer_idx)
         if int4 is not None:
             if self.method != int4:
@@ -381,7 +408,7 @@ class KTMoEWrapper:
         """The CPU slots' experts of an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash),
         re-ordered into GGUF MXFP4 blocks without widening; gpt-oss's biases and activation
         (:meth:`_use_checkpoint_activation`) come with them."""
-        cpu = mapping[~self.gpu_experts_mask].tolist()
+        cpu = mapping[self._packed_slots()].tolist()
         route = self._cpu_route()
         parts: list[PackedExperts] = []
         biases = None
@@ -457,8 +484,22 @@ class KTMoEWrapper:
         deferred = torch.where(valid & protected.logical_not(), expert_ids, minus)  # not ~: no fake CUDA kernel
         return immediate, deferred
 
+    def _check_mask(self) -> None:
+        """Without ``dynamic_gpu_experts``, the mask must be the one the weights were loaded
+        with (its GPU slots are not packed here)."""
+        if not self.dynamic_gpu_experts and not torch.equal(self.gpu_experts_mask, self._mask_at_load):
+            raise RuntimeError(f"layer {self.layer_idx}: gpu_experts_mask changed after the weights were loaded; only "
+                               "the CPU slots of the first mask are packed here. Construct the wrapper with "
+                               "dynamic_gpu_experts=True (every slot packed, the mask read at each forward) to move "
+                               "experts between GPU and CPU at run time")
+
     def _table(self, device: torch.device, capturing: bool = False) -> torch.Tensor:
-        """The routing table (wrapper_cuda.route_table) on ``device``, cached per device."""
+        """The routing table (wrapper_cuda.route_table) on ``device``, cached per device.
+        ``dynamic_gpu_experts``: recomputed from the live mask at every call (on a CUDA
+        device into the cached table in place: a mask copy and a select, stream-ordered
+        and captured with the graph)."""
+        if self.dynamic_gpu_experts:
+            return self._live_table(device, capturing)
         table = self._tables.get(device)
         if table is None:
             if capturing:
@@ -466,6 +507,28 @@ class KTMoEWrapper:
                                    "(it copies the expert routing table to the device)")
             bad_id = self._parts[0].num_experts if self._parts else 0
             table = self._tables[device] = route_table(self._route, bad_id, device)
+        return table
+
+    def _live_table(self, device: torch.device, capturing: bool) -> torch.Tensor:
+        bad_id = self._parts[0].num_experts if self._parts else 0
+        if device.type == "cpu":
+            return route_table(torch.where(self.gpu_experts_mask, -1, self._route_all), bad_id, device)
+        state = self._tables.get(device)
+        if state is None:
+            if capturing:
+                raise RuntimeError(f"layer {self.layer_idx}: run one forward on {device} before CUDA graph capture "
+                                   "(it copies the expert routing table to the device)")
+            base = route_table(self._route_all, bad_id, device)
+            mask = torch.zeros(self.num_experts + 1, dtype=torch.bool, device=device)
+            state = self._tables[device] = (base, mask, torch.full_like(base, -1), torch.empty_like(base))
+        base, mask, minus, table = state
+        pinned = self.gpu_experts_mask.is_pinned()
+        if capturing and not pinned:
+            raise RuntimeError(f"layer {self.layer_idx}: gpu_experts_mask is not the wrapper's pinned mask (was it "
+                               "replaced?); update it in place, wrapper.gpu_experts_mask.copy_(mask), so captured "
+                               "CUDA graphs read it")
+        mask[: self.num_experts].copy_(self.gpu_experts_mask, non_blocking=pinned)
+        torch.where(mask, minus, base, out=table)
         return table
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -499,15 +562,17 @@ class KTMoEWrapper:
         destinations: :mod:`kt_ops.staging`); :meth:`sync_write_weight_scale_to_buffer` waits.
         Runs on the wrapper's worker thread, after any forward submitted before it.
 
-        Here: ``ValueError`` for a slot outside the layer or on the GPU (``gpu_experts_mask``:
-        its weights are not held here), ``RuntimeError`` before :meth:`load_weights`. From
+        Here: ``ValueError`` for a slot outside the layer or one whose weights are not held
+        here (a GPU slot of ``gpu_experts_mask``, unless the layer holds every slot:
+        ``dynamic_gpu_experts``, converted and GGUF weights), ``RuntimeError`` before
+        :meth:`load_weights`. From
         the sync: ``ValueError`` for a format with no staging layout, a ``gpu_tp_count`` that
         does not divide I into whole scale groups, or a destination of the wrong size."""
         if not self._parts:
             raise RuntimeError(f"layer {self.layer_idx}: load_weights first; no CPU experts are packed")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert_id {expert_id} is not a slot of this layer's {self.num_experts}")
-        packed = int(self._route[expert_id])
+        packed = int(self._route_all[expert_id])
         if packed < 0:
             raise ValueError(f"expert_id {expert_id} is a GPU expert (gpu_experts_mask): the CPU holds no weights for it")
         self.sync_write_weight_scale_to_buffer()
@@ -548,6 +613,7 @@ class KTMoEWrapper:
         deferral), under row ``layer_idx``."""
         if not self._parts and bool((~self.gpu_experts_mask).any()):
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
+        self._check_mask()
         if self._inflight is not None:
             raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
