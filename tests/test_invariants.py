@@ -56,8 +56,9 @@ SCENARIOS = {  # name: (tokens in the call, how the other tokens are routed)
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 # Formats whose amx prefill runs on AMX tiles with other sums, and the bound on the relative
-# error of a tile row against its solo (vector) call: seen on a Xeon, 2026-11-26, BF16
-# up to 1.5e-4 (fp32 outputs 1e-6), GGUF 0.2-2.2% (K-quants the most: bf16 tile inputs
+# error of a tile row against its solo (vector) call. Seen on a Xeon, 2026-11-26: BF16
+# fp32 outputs ~1e-6 apart, bf16 outputs one ulp in up to 4 of 3005 values (at most
+# ~1.5e-4 by those messages' sizes); GGUF 0.2-2.2% (K-quants the most: bf16 tile inputs
 # against the vector path's 8-bit activation blocks).
 AMX_TILE_BOUNDS = {"bf16": 1e-3, "gguf": 3e-2}
 AMX_TILE_SCENARIOS = {"crowd37", "large300"}  # enough tokens per expert for those tiles

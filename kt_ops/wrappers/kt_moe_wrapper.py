@@ -565,9 +565,9 @@ class KTMoEWrapper:
         Here: ``ValueError`` for a slot outside the layer or one whose weights are not held
         here (a GPU slot of ``gpu_experts_mask``, unless the layer holds every slot:
         ``dynamic_gpu_experts``, converted and GGUF weights), ``RuntimeError`` before
-        :meth:`load_weights`. From
-        the sync: ``ValueError`` for a format with no staging layout, a ``gpu_tp_count`` that
-        does not divide I into whole scale groups, or a destination of the wrong size."""
+        :meth:`load_weights`. From the sync: ``ValueError`` for a format with no staging
+        layout, a ``gpu_tp_count`` that does not divide I into whole scale groups, or a
+        destination of the wrong size."""
         if not self._parts:
             raise RuntimeError(f"layer {self.layer_idx}: load_weights first; no CPU experts are packed")
         if not 0 <= expert_id < self.num_experts:
