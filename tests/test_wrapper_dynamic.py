@@ -40,7 +40,7 @@ def mask(slots: list[int]) -> torch.Tensor:
     return m
 
 
-def wrapper(weights, slots: list[int], dynamic: bool = False, method: str = "BF16", **kw) -> KTMoEWrapper:
+def wrapper(weights, slots: list[int], dynamic: bool | None = False, method: str = "BF16", **kw) -> KTMoEWrapper:
     wr = KTMoEWrapper(1, E, K, H, I, gpu_experts_mask=mask(slots), method=method, dynamic_gpu_experts=dynamic, **kw)
     if "weight_path" in kw:
         wr.load_weights()
@@ -97,6 +97,23 @@ def test_a_dynamic_gpu_slot_can_be_staged(weights):
     dyn.sync_write_weight_scale_to_buffer()
     with pytest.raises(ValueError, match="GPU expert"):
         wrapper(weights, FIRST).submit_write_weight_scale_to_buffer(1, 5, [0], [0], [0], [0])
+
+
+def test_the_environment_turns_it_on(weights, monkeypatch: pytest.MonkeyPatch):
+    """KT_OPS_DYNAMIC_GPU_EXPERTS=1: for wrappers a serving engine constructs (SGLang does not
+    pass kt_ops' keyword); an explicit keyword wins."""
+    monkeypatch.setenv("KT_OPS_DYNAMIC_GPU_EXPERTS", "1")
+    assert KTMoEWrapper(1, E, K, H, I).dynamic_gpu_experts
+    assert not KTMoEWrapper(1, E, K, H, I, dynamic_gpu_experts=False).dynamic_gpu_experts
+    via_env = wrapper(weights, FIRST, dynamic=None)
+    x, ids, w = inputs()
+    via_env.gpu_experts_mask.copy_(mask(LATER))
+    torch.testing.assert_close(via_env.forward(x, ids, w), wrapper(weights, LATER).forward(x, ids, w), rtol=0, atol=0)
+    monkeypatch.setenv("KT_OPS_DYNAMIC_GPU_EXPERTS", "yes")
+    with pytest.raises(ValueError, match="KT_OPS_DYNAMIC_GPU_EXPERTS must be 0 or 1"):
+        KTMoEWrapper(1, E, K, H, I)
+    monkeypatch.setenv("KT_OPS_DYNAMIC_GPU_EXPERTS", "0")
+    assert not KTMoEWrapper(1, E, K, H, I).dynamic_gpu_experts
 
 
 needs_gpu = pytest.mark.skipif(

@@ -61,6 +61,14 @@ class _Inflight:
     stream: torch.cuda.Stream | None = None
 
 
+def _env_flag(name: str) -> bool:
+    """An environment switch: unset, "" or "0" off, "1" on; anything else a ValueError."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 class KTMoEWrapper:
     """One MoE layer's routed experts on the CPU, with kt-kernel's constructor and methods.
 
@@ -127,7 +135,8 @@ class KTMoEWrapper:
             included (the mask is pinned and copied to the device inside the graph).
             Costs the GPU slots' packed bytes in host memory. Without it only the CPU
             slots are packed, and a forward after an in-place change of the mask is a
-            ``RuntimeError``.
+            ``RuntimeError``. None (default): ``KT_OPS_DYNAMIC_GPU_EXPERTS=1`` turns it on
+            (for wrappers a serving engine constructs), else off.
 
     Raises:
         ValueError: an invalid argument, with the reason.
@@ -165,7 +174,7 @@ class KTMoEWrapper:
         swiglu_limit: float = 0.0,
         swiglu_alpha: float = 0.0,
         deferral_group: object | None = None,
-        dynamic_gpu_experts: bool = False,
+        dynamic_gpu_experts: bool | None = None,
     ) -> None:
         for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),
                             ("num_experts_per_tok", num_experts_per_tok), ("hidden_size", hidden_size),
@@ -196,6 +205,8 @@ class KTMoEWrapper:
         self.num_experts_per_tok = num_experts_per_tok
         self.hidden_size = hidden_size
         self.moe_intermediate_size = moe_intermediate_size
+        if dynamic_gpu_experts is None:
+            dynamic_gpu_experts = _env_flag("KT_OPS_DYNAMIC_GPU_EXPERTS")
         if not isinstance(dynamic_gpu_experts, bool):
             raise ValueError(f"dynamic_gpu_experts must be a bool, got {dynamic_gpu_experts!r}")
         self.dynamic_gpu_experts = dynamic_gpu_experts
@@ -490,8 +501,8 @@ class KTMoEWrapper:
         if not self.dynamic_gpu_experts and not torch.equal(self.gpu_experts_mask, self._mask_at_load):
             raise RuntimeError(f"layer {self.layer_idx}: gpu_experts_mask changed after the weights were loaded; only "
                                "the CPU slots of the first mask are packed here. Construct the wrapper with "
-                               "dynamic_gpu_experts=True (every slot packed, the mask read at each forward) to move "
-                               "experts between GPU and CPU at run time")
+                               "dynamic_gpu_experts=True (or set KT_OPS_DYNAMIC_GPU_EXPERTS=1 where a serving engine "
+                               "constructs it): every slot packed, the mask read at each forward")
 
     def _table(self, device: torch.device, capturing: bool = False) -> torch.Tensor:
         """The routing table (wrapper_cuda.route_table) on ``device``, cached per device.
