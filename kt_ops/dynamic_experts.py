@@ -1,12 +1,14 @@
-"""Dynamic GPU experts: the pieces :class:`kt_ops.HybridMoE` and the transformers experts
-path (:mod:`kt_ops.hf_experts`) share — checking a new set of GPU experts, choosing the
-most activated ones as SGLang does, and host copies to refill GPU slots from."""
+"""Dynamic GPU experts: what :class:`kt_ops.HybridMoE` and the transformers experts path
+(:mod:`kt_ops.hf_experts`) share — checking a new set of GPU experts, choosing the most
+activated ones as SGLang does, host copies to refill GPU slots from — and
+:func:`rebalance_gpu_experts` over a model's layers of both kinds."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 
 def host_copy(weight: torch.Tensor) -> torch.Tensor:
@@ -48,3 +50,37 @@ def cpu_route(gpu_ids: torch.Tensor, num_experts: int, dtype: torch.dtype) -> to
     route = torch.arange(num_experts, dtype=dtype)
     route[gpu_ids] = -1
     return route
+
+
+def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
+    """Moves each dynamic MoE layer's GPU experts to its most activated ones from ``stats``:
+    counts ``[num_hidden_layers, E]`` indexed by layer id, a :class:`kt_ops.ExpertStats` or
+    a dump path. Dynamic layers are :class:`kt_ops.HybridMoE` ones built with ``dynamic=True``
+    (:meth:`kt_ops.HybridMoE.rebalance`) and experts modules of the transformers path packed with
+    ``dynamic=True`` (:func:`kt_ops.hf_experts.rebalance_local_experts`). Returns how many
+    layers were rebalanced (changed or not); layers without a layer id or a row in
+    ``stats`` are left alone. Call between forwards (e.g. every N decode steps, then
+    ``stats.reset()``)."""
+    from kt_ops import hf_experts
+    from kt_ops.expert_stats import ExpertStats
+    from kt_ops.wrappers.hybrid_moe import HybridMoE
+
+    if isinstance(stats, ExpertStats):
+        counts = stats.counts
+    elif isinstance(stats, torch.Tensor):
+        counts = stats.detach().to("cpu")
+    else:
+        counts = ExpertStats.load(stats).counts  # type: ignore[arg-type]
+    done = 0
+    for module in model.modules():
+        if (isinstance(module, HybridMoE) and module.dynamic and module.num_gpu_experts
+                and module.layer_idx is not None and module.layer_idx < counts.shape[0]):
+            module.rebalance(counts[module.layer_idx])
+            done += 1
+        elif hf_experts.is_experts_module(module) and hf_experts.is_dynamic(module):
+            layer = hf_experts.layer_id(module)
+            local = hf_experts.local_experts(module)
+            if layer is not None and layer < counts.shape[0] and local is not None and local[0].numel():
+                hf_experts.rebalance_local_experts(module, counts[layer])
+                done += 1
+    return done

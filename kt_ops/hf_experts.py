@@ -74,7 +74,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     expert_stats.record(layer_id, top_k_index, experts)  # kt_ops.ExpertStats (a no-op outside one)
     local = getattr(self, _LOCAL, None)
     if local is not None:
-        local = _local_on(self, local, hidden_states.device)
+        local = _on(self, _LOCAL_ON, local, hidden_states.device)
     if self.__dict__.get(_LORA):  # a PEFT LoRA adapter on the experts (kt_ops.hf_peft)
         from kt_ops.hf_peft import lora_forward
 
@@ -82,7 +82,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if blob.numel() == 0:  # every expert kept in torch
         return _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
     route = getattr(self, _ROUTE, None)
-    ids = top_k_index if route is None else torch.take(_on(self, route, top_k_index.device), top_k_index)
+    ids = top_k_index if route is None else torch.take(_on(self, _ROUTE_ON, route, top_k_index.device), top_k_index)
     x, weights = hidden_states.contiguous(), top_k_weights.contiguous()
     if autograd.saves_gate_up(x, weights):  # training: save gate and up for the backward
         size = self.__dict__.get(_INTERMEDIATE)
@@ -98,27 +98,19 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     return out
 
 
-def _on(module: nn.Module, route: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``route`` on ``device``, copied once per device (no copy inside a captured CUDA graph
-    once an eager call on that device has run)."""
-    if route.device == device:
-        return route
-    cache = module.__dict__.setdefault(_ROUTE_ON, {})
-    if device not in cache:
-        cache[device] = route.to(device)
-    return cache[device]
-
-
-def _local_on(module: nn.Module, local: tuple, device: torch.device) -> tuple:
-    """The experts kept in torch on ``device`` (the inputs'), copied there once: a model
-    moved with ``.to()`` / ``.cuda()`` after packing computes them where its activations
-    are (the first eager call copies; a captured CUDA graph then reads the copy)."""
-    if local[1].device == device:
-        return local
-    cache = module.__dict__.setdefault(_LOCAL_ON, {})
-    if device not in cache:
-        cache[device] = tuple(None if t is None else t.to(device) for t in local)
-    return cache[device]
+def _on(module: nn.Module, cache: str, value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor, or a tuple of tensors and Nones: the route, the experts kept in
+    torch) on ``device``, copied there once and kept in ``module.__dict__[cache]``: a model
+    moved with ``.to()`` / ``.cuda()`` after packing computes where its activations are, and
+    once an eager call on a device has run, a captured CUDA graph copies nothing."""
+    tensors = value if isinstance(value, tuple) else (value,)
+    if all(t is None or t.device == device for t in tensors):
+        return value
+    copies = module.__dict__.setdefault(cache, {})
+    if device not in copies:
+        moved = tuple(None if t is None else t.to(device) for t in tensors)
+        copies[device] = moved if isinstance(value, tuple) else moved[0]
+    return copies[device]
 
 
 def _local_experts(module: nn.Module, local: tuple, x: torch.Tensor, ids: torch.Tensor,
@@ -434,10 +426,12 @@ def update_local_experts(module: nn.Module, expert_ids: torch.Tensor | Sequence[
 def rebalance_local_experts(module: nn.Module, counts: torch.Tensor) -> torch.Tensor:
     """Moves the module's experts in torch to its most activated (``counts [E]``, a row of
     :attr:`kt_ops.ExpertStats.counts`), as SGLang picks them; returns the new ids."""
+    if not is_dynamic(module):
+        raise RuntimeError(f"{type(module).__name__}: rebalance_local_experts needs the experts packed with "
+                           "dynamic=True")
     local = local_experts(module)
-    source = module.__dict__.get(_SOURCE)
-    E = int(source[0].shape[0]) if source is not None else int(torch.as_tensor(counts).numel())
-    chosen = most_activated(counts, 0 if local is None else int(local[0].numel()), E)
+    experts = int(module.__dict__[_SOURCE][0].shape[0])
+    chosen = most_activated(counts, 0 if local is None else int(local[0].numel()), experts)
     update_local_experts(module, chosen)
     return chosen
 

@@ -357,7 +357,7 @@ class KtOpsHfQuantizer(HfQuantizer):
         if mask is None and config.num_gpu_experts:
             mask = torch.arange(experts) < config.num_gpu_experts
         hf_experts.pack_module_experts(module, tensors=tensors, gpu_experts_mask=mask,
-                                       dynamic=bool(getattr(config, "dynamic_gpu_experts", False)), **config.pack_args())
+                                       dynamic=config.dynamic_gpu_experts, **config.pack_args())
         if self._bar is not None:
             self._bar.update()
 

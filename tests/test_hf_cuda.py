@@ -29,23 +29,13 @@ import kt_ops.cuda  # noqa: E402
 from conftest import logits_bound  # noqa: E402
 from hf_models import tiny_model  # noqa: E402
 from kt_ops import hf_experts  # noqa: E402
+from test_hf_patch import TOKENS, logits, rel_error  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or not kt_ops.cuda.is_built(),
     reason="needs a GPU (torch.cuda.is_available() is False here) and kt_ops built with its CUDA key",
 )
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_gpu)]
-TOKENS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(1))
-
-
-def rel_error(expected: torch.Tensor, actual: torch.Tensor) -> float:
-    expected, actual = expected.float().cpu(), actual.float().cpu()
-    return float((expected - actual).norm() / expected.norm())
-
-
-def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(tokens, use_cache=False).logits
 
 
 def hybrid_layers(model: torch.nn.Module) -> list[kt_ops.HybridMoE]:

@@ -27,7 +27,7 @@ GAP = 0.3  # see test_greedy_generation_matches
 
 
 def rel_error(expected: torch.Tensor, actual: torch.Tensor) -> float:
-    expected, actual = expected.float(), actual.float()
+    expected, actual = expected.float().cpu(), actual.float().cpu()
     return float((expected - actual).norm() / expected.norm())
 
 

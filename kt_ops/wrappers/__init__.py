@@ -1,7 +1,8 @@
 """kt-kernel-compatible wrappers (KTMoEWrapper), the nn.Module MoE layer (HybridMoE) and
 Hugging Face model patching (patch_model)."""
 
-from kt_ops.wrappers.hybrid_moe import HybridMoE, rebalance_gpu_experts
+from kt_ops.dynamic_experts import rebalance_gpu_experts
+from kt_ops.wrappers.hybrid_moe import HybridMoE
 from kt_ops.wrappers.kt_moe_wrapper import KTMoEWrapper, generate_gpu_experts_masks
 from kt_ops.wrappers.patch import HYBRID_MODEL_TYPES, PatchReport, patch_model, supported_model_types
 from kt_ops.wrappers.routing import Routing

@@ -229,8 +229,7 @@ class KTMoEWrapper:
         self.source_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._parts: list[PackedExperts] = []
         self._part_nodes: list[int] | None = None  # node of each part (None: one part on all threads)
-        self._route = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, -1 on the GPU
-        self._route_all = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert, GPU slots too
+        self._route_all = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert (-1: not packed)
         # _route per device (route_table); dynamic_gpu_experts: (base, mask, -1s, table) per device
         self._tables: dict[torch.device, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         self._reserved: set[tuple[int, tuple[int, ...]]] = set()  # (device, call sizes) with pinned staging
@@ -295,9 +294,13 @@ class KTMoEWrapper:
         self._part_nodes = self.numa_nodes[:len(parts)] if on_nodes else None
         self._parts = place_parts(parts, self._part_nodes) if on_nodes else parts
         self._route_all = route.to(torch.int32)
-        self._route = torch.where(self.gpu_experts_mask, -1, route).to(torch.int32)
         self._mask_at_load = self.gpu_experts_mask.clone()
         self._tables = {}
+
+    @property
+    def _route(self) -> torch.Tensor:
+        """Physical slot -> packed expert as loaded, -1 for the GPU slots (int32 ``[E]``)."""
+        return torch.where(self._mask_at_load, -1, self._route_all).to(torch.int32)
 
     def _packed_slots(self) -> torch.Tensor:
         """bool ``[E]``: the physical slots whose experts are packed here (the CPU slots;

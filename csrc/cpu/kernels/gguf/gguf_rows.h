@@ -224,9 +224,12 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
       default: break;
     }
     if constexpr (M > kBlock32Avx2Tokens) {  // the block-32 kernel takes 2 rows per pass at most
+      // (gguf_direct_rows calls AVX2 block-32 types with at most 2 rows: compiled for the
+      // switch, not reached.) The second pass reads what a keeping first pass kept.
       gguf_direct_block<Ops, kBlock32Avx2Tokens>(m, rows, acts, act_rows, p0, prefetch, out, levels, cache);
-      return gguf_direct_block<Ops, M - kBlock32Avx2Tokens>(m, rows, acts, act_rows, p0 + kBlock32Avx2Tokens, false,
-                                                            out + 4 * kBlock32Avx2Tokens, levels, cache);
+      return gguf_direct_block<Ops, M - kBlock32Avx2Tokens>(
+          m, rows, acts, act_rows, p0 + kBlock32Avx2Tokens, false, out + 4 * kBlock32Avx2Tokens,
+          levels == KeptLevels::kKeep ? KeptLevels::kLoad : levels, cache);
     } else {
       switch (m.type) {
         case GgmlType::kQ8_0: return gguf_block32_keeping<Ops, GgmlType::kQ8_0, M>(levels, rows, m.k, q, scale4, bias4, min_sums8, prefetch, out, cache);
