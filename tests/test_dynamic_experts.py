@@ -205,10 +205,10 @@ def test_experts_path_compiled_model_sees_the_update():
     dyn = hf_model("olmoe", [[0, 1], [2, 5]], dynamic=True)
     torch._dynamo.reset()
     compiled = torch.compile(dyn, fullgraph=True)
-    assert close(hf_logits(compiled), hf_logits(dyn), 1e-5)
+    assert close(hf_logits(compiled), hf_logits(dyn), logits_bound())
     for module in experts_of(dyn):
         hf_experts.update_local_experts(module, [4, 7])
-    assert close(hf_logits(compiled), hf_logits(hf_model("olmoe", [[4, 7], [4, 7]])), 1e-5)
+    assert close(hf_logits(compiled), hf_logits(hf_model("olmoe", [[4, 7], [4, 7]])), logits_bound())
 
 
 def test_experts_path_rebalances_from_statistics():
@@ -222,7 +222,7 @@ def test_experts_path_rebalances_from_statistics():
     for module in experts_of(dyn):
         counts = stats.counts[hf_experts.layer_id(module)]
         assert hf_experts.local_experts(module)[0].tolist() == sorted(torch.topk(counts.double(), 2).indices.tolist())
-    assert close(hf_logits(dyn), hf_logits(eager), 1e-5)
+    assert close(hf_logits(dyn), hf_logits(eager), logits_bound())
 
 
 def test_experts_path_follows_the_inputs_device():

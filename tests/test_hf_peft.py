@@ -23,10 +23,16 @@ TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def loss_bound() -> float:
-    """Relative bound on each step's loss against plain PEFT: 1e-3 where the kernels compute
-    in fp32; 1e-2 where they round activations to bf16 (amx, Xeon, 2026-11-26: up to
-    2.5e-3 after 5 AdamW steps, the rounding compounding step by step)."""
+    """Bound on each step's loss against plain PEFT, relative to the loss or to 1 where the
+    loss is smaller (training drives it from ~8.6 to ~0.1, while the rounding's absolute
+    size stays): 1e-3 where the kernels compute in fp32; 1e-2 where they round activations
+    to bf16 (amx, Xeon, 2026-11-26: up to 2.5e-3 relative after 5 AdamW steps, and 1.3e-3
+    and 3.0e-3 absolute at losses of 0.08 and 0.26 in the 10-step training test)."""
     return 1e-2 if bf16_activations() else 1e-3
+
+
+def close_losses(got: float, want: float) -> bool:
+    return abs(got - want) <= loss_bound() * max(abs(want), 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +81,7 @@ def test_lora_trains_like_transformers_and_peft(saved: dict[str, Path], arch: st
     ours_losses, plain_losses = train(ours), train(plain)
     assert plain_losses[-1] < plain_losses[0]
     for got, want in zip(ours_losses, plain_losses):
-        assert abs(got - want) <= loss_bound() * abs(want), (ours_losses, plain_losses)
+        assert close_losses(got, want), (ours_losses, plain_losses)
 
 
 def test_saved_adapter_loads_into_an_unpatched_model(saved: dict[str, Path], tmp_path: Path) -> None:
@@ -96,7 +102,7 @@ def test_only_down_proj_targeted(saved: dict[str, Path]) -> None:
     plain = with_lora(load(saved["qwen3_moe"], kt=False), targets=["mlp.experts.down_proj"])
     ours_losses, plain_losses = train(ours, steps=5), train(plain, steps=5)
     for got, want in zip(ours_losses, plain_losses):
-        assert abs(got - want) <= loss_bound() * abs(want)
+        assert close_losses(got, want)
 
 
 def test_unsupported_uses_are_refused(saved: dict[str, Path]) -> None:
