@@ -95,35 +95,74 @@ def _row_formats(fmt: str, group: int) -> tuple[torch.dtype, float, torch.dtype 
     }[fmt]
 
 
-def _expert_rows(packed: PackedExperts, expert: int) -> tuple[str, int, _Rows]:
-    """(format, group size, rows) of one expert of one packed layer."""
-    blob = packed.data
-    info = _C.packed_info(blob)
-    fmt, E, H, I, G = (info[key] for key in ("format", "num_experts", "hidden_size", "intermediate_size", "group_size"))
-    if not 0 <= expert < E:
-        raise ValueError(f"expert {expert} is not in this layer's {E} packed experts")
+@dataclass(frozen=True)
+class RowLayout:
+    """How ``kt::stage_expert_rows`` writes a layer's experts: checkpoint rows of codes in
+    ``code_dtype`` (``code_bytes`` per element), scales ``scale_dtype`` (None: none) per
+    row and group of ``group`` k values (None: one per row)."""
+
+    format: str  # bf16, fp8, fp8_perchannel, mxfp8, int4 or mxfp4
+    group_size: int  # the INT4 group (the packed header's), 32 for MXFP4
+    hidden: int
+    intermediate: int
+    code_dtype: torch.dtype
+    code_bytes: float
+    scale_dtype: torch.dtype | None
+    group: int | None
+
+    def buffers(self, count: int | None = None, pin: bool = False) -> list[torch.Tensor]:
+        """Empty uint8 outputs for ``count`` experts (None: one, no leading dim): gate,
+        up ``[I, .]``, down ``[H, .]``, then their scales (empty without scales)."""
+        lead = () if count is None else (count,)
+
+        def make(rows: int, k: int, scales: bool) -> torch.Tensor:
+            if not scales:
+                width = int(k * self.code_bytes)
+            elif self.scale_dtype is None:
+                return torch.empty(*lead, 0, dtype=torch.uint8, pin_memory=pin)
+            else:
+                width = (1 if self.group is None else -(-k // self.group)) * self.scale_dtype.itemsize
+            return torch.empty(*lead, rows, width, dtype=torch.uint8, pin_memory=pin)
+
+        H, I = self.hidden, self.intermediate
+        return [make(I, H, False), make(I, H, False), make(H, I, False), make(I, H, True), make(I, H, True),
+                make(H, I, True)]
+
+    def views(self, outs: list[torch.Tensor]) -> _Rows:
+        """:meth:`buffers` filled, seen in their element types."""
+        c = [t.view(self.code_dtype) for t in outs[:3]]
+        sc = [t.view(self.scale_dtype) if self.scale_dtype is not None else None for t in outs[3:]]
+        return _Rows(c[0], c[1], c[2], sc[0], sc[1], sc[2])
+
+
+def row_layout(packed: PackedExperts) -> RowLayout:
+    """The :class:`RowLayout` of a layer; ``ValueError`` for one with no staging layout."""
+    info = _C.packed_info(packed.data)
+    fmt, H, I, G = (info[key] for key in ("format", "hidden_size", "intermediate_size", "group_size"))
     if fmt == "gguf" and list(info["gguf_types"]) == ["MXFP4"] * 3:
         fmt, G = "mxfp4", _MX_GROUP
     if fmt not in ("bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "mxfp4"):
         kind = f"gguf ({'/'.join(info['gguf_types'])})" if fmt == "gguf" else fmt
         raise ValueError(f"a {kind} layer has no GPU staging layout (kt-kernel writes BF16, FP8, FP8_PERCHANNEL, "
                          "MXFP8, RAWINT4 and MXFP4 layers; a symmetric INT4 layer stages as RAWINT4)")
-    code_dtype, code_bytes, scale_dtype, group = _row_formats(fmt, G)
+    return RowLayout(fmt, G, H, I, *_row_formats(fmt, G))
 
-    def codes(rows: int, k: int) -> torch.Tensor:
-        return torch.empty(rows, int(k * code_bytes), dtype=torch.uint8)
 
-    def scales(rows: int, k: int) -> torch.Tensor:
-        if scale_dtype is None:
-            return torch.empty(0, dtype=torch.uint8)
-        groups = 1 if group is None else -(-k // group)
-        return torch.empty(rows, groups * scale_dtype.itemsize, dtype=torch.uint8)
+def stage_rows_into(packed: PackedExperts, expert: int, outs: list[torch.Tensor]) -> None:
+    """Writes expert ``expert``'s rows into :meth:`RowLayout.buffers` (or one expert's
+    slices of them), on the engine's threads, without the GIL."""
+    num_experts = _C.packed_info(packed.data)["num_experts"]
+    if not 0 <= expert < num_experts:
+        raise ValueError(f"expert {expert} is not in this layer's {num_experts} packed experts")
+    _C.stage_expert_rows(packed.data, expert, outs)
 
-    outs = [codes(I, H), codes(I, H), codes(H, I), scales(I, H), scales(I, H), scales(H, I)]
-    _C.stage_expert_rows(blob, expert, outs)
-    c = [t.view(code_dtype) for t in outs[:3]]
-    sc = [t.view(scale_dtype) if scale_dtype is not None else None for t in outs[3:]]
-    return fmt, G, _Rows(c[0], c[1], c[2], sc[0], sc[1], sc[2])
+
+def _expert_rows(packed: PackedExperts, expert: int) -> tuple[str, int, _Rows]:
+    """(format, group size, rows) of one expert of one packed layer."""
+    layout = row_layout(packed)
+    outs = layout.buffers()
+    stage_rows_into(packed, expert, outs)
+    return layout.format, layout.group_size, layout.views(outs)
 
 
 def _cat(parts: list[_Rows], field: str, dim: int) -> torch.Tensor | None:
@@ -204,11 +243,11 @@ def stage_expert(packed: PackedExperts | Sequence[PackedExperts], expert: int,
                 out.append(ExpertStaging(w13_codes, gs.contiguous(), w2_codes, down_s[:, 0].contiguous()))
             else:
                 gs = torch.cat((gate_s[rs], up_s[rs]), dim=0)
-                ds = down_s[:, r * ir // _MX_GROUP : (r + 1) * ir // _MX_GROUP]
+                ds = down_s[:, r * ir // _MX_GROUP : -(-(r + 1) * ir // _MX_GROUP)]  # a partial last group kept
                 out.append(ExpertStaging(w13_codes, gs.contiguous(), w2_codes, ds.contiguous()))
         else:  # int4 and mxfp4: two codes per byte, bf16 scales per group
             gs = torch.cat((gate_s[rs], up_s[rs]), dim=0)
-            ds = down_s[:, r * ir // group : (r + 1) * ir // group]
+            ds = down_s[:, r * ir // group : -(-(r + 1) * ir // group)]
             out.append(ExpertStaging(w13, gs.contiguous(), w2, ds.contiguous()))
     return out
 

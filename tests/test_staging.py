@@ -71,6 +71,19 @@ def test_online_layers_stage_the_oracles_weights(method: str, tp: int) -> None:
             assert torch.equal(w13, want13) and torch.equal(w2, want2)
 
 
+def test_a_partial_last_scale_group_is_staged() -> None:
+    """MXFP8 with I = 71: down's rows end in a 7-value group whose scale must be staged
+    (a floor division once dropped it)."""
+    E, H, I = 2, 96, 71
+    g = torch.Generator().manual_seed(2)
+    gate, up, down = (torch.randn(*shape, generator=g) * 0.05 for shape in ((E, I, H), (E, I, H), (E, H, I)))
+    packed = kt_ops.pack_experts(gate, up, down, method="MXFP8")
+    s = stage_expert(packed, 1)[0]
+    assert tuple(s.w2_scale.shape) == (H, 3) and tuple(s.w13_scale.shape) == (2 * I, 3)
+    w2 = s.w2_weight.float() * torch.exp2(s.w2_scale.float() - 127).repeat_interleave(32, 1)[:, :I]
+    assert torch.equal(w2, reference.dequantize(packed.data)[2][1])
+
+
 def fp8_wrapper(tmp_path: Path, kind: str, method: str) -> tuple[KTMoEWrapper, dict]:
     E, H, I = 3, 256, 256
     path, mats = write_fp8_layer(tmp_path, kind, "per_expert", E=E, H=H, I=I, layer=1)
