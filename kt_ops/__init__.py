@@ -22,6 +22,7 @@ from kt_ops.cpu import (
 from kt_ops.diagnostics import doctor
 from kt_ops.expert_stats import ExpertStats
 from kt_ops.formats import METHOD_FORMATS
+from kt_ops.gpu_prefill import set_gpu_prefill_token_threshold
 from kt_ops.gguf_loader import GgufModelInfo, load_gguf_expert_biases, load_gguf_experts, read_gguf_config
 from kt_ops.lora import LoraExperts, moe_lora_forward
 from kt_ops.ops import (
@@ -99,6 +100,7 @@ __all__ = [
     "reference",
     "set_activation",
     "set_cpu_variant",
+    "set_gpu_prefill_token_threshold",
     "set_num_threads",
     "supported_cpu_variants",
     "thread_source",

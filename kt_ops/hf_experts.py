@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from kt_ops import autograd, expert_stats
+from kt_ops import autograd, expert_stats, gpu_prefill
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 
 IMPLEMENTATION = "kt_ops"
@@ -84,7 +84,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     route = getattr(self, _ROUTE, None)
     ids = top_k_index if route is None else torch.take(_on(self, _ROUTE_ON, route, top_k_index.device), top_k_index)
     x, weights = hidden_states.contiguous(), top_k_weights.contiguous()
-    if autograd.saves_gate_up(x, weights):  # training: save gate and up for the backward
+    if gpu_prefill.should_run_on_device(x, self.__dict__.get(gpu_prefill.PREFILL_ATTRIBUTE, 0)):
+        from kt_ops.packed import PackedExperts
+
+        out = gpu_prefill.moe_forward_on_device(x, ids, weights, PackedExperts(blob))
+    elif autograd.saves_gate_up(x, weights):  # training: save gate and up for the backward
         size = self.__dict__.get(_INTERMEDIATE)
         if size is None:
             size = autograd.blob_intermediate_size(blob)

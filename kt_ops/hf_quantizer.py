@@ -66,14 +66,19 @@ class KtOpsConfig(QuantizationConfigMixin):
             (:func:`kt_ops.rebalance_gpu_experts`,
             :func:`kt_ops.hf_experts.update_local_experts`): every expert packed, host
             float weights kept (about one more copy of the experts in host RAM).
+        gpu_prefill_token_threshold: calls of at least this many tokens on a GPU compute
+            the packed experts there (:func:`kt_ops.set_gpu_prefill_token_threshold`; 0:
+            never).
         progress: a tqdm bar over the MoE layers while loading.
     """
 
     def __init__(self, method: str = "BF16", group_size: int | None = None, gguf_type: Any = None,
                  scale_search: bool = False, zero_point: bool = False, num_gpu_experts: int = 0,
                  progress: bool = True, placement: str | None = None, gpu_budget: int | float | str | None = None,
-                 expert_stats: Any = None, dynamic_gpu_experts: bool = False, **kwargs: Any) -> None:
+                 expert_stats: Any = None, dynamic_gpu_experts: bool = False, gpu_prefill_token_threshold: int = 0,
+                 **kwargs: Any) -> None:
         from kt_ops.formats import format_for_method
+        from kt_ops.gpu_prefill import checked_threshold
 
         if not isinstance(method, str):
             raise ValueError(f"method must be a string, got {method!r}")
@@ -112,6 +117,7 @@ class KtOpsConfig(QuantizationConfigMixin):
         if dynamic_gpu_experts and not num_gpu_experts and placement is None:
             raise ValueError("dynamic_gpu_experts needs GPU experts to move: give num_gpu_experts or placement")
         self.dynamic_gpu_experts = dynamic_gpu_experts
+        self.gpu_prefill_token_threshold = checked_threshold(gpu_prefill_token_threshold)
         self.placement = placement
         self.gpu_budget = gpu_budget
         self.expert_stats = expert_stats
@@ -362,6 +368,10 @@ class KtOpsHfQuantizer(HfQuantizer):
             self._bar.update()
 
     def _process_model_after_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        if self.quantization_config.gpu_prefill_token_threshold:
+            from kt_ops.gpu_prefill import set_gpu_prefill_token_threshold
+
+            set_gpu_prefill_token_threshold(model, self.quantization_config.gpu_prefill_token_threshold)
         if self._native is not None:
             self._dequantize_linears(model)
             self._native = None

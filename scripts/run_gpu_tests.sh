@@ -41,7 +41,7 @@ $PY -c "import kt_ops, kt_ops.cuda; assert kt_ops.cuda.is_built(); print('kt_ops
 
 start=$(date +%s)
 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_wrapper_cuda.py tests/test_dynamic_experts.py \
-  tests/test_expert_stats.py tests/test_hf_cuda.py tests/test_wrapper_dynamic.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  tests/test_expert_stats.py tests/test_hf_cuda.py tests/test_wrapper_dynamic.py tests/test_gpu_prefill.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 gpu_rc=${PIPESTATUS[0]}
 echo "GPU tests: rc $gpu_rc, $(( $(date +%s) - start )) s"
 
@@ -54,7 +54,7 @@ if [ "$cpu_seconds" -gt 0 ]; then
   workers=$(( $(nproc) / 2 ))
   OMP_NUM_THREADS=2 timeout -s INT "$cpu_seconds" $PY -m pytest -v -p no:cacheprovider -n "$workers" tests \
     --ignore=tests/test_cuda.py --ignore=tests/test_wrapper_cuda.py --ignore=tests/test_hf_cuda.py \
-    --ignore=tests/test_wrapper_dynamic.py \
+    --ignore=tests/test_wrapper_dynamic.py --ignore=tests/test_gpu_prefill.py \
     >"$OUT/cpu_suite.log" 2>&1
   cpu_rc=$?
   grep -E "^(FAILED|ERROR) " "$OUT/cpu_suite.log" | head -60

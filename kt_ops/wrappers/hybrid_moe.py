@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kt_ops import autograd, expert_stats
+from kt_ops import autograd, expert_stats, gpu_prefill
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.ops import pack_experts
+from kt_ops.packed import PackedExperts
 from kt_ops.wrappers.routing import Routing
 
 _HOST_BUFFERS = ("packed",)  # stay in host memory whatever .to()/.cuda() asks
@@ -52,6 +53,11 @@ class HybridMoE(nn.Module):
             there) and the float weights stay in host memory (pinned where CUDA is
             available) to fill GPU slots from — about one more copy of the experts in
             host RAM. Their number stays ``gpu_experts_mask.sum()``.
+        gpu_prefill_token_threshold: calls of at least this many tokens (0: none) whose
+            input is on a GPU compute the CPU experts there, their weights copied from the
+            packed layer (:func:`kt_ops.gpu_prefill.moe_forward_on_device`; kt-kernel's
+            ``--kt-gpu-prefill-token-threshold``). Eager calls only (not under
+            ``torch.compile`` or CUDA-graph capture). A plain attribute: change it freely.
 
     ``forward(hidden_states [..., H])`` returns ``[..., H]`` in the input's dtype. The
     GPU experts are computed densely over the batch (every GPU expert sees every token,
@@ -77,6 +83,7 @@ class HybridMoE(nn.Module):
         gpu_dtype: torch.dtype | None = None,
         layer_idx: int | None = None,
         dynamic: bool = False,
+        gpu_prefill_token_threshold: int = 0,
     ) -> None:
         super().__init__()
         experts, intermediate, hidden = gate_proj.shape
@@ -95,6 +102,7 @@ class HybridMoE(nn.Module):
         if layer_idx is not None and (not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0):
             raise ValueError(f"layer_idx must be a non-negative int or None, got {layer_idx!r}")
         self.layer_idx = layer_idx
+        self.gpu_prefill_token_threshold = gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
         self.num_experts, self.hidden_size, self.intermediate_size = int(experts), int(hidden), int(intermediate)
         self.routing = routing
         self.method = method
@@ -204,6 +212,8 @@ class HybridMoE(nn.Module):
             return torch.zeros_like(x)
         # take, not indexing: fake CUDA tensors index only where torch has CUDA
         cpu_ids = torch.take(self.cpu_index.to(x.device), ids)
+        if gpu_prefill.should_run_on_device(x, self.gpu_prefill_token_threshold):
+            return gpu_prefill.moe_forward_on_device(x, cpu_ids, weights, PackedExperts(self.packed), live_tokens)
         return autograd.moe_forward(x.contiguous(), cpu_ids, weights.contiguous(), self.packed, self.intermediate_size,
                                     live_tokens)
 

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from kt_ops import hf_experts
+from kt_ops import gpu_prefill, hf_experts
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.wrappers.hybrid_moe import HybridMoE
 from kt_ops.wrappers.routing import Routing
@@ -172,6 +172,7 @@ def patch_model(
     gpu_budget: int | float | str | None = None,
     expert_stats: object = None,
     dynamic_gpu_experts: bool = False,
+    gpu_prefill_token_threshold: int = 0,
 ) -> nn.Module:
     """Replaces every MoE block of a ``transformers`` model, in place, by a :class:`HybridMoE`.
 
@@ -195,6 +196,8 @@ def patch_model(
             (:func:`kt_ops.rebalance_gpu_experts`, :meth:`HybridMoE.update_gpu_experts`,
             :func:`kt_ops.hf_experts.update_local_experts` on the experts-interface
             architectures): every expert packed for the CPU, host float weights kept.
+        gpu_prefill_token_threshold: calls of at least this many tokens on a GPU compute
+            the CPU experts there (:func:`kt_ops.set_gpu_prefill_token_threshold`; 0: never).
         group_size, gguf_type: as :func:`kt_ops.pack_experts`.
         progress: called as ``progress(done, total)`` after each layer.
 
@@ -206,6 +209,7 @@ def patch_model(
         ValueError: an unsupported architecture (the message lists the supported ones),
             no MoE block found, a non-SiLU activation, or a bad mask.
     """
+    gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _BLOCKS:
@@ -220,7 +224,9 @@ def patch_model(
             gpu_experts_mask = _placement_mask(model, [name for name, _ in experts], num_experts, nbytes, placement,
                                                gpu_budget, expert_stats, (gpu_experts_mask, num_gpu_experts))
         masks = _layer_masks(len(experts), num_experts, gpu_experts_mask, num_gpu_experts)
-        return _patch_experts(model, experts, masks, method, group_size, gguf_type, progress, dynamic_gpu_experts)
+        _patch_experts(model, experts, masks, method, group_size, gguf_type, progress, dynamic_gpu_experts)
+        gpu_prefill.set_gpu_prefill_token_threshold(model, gpu_prefill_token_threshold)
+        return model
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"the CPU experts compute SiLU; this model's hidden_act is {config.hidden_act!r}")
     blocks = [(name, module) for name, module in model.named_modules()
@@ -246,7 +252,7 @@ def patch_model(
             shared_experts=getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None),
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
             group_size=group_size, gguf_type=gguf_type, layer_idx=hf_experts.layer_index(name),
-            dynamic=dynamic_gpu_experts,
+            dynamic=dynamic_gpu_experts, gpu_prefill_token_threshold=gpu_prefill_token_threshold,
         )
         layer.to(gate_module.weight.device)  # the packed experts stay in host memory
         packed_bytes += layer.packed.numel()

@@ -1,0 +1,315 @@
+"""GPU-assisted prefill: a long prompt's CPU experts computed on the GPU.
+
+A prompt of thousands of tokens hits nearly every expert of a layer many times: there the
+GPU's GEMMs win even counting the copy of the experts over PCIe, while a decode step's
+few tokens are cheaper on the CPU that holds the weights. kt-kernel with SGLang switches at
+``--kt-gpu-prefill-token-threshold`` (``../shared/reference/kt-kernel-upstream-specs.md``
+§6.4-6.5); :class:`kt_ops.HybridMoE` and the transformers experts path do the same with
+``gpu_prefill_token_threshold``, through :func:`moe_forward_on_device`.
+
+One call, in chunks of the routed experts (about ``chunk_bytes`` of packed weights each):
+
+1. the host writes chunk ``k``'s experts as checkpoint rows — the rows kt-kernel's
+   staging layouts are cut from (:func:`kt_ops.staging.stage_rows_into`: the packed codes
+   un-tiled on the engine's threads, never widened, per-row scales) — straight into pinned
+   memory; for formats without a staging layout (INT8, asymmetric INT4, GGUF types other
+   than MXFP4, INT4 scales bf16 cannot hold) their weights dequantized to the compute
+   dtype (:func:`kt_ops.dequantize_experts`) instead;
+2. a copy stream moves chunk ``k`` to the GPU;
+3. the current stream expands the chunk's codes to the compute dtype
+   (:func:`expand_rows`) and runs each expert over its tokens.
+
+The host stages chunk ``k + 1`` while the GPU copies ``k`` and computes ``k - 1``; at most
+two chunks are on the GPU (double buffering). The same code runs on the CPU (no streams),
+which is how the CPU tests check it.
+
+Numerics: bf16 weights and activations with fp32 accumulation (fp32 where the input is
+fp32), the activation in fp32, each token's K expert outputs summed in slot order. The
+GPU's GEMMs choose their kernels by the number of tokens per expert, so unlike
+``torch.ops.kt.moe_forward`` a row's result may depend on the other rows of the call.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from kt_ops import reference
+from kt_ops.ops import dequantize_experts
+from kt_ops.packed import PackedExperts
+from kt_ops.staging import RowLayout, stage_rows_into
+from kt_ops.staging import row_layout as staged_row_layout
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+
+
+def _ue8m0(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 exponents -> fp32 ``2^(e - 127)`` built from bits (exact; 0 is the subnormal
+    2^-127, 255 NaN)."""
+    e = codes.to(torch.int32)
+    bits = torch.where(e == 0, 0x00400000, torch.where(e == 255, 0x7FC00000, e << 23))
+    return bits.view(torch.float32)
+
+
+def _groups(scale: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """Per-group scales ``[..., ceil(k / group)]`` -> per element ``[..., k]``."""
+    return scale.repeat_interleave(group, dim=-1)[..., :k]
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., k / 2]`` -> uint8 ``[..., k]``: element ``2j`` in the low nibble."""
+    return torch.stack((codes & 15, codes >> 4), dim=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+
+
+_E2M1 = torch.tensor(reference.MXFP4_VALUES, dtype=torch.float32)
+
+
+def expand_rows(layout: RowLayout, codes: torch.Tensor, scale: torch.Tensor | None, k: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Rows of one matrix as :func:`kt_ops.staging.stage_rows_into` writes them (codes
+    ``[..., rows, k * code_bytes]`` and scales ``[..., rows, groups]`` in the layout's
+    element types, any leading dims, any device) -> the weights ``[..., rows, k]`` in
+    ``dtype``: exactly the values the CPU kernels multiply, before the cast."""
+    fmt = layout.format
+    if fmt == "bf16":
+        return codes.to(dtype)
+    if fmt in ("int4", "mxfp4"):
+        nibbles = _nibbles(codes.view(torch.uint8))[..., :k]
+        values = nibbles.float() - 8 if fmt == "int4" else _E2M1.to(codes.device)[nibbles.int()]
+    else:
+        values = codes.view(torch.float8_e4m3fn).float()
+    per = _ue8m0(scale.view(torch.uint8)) if fmt == "mxfp8" else scale.float()
+    per = per if layout.group is None else _groups(per, layout.group, k)
+    return (values * per).to(dtype)
+
+
+_LAYOUTS: dict[int, tuple[weakref.ref, RowLayout | None]] = {}  # id(blob) -> (the blob, its row_layout)
+
+
+def cached_row_layout(packed: PackedExperts) -> RowLayout | None:
+    """:func:`row_layout`, remembered while the blob lives (the INT4 check dequantizes an
+    expert: once per layer, not once per call)."""
+    key = id(packed.data)
+    hit = _LAYOUTS.get(key)
+    if hit is not None and hit[0]() is packed.data:
+        return hit[1]
+    layout = row_layout(packed)
+    _LAYOUTS[key] = (weakref.ref(packed.data, lambda _, key=key: _LAYOUTS.pop(key, None)), layout)
+    return layout
+
+
+def row_layout(packed: PackedExperts) -> RowLayout | None:
+    """The :class:`kt_ops.staging.RowLayout` a layer's experts travel in when its rows
+    hold the kernels' weights exactly, else None (they travel dequantized).
+
+    INT4 rows carry the fp32 scales truncated to bf16 (kt-kernel's staging): exact for
+    scales read from a bf16 checkpoint (RAWINT4), not for a layer quantized from float
+    weights, so an INT4 layer's first expert is compared with
+    :func:`kt_ops.dequantize_experts`' values."""
+    try:
+        layout = staged_row_layout(packed)
+    except ValueError:
+        return None
+    if layout.format != "int4" or packed.num_experts == 0:
+        return layout
+    rows = layout.buffers()
+    stage_rows_into(packed, 0, rows)
+    r = layout.views(rows)
+    H, I = layout.hidden, layout.intermediate
+    dequantized = dequantize_experts(packed, torch.zeros(1, dtype=torch.int64))
+    expanded = (expand_rows(layout, r.gate, r.gate_scale, H, torch.float32),
+                expand_rows(layout, r.up, r.up_scale, H, torch.float32),
+                expand_rows(layout, r.down, r.down_scale, I, torch.float32))
+    exact = all(torch.equal(a, b[0]) for a, b in zip(expanded, dequantized))
+    return layout if exact else None
+
+
+def _host_chunk(packed: PackedExperts, experts: list[int], layout: RowLayout | None,
+                dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+    """A chunk's six host tensors (gate, up, down, their scales), batched over its experts:
+    rows written straight into (pinned) buffers, or dequantized weights and empty scales."""
+    if layout is not None:
+        outs = layout.buffers(len(experts), pin=pin)
+        for c, e in enumerate(experts):
+            stage_rows_into(packed, e, [t[c] for t in outs])
+        return outs
+    weights = list(dequantize_experts(packed, torch.tensor(experts, dtype=torch.int64), dtype))
+    if pin:
+        weights = [w.pin_memory() for w in weights]
+    return weights + [torch.empty(0, dtype=torch.uint8)] * 3
+
+
+def _weights(tensors: list[torch.Tensor], layout: RowLayout | None, H: int, I: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's ``gate, up [C, I, H]`` and ``down [C, H, I]`` in ``dtype`` on the tensors'
+    device."""
+    gate, up, down = tensors[:3]
+    if layout is None:
+        return gate.to(dtype), up.to(dtype), down.to(dtype)
+    r = layout.views(tensors)
+    return (expand_rows(layout, r.gate, r.gate_scale, H, dtype), expand_rows(layout, r.up, r.up_scale, H, dtype),
+            expand_rows(layout, r.down, r.down_scale, I, dtype))
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    streams = _copy_stream.__dict__.setdefault("streams", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
+def moe_forward_on_device(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: PackedExperts,
+    live_tokens: torch.Tensor | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> torch.Tensor:
+    """``torch.ops.kt.moe_forward``'s result, computed on ``hidden_states``' device with
+    the routed experts copied there from the packed layer (the module docstring).
+
+    Args:
+        hidden_states: ``[T, H]`` float (bf16, fp16 or fp32), on a GPU (or the CPU).
+        topk_ids: ``[T, K]`` integer, expert ids of the packed layer, ``-1`` skips a slot.
+        topk_weights: ``[T, K]`` float.
+        packed: the layer (host memory), any format and activation (biases, clamped or
+            alpha SwiGLU as its header says).
+        live_tokens: int ``[1]`` or None: rows from ``live_tokens`` on give 0.
+        chunk_bytes: packed bytes per chunk of experts (at least one expert a chunk).
+
+    Returns:
+        ``[T, H]`` in ``hidden_states``' dtype. Syncs the host once (the expert counts);
+        not for CUDA-graph capture or ``torch.compile``. ``ValueError`` for an expert id
+        outside ``[-1, E)``.
+    """
+    x = hidden_states
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"hidden_states [T, H], topk_ids and topk_weights [T, K] expected, got "
+                         f"{tuple(x.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, I = packed.num_experts, packed.intermediate_size
+    if H != packed.hidden_size:
+        raise ValueError(f"hidden_states has H = {H}, the packed layer {packed.hidden_size}")
+    device, dtype = x.device, _compute_dtype(x)
+    ids = topk_ids.to(device=device, dtype=torch.int64)
+    if live_tokens is not None:
+        dead = torch.arange(T, device=device) >= live_tokens.to(device).reshape(-1)[:1]
+        ids = ids.masked_fill(dead.unsqueeze(1), -1)
+    flat = ids.reshape(-1)
+    if flat.numel():
+        low, high = (int(v) for v in torch.aminmax(flat))
+        if low < -1 or high >= E:
+            raise ValueError(f"topk_ids must be in [-1, {E}), got values in [{low}, {high}]")
+    slots = torch.where(flat >= 0, flat, E)
+    counts = torch.bincount(slots, minlength=E + 1).cpu()
+    order = torch.argsort(slots, stable=True)
+    offsets = [0] + torch.cumsum(counts, 0).tolist()
+    rows = int(offsets[E])
+    tokens = torch.div(order[:rows], K, rounding_mode="floor")
+    gathered = x[tokens].to(dtype)  # [N, H], grouped by expert
+    results = torch.zeros(T * K, H, dtype=torch.float32, device=device)
+    experts = torch.nonzero(counts[:E]).reshape(-1).tolist()
+
+    act = reference.activation_of(packed.data)
+    biases = act["biases"]
+    if biases is not None:
+        biases = tuple(b.to(device) for b in biases)
+    layout = cached_row_layout(packed)
+    per_expert = max(1, packed.nbytes // max(E, 1))
+    size = max(1, chunk_bytes // per_expert)
+    chunks = [experts[i:i + size] for i in range(0, len(experts), size)]
+
+    cuda = device.type == "cuda"
+    copy = _copy_stream(device) if cuda else None
+    compute = torch.cuda.current_stream(device) if cuda else None
+    done: list[torch.cuda.Event | None] = [None, None]
+    ys = torch.empty(rows, H, dtype=torch.float32, device=device)
+    for k, chunk in enumerate(chunks):
+        host = _host_chunk(packed, chunk, layout, dtype, pin=cuda)  # overlaps the GPU's work on chunk k - 1
+        slot = k % 2
+        if done[slot] is not None:
+            done[slot].synchronize()  # chunk k - 2's device buffers are free: two chunks on the GPU at most
+        if cuda:
+            with torch.cuda.stream(copy):
+                tensors = [t.to(device, non_blocking=True) for t in host]
+            compute.wait_stream(copy)
+            for t in tensors:
+                t.record_stream(compute)
+        else:
+            tensors = host
+        gates, ups, downs = _weights(tensors, layout, H, I, dtype)
+        for c, e in enumerate(chunk):
+            lo, hi = offsets[e], offsets[e + 1]
+            h = gathered[lo:hi]
+            gate, up = (h @ gates[c].T).float(), (h @ ups[c].T).float()
+            if biases is not None:
+                gate, up = gate + biases[0][e], up + biases[1][e]
+            inter = reference.glu(gate, up, act["swiglu_limit"], act["swiglu_alpha"]).to(dtype)
+            y = (inter @ downs[c].T).float()
+            if biases is not None:
+                y = y + biases[2][e]
+            ys[lo:hi] = y
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(compute)
+            done[slot] = event
+    results[order[:rows]] = ys
+    out = (results.view(T, K, H) * topk_weights.to(device=device, dtype=torch.float32).unsqueeze(-1)).sum(dim=1)
+    return out.to(x.dtype)
+
+
+def should_run_on_device(x: torch.Tensor, threshold: int) -> bool:
+    """Whether a call with activations ``x [T, H]`` takes the GPU-prefill path: ``x`` on a
+    CUDA device, at least ``threshold > 0`` tokens, eager (not compiling, not capturing a
+    CUDA graph, not a fake tensor)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (threshold > 0 and x.device.type == "cuda" and x.shape[0] >= threshold
+            and not torch.compiler.is_compiling() and not isinstance(x, FakeTensor)
+            and not torch.cuda.is_current_stream_capturing())
+
+
+PREFILL_ATTRIBUTE = "_kt_ops_gpu_prefill"  # an experts module's threshold (kt_ops.hf_experts), in its __dict__
+
+
+def checked_threshold(tokens: object) -> int:
+    """``gpu_prefill_token_threshold`` validated: an int >= 0 (0: never)."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ValueError(f"gpu_prefill_token_threshold must be an int >= 0 (0: off), got {tokens!r}")
+    return tokens
+
+
+def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int) -> int:
+    """Calls of at least ``tokens`` tokens (0: none) whose activations are on a GPU compute
+    the CPU experts of ``model``'s kt_ops MoE layers there (:func:`moe_forward_on_device`),
+    as kt-kernel's ``--kt-gpu-prefill-token-threshold``. ``model``: a module holding
+    :class:`kt_ops.HybridMoE` layers (``patch_model``) or transformers experts modules run
+    by kt_ops (``experts_implementation="kt_ops"``), or one such layer. Returns the number
+    of layers set; ``ValueError`` for a bad ``tokens`` or a model with no such layer."""
+    from kt_ops import hf_experts
+    from kt_ops.wrappers.hybrid_moe import HybridMoE
+
+    tokens = checked_threshold(tokens)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, HybridMoE):
+            module.gpu_prefill_token_threshold = tokens
+            count += 1
+        elif hf_experts.is_experts_module(module):
+            module.__dict__[PREFILL_ATTRIBUTE] = tokens
+            count += 1
+    if not count:
+        raise ValueError(f"{type(model).__name__} holds no kt_ops MoE layer (HybridMoE or a transformers experts "
+                         "module)")
+    return count
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "checked_threshold", "expand_rows", "moe_forward_on_device", "row_layout",
+           "set_gpu_prefill_token_threshold", "should_run_on_device"]

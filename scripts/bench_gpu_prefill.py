@@ -1,0 +1,86 @@
+"""GPU-assisted prefill against the CPU experts, one MoE layer, activations on the GPU.
+
+    python scripts/bench_gpu_prefill.py [--shape S1] [--method BF16 AMXINT4 AMXINT8] [--tokens 512 2048 8192]
+
+For each method and prompt length: the layer's routed experts through the CPU kernels
+(``kt::moe_forward``'s CUDA key: activations copied to the host and back) and through
+:func:`kt_ops.gpu_prefill.moe_forward_on_device` (the routed experts staged, copied and
+computed on the GPU), interleaved, medians of ``--repeats``. Also prints the bytes the
+GPU path copied per call and the rate that makes; the crossover is where the GPU column
+drops below the CPU one (kt-kernel's default threshold is 4096 tokens). Needs a GPU and
+kt_ops built with its CUDA key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import kt_ops
+import kt_ops.cuda
+from kt_ops import gpu_prefill
+from kt_ops.bench.runner import SHAPES
+
+
+def timed(fn) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="S1", choices=sorted(SHAPES))
+    parser.add_argument("--method", nargs="+", default=["BF16", "AMXINT4", "AMXINT8"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 2048, 8192])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of this script where no GPU is")
+    args = parser.parse_args()
+    if args.device != "cpu" and (not torch.cuda.is_available() or not kt_ops.cuda.is_built()):
+        raise SystemExit("needs a GPU and kt_ops built with its CUDA key (KT_OPS_CUDA=1)")
+    shape = SHAPES[args.shape]
+    E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
+    g = torch.Generator().manual_seed(0)
+    gate = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
+    up = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
+    down = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    print(f"{torch.cuda.get_device_name() if args.device != 'cpu' else 'cpu'} | CPU variant {kt_ops.cpu_variant()}, {kt_ops.get_num_threads()} threads | "
+          f"{shape.name} ({shape.model}): E={E} K={K} H={H} I={I}")
+    if args.device != "cpu":  # the link's limit: pinned host -> GPU
+        pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        target = torch.empty_like(pinned, device=args.device)
+        rate = statistics.median(timed(lambda: target.copy_(pinned, non_blocking=True)) for _ in range(5))
+        print(f"pinned host -> GPU copy: {pinned.numel() / rate / 1e9:.1f} GB/s")
+        del pinned, target
+    print(f"{'method':8} {'tokens':>6} {'cpu ms':>8} {'gpu ms':>8} {'gpu/cpu':>7} {'copied MB':>9} {'GB/s':>6} "
+          f"{'rel err':>8}")
+    for method in args.method:
+        packed = kt_ops.pack_experts(gate, up, down, method=method)
+        staged = gpu_prefill.row_layout(packed)
+        for tokens in args.tokens:
+            x = torch.randn(tokens, H, generator=g).bfloat16().to(args.device)
+            ids = torch.rand(tokens, E, generator=g).argsort(dim=-1)[:, :K].to(torch.int32).to(args.device)
+            weights = torch.softmax(torch.randn(tokens, K, generator=g), dim=-1).to(args.device)
+            cpu_out = kt_ops.moe_forward(x, ids, weights, packed)
+            gpu_out = gpu_prefill.moe_forward_on_device(x, ids, weights, packed)
+            err = ((gpu_out.float() - cpu_out.float()).norm() / cpu_out.float().norm()).item()
+            cpu_s, gpu_s = [], []
+            for _ in range(args.repeats):
+                cpu_s.append(timed(lambda: kt_ops.moe_forward(x, ids, weights, packed)))
+                gpu_s.append(timed(lambda: gpu_prefill.moe_forward_on_device(x, ids, weights, packed)))
+            cpu_ms, gpu_ms = statistics.median(cpu_s) * 1e3, statistics.median(gpu_s) * 1e3
+            routed = int(torch.unique(ids).numel())
+            per_expert = packed.nbytes / E if staged is not None else 3 * H * I * 2
+            copied = routed * per_expert / 1e6
+            print(f"{method:8} {tokens:6d} {cpu_ms:8.2f} {gpu_ms:8.2f} {gpu_ms / cpu_ms:7.2f} {copied:9.1f} "
+                  f"{copied / gpu_ms:6.2f} {err:8.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

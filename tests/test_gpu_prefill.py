@@ -1,0 +1,239 @@
+"""GPU-assisted prefill (kt_ops.gpu_prefill): long prompts' CPU experts computed on the GPU.
+
+Everywhere: the staged codes expand to exactly the weights the CPU kernels multiply
+(``kt_ops.dequantize_experts``) for every format with a staging layout; the chunked
+pipeline, run on the CPU device (same code, no streams), computes the fp32 oracle on
+those weights for every packing case (within fp32 rounding, 1e-5), with biases and the
+clamped/alpha SwiGLU, ``-1`` slots and ``live_tokens``; bad input is refused; the
+threshold plumbing (HybridMoE, patch_model, KtOpsConfig, the setter) and that CPU inputs
+never take the path.
+
+On a GPU (kt_ops built with its CUDA key): the same against the oracle for every case
+(fp32 activations 1e-4; bf16 activations 1e-2: bf16 weights and intermediates, 4.9e-3 at
+most when this code runs on the CPU device), chunking that does not change a bit, and
+HybridMoE / a transformers model switching at the threshold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kt_ops
+import kt_ops.cuda
+from conftest import logits_bound, make_experts, random_routing, rel_err
+from format_cases import format_cases
+from kt_ops import gpu_prefill, reference
+from kt_ops.staging import stage_rows_into
+
+CASES = format_cases(min_hidden=90, min_intermediate=70)
+STAGED = {"bf16", "fp8", "fp8_perchannel", "mxfp8", "int4"}
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or not kt_ops.cuda.is_built(),
+    reason="needs a GPU (torch.cuda.is_available() is False here) and kt_ops built with its CUDA key",
+)
+
+
+def packed_case(case, experts: int = 5, seed: int = 0, activation: bool = False) -> kt_ops.PackedExperts:
+    g = torch.Generator().manual_seed(seed)
+    H, I = case.hidden, case.intermediate
+    gate = (torch.randn(experts, I, H, generator=g) / H**0.5).bfloat16()
+    up = (torch.randn(experts, I, H, generator=g) / H**0.5).bfloat16()
+    down = (torch.randn(experts, H, I, generator=g) / I**0.5).bfloat16()
+    packed = case.pack(gate, up, down)
+    if activation:  # gpt-oss: biases, clamp and alpha
+        biases = (torch.randn(experts, I, generator=g) * 0.1, torch.randn(experts, I, generator=g) * 0.1,
+                  torch.randn(experts, H, generator=g) * 0.1)
+        packed = kt_ops.set_activation(packed, swiglu_limit=0.7, swiglu_alpha=1.702, biases=biases)
+    return packed
+
+
+def oracle(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: kt_ops.PackedExperts) -> torch.Tensor:
+    gate, up, down = kt_ops.dequantize_experts(packed)
+    return reference.moe_forward(x, ids, weights, gate, up, down, **reference.activation_of(packed.data))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.format in STAGED or c.id == "gguf-MXFP4"], ids=lambda c: c.id)
+def test_staged_rows_expand_to_the_kernels_weights(case) -> None:
+    packed = packed_case(case)
+    layout = gpu_prefill.row_layout(packed)
+    assert layout is not None and layout.format == ("mxfp4" if case.format == "gguf" else case.format)
+    gate, up, down = kt_ops.dequantize_experts(packed)
+    H, I = case.hidden, case.intermediate
+    outs = layout.buffers(packed.num_experts)
+    for e in range(packed.num_experts):
+        stage_rows_into(packed, e, [t[e] for t in outs])
+    r = layout.views(outs)
+    assert torch.equal(gpu_prefill.expand_rows(layout, r.gate, r.gate_scale, H, torch.float32), gate)
+    assert torch.equal(gpu_prefill.expand_rows(layout, r.up, r.up_scale, H, torch.float32), up)
+    assert torch.equal(gpu_prefill.expand_rows(layout, r.down, r.down_scale, I, torch.float32), down)
+
+
+def test_int4_scales_that_bf16_cannot_hold_go_dequantized() -> None:
+    """INT4 staging truncates scales to bf16: a layer quantized from fp32 weights (scales
+    bf16 cannot hold) is sent as dequantized weights instead, and still computes exactly."""
+    g = torch.Generator().manual_seed(1)
+    E, H, I = 3, 128, 64
+    w = [torch.randn(E, I, H, generator=g) * 0.37, torch.randn(E, I, H, generator=g) * 0.37,
+         torch.randn(E, H, I, generator=g) * 0.29]
+    packed = kt_ops.pack_experts(*w, method="RAWINT4", group_size=32)
+    assert gpu_prefill.row_layout(packed) is None
+    x = torch.randn(9, H, generator=g)
+    ids, weights = random_routing(9, E, 2)
+    assert rel_err(gpu_prefill.moe_forward_on_device(x, ids, weights, packed), oracle(x, ids, weights, packed)) <= 1e-5
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_pipeline_on_the_cpu_computes_the_oracle(case) -> None:
+    activation = case.id in ("bf16", "int8", "gguf-MXFP4")
+    packed = packed_case(case, activation=activation)
+    ids, weights = random_routing(13, packed.num_experts, 3)
+    ids[2, 1] = -1
+    x = torch.randn(13, case.hidden)
+    want = oracle(x, ids, weights, packed)
+    one = gpu_prefill.moe_forward_on_device(x, ids, weights, packed)
+    per_expert = gpu_prefill.moe_forward_on_device(x, ids, weights, packed, chunk_bytes=1)
+    assert one.dtype == torch.float32 and one.shape == x.shape
+    assert rel_err(one, want) <= 1e-5, case.id
+    assert torch.equal(one, per_expert)  # chunking moves no bit
+    live = gpu_prefill.moe_forward_on_device(x, ids, weights, packed, torch.tensor([5]))
+    # the GEMMs' blocking follows the rows per expert: a row's bits may depend on the others
+    assert rel_err(live[:5], one[:5]) <= 1e-6 and not live[5:].any()
+
+
+def test_bf16_inputs_compute_in_bf16() -> None:
+    experts = make_experts(6, 96, 80)
+    ids, weights = random_routing(11, 6, 2)
+    x = torch.randn(11, 96).bfloat16()
+    got = gpu_prefill.moe_forward_on_device(x, ids, weights, experts.packed)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, kt_ops.moe_forward(x, ids, weights, experts.packed)) <= 1e-2
+
+
+def test_formats_without_a_staging_layout_travel_dequantized() -> None:
+    for case in CASES:
+        if case.format not in STAGED and case.id != "gguf-MXFP4":
+            assert gpu_prefill.row_layout(packed_case(case)) is None, case.id
+
+
+def test_bad_input_is_refused() -> None:
+    experts = make_experts(4, 64, 48)
+    ids, weights = random_routing(5, 4, 2)
+    x = torch.randn(5, 64)
+    for bad, match in ((ids + 4, r"in \[-1, 4\)"), (ids - 3, r"in \[-1, 4\)")):
+        with pytest.raises(ValueError, match=match):
+            gpu_prefill.moe_forward_on_device(x, bad, weights, experts.packed)
+    with pytest.raises(ValueError, match="H = 32"):
+        gpu_prefill.moe_forward_on_device(torch.randn(5, 32), ids, weights, experts.packed)
+    with pytest.raises(ValueError, match=r"\[T, K\]"):
+        gpu_prefill.moe_forward_on_device(x, ids[:3], weights, experts.packed)
+    for threshold in (-1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="gpu_prefill_token_threshold"):
+            gpu_prefill.checked_threshold(threshold)
+    with pytest.raises(ValueError, match="no kt_ops MoE layer"):
+        kt_ops.set_gpu_prefill_token_threshold(torch.nn.Linear(2, 2), 8)
+    empty = gpu_prefill.moe_forward_on_device(x[:0], ids[:0], weights[:0], experts.packed)
+    assert empty.shape == (0, 64)
+
+
+def hybrid(threshold: int = 0) -> kt_ops.HybridMoE:
+    experts = make_experts(8, 64, 48)
+    g = torch.Generator().manual_seed(5)
+    return kt_ops.HybridMoE(torch.randn(8, 64, generator=g).bfloat16(), experts.gate, experts.up, experts.down,
+                            kt_ops.Routing(2), gpu_experts_mask=torch.arange(8) < 2,
+                            gpu_prefill_token_threshold=threshold)
+
+
+def test_cpu_inputs_never_take_the_path(monkeypatch) -> None:
+    layer = hybrid(threshold=1)
+    calls = []
+    monkeypatch.setattr(gpu_prefill, "moe_forward_on_device", lambda *a, **k: calls.append(a))
+    with torch.no_grad():
+        layer(torch.randn(16, 64).bfloat16())
+    assert not calls
+    assert not gpu_prefill.should_run_on_device(torch.randn(16, 64), 1)
+    with pytest.raises(ValueError, match="gpu_prefill_token_threshold"):
+        hybrid(threshold=-2)
+    assert kt_ops.set_gpu_prefill_token_threshold(layer, 7) == 1 and layer.gpu_prefill_token_threshold == 7
+
+
+def test_patch_model_and_config_set_the_threshold() -> None:
+    transformers = pytest.importorskip("transformers")
+    from hf_models import tiny_model
+    from kt_ops import hf_experts
+
+    for arch in ("qwen3_moe", "gpt_oss"):  # HybridMoE blocks; the experts interface
+        model = kt_ops.patch_model(tiny_model(arch, dtype=torch.bfloat16), "BF16", gpu_prefill_token_threshold=64)
+        layers = [m for m in model.modules() if isinstance(m, kt_ops.HybridMoE)]
+        layers += [m for m in model.modules() if hf_experts.is_experts_module(m)]
+        assert layers and all(getattr(m, "gpu_prefill_token_threshold", None) == 64
+                              or m.__dict__.get(gpu_prefill.PREFILL_ATTRIBUTE) == 64 for m in layers), arch
+    assert kt_ops.KtOpsConfig(gpu_prefill_token_threshold=4096).gpu_prefill_token_threshold == 4096
+    with pytest.raises(ValueError, match="gpu_prefill_token_threshold"):
+        kt_ops.KtOpsConfig(gpu_prefill_token_threshold=-1)
+    assert transformers is not None
+
+
+# ---- on a GPU ------------------------------------------------------------------------
+
+@needs_gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_gpu_pipeline_matches_the_cpu_key(case) -> None:
+    packed = packed_case(case, activation=case.id == "bf16")
+    ids, weights = random_routing(40, packed.num_experts, 3)
+    x = torch.randn(40, case.hidden).bfloat16()
+    got = gpu_prefill.moe_forward_on_device(x.cuda(), ids.cuda(), weights.cuda(), packed)
+    chunked = gpu_prefill.moe_forward_on_device(x.cuda(), ids.cuda(), weights.cuda(), packed, chunk_bytes=1)
+    assert got.device.type == "cuda" and got.dtype == torch.bfloat16
+    assert rel_err(got.cpu(), oracle(x, ids, weights, packed)) <= 1e-2, case.id  # 4.9e-3 at most on the CPU device
+    assert torch.equal(got, chunked)
+    x32 = x.float()
+    got32 = gpu_prefill.moe_forward_on_device(x32.cuda(), ids.cuda(), weights.cuda(), packed)
+    assert rel_err(got32.cpu(), oracle(x32, ids, weights, packed)) <= 1e-4  # TF32 off by default
+
+
+@needs_gpu
+def test_hybrid_layer_switches_at_the_threshold(monkeypatch) -> None:
+    layer = hybrid(threshold=32).cuda()
+    taken = []
+    real = gpu_prefill.moe_forward_on_device
+    monkeypatch.setattr(gpu_prefill, "moe_forward_on_device", lambda *a, **k: taken.append(a[0].shape[0]) or real(*a, **k))
+    reference_layer = hybrid(threshold=0).cuda()
+    for tokens in (31, 32, 200):
+        x = torch.randn(tokens, 64, device="cuda").bfloat16()
+        with torch.no_grad():
+            got, want = layer(x), reference_layer(x)
+        assert rel_err(got, want) <= 2e-2
+    assert taken == [32, 200]
+
+
+@needs_gpu
+def test_transformers_model_switches_at_the_threshold(monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    from hf_models import tiny_model
+    from test_hf_patch import TOKENS, logits
+
+    model = kt_ops.patch_model(tiny_model("gpt_oss", dtype=torch.bfloat16).float(), "BF16").cuda()
+    tokens = TOKENS.cuda()
+    want = logits(model, tokens)
+    taken = []
+    real = gpu_prefill.moe_forward_on_device
+    monkeypatch.setattr(gpu_prefill, "moe_forward_on_device", lambda *a, **k: taken.append(1) or real(*a, **k))
+    kt_ops.set_gpu_prefill_token_threshold(model, 4)
+    got = logits(model, tokens)
+    assert len(taken) == 2  # one per MoE layer
+    assert rel_err(got, want) <= logits_bound(1e-4)  # the CPU kernels round activations on avx512_bf16/amx
+
+
+def test_a_layers_row_layout_is_found_once(monkeypatch) -> None:
+    experts = make_experts(4, 64, 48)
+    ids, weights = random_routing(6, 4, 2)
+    calls = []
+    real = gpu_prefill.row_layout
+    monkeypatch.setattr(gpu_prefill, "row_layout", lambda p: calls.append(1) or real(p))
+    for _ in range(3):
+        gpu_prefill.moe_forward_on_device(torch.randn(6, 64), ids, weights, experts.packed)
+    assert len(calls) == 1
+    other = make_experts(4, 64, 48, seed=1)
+    gpu_prefill.moe_forward_on_device(torch.randn(6, 64), ids, weights, other.packed)
+    assert len(calls) == 2
