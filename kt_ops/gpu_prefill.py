@@ -277,6 +277,7 @@ def should_run_on_device(x: torch.Tensor, threshold: int) -> bool:
 
 
 PREFILL_ATTRIBUTE = "_kt_ops_gpu_prefill"  # an experts module's threshold (kt_ops.hf_experts), in its __dict__
+UPDATE_ATTRIBUTE = "_kt_ops_gpu_prefill_updates"  # its update_gpu_experts flag
 
 
 def checked_threshold(tokens: object) -> int:
@@ -286,30 +287,53 @@ def checked_threshold(tokens: object) -> int:
     return tokens
 
 
-def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int) -> int:
+def batch_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Activations of each expert in one call's ``topk_ids [T, K]`` (``-1`` skipped): int64
+    ``[num_experts]`` on their device — SGLang's ``select_top_experts_from_batch`` counts."""
+    ids = topk_ids.reshape(-1).long()
+    return torch.bincount(ids[ids >= 0], minlength=num_experts)[:num_experts]
+
+
+def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_gpu_experts: bool = False) -> int:
     """Calls of at least ``tokens`` tokens (0: none) whose activations are on a GPU compute
     the CPU experts of ``model``'s kt_ops MoE layers there (:func:`moe_forward_on_device`),
     as kt-kernel's ``--kt-gpu-prefill-token-threshold``. ``model``: a module holding
     :class:`kt_ops.HybridMoE` layers (``patch_model``) or transformers experts modules run
-    by kt_ops (``experts_implementation="kt_ops"``), or one such layer. Returns the number
-    of layers set; ``ValueError`` for a bad ``tokens`` or a model with no such layer."""
+    by kt_ops (``experts_implementation="kt_ops"``), or one such layer.
+
+    ``update_gpu_experts``: after each such call, the layers built with
+    ``dynamic_gpu_experts=True`` move their GPU experts to the call's most activated ones
+    (SGLang's ``--kt-enable-dynamic-expert-update``: ``select_top_experts_from_batch``,
+    ascending ids), in place, after the call's own output is computed.
+
+    Returns the number of layers set; ``ValueError`` for a bad ``tokens``, a model with no
+    such layer, or ``update_gpu_experts`` with no dynamic layer holding GPU experts."""
     from kt_ops import hf_experts
     from kt_ops.wrappers.hybrid_moe import HybridMoE
 
     tokens = checked_threshold(tokens)
-    count = 0
+    count = movable = 0
     for module in model.modules():
         if isinstance(module, HybridMoE):
+            dynamic = module.dynamic and module.num_gpu_experts > 0
             module.gpu_prefill_token_threshold = tokens
-            count += 1
+            module.gpu_prefill_updates_gpu_experts = bool(update_gpu_experts) and dynamic
         elif hf_experts.is_experts_module(module):
+            local = hf_experts.local_experts(module)
+            dynamic = hf_experts.is_dynamic(module) and local is not None and local[0].numel() > 0
             module.__dict__[PREFILL_ATTRIBUTE] = tokens
-            count += 1
+            module.__dict__[UPDATE_ATTRIBUTE] = bool(update_gpu_experts) and dynamic
+        else:
+            continue
+        count += 1
+        movable += dynamic
     if not count:
         raise ValueError(f"{type(model).__name__} holds no kt_ops MoE layer (HybridMoE or a transformers experts "
                          "module)")
+    if update_gpu_experts and not movable:
+        raise ValueError("update_gpu_experts needs layers built with dynamic_gpu_experts=True and GPU experts")
     return count
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "checked_threshold", "expand_rows", "moe_forward_on_device", "row_layout",
+__all__ = ["DEFAULT_CHUNK_BYTES", "batch_counts", "checked_threshold", "expand_rows", "moe_forward_on_device", "row_layout",
            "set_gpu_prefill_token_threshold", "should_run_on_device"]

@@ -84,7 +84,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     route = getattr(self, _ROUTE, None)
     ids = top_k_index if route is None else torch.take(_on(self, _ROUTE_ON, route, top_k_index.device), top_k_index)
     x, weights = hidden_states.contiguous(), top_k_weights.contiguous()
-    if gpu_prefill.should_run_on_device(x, self.__dict__.get(gpu_prefill.PREFILL_ATTRIBUTE, 0)):
+    prefill = gpu_prefill.should_run_on_device(x, self.__dict__.get(gpu_prefill.PREFILL_ATTRIBUTE, 0))
+    if prefill:
         from kt_ops.packed import PackedExperts
 
         out = gpu_prefill.moe_forward_on_device(x, ids, weights, PackedExperts(blob))
@@ -99,6 +100,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         out = torch.ops.kt.moe_forward(x, ids.contiguous(), weights, blob)
     if local is not None:
         out = out + _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
+    if prefill and self.__dict__.get(gpu_prefill.UPDATE_ATTRIBUTE):  # queued after this call's compute
+        rebalance_local_experts(self, gpu_prefill.batch_counts(top_k_index, int(self.__dict__[_SOURCE][0].shape[0])))
     return out
 
 

@@ -237,3 +237,59 @@ def test_a_layers_row_layout_is_found_once(monkeypatch) -> None:
     other = make_experts(4, 64, 48, seed=1)
     gpu_prefill.moe_forward_on_device(torch.randn(6, 64), ids, weights, other.packed)
     assert len(calls) == 2
+
+
+@pytest.fixture
+def prefill_on_the_cpu(monkeypatch):
+    """The GPU-prefill path taken by CPU inputs too (the same code; no GPU here)."""
+    monkeypatch.setattr(gpu_prefill, "should_run_on_device", lambda x, threshold: 0 < threshold <= x.shape[0])
+
+
+def dynamic_hybrid(gpu: list[int], dynamic: bool = True, threshold: int = 0) -> kt_ops.HybridMoE:
+    experts = make_experts(8, 64, 48)
+    g = torch.Generator().manual_seed(5)
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[gpu] = True
+    return kt_ops.HybridMoE(torch.randn(8, 64, generator=g).bfloat16(), experts.gate, experts.up, experts.down,
+                            kt_ops.Routing(2), gpu_experts_mask=mask, dynamic=dynamic,
+                            gpu_prefill_token_threshold=threshold)
+
+
+def test_prefill_moves_a_dynamic_layers_gpu_experts_to_the_batchs_hottest(prefill_on_the_cpu) -> None:
+    layer = dynamic_hybrid([0, 1])
+    assert kt_ops.set_gpu_prefill_token_threshold(layer, 16, update_gpu_experts=True) == 1
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    with torch.no_grad():
+        _, ids = layer.route(x)
+        hottest = sorted(torch.topk(torch.bincount(ids.reshape(-1), minlength=8).double(), 2).indices.tolist())
+        assert hottest != [0, 1]
+        first = layer(x)
+        assert torch.equal(first, dynamic_hybrid([0, 1], threshold=16)(x))  # with the placement it started with
+        assert layer.gpu_experts.tolist() == hottest
+        assert torch.equal(layer(x[:15]), dynamic_hybrid(hottest)(x[:15]))  # decode-sized: no update
+        assert layer.gpu_experts.tolist() == hottest
+
+
+def test_prefill_updates_need_a_dynamic_layer() -> None:
+    with pytest.raises(ValueError, match="dynamic_gpu_experts=True"):
+        kt_ops.set_gpu_prefill_token_threshold(dynamic_hybrid([0, 1], dynamic=False), 16, update_gpu_experts=True)
+    assert kt_ops.set_gpu_prefill_token_threshold(dynamic_hybrid([0, 1], dynamic=False), 16) == 1
+
+
+def test_prefill_moves_the_experts_paths_local_experts(prefill_on_the_cpu) -> None:
+    pytest.importorskip("transformers")
+    from hf_models import tiny_model
+    from kt_ops import hf_experts
+    from test_hf_patch import TOKENS, logits
+
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[:, [0, 1]] = True
+    model = kt_ops.patch_model(tiny_model("gpt_oss", dtype=torch.bfloat16).float(), "BF16", gpu_experts_mask=mask,
+                               dynamic_gpu_experts=True)
+    with kt_ops.ExpertStats(num_hidden_layers=2) as stats:
+        logits(model, TOKENS)
+    kt_ops.set_gpu_prefill_token_threshold(model, 4, update_gpu_experts=True)
+    logits(model, TOKENS)
+    for module in (m for m in model.modules() if hf_experts.is_experts_module(m)):
+        counts = stats.counts[hf_experts.layer_id(module)]
+        assert hf_experts.local_experts(module)[0].tolist() == sorted(torch.topk(counts.double(), 2).indices.tolist())

@@ -58,6 +58,8 @@ class HybridMoE(nn.Module):
             packed layer (:func:`kt_ops.gpu_prefill.moe_forward_on_device`; kt-kernel's
             ``--kt-gpu-prefill-token-threshold``). Eager calls only (not under
             ``torch.compile`` or CUDA-graph capture). A plain attribute: change it freely.
+            :func:`kt_ops.set_gpu_prefill_token_threshold` with ``update_gpu_experts=True``
+            also moves a dynamic layer's GPU experts to each such call's most activated.
 
     ``forward(hidden_states [..., H])`` returns ``[..., H]`` in the input's dtype. The
     GPU experts are computed densely over the batch (every GPU expert sees every token,
@@ -103,6 +105,7 @@ class HybridMoE(nn.Module):
             raise ValueError(f"layer_idx must be a non-negative int or None, got {layer_idx!r}")
         self.layer_idx = layer_idx
         self.gpu_prefill_token_threshold = gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
+        self.gpu_prefill_updates_gpu_experts = False  # kt_ops.set_gpu_prefill_token_threshold(update_gpu_experts=)
         self.num_experts, self.hidden_size, self.intermediate_size = int(experts), int(hidden), int(intermediate)
         self.routing = routing
         self.method = method
@@ -193,6 +196,8 @@ class HybridMoE(nn.Module):
                 current.wait_stream(side)
             routed.record_stream(current)
         out = routed if local is None else routed + local  # one summation order on both paths
+        if self.gpu_prefill_updates_gpu_experts and gpu_prefill.should_run_on_device(x, self.gpu_prefill_token_threshold):
+            self.rebalance(gpu_prefill.batch_counts(ids, self.num_experts))  # queued after this call's compute
         return out.reshape(shape)
 
     def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
