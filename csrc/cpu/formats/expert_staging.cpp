@@ -12,6 +12,7 @@
 #include "int_layout.h"
 #include "mxfp4_block.h"
 #include "packed_header.h"
+#include "transpose_avx2.h"
 
 namespace kt::cpu {
 namespace {
@@ -35,14 +36,69 @@ BlockRows block_rows(const StagingRows& out, bool gate_up, int64_t block, int64_
   return {codes + first * row_bytes, scales == nullptr ? nullptr : scales + first * scale_row_bytes, rows};
 }
 
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
+// 64-byte lines holding a 32-bit word of each of the 16 rows (bf16: a k-pair; int4: 8
+// nibbles, see stage_int4), 8 lines x 8 rows at a time through an 8 x 8 word transpose,
+// each row's words stored contiguously (kNibbles: reordered into row-order nibbles first).
+// Returns the lines done (a multiple of 8); the caller does the rest. Rows past dst.rows
+// are padding: read, never written.
+template <bool kNibbles>
+__attribute__((target("avx2"))) int64_t untile_words_avx2(const uint8_t* block, int64_t lines, const BlockRows& dst,
+                                                          size_t row_bytes) {
+  constexpr int64_t kLine = 4 * kRows;
+  const int64_t done = lines / 8 * 8;
+  const __m256i low = _mm256_set1_epi16(0x000f), high = _mm256_set1_epi16(0x00f0);
+  // a dword's bytes (out0, out2, out1, out3) -> (out0, out1, out2, out3)
+  const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                         0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  for (int half = 0; half < 2; ++half) {
+    const int64_t rows = std::min<int64_t>(dst.rows - 8 * half, 8);
+    if (rows <= 0) break;
+    for (int64_t l = 0; l < done; l += 8) {
+      __m256i t[8];
+      load_transposed_8x8(block + l * kLine + 32 * half, kLine, t);
+      for (int64_t i = 0; i < rows; ++i) {
+        __m256i w = t[i];
+        if (kNibbles) {  // 16-bit lane (s0, s1) -> bytes (lo s0 | lo s1 << 4, hi s0 | hi s1 << 4)
+          const __m256i a = _mm256_or_si256(_mm256_and_si256(w, low), _mm256_and_si256(_mm256_srli_epi16(w, 4), high));
+          const __m256i b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low),
+                                            _mm256_and_si256(_mm256_srli_epi16(w, 8), high));
+          w = _mm256_shuffle_epi8(_mm256_or_si256(a, _mm256_slli_epi16(b, 8)), order);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst.codes + (8 * half + i) * row_bytes + 4 * l), w);
+      }
+    }
+  }
+  return done;
+}
+
+// e4m3 lines (32 bytes: a 2-byte pair of each of the 16 rows), 16 lines x 16 rows at a
+// time; returns the pairs done (a multiple of 16).
+__attribute__((target("avx2"))) int64_t untile_e4m3_avx2(const uint8_t* block, int64_t pairs, const BlockRows& dst,
+                                                         size_t row_bytes) {
+  constexpr int64_t kLine = 2 * kRows;
+  const int64_t done = pairs / 16 * 16;
+  for (int64_t p = 0; p < done; p += 16) {
+    __m256i t[16];
+    load_transposed_16x16_epi16(block + p * kLine, kLine, t);
+    for (int64_t i = 0; i < dst.rows; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst.codes + i * row_bytes + 2 * p), t[i]);
+  }
+  return done;
+}
+
 // Lines of k-pairs (bf16 and the e4m3 formats): line p holds, for each of the 16 rows i,
 // elements 2p and 2p + 1 of `element` bytes each at byte 2 i element.
 void untile_pairs(const uint8_t* block, int element, int64_t k, const BlockRows& dst, size_t row_bytes) {
   const int64_t line = 2 * kRows * element, pair = 2 * element;
+  const int64_t first = !kHasAvx2     ? 0
+                        : element == 2 ? untile_words_avx2<false>(block, k / 2, dst, row_bytes)
+                                       : untile_e4m3_avx2(block, k / 2, dst, row_bytes);
   for (int64_t i = 0; i < dst.rows; ++i) {
     uint8_t* d = dst.codes + i * row_bytes;
     const uint8_t* s = block + i * pair;
-    for (int64_t p = 0; p < k / 2; ++p) std::memcpy(d + p * pair, s + p * line, pair);
+    for (int64_t p = first; p < k / 2; ++p) std::memcpy(d + p * pair, s + p * line, pair);
     if (k % 2) std::memcpy(d + (k / 2) * pair, s + (k / 2) * line, element);
   }
 }
@@ -105,10 +161,11 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
                     dims.down.block_bytes(), [&](bool gate_up, int64_t b, const uint8_t* block) {
     const int_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
     const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * 2);
+    const int64_t first = kHasAvx2 ? untile_words_avx2<true>(block, m.lines, dst, m.k / 2) : 0;
     for (int64_t i = 0; i < dst.rows; ++i) {
       // byte 4 i + j of line l: q(8 l + j) | q(8 l + 4 + j) << 4; out byte: k = 2 c low, 2 c + 1 high
       uint8_t* d = dst.codes + i * (m.k / 2);
-      for (int64_t l = 0; l < m.lines; ++l) {
+      for (int64_t l = first; l < m.lines; ++l) {
         const uint8_t* s = block + l * int_layout::kLineBytes + 4 * i;
         d[4 * l + 0] = static_cast<uint8_t>((s[0] & 15) | (s[1] << 4));
         d[4 * l + 1] = static_cast<uint8_t>((s[2] & 15) | (s[3] << 4));

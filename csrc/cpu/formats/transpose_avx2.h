@@ -37,4 +37,32 @@ __attribute__((target("avx2"))) inline void load_transposed_8x8(const uint8_t* l
   }
 }
 
+// The same for 16-bit elements, 16 x 16: out[i] element l = the 16-bit element of row i in
+// line l, for the 16 lines at lines + l * stride whose elements of rows 0..15 are 16
+// consecutive elements (the e4m3 formats' k-pair lines, fp8_layout.h).
+__attribute__((target("avx2"))) inline void load_transposed_16x16_epi16(const uint8_t* lines, size_t stride,
+                                                                         __m256i out[16]) {
+  __m256i r[16], a[16], b[16], c[2][8];
+  for (int l = 0; l < 16; ++l) r[l] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + l * stride));
+  for (int q = 0; q < 16; q += 2) {  // a[q]: rows 0-3 (lane 0; 8-11 in lane 1) of lines q, q + 1; a[q + 1]: rows 4-7
+    a[q] = _mm256_unpacklo_epi16(r[q], r[q + 1]);
+    a[q + 1] = _mm256_unpackhi_epi16(r[q], r[q + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // b[g + j]: rows 2 j and 2 j + 1 of lines g .. g + 3
+    b[g] = _mm256_unpacklo_epi32(a[g], a[g + 2]);
+    b[g + 1] = _mm256_unpackhi_epi32(a[g], a[g + 2]);
+    b[g + 2] = _mm256_unpacklo_epi32(a[g + 1], a[g + 3]);
+    b[g + 3] = _mm256_unpackhi_epi32(a[g + 1], a[g + 3]);
+  }
+  for (int h = 0; h < 2; ++h)  // c[h][i]: row i (lane 0; i + 8 in lane 1) of lines 8 h .. 8 h + 7
+    for (int j = 0; j < 4; ++j) {
+      c[h][2 * j] = _mm256_unpacklo_epi64(b[8 * h + j], b[8 * h + 4 + j]);
+      c[h][2 * j + 1] = _mm256_unpackhi_epi64(b[8 * h + j], b[8 * h + 4 + j]);
+    }
+  for (int i = 0; i < 8; ++i) {
+    out[i] = _mm256_permute2x128_si256(c[0][i], c[1][i], 0x20);
+    out[i + 8] = _mm256_permute2x128_si256(c[0][i], c[1][i], 0x31);
+  }
+}
+
 }  // namespace kt::cpu
