@@ -214,7 +214,7 @@ def moe_forward_on_device(
     rows = int(offsets[E])
     tokens = torch.div(order[:rows], K, rounding_mode="floor")
     gathered = x[tokens].to(dtype)  # [N, H], grouped by expert
-    results = torch.zeros(T * K, H, dtype=torch.float32, device=device)
+    results = torch.zeros(T * K, H, dtype=torch.float32, device=device)  # per (token, slot); skipped slots 0
     experts = torch.nonzero(counts[:E]).reshape(-1).tolist()
 
     act = reference.activation_of(packed.data)
@@ -230,7 +230,6 @@ def moe_forward_on_device(
     copy = _copy_stream(device) if cuda else None
     compute = torch.cuda.current_stream(device) if cuda else None
     done: list[torch.cuda.Event | None] = [None, None]
-    ys = torch.empty(rows, H, dtype=torch.float32, device=device)
     for k, chunk in enumerate(chunks):
         host = _host_chunk(packed, chunk, layout, dtype, pin=cuda)  # overlaps the GPU's work on chunk k - 1
         slot = k % 2
@@ -255,12 +254,11 @@ def moe_forward_on_device(
             y = (inter @ downs[c].T).float()
             if biases is not None:
                 y = y + biases[2][e]
-            ys[lo:hi] = y
+            results.index_copy_(0, order[lo:hi], y)  # each (token, slot) once: deterministic
         if cuda:
             event = torch.cuda.Event()
             event.record(compute)
             done[slot] = event
-    results[order[:rows]] = ys
     out = (results.view(T, K, H) * topk_weights.to(device=device, dtype=torch.float32).unsqueeze(-1)).sum(dim=1)
     return out.to(x.dtype)
 
@@ -335,5 +333,5 @@ def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_
     return count
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "batch_counts", "checked_threshold", "expand_rows", "moe_forward_on_device", "row_layout",
-           "set_gpu_prefill_token_threshold", "should_run_on_device"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "batch_counts", "checked_threshold", "expand_rows", "moe_forward_on_device",
+           "row_layout", "set_gpu_prefill_token_threshold", "should_run_on_device"]
