@@ -115,3 +115,19 @@ def test_unsupported_uses_are_refused(saved: dict[str, Path]) -> None:
     gpu = with_lora(gpu)
     with pytest.raises(ValueError, match="GPU experts"):
         gpu(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_patch_model_experts_interface_trains_under_peft(saved: dict[str, Path]) -> None:
+    """patch_model(experts_interface=True) on a HybridMoE architecture packs behind
+    transformers' experts interface, where PEFT's target_parameters LoRA trains."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved["qwen3_moe"], dtype=torch.float32)
+    patched = kt_ops.patch_model(model, "BF16", experts_interface=True)
+    assert not any(isinstance(m, kt_ops.HybridMoE) for m in patched.modules())
+    assert all(hf_experts.packed_blob(m) is not None for m in patched.modules() if hf_experts.is_experts_module(m))
+    ours, plain = with_lora(patched), with_lora(load(saved["qwen3_moe"], kt=False))
+    for got, want in zip(train(ours, steps=5), train(plain, steps=5)):
+        assert close_losses(got, want)
+    bare = torch.nn.Module()
+    bare.config = type("Config", (), {"model_type": "qwen3_moe"})()
+    with pytest.raises(ValueError, match="experts_interface=True"):
+        kt_ops.patch_model(bare, "BF16", experts_interface=True)

@@ -173,8 +173,11 @@ def patch_model(
     expert_stats: object = None,
     dynamic_gpu_experts: bool = False,
     gpu_prefill_token_threshold: int = 0,
+    experts_interface: bool = False,
 ) -> nn.Module:
-    """Replaces every MoE block of a ``transformers`` model, in place, by a :class:`HybridMoE`.
+    """Replaces every MoE block of a ``transformers`` model, in place, by a :class:`HybridMoE`
+    (:data:`HYBRID_MODEL_TYPES`), or packs its experts behind transformers' experts interface
+    (every other supported architecture, and these with ``experts_interface=True``).
 
     Args:
         model: a ``PreTrainedModel`` (or any module with a ``config``) of a supported
@@ -198,6 +201,12 @@ def patch_model(
             architectures): every expert packed for the CPU, host float weights kept.
         gpu_prefill_token_threshold: calls of at least this many tokens on a GPU compute
             the CPU experts there (:func:`kt_ops.set_gpu_prefill_token_threshold`; 0: never).
+        experts_interface: on the :data:`HYBRID_MODEL_TYPES`, pack the experts behind
+            transformers' experts interface (``experts_implementation="kt_ops"``: the model's
+            own router and modules, the experts module's fused parameters, so PEFT's
+            ``target_parameters`` LoRA trains over the packed experts) instead of replacing
+            the block by a :class:`HybridMoE`; a model without that interface is a
+            ``ValueError``. The other architectures always take this path.
         group_size, gguf_type: as :func:`kt_ops.pack_experts`.
         progress: called as ``progress(done, total)`` after each layer.
 
@@ -212,8 +221,11 @@ def patch_model(
     gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in _BLOCKS:
+    if model_type not in _BLOCKS or experts_interface:
         experts = [(name, m) for name, m in model.named_modules() if hf_experts.is_experts_module(m)]
+        if not experts and experts_interface and model_type in _BLOCKS:
+            raise ValueError(f"experts_interface=True: {type(model).__name__} has no experts class using "
+                             "transformers' experts interface (transformers v5 models have one)")
         if not experts:
             raise ValueError(f"kt_ops.patch_model does not support model_type {model_type!r} "
                              f"({type(model).__name__}: no experts class using transformers' experts interface); "
