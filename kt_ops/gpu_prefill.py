@@ -12,9 +12,10 @@ One call, in chunks of the routed experts (about ``chunk_bytes`` of packed weigh
 1. the host writes chunk ``k``'s experts as checkpoint rows — the rows kt-kernel's
    staging layouts are cut from (:func:`kt_ops.staging.stage_rows_into`: the packed codes
    un-tiled on the engine's threads, never widened, per-row scales) — straight into pinned
-   memory; for formats without a staging layout (INT8, asymmetric INT4, GGUF types other
-   than MXFP4, INT4 scales bf16 cannot hold) their weights dequantized to the compute
-   dtype (:func:`kt_ops.dequantize_experts`) instead;
+   memory (INT8, which kt-kernel does not stage, as int8 rows with fp32 row scales); for
+   the formats without such rows (asymmetric INT4, GGUF types other than MXFP4, INT4 scales
+   bf16 cannot hold) their weights dequantized to the compute dtype
+   (:func:`kt_ops.dequantize_experts`) instead;
 2. a copy stream moves chunk ``k`` to the GPU;
 3. the current stream expands the chunk's codes to the compute dtype
    (:func:`expand_rows`) and runs each expert over its tokens.
@@ -81,6 +82,8 @@ def expand_rows(layout: RowLayout, codes: torch.Tensor, scale: torch.Tensor | No
     if fmt in ("int4", "mxfp4"):
         nibbles = _nibbles(codes.view(torch.uint8))[..., :k]
         values = nibbles.float() - 8 if fmt == "int4" else _E2M1.to(codes.device)[nibbles.int()]
+    elif fmt == "int8":
+        values = codes.view(torch.int8).float()
     else:
         values = codes.view(torch.float8_e4m3fn).float()
     per = _ue8m0(scale.view(torch.uint8)) if fmt == "mxfp8" else scale.float()
@@ -112,7 +115,7 @@ def row_layout(packed: PackedExperts) -> RowLayout | None:
     weights, so an INT4 layer's first expert is compared with
     :func:`kt_ops.dequantize_experts`' values."""
     try:
-        layout = staged_row_layout(packed)
+        layout = staged_row_layout(packed, int8=True)
     except ValueError:
         return None
     if layout.format != "int4" or packed.num_experts == 0:

@@ -92,6 +92,7 @@ def _row_formats(fmt: str, group: int) -> tuple[torch.dtype, float, torch.dtype 
         "mxfp8": (torch.uint8, 1.0, torch.uint8, _MX_GROUP),
         "int4": (torch.uint8, 0.5, torch.bfloat16, group),
         "mxfp4": (torch.uint8, 0.5, torch.bfloat16, _MX_GROUP),
+        "int8": (torch.int8, 1.0, torch.float32, None),  # kt_ops' GPU prefill only
     }[fmt]
 
 
@@ -101,7 +102,7 @@ class RowLayout:
     ``code_dtype`` (``code_bytes`` per element), scales ``scale_dtype`` (None: none) per
     row and group of ``group`` k values (None: one per row)."""
 
-    format: str  # bf16, fp8, fp8_perchannel, mxfp8, int4 or mxfp4
+    format: str  # bf16, fp8, fp8_perchannel, mxfp8, int4, mxfp4 (or int8: row_layout(int8=True))
     group_size: int  # the INT4 group (the packed header's), 32 for MXFP4
     hidden: int
     intermediate: int
@@ -135,13 +136,15 @@ class RowLayout:
         return _Rows(c[0], c[1], c[2], sc[0], sc[1], sc[2])
 
 
-def row_layout(packed: PackedExperts) -> RowLayout:
-    """The :class:`RowLayout` of a layer; ``ValueError`` for one with no staging layout."""
+def row_layout(packed: PackedExperts, int8: bool = False) -> RowLayout:
+    """The :class:`RowLayout` of a layer; ``ValueError`` for one with no staging layout.
+    ``int8``: INT8 layers too (int8 rows, fp32 scales per row: not a kt-kernel layout,
+    :mod:`kt_ops.gpu_prefill` moves them so)."""
     info = _C.packed_info(packed.data)
     fmt, H, I, G = (info[key] for key in ("format", "hidden_size", "intermediate_size", "group_size"))
     if fmt == "gguf" and list(info["gguf_types"]) == ["MXFP4"] * 3:
         fmt, G = "mxfp4", _MX_GROUP
-    if fmt not in ("bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "mxfp4"):
+    if fmt not in ("bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "mxfp4") and not (int8 and fmt == "int8"):
         kind = f"gguf ({'/'.join(info['gguf_types'])})" if fmt == "gguf" else fmt
         raise ValueError(f"a {kind} layer has no GPU staging layout (kt-kernel writes BF16, FP8, FP8_PERCHANNEL, "
                          "MXFP8, RAWINT4 and MXFP4 layers; a symmetric INT4 layer stages as RAWINT4)")

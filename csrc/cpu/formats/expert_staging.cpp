@@ -38,12 +38,16 @@ BlockRows block_rows(const StagingRows& out, bool gate_up, int64_t block, int64_
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 
+// What untile_words_avx2 does to each row's word of a line before storing it.
+enum class Word { kAsIs, kNibbles, kOffsetBytes };
+
 // 64-byte lines holding a 32-bit word of each of the 16 rows (bf16: a k-pair; int4: 8
-// nibbles, see stage_int4), 8 lines x 8 rows at a time through an 8 x 8 word transpose,
-// each row's words stored contiguously (kNibbles: reordered into row-order nibbles first).
-// Returns the lines done (a multiple of 8); the caller does the rest. Rows past dst.rows
-// are padding: read, never written.
-template <bool kNibbles>
+// nibbles, see stage_int4; int8: 4 offset-binary bytes), 8 lines x 8 rows at a time through
+// an 8 x 8 word transpose, each row's words stored contiguously (kNibbles: reordered into
+// row-order nibbles; kOffsetBytes: q + 128 back to int8 q). Returns the lines done (a
+// multiple of 8 of `lines`); the caller does the rest. Rows past dst.rows are padding:
+// read, never written.
+template <Word kWord>
 __attribute__((target("avx2"))) int64_t untile_words_avx2(const uint8_t* block, int64_t lines, const BlockRows& dst,
                                                           size_t row_bytes) {
   constexpr int64_t kLine = 4 * kRows;
@@ -60,7 +64,8 @@ __attribute__((target("avx2"))) int64_t untile_words_avx2(const uint8_t* block, 
       load_transposed_8x8(block + l * kLine + 32 * half, kLine, t);
       for (int64_t i = 0; i < rows; ++i) {
         __m256i w = t[i];
-        if (kNibbles) {  // 16-bit lane (s0, s1) -> bytes (lo s0 | lo s1 << 4, hi s0 | hi s1 << 4)
+        if (kWord == Word::kOffsetBytes) w = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+        if (kWord == Word::kNibbles) {  // 16-bit lane (s0, s1) -> bytes (lo s0 | lo s1 << 4, hi s0 | hi s1 << 4)
           const __m256i a = _mm256_or_si256(_mm256_and_si256(w, low), _mm256_and_si256(_mm256_srli_epi16(w, 4), high));
           const __m256i b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low),
                                             _mm256_and_si256(_mm256_srli_epi16(w, 8), high));
@@ -93,7 +98,7 @@ __attribute__((target("avx2"))) int64_t untile_e4m3_avx2(const uint8_t* block, i
 void untile_pairs(const uint8_t* block, int element, int64_t k, const BlockRows& dst, size_t row_bytes) {
   const int64_t line = 2 * kRows * element, pair = 2 * element;
   const int64_t first = !kHasAvx2     ? 0
-                        : element == 2 ? untile_words_avx2<false>(block, k / 2, dst, row_bytes)
+                        : element == 2 ? untile_words_avx2<Word::kAsIs>(block, k / 2, dst, row_bytes)
                                        : untile_e4m3_avx2(block, k / 2, dst, row_bytes);
   for (int64_t i = 0; i < dst.rows; ++i) {
     uint8_t* d = dst.codes + i * row_bytes;
@@ -161,7 +166,7 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
                     dims.down.block_bytes(), [&](bool gate_up, int64_t b, const uint8_t* block) {
     const int_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
     const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * 2);
-    const int64_t first = kHasAvx2 ? untile_words_avx2<true>(block, m.lines, dst, m.k / 2) : 0;
+    const int64_t first = kHasAvx2 ? untile_words_avx2<Word::kNibbles>(block, m.lines, dst, m.k / 2) : 0;
     for (int64_t i = 0; i < dst.rows; ++i) {
       // byte 4 i + j of line l: q(8 l + j) | q(8 l + 4 + j) << 4; out byte: k = 2 c low, 2 c + 1 high
       uint8_t* d = dst.codes + i * (m.k / 2);
@@ -175,6 +180,25 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
       auto* scale = reinterpret_cast<uint16_t*>(dst.scales + i * m.groups * 2);
       for (int64_t g = 0; g < m.groups; ++g)
         scale[g] = bf16_truncated(block + m.scales_offset() + (g * kRows + i) * 4);
+    }
+  });
+}
+
+// int8 (not a kt-kernel staging layout: kt_ops' GPU prefill only): rows of int8 q (the
+// stored q + 128 back), fp32 scales per row.
+void stage_int8(const uint8_t* blob, const PackedLayout& layout, int64_t e, const StagingRows& out) {
+  const int_layout::Dims dims(layout.shape);
+  for_expert_blocks(blob, layout, e, dims.gate_up.blocks, dims.gate_up.block_bytes(), dims.down.blocks,
+                    dims.down.block_bytes(), [&](bool gate_up, int64_t b, const uint8_t* block) {
+    const int_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
+    const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k, 4);
+    // only lines wholly inside the real k: the rows are k bytes, no padding
+    const int64_t first = kHasAvx2 ? 4 * untile_words_avx2<Word::kOffsetBytes>(block, m.k / 4, dst, m.k) : 0;
+    for (int64_t i = 0; i < dst.rows; ++i) {
+      uint8_t* d = dst.codes + i * m.k;
+      for (int64_t k = first; k < m.k; ++k)
+        d[k] = static_cast<uint8_t>(block[(k / 4) * int_layout::kLineBytes + 4 * i + k % 4] ^ 0x80);
+      std::memcpy(dst.scales + i * 4, block + m.scales_offset() + i * 4, 4);
     }
   });
 }
@@ -226,6 +250,10 @@ StagingSizes staging_sizes(const PackedLayout& layout) {
       sizes.down_scale_row = (per_channel ? 1 : dims.down.groups) * scale;
       return sizes;
     }
+    case PackedFormat::kInt8:
+      sizes.gate_up_row = H, sizes.down_row = I;
+      sizes.gate_up_scale_row = sizes.down_scale_row = 4;
+      return sizes;
     case PackedFormat::kInt4:
       sizes.gate_up_row = H / 2, sizes.down_row = I / 2;
       sizes.gate_up_scale_row = H / s.group_size * 2, sizes.down_scale_row = I / s.group_size * 2;
@@ -252,6 +280,7 @@ void stage_expert_rows(const uint8_t* blob, size_t blob_bytes, int64_t expert, c
                                 std::to_string(layout.shape.num_experts) + " packed experts");
   switch (layout.shape.format) {
     case PackedFormat::kBf16: return stage_bf16(blob, layout, expert, out);
+    case PackedFormat::kInt8: return stage_int8(blob, layout, expert, out);
     case PackedFormat::kFp8:
     case PackedFormat::kFp8PerChannel:
     case PackedFormat::kMxfp8: return stage_fp8(blob, layout, expert, out);

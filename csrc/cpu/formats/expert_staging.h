@@ -9,6 +9,8 @@
 //                   stored level); scales bf16 [rows][K/G], the fp32 scales truncated
 //   gguf (MXFP4 x3) e2m1 nibbles [rows][K/2] in the same order; scales bf16 2^(e - 127)
 //                   (e = 0: 2^-127, e = 255: NaN)
+//   int8            int8 q [rows][K] (not a kt-kernel layout: kt_ops' GPU prefill only);
+//                   scales fp32 per row [rows]
 // K is the real row length (padding dropped). Other formats throw std::invalid_argument.
 #pragma once
 
@@ -35,7 +37,7 @@ struct StagingSizes {
   size_t down_row = 0, down_scale_row = 0;
 };
 
-// Throws std::invalid_argument for a layer with no staging layout (int8, int4_asym, GGUF
+// Throws std::invalid_argument for a layer with no staging layout (int4_asym, GGUF
 // types other than MXFP4 x 3).
 StagingSizes staging_sizes(const PackedLayout& layout);
 
