@@ -12,13 +12,13 @@ One call, in chunks of the routed experts (about ``chunk_bytes`` of packed weigh
 1. the host writes chunk ``k``'s experts as checkpoint rows — the rows kt-kernel's
    staging layouts are cut from (:func:`kt_ops.staging.stage_rows_into`: the packed codes
    un-tiled on the engine's threads, never widened, per-row scales) — straight into pinned
-   memory (INT8, which kt-kernel does not stage, as int8 rows with fp32 row scales); for
-   the formats without such rows (asymmetric INT4, GGUF types other than MXFP4, INT4 scales
-   bf16 cannot hold) their weights dequantized to the compute dtype
-   (:func:`kt_ops.dequantize_experts`) instead;
+   memory (INT8, which kt-kernel does not stage, as int8 rows with fp32 row scales); GGUF
+   layers as their own blocks (:mod:`kt_ops.gguf_torch` decodes them on the device); the
+   rest (asymmetric INT4, Q2_K/Q3_K, INT4 scales bf16 cannot hold) as weights dequantized
+   to the compute dtype (:func:`kt_ops.dequantize_experts`);
 2. a copy stream moves chunk ``k`` to the GPU;
-3. the current stream expands the chunk's codes to the compute dtype
-   (:func:`expand_rows`) and runs each expert over its tokens.
+3. the current stream expands the chunk's codes to the compute dtype (:func:`expand_rows`,
+   :func:`kt_ops.gguf_torch.dequantize_rows`) and runs each expert over its tokens.
 
 The host stages chunk ``k + 1`` while the GPU copies ``k`` and computes ``k - 1``; at most
 two chunks are on the GPU (double buffering). The same code runs on the CPU (no streams),
@@ -33,10 +33,12 @@ GPU's GEMMs choose their kernels by the number of tokens per expert, so unlike
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 
-from kt_ops import reference
+from kt_ops import gguf_torch, reference
 from kt_ops.ops import dequantize_experts
 from kt_ops.packed import PackedExperts
 from kt_ops.staging import RowLayout, stage_rows_into
@@ -91,19 +93,22 @@ def expand_rows(layout: RowLayout, codes: torch.Tensor, scale: torch.Tensor | No
     return (values * per).to(dtype)
 
 
-_LAYOUTS: dict[int, tuple[weakref.ref, RowLayout | None]] = {}  # id(blob) -> (the blob, its row_layout)
+_LAYOUTS: dict[int, tuple[weakref.ref, object]] = {}  # id(blob) -> (the blob, its transport)
 
 
-def cached_row_layout(packed: PackedExperts) -> RowLayout | None:
-    """:func:`row_layout`, remembered while the blob lives (the INT4 check dequantizes an
-    expert: once per layer, not once per call)."""
+def transport(packed: PackedExperts) -> RowLayout | GgufRows | None:
+    """How a layer's experts travel to the device: rows (:func:`row_layout`), GGUF blocks
+    (:func:`gguf_rows`) or None (dequantized weights); remembered while the blob lives (the
+    INT4 check dequantizes an expert: once per layer, not once per call)."""
     key = id(packed.data)
     hit = _LAYOUTS.get(key)
     if hit is not None and hit[0]() is packed.data:
-        return hit[1]
-    layout = row_layout(packed)
-    _LAYOUTS[key] = (weakref.ref(packed.data, lambda _, key=key: _LAYOUTS.pop(key, None)), layout)
-    return layout
+        return hit[1]  # type: ignore[return-value]
+    found = row_layout(packed)
+    if found is None:
+        found = gguf_rows(packed)
+    _LAYOUTS[key] = (weakref.ref(packed.data, lambda _, key=key: _LAYOUTS.pop(key, None)), found)
+    return found
 
 
 def row_layout(packed: PackedExperts) -> RowLayout | None:
@@ -132,10 +137,53 @@ def row_layout(packed: PackedExperts) -> RowLayout | None:
     return layout if exact else None
 
 
-def _host_chunk(packed: PackedExperts, experts: list[int], layout: RowLayout | None,
+@dataclass(frozen=True)
+class GgufRows:
+    """A GGUF layer whose three types :mod:`kt_ops.gguf_torch` decodes: its experts travel
+    as the file's own blocks (each matrix one ``[rows, row_bytes]`` slab per expert)."""
+
+    types: tuple[int, int, int]  # ggml type ids of gate, up, down
+    offsets: tuple[int, int, int]  # blob offsets of the matrices
+    rows: tuple[int, int, int]  # I, I, H
+    ks: tuple[int, int, int]  # H, H, I
+    row_bytes: tuple[int, int, int]
+
+
+def gguf_rows(packed: PackedExperts) -> GgufRows | None:
+    """The :class:`GgufRows` of a GGUF layer whose types are all in
+    :data:`kt_ops.gguf_torch.DEVICE_TYPES`, else None."""
+    from kt_ops._native import _C
+    from kt_ops.gguf_types import gguf_type_id, ggml_type_info
+
+    info = _C.packed_info(packed.data)
+    if info["format"] != "gguf" or any(t not in gguf_torch.DEVICE_TYPES for t in info["gguf_types"]):
+        return None
+    H, I = packed.hidden_size, packed.intermediate_size
+    types = tuple(gguf_type_id(t) for t in info["gguf_types"])
+    ks = (H, H, I)
+    row_bytes = tuple(k // ggml_type_info(t).block_elems * ggml_type_info(t).block_bytes for t, k in zip(types, ks))
+    return GgufRows(types, tuple(info["matrix_offsets"]), (I, I, H), ks, row_bytes)  # type: ignore[arg-type]
+
+
+Transport = Union[RowLayout, GgufRows, None]
+"""How a layer's experts travel: rows (:class:`RowLayout`), GGUF blocks, or None:
+dequantized weights."""
+
+
+def _host_chunk(packed: PackedExperts, experts: list[int], layout: Transport,
                 dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
     """A chunk's six host tensors (gate, up, down, their scales), batched over its experts:
-    rows written straight into (pinned) buffers, or dequantized weights and empty scales."""
+    rows written straight into (pinned) buffers, GGUF blocks copied, or dequantized weights
+    (no scales: empty tensors)."""
+    if isinstance(layout, GgufRows):
+        ids = torch.tensor(experts, dtype=torch.int64)
+        outs = []
+        for offset, rows, row_bytes in zip(layout.offsets, layout.rows, layout.row_bytes):
+            size = rows * row_bytes
+            source = packed.data[offset:offset + packed.num_experts * size].view(packed.num_experts, size)
+            outs.append(torch.index_select(source, 0, ids, out=torch.empty(len(experts), size, dtype=torch.uint8,
+                                                                            pin_memory=pin)))
+        return outs + [torch.empty(0, dtype=torch.uint8)] * 3
     if layout is not None:
         outs = layout.buffers(len(experts), pin=pin)
         for c, e in enumerate(experts):
@@ -147,11 +195,15 @@ def _host_chunk(packed: PackedExperts, experts: list[int], layout: RowLayout | N
     return weights + [torch.empty(0, dtype=torch.uint8)] * 3
 
 
-def _weights(tensors: list[torch.Tensor], layout: RowLayout | None, H: int, I: int,
+def _weights(tensors: list[torch.Tensor], layout: Transport, H: int, I: int,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A chunk's ``gate, up [C, I, H]`` and ``down [C, H, I]`` in ``dtype`` on the tensors'
     device."""
     gate, up, down = tensors[:3]
+    if isinstance(layout, GgufRows):
+        return tuple(  # type: ignore[return-value]
+            gguf_torch.dequantize_rows(raw.reshape(raw.shape[0], rows, row_bytes), t, k).to(dtype)
+            for raw, t, rows, k, row_bytes in zip(tensors[:3], layout.types, layout.rows, layout.ks, layout.row_bytes))
     if layout is None:
         return gate.to(dtype), up.to(dtype), down.to(dtype)
     r = layout.views(tensors)
@@ -224,7 +276,7 @@ def moe_forward_on_device(
     biases = act["biases"]
     if biases is not None:
         biases = tuple(b.to(device) for b in biases)
-    layout = cached_row_layout(packed)
+    layout = transport(packed)
     per_expert = max(1, packed.nbytes // max(E, 1))
     size = max(1, chunk_bytes // per_expert)
     chunks = [experts[i:i + size] for i in range(0, len(experts), size)]
@@ -336,5 +388,5 @@ def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_
     return count
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "batch_counts", "checked_threshold", "expand_rows", "moe_forward_on_device",
-           "row_layout", "set_gpu_prefill_token_threshold", "should_run_on_device"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "GgufRows", "batch_counts", "checked_threshold", "expand_rows", "moe_forward_on_device",
+           "row_layout", "set_gpu_prefill_token_threshold", "should_run_on_device", "transport"]

@@ -110,6 +110,28 @@ def test_bf16_inputs_compute_in_bf16() -> None:
     assert rel_err(got, kt_ops.moe_forward(x, ids, weights, experts.packed)) <= 1e-2
 
 
+GGUF_CASES = [c for c in CASES if c.format == "gguf" and c.id != "gguf-MXFP4"]
+
+
+@pytest.mark.parametrize("case", GGUF_CASES, ids=lambda c: c.id)
+def test_gguf_blocks_decode_on_the_device_to_the_kernels_weights(case) -> None:
+    """GGUF layers travel as their blocks; kt_ops.gguf_torch decodes them to exactly the
+    weights the CPU kernels use (gguf.quants' arithmetic), Q2_K/Q3_K excepted."""
+    packed = packed_case(case)
+    found = gpu_prefill.transport(packed)
+    types = [t if isinstance(t, str) else None for t in ([case.kwargs["gguf_type"]] * 3
+                                                        if isinstance(case.kwargs["gguf_type"], str)
+                                                        else case.kwargs["gguf_type"])]
+    if any(t in ("Q2_K", "Q3_K") for t in types):
+        assert found is None
+        return
+    assert isinstance(found, gpu_prefill.GgufRows)
+    host = gpu_prefill._host_chunk(packed, list(range(packed.num_experts)), found, torch.float32, pin=False)
+    got = gpu_prefill._weights(host, found, case.hidden, case.intermediate, torch.float32)
+    for name, a, b in zip(("gate", "up", "down"), got, kt_ops.dequantize_experts(packed)):
+        assert torch.equal(a, b), f"{case.id} {name}"
+
+
 def test_formats_without_a_staging_layout_travel_dequantized() -> None:
     for case in CASES:
         if case.format not in STAGED and case.id != "gguf-MXFP4":
