@@ -12,10 +12,10 @@ One call, in chunks of the routed experts (about ``chunk_bytes`` of packed weigh
 1. the host writes chunk ``k``'s experts as checkpoint rows — the rows kt-kernel's
    staging layouts are cut from (:func:`kt_ops.staging.stage_rows_into`: the packed codes
    un-tiled on the engine's threads, never widened, per-row scales) — straight into pinned
-   memory (INT8, which kt-kernel does not stage, as int8 rows with fp32 row scales); GGUF
-   layers as their own blocks (:mod:`kt_ops.gguf_torch` decodes them on the device); the
-   rest (asymmetric INT4, Q2_K/Q3_K, INT4 scales bf16 cannot hold) as weights dequantized
-   to the compute dtype (:func:`kt_ops.dequantize_experts`);
+   memory (INT4 scales kept in fp32 where kt-kernel truncates them to bf16; INT8, which
+   kt-kernel does not stage, as int8 rows with fp32 row scales); GGUF layers as their own
+   blocks (:mod:`kt_ops.gguf_torch` decodes them on the device); the rest (asymmetric INT4,
+   Q2_K, Q3_K) as weights dequantized to the compute dtype (:func:`kt_ops.dequantize_experts`);
 2. a copy stream moves chunk ``k`` to the GPU;
 3. the current stream expands the chunk's codes to the compute dtype (:func:`expand_rows`,
    :func:`kt_ops.gguf_torch.dequantize_rows`) and runs each expert over its tokens.
@@ -98,8 +98,8 @@ _LAYOUTS: dict[int, tuple[weakref.ref, object]] = {}  # id(blob) -> (the blob, i
 
 def transport(packed: PackedExperts) -> RowLayout | GgufRows | None:
     """How a layer's experts travel to the device: rows (:func:`row_layout`), GGUF blocks
-    (:func:`gguf_rows`) or None (dequantized weights); remembered while the blob lives (the
-    INT4 check dequantizes an expert: once per layer, not once per call)."""
+    (:func:`gguf_rows`) or None (dequantized weights); found once per layer (remembered
+    while the blob lives)."""
     key = id(packed.data)
     hit = _LAYOUTS.get(key)
     if hit is not None and hit[0]() is packed.data:
@@ -112,29 +112,12 @@ def transport(packed: PackedExperts) -> RowLayout | GgufRows | None:
 
 
 def row_layout(packed: PackedExperts) -> RowLayout | None:
-    """The :class:`kt_ops.staging.RowLayout` a layer's experts travel in when its rows
-    hold the kernels' weights exactly, else None (they travel dequantized).
-
-    INT4 rows carry the fp32 scales truncated to bf16 (kt-kernel's staging): exact for
-    scales read from a bf16 checkpoint (RAWINT4), not for a layer quantized from float
-    weights, so an INT4 layer's first expert is compared with
-    :func:`kt_ops.dequantize_experts`' values."""
+    """The :class:`kt_ops.staging.RowLayout` a layer's experts travel in (kt-kernel's
+    staging rows, INT4 scales kept in fp32, and INT8 rows), or None where it has none."""
     try:
-        layout = staged_row_layout(packed, int8=True)
+        return staged_row_layout(packed, prefill=True)
     except ValueError:
         return None
-    if layout.format != "int4" or packed.num_experts == 0:
-        return layout
-    rows = layout.buffers()
-    stage_rows_into(packed, 0, rows)
-    r = layout.views(rows)
-    H, I = layout.hidden, layout.intermediate
-    dequantized = dequantize_experts(packed, torch.zeros(1, dtype=torch.int64))
-    expanded = (expand_rows(layout, r.gate, r.gate_scale, H, torch.float32),
-                expand_rows(layout, r.up, r.up_scale, H, torch.float32),
-                expand_rows(layout, r.down, r.down_scale, I, torch.float32))
-    exact = all(torch.equal(a, b[0]) for a, b in zip(expanded, dequantized))
-    return layout if exact else None
 
 
 @dataclass(frozen=True)
@@ -187,7 +170,7 @@ def _host_chunk(packed: PackedExperts, experts: list[int], layout: Transport,
     if layout is not None:
         outs = layout.buffers(len(experts), pin=pin)
         for c, e in enumerate(experts):
-            stage_rows_into(packed, e, [t[c] for t in outs])
+            stage_rows_into(packed, e, [t[c] for t in outs], layout.int4_fp32_scales)
         return outs
     weights = list(dequantize_experts(packed, torch.tensor(experts, dtype=torch.int64), dtype))
     if pin:

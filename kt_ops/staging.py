@@ -84,7 +84,10 @@ class _Rows:
 
 # format -> (code dtype, bytes per element of a row: 2 bf16, 1 e4m3, 0.5 two 4-bit codes per
 # byte), scale dtype (None: no scales) and k per scale group (None: one scale per row).
-def _row_formats(fmt: str, group: int) -> tuple[torch.dtype, float, torch.dtype | None, int | None]:
+def _row_formats(fmt: str, group: int, int4_fp32_scales: bool = False,
+                 ) -> tuple[torch.dtype, float, torch.dtype | None, int | None]:
+    if fmt == "int4" and int4_fp32_scales:
+        return torch.uint8, 0.5, torch.float32, group
     return {
         "bf16": (torch.bfloat16, 2.0, None, None),
         "fp8": (torch.uint8, 1.0, torch.float32, _FP8_BLOCK),
@@ -110,6 +113,7 @@ class RowLayout:
     code_bytes: float
     scale_dtype: torch.dtype | None
     group: int | None
+    int4_fp32_scales: bool = False  # int4 scales as fp32 (row_layout(prefill=True)), not bf16
 
     def buffers(self, count: int | None = None, pin: bool = False) -> list[torch.Tensor]:
         """Empty uint8 outputs for ``count`` experts (None: one, no leading dim): gate,
@@ -136,28 +140,30 @@ class RowLayout:
         return _Rows(c[0], c[1], c[2], sc[0], sc[1], sc[2])
 
 
-def row_layout(packed: PackedExperts, int8: bool = False) -> RowLayout:
+def row_layout(packed: PackedExperts, prefill: bool = False) -> RowLayout:
     """The :class:`RowLayout` of a layer; ``ValueError`` for one with no staging layout.
-    ``int8``: INT8 layers too (int8 rows, fp32 scales per row: not a kt-kernel layout,
-    :mod:`kt_ops.gpu_prefill` moves them so)."""
+    ``prefill``: the rows :mod:`kt_ops.gpu_prefill` moves, which are not all kt-kernel's:
+    INT8 layers too (int8 rows, fp32 scales per row) and INT4 scales as fp32 (exact)."""
     info = _C.packed_info(packed.data)
     fmt, H, I, G = (info[key] for key in ("format", "hidden_size", "intermediate_size", "group_size"))
     if fmt == "gguf" and list(info["gguf_types"]) == ["MXFP4"] * 3:
         fmt, G = "mxfp4", _MX_GROUP
-    if fmt not in ("bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "mxfp4") and not (int8 and fmt == "int8"):
+    if fmt not in ("bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "mxfp4") and not (prefill and fmt == "int8"):
         kind = f"gguf ({'/'.join(info['gguf_types'])})" if fmt == "gguf" else fmt
         raise ValueError(f"a {kind} layer has no GPU staging layout (kt-kernel writes BF16, FP8, FP8_PERCHANNEL, "
                          "MXFP8, RAWINT4 and MXFP4 layers; a symmetric INT4 layer stages as RAWINT4)")
-    return RowLayout(fmt, G, H, I, *_row_formats(fmt, G))
+    return RowLayout(fmt, G, H, I, *_row_formats(fmt, G, prefill), int4_fp32_scales=prefill and fmt == "int4")
 
 
-def stage_rows_into(packed: PackedExperts, expert: int, outs: list[torch.Tensor]) -> None:
+def stage_rows_into(packed: PackedExperts, expert: int, outs: list[torch.Tensor],
+                    int4_fp32_scales: bool = False) -> None:
     """Writes expert ``expert``'s rows into :meth:`RowLayout.buffers` (or one expert's
-    slices of them), on the engine's threads, without the GIL."""
+    slices of them; ``int4_fp32_scales`` as the layout's), on the engine's threads, without
+    the GIL."""
     num_experts = _C.packed_info(packed.data)["num_experts"]
     if not 0 <= expert < num_experts:
         raise ValueError(f"expert {expert} is not in this layer's {num_experts} packed experts")
-    _C.stage_expert_rows(packed.data, expert, outs)
+    _C.stage_expert_rows(packed.data, expert, outs, int4_fp32_scales)
 
 
 def _expert_rows(packed: PackedExperts, expert: int) -> tuple[str, int, _Rows]:

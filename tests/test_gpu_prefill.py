@@ -24,7 +24,7 @@ import kt_ops.cuda
 from conftest import logits_bound, make_experts, random_routing, rel_err
 from format_cases import format_cases
 from kt_ops import gpu_prefill, reference
-from kt_ops.staging import stage_rows_into
+from kt_ops.staging import stage_expert, stage_rows_into
 
 CASES = format_cases(min_hidden=90, min_intermediate=70)
 STAGED = {"bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "int8"}
@@ -62,22 +62,24 @@ def test_staged_rows_expand_to_the_kernels_weights(case) -> None:
     H, I = case.hidden, case.intermediate
     outs = layout.buffers(packed.num_experts)
     for e in range(packed.num_experts):
-        stage_rows_into(packed, e, [t[e] for t in outs])
+        stage_rows_into(packed, e, [t[e] for t in outs], layout.int4_fp32_scales)
     r = layout.views(outs)
     assert torch.equal(gpu_prefill.expand_rows(layout, r.gate, r.gate_scale, H, torch.float32), gate)
     assert torch.equal(gpu_prefill.expand_rows(layout, r.up, r.up_scale, H, torch.float32), up)
     assert torch.equal(gpu_prefill.expand_rows(layout, r.down, r.down_scale, I, torch.float32), down)
 
 
-def test_int4_scales_that_bf16_cannot_hold_go_dequantized() -> None:
-    """INT4 staging truncates scales to bf16: a layer quantized from fp32 weights (scales
-    bf16 cannot hold) is sent as dequantized weights instead, and still computes exactly."""
+def test_int4_scales_travel_in_fp32() -> None:
+    """kt-kernel's INT4 staging truncates the scales to bf16; the prefill rows keep them in
+    fp32, so a layer quantized from fp32 weights (scales bf16 cannot hold) is exact too."""
     g = torch.Generator().manual_seed(1)
     E, H, I = 3, 128, 64
     w = [torch.randn(E, I, H, generator=g) * 0.37, torch.randn(E, I, H, generator=g) * 0.37,
          torch.randn(E, H, I, generator=g) * 0.29]
     packed = kt_ops.pack_experts(*w, method="RAWINT4", group_size=32)
-    assert gpu_prefill.row_layout(packed) is None
+    layout = gpu_prefill.row_layout(packed)
+    assert layout is not None and layout.int4_fp32_scales and layout.scale_dtype == torch.float32
+    assert stage_expert(packed, 0)[0].w13_scale.dtype == torch.bfloat16  # kt-kernel's layout unchanged
     x = torch.randn(9, H, generator=g)
     ids, weights = random_routing(9, E, 2)
     assert rel_err(gpu_prefill.moe_forward_on_device(x, ids, weights, packed), oracle(x, ids, weights, packed)) <= 1e-5

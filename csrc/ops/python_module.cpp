@@ -167,13 +167,14 @@ std::string kernel_name(const std::string& format, const std::string& variant) {
 // One expert of a packed layer in staging rows (cpu/formats/expert_staging.h): `outs` =
 // gate, up, down, gate_scale, up_scale, down_scale (uint8, CPU, contiguous, exactly the
 // rows' bytes; the scales empty where the format has none).
-void stage_expert_rows(const at::Tensor& packed, int64_t expert, const std::vector<at::Tensor>& outs) {
+void stage_expert_rows(const at::Tensor& packed, int64_t expert, const std::vector<at::Tensor>& outs,
+                       bool int4_fp32_scales) {
   translate_errors([&] {
     check_dtype(packed, "packed", {at::kByte});
     check_cpu_contiguous(packed, "packed");
     const uint8_t* blob = packed.const_data_ptr<uint8_t>();
     const size_t blob_bytes = static_cast<size_t>(packed.numel());
-    const cpu::StagingSizes sizes = cpu::staging_sizes(cpu::read_packed_header(blob, blob_bytes));
+    const cpu::StagingSizes sizes = cpu::staging_sizes(cpu::read_packed_header(blob, blob_bytes), int4_fp32_scales);
     TORCH_CHECK_VALUE(outs.size() == 6, "stage_expert_rows takes 6 outputs, got ", outs.size());
     const int64_t rows[6] = {sizes.intermediate, sizes.intermediate, sizes.hidden,
                              sizes.intermediate, sizes.intermediate, sizes.hidden};
@@ -189,7 +190,8 @@ void stage_expert_rows(const at::Tensor& packed, int64_t expert, const std::vect
       ptr[i] = want == 0 ? nullptr : outs[i].data_ptr<uint8_t>();
     }
     py::gil_scoped_release no_gil;
-    cpu::stage_expert_rows(blob, blob_bytes, expert, {ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5]});
+    cpu::stage_expert_rows(blob, blob_bytes, expert,
+                           {ptr[0], ptr[1], ptr[2], ptr[3], ptr[4], ptr[5], int4_fp32_scales});
   });
 }
 
@@ -359,7 +361,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("format_table", &format_table);
   m.def("ggml_type_table", &ggml_type_table);
   m.def("time_read_passes", &time_read_passes);
-  m.def("stage_expert_rows", &stage_expert_rows, py::arg("packed"), py::arg("expert"), py::arg("outs"));
+  m.def("stage_expert_rows", &stage_expert_rows, py::arg("packed"), py::arg("expert"), py::arg("outs"),
+        py::arg("int4_fp32_scales") = false);
   m.def("_engine_thread_ids", &engine_thread_ids);
   m.def("_torch_thread_ids", &torch_thread_ids);
   m.def("_engine_node_thread_ids", &engine_node_thread_ids);

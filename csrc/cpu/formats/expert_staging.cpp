@@ -165,7 +165,7 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
   for_expert_blocks(blob, layout, e, dims.gate_up.blocks, dims.gate_up.block_bytes(), dims.down.blocks,
                     dims.down.block_bytes(), [&](bool gate_up, int64_t b, const uint8_t* block) {
     const int_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
-    const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * 2);
+    const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * (out.int4_fp32_scales ? 4 : 2));
     const int64_t first = kHasAvx2 ? untile_words_avx2<Word::kNibbles>(block, m.lines, dst, m.k / 2) : 0;
     for (int64_t i = 0; i < dst.rows; ++i) {
       // byte 4 i + j of line l: q(8 l + j) | q(8 l + 4 + j) << 4; out byte: k = 2 c low, 2 c + 1 high
@@ -177,9 +177,13 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
         d[4 * l + 2] = static_cast<uint8_t>((s[0] >> 4) | (s[1] & 0xf0));
         d[4 * l + 3] = static_cast<uint8_t>((s[2] >> 4) | (s[3] & 0xf0));
       }
-      auto* scale = reinterpret_cast<uint16_t*>(dst.scales + i * m.groups * 2);
-      for (int64_t g = 0; g < m.groups; ++g)
-        scale[g] = bf16_truncated(block + m.scales_offset() + (g * kRows + i) * 4);
+      const uint8_t* scales = block + m.scales_offset() + i * 4;  // [groups][16] fp32
+      if (out.int4_fp32_scales) {
+        for (int64_t g = 0; g < m.groups; ++g) std::memcpy(dst.scales + (i * m.groups + g) * 4, scales + g * kRows * 4, 4);
+      } else {
+        auto* scale = reinterpret_cast<uint16_t*>(dst.scales + i * m.groups * 2);
+        for (int64_t g = 0; g < m.groups; ++g) scale[g] = bf16_truncated(scales + g * kRows * 4);
+      }
     }
   });
 }
@@ -229,7 +233,7 @@ void stage_mxfp4(const uint8_t* blob, const PackedLayout& layout, int64_t e, con
 
 }  // namespace
 
-StagingSizes staging_sizes(const PackedLayout& layout) {
+StagingSizes staging_sizes(const PackedLayout& layout, bool int4_fp32_scales) {
   const PackedShape& s = layout.shape;
   const int64_t H = s.hidden_size, I = s.intermediate_size;
   StagingSizes sizes;
@@ -254,10 +258,12 @@ StagingSizes staging_sizes(const PackedLayout& layout) {
       sizes.gate_up_row = H, sizes.down_row = I;
       sizes.gate_up_scale_row = sizes.down_scale_row = 4;
       return sizes;
-    case PackedFormat::kInt4:
+    case PackedFormat::kInt4: {
+      const size_t scale = int4_fp32_scales ? 4 : 2;
       sizes.gate_up_row = H / 2, sizes.down_row = I / 2;
-      sizes.gate_up_scale_row = H / s.group_size * 2, sizes.down_scale_row = I / s.group_size * 2;
+      sizes.gate_up_scale_row = H / s.group_size * scale, sizes.down_scale_row = I / s.group_size * scale;
       return sizes;
+    }
     case PackedFormat::kGguf: {
       const uint32_t mxfp4 = static_cast<uint32_t>(GgmlType::kMxfp4);
       if (s.gguf_types[0] != mxfp4 || s.gguf_types[1] != mxfp4 || s.gguf_types[2] != mxfp4) break;

@@ -28,6 +28,7 @@ struct StagingRows {
   uint8_t* gate_scale = nullptr;  // per row, as above (nullptr for bf16)
   uint8_t* up_scale = nullptr;
   uint8_t* down_scale = nullptr;
+  bool int4_fp32_scales = false;  // int4: the scales as fp32, not truncated (kt_ops' GPU prefill)
 };
 
 // Bytes per row of each output for a layer: gate/up rows (I of each), down rows (H).
@@ -39,7 +40,7 @@ struct StagingSizes {
 
 // Throws std::invalid_argument for a layer with no staging layout (int4_asym, GGUF
 // types other than MXFP4 x 3).
-StagingSizes staging_sizes(const PackedLayout& layout);
+StagingSizes staging_sizes(const PackedLayout& layout, bool int4_fp32_scales = false);
 
 // Writes expert `expert` of the packed blob (`blob_bytes` long) into `out` (buffers of
 // staging_sizes), on the engine's threads.
