@@ -12,10 +12,11 @@ One call, in chunks of the routed experts (about ``chunk_bytes`` of packed weigh
 1. the host writes chunk ``k``'s experts as checkpoint rows — the rows kt-kernel's
    staging layouts are cut from (:func:`kt_ops.staging.stage_rows_into`: the packed codes
    un-tiled on the engine's threads, never widened, per-row scales) — straight into pinned
-   memory (INT4 scales kept in fp32 where kt-kernel truncates them to bf16; INT8, which
-   kt-kernel does not stage, as int8 rows with fp32 row scales); GGUF layers as their own
-   blocks (:mod:`kt_ops.gguf_torch` decodes them on the device); the rest (asymmetric INT4,
-   Q2_K, Q3_K) as weights dequantized to the compute dtype (:func:`kt_ops.dequantize_experts`);
+   memory (INT4 scales kept in fp32 where kt-kernel truncates them to bf16; INT8 and
+   asymmetric INT4, which kt-kernel does not stage, as int8 rows with fp32 row scales and
+   as nibbles with fp32 (scale, minimum) pairs); GGUF layers as their own
+   blocks (:mod:`kt_ops.gguf_torch` decodes them on the device); Q2_K and Q3_K as weights
+   dequantized to the compute dtype (:func:`kt_ops.dequantize_experts`);
 2. a copy stream moves chunk ``k`` to the GPU;
 3. the current stream expands the chunk's codes to the compute dtype (:func:`expand_rows`,
    :func:`kt_ops.gguf_torch.dequantize_rows`) and runs each expert over its tokens.
@@ -81,6 +82,10 @@ def expand_rows(layout: RowLayout, codes: torch.Tensor, scale: torch.Tensor | No
     fmt = layout.format
     if fmt == "bf16":
         return codes.to(dtype)
+    if fmt == "int4_asym":  # w = scale q + minimum
+        q = _nibbles(codes.view(torch.uint8))[..., :k].float()
+        pairs = scale.float().unflatten(-1, (-1, 2))
+        return (q * _groups(pairs[..., 0], layout.group, k) + _groups(pairs[..., 1], layout.group, k)).to(dtype)
     if fmt in ("int4", "mxfp4"):
         nibbles = _nibbles(codes.view(torch.uint8))[..., :k]
         values = nibbles.float() - 8 if fmt == "int4" else _E2M1.to(codes.device)[nibbles.int()]

@@ -86,7 +86,7 @@ class _Rows:
 # byte), scale dtype (None: no scales) and k per scale group (None: one scale per row).
 def _row_formats(fmt: str, group: int, int4_fp32_scales: bool = False,
                  ) -> tuple[torch.dtype, float, torch.dtype | None, int | None]:
-    if fmt == "int4" and int4_fp32_scales:
+    if fmt in ("int4", "int4_asym") and int4_fp32_scales:  # int4_asym: (scale, minimum) pairs
         return torch.uint8, 0.5, torch.float32, group
     return {
         "bf16": (torch.bfloat16, 2.0, None, None),
@@ -105,7 +105,7 @@ class RowLayout:
     ``code_dtype`` (``code_bytes`` per element), scales ``scale_dtype`` (None: none) per
     row and group of ``group`` k values (None: one per row)."""
 
-    format: str  # bf16, fp8, fp8_perchannel, mxfp8, int4, mxfp4 (or int8: row_layout(int8=True))
+    format: str  # bf16, fp8, fp8_perchannel, mxfp8, int4, mxfp4 (int8, int4_asym: row_layout(prefill=True))
     group_size: int  # the INT4 group (the packed header's), 32 for MXFP4
     hidden: int
     intermediate: int
@@ -114,6 +114,7 @@ class RowLayout:
     scale_dtype: torch.dtype | None
     group: int | None
     int4_fp32_scales: bool = False  # int4 scales as fp32 (row_layout(prefill=True)), not bf16
+    scale_values: int = 1  # values per row and group: 2 for int4_asym's (scale, minimum)
 
     def buffers(self, count: int | None = None, pin: bool = False) -> list[torch.Tensor]:
         """Empty uint8 outputs for ``count`` experts (None: one, no leading dim): gate,
@@ -126,7 +127,7 @@ class RowLayout:
             elif self.scale_dtype is None:
                 return torch.empty(*lead, 0, dtype=torch.uint8, pin_memory=pin)
             else:
-                width = (1 if self.group is None else -(-k // self.group)) * self.scale_dtype.itemsize
+                width = (1 if self.group is None else -(-k // self.group)) * self.scale_dtype.itemsize * self.scale_values
             return torch.empty(*lead, rows, width, dtype=torch.uint8, pin_memory=pin)
 
         H, I = self.hidden, self.intermediate
@@ -143,16 +144,19 @@ class RowLayout:
 def row_layout(packed: PackedExperts, prefill: bool = False) -> RowLayout:
     """The :class:`RowLayout` of a layer; ``ValueError`` for one with no staging layout.
     ``prefill``: the rows :mod:`kt_ops.gpu_prefill` moves, which are not all kt-kernel's:
-    INT8 layers too (int8 rows, fp32 scales per row) and INT4 scales as fp32 (exact)."""
+    INT4 scales as fp32 (exact), and INT8 (int8 rows, fp32 scales per row) and asymmetric
+    INT4 layers (fp32 (scale, minimum) pairs) too."""
     info = _C.packed_info(packed.data)
     fmt, H, I, G = (info[key] for key in ("format", "hidden_size", "intermediate_size", "group_size"))
     if fmt == "gguf" and list(info["gguf_types"]) == ["MXFP4"] * 3:
         fmt, G = "mxfp4", _MX_GROUP
-    if fmt not in ("bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "mxfp4") and not (prefill and fmt == "int8"):
+    if fmt not in ("bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "mxfp4") and not (
+            prefill and fmt in ("int8", "int4_asym")):
         kind = f"gguf ({'/'.join(info['gguf_types'])})" if fmt == "gguf" else fmt
         raise ValueError(f"a {kind} layer has no GPU staging layout (kt-kernel writes BF16, FP8, FP8_PERCHANNEL, "
                          "MXFP8, RAWINT4 and MXFP4 layers; a symmetric INT4 layer stages as RAWINT4)")
-    return RowLayout(fmt, G, H, I, *_row_formats(fmt, G, prefill), int4_fp32_scales=prefill and fmt == "int4")
+    return RowLayout(fmt, G, H, I, *_row_formats(fmt, G, prefill), int4_fp32_scales=prefill and fmt.startswith("int4"),
+                     scale_values=2 if fmt == "int4_asym" else 1)
 
 
 def stage_rows_into(packed: PackedExperts, expert: int, outs: list[torch.Tensor],

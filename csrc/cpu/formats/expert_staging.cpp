@@ -165,7 +165,9 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
   for_expert_blocks(blob, layout, e, dims.gate_up.blocks, dims.gate_up.block_bytes(), dims.down.blocks,
                     dims.down.block_bytes(), [&](bool gate_up, int64_t b, const uint8_t* block) {
     const int_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
-    const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * (out.int4_fp32_scales ? 4 : 2));
+    // scales per row and group: bf16 (kt-kernel's), fp32, or int4_asym's fp32 (scale, minimum)
+    const size_t scale_bytes = m.minimums ? 8 : out.int4_fp32_scales ? 4 : 2;
+    const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * scale_bytes);
     const int64_t first = kHasAvx2 ? untile_words_avx2<Word::kNibbles>(block, m.lines, dst, m.k / 2) : 0;
     for (int64_t i = 0; i < dst.rows; ++i) {
       // byte 4 i + j of line l: q(8 l + j) | q(8 l + 4 + j) << 4; out byte: k = 2 c low, 2 c + 1 high
@@ -178,8 +180,13 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
         d[4 * l + 3] = static_cast<uint8_t>((s[2] >> 4) | (s[3] & 0xf0));
       }
       const uint8_t* scales = block + m.scales_offset() + i * 4;  // [groups][16] fp32
+      const uint8_t* minimums = block + m.minimums_offset() + i * 4;
       if (out.int4_fp32_scales) {
-        for (int64_t g = 0; g < m.groups; ++g) std::memcpy(dst.scales + (i * m.groups + g) * 4, scales + g * kRows * 4, 4);
+        for (int64_t g = 0; g < m.groups; ++g) {
+          uint8_t* to = dst.scales + (i * m.groups + g) * scale_bytes;
+          std::memcpy(to, scales + g * kRows * 4, 4);
+          if (m.minimums) std::memcpy(to + 4, minimums + g * kRows * 4, 4);
+        }
       } else {
         auto* scale = reinterpret_cast<uint16_t*>(dst.scales + i * m.groups * 2);
         for (int64_t g = 0; g < m.groups; ++g) scale[g] = bf16_truncated(scales + g * kRows * 4);
@@ -258,8 +265,11 @@ StagingSizes staging_sizes(const PackedLayout& layout, bool int4_fp32_scales) {
       sizes.gate_up_row = H, sizes.down_row = I;
       sizes.gate_up_scale_row = sizes.down_scale_row = 4;
       return sizes;
+    case PackedFormat::kInt4Asym:  // kt_ops' GPU prefill only: (scale, minimum) fp32 pairs
+      if (!int4_fp32_scales) break;
+      [[fallthrough]];
     case PackedFormat::kInt4: {
-      const size_t scale = int4_fp32_scales ? 4 : 2;
+      const size_t scale = s.format == PackedFormat::kInt4Asym ? 8 : int4_fp32_scales ? 4 : 2;
       sizes.gate_up_row = H / 2, sizes.down_row = I / 2;
       sizes.gate_up_scale_row = H / s.group_size * scale, sizes.down_scale_row = I / s.group_size * scale;
       return sizes;
@@ -280,7 +290,7 @@ StagingSizes staging_sizes(const PackedLayout& layout, bool int4_fp32_scales) {
 
 void stage_expert_rows(const uint8_t* blob, size_t blob_bytes, int64_t expert, const StagingRows& out) {
   const PackedLayout layout = read_packed_header(blob, blob_bytes);
-  staging_sizes(layout);  // throws for a layer with no staging layout
+  staging_sizes(layout, out.int4_fp32_scales);  // throws for a layer with no staging layout
   if (expert < 0 || expert >= static_cast<int64_t>(layout.shape.num_experts))
     throw std::invalid_argument("expert " + std::to_string(expert) + " is not in this layer's " +
                                 std::to_string(layout.shape.num_experts) + " packed experts");
@@ -290,7 +300,8 @@ void stage_expert_rows(const uint8_t* blob, size_t blob_bytes, int64_t expert, c
     case PackedFormat::kFp8:
     case PackedFormat::kFp8PerChannel:
     case PackedFormat::kMxfp8: return stage_fp8(blob, layout, expert, out);
-    case PackedFormat::kInt4: return stage_int4(blob, layout, expert, out);
+    case PackedFormat::kInt4:
+    case PackedFormat::kInt4Asym: return stage_int4(blob, layout, expert, out);
     default: return stage_mxfp4(blob, layout, expert, out);  // gguf, MXFP4 x 3 (staging_sizes checked)
   }
 }

@@ -11,6 +11,8 @@
 //                   (e = 0: 2^-127, e = 255: NaN)
 //   int8            int8 q [rows][K] (not a kt-kernel layout: kt_ops' GPU prefill only);
 //                   scales fp32 per row [rows]
+//   int4 with int4_fp32_scales: scales fp32 [rows][K/G]; int4_asym (only with it): nibbles
+//                   q (w = scale q + minimum), (scale, minimum) fp32 pairs [rows][K/G][2]
 // K is the real row length (padding dropped). Other formats throw std::invalid_argument.
 #pragma once
 
