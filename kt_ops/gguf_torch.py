@@ -18,7 +18,14 @@ from kt_ops.gguf_types import ggml_type_info
 QK_K = 256
 DEVICE_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
                           "MXFP4"})
-_E2M1 = torch.tensor(reference.MXFP4_VALUES, dtype=torch.float32)
+E2M1 = torch.tensor(reference.MXFP4_VALUES, dtype=torch.float32)  # e2m1 code -> value
+
+
+def ue8m0(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 OCP MX exponents -> fp32 ``2^(e - 127)`` built from bits (exact on any device;
+    0 is the subnormal 2^-127, 255 NaN)."""
+    e = codes.to(torch.int32)
+    return torch.where(e == 0, 0x00400000, torch.where(e == 255, 0x7FC00000, e << 23)).view(torch.float32)
 
 
 def _field(blocks: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
@@ -88,10 +95,8 @@ def _blocks(kind: str, b: torch.Tensor) -> torch.Tensor:
         d = (_half(b, 208) * _field(b, 192, 208, torch.int8).float()).unsqueeze(-1)  # [..., 16, 1]
         return (d * q.reshape(*lead, 16, 16).float()).reshape(*lead, QK_K)
     if kind == "MXFP4":
-        e = b[..., 0:1].to(torch.int32)
-        scale = torch.where(e == 0, 0x00400000, torch.where(e == 255, 0x7FC00000, e << 23)).view(torch.float32)
         codes = _low_high(b[..., 1:17]).int()
-        return _E2M1.to(b.device)[codes] * scale
+        return E2M1.to(b.device)[codes] * ue8m0(b[..., 0:1])
     raise ValueError(f"GGUF type {kind} is not decoded on the device")
 
 

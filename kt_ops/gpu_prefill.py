@@ -52,14 +52,6 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype == torch.float32 else torch.bfloat16
 
 
-def _ue8m0(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 exponents -> fp32 ``2^(e - 127)`` built from bits (exact; 0 is the subnormal
-    2^-127, 255 NaN)."""
-    e = codes.to(torch.int32)
-    bits = torch.where(e == 0, 0x00400000, torch.where(e == 255, 0x7FC00000, e << 23))
-    return bits.view(torch.float32)
-
-
 def _groups(scale: torch.Tensor, group: int, k: int) -> torch.Tensor:
     """Per-group scales ``[..., ceil(k / group)]`` -> per element ``[..., k]``."""
     return scale.repeat_interleave(group, dim=-1)[..., :k]
@@ -68,9 +60,6 @@ def _groups(scale: torch.Tensor, group: int, k: int) -> torch.Tensor:
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., k / 2]`` -> uint8 ``[..., k]``: element ``2j`` in the low nibble."""
     return torch.stack((codes & 15, codes >> 4), dim=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
-
-
-_E2M1 = torch.tensor(reference.MXFP4_VALUES, dtype=torch.float32)
 
 
 def expand_rows(layout: RowLayout, codes: torch.Tensor, scale: torch.Tensor | None, k: int,
@@ -88,12 +77,12 @@ def expand_rows(layout: RowLayout, codes: torch.Tensor, scale: torch.Tensor | No
         return (q * _groups(pairs[..., 0], layout.group, k) + _groups(pairs[..., 1], layout.group, k)).to(dtype)
     if fmt in ("int4", "mxfp4"):
         nibbles = _nibbles(codes.view(torch.uint8))[..., :k]
-        values = nibbles.float() - 8 if fmt == "int4" else _E2M1.to(codes.device)[nibbles.int()]
+        values = nibbles.float() - 8 if fmt == "int4" else gguf_torch.E2M1.to(codes.device)[nibbles.int()]
     elif fmt == "int8":
         values = codes.view(torch.int8).float()
     else:
         values = codes.view(torch.float8_e4m3fn).float()
-    per = _ue8m0(scale.view(torch.uint8)) if fmt == "mxfp8" else scale.float()
+    per = gguf_torch.ue8m0(scale.view(torch.uint8)) if fmt == "mxfp8" else scale.float()
     per = per if layout.group is None else _groups(per, layout.group, k)
     return (values * per).to(dtype)
 
