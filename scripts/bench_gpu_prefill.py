@@ -1,6 +1,6 @@
 """GPU-assisted prefill against the CPU experts, one MoE layer, activations on the GPU.
 
-    python scripts/bench_gpu_prefill.py [--shape S1] [--method BF16 AMXINT4 AMXINT8] [--tokens 512 2048 8192]
+    python scripts/bench_gpu_prefill.py [--shape S1] [--method BF16 AMXINT4 AMXINT8 LLAMAFILE:Q4_K] [--tokens 512 2048 8192]
 
 For each method and prompt length: the layer's routed experts through the CPU kernels
 (``kt::moe_forward``'s CUDA key: activations copied to the host and back) and through
@@ -37,7 +37,8 @@ def timed(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="S1", choices=sorted(SHAPES))
-    parser.add_argument("--method", nargs="+", default=["BF16", "AMXINT4", "AMXINT8"])
+    parser.add_argument("--method", nargs="+", default=["BF16", "AMXINT4", "AMXINT8"],
+                        help="kt_ops methods; LLAMAFILE:TYPE for a GGUF type")
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 2048, 8192])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of this script where no GPU is")
@@ -58,11 +59,12 @@ def main() -> None:
         rate = statistics.median(timed(lambda: target.copy_(pinned, non_blocking=True)) for _ in range(5))
         print(f"pinned host -> GPU copy: {pinned.numel() / rate / 1e9:.1f} GB/s")
         del pinned, target
-    print(f"{'method':8} {'tokens':>6} {'cpu ms':>8} {'gpu ms':>8} {'gpu/cpu':>7} {'copied MB':>9} {'GB/s':>6} "
+    print(f"{'method':14} {'tokens':>6} {'cpu ms':>8} {'gpu ms':>8} {'gpu/cpu':>7} {'copied MB':>9} {'GB/s':>6} "
           f"{'rel err':>8}")
     for method in args.method:
-        packed = kt_ops.pack_experts(gate, up, down, method=method)
-        staged = gpu_prefill.row_layout(packed)
+        name, _, gguf_type = method.partition(":")
+        packed = kt_ops.pack_experts(gate, up, down, method=name, **({"gguf_type": gguf_type} if gguf_type else {}))
+        staged = gpu_prefill.transport(packed)
         for tokens in args.tokens:
             x = torch.randn(tokens, H, generator=g).bfloat16().to(args.device)
             ids = torch.rand(tokens, E, generator=g).argsort(dim=-1)[:, :K].to(torch.int32).to(args.device)
@@ -78,7 +80,7 @@ def main() -> None:
             routed = int(torch.unique(ids).numel())
             per_expert = packed.nbytes / E if staged is not None else 3 * H * I * 2
             copied = routed * per_expert / 1e6
-            print(f"{method:8} {tokens:6d} {cpu_ms:8.2f} {gpu_ms:8.2f} {gpu_ms / cpu_ms:7.2f} {copied:9.1f} "
+            print(f"{method:14} {tokens:6d} {cpu_ms:8.2f} {gpu_ms:8.2f} {gpu_ms / cpu_ms:7.2f} {copied:9.1f} "
                   f"{copied / gpu_ms:6.2f} {err:8.1e}", flush=True)
 
 

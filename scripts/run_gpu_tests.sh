@@ -45,6 +45,19 @@ $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_wrapper_c
 gpu_rc=${PIPESTATUS[0]}
 echo "GPU tests: rc $gpu_rc, $(( $(date +%s) - start )) s"
 
+# KT_OPS_GPU_ALSO="tests/a.py tests/b.py": those files alone (no xdist, all host threads),
+# their whole log kept in $OUT/also.log. KT_OPS_GPU_BENCH=1: scripts/bench_gpu_prefill.py
+# (one S1 layer, GPU prefill against the CPU experts) into $OUT/bench.log.
+if [ -n "${KT_OPS_GPU_ALSO:-}" ]; then
+  # shellcheck disable=SC2086  # a list of paths
+  $PY -m pytest -q -p no:cacheprovider -rfE $KT_OPS_GPU_ALSO >"$OUT/also.log" 2>&1
+  echo "also ($KT_OPS_GPU_ALSO): rc $?"; tail -3 "$OUT/also.log"
+fi
+if [ "${KT_OPS_GPU_BENCH:-0}" = 1 ]; then
+  timeout 300 $PY scripts/bench_gpu_prefill.py --method BF16 AMXINT4 AMXINT8 FP8 LLAMAFILE:Q4_K \
+    --tokens 512 2048 8192 --repeats 3 2>&1 | tee "$OUT/bench.log"
+fi
+
 cpu_seconds=${KT_OPS_GPU_CPU_SECONDS:-0}
 if [ "$cpu_seconds" -gt 0 ]; then
   # The rest of the suite: every variant the host CPU has (the variant fixture skips the
