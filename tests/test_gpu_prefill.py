@@ -1,12 +1,14 @@
 """GPU-assisted prefill (kt_ops.gpu_prefill): long prompts' CPU experts computed on the GPU.
 
-Everywhere: the staged codes expand to exactly the weights the CPU kernels multiply
-(``kt_ops.dequantize_experts``) for every format with a staging layout; the chunked
-pipeline, run on the CPU device (same code, no streams), computes the fp32 oracle on
-those weights for every packing case (within fp32 rounding, 1e-5), with biases and the
-clamped/alpha SwiGLU, ``-1`` slots and ``live_tokens``; bad input is refused; the
-threshold plumbing (HybridMoE, patch_model, KtOpsConfig, the setter) and that CPU inputs
-never take the path.
+Everywhere: what travels expands on the device to exactly the weights the CPU kernels
+multiply (``kt_ops.dequantize_experts``): the rows of every row format (kt-kernel's, INT4
+with fp32 scales, INT8, asymmetric INT4) and the GGUF blocks of every type
+``kt_ops.gguf_torch`` decodes; the chunked pipeline, run on the CPU device (same code, no
+streams), computes the fp32 oracle on those weights for every packing case (within fp32
+rounding, 1e-5), with biases and the clamped/alpha SwiGLU, ``-1`` slots and
+``live_tokens``; bad input is refused; the threshold plumbing (HybridMoE, patch_model,
+KtOpsConfig, the setter), that CPU inputs never take the path, and (the path forced on
+the CPU) dynamic layers moving their GPU experts to a prefill batch's hottest.
 
 On a GPU (kt_ops built with its CUDA key): the same against the oracle for every case
 (fp32 activations 1e-4; bf16 activations 1e-2: bf16 weights and intermediates, 4.9e-3 at
