@@ -26,7 +26,8 @@ two chunks are on the GPU (double buffering). The same code runs on the CPU (no 
 which is how the CPU tests check it.
 
 Numerics: bf16 weights and activations with fp32 accumulation (fp32 where the input is
-fp32), the activation in fp32, each token's K expert outputs summed in slot order. The
+fp32), the activation in fp32, each token's K weighted expert outputs summed in fp32 in
+ascending expert order (one ``[T, H]`` fp32 accumulator; no ``[T, K, H]`` buffer). The
 GPU's GEMMs choose their kernels by the number of tokens per expert, so unlike
 ``torch.ops.kt.moe_forward`` a row's result may depend on the other rows of the call.
 """
@@ -244,9 +245,9 @@ def moe_forward_on_device(
     order = torch.argsort(slots, stable=True)
     offsets = [0] + torch.cumsum(counts, 0).tolist()
     rows = int(offsets[E])
-    tokens = torch.div(order[:rows], K, rounding_mode="floor")
-    gathered = x[tokens].to(dtype)  # [N, H], grouped by expert
-    results = torch.zeros(T * K, H, dtype=torch.float32, device=device)  # per (token, slot); skipped slots 0
+    tokens = torch.div(order[:rows], K, rounding_mode="floor")  # [N]: token rows, grouped by expert
+    routing = topk_weights.reshape(-1).to(device=device, dtype=torch.float32)[order[:rows]].unsqueeze(1)  # [N, 1]
+    out = torch.zeros(T, H, dtype=torch.float32, device=device)
     experts = torch.nonzero(counts[:E]).reshape(-1).tolist()
 
     act = reference.activation_of(packed.data)
@@ -278,7 +279,7 @@ def moe_forward_on_device(
         gates, ups, downs = _weights(tensors, layout, H, I, dtype)
         for c, e in enumerate(chunk):
             lo, hi = offsets[e], offsets[e + 1]
-            h = gathered[lo:hi]
+            h = x.index_select(0, tokens[lo:hi]).to(dtype)
             gate, up = (h @ gates[c].T).float(), (h @ ups[c].T).float()
             if biases is not None:
                 gate, up = gate + biases[0][e], up + biases[1][e]
@@ -286,12 +287,13 @@ def moe_forward_on_device(
             y = (inter @ downs[c].T).float()
             if biases is not None:
                 y = y + biases[2][e]
-            results.index_copy_(0, order[lo:hi], y)  # each (token, slot) once: deterministic
+            # one call per expert, in stream order; a token appears once per expert (unless
+            # its row repeats the id), so no two additions of a call meet: deterministic
+            out.index_add_(0, tokens[lo:hi], y * routing[lo:hi])
         if cuda:
             event = torch.cuda.Event()
             event.record(compute)
             done[slot] = event
-    out = (results.view(T, K, H) * topk_weights.to(device=device, dtype=torch.float32).unsqueeze(-1)).sum(dim=1)
     return out.to(x.dtype)
 
 

@@ -11,7 +11,7 @@ KtOpsConfig, the setter), that CPU inputs never take the path, and (the path for
 the CPU) dynamic layers moving their GPU experts to a prefill batch's hottest.
 
 On a GPU (kt_ops built with its CUDA key): the same against the oracle for every case
-(fp32 activations 1e-4; bf16 activations 1e-2: bf16 weights and intermediates, 4.9e-3 at
+(fp32 activations 1e-4; bf16 activations 1e-2: bf16 weights and intermediates, 5.1e-3 at
 most when this code runs on the CPU device), chunking that does not change a bit, and
 HybridMoE / a transformers model switching at the threshold.
 """
@@ -211,7 +211,7 @@ def test_gpu_pipeline_matches_the_cpu_key(case) -> None:
     got = gpu_prefill.moe_forward_on_device(x.cuda(), ids.cuda(), weights.cuda(), packed)
     chunked = gpu_prefill.moe_forward_on_device(x.cuda(), ids.cuda(), weights.cuda(), packed, chunk_bytes=1)
     assert got.device.type == "cuda" and got.dtype == torch.bfloat16
-    assert rel_err(got.cpu(), oracle(x, ids, weights, packed)) <= 1e-2, case.id  # 4.9e-3 at most on the CPU device
+    assert rel_err(got.cpu(), oracle(x, ids, weights, packed)) <= 1e-2, case.id  # 5.1e-3 at most on the CPU device
     assert torch.equal(got, chunked)
     x32 = x.float()
     got32 = gpu_prefill.moe_forward_on_device(x32.cuda(), ids.cuda(), weights.cuda(), packed)
@@ -319,3 +319,12 @@ def test_prefill_moves_the_experts_paths_local_experts(prefill_on_the_cpu) -> No
     for module in (m for m in model.modules() if hf_experts.is_experts_module(m)):
         counts = stats.counts[hf_experts.layer_id(module)]
         assert hf_experts.local_experts(module)[0].tolist() == sorted(torch.topk(counts.double(), 2).indices.tolist())
+
+
+def test_a_row_may_route_one_expert_twice() -> None:
+    experts = make_experts(4, 64, 48)
+    x = torch.randn(3, 64)
+    ids = torch.tensor([[1, 1], [0, 2], [3, -1]])
+    weights = torch.rand(3, 2)
+    got = gpu_prefill.moe_forward_on_device(x, ids, weights, experts.packed)
+    assert rel_err(got, oracle(x, ids, weights, experts.packed)) <= 1e-5
