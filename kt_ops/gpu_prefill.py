@@ -189,11 +189,13 @@ def _weights(tensors: list[torch.Tensor], layout: Transport, H: int, I: int,
             expand_rows(layout, r.down, r.down_scale, I, dtype))
 
 
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # the host -> device copies, one per device
+
+
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    streams = _copy_stream.__dict__.setdefault("streams", {})
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
-    return streams[device]
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 def moe_forward_on_device(

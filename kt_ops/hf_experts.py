@@ -40,6 +40,7 @@ from torch import nn
 
 from kt_ops import autograd, expert_stats, gpu_prefill
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
+from kt_ops.packed import PackedExperts
 
 IMPLEMENTATION = "kt_ops"
 _BLOB = "_kt_ops_blob"
@@ -86,8 +87,6 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     x, weights = hidden_states.contiguous(), top_k_weights.contiguous()
     prefill = gpu_prefill.should_run_on_device(x, self.__dict__.get(gpu_prefill.PREFILL_ATTRIBUTE, 0))
     if prefill:
-        from kt_ops.packed import PackedExperts
-
         out = gpu_prefill.moe_forward_on_device(x, ids, weights, PackedExperts(blob))
     elif autograd.saves_gate_up(x, weights):  # training: save gate and up for the backward
         size = self.__dict__.get(_INTERMEDIATE)

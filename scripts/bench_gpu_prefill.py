@@ -1,6 +1,6 @@
 """GPU-assisted prefill against the CPU experts, one MoE layer, activations on the GPU.
 
-    python scripts/bench_gpu_prefill.py [--shape S1] [--method BF16 AMXINT4 AMXINT8 LLAMAFILE:Q4_K] [--tokens 512 2048 8192]
+    python scripts/bench_gpu_prefill.py [--shape S1] [--method BF16 AMXINT4 AMXINT8 Q4_K_M] [--tokens 512 2048 8192]
 
 For each method and prompt length: the layer's routed experts through the CPU kernels
 (``kt::moe_forward``'s CUDA key: activations copied to the host and back) and through
@@ -22,7 +22,7 @@ import torch
 import kt_ops
 import kt_ops.cuda
 from kt_ops import gpu_prefill
-from kt_ops.bench.runner import SHAPES
+from kt_ops.bench.runner import SHAPES, pack_layer, random_weights, timed_inputs
 
 
 def timed(fn) -> float:
@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="S1", choices=sorted(SHAPES))
     parser.add_argument("--method", nargs="+", default=["BF16", "AMXINT4", "AMXINT8"],
-                        help="kt_ops methods; LLAMAFILE:TYPE for a GGUF type")
+                        help="methods as python -m kt_ops.bench names them (GGUF types and mixes: Q4_K, Q4_K_M, ...)")
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 2048, 8192])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of this script where no GPU is")
@@ -47,10 +47,8 @@ def main() -> None:
         raise SystemExit("needs a GPU and kt_ops built with its CUDA key (KT_OPS_CUDA=1)")
     shape = SHAPES[args.shape]
     E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
-    g = torch.Generator().manual_seed(0)
-    gate = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
-    up = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
-    down = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    torch.manual_seed(0)
+    layer = random_weights(shape, 1)[0]
     print(f"{torch.cuda.get_device_name() if args.device != 'cpu' else 'cpu'} | CPU variant {kt_ops.cpu_variant()}, {kt_ops.get_num_threads()} threads | "
           f"{shape.name} ({shape.model}): E={E} K={K} H={H} I={I}")
     if args.device != "cpu":  # the link's limit: pinned host -> GPU
@@ -62,13 +60,10 @@ def main() -> None:
     print(f"{'method':14} {'tokens':>6} {'cpu ms':>8} {'gpu ms':>8} {'gpu/cpu':>7} {'copied MB':>9} {'GB/s':>6} "
           f"{'rel err':>8}")
     for method in args.method:
-        name, _, gguf_type = method.partition(":")
-        packed = kt_ops.pack_experts(gate, up, down, method=name, **({"gguf_type": gguf_type} if gguf_type else {}))
+        packed = pack_layer(layer.gate, layer.up, layer.down, method, shape)
         staged = gpu_prefill.transport(packed)
         for tokens in args.tokens:
-            x = torch.randn(tokens, H, generator=g).bfloat16().to(args.device)
-            ids = torch.rand(tokens, E, generator=g).argsort(dim=-1)[:, :K].to(torch.int32).to(args.device)
-            weights = torch.softmax(torch.randn(tokens, K, generator=g), dim=-1).to(args.device)
+            x, ids, weights = (t.to(args.device) for t in timed_inputs(shape, tokens, 1)[0])
             cpu_out = kt_ops.moe_forward(x, ids, weights, packed)
             gpu_out = gpu_prefill.moe_forward_on_device(x, ids, weights, packed)
             err = ((gpu_out.float() - cpu_out.float()).norm() / cpu_out.float().norm()).item()

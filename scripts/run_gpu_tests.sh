@@ -54,7 +54,7 @@ if [ -n "${KT_OPS_GPU_ALSO:-}" ]; then
   echo "also ($KT_OPS_GPU_ALSO): rc $?"; tail -3 "$OUT/also.log"
 fi
 if [ "${KT_OPS_GPU_BENCH:-0}" = 1 ]; then
-  timeout 300 $PY scripts/bench_gpu_prefill.py --method BF16 AMXINT4 AMXINT8 FP8 LLAMAFILE:Q4_K \
+  timeout 300 $PY scripts/bench_gpu_prefill.py --method BF16 AMXINT4 AMXINT8 FP8 Q4_K_M \
     --tokens 512 2048 8192 --repeats 3 2>&1 | tee "$OUT/bench.log"
 fi
 
