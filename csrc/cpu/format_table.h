@@ -88,6 +88,9 @@ struct FormatRow {
   uint32_t scale_group_k = 0;
   uint32_t scale_pad = 1;        // a block's scales are padded to a multiple of this many bytes
   uint32_t row_tail_bytes = 0;   // bytes per row after the scales (mxfp8: a NaN addend)
+  // `dequantize` writing through a RowsOut (row-major or the training backward's panels,
+  // formats/dequantize_experts.h); nullptr where the format has only `dequantize`.
+  DequantizeRowsToFn dequantize_to = nullptr;
 };
 
 // The rows, in header-id order.

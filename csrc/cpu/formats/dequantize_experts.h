@@ -31,6 +31,28 @@ enum class ExpertMatrix : uint8_t { kGate = 0, kUp = 1, kDown = 2 };
 using DequantizeRowsFn = void (*)(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix,
                                   int64_t expert, int64_t row_begin, int64_t row_end, float* out);
 
+// Where a "dequantize rows" micro-kernel writes: element (i, k) of its rows (i counted from
+// its first row) at base[i * row_stride + (k / 16) * panel_stride + k % 16]. Row-major rows
+// of K floats are {out, K, 16}; rows [r, ...) of a panel-packed matrix of R rows
+// (kernels/panel_gemm.h: 16-column panels, the training backward's GEMM operand) are
+// {panel + 16 r, 16, 16 R}. Writers store at most 8 consecutive k at a time, starting at a
+// multiple of 8, so a store never crosses a panel.
+struct RowsOut {
+  float* base;
+  int64_t row_stride;
+  int64_t panel_stride;
+
+  static RowsOut row_major(float* out, int64_t k) { return {out, k, 16}; }
+  static RowsOut panels(float* panel, int64_t rows, int64_t first_row) { return {panel + 16 * first_row, 16, 16 * rows}; }
+  float* at(int64_t i, int64_t k) const { return base + i * row_stride + (k >> 4) * panel_stride + (k & 15); }
+};
+
+// The same decode as DequantizeRowsFn, written through a RowsOut: the format table's
+// optional "dequantize rows to" column (nullptr: row-major only, and callers that want
+// panels pack the rows themselves).
+using DequantizeRowsToFn = void (*)(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix,
+                                    int64_t expert, int64_t row_begin, int64_t row_end, const RowsOut& out);
+
 // Rows per job: the 16-row block of the bf16, int and fp8 layouts, so a job decodes one
 // block (gate and up blocks alternate in job order, as they do in the blob).
 constexpr int64_t kDequantizeJobRows = 16;

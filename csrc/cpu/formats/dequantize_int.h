@@ -9,5 +9,9 @@ namespace kt::cpu {
 // (q - 8) * scale, int4_asym q * scale + minimum (rounded after the product and after the sum).
 void dequantize_int_rows(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
                          int64_t row_begin, int64_t row_end, float* out);
+// The same values written through `out` (dequantize_experts.h's RowsOut: row-major rows or
+// the training backward's panels).
+void dequantize_int_rows_to(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
+                            int64_t row_begin, int64_t row_end, const RowsOut& out);
 
 }  // namespace kt::cpu
