@@ -26,6 +26,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -33,6 +35,8 @@
 #include "../cpu/engine/engine.h"
 #include "../cpu/format_table.h"
 #include "../cpu/formats/dequantize_experts.h"
+#include "../cpu/isa/cpu_variant.h"
+#include "../cpu/kernels/panel_gemm.h"
 #include "checks.h"
 #include "moe_call.h"
 #include "moe_forward_cpu.h"
@@ -40,6 +44,22 @@
 
 namespace kt::ops {
 namespace {
+
+// Whether the backward's out += a W products run on the panel kernel
+// (cpu/kernels/panel_gemm.h, AVX2) or on ATen's sgemm: the panel kernel on the AVX2
+// variants (avx2, avx_vnni), where it was measured faster; ATen's on the AVX-512 ones,
+// whose sgemm has 16-wide FMAs the AVX2 kernel lacks. KT_OPS_TRAIN_GEMM=panel or aten
+// forces one (read at every call: tests and benchmarks compare them in one process).
+bool use_panel_gemm() {
+  const char* forced = std::getenv("KT_OPS_TRAIN_GEMM");
+  if (forced != nullptr && *forced != '\0' && std::strcmp(forced, "auto") != 0) {
+    TORCH_CHECK_VALUE(std::strcmp(forced, "panel") == 0 || std::strcmp(forced, "aten") == 0,
+                      "KT_OPS_TRAIN_GEMM must be panel, aten or auto; got ", forced);
+    return std::strcmp(forced, "panel") == 0;
+  }
+  const cpu::CpuVariant v = cpu::active_cpu_variant();
+  return v == cpu::CpuVariant::kAvx2 || v == cpu::CpuVariant::kAvxVnni;
+}
 
 // The token rows and slots each expert is routed from, for the first `live` tokens.
 struct Routes {
@@ -102,8 +122,12 @@ struct Layer {
     return out;
   }
 
-  // out += a W for matrix m of expert e: a fp32 [n, N], out fp32 [n, K].
+  // out += a W for matrix m of expert e: a fp32 [n, N], out fp32 [n, K] contiguous.
   void add_times(cpu::ExpertMatrix m, int64_t e, const at::Tensor& a, at::Tensor& out) const {
+    if (use_panel_gemm()) {
+      add_times_panel(m, e, a.contiguous(), out);
+      return;
+    }
     for_chunks(m, e, [&](int64_t r0, const at::Tensor& w) { out.addmm_(a.narrow(1, r0, w.size(0)), w); });
   }
 
@@ -129,6 +153,34 @@ struct Layer {
       cpu::dequantize_expert_rows(row->dequantize, packed.const_data_ptr<uint8_t>(), layout, m, e, r0, r0 + c,
                                   buffer.data());
       fn(r0, at::from_blob(buffer.data(), {c, K}, at::TensorOptions().dtype(at::kFloat)));
+    }
+  }
+
+  // add_times on the panel kernel (cpu/kernels/panel_gemm.h): W's rows a chunk at a time,
+  // each 16-row block dequantized into the chunk's panels (straight there where the format
+  // has a "dequantize rows to" column; through the thread's row buffer otherwise), then
+  // out += a[:, chunk] panels.
+  void add_times_panel(cpu::ExpertMatrix m, int64_t e, const at::Tensor& a, at::Tensor& out) const {
+    const int64_t N = rows_of(m);
+    const int64_t K = m == cpu::ExpertMatrix::kDown ? layout.shape.intermediate_size : layout.shape.hidden_size;
+    const int64_t chunk = std::max<int64_t>(16, (kChunkBytes / (4 * cpu::panel_floats(1, K))) / 16 * 16);
+    thread_local std::vector<float> rows, panel;  // one per thread: experts run in parallel
+    if (row->dequantize_to == nullptr && rows.size() < static_cast<size_t>(16 * K)) rows.resize(16 * K);
+    if (panel.size() < static_cast<size_t>(cpu::panel_floats(chunk, K))) panel.resize(cpu::panel_floats(chunk, K));
+    const uint8_t* blob = packed.const_data_ptr<uint8_t>();
+    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+      const int64_t c = std::min(chunk, N - r0);
+      for (int64_t b = r0; b < r0 + c; b += 16) {  // one block of the 16-row layouts per decode
+        const int64_t count = std::min<int64_t>(16, r0 + c - b);
+        if (row->dequantize_to != nullptr) {
+          row->dequantize_to(blob, layout, m, e, b, b + count, cpu::RowsOut::panels(panel.data(), c, b - r0));
+          continue;
+        }
+        row->dequantize(blob, layout, m, e, b, b + count, rows.data());
+        cpu::pack_panel_rows(rows.data(), K, count, K, panel.data(), c, b - r0);
+      }
+      cpu::panel_gemm_add(a.const_data_ptr<float>() + r0, a.stride(0), a.size(0), panel.data(), c, K,
+                          out.mutable_data_ptr<float>(), out.stride(0));
     }
   }
 
@@ -346,6 +398,30 @@ at::Tensor expert_backward(const Layer& layer, const Lora& lora, int64_t e, cons
   return dx;
 }
 
+// out[t] += each expert's dx row for token t, the experts in ascending order (the order of
+// r.experts; a token routed twice to one expert: its rows in slot order) -- the bits of an
+// index_add_ per expert in that order, with the tokens shared among the Engine's threads.
+// out: fp32 [T, H] contiguous; dxs[i]: fp32 [rows of r.tokens[i], H] contiguous.
+void add_rows_in_expert_order(at::Tensor& out, const Routes& r, const std::vector<at::Tensor>& dxs) {
+  const int64_t T = out.size(0), H = out.size(1);
+  std::vector<int64_t> first(static_cast<size_t>(T) + 1, 0);  // token t's rows: [first[t], first[t + 1])
+  for (const auto& tokens : r.tokens)
+    for (const int64_t t : tokens) ++first[t + 1];
+  for (int64_t t = 0; t < T; ++t) first[t + 1] += first[t];
+  std::vector<const float*> rows(static_cast<size_t>(first[T]));
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  for (size_t i = 0; i < r.tokens.size(); ++i) {
+    const float* dx = dxs[i].const_data_ptr<float>();
+    for (size_t j = 0; j < r.tokens[i].size(); ++j) rows[next[r.tokens[i][j]]++] = dx + j * H;
+  }
+  float* o = out.mutable_data_ptr<float>();
+  cpu::Engine::instance().parallel_for(T, [&](int64_t t) {
+    float* row = o + t * H;
+    for (int64_t p = first[t]; p < first[t + 1]; ++p)
+      for (int64_t h = 0; h < H; ++h) row[h] += rows[p][h];
+  });
+}
+
 // gate_up: moe_forward_train's [T, K, 2I], or undefined (recompute g and u).
 Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                const at::Tensor& topk_weights, const Layer& layer, const Lora& lora,
@@ -374,7 +450,6 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
     zero_unrouted_rows(out.gate_up, topk_ids, live);  // the routed rows are written below
   }
   const Routes r = routes(topk_ids, live, layer.layout.shape.num_experts);
-  const double s = lora.scaling;
   // One expert per job, the jobs on the Engine's threads (each ATen op and GEMM inside runs
   // on its job's thread): an expert's decoded rows stay in its core's L2, and no GEMM waits
   // for the other core. Each job writes only its expert's slots and LoRA slices; the dx
@@ -388,7 +463,7 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
                                index_tensor(r.flat[i]), out);
     });
   });
-  for (size_t i = 0; i < r.experts.size(); ++i) out.x.index_add_(0, index_tensor(r.tokens[i]), dxs[i]);
+  add_rows_in_expert_order(out.x, r, dxs);
   out.w = out.w.view(topk_weights.sizes());
   return out;
 }

@@ -1,0 +1,95 @@
+#include "panel_gemm.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace kt::cpu {
+namespace {
+
+constexpr int kTileRows = 6;
+
+// c[i, 0:width) += a[i, 0:n) panel for i < kRows: the sums in 2 ymm per row (named
+// accumulators: GCC spills an array of them to the stack on every iteration).
+template <int kRows>
+__attribute__((target("avx2,fma"))) void tile(const float* a, int64_t lda, const float* panel, int64_t n,
+                                              float* c, int64_t ldc, int64_t width) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero;
+  __m256 c30 = zero, c31 = zero, c40 = zero, c41 = zero, c50 = zero, c51 = zero;
+  const float* a0 = a;
+  const float* a1 = a + lda;
+  const float* a2 = a + 2 * lda;
+  const float* a3 = a + 3 * lda;
+  const float* a4 = a + 4 * lda;
+  const float* a5 = a + 5 * lda;
+  for (int64_t r = 0; r < n; ++r) {
+    const __m256 b0 = _mm256_loadu_ps(panel + 16 * r), b1 = _mm256_loadu_ps(panel + 16 * r + 8);
+    __m256 x;
+#define KT_PANEL_ROW(i)                          \
+  if constexpr (kRows > i) {                     \
+    x = _mm256_broadcast_ss(a##i + r);           \
+    c##i##0 = _mm256_fmadd_ps(x, b0, c##i##0);   \
+    c##i##1 = _mm256_fmadd_ps(x, b1, c##i##1);   \
+  }
+    KT_PANEL_ROW(0) KT_PANEL_ROW(1) KT_PANEL_ROW(2) KT_PANEL_ROW(3) KT_PANEL_ROW(4) KT_PANEL_ROW(5)
+#undef KT_PANEL_ROW
+  }
+  const __m256 sums[kTileRows][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  for (int i = 0; i < kRows; ++i) {
+    float* row = c + i * ldc;
+    if (width == kPanelColumns) {
+      _mm256_storeu_ps(row, _mm256_add_ps(_mm256_loadu_ps(row), sums[i][0]));
+      _mm256_storeu_ps(row + 8, _mm256_add_ps(_mm256_loadu_ps(row + 8), sums[i][1]));
+    } else {  // the last panel: only `width` columns of c exist
+      alignas(32) float part[kPanelColumns];
+      _mm256_store_ps(part, sums[i][0]);
+      _mm256_store_ps(part + 8, sums[i][1]);
+      for (int64_t j = 0; j < width; ++j) row[j] += part[j];
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+}  // namespace
+
+__attribute__((target("avx2,fma"))) void pack_panel_rows(const float* src, int64_t ld, int64_t count,
+                                                          int64_t cols, float* panel, int64_t rows,
+                                                          int64_t row_offset) {
+  // Panel by panel, so the writes run in `count` x 64-byte stretches.
+  const int64_t full = cols / kPanelColumns;
+  for (int64_t j = 0; j < full; ++j) {
+    float* out = panel + (j * rows + row_offset) * kPanelColumns;
+    const float* in = src + j * kPanelColumns;
+    for (int64_t r = 0; r < count; ++r, out += kPanelColumns, in += ld) {
+      _mm256_storeu_ps(out, _mm256_loadu_ps(in));
+      _mm256_storeu_ps(out + 8, _mm256_loadu_ps(in + 8));
+    }
+  }
+  if (const int64_t rest = cols - full * kPanelColumns; rest > 0) {
+    float* out = panel + (full * rows + row_offset) * kPanelColumns;
+    for (int64_t r = 0; r < count; ++r, out += kPanelColumns) {
+      std::memcpy(out, src + r * ld + full * kPanelColumns, rest * sizeof(float));
+      std::memset(out + rest, 0, (kPanelColumns - rest) * sizeof(float));
+    }
+  }
+}
+
+void panel_gemm_add(const float* a, int64_t lda, int64_t m, const float* panel, int64_t n, int64_t k, float* c,
+                    int64_t ldc) {
+  const int64_t panels = (k + kPanelColumns - 1) / kPanelColumns;
+  // Panel-major: a panel (n x 64 bytes) stays in L1 while every tile of rows reads it.
+  for (int64_t j = 0; j < panels; ++j) {
+    const float* b = panel + j * n * kPanelColumns;
+    const int64_t width = std::min(kPanelColumns, k - j * kPanelColumns);
+    for (int64_t i = 0; i < m; i += kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - i));
+      kTiles[rows](a + i * lda, lda, b, n, c + i * ldc + j * kPanelColumns, ldc, width);
+    }
+  }
+}
+
+}  // namespace kt::cpu

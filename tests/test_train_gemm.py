@@ -1,0 +1,74 @@
+"""The training backward's two GEMM paths (issue 22, item 4): the panel kernel
+(csrc/cpu/kernels/panel_gemm.h, the default on the AVX2 variants) and ATen's sgemm (the
+default on the AVX-512 ones), chosen per call by ``KT_OPS_TRAIN_GEMM``.
+
+Both must give the same gradients for every packed format (the panel path decodes the int
+formats straight into its panels and packs the others' decoded rows), over token counts
+that leave experts 1 to 20 rows (every row tile and its remainder) and sizes whose last
+panel is partial; the panel path's rows do not depend on the other rows of the call; a bad
+value of the switch is a ValueError. test_autograd checks the default path of this CPU
+against fp64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kt_ops
+from conftest import make_experts, random_routing, rel_err
+from format_cases import format_cases
+
+CASES = format_cases(min_hidden=40, min_intermediate=24)
+
+
+def backward(monkeypatch: pytest.MonkeyPatch, gemm: str, packed: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+             w: torch.Tensor, probe: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """kt::moe_train_backward at kt::moe_forward_train's saved g and u, with the GEMM path
+    `gemm` -> (grad_x, grad_w, grad_gate_up)."""
+    monkeypatch.setenv("KT_OPS_TRAIN_GEMM", gemm)
+    _, gate_up = torch.ops.kt.moe_forward_train(x, ids, w, packed, kt_ops.PackedExperts(packed).intermediate_size)
+    return torch.ops.kt.moe_train_backward(probe, x, ids, w, packed, gate_up)
+
+
+def inputs(T: int, E: int, K: int, H: int, seed: int) -> tuple[torch.Tensor, ...]:
+    ids, w = random_routing(T, E, K, seed)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, H, generator=g), ids, w, torch.randn(T, H, generator=g)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_panel_and_aten_gemms_give_the_same_gradients(monkeypatch: pytest.MonkeyPatch, case) -> None:
+    experts = make_experts(6, case.hidden, case.intermediate, seed=21)
+    packed = case.pack(experts.gate, experts.up, experts.down).data
+    x, ids, w, probe = inputs(37, 4, 2, case.hidden, seed=21)  # experts 0-3: 15-20 rows each
+    ids[0, 1] = 5  # one row
+    ids[1:4, 1] = 4  # three rows
+    panel = backward(monkeypatch, "panel", packed, x, ids, w, probe)
+    aten = backward(monkeypatch, "aten", packed, x, ids, w, probe)
+    for name, p, a in zip(("grad_x", "grad_w", "grad_gate_up"), panel, aten):
+        assert p.shape == a.shape and p.dtype == a.dtype
+        assert rel_err(p, a) <= 1e-6, (name, rel_err(p, a))
+
+
+@pytest.mark.parametrize("method,H,I,kwargs", [("AMXINT8", 72, 40, {}), ("AMXINT4", 96, 64, {"group_size": 32}),
+                                               ("BF16", 72, 40, {}), ("FP8", 72, 40, {})])
+def test_panel_gradients_of_a_row_do_not_depend_on_the_other_rows(monkeypatch: pytest.MonkeyPatch, method: str,
+                                                                  H: int, I: int, kwargs: dict) -> None:
+    """The first 5 rows' gradients alone and inside a 40-row call: the same bits (the
+    kernel sums each row's products in one order whatever tile the row falls in)."""
+    experts = make_experts(6, H, I, seed=22)
+    packed = kt_ops.pack_experts(experts.gate, experts.up, experts.down, method=method, **kwargs).data
+    x, ids, w, probe = inputs(40, 6, 3, H, seed=22)
+    whole = backward(monkeypatch, "panel", packed, x, ids, w, probe)
+    part = backward(monkeypatch, "panel", packed, x[:5], ids[:5], w[:5], probe[:5])
+    for p, a in zip(part, whole):
+        assert torch.equal(p, a[:5])
+
+
+def test_bad_switch_value_is_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    experts = make_experts(2, 32, 16)
+    x, ids, w, probe = inputs(3, 2, 1, 32, seed=0)
+    with pytest.raises(ValueError, match="KT_OPS_TRAIN_GEMM must be panel, aten or auto"):
+        backward(monkeypatch, "fast", experts.packed.data, x, ids, w, probe)
+    for value in ("auto", ""):
+        backward(monkeypatch, value, experts.packed.data, x, ids, w, probe)
