@@ -2,12 +2,16 @@
 // (an expert's dequantized weights, n = their rows) in 16-column panels. The backward's
 // big products (G Wd, dg Wg, du Wu: kt::moe_train_backward, kt::moe_backward,
 // kt::moe_lora_backward) contract over the weights' rows, a few dozen token rows at a
-// time; ATen's sgemm re-packs b for each such call and runs at 35-68 GFLOP/s per Zen 3
-// core for 8-32 rows, where this kernel reaches 72-86 (2026-11-26, AVX2, one thread).
+// time; ATen's sgemm re-packs b for each such call. In a standalone loop on one Zen 3 core
+// (2026-11-26, AVX2, b already in panels) this kernel ran 67-77 GFLOP/s at 8 rows of a and
+// 68-82 at 32, ATen's 31-48 and 63-76.
 //
-// Panel layout of b with `rows` rows and `cols` columns: panel j (columns [16 j, 16 j + 16),
-// zero beyond `cols`) holds its rows one after another, 16 floats each:
+// Panel layout of b with `rows` rows and `cols` columns: panel j (columns [16 j, 16 j + 16))
+// holds its rows one after another, 16 floats each:
 //   panel[(j * rows + r) * 16 + c] = b[r, 16 j + c].
+// The last panel's columns past `cols` are summed into lanes that are never stored, so they
+// may hold anything (pack_panel_rows zeroes them; the decoders writing panels directly
+// leave them as they were).
 // The micro-kernel keeps a 6 x 16 tile of c in 12 ymm accumulators, runs the sum over n in
 // ascending order in them (one FMA chain per element), then adds the tile to c: each
 // element of c is c + (a[i, 0] b[0, j] + a[i, 1] b[1, j] + ...), the same bits whichever
