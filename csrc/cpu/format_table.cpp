@@ -96,7 +96,7 @@ constexpr FormatRow kRows[] = {
       {fp8_moe_avx512, "fp8/avx512 (e4m3 -> bf16 in registers, widened to fp32, fp32 FMA)"},
       {fp8_moe_avx512_bf16, "fp8/avx512_bf16 (e4m3 -> bf16 in registers, vdpbf16ps)"},
       {fp8_moe_avx512_bf16, "fp8/amx (the avx512_bf16 kernel: e4m3 -> bf16 in registers, vdpbf16ps; no AMX tiles)"}},
-     fp8_layout::kBlockGroup},
+     fp8_layout::kBlockGroup, 1, 0, dequantize_fp8_rows_to},
     {PackedFormat::kFp8PerChannel, "fp8_perchannel", {"FP8_PERCHANNEL", nullptr}, false,
      fp8_layout::kBlockRows, 4, 64, 4,
      RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,
@@ -106,7 +106,8 @@ constexpr FormatRow kRows[] = {
       {fp8_perchannel_moe_avx2, "fp8_perchannel/avx_vnni (the avx2 kernel: e4m3 -> fp32 in registers, fp32 FMA)"},
       {fp8_perchannel_moe_avx512, "fp8_perchannel/avx512 (e4m3 -> bf16 in registers, widened to fp32, fp32 FMA)"},
       {fp8_perchannel_moe_avx512_bf16, "fp8_perchannel/avx512_bf16 (e4m3 -> bf16 in registers, vdpbf16ps)"},
-      {fp8_perchannel_moe_avx512_bf16, "fp8_perchannel/amx (the avx512_bf16 kernel: e4m3 -> bf16 in registers, vdpbf16ps; no AMX tiles)"}}},
+      {fp8_perchannel_moe_avx512_bf16, "fp8_perchannel/amx (the avx512_bf16 kernel: e4m3 -> bf16 in registers, vdpbf16ps; no AMX tiles)"}},
+     0, 1, 0, dequantize_fp8_rows_to},
     {PackedFormat::kMxfp8, "mxfp8", {"MXFP8", nullptr}, false,
      fp8_layout::kBlockRows, 4, 64, 1,
      RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,
@@ -117,7 +118,7 @@ constexpr FormatRow kRows[] = {
       {mxfp8_moe_avx512, "mxfp8/avx512 (e4m3 -> bf16 in registers, widened to fp32, fp32 FMA)"},
       {mxfp8_moe_avx512_bf16, "mxfp8/avx512_bf16 (e4m3 -> bf16 in registers, vdpbf16ps)"},
       {mxfp8_moe_avx512_bf16, "mxfp8/amx (the avx512_bf16 kernel: e4m3 -> bf16 in registers, vdpbf16ps; no AMX tiles)"}},
-     fp8_layout::kMxGroup, 64, 4},
+     fp8_layout::kMxGroup, 64, 4, dequantize_fp8_rows_to},
 };
 
 constexpr bool rows_in_id_order() {

@@ -38,8 +38,9 @@ float ue8m0(uint8_t e) {
   return v;
 }
 
-// Row n of a block from k = k_begin (a multiple of 16 or 0).
-void fp8_row(const uint8_t* b, const fp8_layout::MatrixDims& m, int n, int64_t k_begin, float* out) {
+// Row n of a block from k = k_begin (a multiple of 16 or 0), to out.at(i, k).
+void fp8_row(const uint8_t* b, const fp8_layout::MatrixDims& m, int n, int64_t k_begin, const RowsOut& out,
+             int64_t i) {
   float addend = 0.0f;
   if (m.byte_scales) std::memcpy(&addend, b + m.addend_offset() + 4 * n, 4);
   // k-pair p of row n: 2 codes at 32 p + 2 n.
@@ -51,7 +52,7 @@ void fp8_row(const uint8_t* b, const fp8_layout::MatrixDims& m, int n, int64_t k
     const int64_t end = std::min<int64_t>((g + 1) * m.group, m.k);
     for (int64_t k = std::max(g * m.group, k_begin); k < end; ++k) {
       const float product = kE4m3[codes[(k / 2) * 32 + (k & 1)]] * scale;
-      out[k] = product + addend;
+      *out.at(i, k) = product + addend;
     }
   }
 }
@@ -74,10 +75,10 @@ __attribute__((target("avx2"))) inline __m256 e4m3_avx2(__m256i c) {
 
 // The 16 rows of a block, k = 2 p0 .. 2 p0 + 15 (8 k-pairs, one scale group): a line's
 // 32 bytes are 8 words of two rows' pairs, so the 8 x 8 word transpose gives rows 2j and
-// 2j + 1 their 16 codes each. out[n * ld + k] = e4m3 * scale[n] + addend[n], as the rows
-// below (a product, then a sum: no FMA).
+// 2j + 1 their 16 codes each. out.at(row0 + n, k) = e4m3 * scale[n] + addend[n], as the
+// rows above (a product, then a sum: no FMA).
 __attribute__((target("avx2"))) void fp8_block_16x16_avx2(const uint8_t* codes, int64_t p0, const float* scale,
-                                                          const float* addend, float* out, int64_t ld) {
+                                                          const float* addend, const RowsOut out, int64_t row0) {
   __m256i t[8];  // t[j] lane l: row 2j's codes of k = 2(p0 + l), + 1, then row 2j + 1's
   load_transposed_8x8(codes + p0 * 32, 32, t);
   const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
@@ -88,7 +89,7 @@ __attribute__((target("avx2"))) void fp8_block_16x16_avx2(const uint8_t* codes, 
     for (int r = 0; r < 2; ++r) {
       const int n = 2 * j + r;
       const __m256 sc = _mm256_set1_ps(scale[n]), add = _mm256_set1_ps(addend[n]);
-      float* row = out + n * ld + 2 * p0;
+      float* row = out.at(row0 + n, 2 * p0);  // 16 k from a multiple of 16: one panel
       for (int h = 0; h < 2; ++h) {  // k + 0..7 (lines 0-3), k + 8..15 (lines 4-7)
         const __m128i c8 = r ? _mm_srli_si128(halves[h], 8) : halves[h];
         const __m256 w = e4m3_avx2(_mm256_cvtepu8_epi32(c8));
@@ -102,11 +103,12 @@ const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 
 }  // namespace
 
-void dequantize_fp8_rows(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
-                         int64_t row_begin, int64_t row_end, float* out) {
+void dequantize_fp8_rows_to(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
+                            int64_t row_begin, int64_t row_end, const RowsOut& out) {
   const fp8_layout::Dims dims(layout.shape);
   const bool down = matrix == ExpertMatrix::kDown;
   const fp8_layout::MatrixDims& m = down ? dims.down : dims.gate_up;
+  const int64_t first = row_begin;  // out's row 0
   if (kHasAvx2 && m.group % 16 == 0) {  // whole blocks: 16 rows x 16 k at a time, then the rows' tails
     const int64_t pairs = m.k / 16 * 8;  // k-pairs in whole 16-k steps
     for (; row_begin % kBlockRows == 0 && row_begin + kBlockRows <= row_end; row_begin += kBlockRows) {
@@ -120,14 +122,20 @@ void dequantize_fp8_rows(const uint8_t* blob, const PackedLayout& layout, Expert
           if (m.byte_scales) scale[n] = ue8m0(b[m.scales_offset() + g * kBlockRows + n]);
           else std::memcpy(&scale[n], b + m.scales_offset() + (g * kBlockRows + n) * 4, 4);
         }
-        fp8_block_16x16_avx2(b, p0, scale, addend, out, m.k);
+        fp8_block_16x16_avx2(b, p0, scale, addend, out, row_begin - first);
       }
-      for (int n = 0; n < kBlockRows; ++n) fp8_row(b, m, n, 2 * pairs, out + n * m.k);
-      out += kBlockRows * m.k;
+      for (int n = 0; n < kBlockRows; ++n) fp8_row(b, m, n, 2 * pairs, out, row_begin - first + n);
     }
   }
-  for (int64_t r = row_begin; r < row_end; ++r, out += m.k)
-    fp8_row(row_block(blob, layout, matrix, expert, r, m.block_bytes()), m, static_cast<int>(r % kBlockRows), 0, out);
+  for (int64_t r = row_begin; r < row_end; ++r)
+    fp8_row(row_block(blob, layout, matrix, expert, r, m.block_bytes()), m, static_cast<int>(r % kBlockRows), 0, out,
+            r - first);
+}
+
+void dequantize_fp8_rows(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
+                         int64_t row_begin, int64_t row_end, float* out) {
+  const int64_t k = matrix == ExpertMatrix::kDown ? layout.shape.intermediate_size : layout.shape.hidden_size;
+  dequantize_fp8_rows_to(blob, layout, matrix, expert, row_begin, row_end, RowsOut::row_major(out, k));
 }
 
 }  // namespace kt::cpu

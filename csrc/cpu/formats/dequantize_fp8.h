@@ -11,5 +11,8 @@ namespace kt::cpu {
 // product reads +0, as in the oracle.
 void dequantize_fp8_rows(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
                          int64_t row_begin, int64_t row_end, float* out);
+// The same values written through `out` (dequantize_experts.h's RowsOut).
+void dequantize_fp8_rows_to(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
+                            int64_t row_begin, int64_t row_end, const RowsOut& out);
 
 }  // namespace kt::cpu
