@@ -9,6 +9,8 @@ bench shapes.
 
 Prints medians of ``--repeats`` timed calls of each (after one warm-up), the four calls of
 a method interleaved, and the ratio (forward + backward) / forward. Run on an idle machine.
+``KT_OPS_TRAIN_GEMM=aten`` (or ``panel``) times the backward's weight products on ATen's
+sgemm (or the AVX2 panel kernel) instead of this CPU's default.
 """
 
 from __future__ import annotations
