@@ -51,7 +51,7 @@ namespace {
 // (cpu/kernels/panel_gemm.h, AVX2) or on ATen's sgemm: the panel kernel on the AVX2
 // variants (avx2, avx_vnni), where it was measured faster; ATen's on the AVX-512 ones,
 // whose sgemm has 16-wide FMAs the AVX2 kernel lacks. KT_OPS_TRAIN_GEMM=panel or aten
-// forces one (read at every call: tests and benchmarks compare them in one process).
+// forces one (read at every operator call: tests and benchmarks compare them in one process).
 bool use_panel_gemm() {
   const char* forced = std::getenv("KT_OPS_TRAIN_GEMM");
   if (forced != nullptr && *forced != '\0' && std::strcmp(forced, "auto") != 0) {
@@ -103,6 +103,8 @@ struct Layer {
   const cpu::FormatRow* row = nullptr;
   at::Tensor gate_bias, up_bias, down_bias;  // fp32 [E, I], [E, I], [E, H] views into the blob
 
+  bool panel_gemm = use_panel_gemm();  // one choice per operator call
+
   explicit Layer(const at::Tensor& blob) : packed(blob), layout(read_packed(blob, "packed")) {
     row = &cpu::format_row(layout.shape.format);
     if (layout.shape.glu.biases) {
@@ -119,14 +121,14 @@ struct Layer {
   // x W^T for matrix m of expert e: x fp32 [n, K] -> [n, N] (W [N, K]: gate and up [I, H],
   // down [H, I]).
   at::Tensor times_transposed(cpu::ExpertMatrix m, int64_t e, const at::Tensor& x) const {
-    at::Tensor out = at::empty({x.size(0), rows_of(m)}, x.options());
+    at::Tensor out = at::empty({x.size(0), cpu::matrix_rows(layout, m)}, x.options());
     for_chunks(m, e, [&](int64_t r0, const at::Tensor& w) { out.narrow(1, r0, w.size(0)).copy_(at::mm(x, w.t())); });
     return out;
   }
 
   // out += a W for matrix m of expert e: a fp32 [n, N], out fp32 [n, K] contiguous.
   void add_times(cpu::ExpertMatrix m, int64_t e, const at::Tensor& a, at::Tensor& out) const {
-    if (use_panel_gemm()) {
+    if (panel_gemm) {
       add_times_panel(m, e, a.contiguous(), out);
       return;
     }
@@ -134,9 +136,6 @@ struct Layer {
   }
 
  private:
-  int64_t rows_of(cpu::ExpertMatrix m) const {
-    return m == cpu::ExpertMatrix::kDown ? layout.shape.hidden_size : layout.shape.intermediate_size;
-  }
 
   // fn(r0, W[r0 : r0 + c] as fp32 [c, K]) for consecutive chunks of ~512 KiB of rows
   // (multiples of 16), each dequantized over the previous one into the thread's buffer: the
@@ -144,8 +143,8 @@ struct Layer {
   // each for S1) went through L3 and memory.
   template <typename Fn>
   void for_chunks(cpu::ExpertMatrix m, int64_t e, Fn&& fn) const {
-    const int64_t N = rows_of(m);
-    const int64_t K = m == cpu::ExpertMatrix::kDown ? layout.shape.intermediate_size : layout.shape.hidden_size;
+    const int64_t N = cpu::matrix_rows(layout, m);
+    const int64_t K = cpu::matrix_cols(layout, m);
     const int64_t chunk = std::max<int64_t>(16, (kChunkBytes / (4 * K)) / 16 * 16);
     thread_local std::vector<float> buffer;  // one per thread: experts run in parallel
     if (buffer.size() < static_cast<size_t>(chunk * K)) buffer.resize(chunk * K);
@@ -163,8 +162,8 @@ struct Layer {
   // has a "dequantize rows to" column; through the thread's row buffer otherwise), then
   // out += a[:, chunk] panels.
   void add_times_panel(cpu::ExpertMatrix m, int64_t e, const at::Tensor& a, at::Tensor& out) const {
-    const int64_t N = rows_of(m);
-    const int64_t K = m == cpu::ExpertMatrix::kDown ? layout.shape.intermediate_size : layout.shape.hidden_size;
+    const int64_t N = cpu::matrix_rows(layout, m);
+    const int64_t K = cpu::matrix_cols(layout, m);
     const int64_t chunk = std::max<int64_t>(16, (kChunkBytes / (4 * cpu::panel_floats(1, K))) / 16 * 16);
     thread_local std::vector<float> rows, panel;  // one per thread: experts run in parallel
     if (row->dequantize_to == nullptr && rows.size() < static_cast<size_t>(16 * K)) rows.resize(16 * K);

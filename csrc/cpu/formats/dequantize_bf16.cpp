@@ -82,8 +82,7 @@ void dequantize_bf16_rows_to(const uint8_t* blob, const PackedLayout& layout, Ex
 
 void dequantize_bf16_rows(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix, int64_t expert,
                           int64_t row_begin, int64_t row_end, float* out) {
-  const int64_t k = matrix == ExpertMatrix::kDown ? layout.shape.intermediate_size : layout.shape.hidden_size;
-  dequantize_bf16_rows_to(blob, layout, matrix, expert, row_begin, row_end, RowsOut::row_major(out, k));
+  dequantize_row_major(dequantize_bf16_rows_to, blob, layout, matrix, expert, row_begin, row_end, out);
 }
 
 }  // namespace kt::cpu

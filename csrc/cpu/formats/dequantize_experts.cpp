@@ -44,7 +44,7 @@ void dequantize_experts(DequantizeRowsFn dequantize_rows, const uint8_t* blob, c
 
 void dequantize_expert_rows(DequantizeRowsFn dequantize_rows, const uint8_t* blob, const PackedLayout& layout,
                             ExpertMatrix matrix, int64_t expert, int64_t row_begin, int64_t row_end, float* out) {
-  const int64_t K = matrix == ExpertMatrix::kDown ? layout.shape.intermediate_size : layout.shape.hidden_size;
+  const int64_t K = matrix_cols(layout, matrix);
   const int64_t first_block = row_begin / kDequantizeJobRows;
   const int64_t blocks = (row_end + kDequantizeJobRows - 1) / kDequantizeJobRows - first_block;
   Engine::instance().parallel_for(blocks, [&](int64_t job) {

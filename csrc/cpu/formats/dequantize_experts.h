@@ -53,6 +53,22 @@ struct RowsOut {
 using DequantizeRowsToFn = void (*)(const uint8_t* blob, const PackedLayout& layout, ExpertMatrix matrix,
                                     int64_t expert, int64_t row_begin, int64_t row_end, const RowsOut& out);
 
+// Rows and columns (K, weights per row) of `matrix`: gate and up [I, H], down [H, I].
+inline int64_t matrix_rows(const PackedLayout& layout, ExpertMatrix matrix) {
+  return matrix == ExpertMatrix::kDown ? layout.shape.hidden_size : layout.shape.intermediate_size;
+}
+inline int64_t matrix_cols(const PackedLayout& layout, ExpertMatrix matrix) {
+  return matrix == ExpertMatrix::kDown ? layout.shape.intermediate_size : layout.shape.hidden_size;
+}
+
+// A "dequantize rows to" micro-kernel writing row-major rows: what a format's plain
+// DequantizeRowsFn does when it has a RowsOut writer.
+inline void dequantize_row_major(DequantizeRowsToFn to, const uint8_t* blob, const PackedLayout& layout,
+                                 ExpertMatrix matrix, int64_t expert, int64_t row_begin, int64_t row_end,
+                                 float* out) {
+  to(blob, layout, matrix, expert, row_begin, row_end, RowsOut::row_major(out, matrix_cols(layout, matrix)));
+}
+
 // Rows per job: the 16-row block of the bf16, int and fp8 layouts, so a job decodes one
 // block (gate and up blocks alternate in job order, as they do in the blob).
 constexpr int64_t kDequantizeJobRows = 16;

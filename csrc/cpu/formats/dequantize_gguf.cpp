@@ -186,7 +186,7 @@ void dequantize_gguf_rows(const uint8_t* blob, const PackedLayout& layout, Exper
   const int m = static_cast<int>(matrix);
   const GgmlTypeInfo& type = ggml_type_info(layout.shape.gguf_types[m]);
   const DecodeRowFn decode = row_decoder(type.type);
-  const int64_t K = matrix == ExpertMatrix::kDown ? layout.shape.intermediate_size : layout.shape.hidden_size;
+  const int64_t K = matrix_cols(layout, matrix);
   const int64_t blocks = K / type.block_elems, row_bytes = blocks * type.block_bytes;
   const uint8_t* row = blob + layout.matrix_offset[m] + expert * layout.matrix_expert_bytes[m] + row_begin * row_bytes;
   for (int64_t r = row_begin; r < row_end; ++r, row += row_bytes, out += K) decode(row, blocks, out);
