@@ -106,21 +106,26 @@ CHECKPOINT_METHODS: dict[str, tuple[str, int]] = {
     "AWQ_INT4": ("int4_asym", 128),
 }
 
-# Formats quantized in k-groups (they take group_size and zero_point).
+# Formats quantized in k-groups (they take group_size; mxfp4's is fixed at 32).
 GROUPED_FORMATS: tuple[str, ...] = tuple(fmt.name for fmt in FORMATS if fmt.group_sizes)
 GROUP_SIZES: tuple[int, ...] = tuple(sorted({size for fmt in FORMATS for size in fmt.group_sizes}))
 
 
 def default_group_size(method: str) -> int:
     """``pack_experts``' group size for ``method`` when none is given: the checkpoint
-    method's own (RAWINT4 32, GPTQ/AWQ 128), else :data:`DEFAULT_GROUP_SIZE` (0 for
-    formats without groups is decided by the caller)."""
+    method's own (RAWINT4 32, GPTQ/AWQ 128), a format's only one (MXFP4 32), else
+    :data:`DEFAULT_GROUP_SIZE` (0 for formats without groups is decided by the caller)."""
     entry = CHECKPOINT_METHODS.get(method.upper()) if isinstance(method, str) else None
-    return entry[1] if entry else DEFAULT_GROUP_SIZE
+    if entry:
+        return entry[1]
+    fmt = METHOD_FORMATS.get(method.upper()) if isinstance(method, str) else None
+    sizes = next((f.group_sizes for f in FORMATS if f.name == fmt), ())
+    return sizes[0] if len(sizes) == 1 else DEFAULT_GROUP_SIZE
 
 
 def _default_group_size() -> int:
-    defaults = {fmt.default_group_size for fmt in FORMATS if fmt.group_sizes}
+    """The default of the formats that offer a choice of group sizes (INT4: kt-kernel's 128)."""
+    defaults = {fmt.default_group_size for fmt in FORMATS if len(fmt.group_sizes) > 1}
     if len(defaults) != 1:
         raise RuntimeError(f"the format table's grouped formats disagree on the default group size: {defaults}")
     return defaults.pop()

@@ -1,4 +1,4 @@
-"""MXFP4 expert checkpoints in Hugging Face safetensors, read into GGUF MXFP4 blocks.
+"""MXFP4 expert checkpoints in Hugging Face safetensors, read into format ``mxfp4``.
 
 Two layouts are recognised per layer (``{base}`` is whatever precedes and includes
 ``layers.{L}``), each with e2m1 codes two per byte (byte ``i`` of a 32-weight group:
@@ -14,10 +14,11 @@ k (``w = e2m1 * 2^(e - 127)``):
 - ``deepseek_v4`` (DeepSeek-V4-Flash): ``{base}.ffn.experts.{e}.{w1,w3,w2}.weight``
   (gate, up, down) int8/uint8 ``[N, K/2]`` + ``.scale`` float8_e8m0fnu/uint8 ``[N, K/32]``.
 
-The codes are re-ordered into GGUF's MXFP4 blocks (ggml type 39: the exponent byte,
+The codes are first re-ordered into GGUF's MXFP4 blocks (ggml type 39: the exponent byte,
 then byte ``j`` = weight ``j`` | weight ``j + 16`` << 4; ``csrc/cpu/formats/mxfp4_block.h``),
-17 bytes per 32 weights as the checkpoint holds them: nothing is widened to float, the
-packed layer is the checkpoint's size plus a header. gpt-oss layers also carry the
+then laid out as format ``mxfp4`` (``csrc/cpu/formats/int_layout.h``: the codes in the INT4
+kernels' lines, each exponent as its bf16 power of two): nothing is widened to float, the
+packed layer holds 18 bytes per 32 weights against the checkpoint's 17 (1.06x). gpt-oss layers also carry the
 model's activation: alpha-SwiGLU with ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7
 (``config.json``'s values where it has them; transformers' ``GptOssExperts`` clamps the
 gate from above only, as kt_ops does).
@@ -35,7 +36,7 @@ import torch
 from kt_ops._native import _C
 from kt_ops.gguf_loader import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
 from kt_ops.hf_checkpoint import HfCheckpoint
-from kt_ops.ops import MXFP4_TYPE, Biases
+from kt_ops.ops import Biases
 from kt_ops.packed import PackedExperts
 from kt_ops.parts import part_bounds
 
@@ -209,8 +210,8 @@ def load_mxfp4_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[i
 
 
 def pack_mxfp4_parts(experts: Mxfp4Experts, parts: int) -> list[PackedExperts]:
-    """GGUF MXFP4 rows (:func:`load_mxfp4_experts`) as ``parts`` packed parts of the
-    intermediate dimension (:func:`kt_ops.parts.part_bounds`; each part's I a multiple of
+    """GGUF MXFP4 rows (:func:`load_mxfp4_experts`) as ``parts`` packed layers of format
+    ``mxfp4``, parts of the intermediate dimension (:func:`kt_ops.parts.part_bounds`; each part's I a multiple of
     32, ``ValueError`` otherwise). Activation and biases are left to the caller
     (:func:`kt_ops.parts.activate_parts`)."""
     n, I = int(experts.gate.shape[0]), int(experts.gate.shape[1])
@@ -221,7 +222,7 @@ def pack_mxfp4_parts(experts: Mxfp4Experts, parts: int) -> list[PackedExperts]:
             raise ValueError(f"threadpool_count {parts} splits moe_intermediate_size {I} at {a}..{b}; MXFP4 needs "
                              f"each part's bounds to be multiples of {MXFP4_GROUP}")
         down = experts.down[:, :, a // 32 * 17 : b // 32 * 17]
-        blob = _C.gguf_experts_from_blocks(experts.gate[:, a:b].contiguous(), experts.up[:, a:b].contiguous(),
-                                           down.contiguous(), [MXFP4_TYPE] * 3, n, H, b - a)
+        blob = _C.mxfp4_experts_from_blocks(experts.gate[:, a:b].contiguous(), experts.up[:, a:b].contiguous(),
+                                            down.contiguous(), n, H, b - a)
         out.append(PackedExperts(blob))
     return out

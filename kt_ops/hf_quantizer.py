@@ -334,7 +334,7 @@ class KtOpsHfQuantizer(HfQuantizer):
         """``ValueError`` naming the class when the method cannot pack its experts' sizes (a
         group size that does not divide H or I, a GGUF block that does not fit a row)."""
         from kt_ops._native import _C
-        from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method
+        from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
         from kt_ops.gguf_types import check_row_lengths, gguf_type_ids
 
         config = self.quantization_config
@@ -344,13 +344,13 @@ class KtOpsHfQuantizer(HfQuantizer):
         try:
             fmt = format_for_method(method, config.zero_point)
             if fmt == "gguf":
-                kind = "MXFP4" if method.upper() == "MXFP4" else config.gguf_type
-                if kind is not None:
-                    check_row_lengths(gguf_type_ids(kind), hidden, intermediate)
+                if config.gguf_type is not None:
+                    check_row_lengths(gguf_type_ids(config.gguf_type), hidden, intermediate)
             else:
                 group = 0
-                if fmt in GROUPED_FORMATS:
-                    group = config.group_size or default_group_size(method)
+                if fmt in GROUPED_FORMATS:  # a format of one group size (mxfp4: 32) takes only it
+                    sizes = format_info(fmt).group_sizes
+                    group = sizes[0] if len(sizes) == 1 else config.group_size or default_group_size(method)
                 _C.packed_nbytes(fmt, 1, hidden, intermediate, group)
         except ValueError as error:
             raise ValueError(f"{type(module).__name__} (H={hidden}, I={intermediate}) cannot be packed as "

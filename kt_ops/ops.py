@@ -40,10 +40,11 @@ def pack_experts(
             ``"AMXINT8"``/``"MOE_INT8"`` int8 symmetric per output channel;
             ``"AMXINT4"``/``"MOE_INT4"`` int4 in k-groups of ``group_size``;
             ``"LLAMAFILE"`` GGUF blocks of ``gguf_type`` (round-to-nearest);
-            ``"MXFP4"`` GGUF type MXFP4 (ggml type 39: e2m1 codes with one E8M0 exponent
-            per 32 weights along k, 17 bytes per block; ggml's round-to-nearest, byte for
-            byte as ``gguf.quants.quantize``) for all three matrices, format ``gguf``:
-            H and I must be multiples of 32;
+            ``"MXFP4"`` format ``mxfp4``: e2m1 codes with one power-of-two scale per 32
+            weights along k (OCP MXFP4), quantized as ggml quantizes MXFP4 (its codes and
+            exponents byte for byte as ``gguf.quants.quantize``), laid out in INT4-style
+            lines with bf16 scales (0.5625 bytes per weight): H and I must be multiples
+            of 32 (``gguf_type="MXFP4"`` under ``"LLAMAFILE"`` keeps GGUF's blocks);
             the INT4 checkpoint methods quantize as their checkpoints are written
             (round-to-nearest): ``"RAWINT4"`` symmetric int4 in groups of 32,
             ``"GPTQ_INT4"`` symmetric in groups of 128, ``"AWQ_INT4"`` with zero points
@@ -110,14 +111,19 @@ def _pack(
     gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None,
 ) -> PackedExperts:
     fmt = format_for_method(method, zero_point)
-    if fmt == "gguf" and method.upper() == "MXFP4":
-        # MXFP4 is ggml type 39 of the gguf format for all three matrices (docs/formats.md).
+    if fmt == "mxfp4":
+        # e2m1 codes + power-of-two scales per 32 k in the INT4 lines (docs/formats.md); the
+        # same codes and exponents as GGUF's MXFP4 blocks (gguf_type="MXFP4" keeps those).
         if gguf_type is not None and gguf_type_ids(gguf_type) != (MXFP4_TYPE,) * 3:
-            raise ValueError(f"method 'MXFP4' packs every matrix as GGUF type MXFP4; got gguf_type={gguf_type!r}")
+            raise ValueError(f"method 'MXFP4' has e2m1 codes with an exponent per 32 weights; got gguf_type="
+                             f"{gguf_type!r} (method 'LLAMAFILE' with gguf_type='MXFP4' keeps GGUF's 17-byte blocks)")
         if group_size not in (None, DEFAULT_GROUP_SIZE, 32) or scale_search:
             raise ValueError(f"method 'MXFP4' has fixed groups of 32 and no scale_search; got group_size="
                              f"{group_size}, scale_search={scale_search}")
-        method, gguf_type, group_size = "LLAMAFILE", "MXFP4", None
+        for name, size in (("hidden_size", int(gate_proj.shape[-1])), ("intermediate_size", int(down_proj.shape[-1]))):
+            if gate_proj.dim() == 3 and down_proj.dim() == 3 and size % 32:
+                raise ValueError(f"method 'MXFP4' needs {name} to be a multiple of 32, got {size}")
+        return PackedExperts(torch.ops.kt.pack_experts(gate_proj, up_proj, down_proj, fmt, 32, False))
     if fmt == "gguf":
         if gguf_type is None:
             raise ValueError("method 'LLAMAFILE' needs gguf_type, e.g. 'Q4_K' or ('Q4_K', 'Q4_K', 'Q6_K')")

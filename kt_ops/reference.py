@@ -155,19 +155,33 @@ def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> t
     raise ValueError(f"fake_quantize: unknown format {format!r}")
 
 
+def _int_block_bytes(format: str, k: int, group: int) -> int:
+    """Bytes of one 16-row block of a packed int8/int4/int4_asym/mxfp4 matrix of row length k."""
+    nibbles = format.startswith("int4") or format == "mxfp4"
+    padded_k = k if nibbles else -(-k // 32) * 32
+    lines = padded_k // (8 if nibbles else 4)
+    groups = padded_k // group if nibbles else 1
+    if format == "mxfp4":  # bf16 scale rows of 32 bytes, padded to whole 64-byte lines
+        return 64 * lines + -(-groups * 32 // 64) * 64
+    return 64 * (lines + groups * (2 if format == "int4_asym" else 1))
+
+
 def _int_matrix(blob: torch.Tensor, offset: int, experts: int, blocks: int, k: int, format: str,
                 group: int) -> torch.Tensor:
-    """One packed int8/int4 matrix -> ``[E, 16 * blocks, padded k]`` fp32 (docs/formats.md)."""
-    int4 = format.startswith("int4")
+    """One packed int8/int4/mxfp4 matrix -> ``[E, 16 * blocks, padded k]`` fp32 (docs/formats.md)."""
+    int4 = format.startswith("int4") or format == "mxfp4"
     padded_k = k if int4 else -(-k // 32) * 32
     lines = padded_k // (8 if int4 else 4)
     groups = padded_k // group if int4 else 1
-    block_bytes = 64 * (lines + groups * (2 if format == "int4_asym" else 1))
+    block_bytes = _int_block_bytes(format, k, group)
     data = blob[offset : offset + experts * blocks * block_bytes].view(experts, blocks, block_bytes)
     raw = data[..., : lines * 64].reshape(experts, blocks, lines, 16, 4).to(torch.int32)
 
     def floats(start: int) -> torch.Tensor:  # [E, blocks, groups, 16]
-        chunk = data[..., start : start + groups * 64].contiguous().view(torch.float32)
+        if format == "mxfp4":  # bf16 half-scales 2^(e - 128), exact as fp32
+            chunk = data[..., start : start + groups * 32].contiguous().view(torch.bfloat16).float()
+        else:
+            chunk = data[..., start : start + groups * 64].contiguous().view(torch.float32)
         return chunk.reshape(experts, blocks, groups, 16)
 
     scales = floats(lines * 64)
@@ -180,6 +194,9 @@ def _int_matrix(blob: torch.Tensor, offset: int, experts: int, blocks: int, k: i
     per_k = scales.permute(0, 1, 3, 2).repeat_interleave(group, dim=-1)  # [E, blocks, 16, K]
     if format == "int4":
         w = (q - 8) * per_k
+    elif format == "mxfp4":  # the doubled e2m1 values times the half-scale: w = e2m1 * 2^(e - 127)
+        doubled = torch.tensor(MXFP4_VALUES, dtype=torch.float32) * 2
+        w = doubled[q.long()] * per_k
     else:
         minimums = floats(lines * 64 + groups * 64).permute(0, 1, 3, 2).repeat_interleave(group, dim=-1)
         w = q * per_k + minimums
@@ -353,11 +370,8 @@ def dequantize(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
         up = gu[:, :, 1].reshape(E, i16, hk)[:, :I, :H]
         return gate.contiguous(), up.contiguous(), d[:, :H, :I].contiguous()
     gu = _int_matrix(packed, gate_up_offset, E, gate_up_blocks, H, fmt, G)
-    int4 = fmt.startswith("int4")
-    hk = H if int4 else -(-H // 32) * 32
-    groups = hk // G if int4 else 1
-    block_bytes = 64 * (hk // (8 if int4 else 4) + groups * (2 if fmt == "int4_asym" else 1))
-    down_offset = gate_up_offset + E * gate_up_blocks * block_bytes
+    hk = gu.shape[-1]
+    down_offset = gate_up_offset + E * gate_up_blocks * _int_block_bytes(fmt, H, G)
     d = _int_matrix(packed, down_offset, E, down_blocks, I, fmt, G)
     gu = gu.reshape(E, i16 // 16, 2, 16, hk)
     gate = gu[:, :, 0].reshape(E, i16, hk)[:, :I, :H]

@@ -21,7 +21,8 @@ fp8_perchannel            e4m3 ``[2 I_r, H]``         fp32 ``[2 I_r]``          
 mxfp8 (MXFP8)             e4m3 ``[2 I_r, H]``         uint8 ue8m0 ``[2 I_r, H/32]`` e4m3 ``[H, I_r]``      uint8 ``[H, I_r/32]``
 int4 (RAWINT4, and any    uint8 ``[2 I_r, H/2]``      bf16 ``[2 I_r, H/gs]``        uint8 ``[H, I_r/2]``   bf16 ``[H, I_r/gs]``
 symmetric INT4 layer)
-gguf, all MXFP4 (MXFP4)   uint8 ``[2 I_r, H/2]``      bf16 ``[2 I_r, H/32]``        uint8 ``[H, I_r/2]``   bf16 ``[H, I_r/32]``
+mxfp4 (MXFP4); gguf      uint8 ``[2 I_r, H/2]``      bf16 ``[2 I_r, H/32]``        uint8 ``[H, I_r/2]``   bf16 ``[H, I_r/32]``
+of MXFP4 blocks
 ========================  ==========================  ============================  =====================  ===========================
 
 ``w13`` is the rank's gate rows, then its up rows. 4-bit bytes hold element ``2j`` in the

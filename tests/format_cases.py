@@ -2,7 +2,7 @@
 
 ``format_cases()`` enumerates one :class:`FormatCase` per packed format the methods of
 ``kt_ops.formats.METHOD_FORMATS`` reach (with and without ``zero_point``), per int4 group
-size of ``GROUP_SIZES`` for the ``GROUPED_FORMATS``, and per ggml type of
+size each of the ``GROUPED_FORMATS`` takes (its ``group_sizes``; mxfp4: 32), and per ggml type of
 ``kt_ops.gguf_types.SUPPORTED_TYPES`` for the GGUF method (each type alone, plus the
 Q4_K_M mix: gate/up Q4_K, down Q6_K). A row added to those lists is a new case here,
 so a test parametrized by ``format_cases()`` covers it on every CPU variant without
@@ -25,7 +25,7 @@ import torch
 
 import kt_ops
 from kt_ops._native import _C
-from kt_ops.formats import GROUP_SIZES, GROUPED_FORMATS, METHOD_FORMATS, format_for_method
+from kt_ops.formats import GROUPED_FORMATS, METHOD_FORMATS, format_for_method, format_info
 from kt_ops.gguf_types import SUPPORTED_TYPES, gguf_type_id
 
 GGUF_METHOD_FORMAT = "gguf"
@@ -93,7 +93,7 @@ def format_cases(min_hidden: int = 600, min_intermediate: int = 520) -> list[For
                 gguf_type = types[0] if len(set(types)) == 1 else types
                 cases.append(FormatCase(f"gguf-{label}", method, fmt, H, I, {"gguf_type": gguf_type}))
         elif fmt in GROUPED_FORMATS:
-            for group in GROUP_SIZES:
+            for group in format_info(fmt).group_sizes:
                 H, I = fitting_size(group, min_hidden), fitting_size(group, min_intermediate)
                 kwargs = {"group_size": group, "zero_point": zero_point}
                 cases.append(FormatCase(f"{fmt}-g{group}", method, fmt, H, I, kwargs))

@@ -114,19 +114,26 @@ def test_random_gguf_blocks(tmp_path, variant: str) -> None:
         assert_matches_oracle(packed.data, IDS)
 
 
-def test_mxfp4_nan_and_subnormal_exponents(variant: str) -> None:
+@pytest.mark.parametrize("packing", ["gguf", "mxfp4"])
+def test_mxfp4_nan_and_subnormal_exponents(variant: str, packing: str) -> None:
     """MXFP4 exponent 255 is NaN (the oracle's reading, not ggml's 2^127); 0 and 1 give
-    subnormal scales; every code in random blocks."""
+    subnormal scales; every code in random blocks; in GGUF's blocks and in format mxfp4."""
     experts = make_experts(E, 64, 96)
-    packed = kt_ops.pack_experts(experts.gate, experts.up, experts.down, method="MXFP4").data.clone()
+    packed = kt_ops.pack_experts(experts.gate, experts.up, experts.down, method="LLAMAFILE",
+                                 gguf_type="MXFP4").data.clone()
     offsets = _C.packed_info(packed)["matrix_offsets"]
     g = torch.Generator().manual_seed(6)
+    matrices = []
     for offset, rows, k in zip(offsets, (96, 96, 64), (64, 64, 96)):
         blocks = packed[offset : offset + E * rows * k // 32 * 17].view(-1, 17)
         blocks[:] = torch.randint(0, 256, blocks.shape, generator=g, dtype=torch.uint8)
         blocks[::7, 0] = 255
         blocks[1::7, 0] = 0
         blocks[2::7, 0] = 1
+        matrices.append(blocks.reshape(-1))
+    if packing == "mxfp4":
+        packed = _C.mxfp4_experts_from_blocks(*matrices, E, 64, 96)
+    assert _C.packed_info(packed)["format"] == packing
     assert_matches_oracle(packed, IDS)
 
 

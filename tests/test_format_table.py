@@ -173,7 +173,12 @@ def test_python_lists_equal_the_table() -> None:
     assert kt_ops.METHOD_FORMATS is formats.METHOD_FORMATS
     assert formats.GROUPED_FORMATS == tuple(row["name"] for row in ROWS if row["group_sizes"])
     assert formats.GROUP_SIZES == tuple(sorted({g for row in ROWS for g in row["group_sizes"]}))
-    assert {row["default_group_size"] for row in ROWS if row["group_sizes"]} == {formats.DEFAULT_GROUP_SIZE}
+    # formats with a choice of group sizes share the default; a fixed group (mxfp4's 32) is its own default
+    assert {row["default_group_size"] for row in ROWS if len(row["group_sizes"]) > 1} == {formats.DEFAULT_GROUP_SIZE}
+    for row in ROWS:
+        if len(row["group_sizes"]) == 1:
+            assert row["default_group_size"] == row["group_sizes"][0]
+            assert all(formats.default_group_size(m) == row["group_sizes"][0] for m in row["methods"])
     for method, fmt in formats.METHOD_FORMATS.items():
         assert formats.format_for_method(method) == fmt
     for method, fmt in formats.ZERO_POINT_FORMATS.items():

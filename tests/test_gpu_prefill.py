@@ -29,7 +29,7 @@ from kt_ops import gpu_prefill, reference
 from kt_ops.staging import stage_expert, stage_rows_into
 
 CASES = format_cases(min_hidden=90, min_intermediate=70)
-STAGED = {"bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "int8", "int4_asym"}
+STAGED = {"bf16", "fp8", "fp8_perchannel", "mxfp8", "int4", "int8", "int4_asym", "mxfp4"}
 needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or not kt_ops.cuda.is_built(),
     reason="needs a GPU (torch.cuda.is_available() is False here) and kt_ops built with its CUDA key",

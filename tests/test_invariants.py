@@ -195,13 +195,13 @@ def all_batches(layer: Layer) -> dict[str, list[Batch]]:
 
 def test_format_cases_cover_the_library_lists() -> None:
     """The enumeration reaches every format, group size and ggml type the library lists."""
-    from kt_ops.formats import GROUP_SIZES, GROUPED_FORMATS, METHOD_FORMATS
+    from kt_ops.formats import GROUPED_FORMATS, METHOD_FORMATS, format_info
     from kt_ops.gguf_types import SUPPORTED_TYPES
 
     formats = {c.format for c in CASES}
     assert formats == set(METHOD_FORMATS.values()) | set(GROUPED_FORMATS)
     for fmt in GROUPED_FORMATS:
-        assert sorted(c.kwargs["group_size"] for c in CASES if c.format == fmt) == sorted(GROUP_SIZES)
+        assert sorted(c.kwargs["group_size"] for c in CASES if c.format == fmt) == sorted(format_info(fmt).group_sizes)
     single = {c.kwargs["gguf_type"] for c in CASES if c.format == "gguf" and isinstance(c.kwargs["gguf_type"], str)}
     assert single == set(SUPPORTED_TYPES)
     assert any(c.kwargs.get("gguf_type") == ("Q4_K", "Q4_K", "Q6_K") for c in CASES)

@@ -1,12 +1,16 @@
-"""MXFP4 (ggml type 39 of format gguf; ``pack_experts(..., method="MXFP4")``): the block
-decode against the ``gguf`` package's own dequantizer, our quantizer against
-``gguf.quants.quantize`` byte for byte, exponent 255 as NaN, and the kernels of every
-CPU variant this machine runs against ``kt_ops.reference`` on odd shapes, random blocks,
-and the activation variants with expert biases.
+"""MXFP4 (OCP MX e2m1 codes with one E8M0 exponent per 32 weights) in its two packings:
+format ``mxfp4`` (``pack_experts(..., method="MXFP4")`` and Hugging Face checkpoints: the
+codes in INT4-style lines with bf16 half-scales, dotted by the INT4 kernels through a level
+table) and GGUF's blocks (ggml type 39 of format gguf: ``method="LLAMAFILE",
+gguf_type="MXFP4"`` and GGUF files). The block decode against the ``gguf`` package's own
+dequantizer, our quantizer against ``gguf.quants.quantize`` byte for byte, both packings
+holding the same codes and exponents, exponent 255 as NaN, and the kernels of every CPU
+variant this machine runs against ``kt_ops.reference`` on odd shapes, random blocks, and
+the activation variants with expert biases.
 
-Kernel bounds as tests/test_gguf.py states them: 1e-3 against the reference that
-simulates the kernels' 8-bit activation blocks of 32, 3e-2 against the plain fp32
-reference on the dequantized weights.
+Kernel bounds: 1e-3 against the reference that simulates the kernels' 8-bit activations
+(format mxfp4: one scale per token row, as INT4; gguf: blocks of 32, as tests/test_gguf.py
+states them), 3e-2 against the plain fp32 reference on the dequantized weights.
 """
 
 from __future__ import annotations
@@ -38,17 +42,6 @@ def random_mxfp4_blocks(rows: int, k: int, rng: np.random.Generator, exponents: 
     return data.reshape(rows, -1)
 
 
-def blob_from_blocks(E: int, H: int, I: int, seed: int):
-    """Random MXFP4 blocks -> (blob, gate, up, down decoded by gguf.quants)."""
-    rng = np.random.default_rng(seed)
-    raws = [random_mxfp4_blocks(E * rows, k, rng) for rows, k in ((I, H), (I, H), (H, I))]
-    blob = _C.gguf_experts_from_blocks(*(torch.from_numpy(r.reshape(-1).copy()) for r in raws), [int(MXFP4)] * 3,
-                                       E, H, I)
-    weights = [torch.from_numpy(gguf.quants.dequantize(r, MXFP4)).reshape(E, rows, k)
-               for r, (rows, k) in zip(raws, ((I, H), (I, H), (H, I)))]
-    return blob, *weights
-
-
 def test_block_decode_matches_gguf() -> None:
     """reference.dequantize_mxfp4 == gguf.quants.dequantize bit for bit, every exponent
     but 255 (0 and 1: subnormal scales) and every code, in ggml's nibble order."""
@@ -66,18 +59,60 @@ def test_block_decode_matches_gguf() -> None:
     assert w[16:].tolist() == list(reference.MXFP4_VALUES)[::-1]  # weight j + 16: its high nibble
 
 
-def test_nan_exponent_makes_the_rows_nan(variant: str) -> None:
+def raw_blocks(E: int, H: int, I: int, seed: int) -> list[np.ndarray]:
+    """Random MXFP4 blocks of gate, up [E * I, H / 32 * 17] and down [E * H, I / 32 * 17]."""
+    rng = np.random.default_rng(seed)
+    return [random_mxfp4_blocks(E * rows, k, rng) for rows, k in ((I, H), (I, H), (H, I))]
+
+
+def blob_of(raws: list[np.ndarray], packing: str, E: int, H: int, I: int) -> torch.Tensor:
+    """The blocks as a packed layer: format gguf (the blocks themselves) or mxfp4 (re-laid)."""
+    tensors = [torch.from_numpy(r.reshape(-1).copy()) for r in raws]
+    if packing == "gguf":
+        return _C.gguf_experts_from_blocks(*tensors, [int(MXFP4)] * 3, E, H, I)
+    return _C.mxfp4_experts_from_blocks(*tensors, E, H, I)
+
+
+def decoded(raws: list[np.ndarray], E: int, H: int, I: int) -> list[torch.Tensor]:
+    """gguf.quants' decode of the blocks: gate, up [E, I, H], down [E, H, I]."""
+    return [torch.from_numpy(gguf.quants.dequantize(r, MXFP4)).reshape(E, rows, k)
+            for r, (rows, k) in zip(raws, ((I, H), (I, H), (H, I)))]
+
+
+def gguf_matrices(blob: torch.Tensor) -> list[torch.Tensor]:
+    """The three matrices' bytes of a gguf MXFP4 blob."""
+    info = _C.packed_info(blob)
+    E, H, I = info["num_experts"], info["hidden_size"], info["intermediate_size"]
+    sizes = (E * I * H // 32 * BLOCK_BYTES,) * 2 + (E * H * I // 32 * BLOCK_BYTES,)
+    return [blob[o : o + n] for o, n in zip(info["matrix_offsets"], sizes)]
+
+
+def check_int_kernel(blob: torch.Tensor, gate, up, down, E: int, k: int, H: int, tokens: int, seed: int) -> None:
+    """Format mxfp4 through the kernel: int8 activations per token row, as the INT4 formats."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=g)
+    ids, weights = random_routing(tokens, E, k, seed)
+    out = kt_ops.moe_forward(x, ids, weights, blob)
+    assert torch.isfinite(out).all()
+    tight = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
+    plain = reference.moe_forward(x, ids, weights, gate, up, down)
+    assert rel_err(out, tight) <= 1e-3
+    assert rel_err(out, plain) <= 3e-2
+
+
+PACKINGS = ["mxfp4", "gguf"]
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_nan_exponent_makes_the_rows_nan(variant: str, packing: str) -> None:
     """Exponent 255 is NaN (OCP MX) in the reference and in every kernel: a gate row with
     it makes the outputs of the tokens routed to that expert NaN, the others stay finite."""
     E, H, I = 3, 96, 64
-    blob, gate, up, down = blob_from_blocks(E, H, I, seed=1)
-    info = _C.packed_info(blob)
-    row_bytes = H // 32 * BLOCK_BYTES
-    blob = blob.clone()
+    raws = raw_blocks(E, H, I, seed=1)
     # expert 1, row 5, block 1: exponent 255 over all-zero codes, NaN * 0 (2^127 * 0 would be 0)
-    at = info["matrix_offsets"][0] + 1 * I * row_bytes + 5 * row_bytes + BLOCK_BYTES
-    blob[at] = 255
-    blob[at + 1 : at + BLOCK_BYTES] = 0
+    raws[0][1 * I + 5, BLOCK_BYTES] = 255
+    raws[0][1 * I + 5, BLOCK_BYTES + 1 : 2 * BLOCK_BYTES] = 0
+    blob = blob_of(raws, packing, E, H, I)
     dq = reference.dequantize(blob)
     assert torch.isnan(dq[0][1, 5, 32:64]).all() and torch.isfinite(dq[0][1, 5, :32]).all()
     assert torch.isfinite(dq[0][0]).all() and torch.isfinite(dq[0][2]).all()
@@ -88,21 +123,44 @@ def test_nan_exponent_makes_the_rows_nan(variant: str) -> None:
     assert torch.isfinite(out[[1, 3]]).all()
 
 
+def test_both_packings_hold_the_same_weights() -> None:
+    """Every exponent (0, 1: subnormal scales; 255: NaN) and every code: format mxfp4 made
+    from GGUF blocks decodes (reference and C++ decoders) exactly as the blocks do."""
+    E, H, I = 2, 256, 128
+    raws = raw_blocks(E, H, I, seed=2)
+    raws[0][:, 0::BLOCK_BYTES] = np.arange(raws[0][:, 0::BLOCK_BYTES].size).reshape(E * I, -1) % 256
+    blob, blocks = blob_of(raws, "mxfp4", E, H, I), blob_of(raws, "gguf", E, H, I)
+    assert _C.packed_info(blob)["format"] == "mxfp4"
+    ours, theirs = reference.dequantize(blob), reference.dequantize(blocks)
+    native = kt_ops.dequantize_experts(blob)
+    for a, b, c in zip(ours, theirs, native):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isnan(c), torch.isnan(b))
+        assert torch.equal(a.nan_to_num(7.0).view(torch.int32), b.nan_to_num(7.0).view(torch.int32))
+        assert torch.equal(c.nan_to_num(7.0).view(torch.int32), b.nan_to_num(7.0).view(torch.int32))
+    assert torch.isnan(ours[0]).any()  # exponent 255 is among them
+    # 17 bytes per 32 weights in GGUF; 16 + 2 per 32 (codes, bf16 scale) here, plus block padding
+    weights = E * (2 * I * H + H * I)
+    assert blob.numel() <= 256 + weights * 18 // 32 + E * (2 * I + H) // 16 * 64
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e-3, 300.0])
 def test_quantizer_matches_gguf_bit_for_bit(scale: float) -> None:
-    """pack_experts(method="MXFP4") writes gguf.quants.quantize's bytes (ggml's
-    quantize_row_mxfp4_ref) for every matrix."""
+    """pack_experts(method="LLAMAFILE", gguf_type="MXFP4") writes gguf.quants.quantize's
+    bytes (ggml's quantize_row_mxfp4_ref) for every matrix; method "MXFP4" holds the same
+    codes and exponents in its own layout."""
     E, H, I = 3, 64, 96
     g = torch.Generator().manual_seed(5)
     gate, up, down = (torch.randn(E, r, c, generator=g) * scale for r, c in ((I, H), (I, H), (H, I)))
     gate[0, 0, :32] = 0.0  # an all-zero block: exponent 0
-    packed = kt_ops.pack_experts(gate, up, down, method="MXFP4")
-    info = _C.packed_info(packed.data)
-    assert packed.format == "gguf" and info["gguf_types"] == ["MXFP4"] * 3
-    for m, (tensor, offset) in enumerate(zip((gate, up, down), info["matrix_offsets"])):
-        ours = packed.data[offset : offset + tensor.numel() // 32 * BLOCK_BYTES].numpy()
+    packed = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="MXFP4")
+    assert packed.format == "gguf" and _C.packed_info(packed.data)["gguf_types"] == ["MXFP4"] * 3
+    matrices = gguf_matrices(packed.data)
+    for m, (tensor, ours) in enumerate(zip((gate, up, down), matrices)):
         theirs = gguf.quants.quantize(tensor.reshape(-1, tensor.shape[-1]).numpy(), MXFP4).reshape(-1)
-        np.testing.assert_array_equal(ours, theirs, err_msg=f"matrix {m}")
+        np.testing.assert_array_equal(ours.numpy(), theirs, err_msg=f"matrix {m}")
+    mx = kt_ops.pack_experts(gate, up, down, method="MXFP4")
+    assert mx.format == "mxfp4"
+    assert torch.equal(mx.data, _C.mxfp4_experts_from_blocks(*matrices, E, H, I))
 
 
 def test_quantizer_ties_and_saturation_match_gguf() -> None:
@@ -116,11 +174,12 @@ def test_quantizer_ties_and_saturation_match_gguf() -> None:
     rows = torch.cat([x * 2.0**s for s in range(-60, 68, 8)] + [x.flip(-1) * 0.7 * 2.0**s for s in range(-60, 68, 8)],
                      dim=1)
     down = torch.randn(1, 32, 32)
-    packed = kt_ops.pack_experts(rows, rows, down, method="MXFP4")
-    offset = _C.packed_info(packed.data)["matrix_offsets"][0]
-    ours = packed.data[offset : offset + 32 * BLOCK_BYTES].numpy()
+    packed = kt_ops.pack_experts(rows, rows, down, method="LLAMAFILE", gguf_type="MXFP4")
+    ours = gguf_matrices(packed.data)[0].numpy()
     theirs = gguf.quants.quantize(rows.reshape(32, 32).numpy(), MXFP4).reshape(-1)
     np.testing.assert_array_equal(ours, theirs)
+    mx = kt_ops.pack_experts(rows, rows, down, method="MXFP4")
+    assert torch.equal(mx.data, _C.mxfp4_experts_from_blocks(*gguf_matrices(packed.data), 1, 32, 32))
 
 
 def test_quantizer_exponent_just_below_powers_of_two_matches_gguf() -> None:
@@ -133,25 +192,31 @@ def test_quantizer_exponent_just_below_powers_of_two_matches_gguf() -> None:
             v = np.nextafter(v, np.float32(0))
             rows.append(np.array([v, -v / 3, v / 7] + [0.0] * 29, dtype=np.float32))
     x = torch.from_numpy(np.stack(rows)[:576]).reshape(1, 576, 32)
-    packed = kt_ops.pack_experts(x, x, torch.zeros(1, 32, 576), method="MXFP4")
-    offset = _C.packed_info(packed.data)["matrix_offsets"][0]
-    ours = packed.data[offset : offset + 576 * BLOCK_BYTES].numpy()
+    packed = kt_ops.pack_experts(x, x, torch.zeros(1, 32, 576), method="LLAMAFILE", gguf_type="MXFP4")
+    ours = gguf_matrices(packed.data)[0].numpy()
     theirs = gguf.quants.quantize(x.reshape(576, 32).numpy(), MXFP4).reshape(-1)
     np.testing.assert_array_equal(ours, theirs)
+    mx = kt_ops.pack_experts(x, x, torch.zeros(1, 32, 576), method="MXFP4")
+    assert torch.equal(mx.data, _C.mxfp4_experts_from_blocks(*gguf_matrices(packed.data), 1, 32, 576))
 
 
 def cases() -> list:
-    return [pytest.param(*s, id="E{}k{}H{}I{}T{}".format(*s)) for s in SHAPES]
+    return [pytest.param(*s, p, id="{}-E{}k{}H{}I{}T{}".format(p, *s)) for s in SHAPES for p in PACKINGS]
 
 
-@pytest.mark.parametrize("E,k,H,I,tokens", cases())
-def test_random_blocks(variant: str, E: int, k: int, H: int, I: int, tokens: int) -> None:
+@pytest.mark.parametrize("E,k,H,I,tokens,packing", cases())
+def test_random_blocks(variant: str, E: int, k: int, H: int, I: int, tokens: int, packing: str) -> None:
     """Random MXFP4 blocks (every code) through the kernel == the reference on gguf's decode."""
-    blob, gate, up, down = blob_from_blocks(E, H, I, seed=H + I)
-    check_kernel(blob, gate, up, down, E, k, H, tokens, seed=tokens)
+    raws = raw_blocks(E, H, I, seed=H + I)
+    gate, up, down = decoded(raws, E, H, I)
+    blob = blob_of(raws, packing, E, H, I)
+    if packing == "gguf":
+        check_kernel(blob, gate, up, down, E, k, H, tokens, seed=tokens)
+    else:
+        check_int_kernel(blob, gate, up, down, E, k, H, tokens, seed=tokens)
 
 
-@pytest.mark.parametrize("E,k,H,I,tokens", cases())
+@pytest.mark.parametrize("E,k,H,I,tokens", [pytest.param(*s, id="E{}k{}H{}I{}T{}".format(*s)) for s in SHAPES])
 def test_packed_weights(variant: str, E: int, k: int, H: int, I: int, tokens: int) -> None:
     """pack_experts(method="MXFP4") from bf16 through the kernel == the reference on
     reference.dequantize of the blob; the quantization error of Gaussian weights."""
@@ -159,23 +224,27 @@ def test_packed_weights(variant: str, E: int, k: int, H: int, I: int, tokens: in
     gate, up, down = (torch.randn(E, r, c, generator=g).bfloat16() for r, c in ((I, H), (I, H), (H, I)))
     packed = kt_ops.pack_experts(gate, up, down, method="MXFP4")
     dq = reference.dequantize(packed.data)
-    for original, decoded in zip((gate, up, down), dq):
-        assert rel_err(decoded, original.float()) <= 0.12  # e2m1 with power-of-two scales: measured ~0.10
-    check_kernel(packed.data, *dq, E, k, H, tokens, seed=tokens)
+    for original, dequantized in zip((gate, up, down), dq):
+        assert rel_err(dequantized, original.float()) <= 0.12  # e2m1 with power-of-two scales: measured ~0.10
+    check_int_kernel(packed.data, *dq, E, k, H, tokens, seed=tokens)
 
 
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("limit,alpha", [(0.0, 0.0), (10.0, 0.0), (7.0, 1.702)], ids=["silu", "clamp", "gpt-oss"])
-def test_activations_with_biases(variant: str, limit: float, alpha: float) -> None:
+def test_activations_with_biases(variant: str, limit: float, alpha: float, packing: str) -> None:
     E, k, H, I, tokens = 4, 2, 160, 96, 9
     g = torch.Generator().manual_seed(3)
     gate, up, down = (torch.randn(E, r, c, generator=g) / c**0.5 for r, c in ((I, H), (I, H), (H, I)))
     biases = (torch.randn(E, I, generator=g), torch.randn(E, I, generator=g), torch.randn(E, H, generator=g))
-    packed = kt_ops.pack_experts(gate, up, down, method="MXFP4", swiglu_limit=limit, swiglu_alpha=alpha, biases=biases)
+    kwargs = {"method": "MXFP4"} if packing == "mxfp4" else {"method": "LLAMAFILE", "gguf_type": "MXFP4"}
+    packed = kt_ops.pack_experts(gate, up, down, swiglu_limit=limit, swiglu_alpha=alpha, biases=biases, **kwargs)
+    assert packed.format == packing
     dq = reference.dequantize(packed.data)
     x = torch.randn(tokens, H, generator=g) * 3
     ids, weights = random_routing(tokens, E, k, seed=4)
     out = kt_ops.moe_forward(x, ids, weights, packed)
-    tight = reference.moe_forward(x, ids, weights, *dq, quantize_activations=reference.gguf_activation_blocks(packed.data),
+    blocks = True if packing == "mxfp4" else reference.gguf_activation_blocks(packed.data)
+    tight = reference.moe_forward(x, ids, weights, *dq, quantize_activations=blocks,
                                   swiglu_limit=limit, swiglu_alpha=alpha, biases=biases)
     plain = reference.moe_forward(x, ids, weights, *dq, swiglu_limit=limit, swiglu_alpha=alpha, biases=biases)
     assert rel_err(out, tight) <= 1e-3
@@ -185,13 +254,29 @@ def test_activations_with_biases(variant: str, limit: float, alpha: float) -> No
 def test_method_arguments() -> None:
     E, H, I = 2, 64, 32
     gate, up, down = torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I)
-    same = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="MXFP4")
+    same = kt_ops.pack_experts(gate, up, down, method="MXFP4")
+    assert same.format == "mxfp4" and same.group_size == 32
     for kwargs in ({}, {"gguf_type": "MXFP4"}, {"group_size": 32}):
         assert torch.equal(kt_ops.pack_experts(gate, up, down, method="mxfp4", **kwargs).data, same.data)
     with pytest.raises(ValueError, match="gguf_type"):
         kt_ops.pack_experts(gate, up, down, method="MXFP4", gguf_type="Q4_0")
     with pytest.raises(ValueError, match="group_size"):
         kt_ops.pack_experts(gate, up, down, method="MXFP4", group_size=64)
+    with pytest.raises(ValueError, match="scale_search"):
+        kt_ops.pack_experts(gate, up, down, method="MXFP4", scale_search=True)
     with pytest.raises(ValueError, match="multiple of 32"):
         kt_ops.pack_experts(torch.randn(E, I, 48), torch.randn(E, I, 48), torch.randn(E, 48, I), method="MXFP4")
-    assert kt_ops.METHOD_FORMATS["MXFP4"] == "gguf"
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kt_ops.pack_experts(torch.randn(E, 40, H), torch.randn(E, 40, H), torch.randn(E, H, 40), method="MXFP4")
+    assert kt_ops.METHOD_FORMATS["MXFP4"] == "mxfp4"
+
+
+def test_blocks_of_the_wrong_size_are_refused() -> None:
+    E, H, I = 2, 64, 32
+    raws = [torch.from_numpy(r.reshape(-1).copy()) for r in raw_blocks(E, H, I, seed=3)]
+    with pytest.raises(ValueError, match="down"):
+        _C.mxfp4_experts_from_blocks(raws[0], raws[1], raws[2][:-1], E, H, I)
+    with pytest.raises(ValueError):
+        _C.mxfp4_experts_from_blocks(raws[0], raws[1], raws[2], E, H + 16, I)
+    with pytest.raises(TypeError, match="gate must have dtype Byte"):
+        _C.mxfp4_experts_from_blocks(raws[0].to(torch.int16), raws[1], raws[2], E, H, I)

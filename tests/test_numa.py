@@ -43,7 +43,7 @@ E, K, H, I = 8, 2, 256, 512
 # (the format's own: tests/test_quantized.py, test_fp8.py, test_gguf.py), bound vs the layer
 # packed whole). Where the split leaves the quantization as it is (fp8 and mxfp8 blocks,
 # ggml blocks, split on block boundaries) two parts and one differ by fp32 reduction order
-# only (measured 6e-8 .. 4e-7); int8/int4 quantize each intermediate row per part (one
+# only (measured 6e-8 .. 4e-7); int8/int4/mxfp4 quantize each intermediate row per part (one
 # int8 scale per part's half row: measured 1.2-1.6e-2), fp8_perchannel's down has one
 # scale per row of each part (measured 2.4-2.7e-2): different quantizations, each within
 # the format's bound of its reference.
@@ -54,7 +54,7 @@ FORMATS = [
     ("FP8", {}, 1e-2, 1e-5),
     ("FP8_PERCHANNEL", {}, 1e-2, 4e-2),
     ("MXFP8", {}, 1e-2, 1e-5),
-    ("MXFP4", {}, 3e-2, 1e-5),
+    ("MXFP4", {}, 3e-2, 3e-2),
     ("LLAMAFILE", {"gguf_type": "Q4_K"}, 3e-2, 1e-5),
     ("LLAMAFILE", {"gguf_type": "Q8_0"}, 3e-2, 1e-5),
 ]

@@ -26,6 +26,7 @@ METHODS = [  # (method, zero_point, packed format)
     ("AMXINT8", False, "int8"),
     ("AMXINT4", False, "int4"),
     ("MOE_INT4", True, "int4_asym"),
+    ("MXFP4", False, "mxfp4"),  # groups fixed at 32 (tests/test_mxfp4.py checks its codes against gguf)
 ]
 
 # (E, top_k, H, I, tokens, group): H and I off the 16-row blocks and (int8) the 32-k
@@ -55,7 +56,7 @@ def cases() -> list:
     for method, zero_point, fmt in METHODS:
         shapes = SHAPES + (INT8_ONLY_SHAPES if fmt == "int8" else [])
         for E, k, H, I, T, G in shapes:
-            G = G if fmt != "int8" else 128  # int8 takes only the default (no groups)
+            G = {"int8": 128, "mxfp4": 32}.get(fmt, G)  # int8 takes only the default (no groups), mxfp4 32
             out.append(pytest.param(method, zero_point, fmt, E, k, H, I, T, G, id=f"{fmt}-E{E}k{k}H{H}I{I}T{T}G{G}"))
     return out
 
@@ -68,7 +69,8 @@ def test_kernel_matches_reference(variant: str, method: str, zero_point: bool, f
     assert packed.format == fmt
     dq_gate, dq_up, dq_down = reference.dequantize(packed.data)
     for dq, w in ((dq_gate, gate), (dq_up, up), (dq_down, down)):
-        torch.testing.assert_close(dq, reference.fake_quantize(w, fmt, G), rtol=0, atol=0)
+        if fmt != "mxfp4":  # its codes: tests/test_mxfp4.py, against gguf.quants
+            torch.testing.assert_close(dq, reference.fake_quantize(w, fmt, G), rtol=0, atol=0)
 
     ids, weights = random_routing(T, E, top_k, seed=T + H)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))  # fp32: no output rounding
@@ -107,7 +109,7 @@ def test_variants_agree() -> None:
     previous = kt_ops.cpu_variant()
     try:
         for method, zero_point, _ in METHODS:
-            group = 64 if method != "AMXINT8" else 128
+            group = {"AMXINT8": 128, "MXFP4": 32}.get(method, 64)
             packed = kt_ops.pack_experts(gate, up, down, method=method, group_size=group, zero_point=zero_point)
             outs = {}
             for v in kt_ops.supported_cpu_variants():
@@ -120,7 +122,10 @@ def test_variants_agree() -> None:
         kt_ops.set_cpu_variant(previous)
 
 
-@pytest.mark.parametrize("method,zero_point,fmt", METHODS, ids=[m[2] for m in METHODS])
+SEARCHED = [m for m in METHODS if m[2] != "mxfp4"]  # mxfp4 has no scale search (its exponent is ggml's)
+
+
+@pytest.mark.parametrize("method,zero_point,fmt", SEARCHED, ids=[m[2] for m in SEARCHED])
 def test_scale_search_lowers_weight_error(method: str, zero_point: bool, fmt: str) -> None:
     gate, up, down = make_weights(2, 256, 128, seed=5)
     errors = {}

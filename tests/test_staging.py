@@ -231,14 +231,17 @@ def test_scale_conversions() -> None:
     packed = kt_ops.pack_experts(w, w, w.transpose(1, 2).contiguous(), method="RAWINT4")
     scale = stage_expert(packed, 0)[0].w13_scale[0, 0].item()
     assert scale == 1.0, scale  # rounding would give 1 + 2^-7
-    blob = kt_ops.pack_experts(w, w, w.transpose(1, 2).contiguous(), method="MXFP4").data.clone()
+    blob = kt_ops.pack_experts(w, w, w.transpose(1, 2).contiguous(), method="LLAMAFILE", gguf_type="MXFP4").data.clone()
     info = kt_ops._native._C.packed_info(blob)
     gate = blob[info["matrix_offsets"][0] :].view(-1)
     codes = torch.tensor([0, 1, 127, 254, 255], dtype=torch.uint8)
     gate[torch.arange(5) * 17] = codes  # the exponents of gate row 0's first blocks... (2 blocks per row)
-    staged = stage_expert(kt_ops.PackedExperts(blob), 0)[0].w13_scale.float().reshape(-1)[:5]
-    assert staged[0].item() == 2.0**-127 and staged[1].item() == 2.0**-126 and staged[2].item() == 1.0
-    assert staged[3].item() == 2.0**127 and staged[4].isnan()
+    blocks = [blob[o : o + E * 64 * 2 * 17] for o in info["matrix_offsets"]]
+    mxfp4 = kt_ops._native._C.mxfp4_experts_from_blocks(*blocks, E, H, I)  # format mxfp4: the same scales
+    for packed in (blob, mxfp4):
+        staged = stage_expert(kt_ops.PackedExperts(packed), 0)[0].w13_scale.float().reshape(-1)[:5]
+        assert staged[0].item() == 2.0**-127 and staged[1].item() == 2.0**-126 and staged[2].item() == 1.0
+        assert staged[3].item() == 2.0**127 and staged[4].isnan()
 
 
 def test_what_has_no_staging_layout_is_refused(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ constexpr const char* kOracle = "kt_ops.reference.dequantize";
 constexpr const uint32_t* kInt4Groups = int_layout::kGroupSizes;
 constexpr size_t kNumInt4Groups = std::size(int_layout::kGroupSizes);
 constexpr uint32_t kInt4DefaultGroup = 128;  // kt-kernel's default
+constexpr uint32_t kMxfp4Groups[] = {int_layout::kMxfp4Group};
 
 // Rows in header-id order (checked below). The bf16 and int layouts store 16-row blocks
 // of 64-byte lines (bf16_layout.h, int_layout.h); gguf rows of ggml blocks (gguf_types.h).
@@ -71,7 +72,7 @@ constexpr FormatRow kRows[] = {
       {int4_asym_moe_avx512_bf16, "int4_asym/avx512_bf16 (vpdpbusd)"},
       {int4_asym_moe_amx, "int4_asym/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}},
      0, 1, 0, dequantize_int_rows_to},
-    {PackedFormat::kGguf, "gguf", {"LLAMAFILE", "MXFP4"}, false,
+    {PackedFormat::kGguf, "gguf", {"LLAMAFILE", nullptr}, false,
      1, 0, 0, 0,
      RowRule::kGgmlBlock, 1, 0, nullptr, 0, 0, false,
      pack_gguf_experts, "pack_gguf_experts", dequantize_gguf_rows, "dequantize_gguf_rows",
@@ -119,6 +120,17 @@ constexpr FormatRow kRows[] = {
       {mxfp8_moe_avx512_bf16, "mxfp8/avx512_bf16 (e4m3 -> bf16 in registers, vdpbf16ps)"},
       {mxfp8_moe_avx512_bf16, "mxfp8/amx (the avx512_bf16 kernel: e4m3 -> bf16 in registers, vdpbf16ps; no AMX tiles)"}},
      fp8_layout::kMxGroup, 64, 4, dequantize_fp8_rows_to},
+    {PackedFormat::kMxfp4, "mxfp4", {"MXFP4", nullptr}, false,
+     int_layout::kBlockRows, 8, int_layout::kLineBytes, 2,
+     RowRule::kGroupSize, 1, 0, kMxfp4Groups, std::size(kMxfp4Groups), int_layout::kMxfp4Group, false,
+     pack_mxfp4_experts, "pack_mxfp4_experts", dequantize_int_rows, "dequantize_int_rows",
+     ActivationQuant::kInt8PerToken, kOracle,
+     {{mxfp4_moe_avx2, "mxfp4/avx2 (codes to levels by vpshufb, vpmaddubsw + vpmaddwd)"},
+      {mxfp4_moe_avx_vnni, "mxfp4/avx_vnni (codes to levels by vpshufb, 256-bit vpdpbusd)"},
+      {mxfp4_moe_avx512, "mxfp4/avx512 (codes to levels by vpshufb, vpmaddubsw + vpmaddwd)"},
+      {mxfp4_moe_avx512_bf16, "mxfp4/avx512_bf16 (codes to levels by vpshufb, vpdpbusd)"},
+      {mxfp4_moe_amx, "mxfp4/amx (tdpbsud tiles on the codes' levels; vpdpbusd for decode and tails)"}},
+     0, 64, 0, dequantize_int_rows_to},
 };
 
 constexpr bool rows_in_id_order() {

@@ -2,8 +2,13 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstring>
 
+#include "../cpu/engine/huge_pages.h"
+#include "../cpu/formats/gguf_types.h"
+#include "../cpu/formats/int_layout.h"
+#include "../cpu/formats/pack_int.h"
 #include "../cpu/formats/packed_header.h"
 #include "checks.h"
 #include "mapped_file.h"
@@ -56,14 +61,15 @@ at::Tensor map_gguf_experts(const std::vector<std::string>& files, const std::ve
   return mapping.release(0, mapping.total_bytes());
 }
 
-at::Tensor gguf_experts_from_blocks(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
-                                    const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
-                                    int64_t intermediate) {
-  const cpu::PackedShape shape = gguf_shape(types, experts, hidden, intermediate);
-  const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
-  at::Tensor packed = at::zeros({static_cast<int64_t>(layout.total_bytes)}, at::TensorOptions().dtype(at::kByte));
+namespace {
+
+// gate, up, down as contiguous uint8 CPU tensors of exactly `layout`'s GGUF matrix bytes
+// for `experts` experts (ValueError / TypeError naming the tensor otherwise).
+std::array<at::Tensor, 3> checked_matrices(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                                           const cpu::PackedLayout& layout, int64_t experts) {
   const at::Tensor* sources[3] = {&gate, &up, &down};
   const char* names[3] = {"gate", "up", "down"};
+  std::array<at::Tensor, 3> out;
   for (int m = 0; m < 3; ++m) {
     const at::Tensor& t = *sources[m];
     check_dtype(t, names[m], {at::kByte});
@@ -71,10 +77,44 @@ at::Tensor gguf_experts_from_blocks(const at::Tensor& gate, const at::Tensor& up
     const int64_t bytes = experts * static_cast<int64_t>(layout.matrix_expert_bytes[m]);
     TORCH_CHECK_VALUE(t.numel() == bytes, names[m], " has ", t.numel(), " bytes; ", experts,
                       " experts of its type and shape need ", bytes);
-    std::memcpy(packed.data_ptr<uint8_t>() + layout.matrix_offset[m], t.contiguous().const_data_ptr<uint8_t>(),
-                static_cast<size_t>(bytes));
+    out[m] = t.contiguous();
   }
+  return out;
+}
+
+}  // namespace
+
+at::Tensor gguf_experts_from_blocks(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                                    const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
+                                    int64_t intermediate) {
+  const cpu::PackedShape shape = gguf_shape(types, experts, hidden, intermediate);
+  const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
+  const std::array<at::Tensor, 3> matrices = checked_matrices(gate, up, down, layout, experts);
+  at::Tensor packed = at::zeros({static_cast<int64_t>(layout.total_bytes)}, at::TensorOptions().dtype(at::kByte));
+  for (int m = 0; m < 3; ++m)
+    std::memcpy(packed.data_ptr<uint8_t>() + layout.matrix_offset[m], matrices[m].const_data_ptr<uint8_t>(),
+                static_cast<size_t>(matrices[m].numel()));
   cpu::write_packed_header(layout, packed.data_ptr<uint8_t>());
+  return packed;
+}
+
+at::Tensor mxfp4_experts_from_blocks(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                                     int64_t experts, int64_t hidden, int64_t intermediate) {
+  // The GGUF shape checks E, H, I and the row lengths (multiples of 32).
+  const int64_t mxfp4 = static_cast<int64_t>(cpu::GgmlType::kMxfp4);
+  const cpu::PackedShape gguf = gguf_shape({mxfp4, mxfp4, mxfp4}, experts, hidden, intermediate);
+  const cpu::PackedLayout blocks = translate_errors([&] { return cpu::packed_layout(gguf); });
+  const std::array<at::Tensor, 3> matrices = checked_matrices(gate, up, down, blocks, experts);
+  cpu::PackedShape shape = gguf;
+  shape.format = cpu::PackedFormat::kMxfp4;
+  shape.group_size = cpu::int_layout::kMxfp4Group;
+  shape.gguf_types[0] = shape.gguf_types[1] = shape.gguf_types[2] = 0;
+  const cpu::PackedLayout layout = translate_errors([&] { return cpu::packed_layout(shape); });
+  const uint8_t* data[3] = {matrices[0].const_data_ptr<uint8_t>(), matrices[1].const_data_ptr<uint8_t>(),
+                            matrices[2].const_data_ptr<uint8_t>()};
+  at::Tensor packed = at::empty({static_cast<int64_t>(layout.total_bytes)}, at::TensorOptions().dtype(at::kByte));
+  cpu::advise_huge_pages(packed.data_ptr(), static_cast<size_t>(packed.numel()));
+  translate_errors([&] { cpu::pack_mxfp4_blocks(data, layout, packed.data_ptr<uint8_t>()); });
   return packed;
 }
 

@@ -32,4 +32,10 @@ at::Tensor gguf_experts_from_blocks(const at::Tensor& gate, const at::Tensor& up
                                     const std::vector<int64_t>& types, int64_t experts, int64_t hidden,
                                     int64_t intermediate);
 
+// A blob of format mxfp4 (int_layout.h) from GGUF MXFP4 rows (ggml type 39): gate and
+// up uint8 [E, I, H / 32 * 17], down [E, H, I / 32 * 17] (any shape holding exactly those
+// bytes). The codes and exponents are moved into the INT4-style lines, never re-quantized.
+at::Tensor mxfp4_experts_from_blocks(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                                     int64_t experts, int64_t hidden, int64_t intermediate);
+
 }  // namespace kt::ops

@@ -354,6 +354,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("map_file", &map_file, py::arg("path"), py::arg("offset"), py::arg("bytes"));
   m.def("changed_mapped_file", [](const at::Tensor& t) { return changed_mapped_file(t.const_data_ptr()); });
   m.def("gguf_experts_from_blocks", &gguf_experts_from_blocks);
+  m.def("mxfp4_experts_from_blocks", &mxfp4_experts_from_blocks);
   m.def("set_activation", &set_activation, py::arg("packed"), py::arg("swiglu_limit") = 0.0,
         py::arg("swiglu_alpha") = 0.0, py::arg("gate_bias") = py::none(), py::arg("up_bias") = py::none(),
         py::arg("down_bias") = py::none());

@@ -41,8 +41,8 @@ METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4", "Q4_K", "Q4_K_M", "Q6_
 EXTRA_METHODS: tuple[str, ...] = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q5_K_M")
 # FP8 methods (e4m3 weights decoded to bf16 in the kernels; quantized online here).
 FP8_METHODS: tuple[str, ...] = ("FP8", "FP8_PERCHANNEL", "MXFP8")
-# 4-bit checkpoint methods, quantized online as their checkpoints are: MXFP4 (GGUF type
-# MXFP4), int4 groups of 32 (RAWINT4), int4 groups of 128 (GPTQ), int4_asym groups of 128 (AWQ).
+# 4-bit checkpoint methods, quantized online as their checkpoints are: MXFP4 (format
+# mxfp4), int4 groups of 32 (RAWINT4), int4 groups of 128 (GPTQ), int4_asym groups of 128 (AWQ).
 CHECKPOINT_METHODS: tuple[str, ...] = ("MXFP4", "RAWINT4", "GPTQ_INT4", "AWQ_INT4")
 ALL_METHODS: tuple[str, ...] = METHODS + EXTRA_METHODS + FP8_METHODS + CHECKPOINT_METHODS
 # GGUF file mixes: (gate and up type, down type), as llama.cpp's Q4_K_M and Q5_K_M store the experts.
@@ -83,7 +83,7 @@ def pack_layer(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, method:
 
 
 def bytes_per_weight(layer_packed: PackedExperts, shape: Shape) -> float:
-    """Packed bytes per weight, scales included (2 for BF16, ~1.0 INT8, ~0.53 INT4,
+    """Packed bytes per weight, scales included (2 for BF16, ~1.0 INT8, ~0.53 INT4, 0.5625 MXFP4,
     0.5625 Q4_K / Q4_0, 0.82 Q6_K, 1.06 Q8_0)."""
     weights = shape.num_experts * 3 * shape.hidden * shape.intermediate
     if layer_packed.format == "gguf":  # the matrices themselves (no header or padding)

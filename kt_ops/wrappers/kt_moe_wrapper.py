@@ -92,7 +92,8 @@ class KTMoEWrapper:
             under its own INT4 method and an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash)
             under ``MXFP4`` are read in place, their bytes kept: :mod:`kt_ops.hf_int4`,
             :mod:`kt_ops.hf_mxfp4`), a directory written by ``python -m kt_ops.convert``,
-            or a GGUF file or directory (``LLAMAFILE`` or ``MXFP4``). gpt-oss weights (a GGUF
+            or a GGUF file or directory (``LLAMAFILE``, or ``MXFP4`` for a GGUF of MXFP4
+            experts: both keep the file's blocks, memory-mapped). gpt-oss weights (a GGUF
             of architecture ``gpt-oss``, or the Hugging Face gpt-oss layout) bring their
             expert biases and alpha-SwiGLU: ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7
             (Hugging Face: config.json's values), each applied only where the constructor's
@@ -101,8 +102,8 @@ class KTMoEWrapper:
         cpu_save: keep the unpacked source tensors (``source_weights``) after packing.
         max_deferred_experts_per_token: d, see the module docstring.
         method: ``BF16``, ``AMXINT8``/``MOE_INT8``, ``AMXINT4``/``MOE_INT4``, ``LLAMAFILE``,
-            ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``, ``MXFP4`` (GGUF
-            type MXFP4 of format gguf: e2m1 with an E8M0 exponent per 32 weights; a bf16
+            ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``, ``MXFP4`` (format
+            mxfp4: e2m1 with an E8M0 exponent per 32 weights, docs/formats.md; a bf16
             checkpoint or ``load_weights_from_tensors`` is quantized online), and the INT4
             checkpoint methods ``RAWINT4``, ``GPTQ_INT4``, ``AWQ_INT4`` (:mod:`kt_ops.hf_int4`).
             None: detected from ``weight_path`` (an INT4, MXFP4 or FP8 checkpoint's own
@@ -320,7 +321,7 @@ class KTMoEWrapper:
     def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                           biases: Biases | None = None) -> None:
         """Packs the CPU slots' experts (``gate/up/down`` and ``biases`` hold those, in slot order)."""
-        if self.format == "gguf" and self.method != "MXFP4":
+        if self.format == "gguf":
             raise ValueError("method LLAMAFILE loads GGUF files (weight_path); online quantization into GGUF "
                              "is kt_ops.pack_experts(..., method='LLAMAFILE', gguf_type=...)")
         pack_args = {"group_size": self.group_size} if self.format in ("int4", "int4_asym") else {}
@@ -420,7 +421,7 @@ class KTMoEWrapper:
 
     def _load_mxfp4(self, checkpoint: HfCheckpoint, mapping: torch.Tensor) -> None:
         """The CPU slots' experts of an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash),
-        re-ordered into GGUF MXFP4 blocks without widening; gpt-oss's biases and activation
+        laid out as format mxfp4 without widening; gpt-oss's biases and activation
         (:meth:`_use_checkpoint_activation`) come with them."""
         cpu = mapping[self._packed_slots()].tolist()
         route = self._cpu_route()
@@ -450,7 +451,7 @@ class KTMoEWrapper:
         self._set_packed(parts, mapping)
 
     def _load_gguf(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
-        if self.format != "gguf":
+        if self.format != "gguf" and self.method != "MXFP4":  # MXFP4 GGUF files keep their blocks
             raise ValueError(f"{path} holds GGUF files: use method='LLAMAFILE', not {self.method!r}")
         gguf_files(path)  # FileNotFoundError / ValueError for a bad directory
         packed = load_gguf_experts(path, self.layer_idx)

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "int_layout.h"
+#include "mxfp4_block.h"
 #include "transpose_avx2.h"
 
 namespace kt::cpu {
@@ -15,6 +16,18 @@ using int_layout::kLineBytes;
 inline float load_float(const uint8_t* p) {
   float v;
   std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Group g's scale of row n: fp32, or mxfp4's bf16 half-scale widened (exact).
+inline float group_scale(const uint8_t* block, const int_layout::MatrixDims& dims, int64_t g, int n) {
+  const uint8_t* row = block + dims.scales_offset() + g * static_cast<int64_t>(dims.scale_row_bytes);
+  if (dims.scale_row_bytes == int_layout::kLineBytes) return load_float(row + 4 * n);
+  uint16_t bits;
+  std::memcpy(&bits, row + 2 * n, 2);
+  const uint32_t wide = uint32_t{bits} << 16;
+  float v;
+  std::memcpy(&v, &wide, 4);
   return v;
 }
 
@@ -31,13 +44,15 @@ void int8_row(const uint8_t* block, const int_layout::MatrixDims& dims, int n, c
 }
 
 // Line l holds k = 8l + i (low nibbles of row n's 4 bytes) and 8l + 4 + i (high nibbles).
-// k_begin: a multiple of 8.
-template <bool kMinimums>
+// k_begin: a multiple of 8. int4: (q - 8) * scale; int4_asym: q * scale + minimum;
+// mxfp4: kValues[q] * half_scale (one exact product).
+template <PackedFormat kFormat>
 void int4_row(const uint8_t* block, const int_layout::MatrixDims& dims, int n, const RowsOut& out, int64_t row,
               int64_t k_begin) {
   const uint8_t* bytes = block + 4 * n;
   for (int64_t g = k_begin / dims.group; g < dims.groups; ++g) {
-    const float scale = load_float(block + dims.scales_offset() + (g * kBlockRows + n) * 4);
+    constexpr bool kMinimums = kFormat == PackedFormat::kInt4Asym;
+    const float scale = group_scale(block, dims, g, n);
     const float minimum = kMinimums ? load_float(block + dims.minimums_offset() + (g * kBlockRows + n) * 4) : 0.0f;
     for (int64_t k = std::max(g * dims.group, k_begin); k < (g + 1) * dims.group; k += 8) {
       uint32_t word;  // byte i: k + i (low nibble), k + 4 + i (high nibble)
@@ -48,6 +63,8 @@ void int4_row(const uint8_t* block, const int_layout::MatrixDims& dims, int n, c
         if (kMinimums) {
           const float product = static_cast<float>(q) * scale;
           target[i] = product + minimum;
+        } else if (kFormat == PackedFormat::kMxfp4) {
+          target[i] = static_cast<float>(mxfp4::kValues[q]) * scale;
         } else {
           target[i] = static_cast<float>(q - int_layout::kInt4Zero) * scale;
         }
@@ -93,15 +110,24 @@ __attribute__((target("avx2"))) void int8_8x8_avx2(const uint8_t* block, const i
   }
 }
 
-template <bool kMinimums>
+template <PackedFormat kFormat>
 __attribute__((target("avx2"))) void int4_8x8_avx2(const uint8_t* block, const int_layout::MatrixDims& dims, int n0,
                                                    int64_t l0, const RowsOut out, int64_t row0) {
   __m256i t[8];  // t[i] lane j: row n0 + i's word of line l0 + j (k = 8 (l0 + j) .. + 7)
   prefetch_lines(block, l0 + 16);
   load_transposed_8x8(block + l0 * kLineBytes + 4 * n0, kLineBytes, t);
-  const __m256i nibble = _mm256_set1_epi8(15), zero = _mm256_set1_epi32(int_layout::kInt4Zero);
+  constexpr bool kMinimums = kFormat == PackedFormat::kInt4Asym, kMx = kFormat == PackedFormat::kMxfp4;
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i zero = _mm256_set1_epi32(kMx ? int_layout::kMxfp4LevelBias : int_layout::kInt4Zero);
+  // mxfp4: codes -> kValues + 16 (int_layout.h), so the unsigned widening below applies
+  const __m256i levels = _mm256_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4,
+                                          16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4);
   for (int i = 0; i < 8; ++i) {
-    const __m256i low = _mm256_and_si256(t[i], nibble), high = _mm256_and_si256(_mm256_srli_epi16(t[i], 4), nibble);
+    __m256i low = _mm256_and_si256(t[i], nibble), high = _mm256_and_si256(_mm256_srli_epi16(t[i], 4), nibble);
+    if (kMx) {
+      low = _mm256_shuffle_epi8(levels, low);
+      high = _mm256_shuffle_epi8(levels, high);
+    }
     // Per word: its 4 low nibbles (k + 0..3), then its 4 high nibbles (k + 4..7).
     const __m256i a = _mm256_unpacklo_epi32(low, high), b = _mm256_unpackhi_epi32(low, high);
     const __m256i ordered[2] = {_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)};
@@ -109,7 +135,7 @@ __attribute__((target("avx2"))) void int4_8x8_avx2(const uint8_t* block, const i
       const int64_t k = 8 * (l0 + q), g = k / dims.group;
       const __m128i half = q % 4 < 2 ? _mm256_castsi256_si128(ordered[q / 4]) : _mm256_extracti128_si256(ordered[q / 4], 1);
       const __m256i v = bytes_to_int32(half, q % 2);
-      const __m256 scale = _mm256_set1_ps(load_float(block + dims.scales_offset() + (g * kBlockRows + n0 + i) * 4));
+      const __m256 scale = _mm256_set1_ps(group_scale(block, dims, g, n0 + i));
       if (kMinimums) {
         const __m256 minimum =
             _mm256_set1_ps(load_float(block + dims.minimums_offset() + (g * kBlockRows + n0 + i) * 4));
@@ -144,15 +170,17 @@ void dequantize_int_rows_to(const uint8_t* blob, const PackedLayout& layout, Exp
       int64_t l0 = 0;
       for (; l0 + 8 <= full_lines; l0 += 8) {
         if (format == PackedFormat::kInt8) int8_8x8_avx2(b, m, n, l0, out, row0);
-        else if (format == PackedFormat::kInt4) int4_8x8_avx2<false>(b, m, n, l0, out, row0);
-        else int4_8x8_avx2<true>(b, m, n, l0, out, row0);
+        else if (format == PackedFormat::kInt4) int4_8x8_avx2<PackedFormat::kInt4>(b, m, n, l0, out, row0);
+        else if (format == PackedFormat::kMxfp4) int4_8x8_avx2<PackedFormat::kMxfp4>(b, m, n, l0, out, row0);
+        else int4_8x8_avx2<PackedFormat::kInt4Asym>(b, m, n, l0, out, row0);
       }
       k_begin = l0 * k_per_line;
     }
     for (int i = 0; i < rows; ++i) {
       if (format == PackedFormat::kInt8) int8_row(b, m, n + i, out, row0 + i, k_begin);
-      else if (format == PackedFormat::kInt4) int4_row<false>(b, m, n + i, out, row0 + i, k_begin);
-      else int4_row<true>(b, m, n + i, out, row0 + i, k_begin);
+      else if (format == PackedFormat::kInt4) int4_row<PackedFormat::kInt4>(b, m, n + i, out, row0 + i, k_begin);
+      else if (format == PackedFormat::kMxfp4) int4_row<PackedFormat::kMxfp4>(b, m, n + i, out, row0 + i, k_begin);
+      else int4_row<PackedFormat::kInt4Asym>(b, m, n + i, out, row0 + i, k_begin);
     }
     r += rows;
   }

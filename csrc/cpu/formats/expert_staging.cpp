@@ -165,8 +165,10 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
   for_expert_blocks(blob, layout, e, dims.gate_up.blocks, dims.gate_up.block_bytes(), dims.down.blocks,
                     dims.down.block_bytes(), [&](bool gate_up, int64_t b, const uint8_t* block) {
     const int_layout::MatrixDims& m = gate_up ? dims.gate_up : dims.down;
-    // scales per row and group: bf16 (kt-kernel's), fp32, or int4_asym's fp32 (scale, minimum)
-    const size_t scale_bytes = m.minimums ? 8 : out.int4_fp32_scales ? 4 : 2;
+    // scales per row and group: bf16 (kt-kernel's), fp32, or int4_asym's fp32 (scale, minimum);
+    // mxfp4: bf16 2^(e - 127), twice the stored half-scale (exact, NaN stays NaN)
+    const bool mx = layout.shape.format == PackedFormat::kMxfp4;
+    const size_t scale_bytes = m.minimums ? 8 : out.int4_fp32_scales && !mx ? 4 : 2;
     const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * scale_bytes);
     const int64_t first = kHasAvx2 ? untile_words_avx2<Word::kNibbles>(block, m.lines, dst, m.k / 2) : 0;
     for (int64_t i = 0; i < dst.rows; ++i) {
@@ -181,7 +183,18 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
       }
       const uint8_t* scales = block + m.scales_offset() + i * 4;  // [groups][16] fp32
       const uint8_t* minimums = block + m.minimums_offset() + i * 4;
-      if (out.int4_fp32_scales) {
+      if (mx) {
+        auto* scale = reinterpret_cast<uint16_t*>(dst.scales + i * m.groups * 2);
+        for (int64_t g = 0; g < m.groups; ++g) {
+          uint16_t half;
+          std::memcpy(&half, block + m.scales_offset() + g * m.scale_row_bytes + 2 * i, 2);
+          const uint32_t wide = uint32_t{half} << 16;
+          float value;
+          std::memcpy(&value, &wide, 4);
+          value *= 2.0f;
+          scale[g] = bf16_truncated(reinterpret_cast<const uint8_t*>(&value));
+        }
+      } else if (out.int4_fp32_scales) {
         for (int64_t g = 0; g < m.groups; ++g) {
           uint8_t* to = dst.scales + (i * m.groups + g) * scale_bytes;
           std::memcpy(to, scales + g * kRows * 4, 4);
@@ -268,8 +281,11 @@ StagingSizes staging_sizes(const PackedLayout& layout, bool int4_fp32_scales) {
     case PackedFormat::kInt4Asym:  // kt_ops' GPU prefill only: (scale, minimum) fp32 pairs
       if (!int4_fp32_scales) break;
       [[fallthrough]];
+    case PackedFormat::kMxfp4:  // kt-kernel's MXFP4 rows: bf16 scales whatever int4_fp32_scales says
     case PackedFormat::kInt4: {
-      const size_t scale = s.format == PackedFormat::kInt4Asym ? 8 : int4_fp32_scales ? 4 : 2;
+      const size_t scale = s.format == PackedFormat::kInt4Asym                          ? 8
+                           : int4_fp32_scales && s.format != PackedFormat::kMxfp4 ? 4
+                                                                                    : 2;
       sizes.gate_up_row = H / 2, sizes.down_row = I / 2;
       sizes.gate_up_scale_row = H / s.group_size * scale, sizes.down_scale_row = I / s.group_size * scale;
       return sizes;
@@ -301,7 +317,8 @@ void stage_expert_rows(const uint8_t* blob, size_t blob_bytes, int64_t expert, c
     case PackedFormat::kFp8PerChannel:
     case PackedFormat::kMxfp8: return stage_fp8(blob, layout, expert, out);
     case PackedFormat::kInt4:
-    case PackedFormat::kInt4Asym: return stage_int4(blob, layout, expert, out);
+    case PackedFormat::kInt4Asym:
+    case PackedFormat::kMxfp4: return stage_int4(blob, layout, expert, out);
     default: return stage_mxfp4(blob, layout, expert, out);  // gguf, MXFP4 x 3 (staging_sizes checked)
   }
 }

@@ -16,7 +16,14 @@
 //   next one, so one AND and one shift unpack a line into two vpdpbusd operands.
 //   int4:      w(n, k) = scale[g][n] * (q(n, k) - 8)          g = k / G
 //   int4_asym: w(n, k) = scale[g][n] * q(n, k) + minimum[g][n]
-// Rows past the matrix have q = zero point and scale 0.
+// MXFP4 (OCP MX e2m1, G = 32): the INT4 lines with q an e2m1 code (0..15) and the scales
+//   bf16, 32 bytes per group row (padded to a multiple of 64 bytes per block):
+//   mxfp4:     w(n, k) = half_scale[g][n] * kValues[q(n, k)]   (mxfp4_block.h: the doubled
+//              e2m1 values 0, +-1, +-2, +-3, +-4, +-6, +-8, +-12; half_scale = 2^(e - 128),
+//              exact in bf16 for every exponent e, NaN for e = 255)
+//   The kernels map each code to kValues + 16 (one vpshufb) and dot it as an INT4 level
+//   with zero point 16. 0.5625 bytes per weight: 1.06x a checkpoint's 17 bytes per 32.
+// Rows past the matrix have q = zero point (mxfp4: code 0) and scale 0.
 #pragma once
 
 #include <cstddef>
@@ -40,9 +47,14 @@ constexpr int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
+// Formats of nibble lines and k-groups: int4, int4_asym and mxfp4.
 constexpr bool is_int4(PackedFormat format) {
-  return format == PackedFormat::kInt4 || format == PackedFormat::kInt4Asym;
+  return format == PackedFormat::kInt4 || format == PackedFormat::kInt4Asym || format == PackedFormat::kMxfp4;
 }
+
+constexpr uint32_t kMxfp4Group = 32;   // mxfp4: k per exponent, its only group size
+constexpr int kMxfp4LevelBias = 16;    // the kernels' level of code q: kValues[q] + 16
+constexpr size_t kMxfp4ScaleRowBytes = 32;  // one bf16 half-scale per row of a block
 
 // One packed matrix: `rows` output rows (padded to 16 per block), input dimension `k`.
 struct MatrixDims {
@@ -54,6 +66,7 @@ struct MatrixDims {
   int64_t lines = 0;   // 64-byte weight lines per block
   int64_t groups = 0;  // scale rows per block
   bool minimums = false;
+  size_t scale_row_bytes = kLineBytes;  // bytes per scale row: 16 fp32, or mxfp4's 16 bf16
 
   constexpr MatrixDims(PackedFormat format, int64_t rows_, int64_t blocks_, int64_t k_, int64_t g)
       : rows(rows_),
@@ -63,10 +76,15 @@ struct MatrixDims {
         group(is_int4(format) ? g : round_up(k_, kKAlign)),
         lines(is_int4(format) ? k_ / 8 : round_up(k_, kKAlign) / 4),
         groups(is_int4(format) ? k_ / g : 1),
-        minimums(format == PackedFormat::kInt4Asym) {}
+        minimums(format == PackedFormat::kInt4Asym),
+        scale_row_bytes(format == PackedFormat::kMxfp4 ? kMxfp4ScaleRowBytes : kLineBytes) {}
 
   constexpr size_t scales_offset() const { return static_cast<size_t>(lines) * kLineBytes; }
-  constexpr size_t minimums_offset() const { return scales_offset() + groups * kLineBytes; }
+  // The scale rows, padded to whole 64-byte lines (only mxfp4's 32-byte rows need it).
+  constexpr size_t scales_bytes() const {
+    return static_cast<size_t>(round_up(groups * static_cast<int64_t>(scale_row_bytes), kLineBytes));
+  }
+  constexpr size_t minimums_offset() const { return scales_offset() + scales_bytes(); }
   constexpr size_t block_bytes() const { return minimums_offset() + (minimums ? groups * kLineBytes : 0); }
   constexpr size_t expert_bytes() const { return blocks * block_bytes(); }
 };

@@ -7,6 +7,7 @@
 #include "../engine/engine.h"
 #include "../isa/scalar_convert.h"
 #include "int_layout.h"
+#include "mxfp4_block.h"
 #include "source_rows.h"
 
 namespace kt::cpu {
@@ -35,6 +36,35 @@ void write_lines(const uint8_t* levels, bool int4, const MatrixDims& dims, uint8
       std::memcpy(line + 4 * r, &word, sizeof(word));
     }
   }
+}
+
+// MXFP4: one row's GGUF MXFP4 blocks (dims.groups of 17 bytes) -> its codes (`codes`,
+// 0..15 in k order, the INT4 lines' levels) and its bf16 half-scales (column r of the
+// block's scale rows, exact: half_scale_bits has no low 16 bits).
+void mxfp4_row(const uint8_t* blocks, const MatrixDims& dims, int r, uint8_t* codes, uint16_t* scales) {
+  for (int64_t g = 0; g < dims.groups; ++g) {
+    const uint8_t* block = blocks + g * mxfp4::kBlockBytes;
+    scales[g * kBlockRows + r] = static_cast<uint16_t>(mxfp4::half_scale_bits(block[0]) >> 16);
+    for (int j = 0; j < 16; ++j) {  // byte 1 + j: weight j (low nibble), j + 16 (high)
+      codes[32 * g + j] = block[1 + j] & 15;
+      codes[32 * g + 16 + j] = block[1 + j] >> 4;
+    }
+  }
+}
+
+// Rows [row0, row0 + 16) into one mxfp4 block at `out`: row_blocks(row, tmp) gives a
+// row's GGUF MXFP4 blocks (tmp: dims.groups * 17 bytes it may fill). Rows past the matrix
+// are code 0 with scale 0; the scale rows' padding is zero.
+template <typename RowBlocks>
+void pack_mxfp4_block(const MatrixDims& dims, int64_t row0, const RowBlocks& row_blocks, uint8_t* out) {
+  thread_local std::vector<uint8_t> levels, tmp;
+  levels.assign(kBlockRows * dims.k, 0);
+  tmp.resize(dims.groups * mxfp4::kBlockBytes);
+  auto* scales = reinterpret_cast<uint16_t*>(out + dims.scales_offset());
+  std::memset(scales, 0, dims.scales_bytes());
+  for (int r = 0; r < kBlockRows && row0 + r < dims.rows; ++r)
+    mxfp4_row(row_blocks(row0 + r, tmp.data()), dims, r, levels.data() + r * dims.k, scales);
+  write_lines(levels.data(), true, dims, out);
 }
 
 // Quantizes rows [row0, row0 + 16) of `matrix` ([dims.rows, dims.k] of `type`) into one
@@ -133,17 +163,51 @@ void for_each_block(const PackedLayout& layout, uint8_t* blob, const Block& bloc
   });
 }
 
-}  // namespace
-
-void pack_int_experts(const void* gate, const void* up, const void* down, ElementType type,
-                      const PackedLayout& layout, const QuantOptions& options, uint8_t* blob) {
+// for_each_block over float sources: block(source, matrix dims, first row, out) with
+// `source` the expert's matrix ([rows, k] of `type`) of gate, up or down.
+template <typename Block>
+void for_each_source_block(const void* gate, const void* up, const void* down, ElementType type,
+                           const PackedLayout& layout, uint8_t* blob, const Block& block) {
   const int_layout::Dims dims(layout.shape);
   const size_t element = type == ElementType::kF32 ? 4 : 2;
   const void* matrices[3] = {gate, up, down};
   const int64_t expert_elements = dims.hidden * dims.intermediate;
   for_each_block(layout, blob, [&](int m, int64_t expert, const MatrixDims& matrix, int64_t row0, uint8_t* out) {
-    const auto* source = static_cast<const uint8_t*>(matrices[m]) + expert * expert_elements * element;
+    block(static_cast<const uint8_t*>(matrices[m]) + expert * expert_elements * element, matrix, row0, out);
+  });
+}
+
+}  // namespace
+
+void pack_int_experts(const void* gate, const void* up, const void* down, ElementType type,
+                      const PackedLayout& layout, const QuantOptions& options, uint8_t* blob) {
+  for_each_source_block(gate, up, down, type, layout, blob,
+                        [&](const uint8_t* source, const MatrixDims& matrix, int64_t row0, uint8_t* out) {
     pack_block(source, type, layout.shape.format, matrix, row0, options, out);
+  });
+}
+
+void pack_mxfp4_experts(const void* gate, const void* up, const void* down, ElementType type,
+                        const PackedLayout& layout, const QuantOptions&, uint8_t* blob) {
+  for_each_source_block(gate, up, down, type, layout, blob,
+                        [&](const uint8_t* source, const MatrixDims& matrix, int64_t row0, uint8_t* out) {
+    thread_local std::vector<float> row;
+    row.resize(matrix.k);
+    pack_mxfp4_block(matrix, row0, [&](int64_t r, uint8_t* tmp) {
+      load_row(source, type, r, matrix.k, row.data());  // ggml's rounding (mxfp4_block.h)
+      for (int64_t g = 0; g < matrix.groups; ++g)
+        mxfp4::quantize_block(row.data() + g * mxfp4::kBlockElems, tmp + g * mxfp4::kBlockBytes);
+      return static_cast<const uint8_t*>(tmp);
+    }, out);
+  });
+}
+
+void pack_mxfp4_blocks(const uint8_t* const blocks[3], const PackedLayout& layout, uint8_t* blob) {
+  const int_layout::Dims dims(layout.shape);
+  for_each_block(layout, blob, [&](int m, int64_t expert, const MatrixDims& matrix, int64_t row0, uint8_t* out) {
+    const int64_t row_bytes = matrix.groups * mxfp4::kBlockBytes;
+    const uint8_t* first = blocks[m] + expert * matrix.rows * row_bytes;
+    pack_mxfp4_block(matrix, row0, [&](int64_t r, uint8_t*) { return first + r * row_bytes; }, out);
   });
 }
 

@@ -1,5 +1,5 @@
-// Hugging Face expert weights into the INT8 / INT4 layouts (int_layout.h): quantized
-// from float weights, or copied from an INT4 checkpoint's levels.
+// Hugging Face expert weights into the INT8 / INT4 / MXFP4 layouts (int_layout.h):
+// quantized from float weights, or copied from an INT4 or MXFP4 checkpoint's codes.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,17 @@ namespace kt::cpu {
 // One job per (matrix, expert, 16-row block) on the Engine.
 void pack_int_experts(const void* gate, const void* up, const void* down, ElementType type,
                       const PackedLayout& layout, const QuantOptions& options, uint8_t* blob);
+
+// The same for format mxfp4 (H and I multiples of 32): each row quantized per 32 weights
+// as ggml quantizes MXFP4 (mxfp4_block.h: exponent from max|w|, nearest code), then laid
+// out as int_layout.h says. `options` is unused (no scale search).
+void pack_mxfp4_experts(const void* gate, const void* up, const void* down, ElementType type,
+                        const PackedLayout& layout, const QuantOptions& options, uint8_t* blob);
+
+// GGUF MXFP4 rows (ggml type 39: 17 bytes per 32 weights, mxfp4_block.h) into `layout`
+// (format mxfp4): blocks[0..2] are gate, up [E, I, H / 32 * 17] and down
+// [E, H, I / 32 * 17]. Codes and exponents are moved, never re-quantized.
+void pack_mxfp4_blocks(const uint8_t* const blocks[3], const PackedLayout& layout, uint8_t* blob);
 
 // One already-quantized INT4 matrix [E, N, K] (a checkpoint's RAWINT4/GPTQ/AWQ
 // weights, normalized): nibbles [E, N, K / 2], element k of a row in byte k / 2, the

@@ -60,7 +60,7 @@ std::string group_size_choices() {
   return choices;
 }
 
-// int4 formats: a group size of int_layout::kGroupSizes dividing H and I. int8: no group
+// int4 formats: a group size of int_layout::kGroupSizes dividing H and I (mxfp4: 32). int8: no group
 // (0); its int32 sums need H, I <= int_layout::kInt8MaxK (|sum| <= 255 * 127 * 65536 < 2^31).
 void check_int_shape(const PackedShape& shape) {
   if (shape.format == PackedFormat::kInt8) {
@@ -73,12 +73,18 @@ void check_int_shape(const PackedShape& shape) {
     return;
   }
   const uint32_t g = shape.group_size;
-  if (std::find(std::begin(int_layout::kGroupSizes), std::end(int_layout::kGroupSizes), g) ==
-      std::end(int_layout::kGroupSizes))
+  if (shape.format == PackedFormat::kMxfp4) {
+    if (g != int_layout::kMxfp4Group)
+      throw std::invalid_argument("format mxfp4 has one exponent per 32 weights; group_size must be 32, got " +
+                                  std::to_string(g));
+  } else if (std::find(std::begin(int_layout::kGroupSizes), std::end(int_layout::kGroupSizes), g) ==
+             std::end(int_layout::kGroupSizes)) {
     throw std::invalid_argument("int4 formats need group_size " + group_size_choices() + ", got " +
                                 std::to_string(g));
+  }
   if (shape.hidden_size % g != 0 || shape.intermediate_size % g != 0)
-    throw std::invalid_argument("int4 formats: group_size " + std::to_string(g) +
+    throw std::invalid_argument(std::string(shape.format == PackedFormat::kMxfp4 ? "format mxfp4" : "int4 formats") +
+                                ": group_size " + std::to_string(g) +
                                 " must divide hidden_size H = " + std::to_string(shape.hidden_size) +
                                 " and intermediate_size I = " +
                                 std::to_string(shape.intermediate_size));
@@ -158,7 +164,8 @@ PackedLayout packed_layout(const PackedShape& shape) {
     }
     case PackedFormat::kInt8:
     case PackedFormat::kInt4:
-    case PackedFormat::kInt4Asym: {
+    case PackedFormat::kInt4Asym:
+    case PackedFormat::kMxfp4: {
       check_int_shape(shape);
       const int_layout::Dims dims(shape);
       layout.gate_up_expert_bytes = dims.gate_up.expert_bytes();

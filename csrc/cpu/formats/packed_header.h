@@ -33,6 +33,7 @@ enum class PackedFormat : uint32_t {
   kFp8 = 6,        // e4m3 with fp32 scales per 128 x 128 block (fp8_layout.h)
   kFp8PerChannel = 7,  // e4m3 with an fp32 scale per output row
   kMxfp8 = 8,      // e4m3 with a ue8m0 exponent per 32 weights along k (OCP MXFP8)
+  kMxfp4 = 9,      // e2m1 codes in the INT4 lines, a bf16 power-of-two scale per 32 k (OCP MXFP4)
 };
 
 constexpr char kPackedMagic[8] = {'K', 'T', 'O', 'P', 'S', 'P', 'K', '\0'};
@@ -59,7 +60,7 @@ struct PackedShape {
   uint32_t num_experts = 0;
   uint32_t hidden_size = 0;
   uint32_t intermediate_size = 0;
-  uint32_t group_size = 0;  // int4 formats: one of int_layout::kGroupSizes dividing H and I; else 0
+  uint32_t group_size = 0;  // int4 formats: one of int_layout::kGroupSizes dividing H and I; mxfp4: 32; else 0
   uint32_t numa_parts = 1;  // parts the intermediate dimension is split into (1: none)
   uint32_t gguf_types[3] = {0, 0, 0};  // gguf: ggml type ids of gate, up, down
   GluSpec glu;

@@ -3,7 +3,7 @@
 // GEMM. Include only from a variant translation unit (variants/*.cpp), after its target
 // pragma.
 //
-// Weights: formats/int_layout.h. Activations are quantized: each token's row once to int8
+// Weights: formats/int_layout.h (MXFP4: INT4 lines of e2m1 codes, quant_gemm.h). Activations are quantized: each token's row once to int8
 // (per-token scale, sums per 32 k), copied to one row per pair in expert order; int32 dot
 // products are scaled to fp32 per group; the token scale multiplies gate and up before
 // act(); each pair's intermediate row is quantized again (per-pair scale, applied by the
@@ -70,7 +70,7 @@ QuantTileArgs quant_args(const int_layout::MatrixDims& dims, const uint8_t* bloc
                          int64_t k, float* c, int64_t ldc, bool accumulate, int64_t prefetch) {
   const bool int4 = Micro::kInt4;
   const int64_t first_group = int4 ? k0 / dims.group : 0;
-  const uint8_t* scales = block + dims.scales_offset() + first_group * int_layout::kLineBytes;
+  const uint8_t* scales = block + dims.scales_offset() + first_group * static_cast<int64_t>(dims.scale_row_bytes);
   const uint8_t* minimums = block + dims.minimums_offset() + first_group * int_layout::kLineBytes;
   return {nullptr,
           nullptr,

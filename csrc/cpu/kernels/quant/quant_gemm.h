@@ -23,6 +23,9 @@
 //   c[m][16 b + n] (+)= sum_g scale[g][n] * (sum_{k in g} q(n, k) a[m][k] - z sum_{k in g} a[m][k])
 //                       (+ minimum[g][n] * sum_{k in g} a[m][k])
 // with int32 sums per group flushed to fp32 (int_layout.h has q, z, scale, minimum).
+// MXFP4 is INT4 with a level table: each e2m1 code q becomes kValues[q] + 16 (one
+// byte shuffle per register, levels 4..28, z = 16) and its bf16 half-scales are widened
+// at the flush; everything else is INT4's arithmetic.
 // INT8 has one scale per row; its sums are flushed every kInt8FlushK k (the last flush
 // may be shorter). Batch invariance: every output lane sees the same flushes in the same
 // order whatever M, NB and the k range the driver cuts the GEMM into (a range starts at
@@ -42,7 +45,7 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-enum class QuantKind { kInt8, kInt4, kInt4Asym };
+enum class QuantKind { kInt8, kInt4, kInt4Asym, kMxfp4 };
 
 // GCC's vpdpbusd / vpdpwssd intrinsics make its register allocator copy every accumulator
 // around each dot (a 6 x 4 int8 tile loop: 131 register moves and stack spills for 24
@@ -82,7 +85,7 @@ struct QuantTileArgs {
   const int8_t* const* a;        // [M] activation row pointers at the tile's first k
   const int32_t* const* a_sums;  // [M] pointers to the rows' sums per 32 k, same first k
   const uint8_t* w;              // block 0's first line in this k range
-  const float* scales;           // block 0's scale row of the range's first group
+  const float* scales;           // block 0's scale row of the range's first group (mxfp4: bf16 values)
   const float* minimums;         // same for int4_asym (nullptr otherwise)
   int64_t block_stride;          // bytes between consecutive blocks (lines and scales)
   int64_t k;                     // k to accumulate: a multiple of group (int8: any multiple of 32)
@@ -133,9 +136,33 @@ struct QuantGemm {
   static constexpr int kKPerLine = kInt4 ? 8 : 4;
   // What the integer sums carry per unit of sum(a): 128 (int8 offset binary, when the
   // dot keeps it), 8 (symmetric int4), 0 (asymmetric int4: handled by the minimum).
-  static constexpr int32_t kBias = Kind == QuantKind::kInt8   ? Ops::kInt8Bias
-                                   : Kind == QuantKind::kInt4 ? int_layout::kInt4Zero
-                                                              : 0;
+  static constexpr int32_t kBias = Kind == QuantKind::kInt8    ? Ops::kInt8Bias
+                                   : Kind == QuantKind::kInt4  ? int_layout::kInt4Zero
+                                   : Kind == QuantKind::kMxfp4 ? int_layout::kMxfp4LevelBias
+                                                               : 0;
+  static constexpr bool kMxfp4 = Kind == QuantKind::kMxfp4;
+  // Bytes between a block's scale rows of consecutive groups (int_layout.h).
+  static constexpr int64_t kScaleRowBytes =
+      kMxfp4 ? static_cast<int64_t>(int_layout::kMxfp4ScaleRowBytes) : static_cast<int64_t>(int_layout::kLineBytes);
+
+  // MXFP4: codes (0..15 per byte) -> their levels kValues[q] + 16 (int_layout.h).
+  static IReg mxfp4_levels(IReg codes) {
+    if constexpr (sizeof(IReg) == 32) {
+      const IReg table = _mm256_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4,
+                                          16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4);
+      return _mm256_shuffle_epi8(table, codes);
+    } else {
+      const IReg table = _mm512_broadcast_i32x4(
+          _mm_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4));
+      return _mm512_shuffle_epi8(table, codes);
+    }
+  }
+
+  // The fp32 scales of register r of group g's scale row at `row` (int4: fp32, mxfp4: bf16).
+  static FReg load_scales(const uint8_t* row, int r) {
+    if constexpr (kMxfp4) return Vec::load_bf16(reinterpret_cast<const uint16_t*>(row) + r * W);
+    else return Vec::load(reinterpret_cast<const float*>(row) + r * W);
+  }
 
   // Tiles of more than 8 registers of sums keep their fp32 accumulators in c (L1-resident,
   // touched once per group) and give the registers to the sums; the fp32 arithmetic is the
@@ -164,7 +191,7 @@ struct QuantGemm {
       // this memory-bound machine; it costs nothing).
       constexpr bool kSplit = kInt4 && M <= 2;
       if (t.stream_scales) {  // the streamed blocks have the tile's layout: same offsets
-        const int64_t group_at = Kind == QuantKind::kInt8 ? 0 : g * 64;
+        const int64_t group_at = Kind == QuantKind::kInt8 ? 0 : g * kScaleRowBytes;
         const int64_t scales_at = reinterpret_cast<const uint8_t*>(t.scales) - t.w + group_at;
         const int64_t minimums_at =
             t.minimums != nullptr ? reinterpret_cast<const uint8_t*>(t.minimums) - t.w + group_at : -1;
@@ -193,6 +220,10 @@ struct QuantGemm {
               const IReg v = Ops::load(line, r);
               lo[b][r] = Ops::low_nibbles(v);
               hi[b][r] = Ops::high_nibbles(v);
+              if constexpr (kMxfp4) {
+                lo[b][r] = mxfp4_levels(lo[b][r]);
+                hi[b][r] = mxfp4_levels(hi[b][r]);
+              }
             }
           }
           for (int m = 0; m < M; ++m) {
@@ -251,10 +282,10 @@ struct QuantGemm {
       int32_t a_sum = 0;
       for (int64_t s = 0; s < n_sums; ++s) a_sum += t.a_sums[m][first_sum + s];
       for (int b = 0; b < NB; ++b) {
-        const auto* block = reinterpret_cast<const uint8_t*>(t.scales) + b * t.block_stride;
-        const float* scale = reinterpret_cast<const float*>(block) + (Kind == QuantKind::kInt8 ? 0 : g * 16);
+        const uint8_t* scale = reinterpret_cast<const uint8_t*>(t.scales) + b * t.block_stride +
+                               (Kind == QuantKind::kInt8 ? 0 : g * kScaleRowBytes);
         for (int r = 0; r < R; ++r) {
-          const FReg s = Vec::load(scale + r * W);
+          const FReg s = load_scales(scale, r);
           float* c = t.c + m * t.ldc + b * 16 + r * W;
           FReg v;
           if constexpr (kInMemory) v = Vec::load(c); else v = acc[m][b][r];

@@ -68,12 +68,18 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
 
   // INT4: the k_step / 8 lines from `line` as k_step / 4 quad lines (low nibbles of
   // line l = quad 2l, high = quad 2l + 1).
+  // MXFP4: the codes' levels (Base::mxfp4_levels).
   static void unpack_b(const uint8_t* line, int64_t k_step, uint8_t* tile) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     for (int64_t l = 0; l < k_step / 8; ++l) {
       const __m512i v = _mm512_loadu_si512(line + l * 64);
-      _mm512_store_si512(tile + (2 * l) * 64, _mm512_and_si512(v, mask));
-      _mm512_store_si512(tile + (2 * l + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+      __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      if constexpr (Kind == QuantKind::kMxfp4) {
+        lo = Base::mxfp4_levels(lo);
+        hi = Base::mxfp4_levels(hi);
+      }
+      _mm512_store_si512(tile + (2 * l) * 64, lo);
+      _mm512_store_si512(tile + (2 * l + 1) * 64, hi);
     }
   }
 
@@ -141,8 +147,7 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
       for (int64_t s = 0; s < group_k / int_layout::kKAlign; ++s) a_sum += row_sums[s];
       for (int b = 0; b < 2; ++b) {
         const uint8_t* block = w + b * block_bytes;
-        const __m512 scale = _mm512_loadu_ps(
-            reinterpret_cast<const float*>(block + dims.scales_offset()) + g * 16);
+        const __m512 scale = Base::load_scales(block + dims.scales_offset() + g * Base::kScaleRowBytes, 0);
         const __m512i s = _mm512_load_si512(&sums[m][b * 16]);
         __m512 v = _mm512_load_ps(&acc[m][b * 16]);
         if constexpr (Kind == QuantKind::kInt4Asym) {
@@ -151,7 +156,9 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
           v = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(a_sum)), minimum, v);
           v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, v);
         } else {
-          const int32_t bias = Kind == QuantKind::kInt8 ? 128 : int_layout::kInt4Zero;
+          const int32_t bias = Kind == QuantKind::kInt8    ? 128
+                               : Kind == QuantKind::kMxfp4 ? int_layout::kMxfp4LevelBias
+                                                           : int_layout::kInt4Zero;
           v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_set1_epi32(bias * a_sum))), scale, v);
         }
         _mm512_store_ps(&acc[m][b * 16], v);

@@ -31,6 +31,9 @@ void int4_moe_amx(const MoeArgs& args) {
 void int4_asym_moe_amx(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemmAmx<QuantKind::kInt4Asym>>>(args);
 }
+void mxfp4_moe_amx(const MoeArgs& args) {
+  moe_forward<QuantFormat<QuantGemmAmx<QuantKind::kMxfp4>>>(args);
+}
 
 void gguf_moe_amx(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni, GgufAmx>>(args); }
 

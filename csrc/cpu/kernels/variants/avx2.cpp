@@ -31,6 +31,9 @@ void int4_moe_avx2(const MoeArgs& args) {
 void int4_asym_moe_avx2(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemm<IntOpsAvx2, QuantKind::kInt4Asym>>>(args);
 }
+void mxfp4_moe_avx2(const MoeArgs& args) {
+  moe_forward<QuantFormat<QuantGemm<IntOpsAvx2, QuantKind::kMxfp4>>>(args);
+}
 
 void fp8_moe_avx2(const MoeArgs& args) { moe_forward<Fp8Format<Fp8OpsAvx2, PackedFormat::kFp8>>(args); }
 void fp8_perchannel_moe_avx2(const MoeArgs& args) { moe_forward<Fp8Format<Fp8OpsAvx2, PackedFormat::kFp8PerChannel>>(args); }

@@ -27,6 +27,9 @@ void int4_moe_avx_vnni(const MoeArgs& args) {
 void int4_asym_moe_avx_vnni(const MoeArgs& args) {
   moe_forward<QuantFormat<QuantGemm<IntOpsAvxVnni, QuantKind::kInt4Asym>>>(args);
 }
+void mxfp4_moe_avx_vnni(const MoeArgs& args) {
+  moe_forward<QuantFormat<QuantGemm<IntOpsAvxVnni, QuantKind::kMxfp4>>>(args);
+}
 
 void gguf_moe_avx_vnni(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvxVnni>>(args); }
 
