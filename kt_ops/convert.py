@@ -1,7 +1,7 @@
-"""Converts a Hugging Face MoE checkpoint's routed experts to packed INT8/INT4/FP8 CPU weights.
+"""Converts a Hugging Face MoE checkpoint's routed experts to packed INT8/INT4/FP8/MXFP4 CPU weights.
 
     python -m kt_ops.convert --input-path DIR --input-type bf16|fp16|fp8|int4 --output DIR \\
-        --quant-method int8|int4|fp8|fp8_perchannel|mxfp8|rawint4|gptq_int4|awq_int4 [--group-size 128] \\
+        --quant-method int8|int4|fp8|fp8_perchannel|mxfp8|rawint4|gptq_int4|awq_int4|mxfp4 [--group-size 128] \\
         [--threadpool-count N] [--no-merge-safetensor] [--resume-layer L] [--layers START-END]
 
 (``scripts/convert_cpu_weights.py`` is the same program.) One layer at a time: its
@@ -41,7 +41,7 @@ from tqdm import tqdm
 from kt_ops import reference
 from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, save_durably
 from kt_ops.converted import MANIFEST, Manifest, layer_file, layer_key
-from kt_ops.formats import default_group_size, format_for_method, format_info
+from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
 from kt_ops.ops import moe_forward
@@ -49,7 +49,7 @@ from kt_ops.packed import PackedExperts
 from kt_ops.parts import FP8_KIND_METHODS, pack_fp8_parts, pack_int4_parts, pack_parts
 
 METHODS = {"int8": "AMXINT8", "int4": "AMXINT4", "fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8",
-           "rawint4": "RAWINT4", "gptq_int4": "GPTQ_INT4", "awq_int4": "AWQ_INT4"}
+           "rawint4": "RAWINT4", "gptq_int4": "GPTQ_INT4", "awq_int4": "AWQ_INT4", "mxfp4": "MXFP4"}
 # --input-type -> the stored dtype of the expert weights ("int4": an INT4 checkpoint's own tensors).
 INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "int4": None}
 MAX_SHARD_BYTES = 4 << 30
@@ -57,7 +57,7 @@ MAX_SHARD_BYTES = 4 << 30
 # weights (quantization error included: int8 ~3%, int4 ~15-20%, e4m3 ~3-5% on Gaussian
 # weights; an FP8 input kept in place: the bf16 activations only).
 VERIFY_BOUND = {"int8": 0.1, "int4": 0.45, "fp8": 0.1, "fp8_perchannel": 0.1, "mxfp8": 0.1, "rawint4": 0.45,
-                "gptq_int4": 0.45, "awq_int4": 0.45}
+                "gptq_int4": 0.45, "awq_int4": 0.45, "mxfp4": 0.45}
 # An INT4 checkpoint kept in place: the kernel vs the oracle on the checkpoint's own weights.
 VERIFY_IN_PLACE = 0.1
 
@@ -212,7 +212,7 @@ def convert(args: argparse.Namespace) -> Path:
     config_file = source / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     E, H, I = model_sizes(checkpoint, config, layers[0])
-    grouped = fmt in ("int4", "int4_asym")
+    grouped = fmt in GROUPED_FORMATS  # int4, int4_asym; mxfp4 (its group fixed at 32)
     if grouped and not in_place and (H % args.group_size or I % args.group_size):
         raise UsageError(f"--group-size {args.group_size} must divide hidden_size {H} and moe_intermediate_size {I}")
     group = args.group_size if grouped else 0

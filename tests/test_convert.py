@@ -52,6 +52,7 @@ def outputs(path: Path, layer: int, method: str, seed: int = 0, mapping=None, **
     ("int8", "AMXINT8", [], True, "w123"),
     ("int8", "AMXINT8", [], False, "fused"),
     ("int4", "AMXINT4", ["--group-size", 32, "--threadpool-count", 2], False, "per_expert"),
+    ("mxfp4", "MXFP4", ["--threadpool-count", 2], True, "per_expert"),
 ])
 def test_converted_equals_online_quantization(tmp_path, checkpoint, weights, quant, method, extra, merge,
                                               convention):
@@ -66,7 +67,7 @@ def test_converted_equals_online_quantization(tmp_path, checkpoint, weights, qua
     assert json.loads((out / "config.json").read_text())["model_type"] in ("qwen3_moe", "mixtral")
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert files == (["model-00001-of-00001.safetensors"] if merge else [layer_file(L) for L in (1, 2, 3)])
-    kw = {"group_size": 32, "threadpool_count": 2} if quant == "int4" else {}
+    kw = {"int4": {"group_size": 32, "threadpool_count": 2}, "mxfp4": {"threadpool_count": 2}}.get(quant, {})
     for layer in (1, 2, 3):
         converted = outputs(out, layer, method, **kw)
         online = outputs(checkpoint, layer, method, **kw)
