@@ -138,3 +138,29 @@ def test_mask_update_reaches_a_captured_graph(weights):
     torch.cuda.synchronize()
     x, ids, w = inputs()
     torch.testing.assert_close(out.cpu(), wrapper(weights, LATER).forward(x, ids, w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_dynamic_slots_from_an_mxfp4_checkpoint(tmp_path: Path, parts: int):
+    """A gpt-oss MXFP4 checkpoint (biases, alpha-SwiGLU) read in place into format mxfp4:
+    after an in-place mask change, the same bits as a wrapper built with the new mask."""
+    from test_mxfp4_checkpoint import E as ME, H as MH, I as MI, write_gpt_oss
+
+    write_gpt_oss(tmp_path, torch.Generator().manual_seed(11))
+
+    def make(slots: list[int], dynamic: bool) -> KTMoEWrapper:
+        m = torch.zeros(ME, dtype=torch.bool)
+        m[slots] = True
+        wr = KTMoEWrapper(1, ME, 2, MH, MI, gpu_experts_mask=m, method="MXFP4", weight_path=tmp_path,
+                          dynamic_gpu_experts=dynamic, threadpool_count=parts)
+        wr.load_weights()
+        return wr
+
+    dyn = make([1], True)
+    assert {p.format for p in dyn._parts} == {"mxfp4"} and dyn._parts[0].num_experts == ME
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, MH, generator=g)
+    ids = torch.stack([torch.randperm(ME, generator=g)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=g)
+    dyn.gpu_experts_mask.copy_(torch.tensor([True, False, False, False]))
+    torch.testing.assert_close(dyn.forward(x, ids, w), make([0], False).forward(x, ids, w), rtol=0, atol=0)
