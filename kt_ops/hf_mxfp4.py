@@ -27,6 +27,7 @@ gate from above only, as kt_ops does).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -207,6 +208,24 @@ def load_mxfp4_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[i
         width = k // 32 * 17
         matrices.append(torch.stack(rows) if rows else torch.empty(0, n, width, dtype=torch.uint8))
     return Mxfp4Experts("deepseek_v4", *matrices, (None, None, None), _deepseek_v4_limit(checkpoint), 0.0)
+
+
+def gguf_mxfp4_experts(packed: PackedExperts, biases: Biases, swiglu_limit: float,
+                       swiglu_alpha: float) -> Mxfp4Experts:
+    """A GGUF layer (format gguf, e.g. :func:`kt_ops.load_gguf_experts`'s) whose three
+    matrices are MXFP4 as :class:`Mxfp4Experts` views of its blocks (no copy), so
+    :func:`pack_mxfp4_parts` can lay them out as format mxfp4. ``ValueError`` naming the
+    types for any other layer."""
+    info = _C.packed_info(packed.data)
+    types = list(info.get("gguf_types") or [])
+    if info["format"] != "gguf" or types != ["MXFP4"] * 3:
+        held = f"gguf ({'/'.join(types)})" if info["format"] == "gguf" else info["format"]
+        raise ValueError(f"method 'MXFP4' reads GGUF layers whose experts are all MXFP4; this one is {held} "
+                         "(use method='LLAMAFILE')")
+    E, H, I = info["num_experts"], info["hidden_size"], info["intermediate_size"]
+    shapes = ((E, I, H // 32 * 17), (E, I, H // 32 * 17), (E, H, I // 32 * 17))
+    gate, up, down = (packed.data[o : o + math.prod(s)].view(s) for o, s in zip(info["matrix_offsets"], shapes))
+    return Mxfp4Experts("gguf", gate, up, down, biases, swiglu_limit, swiglu_alpha)
 
 
 def pack_mxfp4_parts(experts: Mxfp4Experts, parts: int) -> list[PackedExperts]:

@@ -225,12 +225,31 @@ def test_gpt_oss_gguf(tmp_path: Path) -> None:
     got = kt_ops.load_gguf_expert_biases(path, 0)
     for ours, theirs in zip(got, biases):
         assert torch.equal(ours, theirs)
-    for method in ("LLAMAFILE", "MXFP4"):
-        wrapper, x, ids, weights, out = run_wrapper(path, 0, method=method)
+    outs = {}
+    for method, parts, fmt in (("LLAMAFILE", 1, "gguf"), ("MXFP4", 1, "mxfp4"), ("MXFP4", 2, "mxfp4")):
+        wrapper, x, ids, weights, out = run_wrapper(path, 0, method=method, threadpool_count=parts)
         assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (pytest.approx(1.702), 7.0)
-        assert wrapper._parts[0].has_biases
+        assert [p.format for p in wrapper._parts] == [fmt] * (1 if fmt == "gguf" else parts)  # GGUF blobs: one part
+        assert all(p.has_biases for p in wrapper._parts)
+        if fmt == "mxfp4" and parts == 1:  # the file's codes and exponents, re-laid
+            for ours, theirs in zip(reference.dequantize(wrapper._parts[0].data), (gate, up, down)):
+                assert torch.equal(ours, theirs)
         ref = reference.moe_forward(x, ids, weights, gate, up, down, swiglu_limit=7.0, swiglu_alpha=1.702, biases=biases)
         assert rel_err(out, ref) <= 3e-2
+        outs[method, parts] = out
+    assert not torch.equal(outs["LLAMAFILE", 1], outs["MXFP4", 1])  # 8-bit activation blocks vs rows
+
+
+def test_mxfp4_method_refuses_other_gguf_types(tmp_path: Path) -> None:
+    from gguf_helpers import random_blocks, write_model
+
+    path = tmp_path / "q8.gguf"
+    rng = np.random.default_rng(3)
+    layer = {name: ("Q8_0", random_blocks("Q8_0", E * rows, k, rng).reshape(E, rows, -1))
+             for name, rows, k in (("ffn_gate_exps", I, H), ("ffn_up_exps", I, H), ("ffn_down_exps", H, I))}
+    write_model(path, [layer], E, H, I)
+    with pytest.raises(ValueError, match=r"gguf \(Q8_0/Q8_0/Q8_0\).*method='LLAMAFILE'"):
+        run_wrapper(path, 0)
 
 
 def test_other_gguf_architectures_keep_their_activation(tmp_path: Path) -> None:

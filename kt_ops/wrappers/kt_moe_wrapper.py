@@ -39,7 +39,7 @@ from kt_ops.gguf_loader import (
 )
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import int4_method, load_int4_experts
-from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_parts
+from kt_ops.hf_mxfp4 import find_mxfp4_layer, gguf_mxfp4_experts, load_mxfp4_experts, pack_mxfp4_parts
 from kt_ops.hf_native import native_method
 from kt_ops.numa import place_parts, resolve_nodes
 from kt_ops.packed import PackedExperts
@@ -92,8 +92,9 @@ class KTMoEWrapper:
             under its own INT4 method and an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash)
             under ``MXFP4`` are read in place, their bytes kept: :mod:`kt_ops.hf_int4`,
             :mod:`kt_ops.hf_mxfp4`), a directory written by ``python -m kt_ops.convert``,
-            or a GGUF file or directory (``LLAMAFILE``, or ``MXFP4`` for a GGUF of MXFP4
-            experts: both keep the file's blocks, memory-mapped). gpt-oss weights (a GGUF
+            or a GGUF file or directory (``LLAMAFILE``: the file's blocks, memory-mapped, one
+            part; ``MXFP4`` for a GGUF whose experts are MXFP4: laid out as format mxfp4, a
+            copy in RAM split into ``threadpool_count`` parts). gpt-oss weights (a GGUF
             of architecture ``gpt-oss``, or the Hugging Face gpt-oss layout) bring their
             expert biases and alpha-SwiGLU: ``swiglu_alpha`` 1.702 and ``swiglu_limit`` 7
             (Hugging Face: config.json's values), each applied only where the constructor's
@@ -451,7 +452,7 @@ class KTMoEWrapper:
         self._set_packed(parts, mapping)
 
     def _load_gguf(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
-        if self.format != "gguf" and self.method != "MXFP4":  # MXFP4 GGUF files keep their blocks
+        if self.format != "gguf" and self.method != "MXFP4":
             raise ValueError(f"{path} holds GGUF files: use method='LLAMAFILE', not {self.method!r}")
         gguf_files(path)  # FileNotFoundError / ValueError for a bad directory
         packed = load_gguf_experts(path, self.layer_idx)
@@ -459,8 +460,13 @@ class KTMoEWrapper:
         if read_gguf_config(path).architecture == "gpt-oss":
             self._use_checkpoint_activation(GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA)
             biases = load_gguf_expert_biases(path, self.layer_idx)
+        mapping = self._physical_map(physical_to_logical_map, packed.num_experts)
+        if self.method == "MXFP4":  # the file's MXFP4 blocks laid out as format mxfp4 (a copy in RAM), in parts
+            experts = gguf_mxfp4_experts(packed, biases, self.swiglu_limit, self.swiglu_alpha)
+            self._set_packed(pack_mxfp4_parts(experts, self.threadpool_count), mapping, biases)
+            return
         # GGUF blobs are mapped from the file as one part: threadpool_count does not split them.
-        self._set_packed([packed], self._physical_map(physical_to_logical_map, packed.num_experts), biases)
+        self._set_packed([packed], mapping, biases)
 
     def _use_checkpoint_activation(self, limit: float, alpha: float) -> None:
         """The activation the weights come with — gpt-oss: alpha-SwiGLU (GGUF: alpha 1.702
