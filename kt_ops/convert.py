@@ -1,6 +1,6 @@
 """Converts a Hugging Face MoE checkpoint's routed experts to packed INT8/INT4/FP8/MXFP4 CPU weights.
 
-    python -m kt_ops.convert --input-path DIR --input-type bf16|fp16|fp8|int4 --output DIR \\
+    python -m kt_ops.convert --input-path DIR --input-type bf16|fp16|fp8|int4|mxfp4 --output DIR \\
         --quant-method int8|int4|fp8|fp8_perchannel|mxfp8|rawint4|gptq_int4|awq_int4|mxfp4 [--group-size 128] \\
         [--threadpool-count N] [--no-merge-safetensor] [--resume-layer L] [--layers START-END]
 
@@ -9,7 +9,9 @@ experts are read (an FP8 input dequantized with its scales: 128 x 128 blocks, pe
 or MXFP8), quantized by :func:`kt_ops.pack_experts`, except that an FP8 input written as
 its own FP8 method is re-tiled in place (:func:`kt_ops.pack_fp8_experts`: its bytes kept) and an
 INT4 checkpoint (``--input-type int4``: RAWINT4, GPTQ or AWQ tensors) converts only to its
-own method, its nibbles copied (:mod:`kt_ops.hf_int4`), written to ``layer-{L:05d}.safetensors`` (atomically) and
+own method, its nibbles copied (:mod:`kt_ops.hf_int4`), and an MXFP4 checkpoint (``--input-type mxfp4``:
+gpt-oss or DeepSeek-V4-Flash) only to ``--quant-method mxfp4``, its codes kept and its
+activation and biases in the packed headers (:mod:`kt_ops.hf_mxfp4`), written to ``layer-{L:05d}.safetensors`` (atomically) and
 verified — the file re-read and compared byte for byte, and one expert's output through
 the kernel compared with the fp32 reference on the source weights. At the end the layer
 files are merged into ``model-0000i-of-0000N.safetensors`` shards (unless
@@ -44,14 +46,16 @@ from kt_ops.converted import MANIFEST, Manifest, layer_file, layer_key
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
+from kt_ops.hf_mxfp4 import MXFP4_GROUP, Mxfp4Experts, load_mxfp4_experts, mxfp4_layers, pack_mxfp4_parts
 from kt_ops.ops import moe_forward
 from kt_ops.packed import PackedExperts
-from kt_ops.parts import FP8_KIND_METHODS, pack_fp8_parts, pack_int4_parts, pack_parts
+from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_parts
 
 METHODS = {"int8": "AMXINT8", "int4": "AMXINT4", "fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8",
            "rawint4": "RAWINT4", "gptq_int4": "GPTQ_INT4", "awq_int4": "AWQ_INT4", "mxfp4": "MXFP4"}
-# --input-type -> the stored dtype of the expert weights ("int4": an INT4 checkpoint's own tensors).
-INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "int4": None}
+# --input-type -> the stored dtype of the expert weights ("int4": an INT4 checkpoint's own tensors;
+# "mxfp4": an MXFP4 checkpoint's, gpt-oss or DeepSeek-V4-Flash, kt_ops/hf_mxfp4.py).
+INPUT_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "int4": None, "mxfp4": None}
 MAX_SHARD_BYTES = 4 << 30
 # Verification bound: one expert through the kernel vs the fp32 reference on the source
 # weights (quantization error included: int8 ~3%, int4 ~15-20%, e4m3 ~3-5% on Gaussian
@@ -124,9 +128,11 @@ def model_sizes(checkpoint: HfCheckpoint, config: dict, first: int) -> tuple[int
 
 
 def verify_layer(path: Path, layer: int, parts: list[PackedExperts], gate: torch.Tensor, up: torch.Tensor,
-                 down: torch.Tensor, bound: float) -> None:
+                 down: torch.Tensor, bound: float, swiglu_limit: float = 0.0, swiglu_alpha: float = 0.0,
+                 biases: tuple | None = None) -> None:
     """Re-reads the layer file and compares it with what was packed, then checks one
-    expert's kernel output against the fp32 reference on the source weights."""
+    expert's kernel output against the fp32 reference on the source weights (with the
+    layer's activation and biases, where the parts carry them)."""
     with safe_open(os.fspath(path), framework="pt") as handle:
         for part, packed in enumerate(parts):
             stored = handle.get_tensor(layer_key(layer, part))
@@ -140,12 +146,33 @@ def verify_layer(path: Path, layer: int, parts: list[PackedExperts], gate: torch
     ids = torch.full((4, 1), expert, dtype=torch.int32)
     weights = torch.ones(4, 1)
     out = sum(moe_forward(x, ids, weights, packed) for packed in parts)
+    one = None if biases is None else tuple(None if b is None else b[expert:expert + 1] for b in biases)
     ref = reference.moe_forward(x, torch.zeros_like(ids), weights, gate[expert:expert + 1],
-                                up[expert:expert + 1], down[expert:expert + 1])
+                                up[expert:expert + 1], down[expert:expert + 1], swiglu_limit=swiglu_limit,
+                                swiglu_alpha=swiglu_alpha, biases=one)
     err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
     if not err <= bound:
         raise ConversionError(f"layer {layer}: expert {expert} through the kernel is {err:.3g} from the reference "
                               f"(bound {bound}); the written weights are wrong")
+
+
+def mxfp4_sizes(config: dict) -> tuple[int, int, int]:
+    """(E, H, I) of an MXFP4 checkpoint from config.json (gpt-oss: num_local_experts,
+    hidden_size, intermediate_size; DeepSeek-V4: n_routed_experts, moe_intermediate_size)."""
+    experts = config.get("n_routed_experts") or config.get("num_local_experts") or config.get("num_experts")
+    hidden = config.get("hidden_size")
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if experts is None or hidden is None or inter is None:
+        raise UsageError("config.json must give the expert count, hidden_size and the experts' intermediate size "
+                         "for an MXFP4 checkpoint")
+    return int(experts), int(hidden), int(inter)
+
+
+def mxfp4_weights(experts: Mxfp4Experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An MXFP4 layer's weights as fp32 ``[E, N, K]``, decoded in plain torch from its GGUF
+    blocks (the verification's reference weights)."""
+    return tuple(reference.dequantize_mxfp4(m, m.shape[-1] // 17 * MXFP4_GROUP)
+                 for m in (experts.gate, experts.up, experts.down))
 
 
 def int4_weights(experts: Int4Experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,34 +211,42 @@ def convert(args: argparse.Namespace) -> Path:
                          "write the conversion to a separate directory")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output {out} exists and is not a directory")
+    mxfp4_input = args.input_type == "mxfp4"
+    if mxfp4_input and args.quant_method != "mxfp4":
+        raise UsageError(f"--input-type mxfp4 converts only to --quant-method mxfp4 (its codes kept), not "
+                         f"{args.quant_method}")
     try:
         checkpoint = HfCheckpoint(source)
-        moe_layers = sorted(checkpoint.moe_layers())
+        mx_layers = mxfp4_layers(checkpoint)
+        if mx_layers and not mxfp4_input:
+            raise UsageError(f"--input-path {source} holds MXFP4 experts: use --input-type mxfp4 --quant-method mxfp4")
+        moe_layers = mx_layers if mxfp4_input else sorted(checkpoint.moe_layers())
         if not moe_layers:
-            raise UsageError(f"--input-path {source}: no routed-expert tensors found")
+            raise UsageError(f"--input-path {source}: no routed-expert tensors found"
+                             + (" in the MXFP4 layouts (gpt-oss, DeepSeek-V4-Flash)" if mxfp4_input else ""))
         bounds = layer_range(args.layers)
         layers = [L for L in moe_layers if bounds is None or bounds[0] <= L <= bounds[1]]
         if not layers:
             raise UsageError(f"--layers {args.layers}: no layer with experts there (layers with experts: "
                              f"{moe_layers[0]}-{moe_layers[-1]})")
-        int4 = {layer: int4_method(checkpoint, layer) for layer in layers}
-        stored = {layer: int4[layer] or checkpoint.dtype(layer) for layer in layers}
+        int4 = {layer: None if mxfp4_input else int4_method(checkpoint, layer) for layer in layers}
+        stored = {layer: "MXFP4" if mxfp4_input else int4[layer] or checkpoint.dtype(layer) for layer in layers}
     except (FileNotFoundError, KeyError, ValueError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         raise UsageError(f"--input-path: {message}") from None
     want = INPUT_TYPES[args.input_type]
-    wrong = [layer for layer in layers if (int4[layer] is not None) != (want is None)
-             or (want is not None and stored[layer] != want)]
+    wrong = [] if mxfp4_input else [layer for layer in layers if (int4[layer] is not None) != (want is None)
+                                    or (want is not None and stored[layer] != want)]
     if wrong:
         raise UsageError(f"--input-type {args.input_type}, but layer {wrong[0]}'s tensors are {stored[wrong[0]]}")
-    in_place = want is None
+    in_place = want is None and not mxfp4_input  # an INT4 checkpoint's nibbles
     if in_place and any(int4[layer] != method for layer in layers):
         held = next(int4[layer] for layer in layers if int4[layer] != method)
         raise UsageError(f"--quant-method {args.quant_method}: the checkpoint holds {held} experts, which convert only "
                          f"to their own method (--quant-method {held.lower()})")
     config_file = source / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    E, H, I = model_sizes(checkpoint, config, layers[0])
+    E, H, I = mxfp4_sizes(config) if mxfp4_input else model_sizes(checkpoint, config, layers[0])
     grouped = fmt in GROUPED_FORMATS  # int4, int4_asym; mxfp4 (its group fixed at 32)
     if grouped and not in_place and (H % args.group_size or I % args.group_size):
         raise UsageError(f"--group-size {args.group_size} must divide hidden_size {H} and moe_intermediate_size {I}")
@@ -253,7 +288,14 @@ def convert(args: argparse.Namespace) -> Path:
         for layer in todo:
             progress.set_description_str(f"layer {layer}")
             bound = VERIFY_BOUND[args.quant_method]
-            if in_place:  # an INT4 checkpoint's own nibbles
+            activation: tuple = (0.0, 0.0, None)
+            if mxfp4_input:  # an MXFP4 checkpoint's own codes, with its activation and biases
+                mx = load_mxfp4_experts(checkpoint, layer, range(E), H, I)
+                activation = (mx.swiglu_limit, mx.swiglu_alpha, mx.biases)
+                parts = activate_parts(pack_mxfp4_parts(mx, args.threadpool_count), *activation)
+                gate, up, down = mxfp4_weights(mx)
+                bound = VERIFY_IN_PLACE
+            elif in_place:  # an INT4 checkpoint's own nibbles
                 experts = load_int4_experts(checkpoint, layer, range(E), H, I, method)
                 parts = pack_int4_parts(experts, args.threadpool_count)
                 if (parts[0].format, parts[0].group_size) != (fmt, group):
@@ -270,7 +312,7 @@ def convert(args: argparse.Namespace) -> Path:
             path = out / layer_file(layer)
             tensors = {layer_key(layer, p): packed.data for p, packed in enumerate(parts)}
             save_durably(tensors, path)
-            verify_layer(path, layer, parts, gate, up, down, bound)
+            verify_layer(path, layer, parts, gate, up, down, bound, *activation)
             del gate, up, down, parts, tensors
             progress.update()
     if args.no_merge_safetensor:

@@ -117,6 +117,16 @@ def find_mxfp4_layer(checkpoint: HfCheckpoint, layer: int) -> Mxfp4Layer | None:
     return None
 
 
+def mxfp4_layers(checkpoint: HfCheckpoint) -> list[int]:
+    """The layers with MXFP4 experts in either layout, ascending."""
+    found = set()
+    for key in checkpoint.keys():
+        match = _GPT_OSS.match(key) or _DEEPSEEK_V4.match(key)
+        if match:
+            found.add(int(match["layer"]))
+    return sorted(found)
+
+
 def _read(checkpoint: HfCheckpoint, key: str, dtypes: tuple[str, ...], shape: tuple[int, ...], what: str) -> torch.Tensor:
     """Tensor ``key`` as uint8 (int8 / e8m0 bytes viewed), checked against ``dtypes`` and
     ``shape``; ``ValueError`` naming the tensor otherwise."""

@@ -258,3 +258,49 @@ def test_other_gguf_architectures_keep_their_activation(tmp_path: Path) -> None:
     wrapper, x, ids, weights, out = run_wrapper(path, 0, method="LLAMAFILE")
     assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (0.0, 0.0) and not wrapper._parts[0].has_biases
     assert rel_err(out, reference.moe_forward(x, ids, weights, gate, up, down)) <= 3e-2
+
+
+# --- kt_ops.convert --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout,parts", [("gpt_oss", 1), ("gpt_oss", 2), ("deepseek_v4", 2)])
+def test_convert_keeps_the_checkpoints_codes(tmp_path: Path, layout: str, parts: int) -> None:
+    """``--input-type mxfp4 --quant-method mxfp4``: each layer's codes and exponents laid out
+    as format mxfp4 with its activation and biases; the converted directory computes what
+    the checkpoint read in place computes, bit for bit."""
+    from kt_ops import convert
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    layer = 1 if layout == "gpt_oss" else 0
+    if layout == "gpt_oss":
+        write_gpt_oss(src, torch.Generator().manual_seed(21),
+                      config={"model_type": "gpt_oss", "num_local_experts": E, "hidden_size": H,
+                              "intermediate_size": I, "swiglu_limit": 7.0})
+    else:
+        write_deepseek_v4(src, torch.Generator().manual_seed(22))
+        (src / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "n_routed_experts": E,
+                                                     "hidden_size": H, "moe_intermediate_size": I}))
+    args = ["--input-path", src, "--input-type", "mxfp4", "--output", out, "--quant-method", "mxfp4",
+            "--threadpool-count", parts]
+    assert convert.main([str(a) for a in args]) == 0
+    direct, x, ids, weights, want = run_wrapper(src, layer, threadpool_count=parts)
+    converted, *_, got = run_wrapper(out, layer, threadpool_count=parts)
+    assert [p.format for p in converted._parts] == ["mxfp4"] * parts
+    assert (converted.swiglu_limit, converted.swiglu_alpha) == pytest.approx((direct.swiglu_limit, direct.swiglu_alpha))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="converted with its checkpoint's activation"):
+        run_wrapper(out, layer, threadpool_count=parts, swiglu_limit=3.0)
+
+
+def test_convert_refuses_mxfp4_mixups(tmp_path: Path, capsys) -> None:
+    from kt_ops import convert
+
+    src = tmp_path / "src"
+    write_gpt_oss(src, torch.Generator().manual_seed(23),
+                  config={"model_type": "gpt_oss", "num_local_experts": E, "hidden_size": H, "intermediate_size": I})
+    base = ["--input-path", str(src), "--output", str(tmp_path / "o")]
+    assert convert.main([*base, "--input-type", "bf16", "--quant-method", "int8"]) == 2
+    assert "holds MXFP4 experts: use --input-type mxfp4 --quant-method mxfp4" in capsys.readouterr().err
+    assert convert.main([*base, "--input-type", "mxfp4", "--quant-method", "int4"]) == 2
+    assert "--input-type mxfp4 converts only to --quant-method mxfp4" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -449,6 +449,17 @@ class KTMoEWrapper:
             raise ValueError(f"{path} was converted with --threadpool-count {manifest.threadpool_count}; construct the "
                              f"wrapper with threadpool_count={manifest.threadpool_count} or convert again")
         mapping = self._physical_map(physical_to_logical_map, parts[0].num_experts)
+        held = (parts[0].swiglu_limit, parts[0].swiglu_alpha)
+        if any(p.has_biases for p in parts) or held != (0.0, 0.0):  # converted from gpt-oss or DeepSeek-V4
+            asked = (self.swiglu_limit, self.swiglu_alpha)
+            if asked != (0.0, 0.0) and asked != held:
+                raise ValueError(f"{path} layer {self.layer_idx} was converted with its checkpoint's activation "
+                                 f"(swiglu_limit {held[0]}, swiglu_alpha {held[1]}) and expert biases; construct the "
+                                 "wrapper without swiglu_limit / swiglu_alpha (or with those values)")
+            self.swiglu_limit, self.swiglu_alpha = 0.0, 0.0  # the parts keep their headers' (activate_parts)
+            self._set_packed(parts, mapping)
+            self.swiglu_limit, self.swiglu_alpha = held
+            return
         self._set_packed(parts, mapping)
 
     def _load_gguf(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
