@@ -120,8 +120,7 @@ __attribute__((target("avx2"))) void int4_8x8_avx2(const uint8_t* block, const i
   const __m256i nibble = _mm256_set1_epi8(15);
   const __m256i zero = _mm256_set1_epi32(kMx ? int_layout::kMxfp4LevelBias : int_layout::kInt4Zero);
   // mxfp4: codes -> kValues + 16 (int_layout.h), so the unsigned widening below applies
-  const __m256i levels = _mm256_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4,
-                                          16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4);
+  const __m256i levels = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mxfp4::kLevels.bytes));
   for (int i = 0; i < 8; ++i) {
     __m256i low = _mm256_and_si256(t[i], nibble), high = _mm256_and_si256(_mm256_srli_epi16(t[i], 4), nibble);
     if (kMx) {

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "mxfp4_block.h"
 #include "packed_header.h"
 
 namespace kt::cpu::int_layout {
@@ -53,7 +54,7 @@ constexpr bool is_int4(PackedFormat format) {
 }
 
 constexpr uint32_t kMxfp4Group = 32;   // mxfp4: k per exponent, its only group size
-constexpr int kMxfp4LevelBias = 16;    // the kernels' level of code q: kValues[q] + 16
+constexpr int kMxfp4LevelBias = mxfp4::kLevelBias;  // the kernels' level of code q: kValues[q] + 16
 constexpr size_t kMxfp4ScaleRowBytes = 32;  // one bf16 half-scale per row of a block
 
 // One packed matrix: `rows` output rows (padded to 16 per block), input dimension `k`.

@@ -28,6 +28,19 @@ constexpr uint8_t kNanExponent = 255;
 // Doubled e2m1 values by code (ggml's kvalues_mxfp4).
 constexpr int8_t kValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+// Format mxfp4's kernels dot code q as the unsigned level kValues[q] + kLevelBias (4..28)
+// (int_layout.h); kLevels holds them twice, one byte-shuffle table per 128-bit lane.
+constexpr int kLevelBias = 16;
+struct LevelTable {
+  int8_t bytes[32];
+};
+constexpr LevelTable level_table() {
+  LevelTable table{};
+  for (int i = 0; i < 32; ++i) table.bytes[i] = static_cast<int8_t>(kValues[i % 16] + kLevelBias);
+  return table;
+}
+inline constexpr LevelTable kLevels = level_table();
+
 // fp32 bits of half_scale(e) = 2^(e - 128): e >= 2 a normal float, e = 0, 1 subnormal,
 // 255 a quiet NaN.
 constexpr uint32_t half_scale_bits(uint8_t e) {

@@ -135,7 +135,8 @@ struct QuantGemm {
   static constexpr int W = Vec::kWidth;  // 16 / R
   static constexpr int kKPerLine = kInt4 ? 8 : 4;
   // What the integer sums carry per unit of sum(a): 128 (int8 offset binary, when the
-  // dot keeps it), 8 (symmetric int4), 0 (asymmetric int4: handled by the minimum).
+  // dot keeps it), 8 (symmetric int4), 16 (mxfp4's levels), 0 (asymmetric int4: handled
+  // by the minimum).
   static constexpr int32_t kBias = Kind == QuantKind::kInt8    ? Ops::kInt8Bias
                                    : Kind == QuantKind::kInt4  ? int_layout::kInt4Zero
                                    : Kind == QuantKind::kMxfp4 ? int_layout::kMxfp4LevelBias
@@ -145,17 +146,13 @@ struct QuantGemm {
   static constexpr int64_t kScaleRowBytes =
       kMxfp4 ? static_cast<int64_t>(int_layout::kMxfp4ScaleRowBytes) : static_cast<int64_t>(int_layout::kLineBytes);
 
-  // MXFP4: codes (0..15 per byte) -> their levels kValues[q] + 16 (int_layout.h).
+  // MXFP4: codes (0..15 per byte) -> their levels kValues[q] + 16 (mxfp4_block.h kLevels).
   static IReg mxfp4_levels(IReg codes) {
-    if constexpr (sizeof(IReg) == 32) {
-      const IReg table = _mm256_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4,
-                                          16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4);
-      return _mm256_shuffle_epi8(table, codes);
-    } else {
-      const IReg table = _mm512_broadcast_i32x4(
-          _mm_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4));
-      return _mm512_shuffle_epi8(table, codes);
-    }
+    const auto* table = reinterpret_cast<const __m128i*>(mxfp4::kLevels.bytes);
+    if constexpr (sizeof(IReg) == 32)
+      return _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table)), codes);
+    else
+      return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(table)), codes);
   }
 
   // The fp32 scales of register r of group g's scale row at `row` (int4: fp32, mxfp4: bf16).
