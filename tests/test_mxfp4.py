@@ -280,3 +280,18 @@ def test_blocks_of_the_wrong_size_are_refused() -> None:
         _C.mxfp4_experts_from_blocks(raws[0], raws[1], raws[2], E, H + 16, I)
     with pytest.raises(TypeError, match="gate must have dtype Byte"):
         _C.mxfp4_experts_from_blocks(raws[0].to(torch.int16), raws[1], raws[2], E, H, I)
+
+
+def test_operator_packs_non_finite_weights_as_nan_blocks() -> None:
+    """The operators pack non-finite weights as the format can hold them: a 32-block with a
+    NaN or an infinity is the NaN block (exponent 255), in both packings; the others as usual."""
+    E, H, I = 1, 64, 32
+    gate, up, down = torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I)
+    gate[0, 3, 40] = float("nan")
+    gate[0, 5, 2] = float("inf")
+    up[0, 0, 63] = float("-inf")
+    for blob in (torch.ops.kt.pack_experts(gate, up, down, "mxfp4", 32, False),
+                 torch.ops.kt.pack_gguf_experts(gate, up, down, [int(MXFP4)] * 3)):
+        g, u, d = reference.dequantize(blob)
+        assert torch.isnan(g[0, 3, 32:]).all() and torch.isnan(g[0, 5, :32]).all() and torch.isnan(u[0, 0, 32:]).all()
+        assert int(torch.isnan(g).sum()) == 64 and int(torch.isnan(u).sum()) == 32 and not torch.isnan(d).any()

@@ -76,16 +76,23 @@ inline uint8_t nearest_code(float x, float d) {
   return code != 0 && x < 0.0f ? static_cast<uint8_t>(code | 8) : code;
 }
 
-// 32 finite floats -> one block, as ggml's quantize_row_mxfp4_ref (and gguf.quants):
+// 32 floats -> one block, as ggml's quantize_row_mxfp4_ref (and gguf.quants) for finite ones:
 // e = floor(log2f(max|x|)) - 2 + 127 (0 for an all-zero block), so max|x| / d lies in
 // [8, 16) and codes saturate at 12; then each weight's nearest code. log2f, not the
 // exact exponent, on purpose: for max|x| a few ulps below a power of two it rounds up
 // to the power, and so does ggml. A block whose max|x| is below 2^-125 gets e = 0
-// (ggml's cast would wrap); weights past 12 * d saturate.
+// (ggml's cast would wrap); weights past 12 * d saturate. A block holding a NaN or an
+// infinity becomes the NaN block (e = 255, codes 0): MXFP4's only non-finite value.
 inline void quantize_block(const float* x, uint8_t* block) {
   float amax = 0.0f;
-  for (int j = 0; j < kBlockElems; ++j)
+  for (int j = 0; j < kBlockElems; ++j) {
+    if (!std::isfinite(x[j])) {
+      block[0] = kNanExponent;
+      std::memset(block + 1, 0, kBlockBytes - 1);
+      return;
+    }
     if (amax < std::fabs(x[j])) amax = std::fabs(x[j]);
+  }
   int e = amax > 0.0f ? static_cast<int>(std::floor(std::log2(amax))) - 2 + 127 : 0;
   e = e < 0 ? 0 : e > 254 ? 254 : e;
   block[0] = static_cast<uint8_t>(e);
