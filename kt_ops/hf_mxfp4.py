@@ -69,7 +69,8 @@ class Mxfp4Experts:
     ``biases``: fp32 ``(gate [n, I], up [n, I], down [n, H])`` (entries None where the
     checkpoint has none; DeepSeek-V4: all None); ``swiglu_limit``, ``swiglu_alpha``: the
     layout's activation (gpt-oss: 7 and 1.702; DeepSeek-V4: its clamp, 10, and 0; both from
-    config.json where it has them).
+    config.json where it has them). ``kind``: ``"gpt_oss"``, ``"deepseek_v4"`` or ``"gguf"``
+    (:func:`gguf_mxfp4_experts`).
     """
 
     kind: str

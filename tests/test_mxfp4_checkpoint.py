@@ -290,6 +290,9 @@ def test_convert_keeps_the_checkpoints_codes(tmp_path: Path, layout: str, parts:
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="converted with its checkpoint's activation"):
         run_wrapper(out, layer, threadpool_count=parts, swiglu_limit=3.0)
+    same, *_, again = run_wrapper(out, layer, threadpool_count=parts, swiglu_limit=direct.swiglu_limit,
+                                  swiglu_alpha=direct.swiglu_alpha)  # the values it holds: accepted
+    assert torch.equal(again, want)
 
 
 def test_convert_refuses_mxfp4_mixups(tmp_path: Path, capsys) -> None:

@@ -452,10 +452,11 @@ class KTMoEWrapper:
         held = (parts[0].swiglu_limit, parts[0].swiglu_alpha)
         if any(p.has_biases for p in parts) or held != (0.0, 0.0):  # converted from gpt-oss or DeepSeek-V4
             asked = (self.swiglu_limit, self.swiglu_alpha)
-            if asked != (0.0, 0.0) and asked != held:
+            same = all(abs(a - h) <= 1e-6 * max(1.0, abs(h)) for a, h in zip(asked, held))  # held: fp32
+            if asked != (0.0, 0.0) and not same:
                 raise ValueError(f"{path} layer {self.layer_idx} was converted with its checkpoint's activation "
-                                 f"(swiglu_limit {held[0]}, swiglu_alpha {held[1]}) and expert biases; construct the "
-                                 "wrapper without swiglu_limit / swiglu_alpha (or with those values)")
+                                 f"(swiglu_limit {held[0]:g}, swiglu_alpha {held[1]:g}; biases kept with it); "
+                                 "construct the wrapper without swiglu_limit / swiglu_alpha (or with those values)")
             self.swiglu_limit, self.swiglu_alpha = 0.0, 0.0  # the parts keep their headers' (activate_parts)
             self._set_packed(parts, mapping)
             self.swiglu_limit, self.swiglu_alpha = held
