@@ -37,9 +37,13 @@ def pack_parts(
     with :func:`kt_ops.pack_experts` (``pack_args``: group_size, gguf_type, ...)."""
     if parts == 1:
         return [pack_experts(gate, up, down, method=method, **pack_args)]
+    bounds = part_bounds(int(gate.shape[1]), parts)
+    if isinstance(method, str) and method.upper() == "MXFP4" and any(a % 32 or b % 32 for a, b in bounds):
+        raise ValueError(f"threadpool_count {parts} splits moe_intermediate_size {int(gate.shape[1])} into parts of "
+                         f"{bounds[0][1]}; MXFP4 needs each part's bounds to be multiples of 32")
     return [
         pack_experts(gate[:, a:b], up[:, a:b], down[:, :, a:b].contiguous(), method=method, **pack_args)
-        for a, b in part_bounds(int(gate.shape[1]), parts)
+        for a, b in bounds
     ]
 
 

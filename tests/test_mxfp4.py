@@ -295,3 +295,12 @@ def test_operator_packs_non_finite_weights_as_nan_blocks() -> None:
         g, u, d = reference.dequantize(blob)
         assert torch.isnan(g[0, 3, 32:]).all() and torch.isnan(g[0, 5, :32]).all() and torch.isnan(u[0, 0, 32:]).all()
         assert int(torch.isnan(g).sum()) == 64 and int(torch.isnan(u).sum()) == 32 and not torch.isnan(d).any()
+
+
+def test_parts_off_the_32_groups_are_refused() -> None:
+    from kt_ops.parts import pack_parts
+
+    gate, up, down = torch.randn(2, 96, 64), torch.randn(2, 96, 64), torch.randn(2, 64, 96)
+    with pytest.raises(ValueError, match="threadpool_count 2 splits moe_intermediate_size 96 into parts of 48; MXFP4"):
+        pack_parts(gate, up, down, "MXFP4", 2)
+    assert [p.format for p in pack_parts(gate, up, down, "MXFP4", 3)] == ["mxfp4"] * 3
