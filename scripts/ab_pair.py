@@ -1,12 +1,13 @@
 """Paired A/B of two kt_ops builds or CPU variants, row by row, on a noisy machine.
 
     .venv/bin/python scripts/ab_pair.py S1:AMXINT4 S2:Q4_K [--tokens 1 8 64 512]
-        [--a PATH] [--b PATH] [--a-variant V] [--b-variant V] [--calls 40] [--json OUT]
+        [--a PATH] [--b PATH] [--a-variant V] [--b-variant V] [--b-method M] [--calls 40] [--json OUT]
 
 Side A and side B are two worker processes, each importing kt_ops from its own path
 (``--a``/``--b``: a checkout with the extension built in place; default: this checkout)
 under its own ``KT_OPS_CPU_VARIANT`` (``--a-variant``/``--b-variant``; default: the
-active one). Both pack the same random layers (seed 0; 3 layers cycled), and time the
+active one); ``--b-method`` makes side B pack another method on the same shape and
+weights (e.g. ``S1:MXFP4 --b-method GGUF_MXFP4``: two packings, one build). Both pack the same random layers (seed 0; 3 layers cycled), and time the
 same calls with the bench's protocol: before every timed call the caches are flushed
 (256 MiB stream) and a small layer of the same method runs. The driver alternates the
 sides call by call (ABBA order), so the machine's drift — read bandwidth swinging by a
@@ -118,6 +119,11 @@ def pair_row(a: Side, b: Side, tokens: int, calls: int) -> dict[str, float]:
     return {"a_us": statistics.median(times_a), "b_us": statistics.median(times_b), "ratio": statistics.median(ratios)}
 
 
+def b_group(group: str, b_method: str | None) -> str:
+    """Side B's SHAPE:METHOD: the group's, or its shape with ``b_method``."""
+    return group if b_method is None else f"{group.partition(':')[0]}:{b_method}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="scripts/ab_pair.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("groups", nargs="+", metavar="SHAPE:METHOD", help="e.g. S1:AMXINT4 S2:Q4_K")
@@ -126,6 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--b", default=str(ROOT), help="side B's checkout (default: this one)")
     parser.add_argument("--a-variant", default=None, help="side A's KT_OPS_CPU_VARIANT (default: the best)")
     parser.add_argument("--b-variant", default=None, help="side B's KT_OPS_CPU_VARIANT (default: the best)")
+    parser.add_argument("--b-method", default=None, help="side B packs this method instead (same shape)")
     parser.add_argument("--calls", type=int, default=40, help="paired calls per row (a third at 512+ tokens)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -140,6 +147,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         shape, _, method = group.partition(":")
         if shape not in SHAPES or method not in ALL_METHODS:
             parser.error(f"{group!r}: expected SHAPE:METHOD with SHAPE in {sorted(SHAPES)} and METHOD in {list(ALL_METHODS)}")
+    if args.b_method is not None and args.b_method not in ALL_METHODS:
+        parser.error(f"--b-method {args.b_method!r}: expected one of {list(ALL_METHODS)}")
     return args
 
 
@@ -148,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.groups[0], args.tokens)
         return 0
-    print(f"A: {args.a} ({args.a_variant or 'default variant'})  B: {args.b} ({args.b_variant or 'default variant'})")
+    print(f"A: {args.a} ({args.a_variant or 'default variant'})  B: {args.b} ({args.b_variant or 'default variant'}"
+          + (f", method {args.b_method})" if args.b_method else ")"))
     print(f"{'row':18} {'A us':>9} {'B us':>9}  median B/A")
     rows = {}
     for group in args.groups:
         a = Side(args.a, args.a_variant, group, args.tokens)
-        b = Side(args.b, args.b_variant, group, args.tokens)
+        b = Side(args.b, args.b_variant, b_group(group, args.b_method), args.tokens)
         try:
             for tokens in args.tokens:
                 calls = args.calls if tokens < 512 else max(3, args.calls // 3)

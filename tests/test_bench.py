@@ -320,6 +320,11 @@ def test_ab_pair_rejects_unknown_rows() -> None:
     assert ab_pair.parse_args(["S2:Q5_1"]).groups == ["S2:Q5_1"]  # any quantized GGUF type
     with pytest.raises(SystemExit):
         ab_pair.parse_args(["S1:F16"])  # a float type is no quantized method
+    # --b-method: side B packs another method on the group's shape (two packings, one build)
+    assert ab_pair.parse_args(["S1:MXFP4", "--b-method", "GGUF_MXFP4"]).b_method == "GGUF_MXFP4"
+    assert ab_pair.b_group("S2:MXFP4", "GGUF_MXFP4") == "S2:GGUF_MXFP4" and ab_pair.b_group("S2:MXFP4", None) == "S2:MXFP4"
+    with pytest.raises(SystemExit):
+        ab_pair.parse_args(["S1:MXFP4", "--b-method", "MXFP5"])
 
 
 @pytest.mark.parametrize("method", runner.EXTRA_METHODS)
@@ -337,7 +342,7 @@ def test_extra_gguf_methods_pack_their_types(method: str) -> None:
         with pytest.raises(SystemExit):
             parse_args(["--method", method, "--shape", "S2"])
     else:
-        down = {"Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q5_K": "Q5_1", "Q5_K_M": "Q8_0"}[method]
+        down = {"Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q5_K": "Q5_1", "Q5_K_M": "Q8_0", "GGUF_MXFP4": "MXFP4"}[method]
         assert runner.gguf_types_for(method, s2)[2] == down  # llama.cpp's fallback where I % 256 != 0
 
 

@@ -21,7 +21,9 @@ activated weights fit in the last-level cache is marked (cache) and given no fra
 of DRAM bandwidth; a row above its limit prints ">100%?" (the limit was measured too
 low). Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE), Q4_K_M their mix in
 llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K); --method also takes the other GGUF
-types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K) and Q5_K_M (Q5_K, down Q6_K). On S2 (I =
+types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K), Q5_K_M (Q5_K, down Q6_K) and GGUF_MXFP4
+(MXFP4 in GGUF's blocks, as LLAMAFILE reads a gpt-oss GGUF; --method MXFP4 is format
+mxfp4). On S2 (I =
 1408) the K-quant rows store down as llama.cpp does for that size (Q4_K -> Q5_0, Q5_K ->
 Q5_1, Q6_K -> Q8_0; Q2_K and Q3_K, whose fallback there is IQ4_NL, are refused on S2).
 --method FP8, FP8_PERCHANNEL and MXFP8 time the e4m3 formats (weights quantized online;
@@ -106,7 +108,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
         nargs="+",
         choices=ALL_METHODS,
         default=None,
-        help=f"default: {' '.join(METHODS)} (the others: the remaining GGUF types, llama.cpp's Q5_K_M mix, FP8, FP8_PERCHANNEL, MXFP8 and the 4-bit checkpoint methods MXFP4, RAWINT4, GPTQ_INT4, AWQ_INT4)",
+        help=f"default: {' '.join(METHODS)} (the others: the remaining GGUF types, llama.cpp's Q5_K_M mix, GGUF_MXFP4, FP8, FP8_PERCHANNEL, MXFP8 and the 4-bit checkpoint methods MXFP4, RAWINT4, GPTQ_INT4, AWQ_INT4)",
     )
     parser.add_argument("--tokens", nargs="+", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None, help="distinct layers cycled through (default 3; 1 with --quick)")

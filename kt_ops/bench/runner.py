@@ -37,16 +37,19 @@ SHAPES: dict[str, Shape] = {
 
 # Methods the benchmark runs by default (kt-kernel names); INT4 uses the default k-group (128).
 METHODS: tuple[str, ...] = ("BF16", "AMXINT8", "AMXINT4", "Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "Q4_0")
-# The other GGUF types kt_ops computes and llama.cpp's Q5_K_M mix: chosen with --method.
-EXTRA_METHODS: tuple[str, ...] = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q5_K_M")
+# The other GGUF types kt_ops computes, llama.cpp's Q5_K_M mix and MXFP4 in GGUF's blocks (as
+# LLAMAFILE reads a gpt-oss GGUF; method MXFP4 is format mxfp4): chosen with --method.
+EXTRA_METHODS: tuple[str, ...] = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q5_K_M", "GGUF_MXFP4")
 # FP8 methods (e4m3 weights decoded to bf16 in the kernels; quantized online here).
 FP8_METHODS: tuple[str, ...] = ("FP8", "FP8_PERCHANNEL", "MXFP8")
 # 4-bit checkpoint methods, quantized online as their checkpoints are: MXFP4 (format
 # mxfp4), int4 groups of 32 (RAWINT4), int4 groups of 128 (GPTQ), int4_asym groups of 128 (AWQ).
 CHECKPOINT_METHODS: tuple[str, ...] = ("MXFP4", "RAWINT4", "GPTQ_INT4", "AWQ_INT4")
 ALL_METHODS: tuple[str, ...] = METHODS + EXTRA_METHODS + FP8_METHODS + CHECKPOINT_METHODS
-# GGUF file mixes: (gate and up type, down type), as llama.cpp's Q4_K_M and Q5_K_M store the experts.
-GGUF_MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+# GGUF file mixes: (gate and up type, down type), as llama.cpp's Q4_K_M and Q5_K_M store the
+# experts (GGUF_MXFP4: every matrix MXFP4, as gpt-oss GGUFs store them).
+GGUF_MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K"),
+                                          "GGUF_MXFP4": ("MXFP4", "MXFP4")}
 # Bench methods that are GGUF types or mixes (LLAMAFILE, quantized online with our round-to-nearest).
 GGUF_METHODS: tuple[str, ...] = ("Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "Q4_0") + EXTRA_METHODS
 
