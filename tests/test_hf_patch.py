@@ -116,6 +116,7 @@ def test_greedy_generation_matches(arch: str, seed: int) -> None:
     ("AMXINT4", {"group_size": 32}, 3.5e-1),
     ("LLAMAFILE", {"gguf_type": "Q8_0"}, 8e-2),
     ("LLAMAFILE", {"gguf_type": ("Q4_0", "Q4_0", "Q8_0")}, 3.5e-1),
+    ("MXFP4", {}, 3.5e-1),  # format mxfp4 through patch_model's default group_size (128: taken as its 32)
 ])
 def test_quantized_methods(arch: str, method: str, kwargs: dict, tolerance: float) -> None:
     model = fp32_with_bf16_weights(arch)
