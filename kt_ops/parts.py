@@ -7,6 +7,7 @@ intermediate dimension, as kt-kernel splits experts over NUMA nodes).
 
 from __future__ import annotations
 
+import struct
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,10 +55,13 @@ def activate_parts(
 
     ``biases`` hold the whole layer (``[E, I]``, ``[E, I]``, ``[E, H]`` in the parts' expert
     order): gate and up biases are split with the parts' rows; down's bias goes to part 0
-    only, since the parts' outputs are summed. With the default activation and no biases
-    the parts are returned as they are (keeping what a loaded part's header holds).
+    only, since the parts' outputs are summed. Without biases, the default activation or
+    the one every part's header already holds returns the parts as they are (keeping what
+    a loaded part holds: a converted gpt-oss layer's biases).
     """
-    if swiglu_limit == 0 and swiglu_alpha == 0 and (biases is None or all(b is None for b in biases)):
+    no_biases = biases is None or all(b is None for b in biases)
+    if no_biases and ((swiglu_limit == 0 and swiglu_alpha == 0)
+                      or all(holds_activation(part, swiglu_limit, swiglu_alpha) for part in parts)):
         return parts
     gate, up, down = biases if biases is not None else (None, None, None)
     I = sum(part.intermediate_size for part in parts)
@@ -68,6 +72,13 @@ def activate_parts(
         out.append(set_activation(parts[index], swiglu_limit, swiglu_alpha,
                                   None if all(x is None for x in part_biases) else part_biases))
     return out
+
+
+def holds_activation(part: PackedExperts, swiglu_limit: float, swiglu_alpha: float) -> bool:
+    """Whether ``part``'s header holds this activation (its fields are fp32, so the numbers
+    are compared as fp32 values: 1.702 is the header's 1.70200002)."""
+    return struct.unpack("2f", struct.pack("2f", swiglu_limit, swiglu_alpha)) == (part.swiglu_limit,
+                                                                                   part.swiglu_alpha)
 
 
 def _rows(scale: torch.Tensor, kind: str, rows: int) -> torch.Tensor:

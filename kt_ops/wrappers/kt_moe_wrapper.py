@@ -44,7 +44,8 @@ from kt_ops.hf_native import native_method
 from kt_ops.numa import place_parts, resolve_nodes
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases
-from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_parts, part_bounds
+from kt_ops.parts import (FP8_KIND_METHODS, activate_parts, holds_activation, pack_fp8_parts, pack_int4_parts,
+                          pack_parts, part_bounds)
 from kt_ops.placement import generate_gpu_experts_masks  # noqa: F401 (its former home; kt_ops.wrappers re-exports it)
 from kt_ops.staging import Destination, write_weight_scale_to_buffer
 from kt_ops.wrappers.wrapper_cuda import capture_call_sizes, experts_on_device, resolve_stream, route_table
@@ -450,17 +451,13 @@ class KTMoEWrapper:
                              f"wrapper with threadpool_count={manifest.threadpool_count} or convert again")
         mapping = self._physical_map(physical_to_logical_map, parts[0].num_experts)
         held = (parts[0].swiglu_limit, parts[0].swiglu_alpha)
-        if any(p.has_biases for p in parts) or held != (0.0, 0.0):  # converted from gpt-oss or DeepSeek-V4
-            asked = (self.swiglu_limit, self.swiglu_alpha)
-            same = all(abs(a - h) <= 1e-6 * max(1.0, abs(h)) for a, h in zip(asked, held))  # held: fp32
-            if asked != (0.0, 0.0) and not same:
+        if held != (0.0, 0.0) or any(p.has_biases for p in parts):  # converted from gpt-oss or DeepSeek-V4
+            if (self.swiglu_limit, self.swiglu_alpha) != (0.0, 0.0) and not holds_activation(
+                    parts[0], self.swiglu_limit, self.swiglu_alpha):
                 raise ValueError(f"{path} layer {self.layer_idx} was converted with its checkpoint's activation "
                                  f"(swiglu_limit {held[0]:g}, swiglu_alpha {held[1]:g}; biases kept with it); "
                                  "construct the wrapper without swiglu_limit / swiglu_alpha (or with those values)")
-            self.swiglu_limit, self.swiglu_alpha = 0.0, 0.0  # the parts keep their headers' (activate_parts)
-            self._set_packed(parts, mapping)
-            self.swiglu_limit, self.swiglu_alpha = held
-            return
+            self.swiglu_limit, self.swiglu_alpha = held  # activate_parts keeps parts that hold it
         self._set_packed(parts, mapping)
 
     def _load_gguf(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:

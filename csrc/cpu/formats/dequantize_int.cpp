@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../isa/scalar_convert.h"
 #include "int_layout.h"
 #include "mxfp4_block.h"
 #include "transpose_avx2.h"
@@ -25,10 +26,7 @@ inline float group_scale(const uint8_t* block, const int_layout::MatrixDims& dim
   if (dims.scale_row_bytes == int_layout::kLineBytes) return load_float(row + 4 * n);
   uint16_t bits;
   std::memcpy(&bits, row + 2 * n, 2);
-  const uint32_t wide = uint32_t{bits} << 16;
-  float v;
-  std::memcpy(&v, &wide, 4);
-  return v;
+  return bf16_to_float(bits);
 }
 
 // Row n of a block from k = k_begin: line l holds its 4 bytes at 64 l + 4 n (int_layout.h).

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "../engine/engine.h"
+#include "../isa/scalar_convert.h"
 #include "bf16_layout.h"
 #include "fp8_layout.h"
 #include "gguf_types.h"
@@ -188,10 +189,7 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
         for (int64_t g = 0; g < m.groups; ++g) {
           uint16_t half;
           std::memcpy(&half, block + m.scales_offset() + g * m.scale_row_bytes + 2 * i, 2);
-          const uint32_t wide = uint32_t{half} << 16;
-          float value;
-          std::memcpy(&value, &wide, 4);
-          value *= 2.0f;
+          const float value = 2.0f * bf16_to_float(half);  // exact: a power of two, or NaN
           scale[g] = bf16_truncated(reinterpret_cast<const uint8_t*>(&value));
         }
       } else if (out.int4_fp32_scales) {
