@@ -23,6 +23,11 @@ struct IntOpsAvx512Vnni : IntOpsAvx512 {
   static constexpr int kMaxRows = 6;
   static constexpr int kMaxRowsInt4 = 6;
   static constexpr int kMaxBlocks = 4;
+  // int4: two vpdpbusd per line (low and high nibbles), not the base's widening pair sum
+  // (2 vpmaddubsw + vpaddw + vpmaddwd + vpaddd), which this struct had inherited. Paired A/B
+  // (scripts/ab_pair.py, Zen 5, 2026-11-26): 512-token S1 AMXINT4 / RAWINT4 / MXFP4 and
+  // S2 GPTQ_INT4 0.67-0.71 of the time; 1 and 8 tokens 0.98-1.07 (memory-bound). Same sums.
+  static constexpr bool kDotInt4 = false;
 
   static IReg dot(IReg acc, IReg w, IReg a) {
     return KT_VNNI_INLINE_ASM ? asm_dpbusd(acc, w, a) : _mm512_dpbusd_epi32(acc, w, a);

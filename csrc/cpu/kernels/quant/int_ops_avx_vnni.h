@@ -28,6 +28,10 @@ struct IntOpsAvxVnni : IntOpsAvx2 {
   static constexpr int kMaxRowsInt4 = 3;  // int4 also holds both nibble halves
   static constexpr int kDecodeRows = 4;
   static constexpr int32_t kInt8Bias = 128;
+  // int4 (and GGUF's nibble types): two vpdpbusd per line, not the base's widening pair
+  // sum, which this struct had inherited. Paired A/B on Zen 5 forced to avx_vnni
+  // (2026-11-26): 512-token S1 AMXINT4 0.75 of the time, Q4_0 0.97; 1 token 0.95-1.02.
+  static constexpr bool kDotInt4 = false;
 
   static IReg dot(IReg acc, IReg w, IReg a) {
     return KT_VNNI_INLINE_ASM ? asm_dpbusd(acc, w, a) : _mm256_dpbusd_avx_epi32(acc, w, a);
