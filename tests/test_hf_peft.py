@@ -101,11 +101,12 @@ def test_lora_trains_like_transformers_and_peft(saved: dict[str, Path], arch: st
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_lora_step_gradients_match_peft(saved: dict[str, Path], arch: str) -> None:
-    """One step on the active variant (bf16 activations included): loss, logits and every
-    LoRA gradient against plain transformers + PEFT, before training can amplify rounding."""
+    """One step on the active variant (bf16 activations included): the loss and every
+    nonzero LoRA gradient against plain transformers + PEFT, before training can amplify
+    rounding."""
     ours, plain = with_lora(load(saved[arch], kt=True), seed=3), with_lora(load(saved[arch], kt=False), seed=3)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
-    bound = 1e-2 if bf16_activations() else 1e-4  # avx512_bf16 on Zen 5: 2.8e-3 to 3.9e-3
+    bound = 1e-2 if bf16_activations() else 1e-4  # avx512_bf16, Zen 5, qwen3_moe: 2.8e-3 to 3.9e-3
     losses = []
     for model in (ours, plain):
         model.zero_grad()
