@@ -24,6 +24,7 @@
 // [dg du] is also the gradient of moe_forward_train's gate_up_delta.
 // Rows past live_tokens have zero output and zero gradients.
 #include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
@@ -315,6 +316,21 @@ Lora lora_of(const at::Tensor& gate_a, const at::Tensor& gate_b, const at::Tenso
   return lora;
 }
 
+// Runs job(i), i in [0, n), on the Engine's threads, each under the caller's thread-local
+// state. The jobs call ATen ops; on a worker thread these would otherwise run with that
+// thread's defaults: autograd on, while the caller (a CPU kernel) runs below autograd. Two
+// experts' in-place adds into one gradient tensor then raced in autograd's metadata ("a
+// leaf Variable that requires grad is being used in an in-place operation", in 2-50% of
+// the calls with 3 to 16 threads), and the returned gradients carried autograd history.
+template <class Job>
+void parallel_aten_jobs(int64_t n, const Job& job) {
+  const at::ThreadLocalState caller;
+  cpu::Engine::instance().parallel_for(n, [&](int64_t i) {
+    const at::ThreadLocalStateGuard guard(caller);
+    job(i);
+  });
+}
+
 // out[t] += each expert's row for token t, the experts in ascending order (the order of
 // r.experts; a token routed twice to one expert: its rows in slot order) -- the bits of an
 // index_add_ per expert in that order, with the tokens shared among the Engine's threads.
@@ -360,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor> lora_forward(const at::Tensor& hidden_states,
   at::Tensor delta = at::empty({T, K, 2 * I}, x.options());  // rows of unrouted slots are never read
   float* delta_rows = delta.mutable_data_ptr<float>();
   translate_errors([&] {
-    cpu::Engine::instance().parallel_for(n, [&](int64_t i) {
+    parallel_aten_jobs(n, [&](int64_t i) {
       const int64_t e = r.experts[i];
       const at::Tensor xe = x.index_select(0, index_tensor(r.tokens[i]));
       const at::Tensor dg = at::matmul(at::matmul(xe, lora.gate_a[e].t()), lora.gate_b[e].t()) * s;
@@ -381,7 +397,7 @@ std::tuple<at::Tensor, at::Tensor> lora_forward(const at::Tensor& hidden_states,
   const float limit = layer.layout.shape.glu.swiglu_limit, alpha = layer.layout.shape.glu.swiglu_alpha;
   std::vector<at::Tensor> downs(static_cast<size_t>(n));
   translate_errors([&] {
-    cpu::Engine::instance().parallel_for(n, [&](int64_t i) {
+    parallel_aten_jobs(n, [&](int64_t i) {
       const int64_t e = r.experts[i];
       const at::Tensor flat = index_tensor(r.flat[i]);
       const at::Tensor gu = gate_up_rows.index_select(0, flat);
@@ -477,7 +493,7 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
   // the backward ~1050 -> ~460 ms against one expert at a time on both threads).
   std::vector<at::Tensor> dxs(r.experts.size());
   translate_errors([&] {
-    cpu::Engine::instance().parallel_for(static_cast<int64_t>(r.experts.size()), [&](int64_t i) {
+    parallel_aten_jobs(static_cast<int64_t>(r.experts.size()), [&](int64_t i) {
       dxs[i] = expert_backward(layer, lora, r.experts[i], x, grad, weights, saved, index_tensor(r.tokens[i]),
                                index_tensor(r.flat[i]), out);
     });
