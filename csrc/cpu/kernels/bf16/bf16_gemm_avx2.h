@@ -47,10 +47,11 @@ struct Bf16GemmAvx2 {
   static void tile(const TileArgs<Act>& t, const Src& src = Src()) {
     static_assert(NB <= max_blocks(M), "the AVX2 micro-GEMM holds 8 accumulators");
     __m256 acc[M][NB][2];
+    const bool from_c = t.accumulate && t.group_scales == nullptr;
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b)
         for (int h = 0; h < 2; ++h)
-          acc[m][b][h] = t.accumulate ? _mm256_loadu_ps(t.c + m * t.ldc + b * 16 + h * 8) : _mm256_setzero_ps();
+          acc[m][b][h] = from_c ? _mm256_loadu_ps(t.c + m * t.ldc + b * 16 + h * 8) : _mm256_setzero_ps();
     for (int64_t p = 0; p < t.pairs; ++p) {
       if constexpr (NB == 1 || !Src::kWidenInTurn) {  // widen every block, then the fmas
         __m256 even[NB][2], odd[NB][2];
@@ -83,6 +84,15 @@ struct Bf16GemmAvx2 {
         }
       }
       maybe_stream(t.stream, p);
+    }
+    if (t.group_scales != nullptr) {
+      const __m256 unit = _mm256_set1_ps(t.group_unit);
+      for (int m = 0; m < M; ++m)
+        for (int b = 0; b < NB; ++b)
+          for (int h = 0; h < 2; ++h)
+            store_group_sum<VecAvx2>(t.c + m * t.ldc + b * 16 + h * 8, acc[m][b][h], t.group_scales[b] + h * 8, unit,
+                                     t.accumulate);
+      return;
     }
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b)

@@ -8,7 +8,8 @@
 // the way into the BF16 micro-kernels; activations are the micro-kernel's (bf16 or fp32).
 // The scales follow kt-kernel's math where it is exact:
 //   fp8:            y = sum_g s[g] * (256 * sum_{k in g} x w / 256): the fp32 partial of each
-//                   128-k group times its scale, accumulated in fp32 (a group flush);
+//                   128-k group times its scale, accumulated in fp32 (a group flush, done
+//                   by the micro-kernel as it stores the group's sums: TileArgs::group_scales);
 //   fp8_perchannel: y = s * (256 * sum_k x w / 256), once after all of k;
 //   mxfp8:          the power-of-two scale is added to the decoded weight's exponent
 //                   (exact in bf16), so the k loop is the BF16 format's (no flush per 32 k);
@@ -38,23 +39,6 @@ namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr float kFp8DecodeScale = 256.0f;  // the decoders give w / 256
-
-// c[m][16 b + n] (+)= s_b[n] * (256 * part[m][16 b + n]) for m < rows, b < blocks: the end
-// of a scale group (first: c was empty).
-template <class V>
-void fp8_flush(const float* part, int64_t ldp, int64_t rows, int blocks, const float* const* scales, float* c,
-               int64_t ldc, bool first) {
-  constexpr int W = V::kWidth;
-  const typename V::Reg decode = V::set1(kFp8DecodeScale);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int b = 0; b < blocks; ++b)
-      for (int v = 0; v < 16; v += W) {
-        const typename V::Reg s = V::load(scales[b] + v);
-        const typename V::Reg t = V::mul(V::load(part + m * ldp + b * 16 + v), decode);
-        float* out = c + m * ldc + b * 16 + v;
-        V::store(out, first ? V::mul(s, t) : V::fma(s, t, V::load(out)));
-      }
-}
 
 // fp8_perchannel: c[m][16 b + n] = s_b[n] * (256 * c[m][16 b + n]).
 template <class V>
@@ -133,13 +117,14 @@ class Fp8Format {
     convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
   }
 
-  int64_t gate_up_job_rows(int64_t /*expert*/) const { return kTileBlocks / 2 * 16; }
-  int64_t down_job_rows(int64_t /*expert*/) const { return kTileBlocks * 16; }
+  // Jobs as the BF16 format's (bf16_format.h): prefill jobs of several block groups.
+  int64_t gate_up_job_rows(int64_t e) const { return job_groups(e, kBf16GateUpJobGroups) * kTileBlocks / 2 * 16; }
+  int64_t down_job_rows(int64_t e) const { return job_groups(e, kBf16DownJobGroups) * kTileBlocks * 16; }
   int64_t chunk_pairs() const { return kBf16RowChunk; }
 
   GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
-    alignas(64) thread_local float c[kBf16RowChunk * kTileBlocks * 16];
-    constexpr int64_t ldc = kTileBlocks * 16;
+    alignas(64) thread_local float c[kBf16RowChunk * kBf16GateUpJobGroups * kTileBlocks * 16];
+    constexpr int64_t ldc = kBf16GateUpJobGroups * kTileBlocks * 16;
     gemm_rows(acts_ + p0 * act_cols_, act_cols_, p1 - p0, dims_.gate_up, gate_up_.block(e, 2 * n0 / 16),
               static_cast<int>(2 * (n1 - n0) / 16), c, ldc);
     return {c, c + 16, ldc, 32};
@@ -156,13 +141,30 @@ class Fp8Format {
   const float* down_scales() const { return nullptr; }
 
  private:
-  // c[m][0, 16 blocks) = rows of a x `blocks` blocks starting at w (blocks <= kTileBlocks).
-  // k blocks of kFp8KBlockPairs pairs; in each, the first row tile decodes the codes in
-  // registers as it streams them (prefetching 2 KiB ahead, as the BF16 decode does) and,
-  // when more row tiles follow, stores the BF16 lines for them to read from L1. With one
-  // row tile (decode, m <= kMaxRows) nothing is stored.
+  int64_t job_groups(int64_t e, int64_t prefill_groups) const {
+    return plan_.expert_begin[e + 1] - plan_.expert_begin[e] > Micro::kMaxRows ? prefill_groups : 1;
+  }
+
+  // c[m][0, 16 blocks) = rows of a x `blocks` blocks starting at w, in groups of
+  // kTileBlocks blocks, each over k blocks of kFp8KBlockPairs pairs. In each k block the
+  // first row tile decodes the codes in registers as it streams them (prefetching 2 KiB
+  // ahead, as the BF16 decode does) and, when more row tiles follow, stores the BF16 lines
+  // for them to read from L1; those bring the group's next k block (after its last, the
+  // next group's first) to L2. With one row tile (decode, m <= kMaxRows) nothing is stored.
   static void gemm_rows(const Act* a, int64_t lda, int64_t rows, const fp8_layout::MatrixDims& dims,
                         const uint8_t* w, int blocks, float* c, int64_t ldc) {
+    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
+    for (int b0 = 0; b0 < blocks; b0 += kTileBlocks) {
+      const int nb = std::min(static_cast<int>(kTileBlocks), blocks - b0);
+      const int next_nb = std::min(static_cast<int>(kTileBlocks), blocks - b0 - nb);
+      group_rows(a, lda, rows, dims, w + b0 * block_bytes, nb, next_nb, c + b0 * 16, ldc);
+    }
+  }
+
+  // gemm_rows for one group of `blocks` <= kTileBlocks blocks at w; `next_blocks` blocks
+  // of the next group follow it.
+  static void group_rows(const Act* a, int64_t lda, int64_t rows, const fp8_layout::MatrixDims& dims,
+                         const uint8_t* w, int blocks, int next_blocks, float* c, int64_t ldc) {
     const int64_t pairs = dims.padded_k / 2, group_pairs = dims.group / 2;
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
     const bool store = rows > Micro::kMaxRows;
@@ -170,7 +172,6 @@ class Fp8Format {
     constexpr int64_t kLineStride = kFp8KBlockPairs * 32;
     if (store) lines.resize(kTileBlocks * kLineStride);
     const Act* row_at[Micro::kMaxRows];
-    alignas(64) float part[Micro::kMaxRows * kTileBlocks * 16];  // fp8: a tile's group partial sums
     constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * Ops::kMxGroupBytes;
     alignas(64) uint8_t mx[kTileBlocks * kMxBlockBytes];          // mxfp8: the k block's exponents
     const float* scales[kTileBlocks];
@@ -181,6 +182,10 @@ class Fp8Format {
     };
     for (int64_t q0 = 0; q0 < pairs; q0 += kFp8KBlockPairs) {
       const int64_t q1 = std::min(pairs, q0 + kFp8KBlockPairs);
+      // The codes the later row tiles bring to L2: this group's next k block, or the next
+      // group's first.
+      const uint8_t* next = q1 < pairs ? w + q1 * 32 : next_blocks > 0 ? w + blocks * block_bytes : nullptr;
+      const int streamed = q1 < pairs ? blocks : next_blocks;
       for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
         const bool first = m0 == 0;
@@ -193,12 +198,21 @@ class Fp8Format {
           for (int64_t g0 = q0; g0 < q1; g0 += step) {
             const int64_t g1 = std::min(q1, g0 + step);
             for (int m = 0; m < tile_rows; ++m) row_at[m] = a + (m0 + m) * lda + 2 * g0;
-            float* out = kGroupFlush ? part : c + m0 * ldc + b0 * 16;
-            const int64_t ldo = kGroupFlush ? nb * 16 : ldc;
-            const bool accumulate = !kGroupFlush && g0 > 0;
+            float* out = c + m0 * ldc + b0 * 16;
+            const bool accumulate = g0 > 0;
+            // fp8: the tile's group sums are scaled into c as it stores them (TileArgs).
+            const float* const* group_scales = kGroupFlush ? scales_of(codes, nb, g0 / group_pairs) : nullptr;
             if (first) {
-              const TileArgs<Act> t{row_at, reinterpret_cast<const uint16_t*>(codes + g0 * 32), block_bytes / 2,
-                                    g1 - g0, out, ldo, accumulate, kBf16PrefetchPairs};
+              const TileArgs<Act> t{row_at, reinterpret_cast<const uint16_t*>(codes + g0 * 32),
+                                    block_bytes / 2,
+                                    g1 - g0,
+                                    out,
+                                    ldc,
+                                    accumulate,
+                                    kBf16PrefetchPairs,
+                                    nullptr,
+                                    group_scales,
+                                    kFp8DecodeScale};
               if constexpr (kMx)
                 for (int b = 0; b < nb; ++b)
                   for (int64_t g = g0 / group_pairs; g < (g1 + group_pairs - 1) / group_pairs; ++g)
@@ -210,20 +224,17 @@ class Fp8Format {
               else
                 bf16_tile_any<Micro>(tile_rows, nb, t, typename Ops::template Lines<kMx, false>{mx});
             } else {
-              // Row tile j + 1 brings block j's codes of the next k blocks to L2, a line per
-              // step, for the decoding tile (as the BF16 GEMM streams its next k block).
+              // Row tile j + 1 brings block j of `next` to L2, a line per step, for the
+              // decoding tile (as the BF16 GEMM streams its next k block).
               const int64_t j = m0 / Micro::kMaxRows - 1;
               const uint16_t* stream =
-                  b0 == 0 && j < blocks && q1 < pairs
-                      ? reinterpret_cast<const uint16_t*>(w + j * block_bytes + q1 * 32 + (g0 - q0) * 64)
+                  b0 == 0 && j < streamed && next != nullptr
+                      ? reinterpret_cast<const uint16_t*>(next + j * block_bytes + (g0 - q0) * 64)
                       : nullptr;
               bf16_tile_any<Micro>(tile_rows, nb,
-                                   {row_at, decoded + (g0 - q0) * 32, kLineStride, g1 - g0, out, ldo, accumulate, 0,
-                                    stream});
+                                   {row_at, decoded + (g0 - q0) * 32, kLineStride, g1 - g0, out, ldc, accumulate, 0,
+                                    stream, group_scales, kFp8DecodeScale});
             }
-            if constexpr (kGroupFlush)
-              fp8_flush<Vec>(part, nb * 16, tile_rows, nb, scales_of(codes, nb, g0 / group_pairs),
-                             c + m0 * ldc + b0 * 16, ldc, g0 == 0);
           }
         }
       }
