@@ -36,6 +36,9 @@ constexpr int64_t kQuantRowChunk = 96;    // rows per gate/up epilogue chunk
 constexpr int64_t kQuantPadRows = 32;     // readable rows past the last pair (tile GEMMs)
 constexpr int64_t kQuantPrefetchLines = 32;  // decode: prefetch 2 KiB ahead
 constexpr int64_t kDecodeJobBlocks = 128;    // decode: blocks per job, at most
+constexpr int64_t kQuantGateUpJobGroups = 4;  // prefill jobs: groups of kTileBlocks blocks
+constexpr int64_t kQuantDownJobGroups = 8;
+
 
 // One packed int8/int4 matrix (gate_up or down) of every expert in the blob.
 struct QuantMatrix {
@@ -86,7 +89,8 @@ QuantTileArgs quant_args(const int_layout::MatrixDims& dims, const uint8_t* bloc
           prefetch};
 }
 
-// k-blocked vector GEMM over rows [0, rows) and blocks [b0, b1), k in [k_begin, k_end).
+// k-blocked vector GEMM over rows [0, rows) and blocks [b0, b1), k in [k_begin, k_end), in
+// groups of kTileBlocks blocks: a group's k block stays in L1 while every row tile reuses it.
 template <class Micro>
 void quant_vector_gemm(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
                        const uint8_t* w, int64_t k_begin, int64_t k_end, int b0, int b1, float* c,
@@ -94,27 +98,38 @@ void quant_vector_gemm(const QuantRows& a, int64_t rows, const int_layout::Matri
   const int8_t* row_at[Micro::kMaxRows];
   const int32_t* sums_at[Micro::kMaxRows];
   const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
-  for (int64_t k0 = k_begin; k0 < k_end; k0 += kQuantKBlock) {
-    const int64_t k = std::min(kQuantKBlock, k_end - k0);
-    for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
-      const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
-      for (int m = 0; m < tile_rows; ++m) {
-        row_at[m] = a.levels + (m0 + m) * a.stride + k0;
-        sums_at[m] = a.sums + (m0 + m) * a.sums_stride + k0 / int_layout::kKAlign;
-      }
-      // INT8: row tile j brings block b0 + j's lines of the next k block to L2, one per line
-      // step (512-token S1/S2 0.89/0.94 of the time; INT4, with half the bytes, 1.01-1.02).
-      const int64_t j = m0 / Micro::kMaxRows;
-      const bool stream = !Micro::kInt4 && k0 + k < k_end && j < b1 - b0 && b1 - b0 <= Micro::kMaxBlocks;
-      for (int b = b0; b < b1; b += Micro::kMaxBlocks) {
-        // The first row tile of a k block streams its weights from memory; later ones hit L1.
-        QuantTileArgs t = quant_args<Micro>(dims, w + b * block_bytes, k0, k, c + m0 * ldc + b * 16,
-                                            ldc, accumulate || k0 > k_begin, m0 == 0 ? kQuantPrefetchLines : 0);
-        if (stream)
-          t.stream = w + (b0 + j) * block_bytes + ((k0 + k) / Micro::kKPerLine) * static_cast<int64_t>(int_layout::kLineBytes);
-        t.a = row_at;
-        t.a_sums = sums_at;
-        quant_tile_any<Micro>(tile_rows, std::min(Micro::kMaxBlocks, b1 - b), t);
+  const auto line_of = [](int64_t k) { return (k / Micro::kKPerLine) * static_cast<int64_t>(int_layout::kLineBytes); };
+  for (int g0 = b0; g0 < b1; g0 += kTileBlocks) {
+    const int g1 = std::min(b1, g0 + kTileBlocks);
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += kQuantKBlock) {
+      const int64_t k = std::min(kQuantKBlock, k_end - k0);
+      // Row tile j brings block j of the group's next k block (after its last, of the next
+      // group's first) to L2, one line per line step, and prefill jobs hold several groups
+      // (QuantFormat), so only a job's first k block starts cold (Zen 5, avx512_bf16,
+      // 512 tokens, against kTileBlocks-block jobs streaming within a group and INT8 only:
+      // INT8 0.90-0.92 of the time, MXFP4 0.92, INT4 0.97-0.99).
+      const bool last = k0 + k >= k_end;
+      const uint8_t* next = !last ? w + g0 * block_bytes + line_of(k0 + k)
+                            : g1 < b1 ? w + g1 * block_bytes + line_of(k_begin)
+                                      : nullptr;
+      const int next_blocks = !last ? g1 - g0 : std::min(b1, g1 + kTileBlocks) - g1;
+      for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
+        for (int m = 0; m < tile_rows; ++m) {
+          row_at[m] = a.levels + (m0 + m) * a.stride + k0;
+          sums_at[m] = a.sums + (m0 + m) * a.sums_stride + k0 / int_layout::kKAlign;
+        }
+        const int64_t j = m0 / Micro::kMaxRows;
+        const bool stream = next != nullptr && j < next_blocks && g1 - g0 <= Micro::kMaxBlocks;
+        for (int b = g0; b < g1; b += Micro::kMaxBlocks) {
+          // The first row tile of a k block streams its weights from memory; later ones hit L1.
+          QuantTileArgs t = quant_args<Micro>(dims, w + b * block_bytes, k0, k, c + m0 * ldc + b * 16,
+                                              ldc, accumulate || k0 > k_begin, m0 == 0 ? kQuantPrefetchLines : 0);
+          if (stream) t.stream = next + j * block_bytes;
+          t.a = row_at;
+          t.a_sums = sums_at;
+          quant_tile_any<Micro>(tile_rows, std::min(Micro::kMaxBlocks, g1 - b), t);
+        }
       }
     }
   }
@@ -195,7 +210,8 @@ class QuantFormat {
         down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down} {
     // Experts of at most kDecodeRows pairs stream their weights once (decode): longer jobs,
     // whose tiles prefetch the next ones (quant_gemm_rows), as many as keep every thread
-    // busy; experts of more pairs keep kTileBlocks-block jobs (the GEMM's epilogue buffer).
+    // busy; experts of more pairs run jobs of kQuantGateUpJobGroups / kQuantDownJobGroups
+    // groups of kTileBlocks blocks (quant_vector_gemm).
     int64_t decode_experts = 0;
     for (int32_t e : plan.active_experts) decode_experts += pairs(e) <= Micro::kDecodeRows;
     gate_up_decode_blocks_ = streaming_job_blocks(decode_experts * dims_.gate_up.blocks, threads, kTileBlocks,
@@ -257,17 +273,18 @@ class QuantFormat {
   // Jobs of kTileBlocks blocks (decode experts: up to kDecodeJobBlocks): 2 gate + 2 up
   // blocks (32 intermediate rows), 4 down blocks, ...
   int64_t gate_up_job_rows(int64_t e) const {
-    return (pairs(e) <= Micro::kDecodeRows ? gate_up_decode_blocks_ : kTileBlocks) / 2 * 16;
+    return (pairs(e) <= Micro::kDecodeRows ? gate_up_decode_blocks_ : kQuantGateUpJobGroups * kTileBlocks) / 2 * 16;
   }
   int64_t down_job_rows(int64_t e) const {
-    return (pairs(e) <= Micro::kDecodeRows ? down_decode_blocks_ : kTileBlocks) * 16;
+    return (pairs(e) <= Micro::kDecodeRows ? down_decode_blocks_ : kQuantDownJobGroups * kTileBlocks) * 16;
   }
   int64_t chunk_pairs() const { return kQuantRowChunk; }
 
   // Gate/up blocks 2 n0 / 16 ... are interleaved [gate 16 | up 16] per intermediate block.
   GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
-    // A chunk of pairs times kTileBlocks blocks, or a decode job's rows times its blocks.
-    alignas(64) thread_local float c[std::max(kQuantRowChunk * kTileBlocks, Micro::kDecodeRows * kDecodeJobBlocks) * 16];
+    // A chunk of pairs times a prefill job's blocks, or a decode job's rows times its blocks.
+    alignas(64) thread_local float
+        c[std::max(kQuantRowChunk * kQuantGateUpJobGroups * kTileBlocks, Micro::kDecodeRows * kDecodeJobBlocks) * 16];
     const int64_t ldc = 2 * (n1 - n0);  // the job's gate and up blocks
     const QuantRows rows{acts_ + p0 * act_cols_, act_cols_, act_sums_p_ + p0 * act_sums_, act_sums_};
     quant_gemm_rows<Micro>(rows, p1 - p0, dims_.gate_up, gate_up_.block(e, 2 * n0 / 16),
