@@ -217,7 +217,11 @@ class Bf16Format {
   const float* down_scales() const { return nullptr; }
 
  private:
+  // Block groups per job of expert e. A tile GEMM (AMX) keeps one-group jobs: its passes
+  // of 32 rows would re-read a larger job's weights from beyond L2, and it prefetches its
+  // next block pair itself.
   int64_t job_groups(int64_t e, int64_t prefill_groups) const {
+    if constexpr (HasBf16TileGemm<Micro>::value) return 1;
     return plan_.expert_begin[e + 1] - plan_.expert_begin[e] > Micro::kMaxRows ? prefill_groups : 1;
   }
 

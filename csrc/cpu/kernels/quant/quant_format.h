@@ -39,7 +39,6 @@ constexpr int64_t kDecodeJobBlocks = 128;    // decode: blocks per job, at most
 constexpr int64_t kQuantGateUpJobGroups = 4;  // prefill jobs: groups of kTileBlocks blocks
 constexpr int64_t kQuantDownJobGroups = 8;
 
-
 // One packed int8/int4 matrix (gate_up or down) of every expert in the blob.
 struct QuantMatrix {
   const uint8_t* first_expert;
@@ -270,13 +269,17 @@ class QuantFormat {
     });
   }
 
-  // Jobs of kTileBlocks blocks (decode experts: up to kDecodeJobBlocks): 2 gate + 2 up
-  // blocks (32 intermediate rows), 4 down blocks, ...
+  // Decode jobs: up to kDecodeJobBlocks blocks (above). Prefill jobs: kQuantGateUpJobGroups
+  // groups of kTileBlocks blocks (2 gate + 2 up each: 32 intermediate rows), and
+  // kQuantDownJobGroups of 4 down blocks; one group with a tile GEMM (AMX), whose passes
+  // of 32 rows would re-read a larger job's weights from beyond L2.
   int64_t gate_up_job_rows(int64_t e) const {
-    return (pairs(e) <= Micro::kDecodeRows ? gate_up_decode_blocks_ : kQuantGateUpJobGroups * kTileBlocks) / 2 * 16;
+    if (pairs(e) <= Micro::kDecodeRows) return gate_up_decode_blocks_ / 2 * 16;
+    return prefill_groups(kQuantGateUpJobGroups) * kTileBlocks / 2 * 16;
   }
   int64_t down_job_rows(int64_t e) const {
-    return (pairs(e) <= Micro::kDecodeRows ? down_decode_blocks_ : kQuantDownJobGroups * kTileBlocks) * 16;
+    if (pairs(e) <= Micro::kDecodeRows) return down_decode_blocks_ * 16;
+    return prefill_groups(kQuantDownJobGroups) * kTileBlocks * 16;
   }
   int64_t chunk_pairs() const { return kQuantRowChunk; }
 
@@ -320,6 +323,7 @@ class QuantFormat {
   QuantMatrix gate_up_, down_;
   int64_t gate_up_decode_blocks_ = kTileBlocks, down_decode_blocks_ = kTileBlocks;  // per decode job
   int64_t pairs(int64_t e) const { return plan_.expert_begin[e + 1] - plan_.expert_begin[e]; }
+  static constexpr int64_t prefill_groups(int64_t groups) { return HasQuantTileGemm<Micro>::value ? 1 : groups; }
   size_t at_[9] = {};
   int8_t* token_q_ = nullptr;
   int32_t* token_sums_ = nullptr;
