@@ -64,7 +64,6 @@ void bf16_vector_gemm(const typename Micro::Act* a, int64_t lda, int64_t rows, c
                  int64_t ldc, bool accumulate) {
   using Act = typename Micro::Act;
   const Act* row_at[Micro::kMaxRows];
-  const RowTiles tiles(rows, Micro::kMaxRows);
   for (int g0 = b0; g0 < b1; g0 += static_cast<int>(kTileBlocks)) {
     const int g1 = std::min(b1, g0 + static_cast<int>(kTileBlocks));
     for (int64_t p0 = p_begin; p0 < p_end; p0 += kBf16KBlockPairs) {
@@ -78,9 +77,8 @@ void bf16_vector_gemm(const typename Micro::Act* a, int64_t lda, int64_t rows, c
                              : g1 < b1 ? w + g1 * block_stride + p_begin * 32
                                        : nullptr;
       const int next_blocks = !last ? g1 - g0 : std::min(b1, g1 + static_cast<int>(kTileBlocks)) - g1;
-      for (int64_t j = 0; j < tiles.count; ++j) {
-        const int64_t m0 = tiles.begin(j);
-        const int tile_rows = tiles.rows(j);
+      for (int64_t m0 = 0, j = 0; m0 < rows; m0 += Micro::kMaxRows, ++j) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
         for (int m = 0; m < tile_rows; ++m) row_at[m] = a + (m0 + m) * lda + 2 * p0;
         // The first row tile of a k block streams its weights from memory (prefetching as
         // decode does: 512-token BF16 0.90-0.93 of the time); later row tiles hit L1.
@@ -128,6 +126,19 @@ void bf16_gemm_rows(const typename Micro::Act* a, int64_t lda, int64_t rows, con
     bf16_vector_gemm<Micro>(a, lda, rows, w, block_stride, done.pairs, pairs, 0, done.blocks, c, ldc, true);
   if (done.blocks < blocks)  // blocks no tile covered: everything
     bf16_vector_gemm<Micro>(a, lda, rows, w, block_stride, 0, pairs, done.blocks, blocks, c, ldc, false);
+}
+
+// Blocks per gate/up or down job of expert e (BF16 and FP8 formats). Decode (experts of at
+// most kMaxRows pairs): one group of kTileBlocks blocks (gate/up: 2 gate + 2 up, 32
+// intermediate rows; down: 4 blocks). Prefill: `prefill_groups` such groups, whose row
+// tiles bring the next group's first k block to L2 as a group's last k block runs
+// (bf16_vector_gemm), so only a job's first group starts cold; with a tile GEMM (AMX) one
+// group, as its passes of 32 rows would re-read a larger job's weights from beyond L2, and
+// it prefetches its next block pair itself.
+template <class Micro>
+int64_t bf16_job_blocks(const MoePlan& plan, int64_t e, int64_t prefill_groups) {
+  const bool prefill = plan.expert_begin[e + 1] - plan.expert_begin[e] > Micro::kMaxRows;
+  return (prefill && !HasBf16TileGemm<Micro>::value ? prefill_groups : 1) * kTileBlocks;
 }
 
 // One packed weight matrix (gate_up or down) of every expert in the blob.
@@ -189,12 +200,8 @@ class Bf16Format {
     convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
   }
 
-  // Decode jobs (experts of at most kMaxRows pairs) of kTileBlocks blocks: 2 gate + 2 up
-  // blocks (32 intermediate rows), 4 down blocks. Prefill jobs of several such groups,
-  // whose row tiles bring the next group's first k block to L2 as the last k block of a
-  // group runs (bf16_vector_gemm): only a job's first group starts cold.
-  int64_t gate_up_job_rows(int64_t e) const { return job_groups(e, kBf16GateUpJobGroups) * kTileBlocks / 2 * 16; }
-  int64_t down_job_rows(int64_t e) const { return job_groups(e, kBf16DownJobGroups) * kTileBlocks * 16; }
+  int64_t gate_up_job_rows(int64_t e) const { return bf16_job_blocks<Micro>(plan_, e, kBf16GateUpJobGroups) / 2 * 16; }
+  int64_t down_job_rows(int64_t e) const { return bf16_job_blocks<Micro>(plan_, e, kBf16DownJobGroups) * 16; }
   int64_t chunk_pairs() const { return kBf16RowChunk; }
 
   // Gate/up blocks 2 n0 / 16 ... are interleaved [gate 16 | up 16] per intermediate block.
@@ -217,14 +224,6 @@ class Bf16Format {
   const float* down_scales() const { return nullptr; }
 
  private:
-  // Block groups per job of expert e. A tile GEMM (AMX) keeps one-group jobs: its passes
-  // of 32 rows would re-read a larger job's weights from beyond L2, and it prefetches its
-  // next block pair itself.
-  int64_t job_groups(int64_t e, int64_t prefill_groups) const {
-    if constexpr (HasBf16TileGemm<Micro>::value) return 1;
-    return plan_.expert_begin[e + 1] - plan_.expert_begin[e] > Micro::kMaxRows ? prefill_groups : 1;
-  }
-
   const MoePlan& plan_;
   bf16_layout::Dims dims_;
   int64_t act_cols_;

@@ -92,19 +92,6 @@ KT_TILE_INLINE void store_accumulators(const typename V::Reg (&acc)[M][NB], cons
     for (int b = 0; b < NB; ++b) V::store(t.c + m * t.ldc + b * 16, acc[m][b]);
 }
 
-// The row tiles of a k-blocked GEMM over `rows` rows: ceil(rows / max_rows) tiles of
-// near-equal height (32 rows at 6: 6 6 5 5 5 5), not max_rows-high tiles and a short last
-// one (6 x 5 + 2), whose few accumulators wait on the FMA latency. Any split gives every
-// row the same bits (batch invariance, above).
-struct RowTiles {
-  int64_t count, base, extra;
-  RowTiles(int64_t rows, int max_rows)
-      : count((rows + max_rows - 1) / max_rows), base(count > 0 ? rows / count : 0),
-        extra(count > 0 ? rows % count : 0) {}
-  int64_t begin(int64_t j) const { return j * base + (j < extra ? j : extra); }
-  int rows(int64_t j) const { return static_cast<int>(base + (j < extra ? 1 : 0)); }
-};
-
 // A bf16 pair (two consecutive activations) as one 32-bit lane value.
 inline int32_t load_pair(const uint16_t* p) {
   int32_t value;

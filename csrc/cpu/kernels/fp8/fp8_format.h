@@ -117,9 +117,9 @@ class Fp8Format {
     convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
   }
 
-  // Jobs as the BF16 format's (bf16_format.h): prefill jobs of several block groups.
-  int64_t gate_up_job_rows(int64_t e) const { return job_groups(e, kBf16GateUpJobGroups) * kTileBlocks / 2 * 16; }
-  int64_t down_job_rows(int64_t e) const { return job_groups(e, kBf16DownJobGroups) * kTileBlocks * 16; }
+  // Jobs as the BF16 format's (bf16_job_blocks): prefill jobs of several block groups.
+  int64_t gate_up_job_rows(int64_t e) const { return bf16_job_blocks<Micro>(plan_, e, kBf16GateUpJobGroups) / 2 * 16; }
+  int64_t down_job_rows(int64_t e) const { return bf16_job_blocks<Micro>(plan_, e, kBf16DownJobGroups) * 16; }
   int64_t chunk_pairs() const { return kBf16RowChunk; }
 
   GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
@@ -141,10 +141,6 @@ class Fp8Format {
   const float* down_scales() const { return nullptr; }
 
  private:
-  int64_t job_groups(int64_t e, int64_t prefill_groups) const {
-    return plan_.expert_begin[e + 1] - plan_.expert_begin[e] > Micro::kMaxRows ? prefill_groups : 1;
-  }
-
   // c[m][0, 16 blocks) = rows of a x `blocks` blocks starting at w, in groups of
   // kTileBlocks blocks, each over k blocks of kFp8KBlockPairs pairs. In each k block the
   // first row tile decodes the codes in registers as it streams them (prefetching 2 KiB
