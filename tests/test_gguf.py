@@ -403,3 +403,41 @@ def test_batch_invariance(variant: str, types: tuple[str, str, str], dtype: torc
             out = kt_ops.moe_forward(torch.cat([x, x[:5]]), torch.cat([ids, pad]), torch.cat([weights, weights[:5]]),
                                      blob, torch.tensor([ids.shape[0]], dtype=torch.int32))
             assert torch.equal(out[at], alone), f"live_tokens, expert 0: {first} tokens, expert 1: {second}"
+
+
+# From this many tokens per expert the AVX-512 variants repack an expert's Q4_K / Q5_K /
+# Q6_K rows and dot them on an integer tile (gguf_kquant_tile_avx512.h's
+# kKquantTileMinPairs): the same integers and float operations as the in-place kernels.
+KQUANT_TILE_MIN_PAIRS = 8
+
+
+@pytest.mark.parametrize("types,H", [(("Q4_K",) * 3, 512), (("Q5_K",) * 3, 512), (("Q6_K",) * 3, 512),
+                                     (("F16", "F16", "Q6_K"), 1000), (("F32", "Q5_K", "Q4_K"), 1280)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "F16-F16-Q6_K-H1000", "F32-Q5_K-Q4_K-H1280"])
+def test_prefill_rows_match_decode_rows(variant: str, types: tuple[str, str, str], H: int) -> None:
+    """A prefill-sized call (experts with 3 to ~40 tokens: the K-quants' repacked tile path
+    beside the in-place one) gives every token the bits it gets alone, on all threads and on
+    one; rows in groups of 32, 16 and a partial last group (down of H = 1000 rows)."""
+    E, I, tokens = 5, 256, 60
+    blob, gate, up, down = packed_from_blocks(types, E, H, I, seed=29)
+    g = torch.Generator().manual_seed(5)
+    # Experts 0-3 share most tokens (~28 each); expert 4 gets 3 (the in-place path).
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)]).to(torch.int32)
+    ids[:3, 1] = 4
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    assert counts[:4].min() >= KQUANT_TILE_MIN_PAIRS and counts[4] < KQUANT_TILE_MIN_PAIRS
+    check_kernel(blob, gate, up, down, E, 2, H, tokens, seed=3, ids=ids)
+    if takes_tile_path(ids):
+        return  # amx: bf16 tiles by design (not batch-invariant)
+    x = torch.randn(tokens, H, generator=g)
+    weights = torch.rand(tokens, 2, generator=g) + 0.1
+    out = kt_ops.moe_forward(x, ids, weights, blob)
+    threads = kt_ops.get_num_threads()
+    try:
+        kt_ops.set_num_threads(1)
+        assert torch.equal(kt_ops.moe_forward(x, ids, weights, blob), out)
+    finally:
+        kt_ops.set_num_threads(threads)
+    for t in range(tokens):
+        alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], blob)[0]
+        assert torch.equal(out[t], alone), f"token {t}, experts {ids[t].tolist()}"

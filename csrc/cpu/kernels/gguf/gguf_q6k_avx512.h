@@ -8,7 +8,10 @@
 // 0..63 times int8 activations (vpmaddubsw, pairs <= 2 * 63 * 128) times the int16
 // scale of each lane's group (vpermw, vpdpwssd) sum into one int32 per lane; the -32
 // offset is 32 * sum_g scale_g * (level sum of group g) (vpmaddwd), subtracted in
-// integers, so one float multiply-add by d * da per row and unit remains.
+// integers; the lanes of each (row, activation row) are added in integers
+// (gguf_int_sums_avx512.h), so one float multiply-add by d * da per row, activation row
+// and unit remains: acc = fma(float(T_u), d * da, acc), as the prefill tile kernel
+// (gguf_kquant_tile_avx512.h) computes it, bit for bit.
 #pragma once
 
 #include <immintrin.h>
@@ -16,6 +19,7 @@
 #include <cstdint>
 
 #include "gguf_decode.h"
+#include "gguf_int_sums_avx512.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
@@ -34,22 +38,27 @@ inline __m512i group16_scale_select(int c) {
 // lockstep (four memory streams in flight), each unit's levels and scales extracted once
 // and dotted with the M activation rows. Row j: aq[j] levels [units * 256], scale4[j]
 // per-4 activation scales (one value per unit), level_sums[j] [units * 16] int16, the
-// level sum of each 16 values. Each (row, activation row) result takes the same
-// operations in the same order whatever M (gguf_q4k_dot_rows4); prefetch as there.
+// level sum of each 16 values. Per (row, activation row) and unit, the exact int32
+// T_u = sum_g scale_g * sum_{k in g} (q - 32) a, then acc = fma(float(T_u), d * da, acc),
+// unit after unit: a result depends on its row and activation row only (not on M or the
+// kernel that ran it); prefetch as gguf_q4k_dot_rows4's.
 template <class Ops, int M>
 void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
                         const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
+  static_assert(M >= 1 && M <= 4);
   const __m512i low = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
   const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   const __m512i select[4] = {group16_scale_select(0), group16_scale_select(1), group16_scale_select(2),
                              group16_scale_select(3)};
-  __m512 acc[M][4];
-#pragma GCC unroll 4
-  for (int j = 0; j < M; ++j)
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
+  // Lane 4 i + j of the results: row i's d.
+  const __m512i d_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc = _mm512_setzero_ps();  // lane 4 i + j: (row i, activation row j)
   for (int64_t u = 0; u < units; ++u) {
+    float da[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < M; ++j) da[j] = scale4[j][u * 64];
+    __m512i lane_sums[4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * 210;
@@ -67,25 +76,36 @@ void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
                     v3 = levels(ql1, h1, true);
       const __m512i s0 = _mm512_permutexvar_epi16(select[0], sc), s1 = _mm512_permutexvar_epi16(select[1], sc),
                     s2 = _mm512_permutexvar_epi16(select[2], sc), s3 = _mm512_permutexvar_epi16(select[3], sc);
-      const float d = gguf_f16(b + 208);
+      d[i] = gguf_f16(b + 208);
+      __m512i t[4];
 #pragma GCC unroll 4
-      for (int j = 0; j < M; ++j) {
+      for (int j = 0; j < 4; ++j) {
+        if (j >= M) {
+          t[j] = _mm512_setzero_si512();
+          continue;
+        }
         const int8_t* a = aq[j] + u * 256;
-        __m512i t = Ops::dot16(_mm512_setzero_si512(), _mm512_maddubs_epi16(v0, _mm512_loadu_si512(a)), s0);
-        t = Ops::dot16(t, _mm512_maddubs_epi16(v1, _mm512_loadu_si512(a + 64)), s1);
-        t = Ops::dot16(t, _mm512_maddubs_epi16(v2, _mm512_loadu_si512(a + 128)), s2);
-        t = Ops::dot16(t, _mm512_maddubs_epi16(v3, _mm512_loadu_si512(a + 192)), s3);
+        __m512i v = Ops::dot16(_mm512_setzero_si512(), _mm512_maddubs_epi16(v0, _mm512_loadu_si512(a)), s0);
+        v = Ops::dot16(v, _mm512_maddubs_epi16(v1, _mm512_loadu_si512(a + 64)), s1);
+        v = Ops::dot16(v, _mm512_maddubs_epi16(v2, _mm512_loadu_si512(a + 128)), s2);
+        v = Ops::dot16(v, _mm512_maddubs_epi16(v3, _mm512_loadu_si512(a + 192)), s3);
         const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums[j] + u * 16));
         const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 5);  // 32 * scale_g * sum_g
-        t = _mm512_sub_epi32(t, _mm512_zextsi256_si512(offset));
-        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(d * scale4[j][u * 64]), acc[j][i]);
+        t[j] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(offset));
       }
+      lane_sums[i] = gguf_lane_sums4(t[0], t[1], t[2], t[3]);
     }
+    const __m512i t_u = gguf_cross_sums4(lane_sums[0], lane_sums[1], lane_sums[2], lane_sums[3]);
+    const __m512 d_lanes = _mm512_permutexvar_ps(d_of_lane, _mm512_castps128_ps512(_mm_loadu_ps(d)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t_u), _mm512_mul_ps(d_lanes, _mm512_broadcast_f32x4(_mm_loadu_ps(da))),
+                          acc);
   }
+  alignas(64) float result[16];
+  _mm512_store_ps(result, acc);
 #pragma GCC unroll 4
   for (int j = 0; j < M; ++j)
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) out[4 * j + i] = _mm512_reduce_add_ps(acc[j][i]);
+    for (int i = 0; i < 4; ++i) out[4 * j + i] = result[4 * i + j];
 }
 
 }  // namespace
