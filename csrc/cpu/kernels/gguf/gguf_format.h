@@ -10,8 +10,11 @@
 //                  gguf_types.h's gguf_in_place names (every quantized type on AVX-512;
 //                  all but Q5_0 and Q5_1 on AVX2 / AVX-VNNI) are read
 //                  from their bytes for any number of tokens (each unit of 4 rows extracted
-//                  once per 4 tokens, 2 for AVX2's block-32 types); the others are decoded
-//                  once per job and dotted with every token.
+//                  once per 4 tokens, 2 for AVX2's block-32 types); on AVX-512, Q4_K, Q5_K
+//                  and Q6_K rows of an expert with kKquantTileMinPairs or more tokens are
+//                  repacked once and dotted on an integer tile instead (same bits:
+//                  gguf_kquant_tile_avx512.h); the others are decoded once per job and
+//                  dotted with every token.
 //   intermediate:  zero past I, quantized for down's format.
 //   down:          jobs (expert, up to 256 hidden rows), same micro-kernels.
 // With a tile unit (Tile = GgufAmx, amx variant), calls averaging kGgufTileMinPairs or
