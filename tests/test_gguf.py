@@ -405,15 +405,18 @@ def test_batch_invariance(variant: str, types: tuple[str, str, str], dtype: torc
             assert torch.equal(out[at], alone), f"live_tokens, expert 0: {first} tokens, expert 1: {second}"
 
 
-# From this many tokens per expert the AVX-512 variants repack an expert's Q4_K / Q5_K /
-# Q6_K rows and dot them on an integer tile (gguf_kquant_tile_avx512.h's
+# From this many tokens per expert the AVX-512 variants repack an expert's K-quant rows
+# (Q2_K-Q6_K) and dot them on an integer tile (gguf_kquant_tile_avx512.h's
 # kKquantTileMinPairs): the same integers and float operations as the in-place kernels.
 KQUANT_TILE_MIN_PAIRS = 8
 
 
 @pytest.mark.parametrize("types,H", [(("Q4_K",) * 3, 512), (("Q5_K",) * 3, 512), (("Q6_K",) * 3, 512),
-                                     (("F16", "F16", "Q6_K"), 1000), (("F32", "Q5_K", "Q4_K"), 1280)],
-                         ids=["Q4_K", "Q5_K", "Q6_K", "F16-F16-Q6_K-H1000", "F32-Q5_K-Q4_K-H1280"])
+                                     (("Q2_K",) * 3, 512), (("Q3_K",) * 3, 512),
+                                     (("F16", "F16", "Q6_K"), 1000), (("F32", "Q5_K", "Q4_K"), 1280),
+                                     (("Q3_K", "Q2_K", "Q3_K"), 768)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "F16-F16-Q6_K-H1000", "F32-Q5_K-Q4_K-H1280",
+                              "Q3_K-Q2_K-Q3_K-H768"])
 def test_prefill_rows_match_decode_rows(variant: str, types: tuple[str, str, str], H: int) -> None:
     """A prefill-sized call (experts with 3 to ~40 tokens: the K-quants' repacked tile path
     beside the in-place one) gives every token the bits it gets alone, on all threads and on

@@ -10,8 +10,8 @@
 //                  gguf_types.h's gguf_in_place names (every quantized type on AVX-512;
 //                  all but Q5_0 and Q5_1 on AVX2 / AVX-VNNI) are read
 //                  from their bytes for any number of tokens (each unit of 4 rows extracted
-//                  once per 4 tokens, 2 for AVX2's block-32 types); on AVX-512, Q4_K, Q5_K
-//                  and Q6_K rows of an expert with kKquantTileMinPairs or more tokens are
+//                  once per 4 tokens, 2 for AVX2's block-32 types); on AVX-512, the K-quant
+//                  rows (Q2_K-Q6_K) of an expert with kKquantTileMinPairs or more tokens are
 //                  repacked once and dotted on an integer tile instead (same bits:
 //                  gguf_kquant_tile_avx512.h); the others are decoded once per job and
 //                  dotted with every token.

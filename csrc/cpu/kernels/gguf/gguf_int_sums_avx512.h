@@ -26,5 +26,39 @@ inline __m512i gguf_cross_sums4(__m512i r0, __m512i r1, __m512i r2, __m512i r3) 
   return _mm512_add_epi32(_mm512_shuffle_i32x4(t01, t23, 0x88), _mm512_shuffle_i32x4(t01, t23, 0xDD));
 }
 
+// One activation row (decode): lane i of the result = the sum of all 16 lanes of v[i]
+// (i < 4), in one reduction instead of four.
+inline __m512i gguf_row_sums4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  const __m512i r = gguf_lane_sums4(v0, v1, v2, v3);
+  const __m512i h = _mm512_add_epi32(r, _mm512_shuffle_i32x4(r, r, 0x4E));
+  return _mm512_add_epi32(h, _mm512_shuffle_i32x4(h, h, 0xB1));
+}
+
+// The lane of pair (row i, activation row j) in the kernels' result registers: 4 i + j,
+// or i when M == 1 (gguf_row_sums4). Lanes of no pair hold finite values never stored.
+// Per-lane factors: x[i] of the pair's row, y[j] of its activation row.
+// (From registers: a vector load of four scalars just stored would miss store forwarding.)
+template <int M>
+inline __m512 gguf_row_factor(const float (&x)[4]) {
+  const __m512 v = _mm512_castps128_ps512(_mm_setr_ps(x[0], x[1], x[2], x[3]));
+  if constexpr (M == 1) return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3), v);
+  else return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), v);
+}
+
+template <int M>
+inline __m512 gguf_act_factor(const float (&y)[4]) {
+  if constexpr (M == 1) return _mm512_set1_ps(y[0]);
+  else return _mm512_broadcast_f32x4(_mm_setr_ps(y[0], y[1], y[2], y[3]));
+}
+
+// out[4 j + i] = the pair's lane of v, for i < 4, j < M.
+template <int M>
+inline void gguf_store_pairs(__m512 v, float* out) {
+  alignas(64) float result[16];
+  _mm512_store_ps(result, v);
+  for (int j = 0; j < M; ++j)
+    for (int i = 0; i < 4; ++i) out[4 * j + i] = result[M == 1 ? i : 4 * i + j];
+}
+
 }  // namespace
 }  // namespace kt::cpu

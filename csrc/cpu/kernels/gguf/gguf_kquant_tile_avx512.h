@@ -1,21 +1,23 @@
-// [NOTE] Q4_K / Q5_K / Q6_K prefill on AVX-512: an integer tile GEMM over rows repacked
-// once per call. The in-place kernels (gguf_q4k_avx512.h, gguf_q6k_avx512.h) dot one row
+// [NOTE] K-quant prefill on AVX-512 (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): an integer tile GEMM
+// over rows repacked once per call. The in-place kernels (gguf_q4k_avx512.h,
+// gguf_q6k_avx512.h, gguf_q23k_avx512.h) dot one row
 // with one token at a time and widen through int16 (vpmaddubsw, then vpdpwssd by the
 // sub-block scale: two instructions per 64 products, plus a horizontal sum per row, token
 // and unit). With many tokens per expert the rows are worth repacking: each group of 16
 // rows becomes, per unit (256 k), 64 lines of [16 rows][4 k] level bytes (the BF16 / INT8
 // line shape, k in the activations' order), the integer sub-block scales per row, int16
-// pairs for the minimums (Q4_K, Q5_K) or the level offset (Q6_K: -32), and d (dmin) per
-// row. Then per token and sub-block (32 or 16 k) 8 or 4 vpdpbusd give 16 rows' int32
+// pairs for the minimums (Q4_K, Q5_K, Q2_K) or the level offset (Q6_K: -32, Q3_K: -4), and
+// d (dmin) per row. Then per token and sub-block (32 or 16 k) 8 or 4 vpdpbusd give 16 rows' int32
 // sums, and one vpmulld by the rows' scales adds them to the unit sum S_u; the minimums'
 // (offset's) sum M_u takes 4 (8) vpdpwssd per unit. No horizontal sums. The integers and
 // the float operations on them are the in-place kernels':
-//   Q4_K / Q5_K: acc = fma(float(S_u), d * da, acc), accm = fma(float(M_u), dmin * da, accm), acc - accm
-//   Q6_K:        acc = fma(float(S_u - 32 M_u), d * da, acc)
+//   Q4_K / Q5_K / Q2_K: acc = fma(float(S_u), d * da, acc), accm = fma(float(M_u), dmin * da, accm), acc - accm
+//   Q6_K (Q3_K):        acc = fma(float(S_u - 32 M_u), d * da, acc)  (4 M_u)
 // so a token's result has the same bits on either path (gguf_rows picks by the expert's
 // token count; batch invariance holds).
 // Bounds: Q4_K/Q5_K levels <= 31, scales <= 63, |a| <= 127: |S_u| <= 256 * 31 * 127 * 63
-// < 2^31; Q6_K levels <= 63, |scale| <= 128: |S_u| <= 256 * 63 * 127 * 128 < 2^31.
+// < 2^31; Q6_K levels <= 63, |scale| <= 128: |S_u| <= 256 * 63 * 127 * 128 < 2^31 (Q2_K,
+// Q3_K: levels <= 7, scales <= 32, far below).
 // Include only from a variant translation unit, after its target pragma.
 #pragma once
 
@@ -49,15 +51,16 @@ struct alignas(64) KquantTileUnit {
 
 // The repacked kinds: sub-blocks per unit, int16 pairs per row, where the activation's
 // level sums of the pairs start in a unit's 16, and the offset's shift (0: minimums).
-enum class KquantTile { kQ4k, kQ5k, kQ6k };
+enum class KquantTile { kQ4k, kQ5k, kQ6k, kQ2k, kQ3k };
 template <KquantTile K>
 struct KquantTileKind {
-  static constexpr bool kQ6 = K == KquantTile::kQ6k;
-  static constexpr int kSubs = kQ6 ? 16 : 8;
+  static constexpr bool kGroups16 = K == KquantTile::kQ6k || K == KquantTile::kQ2k || K == KquantTile::kQ3k;
+  static constexpr int kSubs = kGroups16 ? 16 : 8;
   static constexpr int kLinesPerSub = 64 / kSubs;
-  static constexpr int kPairs = kQ6 ? 8 : 4;
-  static constexpr int kPairsAt = kQ6 ? 0 : 8;  // gguf_act.h: Q4_K's level sums follow 8 zeros
-  static constexpr int kOffsetShift = kQ6 ? 5 : 0;  // Q6_K: - 32 sum_g scale_g levelsum_g
+  static constexpr int kPairs = kGroups16 ? 8 : 4;
+  static constexpr int kPairsAt = kGroups16 ? 0 : 8;  // gguf_act.h: Q4_K's level sums follow 8 zeros
+  // The offset's shift: Q6_K - 32 sum_g scale_g levelsum_g, Q3_K - 4 ...; 0: minimums (dmin).
+  static constexpr int kOffsetShift = K == KquantTile::kQ6k ? 5 : K == KquantTile::kQ3k ? 2 : 0;
 };
 
 // The natural sub-block of 32-k chunk c in kGgufQ4kOrder.
@@ -229,6 +232,80 @@ inline void kquant_tile_repack_q6k(const uint8_t* const* rows, int64_t units, Kq
   }
 }
 
+// f16 values at byte `at` of each of 16 rows' unit u (kBytes per super-block) -> fp32.
+template <int64_t kBytes>
+inline __m512 kquant_tile_f16(const uint8_t* const* rows, int64_t u, int64_t at) {
+  alignas(32) uint16_t h[16];
+  for (int r = 0; r < kKquantTileRows; ++r) std::memcpy(&h[r], rows[r] + u * kBytes + at, 2);
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
+// Q2_K (84 bytes: scales[16] (low nibble scale, high nibble minimum), qs[64], d, dmin) and
+// Q3_K (110 bytes: hmask[32], qs[64], scales[12] (6 bits - 32), d): 16 rows -> `units`
+// repacked units. Weight 128 n + 32 j + l is bits 2 j .. 2 j + 1 of qs[32 n + l] (Q3_K: + 4
+// where bit 4 n + j of hmask[l] is set), so line L (k = 4 L) takes transposed qs word
+// 8 n + L % 8 shifted by 2 j (and hmask word L % 8), n = L / 32, j = L % 32 / 8.
+template <bool kThree>
+void kquant_tile_repack_q23k(const uint8_t* const* rows, int64_t units, KquantTileUnit* out) {
+  constexpr int64_t kBytes = kThree ? 110 : 84;
+  constexpr int64_t kQs = kThree ? 32 : 16;
+  const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), nibble = _mm512_set1_epi32(0x0f);
+  for (int64_t u = 0; u < units; ++u) {
+    kquant_tile_prefetch_unit<kBytes>(rows, u, units);
+    KquantTileUnit& t = out[u];
+    __m512i sc[16], mn[16];
+    if constexpr (kThree) {
+      __m512i w[4];  // bytes 92 .. 107: w[1..3] = scale bytes 0-3, 4-7, 8-11 (in the block)
+      kquant_tile_words(rows, u * kBytes + 92, w[0], w[1], w[2], w[3]);
+      for (int g = 0; g < 16; ++g) {
+        const int b = g % 8;  // ggml: low 4 bits of byte g (g < 8) or high 4 of byte g - 8
+        const __m512i low4 = _mm512_and_si512(_mm512_srli_epi32(w[1 + b / 4], 8 * (b % 4) + (g < 8 ? 0 : 4)), nibble);
+        const __m512i high2 =
+            _mm512_and_si512(_mm512_srli_epi32(w[3], 8 * (g % 4) + 2 * (g / 4)), _mm512_set1_epi32(3));
+        sc[g] = _mm512_sub_epi32(_mm512_or_si512(low4, _mm512_slli_epi32(high2, 4)), _mm512_set1_epi32(32));
+      }
+      for (int p = 0; p < 8; ++p)
+        _mm512_store_si512(t.pairs[p], _mm512_or_si512(_mm512_and_si512(sc[2 * p], _mm512_set1_epi32(0xffff)),
+                                                       _mm512_slli_epi32(sc[2 * p + 1], 16)));
+      _mm512_store_ps(t.d, kquant_tile_f16<kBytes>(rows, u, 108));
+      _mm512_store_ps(t.dmin, _mm512_setzero_ps());
+    } else {
+      __m512i w[4];  // scale bytes 4 q .. 4 q + 3
+      kquant_tile_words(rows, u * kBytes, w[0], w[1], w[2], w[3]);
+      for (int g = 0; g < 16; ++g) {
+        sc[g] = _mm512_and_si512(_mm512_srli_epi32(w[g / 4], 8 * (g % 4)), nibble);
+        mn[g] = _mm512_and_si512(_mm512_srli_epi32(w[g / 4], 8 * (g % 4) + 4), nibble);
+      }
+      for (int p = 0; p < 8; ++p)
+        _mm512_store_si512(t.pairs[p], _mm512_or_si512(mn[2 * p], _mm512_slli_epi32(mn[2 * p + 1], 16)));
+      _mm512_store_ps(t.d, kquant_tile_f16<kBytes>(rows, u, 80));
+      _mm512_store_ps(t.dmin, kquant_tile_f16<kBytes>(rows, u, 82));
+    }
+    for (int g = 0; g < 16; ++g) _mm512_store_si512(t.scale[g], sc[g]);
+    alignas(64) int32_t hmask_words[8][16];
+    if constexpr (kThree) {
+      __m512i h[16];
+      for (int r = 0; r < kKquantTileRows; ++r)
+        h[r] = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + u * kBytes)));
+      transpose16x16_epi32(h);
+      for (int w = 0; w < 8; ++w) _mm512_store_si512(hmask_words[w], h[w]);
+    }
+    __m512i qs[16];
+    for (int r = 0; r < kKquantTileRows; ++r) qs[r] = _mm512_loadu_si512(rows[r] + u * kBytes + kQs);
+    transpose16x16_epi32(qs);
+    for (int line = 0; line < 64; ++line) {
+      const int n = line / 32, j = line % 32 / 8;
+      __m512i level = _mm512_and_si512(_mm512_srli_epi16(qs[8 * n + line % 8], 2 * j), three);
+      if constexpr (kThree) {
+        const __m512i bits = _mm512_load_si512(hmask_words[line % 8]);
+        level = _mm512_mask_add_epi8(level, _mm512_test_epi8_mask(bits, _mm512_set1_epi8(static_cast<char>(1 << (4 * n + j)))),
+                                     level, four);
+      }
+      _mm512_store_si512(t.levels[line], level);
+    }
+  }
+}
+
 // G repacked groups (group g's units at w + g * units; rows r < rows[g]) dotted with T
 // activation rows: out[j] + 16 g + r = dot(row r of group g, activation row j); aq[j],
 // scale4[j], level_sums[j] as the in-place kernels'. Per 4-k line, G weight loads and T
@@ -327,8 +404,8 @@ void kquant_tile_pass(int count, const KquantTileUnit* w, int64_t units, const i
 }
 
 // out[p * ldo + n] = dot(row n of `expert`, activation row act_row(p)) for rows [n0, n1)
-// and pairs [p0, p1) of a Q4_K, Q5_K (activations in kGgufQ4kActs' format) or Q6_K
-// matrix (kGgufQ6kActs'): kKquantTileGroups groups of 16 rows repacked at a time, then
+// and pairs [p0, p1) of a Q4_K, Q5_K (activations in kGgufQ4kActs' format), Q6_K, Q2_K or
+// Q3_K matrix (kGgufQ6kActs'): kKquantTileGroups groups of 16 rows repacked at a time, then
 // dotted with the pairs kKquantTileTokens at a time.
 template <class Ops, KquantTile K, class Matrix>
 void kquant_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
@@ -348,6 +425,8 @@ void kquant_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, c
       for (int r = 0; r < kKquantTileRows; ++r) row_at[r] = m.row(expert, std::min(first + r, n1 - 1));
       if constexpr (K == KquantTile::kQ6k)
         kquant_tile_repack_q6k(row_at, units, packed.data() + g * units);
+      else if constexpr (K == KquantTile::kQ2k || K == KquantTile::kQ3k)
+        kquant_tile_repack_q23k<K == KquantTile::kQ3k>(row_at, units, packed.data() + g * units);
       else
         kquant_tile_repack_q4k<K == KquantTile::kQ5k>(row_at, units, packed.data() + g * units);
     }

@@ -10,7 +10,10 @@
 // int16 pair sums (vpmaddubsw, |.| <= 2 * 7 * 128) are multiplied by it (vpermw,
 // vpdpwssd) into one int32 per lane. Q3_K's -4 offset is 4 * sum_g scale_g * (level sum
 // of g), subtracted in integers; Q2_K's minimums sum_g min_g * (level sum of g) are
-// subtracted in floats (dmin * da). One float multiply-add by d * da per row and unit.
+// subtracted in floats (dmin * da). Each (row, activation row) pair's lanes are added in
+// integers (gguf_int_sums_avx512.h), so one float multiply-add by d * da per pair and unit
+// remains (Q2_K: and one by dmin * da), as the prefill tile kernel
+// (gguf_kquant_tile_avx512.h) computes it, bit for bit.
 #pragma once
 
 #include <immintrin.h>
@@ -20,6 +23,7 @@
 
 #include "../../formats/gguf_types.h"
 #include "gguf_decode.h"
+#include "gguf_int_sums_avx512.h"
 #include "gguf_q6k_avx512.h"  // its activation format and group16_scale_select
 
 namespace kt::cpu {
@@ -60,10 +64,15 @@ struct Q23k {
 
 // out[4 * j + i] = dot(row i, activation row j) for i < 4, j < M, kType Q2_K or Q3_K: the
 // contract of gguf_q6k_dot_rows4 (gguf_q6k_avx512.h), whose activation format this uses.
-// Each (row, activation row) result takes the same operations in the same order whatever M.
+// Per (row, activation row) and unit, exact int32 sums, then in fp32, unit after unit:
+//   Q3_K: acc = fma(float(S_u - 4 O_u), d * da, acc), O_u = sum_g scale_g * levelsum_g
+//   Q2_K: acc = fma(float(S_u), d * da, acc), accm = fma(float(M_u), dmin * da, accm),
+//         result acc - accm, M_u = sum_g min_g * levelsum_g
+// so a result depends on its row and activation row only.
 template <class Ops, GgmlType kType, int M>
 void gguf_q23k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, const float* const* scale4,
                          const int16_t* const* level_sums, int64_t units, bool prefetch, float* out) {
+  static_assert(M >= 1 && M <= 4);
   using T = Q23k<kType>;
   const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
   // Register r's halves hold j = 2 (r % 2) and + 1: shift by 2j per 16-bit word.
@@ -78,10 +87,13 @@ void gguf_q23k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, co
   }
   const __m512i select[4] = {group16_scale_select(0), group16_scale_select(1), group16_scale_select(2),
                              group16_scale_select(3)};
-  __m512 acc[M][4];
-  for (int j = 0; j < M; ++j)
-    for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
+  // Pair (row i, activation row j) at its lane (gguf_int_sums_avx512.h).
+  __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
   for (int64_t u = 0; u < units; ++u) {
+    float da[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d[4], dmin[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < M; ++j) da[j] = scale4[j][u * 64];
+    __m512i lane_sums[4], min_sums[4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * T::kBytes;
@@ -100,30 +112,41 @@ void gguf_q23k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, co
       }
       const __m512i s0 = _mm512_permutexvar_epi16(select[0], sc), s1 = _mm512_permutexvar_epi16(select[1], sc),
                     s2 = _mm512_permutexvar_epi16(select[2], sc), s3 = _mm512_permutexvar_epi16(select[3], sc);
-      const float d = T::d(b), dmin = T::dmin(b);
+      d[i] = T::d(b);
+      dmin[i] = T::dmin(b);
+      __m512i t[4], m[4];
 #pragma GCC unroll 4
-      for (int j = 0; j < M; ++j) {
+      for (int j = 0; j < 4; ++j) {
+        t[j] = m[j] = _mm512_setzero_si512();
+        if (j >= M) continue;
         const int8_t* a = aq[j] + u * 256;
-        __m512i t = Ops::dot16(_mm512_setzero_si512(), _mm512_maddubs_epi16(v[0], _mm512_loadu_si512(a)), s0);
-        t = Ops::dot16(t, _mm512_maddubs_epi16(v[1], _mm512_loadu_si512(a + 64)), s1);
-        t = Ops::dot16(t, _mm512_maddubs_epi16(v[2], _mm512_loadu_si512(a + 128)), s2);
-        t = Ops::dot16(t, _mm512_maddubs_epi16(v[3], _mm512_loadu_si512(a + 192)), s3);
+        __m512i x = Ops::dot16(_mm512_setzero_si512(), _mm512_maddubs_epi16(v[0], _mm512_loadu_si512(a)), s0);
+        x = Ops::dot16(x, _mm512_maddubs_epi16(v[1], _mm512_loadu_si512(a + 64)), s1);
+        x = Ops::dot16(x, _mm512_maddubs_epi16(v[2], _mm512_loadu_si512(a + 128)), s2);
+        x = Ops::dot16(x, _mm512_maddubs_epi16(v[3], _mm512_loadu_si512(a + 192)), s3);
         const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums[j] + u * 16));
-        const float da = scale4[j][u * 64];
         if constexpr (T::kThree) {
           const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 2);  // 4 * scale_g * sum_g
-          t = _mm512_sub_epi32(t, _mm512_zextsi256_si512(offset));
-          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(d * da), acc[j][i]);
+          t[j] = _mm512_sub_epi32(x, _mm512_zextsi256_si512(offset));
         } else {
-          const __m512 mins = _mm512_cvtepi32_ps(_mm512_zextsi256_si512(_mm256_madd_epi16(minimums, sums)));
-          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(d * da), acc[j][i]);
-          acc[j][i] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(dmin * da), acc[j][i]);
+          t[j] = x;
+          m[j] = _mm512_zextsi256_si512(_mm256_madd_epi16(minimums, sums));
         }
       }
+      // M == 1: the rows' registers, else their partial sums per 128-bit lane
+      lane_sums[i] = M == 1 ? t[0] : gguf_lane_sums4(t[0], t[1], t[2], t[3]);
+      if constexpr (!T::kThree) min_sums[i] = M == 1 ? m[0] : gguf_lane_sums4(m[0], m[1], m[2], m[3]);
     }
+    const __m512 da_lanes = gguf_act_factor<M>(da);
+    auto pair_sums = [](const __m512i (&v)[4]) {
+      return M == 1 ? gguf_row_sums4(v[0], v[1], v[2], v[3]) : gguf_cross_sums4(v[0], v[1], v[2], v[3]);
+    };
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_sums(lane_sums)), _mm512_mul_ps(gguf_row_factor<M>(d), da_lanes), acc);
+    if constexpr (!T::kThree)
+      accm = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_sums(min_sums)), _mm512_mul_ps(gguf_row_factor<M>(dmin), da_lanes),
+                             accm);
   }
-  for (int j = 0; j < M; ++j)
-    for (int i = 0; i < 4; ++i) out[4 * j + i] = _mm512_reduce_add_ps(acc[j][i]);
+  gguf_store_pairs<M>(T::kThree ? acc : _mm512_sub_ps(acc, accm), out);
 }
 
 }  // namespace

@@ -69,10 +69,11 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
                              q4k_scale_select(5, 7)};
   // Halves of word 0 (d, dmin) of each row's 128-bit lane, gathered into the low lane.
   const __m512i first_words = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  // Lane 4 i + j of the results: row i's d (dw lane 2 i) and dmin (2 i + 1).
-  const __m512i d_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-  const __m512i dmin_of_lane = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-  // Lane 4 i + j: (row i, activation row j); acc - accm at the end.
+  // Each pair's lane (gguf_int_sums_avx512.h): its row i's d (dw lane 2 i) and dmin (2 i + 1).
+  const __m512i d_of_lane = M == 1 ? _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6)
+                                   : _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  const __m512i dmin_of_lane = _mm512_add_epi32(d_of_lane, _mm512_set1_epi32(1));
+  // Pair (row i, activation row j) at its lane; acc - accm at the end.
   __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
   // ggml's get_scale_min_k4 on 4 rows at once: 128-bit lane i = row i's 16 header bytes
   // (words d|dmin, s0, s1, s2), out words: s0 & k6 | (s2 & k4) + (s0 >> 6 & k2) << 4 |
@@ -111,7 +112,7 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
           _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(level_sums[j] + u * 16)));
       mins[j] = _mm512_shuffle_i32x4(_mm512_madd_epi16(sm01, sums), _mm512_madd_epi16(sm23, sums), 0xDD);
     }
-    __m512i lane_sums[4];  // per row i: 128-bit lane L holds the partial sums over L of each j
+    __m512i lane_sums[4];  // M == 1: row i's t, else per 128-bit lane L its partial sums over L of each j
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * kBytes;
@@ -142,22 +143,26 @@ void gguf_q4k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
         v = Ops::dot16(v, _mm512_maddubs_epi16(l2, _mm512_loadu_si512(a + 128)), s2);
         t[j] = Ops::dot16(v, _mm512_maddubs_epi16(l3, _mm512_loadu_si512(a + 192)), s3);
       }
-      lane_sums[i] = gguf_lane_sums4(t[0], t[1], t[2], t[3]);
+      lane_sums[i] = M == 1 ? t[0] : gguf_lane_sums4(t[0], t[1], t[2], t[3]);
     }
-    // Lane 4 i + j: S_u and M_u of (row i, activation row j), exact.
-    const __m512i s_u = gguf_cross_sums4(lane_sums[0], lane_sums[1], lane_sums[2], lane_sums[3]);
-    const __m512i m_u = gguf_lane_sums4(mins[0], mins[1], mins[2], mins[3]);
-    const __m512 da_lanes = _mm512_broadcast_f32x4(_mm_loadu_ps(da));
+    // S_u and M_u of each pair at its lane, exact.
+    __m512i s_u, m_u;
+    if constexpr (M == 1) {
+      s_u = gguf_row_sums4(lane_sums[0], lane_sums[1], lane_sums[2], lane_sums[3]);
+      // 128-bit lane i of mins[0]: row i's partial sums -> every lane of it their sum, then lane 4 L + i.
+      __m512i x = _mm512_add_epi32(mins[0], _mm512_shuffle_epi32(mins[0], static_cast<_MM_PERM_ENUM>(0x4E)));
+      x = _mm512_add_epi32(x, _mm512_shuffle_epi32(x, static_cast<_MM_PERM_ENUM>(0xB1)));
+      m_u = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12), x);
+    } else {
+      s_u = gguf_cross_sums4(lane_sums[0], lane_sums[1], lane_sums[2], lane_sums[3]);
+      m_u = gguf_lane_sums4(mins[0], mins[1], mins[2], mins[3]);
+    }
+    const __m512 da_lanes = gguf_act_factor<M>(da);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_u), _mm512_mul_ps(_mm512_permutexvar_ps(d_of_lane, dw), da_lanes), acc);
     accm = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m_u), _mm512_mul_ps(_mm512_permutexvar_ps(dmin_of_lane, dw), da_lanes),
                            accm);
   }
-  alignas(64) float result[16];
-  _mm512_store_ps(result, _mm512_sub_ps(acc, accm));
-#pragma GCC unroll 4
-  for (int j = 0; j < M; ++j)
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) out[4 * j + i] = result[4 * i + j];
+  gguf_store_pairs<M>(_mm512_sub_ps(acc, accm), out);
 }
 
 }  // namespace

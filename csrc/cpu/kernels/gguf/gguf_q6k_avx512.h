@@ -51,14 +51,12 @@ void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
   const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   const __m512i select[4] = {group16_scale_select(0), group16_scale_select(1), group16_scale_select(2),
                              group16_scale_select(3)};
-  // Lane 4 i + j of the results: row i's d.
-  const __m512i d_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 acc = _mm512_setzero_ps();  // lane 4 i + j: (row i, activation row j)
+  __m512 acc = _mm512_setzero_ps();  // pair (row i, activation row j) at its lane (gguf_int_sums_avx512.h)
   for (int64_t u = 0; u < units; ++u) {
     float da[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d[4];
 #pragma GCC unroll 4
     for (int j = 0; j < M; ++j) da[j] = scale4[j][u * 64];
-    __m512i lane_sums[4];
+    __m512i lane_sums[4];  // M == 1: the rows' sums, else their partial sums per 128-bit lane
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const uint8_t* b = rows[i] + u * 210;
@@ -93,19 +91,13 @@ void gguf_q6k_dot_rows4(const uint8_t* const* rows, const int8_t* const* aq, con
         const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scales, sums), 5);  // 32 * scale_g * sum_g
         t[j] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(offset));
       }
-      lane_sums[i] = gguf_lane_sums4(t[0], t[1], t[2], t[3]);
+      lane_sums[i] = M == 1 ? t[0] : gguf_lane_sums4(t[0], t[1], t[2], t[3]);
     }
-    const __m512i t_u = gguf_cross_sums4(lane_sums[0], lane_sums[1], lane_sums[2], lane_sums[3]);
-    const __m512 d_lanes = _mm512_permutexvar_ps(d_of_lane, _mm512_castps128_ps512(_mm_loadu_ps(d)));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t_u), _mm512_mul_ps(d_lanes, _mm512_broadcast_f32x4(_mm_loadu_ps(da))),
-                          acc);
+    const __m512i t_u = M == 1 ? gguf_row_sums4(lane_sums[0], lane_sums[1], lane_sums[2], lane_sums[3])
+                               : gguf_cross_sums4(lane_sums[0], lane_sums[1], lane_sums[2], lane_sums[3]);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t_u), _mm512_mul_ps(gguf_row_factor<M>(d), gguf_act_factor<M>(da)), acc);
   }
-  alignas(64) float result[16];
-  _mm512_store_ps(result, acc);
-#pragma GCC unroll 4
-  for (int j = 0; j < M; ++j)
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) out[4 * j + i] = result[4 * i + j];
+  gguf_store_pairs<M>(acc, out);
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 // format policy (gguf_format.h): a matrix view (GgufMatrix), the row job size of the
 // streaming paths, rows decoded once (gguf_decode.h) and dotted with every token of an
 // expert (gguf_dot.h), rows read in place (AVX-512: gguf_q4k_avx512.h,
-// gguf_q6k_avx512.h, gguf_q23k_avx512.h, gguf_block32_avx512.h; Q4_K / Q5_K / Q6_K repacked for
+// gguf_q6k_avx512.h, gguf_q23k_avx512.h, gguf_block32_avx512.h; K-quants repacked for
 // experts with many tokens: gguf_kquant_tile_avx512.h; AVX2:
 // gguf_block32_avx2.h, gguf_kquant_avx2.h), and rows decoded to bf16 for AMX tiles (gguf_amx.h). Include only from a variant translation unit, after its target pragma.
 #pragma once
@@ -367,7 +367,7 @@ template <class Ops>
 void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
   using V = typename Ops::Vec;
-  if constexpr (Ops::kRegsPerLine == 1) {  // AVX-512: Q4_K / Q5_K / Q6_K experts with many tokens repack
+  if constexpr (Ops::kRegsPerLine == 1) {  // AVX-512: K-quant experts with many tokens repack
     if (m.direct && p1 - p0 >= kKquantTileMinPairs) {  // their rows (same bits as the in-place kernel)
       if (m.type == GgmlType::kQ4_K)
         return kquant_tile_rows<Ops, KquantTile::kQ4k>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
@@ -375,6 +375,10 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
         return kquant_tile_rows<Ops, KquantTile::kQ5k>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
       if (m.type == GgmlType::kQ6_K)
         return kquant_tile_rows<Ops, KquantTile::kQ6k>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+      if (m.type == GgmlType::kQ2_K)
+        return kquant_tile_rows<Ops, KquantTile::kQ2k>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+      if (m.type == GgmlType::kQ3_K)
+        return kquant_tile_rows<Ops, KquantTile::kQ3k>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
     }
   }
   if (m.direct) return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
