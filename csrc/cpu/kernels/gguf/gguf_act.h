@@ -5,7 +5,9 @@
 // q[kp], scale per 4 values (kp / 4 floats) and scale * sum(q) per 16 values
 // (kp / 16 floats; the weights' minimums multiply these), and -128 * sum(q) per 4
 // values (int32; the vpdpbusd kernels start Q8_0's offset-binary dot products there,
-// so the offset cancels exactly in integers). kp is a multiple of 256 and
+// so the offset cancels exactly in integers). The K-quants' formats (q4k_order,
+// sums_of_16) keep one scale per 256-value block, at its first per-4 entry, and int16
+// level sums instead. kp is a multiple of 256 and
 // the row is zero past its length. Float weight types use the fp32 row unquantized. A
 // block holding a NaN or an infinity gets scale NaN, so the row's results are NaN.
 #pragma once
@@ -55,6 +57,10 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
   float* scale = acts.scale + r * (kp / 4);
   float* sum16 = acts.sum16 + r * (kp / 16);
   int32_t* bias4 = acts.bias4 + r * (kp / 4);
+  // The K-quant kernels (gguf_q4k_avx512.h, gguf_q6k_avx512.h, gguf_q23k_avx512.h,
+  // gguf_kquant_avx2.h, gguf_kquant_tile_avx512.h) read the levels, each block's first
+  // per-4 scale and the int16 level sums only: no per-4 biases or scaled sums of 16.
+  const bool kquant = acts.q4k_order || acts.sums_of_16;
   for (int64_t b0 = 0; b0 < kp; b0 += acts.block) {
     typename V::Reg top = V::zero(), poison = V::zero();
     for (int64_t i = b0; i < b0 + acts.block; i += W) {
@@ -68,6 +74,10 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
     const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
     const typename V::Reg inv = V::set1(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
     for (int64_t i = b0; i < b0 + acts.block; i += W) V::store_int8(q + i, V::mul(V::load(x + i), inv));
+    if (kquant) {
+      scale[b0 / 4] = d;
+      continue;
+    }
     for (int64_t i = b0 / 4; i < (b0 + acts.block) / 4; ++i) {
       scale[i] = d;
       bias4[i] = -128 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
