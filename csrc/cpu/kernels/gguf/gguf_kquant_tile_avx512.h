@@ -100,6 +100,22 @@ inline void kquant_tile_prefetch_unit(const uint8_t* const* rows, int64_t u, int
       _mm_prefetch(reinterpret_cast<const char*>(rows[r] + (u + 1) * kBytes + line), _MM_HINT_T0);
 }
 
+// t.pairs[p] = the int16 pair (v[2 p], v[2 p + 1]) per row (values that fit int16).
+template <int kPairs>
+inline void kquant_tile_pairs(const __m512i* v, KquantTileUnit& t) {
+  for (int p = 0; p < kPairs; ++p)
+    _mm512_store_si512(t.pairs[p], _mm512_or_si512(_mm512_and_si512(v[2 * p], _mm512_set1_epi32(0xffff)),
+                                                   _mm512_slli_epi32(v[2 * p + 1], 16)));
+}
+
+// f16 values at byte `at` of each of 16 rows' unit u (kBytes per super-block) -> fp32.
+template <int64_t kBytes>
+inline __m512 kquant_tile_f16(const uint8_t* const* rows, int64_t u, int64_t at) {
+  alignas(32) uint16_t h[16];
+  for (int r = 0; r < kKquantTileRows; ++r) std::memcpy(&h[r], rows[r] + u * kBytes + at, 2);
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
 // The four int32 words at byte `at` of 16 rows: w[q] lane r = word q of row r.
 inline void kquant_tile_words(const uint8_t* const* rows, int64_t at, __m512i& w0, __m512i& w1, __m512i& w2,
                               __m512i& w3) {
@@ -152,7 +168,7 @@ void kquant_tile_repack_q4k(const uint8_t* const* rows, int64_t units, KquantTil
                                   _mm512_and_si512(_mm512_srli_epi32(w2, 8 * j + 2), high2));
     }
     for (int c = 0; c < 8; ++c) _mm512_store_si512(t.scale[c], sc[kQ4kChunkSub[c]]);
-    for (int p = 0; p < 4; ++p) _mm512_store_si512(t.pairs[p], _mm512_or_si512(mn[2 * p], _mm512_slli_epi32(mn[2 * p + 1], 16)));
+    kquant_tile_pairs<4>(mn, t);
     __m512i qh[16];
     if constexpr (kFive) {  // word w of the rows' fifth bits: bytes 4 w .. 4 w + 3 of qh
       for (int r = 0; r < kKquantTileRows; ++r)
@@ -198,12 +214,8 @@ inline void kquant_tile_repack_q6k(const uint8_t* const* rows, int64_t units, Kq
     for (int g = 0; g < 16; ++g)
       sc[g] = _mm512_srai_epi32(_mm512_slli_epi32(w[g / 4], 24 - 8 * (g % 4)), 24);  // int8 -> int32
     for (int g = 0; g < 16; ++g) _mm512_store_si512(t.scale[g], sc[g]);
-    for (int p = 0; p < 8; ++p)
-      _mm512_store_si512(t.pairs[p], _mm512_or_si512(_mm512_and_si512(sc[2 * p], _mm512_set1_epi32(0xffff)),
-                                                     _mm512_slli_epi32(sc[2 * p + 1], 16)));
-    alignas(32) uint16_t d[16];
-    for (int r = 0; r < kKquantTileRows; ++r) std::memcpy(&d[r], rows[r] + u * kBytes + 208, 2);
-    _mm512_store_ps(t.d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d))));
+    kquant_tile_pairs<8>(sc, t);
+    _mm512_store_ps(t.d, kquant_tile_f16<kBytes>(rows, u, 208));
     _mm512_store_ps(t.dmin, _mm512_setzero_ps());
     alignas(64) int32_t qh_words[16][16];  // transposed qh, through L1 (32 registers would spill)
     {
@@ -232,14 +244,6 @@ inline void kquant_tile_repack_q6k(const uint8_t* const* rows, int64_t units, Kq
   }
 }
 
-// f16 values at byte `at` of each of 16 rows' unit u (kBytes per super-block) -> fp32.
-template <int64_t kBytes>
-inline __m512 kquant_tile_f16(const uint8_t* const* rows, int64_t u, int64_t at) {
-  alignas(32) uint16_t h[16];
-  for (int r = 0; r < kKquantTileRows; ++r) std::memcpy(&h[r], rows[r] + u * kBytes + at, 2);
-  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
-}
-
 // Q2_K (84 bytes: scales[16] (low nibble scale, high nibble minimum), qs[64], d, dmin) and
 // Q3_K (110 bytes: hmask[32], qs[64], scales[12] (6 bits - 32), d): 16 rows -> `units`
 // repacked units. Weight 128 n + 32 j + l is bits 2 j .. 2 j + 1 of qs[32 n + l] (Q3_K: + 4
@@ -264,9 +268,7 @@ void kquant_tile_repack_q23k(const uint8_t* const* rows, int64_t units, KquantTi
             _mm512_and_si512(_mm512_srli_epi32(w[3], 8 * (g % 4) + 2 * (g / 4)), _mm512_set1_epi32(3));
         sc[g] = _mm512_sub_epi32(_mm512_or_si512(low4, _mm512_slli_epi32(high2, 4)), _mm512_set1_epi32(32));
       }
-      for (int p = 0; p < 8; ++p)
-        _mm512_store_si512(t.pairs[p], _mm512_or_si512(_mm512_and_si512(sc[2 * p], _mm512_set1_epi32(0xffff)),
-                                                       _mm512_slli_epi32(sc[2 * p + 1], 16)));
+      kquant_tile_pairs<8>(sc, t);
       _mm512_store_ps(t.d, kquant_tile_f16<kBytes>(rows, u, 108));
       _mm512_store_ps(t.dmin, _mm512_setzero_ps());
     } else {
@@ -276,8 +278,7 @@ void kquant_tile_repack_q23k(const uint8_t* const* rows, int64_t units, KquantTi
         sc[g] = _mm512_and_si512(_mm512_srli_epi32(w[g / 4], 8 * (g % 4)), nibble);
         mn[g] = _mm512_and_si512(_mm512_srli_epi32(w[g / 4], 8 * (g % 4) + 4), nibble);
       }
-      for (int p = 0; p < 8; ++p)
-        _mm512_store_si512(t.pairs[p], _mm512_or_si512(mn[2 * p], _mm512_slli_epi32(mn[2 * p + 1], 16)));
+      kquant_tile_pairs<8>(mn, t);
       _mm512_store_ps(t.d, kquant_tile_f16<kBytes>(rows, u, 80));
       _mm512_store_ps(t.dmin, kquant_tile_f16<kBytes>(rows, u, 82));
     }
