@@ -350,7 +350,7 @@ def test_corrupt_gguf_blob_is_refused() -> None:
 
 # Layers whose matrices the AVX-512 variants read in place (the mixed one as Q4_K_M files).
 IN_PLACE_LAYERS = [("Q4_K",) * 3, ("Q5_K",) * 3, ("Q6_K",) * 3, ("Q8_0",) * 3, ("Q4_0",) * 3, ("Q5_0",) * 3,
-                   ("Q2_K",) * 3, ("Q3_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K"),
+                   ("Q4_1",) * 3, ("Q5_1",) * 3, ("Q2_K",) * 3, ("Q3_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K"),
                    ("Q3_K", "Q3_K", "Q5_K")]
 # Tokens per expert that a token's experts get among others (4-token blocks and their tails).
 SHARED_COUNTS = (1, 2, 3, 5, 9, 17)
@@ -405,26 +405,20 @@ def test_batch_invariance(variant: str, types: tuple[str, str, str], dtype: torc
             assert torch.equal(out[at], alone), f"live_tokens, expert 0: {first} tokens, expert 1: {second}"
 
 
-# From this many tokens per expert the AVX-512 variants repack an expert's K-quant rows
-# (Q2_K-Q6_K) and dot them on an integer tile (gguf_kquant_tile_avx512.h's
-# kKquantTileMinPairs): the same integers and float operations as the in-place kernels.
+# From this many tokens per expert the AVX-512 variants repack an expert's rows of an
+# in-place type (K-quants: gguf_kquant_tile_avx512.h, block-32 types:
+# gguf_block32_tile_avx512.h's callers, kKquantTileMinPairs) and dot them on an integer
+# tile: the same integers and float operations as the in-place kernels.
 KQUANT_TILE_MIN_PAIRS = 8
 
 
-@pytest.mark.parametrize("types,H", [(("Q4_K",) * 3, 512), (("Q5_K",) * 3, 512), (("Q6_K",) * 3, 512),
-                                     (("Q2_K",) * 3, 512), (("Q3_K",) * 3, 512),
-                                     (("F16", "F16", "Q6_K"), 1000), (("F32", "Q5_K", "Q4_K"), 1280),
-                                     (("Q3_K", "Q2_K", "Q3_K"), 768)],
-                         ids=["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "F16-F16-Q6_K-H1000", "F32-Q5_K-Q4_K-H1280",
-                              "Q3_K-Q2_K-Q3_K-H768"])
-def test_prefill_rows_match_decode_rows(variant: str, types: tuple[str, str, str], H: int) -> None:
-    """A prefill-sized call (experts with 3 to ~40 tokens: the K-quants' repacked tile path
-    beside the in-place one) gives every token the bits it gets alone, on all threads and on
-    one; rows in groups of 32, 16 and a partial last group (down of H = 1000 rows)."""
-    E, I, tokens = 5, 256, 60
-    blob, gate, up, down = packed_from_blocks(types, E, H, I, seed=29)
+def assert_prefill_matches_decode(blob: torch.Tensor, gate, up, down, E: int, H: int) -> None:
+    """A prefill-sized call (experts 0-3 with ~28 tokens each: the repacked tile path; expert
+    4 with 3: the in-place one) matches the oracle and gives every token the bits it gets
+    alone, on all threads and on one."""
+    assert E == 5
+    tokens = 60
     g = torch.Generator().manual_seed(5)
-    # Experts 0-3 share most tokens (~28 each); expert 4 gets 3 (the in-place path).
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)]).to(torch.int32)
     ids[:3, 1] = 4
     counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
@@ -444,3 +438,23 @@ def test_prefill_rows_match_decode_rows(variant: str, types: tuple[str, str, str
     for t in range(tokens):
         alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], blob)[0]
         assert torch.equal(out[t], alone), f"token {t}, experts {ids[t].tolist()}"
+
+
+# Block-32 cases: H = 1056 and I = 160 (33 and 5 blocks: a partial last step of 4 blocks).
+@pytest.mark.parametrize("types,H,I", [(("Q4_K",) * 3, 512, 256), (("Q5_K",) * 3, 512, 256),
+                                       (("Q6_K",) * 3, 512, 256), (("Q2_K",) * 3, 512, 256),
+                                       (("Q3_K",) * 3, 512, 256), (("F16", "F16", "Q6_K"), 1000, 256),
+                                       (("F32", "Q5_K", "Q4_K"), 1280, 256), (("Q3_K", "Q2_K", "Q3_K"), 768, 256),
+                                       (("Q8_0",) * 3, 1056, 160), (("Q4_0",) * 3, 1056, 160),
+                                       (("Q4_1",) * 3, 1056, 160), (("Q5_0",) * 3, 1056, 160),
+                                       (("Q5_1",) * 3, 1056, 160), (("F16", "F16", "Q5_1"), 1000, 160),
+                                       (("Q4_K", "Q5_0", "Q8_0"), 512, 256)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "F16-F16-Q6_K-H1000", "F32-Q5_K-Q4_K-H1280",
+                              "Q3_K-Q2_K-Q3_K-H768", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16-F16-Q5_1-H1000",
+                              "Q4_K-Q5_0-Q8_0"])
+def test_prefill_rows_match_decode_rows(variant: str, types: tuple[str, str, str], H: int, I: int) -> None:
+    """The repacked tile path against the in-place one (rows in groups of 32, 16 and a
+    partial last group: down of H = 1000 rows)."""
+    E = 5
+    blob, gate, up, down = packed_from_blocks(types, E, H, I, seed=29)
+    assert_prefill_matches_decode(blob, gate, up, down, E, H)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_gguf import check_kernel
+from test_gguf import assert_prefill_matches_decode, check_kernel
 
 import gguf
 import kt_ops
@@ -121,6 +121,28 @@ def test_nan_exponent_makes_the_rows_nan(variant: str, packing: str) -> None:
     out = kt_ops.moe_forward(x, ids, torch.full((4, 2), 0.5), blob)
     assert torch.isnan(out).all(dim=1).tolist() == [True, False, True, False]
     assert torch.isfinite(out[[1, 3]]).all()
+
+
+def test_gguf_prefill_rows_match_decode_rows(variant: str) -> None:
+    """GGUF MXFP4 on the AVX-512 variants' repacked tile (experts with >= 8 tokens) gives the
+    in-place kernel's bits (H = 1056, I = 160: partial 4-block steps)."""
+    E, H, I = 5, 1056, 160
+    raws = raw_blocks(E, H, I, seed=3)
+    assert_prefill_matches_decode(blob_of(raws, "gguf", E, H, I), *decoded(raws, E, H, I), E, H)
+
+
+def test_gguf_nan_exponent_on_the_prefill_tile(variant: str) -> None:
+    """Exponent 255 in a gate row makes every token of that expert NaN on the tile path
+    too (40 tokens, expert 1 with >= 8), the other experts' tokens stay finite."""
+    E, H, I = 3, 96, 64
+    raws = raw_blocks(E, H, I, seed=1)
+    raws[0][1 * I + 5, BLOCK_BYTES] = 255
+    raws[0][1 * I + 5, BLOCK_BYTES + 1 : 2 * BLOCK_BYTES] = 0
+    blob = blob_of(raws, "gguf", E, H, I)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[1, 0], [0, 2], [2, 1], [0, 2]] * 10, dtype=torch.int32)
+    out = kt_ops.moe_forward(torch.randn(40, H, generator=g), ids, torch.full((40, 2), 0.5), blob)
+    assert torch.isnan(out).all(dim=1).tolist() == [True, False, True, False] * 10
 
 
 def test_both_packings_hold_the_same_weights() -> None:

@@ -42,8 +42,12 @@ struct GgufActs {
   // lane of that layout (8 values: 4 + the 4 sixteen positions later), scale[] the
   // block's scale and bias4[] -128 * their level sum (kp / 8 each, at the start of the
   // row's kp / 4 entries), and scale[kp / 8 + lane] the block's scale times that level
-  // sum (Q4_1's and Q5_1's minimums multiply it).
+  // sum (Q4_1's and Q5_1's minimums multiply it). Per block b, each value 4 times (int32
+  // lanes 4 b .. 4 b + 3, kp / 8 per row): bias4[kp / 8 + 4 b + l] -128 * the block's level
+  // sum, and block_min_sums[4 b + l] the block's scale times that sum (the AVX-512
+  // kernels, gguf_block32_avx512.h and gguf_block32_tile_avx512.h, add whole blocks).
   bool quad32 = false;
+  float* block_min_sums = nullptr;  // quad32: [rows, kp / 8]
   int16_t* level_sums = nullptr;
   const float* f = nullptr;  // block 0: [rows, kp] fp32
 };
@@ -119,9 +123,20 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
         std::memcpy(quad + 64 + 16 * blk, natural + 32 * blk + 16, 16);
       }
     }
-    // After every group's scales moved down (the upper half held per-4 scales until then).
+    // After every group's scales and biases moved down (the upper halves held per-4
+    // values until then).
     for (int64_t lane = 0; lane < kp / 8; ++lane)
       scale8[kp / 8 + lane] = scale8[lane] * static_cast<float>(bias8[lane] / -128);
+    float* block_min = acts.block_min_sums + r * (kp / 8);
+    for (int64_t b = 0; b < kp / 32; ++b) {
+      const int64_t lane = 16 * (b / 4) + 4 * (b % 4);  // the block's four lanes
+      const int32_t bias = bias8[lane] + bias8[lane + 1] + bias8[lane + 2] + bias8[lane + 3];
+      const float min_sum = scale8[lane] * static_cast<float>(bias / -128);
+      for (int l = 0; l < 4; ++l) {
+        bias8[kp / 8 + 4 * b + l] = bias;
+        block_min[4 * b + l] = min_sum;
+      }
+    }
     return;
   }
   if (!acts.q4k_order) return;

@@ -10,10 +10,11 @@
 //                  gguf_types.h's gguf_in_place names (every quantized type on AVX-512;
 //                  all but Q5_0 and Q5_1 on AVX2 / AVX-VNNI) are read
 //                  from their bytes for any number of tokens (each unit of 4 rows extracted
-//                  once per 4 tokens, 2 for AVX2's block-32 types); on AVX-512, the K-quant
-//                  rows (Q2_K-Q6_K) of an expert with kKquantTileMinPairs or more tokens are
-//                  repacked once and dotted on an integer tile instead (same bits:
-//                  gguf_kquant_tile_avx512.h); the others are decoded once per job and
+//                  once per 4 tokens, 2 for AVX2's block-32 types); on AVX-512, the rows
+//                  of an expert with kKquantTileMinPairs or more tokens are repacked once
+//                  and dotted on an integer tile instead (same bits: K-quants
+//                  gguf_kquant_tile_avx512.h, block-32 types gguf_block32_tile_avx512.h);
+//                  the float types are decoded once per job and
 //                  dotted with every token.
 //   intermediate:  zero past I, quantized for down's format.
 //   down:          jobs (expert, up to 256 hidden rows), same micro-kernels.
@@ -176,17 +177,19 @@ class GgufFormat {
 
  private:
   // Activation buffers of one format: levels, scales per 4, scaled sums per 16, bias per
-  // 4, int16 level sums (the direct Q4_K / Q6_K formats); nothing for fp32 (block 0).
-  static void carve_acts(ScratchLayout& carve, int block, int64_t rows, int64_t kp, size_t at[5]) {
+  // 4, int16 level sums (the direct Q4_K / Q6_K formats), the blocks' minimum sums (the
+  // block-32 quad format); nothing for fp32 (block 0).
+  static void carve_acts(ScratchLayout& carve, int block, int64_t rows, int64_t kp, size_t at[6]) {
     const int64_t n = block == 0 ? 0 : rows;
     at[0] = carve.add<int8_t>(n * kp);
     at[1] = carve.add<float>(n * kp / 4);
     at[2] = carve.add<float>(n * kp / 16);
     at[3] = carve.add<int32_t>(n * kp / 4);
     at[4] = carve.add<int16_t>(block == kGgufQ4kActs || block == kGgufQ6kActs ? n * kp / 16 : 0);
+    at[5] = carve.add<float>(block == kGgufQuad32Acts ? n * kp / 8 : 0);
   }
 
-  static GgufActs bind_acts(uint8_t* scratch, int block, int64_t kp, const size_t at[5]) {
+  static GgufActs bind_acts(uint8_t* scratch, int block, int64_t kp, const size_t at[6]) {
     GgufActs acts;
     acts.kp = kp;
     acts.block = block == kGgufQ4kActs || block == kGgufQ6kActs ? kGgufSuper : block == kGgufQuad32Acts ? 32 : block;
@@ -198,6 +201,7 @@ class GgufFormat {
     acts.scale = reinterpret_cast<float*>(scratch + at[1]);
     acts.sum16 = reinterpret_cast<float*>(scratch + at[2]);
     acts.bias4 = reinterpret_cast<int32_t*>(scratch + at[3]);
+    acts.block_min_sums = reinterpret_cast<float*>(scratch + at[5]);
     return acts;
   }
 
@@ -225,7 +229,7 @@ class GgufFormat {
   // Tile path: (expert, chunk within it) per B chunk; an expert's first chunk.
   std::vector<ExpertTile> chunks_;
   std::vector<int64_t> chunk_at_;
-  size_t gate_at_[5] = {}, up_at_[5] = {}, down_at_[5] = {};
+  size_t gate_at_[6] = {}, up_at_[6] = {}, down_at_[6] = {};
   size_t gate_f_at_ = 0, up_f_at_ = 0, b_up_at_ = 0, b_down_at_ = 0;
   float* gate_f_ = nullptr;
   float* up_f_ = nullptr;

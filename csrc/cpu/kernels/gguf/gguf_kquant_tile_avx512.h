@@ -36,7 +36,7 @@ namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int kKquantTileRows = 16;   // rows per repacked group (one register of outputs)
 constexpr int kKquantTileTokens = 4;  // tokens per pass over a repacked group (registers)
-// Tokens of one expert from which gguf_rows repacks its Q4_K / Q5_K rows (either path gives
+// Tokens of one expert from which gguf_rows repacks its rows (K-quants, block-32 types; either path gives
 // the same bits, so the choice may follow the call).
 constexpr int64_t kKquantTileMinPairs = 8;
 

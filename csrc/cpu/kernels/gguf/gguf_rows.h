@@ -2,8 +2,8 @@
 // format policy (gguf_format.h): a matrix view (GgufMatrix), the row job size of the
 // streaming paths, rows decoded once (gguf_decode.h) and dotted with every token of an
 // expert (gguf_dot.h), rows read in place (AVX-512: gguf_q4k_avx512.h,
-// gguf_q6k_avx512.h, gguf_q23k_avx512.h, gguf_block32_avx512.h; K-quants repacked for
-// experts with many tokens: gguf_kquant_tile_avx512.h; AVX2:
+// gguf_q6k_avx512.h, gguf_q23k_avx512.h, gguf_block32_avx512.h; repacked for experts
+// with many tokens: gguf_kquant_tile_avx512.h, gguf_block32_tile_avx512.h; AVX2:
 // gguf_block32_avx2.h, gguf_kquant_avx2.h), and rows decoded to bf16 for AMX tiles (gguf_amx.h). Include only from a variant translation unit, after its target pragma.
 #pragma once
 
@@ -20,6 +20,7 @@
 #include "gguf_act.h"
 #include "gguf_block32_avx2.h"
 #include "gguf_block32_avx512.h"
+#include "gguf_block32_tile_avx512.h"
 #include "gguf_decode.h"
 #include "gguf_dot.h"
 #include "gguf_kquant_avx2.h"
@@ -202,6 +203,8 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
   const int32_t* bias4[M];
   const int16_t* level_sums[M];
   const float* min_sums8[M];
+  const int32_t* block_bias[M];
+  const float* block_min[M];
   for (int j = 0; j < M; ++j) {
     const int64_t a = act_rows != nullptr ? act_rows[p0 + j] : p0 + j;
     q[j] = acts.q + a * m.kp;
@@ -209,6 +212,8 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     bias4[j] = acts.bias4 + a * (m.kp / 4);
     level_sums[j] = acts.level_sums + a * (m.kp / 16);
     min_sums8[j] = scale4[j] + m.kp / 8;  // quad order (gguf_act.h)
+    block_bias[j] = bias4[j] + m.kp / 8;
+    block_min[j] = acts.block_min_sums + a * (m.kp / 8);
   }
   if constexpr (Ops::kRegsPerLine != 1) {  // AVX2 / AVX-VNNI: the avx2_in_place types
     const int64_t units = m.kp / kGgufSuper;
@@ -255,17 +260,17 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
       case GgmlType::kQ3_K:
         return gguf_q23k_dot_rows4<Ops, GgmlType::kQ3_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
       case GgmlType::kQ8_0:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
       case GgmlType::kQ4_0:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
       case GgmlType::kQ4_1:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
       case GgmlType::kQ5_1:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_1, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_1, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
       case GgmlType::kMxfp4:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kMxfp4, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kMxfp4, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
       default:  // kQ5_0, the last in-place type
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, bias4, min_sums8, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
     }
   }
 }
@@ -367,8 +372,8 @@ template <class Ops>
 void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
   using V = typename Ops::Vec;
-  if constexpr (Ops::kRegsPerLine == 1) {  // AVX-512: K-quant experts with many tokens repack
-    if (m.direct && p1 - p0 >= kKquantTileMinPairs) {  // their rows (same bits as the in-place kernel)
+  if constexpr (Ops::kRegsPerLine == 1) {  // AVX-512: experts with many tokens repack their
+    if (m.direct && p1 - p0 >= kKquantTileMinPairs) {  // rows (same bits as the in-place kernels)
       if (m.type == GgmlType::kQ4_K)
         return kquant_tile_rows<Ops, KquantTile::kQ4k>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
       if (m.type == GgmlType::kQ5_K)
@@ -379,6 +384,15 @@ void gguf_rows(const GgufMatrix& m, int64_t expert, int64_t n0, int64_t n1, cons
         return kquant_tile_rows<Ops, KquantTile::kQ2k>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
       if (m.type == GgmlType::kQ3_K)
         return kquant_tile_rows<Ops, KquantTile::kQ3k>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+      switch (m.type) {  // the block-32 types (gguf_block32_tile_avx512.h)
+        case GgmlType::kQ8_0: return block32_tile_rows<Ops, GgmlType::kQ8_0>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+        case GgmlType::kQ4_0: return block32_tile_rows<Ops, GgmlType::kQ4_0>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+        case GgmlType::kQ4_1: return block32_tile_rows<Ops, GgmlType::kQ4_1>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+        case GgmlType::kQ5_0: return block32_tile_rows<Ops, GgmlType::kQ5_0>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+        case GgmlType::kQ5_1: return block32_tile_rows<Ops, GgmlType::kQ5_1>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+        case GgmlType::kMxfp4: return block32_tile_rows<Ops, GgmlType::kMxfp4>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);
+        default: break;
+      }
     }
   }
   if (m.direct) return gguf_direct_rows<Ops>(m, expert, n0, n1, acts, act_rows, p0, p1, out, ldo);

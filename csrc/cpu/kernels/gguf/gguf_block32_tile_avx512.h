@@ -1,0 +1,252 @@
+// [NOTE] Block-32 prefill on AVX-512 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4): an integer tile
+// GEMM over rows repacked once per call, the K-quant tile's scheme
+// (gguf_kquant_tile_avx512.h) for the 32-weight blocks. Each group of 16 rows becomes, per
+// block, 8 lines of [16 rows][4 k] level bytes (unsigned, as the in-place kernel extracts
+// them: gguf_block32_avx512.h's block32_levels4) and the rows' d (and m) as fp32. Per token
+// and block, 8 vpdpbusd give the 16 rows' exact int32 sums; the levels' offset comes off in
+// integers from the activation block's level sum; then one conversion and one fma per
+// (16 rows, token, block), into the accumulator of the block's lane b % 4. The integers and
+// the float operations are the in-place kernel's:
+//   acc_{b%4} = fma(float(S_b), d_b * da_b, acc_{b%4}),  accm_{b%4} = fma(m_b, da_b * levelsum_b, accm_{b%4}),
+//   result (acc0 + acc2) + (acc1 + acc3) (+ the same of accm),
+// so a token's result has the same bits on either path (gguf_rows picks by the expert's
+// token count; batch invariance holds). Bounds: |S_b| <= 32 * 255 * 127 < 2^31.
+// Include only from a variant translation unit, after its target pragma.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../../formats/gguf_types.h"
+#include "gguf_act.h"
+#include "gguf_block32_avx512.h"
+#include "gguf_decode.h"
+#include "gguf_kquant_tile_avx512.h"
+
+namespace kt::cpu {
+namespace {  // ISA header: each variant translation unit owns its copy
+
+// One block (32 k) of a group of 16 rows, repacked (640 bytes).
+struct alignas(64) Block32TileBlock {
+  uint8_t levels[8][64];  // line l: weights 4 l .. 4 l + 3 of row r at bytes 4 r .. 4 r + 3
+  float d[16], m[16];     // per row; m: Q4_1 / Q5_1
+};
+
+// Four rows' values of 4 blocks, v[q] lane 4 r' + L = row 4 q + r', block L -> per block L
+// a register of the 16 rows (lane r).
+inline void block32_tile_scales(const __m512 (&v)[4], float (*out)[16], int blocks) {
+  for (int blk = 0; blk < blocks; ++blk) {
+    const __m512i at = _mm512_setr_epi32(blk, 4 + blk, 8 + blk, 12 + blk, 16 + blk, 20 + blk, 24 + blk, 28 + blk,  //
+                                         0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512 low = _mm512_permutex2var_ps(v[0], at, v[1]), high = _mm512_permutex2var_ps(v[2], at, v[3]);
+    _mm512_store_ps(out[blk], _mm512_insertf32x8(low, _mm512_castps512_ps256(high), 1));
+  }
+}
+
+// 16 rows (pointers to their first block; a group's rows past the matrix repeat its last
+// row) -> `blocks` repacked blocks. Per step of 4 blocks each row's levels are extracted
+// as the in-place kernel does (two registers, block L in 128-bit lane L), then the 16
+// rows' registers go through a 16 x 16 int32 transpose: register 4 L + w holds word w of
+// block L of every row, i.e. line w (lo) or 4 + w (hi) of the block.
+template <GgmlType kType>
+void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32TileBlock* out) {
+  constexpr int kBytes = kBlock32Bytes<kType>, kStep = 4 * kBytes;
+  constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
+  alignas(64) uint8_t tail[kStep];
+  for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
+    const int n = static_cast<int>(std::min<int64_t>(4, blocks - b0));
+    if (b0 + 4 < blocks)  // the next step of every row to L1 (the span's stream brought it to L2)
+      for (int r = 0; r < kKquantTileRows; ++r)
+        for (int line = 0; line < kStep + 63; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kBytes * (b0 + 4) + std::min(line, kStep - 1)), _MM_HINT_T0);
+    __m512i lo[16], hi[16];
+    alignas(64) float d[16][4], m[16][4];  // row r, block L
+    for (int r = 0; r < kKquantTileRows; ++r) {
+      const uint8_t* b = rows[r] + kBytes * b0;
+      if (n < 4) {
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail, b, kBytes * n);
+        b = tail;
+      }
+      block32_levels4<kType>(b, &lo[r], &hi[r]);
+      if constexpr (kType == GgmlType::kMxfp4) {
+        _mm_store_ps(d[r], mxfp4_half_scales4(b, kBytes));
+      } else if constexpr (kMin) {  // (d, m) pairs -> d of blocks 0-3, then m
+        const __m256 dm = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(block_scale_halves4<kBytes, true>(b)),
+                                                   _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+        _mm_store_ps(d[r], _mm256_castps256_ps128(dm));
+        _mm_store_ps(m[r], _mm256_extractf128_ps(dm, 1));
+      } else {
+        _mm_store_ps(d[r], _mm_cvtph_ps(block_scale_halves4<kBytes, false>(b)));
+      }
+    }
+    transpose16x16_epi32(lo);
+    transpose16x16_epi32(hi);
+    float scales[4][16];
+    const __m512 dv[4] = {_mm512_load_ps(d[0]), _mm512_load_ps(d[4]), _mm512_load_ps(d[8]), _mm512_load_ps(d[12])};
+    block32_tile_scales(dv, scales, n);
+    for (int blk = 0; blk < n; ++blk) {
+      Block32TileBlock& t = out[b0 + blk];
+      for (int w = 0; w < 4; ++w) {
+        _mm512_store_si512(t.levels[w], lo[4 * blk + w]);
+        _mm512_store_si512(t.levels[4 + w], hi[4 * blk + w]);
+      }
+      std::memcpy(t.d, scales[blk], sizeof(t.d));
+    }
+    if constexpr (kMin) {
+      const __m512 mv[4] = {_mm512_load_ps(m[0]), _mm512_load_ps(m[4]), _mm512_load_ps(m[8]), _mm512_load_ps(m[12])};
+      block32_tile_scales(mv, scales, n);
+      for (int blk = 0; blk < n; ++blk) std::memcpy(out[b0 + blk].m, scales[blk], sizeof(out[b0 + blk].m));
+    }
+  }
+}
+
+// G repacked groups (group g's blocks at w + g * blocks; rows r < rows[g]) dotted with T
+// activation rows: out[j] + 16 g + r = dot(row r of group g, activation row j); aq[j],
+// scale8[j], block_bias[j], block_min[j] as the in-place kernel's (quad order). Per 4-k
+// line, G weight loads and T broadcasts feed G * T vpdpbusd; the fp32 accumulators (4 block
+// lanes x G x T registers) live in L1.
+template <class Ops, GgmlType kType, int G, int T>
+void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* const* aq, const float* const* scale8,
+                       const int32_t* const* block_bias, const float* const* block_min, float* const* out,
+                       const int* rows, const char* stream, int64_t stream_lines) {
+  constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
+  // `stream_lines` lines from `stream` to L2, spread over the blocks.
+  const int64_t per_step = (stream_lines + blocks - 1) / blocks;
+  int64_t streamed = 0;
+  alignas(64) float acc[4][G][T][16], accm[kMin ? 4 : 1][G][T][16];
+  for (int l = 0; l < 4; ++l)
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < T; ++j) {
+        _mm512_store_ps(acc[l][g][j], _mm512_setzero_ps());
+        if constexpr (kMin) _mm512_store_ps(accm[l][g][j], _mm512_setzero_ps());
+      }
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (const int64_t end = std::min(stream_lines, streamed + per_step); streamed < end; ++streamed)
+      _mm_prefetch(stream + streamed * 64, _MM_HINT_T1);
+    const int64_t at = 128 * (b / 4) + 16 * (b % 4);  // the block's values 0-15 (quad order); 16-31 at + 64
+    __m512i v[G][T], v_hi[G][T];  // lines 0-3 and 4-7: two chains of 4 dependent dot products
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < T; ++j) v[g][j] = v_hi[g][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int line = 0; line < 8; ++line) {
+      __m512i a[T];
+      for (int j = 0; j < T; ++j) {
+        int32_t word;
+        std::memcpy(&word, aq[j] + at + (line < 4 ? 4 * line : 64 + 4 * (line - 4)), 4);
+        a[j] = _mm512_set1_epi32(word);
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512i levels = _mm512_load_si512(w[g * blocks + b].levels[line]);
+        for (int j = 0; j < T; ++j) {
+          __m512i& sum = line < 4 ? v[g][j] : v_hi[g][j];
+          sum = kType == GgmlType::kQ8_0 ? Ops::dot_int8(sum, levels, a[j]) : Ops::dot(sum, levels, a[j]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < T; ++j) v[g][j] = _mm512_add_epi32(v[g][j], v_hi[g][j]);
+    const int lane = static_cast<int>(b % 4);
+    for (int j = 0; j < T; ++j) {
+      const __m512 da = _mm512_set1_ps(scale8[j][4 * b]);
+      const __m512i offset = block32_offset<Ops, kType>(_mm512_set1_epi32(block_bias[j][4 * b]));
+      for (int g = 0; g < G; ++g) {
+        const Block32TileBlock& t = w[g * blocks + b];
+        const __m512i s = kBlock32Offset<kType> ? _mm512_add_epi32(v[g][j], offset) : v[g][j];
+        _mm512_store_ps(acc[lane][g][j], _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_load_ps(t.d), da),
+                                                         _mm512_load_ps(acc[lane][g][j])));
+        if constexpr (kMin)
+          _mm512_store_ps(accm[lane][g][j], _mm512_fmadd_ps(_mm512_load_ps(t.m), _mm512_set1_ps(block_min[j][4 * b]),
+                                                            _mm512_load_ps(accm[lane][g][j])));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << rows[g]) - 1);
+    for (int j = 0; j < T; ++j) {
+      const auto lanes = [&](float (*a)[G][T][16]) {
+        return _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(a[0][g][j]), _mm512_load_ps(a[2][g][j])),
+                             _mm512_add_ps(_mm512_load_ps(a[1][g][j]), _mm512_load_ps(a[3][g][j])));
+      };
+      __m512 result = lanes(acc);
+      if constexpr (kMin) result = _mm512_add_ps(result, lanes(accm));
+      _mm512_mask_storeu_ps(out[j] + 16 * g, valid, result);
+    }
+  }
+}
+
+template <class Ops, GgmlType kType, int G>
+void block32_tile_pass(int count, const Block32TileBlock* w, int64_t blocks, const int8_t* const* aq,
+                       const float* const* scale8, const int32_t* const* block_bias, const float* const* block_min,
+                       float* const* out, const int* rows, const char* stream, int64_t stream_lines) {
+  static_assert(kKquantTileTokens == 4);
+  switch (count) {
+    case 4: return block32_tile_gemm<Ops, kType, G, 4>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
+    case 3: return block32_tile_gemm<Ops, kType, G, 3>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
+    case 2: return block32_tile_gemm<Ops, kType, G, 2>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
+    default: return block32_tile_gemm<Ops, kType, G, 1>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
+  }
+}
+
+// out[p * ldo + n] = dot(row n of `expert`, activation row act_row(p)) for rows [n0, n1)
+// and pairs [p0, p1) of a block-32 matrix (activations in kGgufQuad32Acts' format):
+// kKquantTileGroups groups of 16 rows repacked at a time, then dotted with the pairs
+// kKquantTileTokens at a time.
+template <class Ops, GgmlType kType, class Matrix>
+void block32_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
+                       const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  constexpr int64_t kSpan = kKquantTileGroups * kKquantTileRows;
+  const int64_t blocks = m.k / 32;
+  thread_local std::vector<Block32TileBlock> packed;
+  packed.resize(static_cast<size_t>(kKquantTileGroups * blocks));
+  for (int64_t r0 = n0; r0 < n1; r0 += kSpan) {
+    const int64_t span = std::min(kSpan, n1 - r0);
+    const int groups = static_cast<int>((span + kKquantTileRows - 1) / kKquantTileRows);
+    int rows[kKquantTileGroups];
+    for (int g = 0; g < groups; ++g) {
+      const int64_t first = r0 + g * kKquantTileRows;
+      rows[g] = static_cast<int>(std::min<int64_t>(kKquantTileRows, n1 - first));
+      const uint8_t* row_at[kKquantTileRows];
+      for (int r = 0; r < kKquantTileRows; ++r) row_at[r] = m.row(expert, std::min(first + r, n1 - 1));
+      block32_tile_repack<kType>(row_at, blocks, packed.data() + g * blocks);
+    }
+    // The next span's rows (contiguous bytes) to L2, a share per token pass.
+    const int64_t next_rows = std::min(kSpan, n1 - (r0 + kSpan));
+    const char* next = next_rows > 0 ? reinterpret_cast<const char*>(m.row(expert, r0 + kSpan)) : nullptr;
+    const int64_t next_lines = next_rows > 0 ? (next_rows * static_cast<int64_t>(m.row_bytes) + 63) / 64 : 0;
+    const int64_t passes = (p1 - p0 + kKquantTileTokens - 1) / kKquantTileTokens;
+    const int64_t lines_per_pass = (next_lines + passes - 1) / passes;
+    for (int64_t p = p0, line = 0; p < p1; p += kKquantTileTokens, line += lines_per_pass) {
+      const int64_t stream_lines = std::max<int64_t>(0, std::min(lines_per_pass, next_lines - line));
+      const int count = static_cast<int>(std::min<int64_t>(kKquantTileTokens, p1 - p));
+      const int8_t* aq[kKquantTileTokens];
+      const float* scale8[kKquantTileTokens];
+      const int32_t* block_bias[kKquantTileTokens];
+      const float* block_min[kKquantTileTokens];
+      float* outs[kKquantTileTokens];
+      for (int j = 0; j < count; ++j) {
+        const int64_t a = act_rows != nullptr ? act_rows[p + j] : p + j;
+        aq[j] = acts.q + a * m.kp;
+        scale8[j] = acts.scale + a * (m.kp / 4);
+        block_bias[j] = acts.bias4 + a * (m.kp / 4) + m.kp / 8;
+        block_min[j] = acts.block_min_sums + a * (m.kp / 8);
+        outs[j] = out + (p + j) * ldo + r0;
+      }
+      const char* stream = next != nullptr ? next + line * 64 : nullptr;
+      static_assert(kKquantTileGroups == 2);
+      if (groups == 2)
+        block32_tile_pass<Ops, kType, 2>(count, packed.data(), blocks, aq, scale8, block_bias, block_min, outs, rows,
+                                         stream, stream_lines);
+      else
+        block32_tile_pass<Ops, kType, 1>(count, packed.data(), blocks, aq, scale8, block_bias, block_min, outs, rows,
+                                         stream, stream_lines);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kt::cpu
