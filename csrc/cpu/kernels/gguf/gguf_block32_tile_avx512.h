@@ -129,9 +129,16 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
     for (const int64_t end = std::min(stream_lines, streamed + per_step); streamed < end; ++streamed)
       _mm_prefetch(stream + streamed * 64, _MM_HINT_T1);
     const int64_t at = 128 * (b / 4) + 16 * (b % 4);  // the block's values 0-15 (quad order); 16-31 at + 64
-    __m512i v[G][T], v_hi[G][T];  // lines 0-3 and 4-7: two chains of 4 dependent dot products
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < T; ++j) v[g][j] = v_hi[g][j] = _mm512_setzero_si512();
+    // Lines 0-3 and 4-7: two chains of 4 dependent dot products, the second starting at the
+    // levels' offset times the activation block's level sum (taken off in integers).
+    __m512i v[G][T], v_hi[G][T];
+    for (int j = 0; j < T; ++j) {
+      const __m512i offset = block32_offset<Ops, kType>(_mm512_set1_epi32(block_bias[j][4 * b]));
+      for (int g = 0; g < G; ++g) {
+        v[g][j] = _mm512_setzero_si512();
+        v_hi[g][j] = offset;
+      }
+    }
 #pragma GCC unroll 8
     for (int line = 0; line < 8; ++line) {
       __m512i a[T];
@@ -153,11 +160,9 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
     const int lane = static_cast<int>(b % 4);
     for (int j = 0; j < T; ++j) {
       const __m512 da = _mm512_set1_ps(scale8[j][4 * b]);
-      const __m512i offset = block32_offset<Ops, kType>(_mm512_set1_epi32(block_bias[j][4 * b]));
       for (int g = 0; g < G; ++g) {
         const Block32TileBlock& t = w[g * blocks + b];
-        const __m512i s = kBlock32Offset<kType> ? _mm512_add_epi32(v[g][j], offset) : v[g][j];
-        _mm512_store_ps(acc[lane][g][j], _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_load_ps(t.d), da),
+        _mm512_store_ps(acc[lane][g][j], _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[g][j]), _mm512_mul_ps(_mm512_load_ps(t.d), da),
                                                          _mm512_load_ps(acc[lane][g][j])));
         if constexpr (kMin)
           _mm512_store_ps(accm[lane][g][j], _mm512_fmadd_ps(_mm512_load_ps(t.m), _mm512_set1_ps(block_min[j][4 * b]),
