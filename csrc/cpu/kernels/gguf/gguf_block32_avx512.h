@@ -125,7 +125,7 @@ constexpr bool kBlock32Offset = kType == GgmlType::kQ8_0 || kType == GgmlType::k
 // The result of a (row, activation row) pair from its four block-lane accumulators
 // (blocks b with b % 4 = 0, 1, 2, 3): (a0 + a2) + (a1 + a3), the tile kernel's order.
 inline __m128 block32_lanes_sum(__m512 acc) {
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+  const __m256 h = _mm256_add_ps(_mm512_extractf32x8_ps(acc, 0), _mm512_extractf32x8_ps(acc, 1));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
