@@ -30,6 +30,13 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
+// Tokens per pass over two repacked groups: 12 accumulators, each a chain of 8 dependent
+// vpdpbusd (enough chains to hide their latency). Passes of 4 tokens needed the chains
+// split in two (one chain of 8: S1 Q8_0 512 tokens 59 ms, two of 4: 55) and still took
+// 1.02-1.06x the time of these at 512 tokens (paired A/B, Zen 5, 2026-11-27); 6 tokens with
+// split chains (24 accumulators) 1.00-1.03x.
+constexpr int kBlock32TileTokens = 6;
+
 // One block (32 k) of a group of 16 rows, repacked (640 bytes).
 struct alignas(64) Block32TileBlock {
   uint8_t levels[8][64];  // line l: weights 4 l .. 4 l + 3 of row r at bytes 4 r .. 4 r + 3
@@ -129,14 +136,15 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
     for (const int64_t end = std::min(stream_lines, streamed + per_step); streamed < end; ++streamed)
       _mm_prefetch(stream + streamed * 64, _MM_HINT_T1);
     const int64_t at = 128 * (b / 4) + 16 * (b % 4);  // the block's values 0-15 (quad order); 16-31 at + 64
-    // Lines 0-3 and 4-7: two chains of 4 dependent dot products, the second starting at the
-    // levels' offset times the activation block's level sum (taken off in integers).
+    // The chain starts at the levels' offset times the activation block's level sum (taken
+    // off in integers); with 8 or fewer accumulators, lines 0-3 and 4-7 run as two chains.
+    constexpr bool kSplit = G * T <= 8;
     __m512i v[G][T], v_hi[G][T];
     for (int j = 0; j < T; ++j) {
       const __m512i offset = block32_offset<Ops, kType>(_mm512_set1_epi32(block_bias[j][4 * b]));
       for (int g = 0; g < G; ++g) {
-        v[g][j] = _mm512_setzero_si512();
-        v_hi[g][j] = offset;
+        v[g][j] = kSplit ? _mm512_setzero_si512() : offset;
+        if constexpr (kSplit) v_hi[g][j] = offset;
       }
     }
 #pragma GCC unroll 8
@@ -150,13 +158,14 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
       for (int g = 0; g < G; ++g) {
         const __m512i levels = _mm512_load_si512(w[g * blocks + b].levels[line]);
         for (int j = 0; j < T; ++j) {
-          __m512i& sum = line < 4 ? v[g][j] : v_hi[g][j];
+          __m512i& sum = kSplit && line >= 4 ? v_hi[g][j] : v[g][j];
           sum = kType == GgmlType::kQ8_0 ? Ops::dot_int8(sum, levels, a[j]) : Ops::dot(sum, levels, a[j]);
         }
       }
     }
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < T; ++j) v[g][j] = _mm512_add_epi32(v[g][j], v_hi[g][j]);
+    if constexpr (kSplit)
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < T; ++j) v[g][j] = _mm512_add_epi32(v[g][j], v_hi[g][j]);
     const int lane = static_cast<int>(b % 4);
     for (int j = 0; j < T; ++j) {
       const __m512 da = _mm512_set1_ps(scale8[j][4 * b]);
@@ -188,8 +197,10 @@ template <class Ops, GgmlType kType, int G>
 void block32_tile_pass(int count, const Block32TileBlock* w, int64_t blocks, const int8_t* const* aq,
                        const float* const* scale8, const int32_t* const* block_bias, const float* const* block_min,
                        float* const* out, const int* rows, const char* stream, int64_t stream_lines) {
-  static_assert(kKquantTileTokens == 4);
+  static_assert(kBlock32TileTokens == 6);
   switch (count) {
+    case 6: return block32_tile_gemm<Ops, kType, G, 6>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
+    case 5: return block32_tile_gemm<Ops, kType, G, 5>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
     case 4: return block32_tile_gemm<Ops, kType, G, 4>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
     case 3: return block32_tile_gemm<Ops, kType, G, 3>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
     case 2: return block32_tile_gemm<Ops, kType, G, 2>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
@@ -200,7 +211,7 @@ void block32_tile_pass(int count, const Block32TileBlock* w, int64_t blocks, con
 // out[p * ldo + n] = dot(row n of `expert`, activation row act_row(p)) for rows [n0, n1)
 // and pairs [p0, p1) of a block-32 matrix (activations in kGgufQuad32Acts' format):
 // kKquantTileGroups groups of 16 rows repacked at a time, then dotted with the pairs
-// kKquantTileTokens at a time.
+// kBlock32TileTokens at a time.
 template <class Ops, GgmlType kType, class Matrix>
 void block32_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                        const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
@@ -223,16 +234,16 @@ void block32_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, 
     const int64_t next_rows = std::min(kSpan, n1 - (r0 + kSpan));
     const char* next = next_rows > 0 ? reinterpret_cast<const char*>(m.row(expert, r0 + kSpan)) : nullptr;
     const int64_t next_lines = next_rows > 0 ? (next_rows * static_cast<int64_t>(m.row_bytes) + 63) / 64 : 0;
-    const int64_t passes = (p1 - p0 + kKquantTileTokens - 1) / kKquantTileTokens;
+    const int64_t passes = (p1 - p0 + kBlock32TileTokens - 1) / kBlock32TileTokens;
     const int64_t lines_per_pass = (next_lines + passes - 1) / passes;
-    for (int64_t p = p0, line = 0; p < p1; p += kKquantTileTokens, line += lines_per_pass) {
+    for (int64_t p = p0, line = 0; p < p1; p += kBlock32TileTokens, line += lines_per_pass) {
       const int64_t stream_lines = std::max<int64_t>(0, std::min(lines_per_pass, next_lines - line));
-      const int count = static_cast<int>(std::min<int64_t>(kKquantTileTokens, p1 - p));
-      const int8_t* aq[kKquantTileTokens];
-      const float* scale8[kKquantTileTokens];
-      const int32_t* block_bias[kKquantTileTokens];
-      const float* block_min[kKquantTileTokens];
-      float* outs[kKquantTileTokens];
+      const int count = static_cast<int>(std::min<int64_t>(kBlock32TileTokens, p1 - p));
+      const int8_t* aq[kBlock32TileTokens];
+      const float* scale8[kBlock32TileTokens];
+      const int32_t* block_bias[kBlock32TileTokens];
+      const float* block_min[kBlock32TileTokens];
+      float* outs[kBlock32TileTokens];
       for (int j = 0; j < count; ++j) {
         const int64_t a = act_rows != nullptr ? act_rows[p + j] : p + j;
         aq[j] = acts.q + a * m.kp;
