@@ -93,7 +93,7 @@ void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32Tile
     }
     transpose16x16_epi32(lo);
     transpose16x16_epi32(hi);
-    float scales[4][16];
+    alignas(64) float scales[4][16];  // block32_tile_scales stores whole registers
     const __m512 dv[4] = {_mm512_load_ps(d[0]), _mm512_load_ps(d[4]), _mm512_load_ps(d[8]), _mm512_load_ps(d[12])};
     block32_tile_scales(dv, scales, n);
     for (int blk = 0; blk < n; ++blk) {
