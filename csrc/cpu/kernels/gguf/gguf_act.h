@@ -44,8 +44,9 @@ struct GgufActs {
   // row's kp / 4 entries), and scale[kp / 8 + lane] the block's scale times that level
   // sum (Q4_1's and Q5_1's minimums multiply it). Per block b, each value 4 times (int32
   // lanes 4 b .. 4 b + 3, kp / 8 per row): bias4[kp / 8 + 4 b + l] -128 * the block's level
-  // sum, and block_min_sums[4 b + l] the block's scale times that sum (the AVX-512
-  // kernels, gguf_block32_avx512.h and gguf_block32_tile_avx512.h, add whole blocks).
+  // sum (the prefill tile, gguf_block32_tile_avx512.h), and block_min_sums[4 b + l] the
+  // block's scale times that sum (Q4_1's and Q5_1's minimums in both AVX-512 kernels,
+  // which add whole blocks).
   bool quad32 = false;
   float* block_min_sums = nullptr;  // quad32: [rows, kp / 8]
   int16_t* level_sums = nullptr;

@@ -108,9 +108,10 @@ inline __attribute__((always_inline)) void block32_levels4(const uint8_t* b, __m
   }
 }
 
-// The start of a block's exact integer sum, from the activation block's -128 * level sum:
-// the levels' offset (Q8_0 on vpdpbusd: 128, Q4_0: 8, Q5_0 and MXFP4: 16) times the level
-// sum, cancelled in integers; 0 for Q4_1, Q5_1 and Q8_0 without VNNI (sign trick, no offset).
+// The start of an exact integer sum, from -128 * the activation's level sum (of a lane's 8
+// values in place, of a block on the tile): the levels' offset (Q8_0 on vpdpbusd: 128,
+// Q4_0: 8, Q5_0 and MXFP4: 16) times the level sum, cancelled in integers; 0 for Q4_1,
+// Q5_1 and Q8_0 without VNNI (sign trick, no offset).
 template <class Ops, GgmlType kType>
 inline __m512i block32_offset(__m512i bias) {
   if constexpr (kType == GgmlType::kQ4_0) return _mm512_srai_epi32(bias, 4);
@@ -118,9 +119,6 @@ inline __m512i block32_offset(__m512i bias) {
   if constexpr (kType == GgmlType::kQ8_0 && Ops::kInt8Bias != 0) return bias;
   return _mm512_setzero_si512();
 }
-template <GgmlType kType>
-constexpr bool kBlock32Offset = kType == GgmlType::kQ8_0 || kType == GgmlType::kQ4_0 || kType == GgmlType::kQ5_0 ||
-                                kType == GgmlType::kMxfp4;
 
 // The result of a (row, activation row) pair from its four block-lane accumulators
 // (blocks b with b % 4 = 0, 1, 2, 3): (a0 + a2) + (a1 + a3), the tile kernel's order.
@@ -132,7 +130,8 @@ inline __m128 block32_lanes_sum(__m512 acc) {
 // out[4 * j + i] = dot(row i of kType (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4), activation row j)
 // for i < 4, j < M over a row of k values, each step (4 blocks) of the 4 rows extracted once
 // and dotted with the M activation rows. Row j in quad order (gguf_act.h): aq[j] levels
-// [kp], scale8[j] the blocks' scales, block_bias[j] -128 * the blocks' level sums and
+// [kp], scale8[j] the blocks' scales, bias8[j] -128 * the level sum of each int32 lane's 8
+// values (the dot products start at the levels' offset times it) and
 // block_min[j] the scales times those sums (Q4_1's and Q5_1's minimums), 4 lanes per block.
 // The arithmetic (gguf_block32_tile_avx512.h computes the same): per (row, activation row)
 // and block b, the exact int32 S_b = sum q a (levels' offset removed), then in fp32, in
@@ -145,7 +144,7 @@ inline __m128 block32_lanes_sum(__m512 acc) {
 // request the rows' bytes kGgufPrefetchBytes ahead (the first pass over a row group).
 template <class Ops, GgmlType kType, int M>
 void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t* const* aq,
-                            const float* const* scale8, const int32_t* const* block_bias,
+                            const float* const* scale8, const int32_t* const* bias8,
                             const float* const* block_min, bool prefetch, float* out) {
   constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;  // d * q + m, q >= 0
   constexpr int kBytes = kBlock32Bytes<kType>, kStep = 4 * kBytes;
@@ -165,11 +164,14 @@ void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t*
       std::memset(tail, 0, sizeof(tail));
       for (int i = 0; i < 4; ++i) std::memcpy(tail[i], rows[i] + kBytes * b0, kBytes * n);
     }
-    __m512i a_lo[M], a_hi[M];
+    __m512i a_lo[M], a_hi[M], start[M];
 #pragma GCC unroll 4
     for (int j = 0; j < M; ++j) {
       a_lo[j] = _mm512_loadu_si512(aq[j] + 32 * b0);
       a_hi[j] = _mm512_loadu_si512(aq[j] + 32 * b0 + 64);
+      // Each row's lanes start at the offset's share of their 8 values: summed over a
+      // block's 4 lanes, the offset times the block's level sum (exact integers).
+      start[j] = block32_offset<Ops, kType>(_mm512_loadu_si512(bias8[j] + 4 * b0));
     }
     __m512i pairs[M], sums[M];  // rows 0-1, then 2-3, added across rows per 128-bit lane
     __m512i first[M];
@@ -191,9 +193,8 @@ void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t*
       block32_levels4<kType>(b, &lo, &hi);
 #pragma GCC unroll 4
       for (int j = 0; j < M; ++j) {
-        const __m512i zero = _mm512_setzero_si512();
-        const __m512i p = kType == GgmlType::kQ8_0 ? Ops::dot_int8(Ops::dot_int8(zero, lo, a_lo[j]), hi, a_hi[j])
-                                                   : Ops::dot(Ops::dot(zero, lo, a_lo[j]), hi, a_hi[j]);
+        const __m512i p = kType == GgmlType::kQ8_0 ? Ops::dot_int8(Ops::dot_int8(start[j], lo, a_lo[j]), hi, a_hi[j])
+                                                   : Ops::dot(Ops::dot(start[j], lo, a_lo[j]), hi, a_hi[j]);
         if (i % 2 == 0) {
           first[j] = p;
         } else {  // per 128-bit lane: [row i - 1: 2 sums | row i: 2 sums] (gguf_lane_sums4)
@@ -222,9 +223,7 @@ void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t*
     }
 #pragma GCC unroll 4
     for (int j = 0; j < M; ++j) {
-      __m512i s = sums[j];
-      if constexpr (kBlock32Offset<kType>)
-        s = _mm512_add_epi32(s, block32_offset<Ops, kType>(_mm512_loadu_si512(block_bias[j] + 4 * b0)));
+      const __m512i s = sums[j];
       const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(scale8[j] + 4 * b0));
       acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[j]);
       if constexpr (kMin) accm[j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(block_min[j] + 4 * b0), accm[j]);

@@ -203,7 +203,6 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
   const int32_t* bias4[M];
   const int16_t* level_sums[M];
   const float* min_sums8[M];
-  const int32_t* block_bias[M];
   const float* block_min[M];
   for (int j = 0; j < M; ++j) {
     const int64_t a = act_rows != nullptr ? act_rows[p0 + j] : p0 + j;
@@ -212,7 +211,6 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     bias4[j] = acts.bias4 + a * (m.kp / 4);
     level_sums[j] = acts.level_sums + a * (m.kp / 16);
     min_sums8[j] = scale4[j] + m.kp / 8;  // quad order (gguf_act.h)
-    block_bias[j] = bias4[j] + m.kp / 8;
     block_min[j] = acts.block_min_sums + a * (m.kp / 8);
   }
   if constexpr (Ops::kRegsPerLine != 1) {  // AVX2 / AVX-VNNI: the avx2_in_place types
@@ -260,17 +258,17 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
       case GgmlType::kQ3_K:
         return gguf_q23k_dot_rows4<Ops, GgmlType::kQ3_K, M>(rows, q, scale4, level_sums, units, prefetch, out);
       case GgmlType::kQ8_0:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ8_0, M>(rows, m.k, q, scale4, bias4, block_min, prefetch, out);
       case GgmlType::kQ4_0:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_0, M>(rows, m.k, q, scale4, bias4, block_min, prefetch, out);
       case GgmlType::kQ4_1:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ4_1, M>(rows, m.k, q, scale4, bias4, block_min, prefetch, out);
       case GgmlType::kQ5_1:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_1, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_1, M>(rows, m.k, q, scale4, bias4, block_min, prefetch, out);
       case GgmlType::kMxfp4:
-        return gguf_block32_dot_rows4<Ops, GgmlType::kMxfp4, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kMxfp4, M>(rows, m.k, q, scale4, bias4, block_min, prefetch, out);
       default:  // kQ5_0, the last in-place type
-        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, block_bias, block_min, prefetch, out);
+        return gguf_block32_dot_rows4<Ops, GgmlType::kQ5_0, M>(rows, m.k, q, scale4, bias4, block_min, prefetch, out);
     }
   }
 }
