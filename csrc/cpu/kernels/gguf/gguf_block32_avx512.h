@@ -131,16 +131,15 @@ inline __m128 block32_lanes_sum(__m512 acc) {
 // for i < 4, j < M over a row of k values, each step (4 blocks) of the 4 rows extracted once
 // and dotted with the M activation rows. Row j in quad order (gguf_act.h): aq[j] levels
 // [kp], scale8[j] the blocks' scales, bias8[j] -128 * the level sum of each int32 lane's 8
-// values (the dot products start at the levels' offset times it) and
-// block_min[j] the scales times those sums (Q4_1's and Q5_1's minimums), 4 lanes per block.
+// values (the dot products start at the levels' offset times it), and block_min[j] each
+// block's scale times its level sum, 4 lanes per block (Q4_1's and Q5_1's minimums).
 // The arithmetic (gguf_block32_tile_avx512.h computes the same): per (row, activation row)
 // and block b, the exact int32 S_b = sum q a (levels' offset removed), then in fp32, in
 // block order within each of 4 accumulators (block b in accumulator b % 4),
 //   acc = fma(float(S_b), d_b * da_b, acc),  accm = fma(m_b, da_b * levelsum_b, accm)  (Q4_1, Q5_1),
 // and the result (acc0 + acc2) + (acc1 + acc3) (+ the same of accm). The four rows' int32
 // lanes of a step are added across rows (gguf_lane_sums4: lane 4 L + i = row i's block L),
-// so the float operations run on one register per activation row and step, as the old
-// per-row lanes did. A result depends on its row and activation row only. prefetch:
+// so the float operations run on one register per activation row and step. A result depends on its row and activation row only. prefetch:
 // request the rows' bytes kGgufPrefetchBytes ahead (the first pass over a row group).
 template <class Ops, GgmlType kType, int M>
 void gguf_block32_dot_rows4(const uint8_t* const* rows, int64_t k, const int8_t* const* aq,
