@@ -235,53 +235,33 @@ void block32_tile_pass(int count, const Block32TileBlock* w, int64_t blocks, con
 template <class Ops, GgmlType kType, class Matrix>
 void block32_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
                        const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
-  constexpr int64_t kSpan = kKquantTileGroups * kKquantTileRows;
   const int64_t blocks = m.k / 32;
   thread_local std::vector<Block32TileBlock> packed;
   packed.resize(static_cast<size_t>(kKquantTileGroups * blocks));
-  for (int64_t r0 = n0; r0 < n1; r0 += kSpan) {
-    const int64_t span = std::min(kSpan, n1 - r0);
-    const int groups = static_cast<int>((span + kKquantTileRows - 1) / kKquantTileRows);
-    int rows[kKquantTileGroups];
-    for (int g = 0; g < groups; ++g) {
-      const int64_t first = r0 + g * kKquantTileRows;
-      rows[g] = static_cast<int>(std::min<int64_t>(kKquantTileRows, n1 - first));
-      const uint8_t* row_at[kKquantTileRows];
-      for (int r = 0; r < kKquantTileRows; ++r) row_at[r] = m.row(expert, std::min(first + r, n1 - 1));
-      block32_tile_repack<kType>(row_at, blocks, packed.data() + g * blocks);
+  const auto repack = [&](int g, const uint8_t* const* row_at) {
+    block32_tile_repack<kType>(row_at, blocks, packed.data() + g * blocks);
+  };
+  const auto pass = [&](int groups, int count, const int64_t* a, float* const* outs, const int* rows,
+                        const char* stream, int64_t stream_lines) {
+    const int8_t* aq[kBlock32TileTokens];
+    const float* scale8[kBlock32TileTokens];
+    const int32_t* block_bias[kBlock32TileTokens];
+    const float* block_min[kBlock32TileTokens];
+    for (int j = 0; j < count; ++j) {
+      aq[j] = acts.q + a[j] * m.kp;
+      scale8[j] = acts.scale + a[j] * (m.kp / 4);
+      block_bias[j] = acts.bias4 + a[j] * (m.kp / 4) + m.kp / 8;
+      block_min[j] = acts.block_min_sums + a[j] * (m.kp / 8);
     }
-    // The next span's rows (contiguous bytes) to L2, a share per token pass.
-    const int64_t next_rows = std::min(kSpan, n1 - (r0 + kSpan));
-    const char* next = next_rows > 0 ? reinterpret_cast<const char*>(m.row(expert, r0 + kSpan)) : nullptr;
-    const int64_t next_lines = next_rows > 0 ? (next_rows * static_cast<int64_t>(m.row_bytes) + 63) / 64 : 0;
-    const int64_t passes = (p1 - p0 + kBlock32TileTokens - 1) / kBlock32TileTokens;
-    const int64_t lines_per_pass = (next_lines + passes - 1) / passes;
-    for (int64_t p = p0, line = 0; p < p1; p += kBlock32TileTokens, line += lines_per_pass) {
-      const int64_t stream_lines = std::max<int64_t>(0, std::min(lines_per_pass, next_lines - line));
-      const int count = static_cast<int>(std::min<int64_t>(kBlock32TileTokens, p1 - p));
-      const int8_t* aq[kBlock32TileTokens];
-      const float* scale8[kBlock32TileTokens];
-      const int32_t* block_bias[kBlock32TileTokens];
-      const float* block_min[kBlock32TileTokens];
-      float* outs[kBlock32TileTokens];
-      for (int j = 0; j < count; ++j) {
-        const int64_t a = act_rows != nullptr ? act_rows[p + j] : p + j;
-        aq[j] = acts.q + a * m.kp;
-        scale8[j] = acts.scale + a * (m.kp / 4);
-        block_bias[j] = acts.bias4 + a * (m.kp / 4) + m.kp / 8;
-        block_min[j] = acts.block_min_sums + a * (m.kp / 8);
-        outs[j] = out + (p + j) * ldo + r0;
-      }
-      const char* stream = next != nullptr ? next + line * 64 : nullptr;
-      static_assert(kKquantTileGroups == 2);
-      if (groups == 2)
-        block32_tile_pass<Ops, kType, 2>(count, packed.data(), blocks, aq, scale8, block_bias, block_min, outs, rows,
-                                         stream, stream_lines);
-      else
-        block32_tile_pass<Ops, kType, 1>(count, packed.data(), blocks, aq, scale8, block_bias, block_min, outs, rows,
-                                         stream, stream_lines);
-    }
-  }
+    static_assert(kKquantTileGroups == 2);
+    if (groups == 2)
+      block32_tile_pass<Ops, kType, 2>(count, packed.data(), blocks, aq, scale8, block_bias, block_min, outs, rows,
+                                       stream, stream_lines);
+    else
+      block32_tile_pass<Ops, kType, 1>(count, packed.data(), blocks, aq, scale8, block_bias, block_min, outs, rows,
+                                       stream, stream_lines);
+  };
+  repacked_tile_spans<kBlock32TileTokens>(m, expert, n0, n1, act_rows, p0, p1, out, ldo, repack, pass);
 }
 
 }  // namespace

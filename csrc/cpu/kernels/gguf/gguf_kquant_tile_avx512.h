@@ -404,17 +404,18 @@ void kquant_tile_pass(int count, const KquantTileUnit* w, int64_t units, const i
   }
 }
 
-// out[p * ldo + n] = dot(row n of `expert`, activation row act_row(p)) for rows [n0, n1)
-// and pairs [p0, p1) of a Q4_K, Q5_K (activations in kGgufQ4kActs' format), Q6_K, Q2_K or
-// Q3_K matrix (kGgufQ6kActs'): kKquantTileGroups groups of 16 rows repacked at a time, then
-// dotted with the pairs kKquantTileTokens at a time.
-template <class Ops, KquantTile K, class Matrix>
-void kquant_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
-                      const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+// The span loop of the repacked tiles (this file's and gguf_block32_tile_avx512.h's), rows
+// [n0, n1) of `expert` against pairs [p0, p1): kKquantTileGroups groups of 16 rows at a time
+// go to repack(g, row_at) (a group's rows past n1 repeat its last row), then
+// pass(groups, count, a, outs, rows, stream, stream_lines) dots them with kTokens pairs at a
+// time: a[j] the activation row of pair j, outs[j] its output at the span's first row,
+// rows[g] group g's real rows, and `stream_lines` lines of the next span from `stream` to
+// prefetch into L2 during the pass (the repack walks 16 rows at once, which the hardware
+// prefetchers leave latency-bound).
+template <int kTokens, class Matrix, class Repack, class Pass>
+void repacked_tile_spans(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, const int32_t* act_rows,
+                         int64_t p0, int64_t p1, float* out, int64_t ldo, Repack&& repack, Pass&& pass) {
   constexpr int64_t kSpan = kKquantTileGroups * kKquantTileRows;
-  const int64_t units = m.kp / kGgufSuper;
-  thread_local std::vector<KquantTileUnit> packed;
-  packed.resize(static_cast<size_t>(kKquantTileGroups * units));
   for (int64_t r0 = n0; r0 < n1; r0 += kSpan) {
     const int64_t span = std::min(kSpan, n1 - r0);
     const int groups = static_cast<int>((span + kKquantTileRows - 1) / kKquantTileRows);
@@ -424,41 +425,62 @@ void kquant_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, c
       rows[g] = static_cast<int>(std::min<int64_t>(kKquantTileRows, n1 - first));
       const uint8_t* row_at[kKquantTileRows];
       for (int r = 0; r < kKquantTileRows; ++r) row_at[r] = m.row(expert, std::min(first + r, n1 - 1));
-      if constexpr (K == KquantTile::kQ6k)
-        kquant_tile_repack_q6k(row_at, units, packed.data() + g * units);
-      else if constexpr (K == KquantTile::kQ2k || K == KquantTile::kQ3k)
-        kquant_tile_repack_q23k<K == KquantTile::kQ3k>(row_at, units, packed.data() + g * units);
-      else
-        kquant_tile_repack_q4k<K == KquantTile::kQ5k>(row_at, units, packed.data() + g * units);
+      repack(g, row_at);
     }
-    // The next span's rows (contiguous bytes) to L2, a share per token pass: the repack
-    // walks 16 rows at once, which the hardware prefetchers leave latency-bound.
     const int64_t next_rows = std::min(kSpan, n1 - (r0 + kSpan));
     const char* next = next_rows > 0 ? reinterpret_cast<const char*>(m.row(expert, r0 + kSpan)) : nullptr;
     const int64_t next_lines = next_rows > 0 ? (next_rows * static_cast<int64_t>(m.row_bytes) + 63) / 64 : 0;
-    const int64_t passes = (p1 - p0 + kKquantTileTokens - 1) / kKquantTileTokens;
+    const int64_t passes = (p1 - p0 + kTokens - 1) / kTokens;
     const int64_t lines_per_pass = (next_lines + passes - 1) / passes;
-    for (int64_t p = p0, line = 0; p < p1; p += kKquantTileTokens, line += lines_per_pass) {
+    for (int64_t p = p0, line = 0; p < p1; p += kTokens, line += lines_per_pass) {
       const int64_t stream_lines = std::max<int64_t>(0, std::min(lines_per_pass, next_lines - line));
-      const int count = static_cast<int>(std::min<int64_t>(kKquantTileTokens, p1 - p));
-      const int8_t* aq[kKquantTileTokens];
-      const float* scale4[kKquantTileTokens];
-      const int16_t* level_sums[kKquantTileTokens];
-      float* outs[kKquantTileTokens];
+      const int count = static_cast<int>(std::min<int64_t>(kTokens, p1 - p));
+      int64_t a[kTokens];
+      float* outs[kTokens];
       for (int j = 0; j < count; ++j) {
-        const int64_t a = act_rows != nullptr ? act_rows[p + j] : p + j;
-        aq[j] = acts.q + a * m.kp;
-        scale4[j] = acts.scale + a * (m.kp / 4);
-        level_sums[j] = acts.level_sums + a * (m.kp / 16);
+        a[j] = act_rows != nullptr ? act_rows[p + j] : p + j;
         outs[j] = out + (p + j) * ldo + r0;
       }
-      static_assert(kKquantTileGroups == 2);
-      if (groups == 2)
-        kquant_tile_pass<Ops, K, 2>(count, packed.data(), units, aq, scale4, level_sums, outs, rows, next != nullptr ? next + line * 64 : nullptr, stream_lines);
-      else
-        kquant_tile_pass<Ops, K, 1>(count, packed.data(), units, aq, scale4, level_sums, outs, rows, next != nullptr ? next + line * 64 : nullptr, stream_lines);
+      pass(groups, count, a, outs, rows, next != nullptr ? next + line * 64 : nullptr, stream_lines);
     }
   }
+}
+
+// out[p * ldo + n] = dot(row n of `expert`, activation row act_row(p)) for rows [n0, n1)
+// and pairs [p0, p1) of a Q4_K, Q5_K (activations in kGgufQ4kActs' format), Q6_K, Q2_K or
+// Q3_K matrix (kGgufQ6kActs'): kKquantTileGroups groups of 16 rows repacked at a time, then
+// dotted with the pairs kKquantTileTokens at a time.
+template <class Ops, KquantTile K, class Matrix>
+void kquant_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, const GgufActs& acts,
+                      const int32_t* act_rows, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  const int64_t units = m.kp / kGgufSuper;
+  thread_local std::vector<KquantTileUnit> packed;
+  packed.resize(static_cast<size_t>(kKquantTileGroups * units));
+  const auto repack = [&](int g, const uint8_t* const* row_at) {
+    if constexpr (K == KquantTile::kQ6k)
+      kquant_tile_repack_q6k(row_at, units, packed.data() + g * units);
+    else if constexpr (K == KquantTile::kQ2k || K == KquantTile::kQ3k)
+      kquant_tile_repack_q23k<K == KquantTile::kQ3k>(row_at, units, packed.data() + g * units);
+    else
+      kquant_tile_repack_q4k<K == KquantTile::kQ5k>(row_at, units, packed.data() + g * units);
+  };
+  const auto pass = [&](int groups, int count, const int64_t* a, float* const* outs, const int* rows,
+                        const char* stream, int64_t stream_lines) {
+    const int8_t* aq[kKquantTileTokens];
+    const float* scale4[kKquantTileTokens];
+    const int16_t* level_sums[kKquantTileTokens];
+    for (int j = 0; j < count; ++j) {
+      aq[j] = acts.q + a[j] * m.kp;
+      scale4[j] = acts.scale + a[j] * (m.kp / 4);
+      level_sums[j] = acts.level_sums + a[j] * (m.kp / 16);
+    }
+    static_assert(kKquantTileGroups == 2);
+    if (groups == 2)
+      kquant_tile_pass<Ops, K, 2>(count, packed.data(), units, aq, scale4, level_sums, outs, rows, stream, stream_lines);
+    else
+      kquant_tile_pass<Ops, K, 1>(count, packed.data(), units, aq, scale4, level_sums, outs, rows, stream, stream_lines);
+  };
+  repacked_tile_spans<kKquantTileTokens>(m, expert, n0, n1, act_rows, p0, p1, out, ldo, repack, pass);
 }
 
 }  // namespace
