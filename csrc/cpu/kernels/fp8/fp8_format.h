@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "../../engine/engine.h"
 #include "../../engine/scratch.h"
@@ -164,9 +163,10 @@ class Fp8Format {
     const int64_t pairs = dims.padded_k / 2, group_pairs = dims.group / 2;
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
     const bool store = rows > Micro::kMaxRows;
-    thread_local std::vector<uint16_t> lines;  // the k block's BF16 lines: [blocks][kFp8KBlockPairs][32]
+    // The k block's BF16 lines, [blocks][kFp8KBlockPairs][32], in whole 64-byte lines (a
+    // std::vector's 16-byte alignment split every line store and load across two).
     constexpr int64_t kLineStride = kFp8KBlockPairs * 32;
-    if (store) lines.resize(kTileBlocks * kLineStride);
+    alignas(64) thread_local uint16_t lines[kTileBlocks * kLineStride];
     const Act* row_at[Micro::kMaxRows];
     constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * Ops::kMxGroupBytes;
     alignas(64) uint8_t mx[kTileBlocks * kMxBlockBytes];          // mxfp8: the k block's exponents
@@ -190,7 +190,7 @@ class Fp8Format {
         for (int b0 = 0; b0 < blocks; b0 += max_blocks) {
           const int nb = std::min(max_blocks, blocks - b0);
           const uint8_t* codes = w + b0 * block_bytes;
-          uint16_t* decoded = store ? lines.data() + b0 * kLineStride : nullptr;
+          uint16_t* decoded = store ? lines + b0 * kLineStride : nullptr;
           for (int64_t g0 = q0; g0 < q1; g0 += step) {
             const int64_t g1 = std::min(q1, g0 + step);
             for (int m = 0; m < tile_rows; ++m) row_at[m] = a + (m0 + m) * lda + 2 * g0;
