@@ -85,14 +85,24 @@ class Fp8Format {
   static constexpr bool kScaled = false;
   static constexpr bool kMx = F == PackedFormat::kMxfp8;
   static constexpr bool kGroupFlush = F == PackedFormat::kFp8;
+  static constexpr int64_t kScaleRowBytes = kMx ? 16 : 64;  // one group's scales of a block's rows
 
-  Fp8Format(const MoeArgs& args, const MoePlan& plan, int /*threads*/)
+  Fp8Format(const MoeArgs& args, const MoePlan& plan, int threads)
       : plan_(plan),
         dims_(args.layout.shape),
         act_cols_(dims_.gate_up.padded_k),
         inter_cols_(dims_.down.padded_k),
         gate_up_{args.packed + args.layout.gate_up_offset, args.layout.gate_up_expert_bytes, dims_.gate_up},
-        down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down} {}
+        down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down} {
+    // Decode jobs (experts of at most kMaxRows pairs) as long as keep every thread busy, up
+    // to a prefill job's blocks: fewer cold starts of the jobs' code streams.
+    int64_t decode_experts = 0;
+    for (int32_t e : plan.active_experts) decode_experts += !prefill(e);
+    gate_up_decode_blocks_ = streaming_job_blocks(decode_experts * dims_.gate_up.blocks, threads, kTileBlocks,
+                                                  kBf16GateUpJobGroups * kTileBlocks, kTileBlocks);
+    down_decode_blocks_ = streaming_job_blocks(decode_experts * dims_.down.blocks, threads, kTileBlocks,
+                                               kBf16DownJobGroups * kTileBlocks, kTileBlocks);
+  }
 
   int64_t token_cols() const { return act_cols_; }
 
@@ -117,8 +127,12 @@ class Fp8Format {
   }
 
   // Jobs as the BF16 format's (bf16_job_blocks): prefill jobs of several block groups.
-  int64_t gate_up_job_rows(int64_t e) const { return bf16_job_blocks<Micro>(plan_, e, kBf16GateUpJobGroups) / 2 * 16; }
-  int64_t down_job_rows(int64_t e) const { return bf16_job_blocks<Micro>(plan_, e, kBf16DownJobGroups) * 16; }
+  int64_t gate_up_job_rows(int64_t e) const {
+    return (prefill(e) ? bf16_job_blocks<Micro>(plan_, e, kBf16GateUpJobGroups) : gate_up_decode_blocks_) / 2 * 16;
+  }
+  int64_t down_job_rows(int64_t e) const {
+    return (prefill(e) ? bf16_job_blocks<Micro>(plan_, e, kBf16DownJobGroups) : down_decode_blocks_) * 16;
+  }
   int64_t chunk_pairs() const { return kBf16RowChunk; }
 
   GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
@@ -182,6 +196,15 @@ class Fp8Format {
       // group's first.
       const uint8_t* next = q1 < pairs ? w + q1 * 32 : next_blocks > 0 ? w + blocks * block_bytes : nullptr;
       const int streamed = q1 < pairs ? blocks : next_blocks;
+      // The next k block's scales (fp8, mxfp8), asked for now: read at its start (mxfp8's
+      // exponents) or its group ends, they would otherwise wait on memory there.
+      if constexpr (kMx || kGroupFlush)
+        if (q1 < pairs)
+          for (int b = 0; b < blocks; ++b) {
+            const uint8_t* at = w + b * block_bytes + dims.scales_offset() + q1 / group_pairs * kScaleRowBytes;
+            for (int64_t line = 0; line < kFp8KBlockPairs / group_pairs * kScaleRowBytes; line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
+          }
       for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
         const bool first = m0 == 0;
@@ -243,6 +266,8 @@ class Fp8Format {
     }
   }
 
+  bool prefill(int64_t e) const { return plan_.expert_begin[e + 1] - plan_.expert_begin[e] > Micro::kMaxRows; }
+
   const MoePlan& plan_;
   fp8_layout::Dims dims_;
   int64_t act_cols_, inter_cols_;
@@ -250,6 +275,7 @@ class Fp8Format {
   size_t acts_at_ = 0, inter_at_ = 0;
   Act* acts_ = nullptr;
   Act* inter_ = nullptr;
+  int64_t gate_up_decode_blocks_ = kTileBlocks, down_decode_blocks_ = kTileBlocks;  // per decode job
 };
 
 }  // namespace
