@@ -166,17 +166,21 @@ class Fp8Format {
     for (int b0 = 0; b0 < blocks; b0 += kTileBlocks) {
       const int nb = std::min(static_cast<int>(kTileBlocks), blocks - b0);
       const int next_nb = std::min(static_cast<int>(kTileBlocks), blocks - b0 - nb);
-      group_rows(a, lda, rows, dims, w + b0 * block_bytes, nb, next_nb, c + b0 * 16, ldc);
+      if (rows > Micro::kMaxRows)
+        group_rows<true>(a, lda, rows, dims, w + b0 * block_bytes, nb, next_nb, c + b0 * 16, ldc);
+      else
+        group_rows<false>(a, lda, rows, dims, w + b0 * block_bytes, nb, next_nb, c + b0 * 16, ldc);
     }
   }
 
   // gemm_rows for one group of `blocks` <= kTileBlocks blocks at w; `next_blocks` blocks
   // of the next group follow it.
+  // Store: more rows than one tile (prefill), whose first row tile stores the BF16 lines.
+  template <bool Store>
   static void group_rows(const Act* a, int64_t lda, int64_t rows, const fp8_layout::MatrixDims& dims,
                          const uint8_t* w, int blocks, int next_blocks, float* c, int64_t ldc) {
     const int64_t pairs = dims.padded_k / 2, group_pairs = dims.group / 2;
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
-    const bool store = rows > Micro::kMaxRows;
     // The k block's BF16 lines, [blocks][kFp8KBlockPairs][32], in whole 64-byte lines (a
     // std::vector's 16-byte alignment split every line store and load across two).
     constexpr int64_t kLineStride = kFp8KBlockPairs * 32;
@@ -196,15 +200,8 @@ class Fp8Format {
       // group's first.
       const uint8_t* next = q1 < pairs ? w + q1 * 32 : next_blocks > 0 ? w + blocks * block_bytes : nullptr;
       const int streamed = q1 < pairs ? blocks : next_blocks;
-      // The next k block's scales (fp8, mxfp8), asked for now: read at its start (mxfp8's
-      // exponents) or its group ends, they would otherwise wait on memory there.
-      if constexpr (kMx || kGroupFlush)
-        if (q1 < pairs)
-          for (int b = 0; b < blocks; ++b) {
-            const uint8_t* at = w + b * block_bytes + dims.scales_offset() + q1 / group_pairs * kScaleRowBytes;
-            for (int64_t line = 0; line < kFp8KBlockPairs / group_pairs * kScaleRowBytes; line += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
-          }
+      if constexpr (!Store && (kMx || kGroupFlush))
+        if (q1 < pairs) prefetch_scales(w, blocks, dims, q1);
       for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
         const bool first = m0 == 0;
@@ -213,7 +210,7 @@ class Fp8Format {
         for (int b0 = 0; b0 < blocks; b0 += max_blocks) {
           const int nb = std::min(max_blocks, blocks - b0);
           const uint8_t* codes = w + b0 * block_bytes;
-          uint16_t* decoded = store ? lines + b0 * kLineStride : nullptr;
+          uint16_t* decoded = Store ? lines + b0 * kLineStride : nullptr;
           for (int64_t g0 = q0; g0 < q1; g0 += step) {
             const int64_t g1 = std::min(q1, g0 + step);
             for (int m = 0; m < tile_rows; ++m) row_at[m] = a + (m0 + m) * lda + 2 * g0;
@@ -237,7 +234,7 @@ class Fp8Format {
                   for (int64_t g = g0 / group_pairs; g < (g1 + group_pairs - 1) / group_pairs; ++g)
                     Ops::mx_prepare(codes + b * block_bytes + dims.scales_offset() + g * 16,
                                     mx + b * kMxBlockBytes + (g - g0 / group_pairs) * Ops::kMxGroupBytes);
-              if (store)
+              if constexpr (Store)
                 bf16_tile_any<Micro>(tile_rows, nb, t,
                                      typename Ops::template Lines<kMx, true>{mx, decoded + (g0 - q0) * 32, kLineStride});
               else
@@ -263,6 +260,21 @@ class Fp8Format {
       const float* addends[kTileBlocks];
       for (int b = 0; b < blocks; ++b) addends[b] = reinterpret_cast<const float*>(w + b * block_bytes + dims.addend_offset());
       fp8_add_rows<Vec>(rows, blocks, addends, c, ldc);
+    }
+  }
+
+  // Decode: asks for the scales of the k block at pair q of `blocks` blocks at w (fp8,
+  // mxfp8): read at its start (mxfp8's exponents) or its group ends, they would otherwise
+  // wait on memory there (1 and 8 tokens 0.95-0.97x the time). Only in group_rows<false>:
+  // in the prefill instance, inlined or called, it changed the code enough to take
+  // 512-token S1 fp8 to 1.19x the time.
+  __attribute__((noinline)) static void prefetch_scales(const uint8_t* w, int blocks,
+                                                        const fp8_layout::MatrixDims& dims, int64_t q) {
+    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes()), group_pairs = dims.group / 2;
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* at = w + b * block_bytes + dims.scales_offset() + q / group_pairs * kScaleRowBytes;
+      for (int64_t line = 0; line < kFp8KBlockPairs / group_pairs * kScaleRowBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
     }
   }
 
