@@ -126,7 +126,8 @@ class Fp8Format {
     convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
   }
 
-  // Jobs as the BF16 format's (bf16_job_blocks): prefill jobs of several block groups.
+  // Prefill jobs as the BF16 format's (bf16_job_blocks: several block groups); decode jobs as
+  // long as keep every thread busy (the constructor).
   int64_t gate_up_job_rows(int64_t e) const {
     return (prefill(e) ? bf16_job_blocks<Micro>(plan_, e, kBf16GateUpJobGroups) : gate_up_decode_blocks_) / 2 * 16;
   }
