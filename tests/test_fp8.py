@@ -27,13 +27,16 @@ from test_quantized import make_weights
 FORMATS = {"FP8": "fp8", "FP8_PERCHANNEL": "fp8_perchannel", "MXFP8": "mxfp8"}
 
 # (E, top_k, H, I, tokens): H and I off 16 rows, 32 k and 128 k; one expert; tokens past
-# one row tile (4 / 6) and past the 96-row chunk; k over several 256-k blocks.
+# one row tile (4 / 6) and past the 96-row chunk; k over several 256-k blocks; decode
+# experts (at most 6 tokens) with jobs of several 4-block groups (16 gate/up, 32 down
+# blocks here), the last group partial.
 SHAPES = [
     (4, 2, 64, 32, 1),
     (3, 3, 96, 48, 5),
     (1, 1, 200, 72, 9),
     (6, 2, 328, 136, 40),
     (4, 2, 600, 264, 300),
+    (8, 4, 520, 1032, 5),
 ]
 
 
