@@ -266,9 +266,10 @@ class Fp8Format {
 
   // Decode: asks for the scales of the k block at pair q of `blocks` blocks at w (fp8,
   // mxfp8): read at its start (mxfp8's exponents) or its group ends, they would otherwise
-  // wait on memory there (1 and 8 tokens 0.95-0.97x the time). Only in group_rows<false>:
-  // in the prefill instance, inlined or called, it changed the code enough to take
-  // 512-token S1 fp8 to 1.19x the time.
+  // wait on memory there (with the longer decode jobs, S1 1 and 8 tokens 0.95-0.96x the
+  // time in a paired run on Zen 5). Only in group_rows<false>: in the prefill instance,
+  // inlined or called, even never run, it changed the code enough to take 512-token S1
+  // fp8 to 1.19x the time.
   __attribute__((noinline)) static void prefetch_scales(const uint8_t* w, int blocks,
                                                         const fp8_layout::MatrixDims& dims, int64_t q) {
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes()), group_pairs = dims.group / 2;
