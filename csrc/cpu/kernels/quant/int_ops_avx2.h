@@ -20,6 +20,7 @@ struct IntOpsAvx2 {
   static constexpr int kMaxRowsInt4 = 2;
   static constexpr int kDecodeRows = 2;
   static constexpr int kMaxBlocks = 1;
+  static constexpr int kMaxBlocksInt4 = 1;
   static constexpr int32_t kInt8Bias = 0;
 
   static IReg zero() { return _mm256_setzero_si256(); }
@@ -47,7 +48,7 @@ struct IntOpsAvx2 {
     const IReg pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_maddubs_epi16(hi, a1));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
-  static IReg sub(IReg v, int32_t s) { return _mm256_sub_epi32(v, _mm256_set1_epi32(s)); }
+  static IReg set1(int32_t s) { return _mm256_set1_epi32(s); }
   static Vec::Reg to_float(IReg v) { return _mm256_cvtepi32_ps(v); }
 };
 

@@ -22,6 +22,7 @@ struct IntOpsAvx512 {
   static constexpr int kMaxRowsInt4 = 4;
   static constexpr int kDecodeRows = 4;
   static constexpr int kMaxBlocks = 2;
+  static constexpr int kMaxBlocksInt4 = 2;
   static constexpr int32_t kInt8Bias = 0;
 
   static IReg zero() { return _mm512_setzero_si512(); }
@@ -51,7 +52,7 @@ struct IntOpsAvx512 {
   // acc + per int32 lane: a16[2l] * b16[2l] + a16[2l+1] * b16[2l+1] (int16 pairs).
   static IReg dot16(IReg acc, IReg a16, IReg b16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a16, b16)); }
   static IReg add(IReg a, IReg b) { return _mm512_add_epi32(a, b); }
-  static IReg sub(IReg v, int32_t s) { return _mm512_sub_epi32(v, _mm512_set1_epi32(s)); }
+  static IReg set1(int32_t s) { return _mm512_set1_epi32(s); }
   static Vec::Reg to_float(IReg v) { return _mm512_cvtepi32_ps(v); }
 };
 

@@ -58,11 +58,11 @@ void quant_tile_blocks(int blocks, const QuantTileArgs& t) {
   }
 }
 
-template <class Micro, int M = Micro::kMaxRows>
+template <class Micro, int M = Micro::kMaxRows, int NB = Micro::kMaxBlocks>
 void quant_tile_any(int rows, int blocks, const QuantTileArgs& t) {
   if constexpr (M >= 1) {
-    if (rows == M) return quant_tile_blocks<Micro, M>(blocks, t);
-    quant_tile_any<Micro, M - 1>(rows, blocks, t);
+    if (rows == M) return quant_tile_blocks<Micro, M, NB>(blocks, t);
+    quant_tile_any<Micro, M - 1, NB>(rows, blocks, t);
   }
 }
 
@@ -90,10 +90,14 @@ QuantTileArgs quant_args(const int_layout::MatrixDims& dims, const uint8_t* bloc
 
 // k-blocked vector GEMM over rows [0, rows) and blocks [b0, b1), k in [k_begin, k_end), in
 // groups of kTileBlocks blocks: a group's k block stays in L1 while every row tile reuses it.
+// A function of its own: inlined into quant_gemm_rows beside the decode tiles, GCC's
+// register allocation spilled MXFP4's 6 x 2 tile (512-token S1 MXFP4 1.01 of the old
+// time instead of 0.75-0.79).
 template <class Micro>
-void quant_vector_gemm(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
-                       const uint8_t* w, int64_t k_begin, int64_t k_end, int b0, int b1, float* c,
-                       int64_t ldc, bool accumulate) {
+__attribute__((noinline)) void quant_vector_gemm(const QuantRows& a, int64_t rows,
+                                                 const int_layout::MatrixDims& dims, const uint8_t* w,
+                                                 int64_t k_begin, int64_t k_end, int b0, int b1, float* c,
+                                                 int64_t ldc, bool accumulate) {
   const int8_t* row_at[Micro::kMaxRows];
   const int32_t* sums_at[Micro::kMaxRows];
   const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
@@ -119,12 +123,12 @@ void quant_vector_gemm(const QuantRows& a, int64_t rows, const int_layout::Matri
           sums_at[m] = a.sums + (m0 + m) * a.sums_stride + k0 / int_layout::kKAlign;
         }
         const int64_t j = m0 / Micro::kMaxRows;
-        const bool stream = next != nullptr && j < next_blocks && g1 - g0 <= Micro::kMaxBlocks;
+        const bool stream = next != nullptr && j < next_blocks;
         for (int b = g0; b < g1; b += Micro::kMaxBlocks) {
           // The first row tile of a k block streams its weights from memory; later ones hit L1.
           QuantTileArgs t = quant_args<Micro>(dims, w + b * block_bytes, k0, k, c + m0 * ldc + b * 16,
                                               ldc, accumulate || k0 > k_begin, m0 == 0 ? kQuantPrefetchLines : 0);
-          if (stream) t.stream = next + j * block_bytes;
+          if (stream && b == g0) t.stream = next + j * block_bytes;  // one tile per row tile
           t.a = row_at;
           t.a_sums = sums_at;
           quant_tile_any<Micro>(tile_rows, std::min(Micro::kMaxBlocks, g1 - b), t);
@@ -155,7 +159,7 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
     // One token streams all of the job's blocks at once (more streams in flight: 1-token
     // S1 int4 from 17.9 to 19.7 GB/s, int8 23.6 to 25.2); more rows need the registers for their sums.
-    const int max_blocks = rows == 1 ? kTileBlocks : Micro::kMaxBlocks;
+    const int max_blocks = rows == 1 ? kTileBlocks : Micro::kDecodeBlocks;
     for (int b0 = 0; b0 < blocks; b0 += max_blocks) {
       QuantTileArgs t = quant_args<Micro>(dims, w + b0 * block_bytes, 0, K, c + b0 * 16, ldc, false,
                                           kQuantPrefetchLines);
@@ -177,7 +181,8 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
       if (rows == 1)
         quant_tile_blocks<Micro, 1, kTileBlocks>(std::min(max_blocks, blocks - b0), t);
       else
-        quant_tile_any<Micro, Micro::kDecodeRows>(static_cast<int>(rows), std::min(max_blocks, blocks - b0), t);
+        quant_tile_any<Micro, Micro::kDecodeRows, Micro::kDecodeBlocks>(static_cast<int>(rows),
+                                                                        std::min(max_blocks, blocks - b0), t);
     }
     return;
   }

@@ -4,8 +4,8 @@
 //   struct IntOps {
 //     using Vec = ...;  using IReg = ...;       // fp32 vector ops, integer register
 //     static constexpr int kRegsPerLine;        // registers per 64-byte line (1 or 2)
-//     static constexpr int kMaxRows, kMaxRowsInt4, kMaxBlocks;  // GEMM tile: token rows
-//                                               // (int8, int4), 16-column blocks
+//     static constexpr int kMaxRows, kMaxRowsInt4;      // GEMM tile: token rows (int8, int4)
+//     static constexpr int kMaxBlocks, kMaxBlocksInt4;  // and 16-column blocks
 //     static constexpr int kDecodeRows;         // up to this many tokens stream (decode)
 //     static constexpr int kInt8Bias;           // what dot_int8 adds: 128 * sum(a) or 0
 //     IReg load(const uint8_t* line, int r);    // register r of a 64-byte line
@@ -13,7 +13,7 @@
 //     IReg low_nibbles(IReg), high_nibbles(IReg);
 //     IReg dot(IReg acc, IReg w_u8, IReg a_s8);       // acc + sum of 4 products, w < 16
 //     IReg dot_int8(IReg acc, IReg w_u8, IReg a_s8);  // acc + sum (w - 128) a + kInt8Bias sum a
-//     IReg add(IReg, IReg), sub(IReg, int32_t); Vec::Reg to_float(IReg); IReg zero();
+//     IReg add(IReg, IReg), set1(int32_t); Vec::Reg to_float(IReg); IReg zero();
 //     // optional (kDotInt4 = true): acc + dot(lo, a0) + dot(hi, a1), one widening
 //     static constexpr bool kDotInt4; IReg dot_int4(IReg acc, IReg lo, IReg a0, IReg hi, IReg a1);
 //   };
@@ -130,7 +130,10 @@ struct QuantGemm {
   static constexpr bool kInt4 = Kind != QuantKind::kInt8;
   static constexpr int kMaxRows = kInt4 ? Ops::kMaxRowsInt4 : Ops::kMaxRows;
   static constexpr int kDecodeRows = Ops::kDecodeRows;
-  static constexpr int kMaxBlocks = Ops::kMaxBlocks;
+  static constexpr int kMaxBlocks = kInt4 ? Ops::kMaxBlocksInt4 : Ops::kMaxBlocks;
+  // Decode tiles (few rows, every group flushed once per token) stay kMaxBlocks wide:
+  // 2-block INT4 tiles took 64-token S1 AMXINT4 to 1.21x the time.
+  static constexpr int kDecodeBlocks = Ops::kMaxBlocks;
   static constexpr int R = Ops::kRegsPerLine;
   static constexpr int W = Vec::kWidth;  // 16 / R
   static constexpr int kKPerLine = kInt4 ? 8 : 4;
@@ -161,14 +164,18 @@ struct QuantGemm {
     else return Vec::load(reinterpret_cast<const float*>(row) + r * W);
   }
 
-  // Tiles of more than 8 registers of sums keep their fp32 accumulators in c (L1-resident,
-  // touched once per group) and give the registers to the sums; the fp32 arithmetic is the
-  // same either way.
+  // Tiles of more registers of sums than this (12 of AVX-512's 32 registers, 8 of AVX2's
+  // 16) keep their fp32 accumulators in c (L1-resident, touched once per group) and give
+  // the registers to the sums; the fp32 arithmetic is the same either way. INT4's groups
+  // of 32 flush every 4 lines, so its AVX512_VNNI tile (6 x 2) keeps both in registers.
   template <int M, int NB>
-  static constexpr bool kAccInMemory = M * NB * R > 8;
+  static constexpr bool kAccInMemory = M * NB * R > (R == 1 ? 12 : 8);
 
+  // Always inlined into the driver's GEMM loops (quant_format.h): as a function of its own
+  // the tile re-reads t's fields and tests its prefetch options on every line (an out-of-
+  // line 6 x 4 INT4 tile took 512-token S1 AMXINT4 to 1.15x the time).
   template <int M, int NB>
-  static void tile(const QuantTileArgs& t) {
+  __attribute__((always_inline)) static void tile(const QuantTileArgs& t) {
     constexpr bool kInMemory = kAccInMemory<M, NB>;
     FReg acc[kInMemory ? 1 : M][kInMemory ? 1 : NB][R];
     for (int m = 0; m < M; ++m)
@@ -198,10 +205,19 @@ struct QuantGemm {
           if (minimums_at >= 0) _mm_prefetch(block + minimums_at, _MM_HINT_T1);
         }
       }
+      // Each row's activation sum over the group. The sums start at -kBias * a_sum, so the
+      // flush converts them as they are (the same int32 values as subtracting afterwards).
+      int32_t a_sum[M];
+      group_sums<M>(t, k0, group_k, a_sum);
       IReg sums[M][NB][R], high_sums[M][NB][R];
-      for (int m = 0; m < M; ++m)
+      for (int m = 0; m < M; ++m) {
+        const IReg start = kBias != 0 ? Ops::set1(-kBias * a_sum[m]) : Ops::zero();
         for (int b = 0; b < NB; ++b)
-          for (int r = 0; r < R; ++r) sums[m][b][r] = high_sums[m][b][r] = Ops::zero();
+          for (int r = 0; r < R; ++r) {
+            sums[m][b][r] = start;
+            high_sums[m][b][r] = Ops::zero();
+          }
+      }
       const int64_t first_line = k0 / kKPerLine;
       for (int64_t l = first_line; l < first_line + group_k / kKPerLine; ++l) {
         const int64_t k = l * kKPerLine;
@@ -209,18 +225,15 @@ struct QuantGemm {
           for (int b = 0; b < t.stream_blocks; ++b)
             _mm_prefetch(reinterpret_cast<const char*>(t.stream + b * t.block_stride + l * 64), _MM_HINT_T1);
         if constexpr (kInt4) {
+          const uint8_t* line0 = t.w + l * 64;
           IReg lo[NB][R], hi[NB][R];
           for (int b = 0; b < NB; ++b) {
-            const uint8_t* line = t.w + b * t.block_stride + l * 64;
-            if (t.prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(line + t.prefetch * 64), _MM_HINT_T0);
+            if (t.prefetch > 0)
+              _mm_prefetch(reinterpret_cast<const char*>(line0 + b * t.block_stride + t.prefetch * 64), _MM_HINT_T0);
             for (int r = 0; r < R; ++r) {
-              const IReg v = Ops::load(line, r);
-              lo[b][r] = Ops::low_nibbles(v);
-              hi[b][r] = Ops::high_nibbles(v);
-              if constexpr (kMxfp4) {
-                lo[b][r] = mxfp4_levels(lo[b][r]);
-                hi[b][r] = mxfp4_levels(hi[b][r]);
-              }
+              const IReg v = Ops::load(line0 + b * t.block_stride, r);
+              lo[b][r] = nibble_levels(Ops::low_nibbles(v));
+              hi[b][r] = nibble_levels(Ops::high_nibbles(v));
             }
           }
           for (int m = 0; m < M; ++m) {
@@ -259,7 +272,7 @@ struct QuantGemm {
         for (int m = 0; m < M; ++m)
           for (int b = 0; b < NB; ++b)
             for (int r = 0; r < R; ++r) sums[m][b][r] = Ops::add(sums[m][b][r], high_sums[m][b][r]);
-      flush_group<M, NB>(t, g, k0, group_k, sums, acc);
+      flush_group<M, NB>(t, g, a_sum, sums, acc);
     }
     if constexpr (!kInMemory)
       for (int m = 0; m < M; ++m)
@@ -268,19 +281,55 @@ struct QuantGemm {
   }
 
  private:
-  // acc += the int32 sums of group g (k in [k0, k0 + group_k)), unbiased and scaled to fp32.
-  template <int M, int NB, class Acc>
-  static void flush_group(const QuantTileArgs& t, int64_t g, int64_t k0, int64_t group_k, IReg (&sums)[M][NB][R],
-                          Acc& acc) {
-    constexpr bool kInMemory = kAccInMemory<M, NB>;
+  // A line's codes (0..15) as the levels the dots multiply: themselves, MXFP4's table.
+  static IReg nibble_levels(IReg codes) {
+    if constexpr (kMxfp4) return mxfp4_levels(codes);
+    else return codes;
+  }
+
+  // a_sum[m] = row m's activation sum over k in [k0, k0 + group_k) (from its sums per 32 k).
+  template <int M>
+  static void group_sums(const QuantTileArgs& t, int64_t k0, int64_t group_k, int32_t (&a_sum)[M]) {
     const int64_t first_sum = k0 / int_layout::kKAlign;
     const int64_t n_sums = group_k / int_layout::kKAlign;
+    // The int4 group sizes get loops of a known length (a loop of n_sums per row and group
+    // took about a tenth of a groups-of-32 GEMM).
+    switch (n_sums) {
+      case 1: return add_sums<M, 1>(t, first_sum, a_sum);
+      case 2: return add_sums<M, 2>(t, first_sum, a_sum);
+      case 4: return add_sums<M, 4>(t, first_sum, a_sum);
+      default:
+        for (int m = 0; m < M; ++m) {
+          int32_t sum = 0;
+          for (int64_t s = 0; s < n_sums; ++s) sum += t.a_sums[m][first_sum + s];
+          a_sum[m] = sum;
+        }
+    }
+  }
+
+  template <int M, int N>
+  static void add_sums(const QuantTileArgs& t, int64_t first_sum, int32_t (&a_sum)[M]) {
     for (int m = 0; m < M; ++m) {
-      int32_t a_sum = 0;
-      for (int64_t s = 0; s < n_sums; ++s) a_sum += t.a_sums[m][first_sum + s];
+      int32_t sum = 0;
+      for (int s = 0; s < N; ++s) sum += t.a_sums[m][first_sum + s];
+      a_sum[m] = sum;
+    }
+  }
+
+  // acc += group g's int32 sums (already unbiased: they started at -kBias * a_sum) scaled
+  // to fp32; int4_asym adds minimum * a_sum first.
+  template <int M, int NB, class Acc>
+  static void flush_group(const QuantTileArgs& t, int64_t g, const int32_t (&a_sum)[M], IReg (&sums)[M][NB][R],
+                          Acc& acc) {
+    constexpr bool kInMemory = kAccInMemory<M, NB>;
+    // Unrolled, so the sums stay in their registers (a loop over m indexes them in memory).
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 8
       for (int b = 0; b < NB; ++b) {
         const uint8_t* scale = reinterpret_cast<const uint8_t*>(t.scales) + b * t.block_stride +
                                (Kind == QuantKind::kInt8 ? 0 : g * kScaleRowBytes);
+#pragma GCC unroll 2
         for (int r = 0; r < R; ++r) {
           const FReg s = load_scales(scale, r);
           float* c = t.c + m * t.ldc + b * 16 + r * W;
@@ -289,11 +338,9 @@ struct QuantGemm {
           if constexpr (Kind == QuantKind::kInt4Asym) {
             const float* minimum = reinterpret_cast<const float*>(
                 reinterpret_cast<const uint8_t*>(t.minimums) + b * t.block_stride) + g * 16;
-            v = Vec::fma(Vec::set1(static_cast<float>(a_sum)), Vec::load(minimum + r * W), v);
-            v = Vec::fma(Ops::to_float(sums[m][b][r]), s, v);
-          } else {
-            v = Vec::fma(Ops::to_float(Ops::sub(sums[m][b][r], kBias * a_sum)), s, v);
+            v = Vec::fma(Vec::set1(static_cast<float>(a_sum[m])), Vec::load(minimum + r * W), v);
           }
+          v = Vec::fma(Ops::to_float(sums[m][b][r]), s, v);
           if constexpr (kInMemory) Vec::store(c, v); else acc[m][b][r] = v;
         }
       }
