@@ -295,23 +295,20 @@ struct QuantGemm {
     // The int4 group sizes get loops of a known length (a loop of n_sums per row and group
     // took about a tenth of a groups-of-32 GEMM).
     switch (n_sums) {
-      case 1: return add_sums<M, 1>(t, first_sum, a_sum);
-      case 2: return add_sums<M, 2>(t, first_sum, a_sum);
-      case 4: return add_sums<M, 4>(t, first_sum, a_sum);
-      default:
-        for (int m = 0; m < M; ++m) {
-          int32_t sum = 0;
-          for (int64_t s = 0; s < n_sums; ++s) sum += t.a_sums[m][first_sum + s];
-          a_sum[m] = sum;
-        }
+      case 1: return add_sums<M, 1>(t, first_sum, n_sums, a_sum);
+      case 2: return add_sums<M, 2>(t, first_sum, n_sums, a_sum);
+      case 4: return add_sums<M, 4>(t, first_sum, n_sums, a_sum);
+      default: return add_sums<M, 0>(t, first_sum, n_sums, a_sum);
     }
   }
 
+  // add_sums<M, N>: N sums per row (N = 0: n_sums, known only at run time).
   template <int M, int N>
-  static void add_sums(const QuantTileArgs& t, int64_t first_sum, int32_t (&a_sum)[M]) {
+  static void add_sums(const QuantTileArgs& t, int64_t first_sum, int64_t n_sums, int32_t (&a_sum)[M]) {
+    const int64_t n = N > 0 ? N : n_sums;
     for (int m = 0; m < M; ++m) {
       int32_t sum = 0;
-      for (int s = 0; s < N; ++s) sum += t.a_sums[m][first_sum + s];
+      for (int64_t s = 0; s < n; ++s) sum += t.a_sums[m][first_sum + s];
       a_sum[m] = sum;
     }
   }
