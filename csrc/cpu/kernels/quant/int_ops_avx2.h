@@ -32,6 +32,10 @@ struct IntOpsAvx2 {
   static IReg high_nibbles(IReg v) {
     return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
   }
+  // 16 x the high nibbles (no shift; levels up to 240: for vpdpbusd, whose u8 x s8
+  // products are not summed in int16).
+  static IReg high_nibbles_x16(IReg v) { return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(0xf0))); }
+  static IReg shift_right4(IReg v) { return _mm256_srai_epi32(v, 4); }
   static IReg dot(IReg acc, IReg w, IReg a) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
   }

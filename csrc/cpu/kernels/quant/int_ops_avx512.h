@@ -32,6 +32,10 @@ struct IntOpsAvx512 {
   static IReg high_nibbles(IReg v) {
     return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
   }
+  // 16 x the high nibbles (no shift; levels up to 240: for vpdpbusd, whose u8 x s8
+  // products are not summed in int16).
+  static IReg high_nibbles_x16(IReg v) { return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(0xf0))); }
+  static IReg shift_right4(IReg v) { return _mm512_srai_epi32(v, 4); }
   static IReg dot(IReg acc, IReg w, IReg a) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
   }
