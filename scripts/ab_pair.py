@@ -1,7 +1,7 @@
 """Paired A/B of two kt_ops builds or CPU variants, row by row, on a noisy machine.
 
     .venv/bin/python scripts/ab_pair.py S1:AMXINT4 S2:Q4_K [--tokens 1 8 64 512]
-        [--a PATH] [--b PATH] [--a-variant V] [--b-variant V] [--b-method M] [--calls 40] [--json OUT]
+        [--a PATH] [--b PATH] [--a-variant V] [--b-variant V] [--b-method M] [--calls 40] [--rounds 1] [--json OUT]
 
 Side A and side B are two worker processes, each importing kt_ops from its own path
 (``--a``/``--b``: a checkout with the extension built in place; default: this checkout)
@@ -14,6 +14,11 @@ sides call by call (ABBA order), so the machine's drift — read bandwidth swing
 third within minutes on shared hosts — hits both alike, and reports per row the median
 microseconds of each side and the median of the per-pair ratios B/A (below 1: B is
 faster). Run it on an otherwise idle machine: no builds, tests or helpers beside it.
+A pair of processes can also differ by itself: on the shared Zen 5 host, one build against
+itself (S1 RAWINT4, 1 and 8 tokens, 30 calls, 2026-11-27) gave 0.79 and 0.88 in one run
+and 0.97-1.03 in the next, steady within a run, so the pairing cannot cancel it.
+``--rounds N`` starts N fresh pairs of workers per group and reports, per row, the median
+over the rounds' medians with their range: trust a change that moves every round.
 Groups are ``SHAPE:METHOD`` with the bench's shapes (S1, S2) and methods, those its
 ``--method`` takes beyond the default set included (e.g. ``S1:Q5_1``); a side whose
 checkout predates such a method packs it as that checkout packs its GGUF methods.
@@ -119,6 +124,17 @@ def pair_row(a: Side, b: Side, tokens: int, calls: int) -> dict[str, float]:
     return {"a_us": statistics.median(times_a), "b_us": statistics.median(times_b), "ratio": statistics.median(ratios)}
 
 
+def combine_rounds(rounds: list[dict[str, float]]) -> dict[str, object]:
+    """One row over several rounds (fresh worker pairs): the medians of the rounds' medians,
+    with every round's ratio B/A."""
+    return {
+        "a_us": statistics.median(r["a_us"] for r in rounds),
+        "b_us": statistics.median(r["b_us"] for r in rounds),
+        "ratio": statistics.median(r["ratio"] for r in rounds),
+        "round_ratios": [r["ratio"] for r in rounds],
+    }
+
+
 def b_group(group: str, b_method: str | None) -> str:
     """Side B's SHAPE:METHOD: the group's, or its shape with ``b_method``."""
     return group if b_method is None else f"{group.partition(':')[0]}:{b_method}"
@@ -134,11 +150,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--b-variant", default=None, help="side B's KT_OPS_CPU_VARIANT (default: the best)")
     parser.add_argument("--b-method", default=None, help="side B packs this method instead (same shape)")
     parser.add_argument("--calls", type=int, default=40, help="paired calls per row (a third at 512+ tokens)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="fresh pairs of worker processes per group (default 1); rows report their median")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.calls < 1 or any(t < 1 for t in args.tokens):
-        parser.error("--calls and --tokens must be >= 1")
+    if args.calls < 1 or args.rounds < 1 or any(t < 1 for t in args.tokens):
+        parser.error("--calls, --rounds and --tokens must be >= 1")
     if args.worker:  # validated by the driver; the worker's checkout may predate ALL_METHODS
         return args
     from kt_ops.bench.runner import ALL_METHODS, SHAPES
@@ -162,17 +180,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'row':18} {'A us':>9} {'B us':>9}  median B/A")
     rows = {}
     for group in args.groups:
-        a = Side(args.a, args.a_variant, group, args.tokens)
-        b = Side(args.b, args.b_variant, b_group(group, args.b_method), args.tokens)
-        try:
-            for tokens in args.tokens:
-                calls = args.calls if tokens < 512 else max(3, args.calls // 3)
-                row = pair_row(a, b, tokens, calls)
-                rows[f"{group}:{tokens}"] = row
-                print(f"{group + ':' + str(tokens):18} {row['a_us']:9.0f} {row['b_us']:9.0f}  {row['ratio']:.3f}", flush=True)
-        finally:
-            a.close()
-            b.close()
+        rounds: dict[int, list[dict[str, float]]] = {tokens: [] for tokens in args.tokens}
+        for round_index in range(args.rounds):
+            a = Side(args.a, args.a_variant, group, args.tokens)
+            b = Side(args.b, args.b_variant, b_group(group, args.b_method), args.tokens)
+            try:
+                for tokens in args.tokens:
+                    calls = args.calls if tokens < 512 else max(3, args.calls // 3)
+                    row = pair_row(a, b, tokens, calls)
+                    rounds[tokens].append(row)
+                    label = f"{group}:{tokens}" + (f" r{round_index + 1}" if args.rounds > 1 else "")
+                    print(f"{label:18} {row['a_us']:9.0f} {row['b_us']:9.0f}  {row['ratio']:.3f}", flush=True)
+            finally:
+                a.close()
+                b.close()
+        for tokens in args.tokens:
+            row = combine_rounds(rounds[tokens])
+            rows[f"{group}:{tokens}"] = row
+            if args.rounds > 1:
+                ratios = row["round_ratios"]
+                print(f"{group + ':' + str(tokens):18} {row['a_us']:9.0f} {row['b_us']:9.0f}  {row['ratio']:.3f}"
+                      f"  (rounds {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -311,6 +311,18 @@ def test_ab_pair_alternates_sides_and_takes_the_median_of_paired_ratios() -> Non
     assert row["a_us"] == pytest.approx(550) and row["b_us"] == pytest.approx(275)
 
 
+def test_ab_pair_rounds_take_the_median_of_round_medians() -> None:
+    ab_pair = load_ab_pair()
+    rounds = [{"a_us": 100.0, "b_us": 90.0, "ratio": 0.9}, {"a_us": 300.0, "b_us": 330.0, "ratio": 1.1},
+              {"a_us": 200.0, "b_us": 190.0, "ratio": 0.95}]
+    row = ab_pair.combine_rounds(rounds)
+    assert row["ratio"] == pytest.approx(0.95) and row["round_ratios"] == [0.9, 1.1, 0.95]
+    assert row["a_us"] == pytest.approx(200) and row["b_us"] == pytest.approx(190)
+    assert ab_pair.parse_args(["S1:Q4_K", "--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        ab_pair.parse_args(["S1:Q4_K", "--rounds", "0"])
+
+
 def test_ab_pair_rejects_unknown_rows() -> None:
     ab_pair = load_ab_pair()
     with pytest.raises(SystemExit) as exit_info:
