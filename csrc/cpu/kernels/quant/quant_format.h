@@ -165,6 +165,7 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
                                           kQuantPrefetchLines);
       t.a = row_at;
       t.a_sums = sums_at;
+      if (b0 + max_blocks < blocks) t.next_tile = w + (b0 + max_blocks) * block_bytes;
       // The job's next tile of blocks comes to L2 while this one runs: its streams start
       // warm (Zen 3, a C++ harness of S1's 1-token down jobs of 16 blocks: 24 -> 30 GB/s,
       // a plain reader of the same bytes 31). Only with AVX2-width registers: on the
