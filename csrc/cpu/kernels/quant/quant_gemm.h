@@ -203,8 +203,8 @@ struct QuantGemm {
       // nibbles in place, 16 x their level, and divide their sum by 16 at the flush
       // (exact: a multiple of 16): one shift less per line and block. Bit-identical; paired
       // A/B against the shift (Zen 5, avx512_bf16, 1 token, 30 calls, 2026-11-27): S1
-      // RAWINT4 / AMXINT4, S2 GPTQ_INT4 0.97-0.99 of the time in a calm run, inside the
-      // noise (0.88-1.07) in others.
+      // RAWINT4 / AMXINT4, S2 GPTQ_INT4 0.97-0.99 of the time in one calm run; other runs
+      // were inside the spread between two processes (scripts/ab_pair.py).
       constexpr bool kHighX16 = kSplit && !kMxfp4 && !HasDotInt4<Ops>::value;  // no dot_int4: vpdpbusd
       if (t.stream_scales) {  // the streamed blocks have the tile's layout: same offsets
         const int64_t group_at = Kind == QuantKind::kInt8 ? 0 : g * kScaleRowBytes;
