@@ -165,8 +165,9 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
                                           kQuantPrefetchLines);
       t.a = row_at;
       t.a_sums = sums_at;
-      if (b0 + max_blocks < blocks) t.next_tile = w + (b0 + max_blocks) * block_bytes;
-      // The job's next tile of blocks comes to L2 while this one runs: its streams start
+      const int next_blocks = std::min(max_blocks, blocks - b0 - max_blocks);  // <= 0: last tile
+      if (next_blocks > 0) t.next_tile = w + (b0 + max_blocks) * block_bytes;
+      // All of the job's next tile of blocks comes to L2 while this one runs: its streams start
       // warm (Zen 3, a C++ harness of S1's 1-token down jobs of 16 blocks: 24 -> 30 GB/s,
       // a plain reader of the same bytes 31). Only with AVX2-width registers: on the
       // AVX-512 variants the extra prefetches cost more than they save (Zen 5,
@@ -174,9 +175,9 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
       // AMXINT8 0.84-0.91 of the time, AMXINT4 / GPTQ_INT4 0.88-0.96, RAWINT4 / MXFP4
       // 0.95-1.01; forced to avx_vnni, AMXINT8 0.86-0.90 but AMXINT4 0.93-1.10, so kept).
       constexpr bool kStreamNextTile = Micro::R == 2;
-      if (kStreamNextTile && b0 + max_blocks < blocks) {
-        t.stream = w + (b0 + max_blocks) * block_bytes;
-        t.stream_blocks = std::min(max_blocks, blocks - b0 - max_blocks);
+      if (kStreamNextTile && next_blocks > 0) {
+        t.stream = t.next_tile;
+        t.stream_blocks = next_blocks;
         t.stream_scales = true;
       }
       if (rows == 1)
