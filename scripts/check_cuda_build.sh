@@ -28,7 +28,8 @@ python - <<'PY'
 import torch, kt_ops, kt_ops.cuda
 from torch._subclasses.fake_tensor import FakeTensorMode
 assert kt_ops.cuda.is_built(), "built without the CUDA key"
-assert torch._C._dispatch_has_kernel_for_dispatch_key("kt::moe_forward", "CUDA"), "no CUDA kernel registered"
+for op in ("kt::moe_forward", "kt::moe_forward_parts"):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), f"no CUDA kernel registered for {op}"
 E, H, I = 8, 64, 32
 gate, up, down = (torch.randn(E, I, H) * 0.1, torch.randn(E, I, H) * 0.1, torch.randn(E, H, I) * 0.1)
 layer = kt_ops.HybridMoE(torch.randn(E, H), gate, up, down, kt_ops.Routing(2), gpu_experts_mask=torch.arange(E) < 2)
@@ -39,5 +40,5 @@ with FakeTensorMode(allow_non_fake_inputs=True):
              for n, t in {**dict(layer.named_parameters()), **dict(layer.named_buffers())}.items()}
     out = torch.func.functional_call(layer, state, (torch.empty(5, H, device="cuda"),))
 print("fake CUDA trace:", out.device, tuple(out.shape))
-print("GPU present:", torch.cuda.is_available(), "| CUDA key compiled: yes (kt::moe_forward has a CUDA kernel)")
+print("GPU present:", torch.cuda.is_available(), "| CUDA key compiled: yes (kt::moe_forward and kt::moe_forward_parts have CUDA kernels)")
 PY

@@ -1,11 +1,12 @@
-"""The CUDA side of kt::moe_forward and HybridMoE.
+"""The CUDA side of kt::moe_forward, kt::moe_forward_parts and HybridMoE.
 
 Runs everywhere: live_tokens on the CPU key, and tracing the hybrid layer with fake CUDA
 tensors (the fake implementation handles CUDA inputs with packed weights on the CPU).
 Needs a GPU and a build with the CUDA key (skipped otherwise, with the reason): eager
 CUDA calls against the CPU key, CUDA graph capture and replay at two batch sizes with a
 live batch size, the side-stream overlap with GPU experts, host-function errors,
-bounded pinned memory, and the op kept once per layer under torch.compile.
+bounded pinned memory, the op kept once per layer under torch.compile, and the parts
+operator's CUDA key (bit-equal to its CPU key, its parts run at once, opcheck, errors).
 """
 
 from __future__ import annotations
@@ -227,6 +228,37 @@ def test_host_function_errors_are_raised_on_the_next_call() -> None:
     with pytest.raises(RuntimeError, match=r"topk_ids\[0, 1\] = 11 is outside"):
         kt_ops.cuda.raise_pending_error()
     kt_ops.moe_forward(x, bad.clamp(max=E - 1), weights, experts.packed)  # error consumed
+
+
+@needs_gpu
+def test_cuda_parts_match_the_cpu_key() -> None:
+    """kt::moe_forward_parts on CUDA activations: the CPU key's result bit for bit, each
+    part run by the engine on its node (its record), opcheck, and a bad id zeroing the
+    output and raised on the next call, named by the operator."""
+    from kt_ops._native import _C
+    from kt_ops.numa import resolve_nodes
+    from kt_ops.parts import pack_parts
+
+    experts = make_experts(E, H, I)
+    parts = pack_parts(experts.gate, experts.up, experts.down, "BF16", 2)
+    nodes = resolve_nodes(None, 2)
+    for tokens, dtype in ((1, torch.bfloat16), (9, torch.float32), (33, torch.float16)):
+        ids, weights = random_routing(tokens, E, 2, seed=tokens)
+        x = torch.randn(tokens, H).to(dtype)
+        expected = kt_ops.ops.moe_forward_parts(x, ids, weights, parts, nodes)
+        actual = kt_ops.ops.moe_forward_parts(x.cuda(), ids.cuda(), weights.cuda(), parts, nodes)
+        assert actual.device.type == "cuda" and actual.dtype == dtype
+        torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0)
+        assert [run[0] for run in _C.last_parts()] == nodes
+        torch.library.opcheck(torch.ops.kt.moe_forward_parts.default,
+                              (x.cuda(), ids.cuda(), weights.cuda(), [p.data for p in parts], nodes))
+    bad = torch.tensor([[0, E + 3], [1, 2]], device="cuda")
+    out = kt_ops.ops.moe_forward_parts(torch.randn(2, H, device="cuda"), bad, torch.ones(2, 2, device="cuda"),
+                                       parts, nodes)
+    torch.cuda.synchronize()
+    assert not out.any()
+    with pytest.raises(RuntimeError, match=r"kt::moe_forward_parts \(CUDA host function\): topk_ids\[0, 1\] = 11"):
+        kt_ops.cuda.raise_pending_error()
 
 
 @needs_gpu

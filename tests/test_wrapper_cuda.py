@@ -98,8 +98,9 @@ def test_device_path_on_the_cpu_key_matches_the_reference(weights, threadpool_co
 @pytest.mark.parametrize("threadpool_count,chunk,tokens", [(1, None, 5), (2, 4, 9)])
 def test_fake_cuda_trace_has_no_host_sync(weights, threadpool_count: int, chunk: int | None, tokens: int) -> None:
     """make_fx over fake CUDA tensors of the wrapper's device path (deferred split
-    included): one kt.moe_forward per part and chunk, CUDA activations, packed experts
-    on the CPU, and nothing that copies to the host or reads a value back."""
+    included): one kt.moe_forward per chunk (kt.moe_forward_parts where the layer is in
+    parts: every part at once), CUDA activations, packed experts on the CPU, and nothing
+    that copies to the host or reads a value back."""
     wr = make_wrapper(weights, threadpool_count=threadpool_count, chunked_prefill_size=chunk,
                       max_deferred_experts_per_token=1)
     route = wr._route
@@ -118,17 +119,21 @@ def test_fake_cuda_trace_has_no_host_sync(weights, threadpool_count: int, chunk:
         graph = make_fx(step, tracing_mode="real")(x, ids, w, table)
         out = graph(x, ids, w, table)
     assert out.device.type == "cuda" and out.shape == (tokens, H) and out.dtype == torch.bfloat16
-    calls = [n for n in graph.graph.nodes if n.target == torch.ops.kt.moe_forward.default]
+    op = torch.ops.kt.moe_forward.default if threadpool_count == 1 else torch.ops.kt.moe_forward_parts.default
+    calls = [n for n in graph.graph.nodes if n.target in (torch.ops.kt.moe_forward.default,
+                                                         torch.ops.kt.moe_forward_parts.default)]
     chunks = -(-tokens // (chunk or tokens))
-    assert len(calls) == 2 * threadpool_count * chunks
+    assert len(calls) == 2 * chunks and all(call.target == op for call in calls)
     for call in calls:
-        hidden, routed, scores, packed = (arg.meta["val"] for arg in call.args[:4])
+        hidden, routed, scores = (arg.meta["val"] for arg in call.args[:3])
         assert hidden.device.type == routed.device.type == scores.device.type == "cuda"
-        assert packed.device.type == "cpu"
+        packed = call.args[3]  # a node, or a list of them (the parts)
+        blobs = [node.meta["val"] for node in (packed if isinstance(packed, (list, tuple)) else [packed])]
+        assert len(blobs) == threadpool_count and all(blob.device.type == "cpu" for blob in blobs)
     for node in graph.graph.nodes:
         assert node.target not in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
         value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and node.op == "call_function" and node.target != torch.ops.kt.moe_forward.default:
+        if isinstance(value, torch.Tensor) and node.op == "call_function" and node.target != op:
             assert value.device.type == "cuda", f"{node.target} leaves the GPU"
 
 

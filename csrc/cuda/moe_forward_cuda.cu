@@ -1,5 +1,6 @@
-// CUDA key of kt::moe_forward: the experts stay in host memory and run on the CPU, in
-// stream order. On the current stream: copy the inputs (and live_tokens) into pinned
+// CUDA keys of kt::moe_forward and kt::moe_forward_parts: the experts stay in host memory
+// and run on the CPU, in stream order (a layer's parts at once, each on its NUMA node's
+// threads, as the CPU key of kt::moe_forward_parts). On the current stream: copy the inputs (and live_tokens) into pinned
 // staging, cudaLaunchHostFunc the CPU experts, copy the result back. Nothing blocks the
 // Python thread; under CUDA graph capture the same three steps are recorded, with the
 // staging reserved ahead (kt_ops.cuda.reserve_cuda_graph_buffers) and the host function's
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <vector>
 
 #include "../cpu/isa/cpu_variant.h"
 #include "../cpu/kernels/kernel_table.h"
@@ -27,7 +29,9 @@ namespace kt::cuda {
 namespace {
 
 struct HostCall {
+  const char* op = "kt::moe_forward";
   cpu::MoeArgs args;  // activations point into the staging
+  std::vector<cpu::MoePart> parts;  // kt::moe_forward_parts: its parts (args' blob unused); else empty
   int64_t hidden_bytes = 0;  // one output row
   bool has_live = false;
   bool live_int64 = false;
@@ -51,7 +55,7 @@ void give_to_graph(std::unique_ptr<HostCall> call, cudaStream_t stream) {
   cudaGraph_t graph = nullptr;
   C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id, &graph));
   TORCH_CHECK(status == cudaStreamCaptureStatusActive && graph != nullptr,
-              "kt::moe_forward: the stream stopped capturing during the call");
+              call->op, ": the stream stopped capturing during the call");
   cudaUserObject_t object = nullptr;
   C10_CUDA_CHECK(cudaUserObjectCreate(&object, call.get(), delete_host_call, 1, cudaUserObjectNoDestructorSync));
   call.release();  // the user object owns it now
@@ -59,6 +63,23 @@ void give_to_graph(std::unique_ptr<HostCall> call, cudaStream_t stream) {
   const cudaError_t retained = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
   if (retained != cudaSuccess) cudaUserObjectRelease(object, 1);  // deletes the call
   C10_CUDA_CHECK(retained);
+}
+
+// Scratch of the parts' fp32 outputs a host-function thread keeps between calls (larger
+// calls allocate theirs and free it after).
+constexpr size_t kKeptPartialsBytes = size_t{64} << 20;
+
+// kt::moe_forward_parts' CPU work: every part at once, their fp32 outputs [parts, T, H]
+// summed in part order (cpu/kernels/moe_parts.h). May throw (allocation, a NUMA node the
+// engine lacks).
+void run_parts(const cpu::MoeArgs& args, const std::vector<cpu::MoePart>& parts) {
+  const size_t floats = parts.size() * static_cast<size_t>(args.tokens) *
+                        static_cast<size_t>(parts.front().layout.shape.hidden_size);
+  thread_local std::vector<float> kept;
+  std::vector<float> once;
+  std::vector<float>& partials = floats * sizeof(float) <= kKeptPartialsBytes ? kept : once;
+  if (partials.size() < floats) partials.resize(floats);
+  cpu::moe_forward_parts(args, parts, partials.data(), cpu::active_cpu_variant());
 }
 
 // Runs on CUDA's host-function thread: no CUDA API here, and nothing may throw.
@@ -72,12 +93,17 @@ void CUDART_CB run_experts(void* data) {
     args.tokens = ops::clamp_live_tokens(live, args.tokens, &error);
   }
   if (error.empty()) error = ops::changed_mapped_file(args.packed);
+  for (const cpu::MoePart& part : call->parts)
+    if (error.empty()) error = ops::changed_mapped_file(part.packed);
   if (error.empty())
     error = ops::find_bad_expert_id(args.topk_ids, args.topk_ids_int64, args.tokens, args.top_k,
                                     args.layout.shape.num_experts);
   if (!error.empty()) args.tokens = 0;
   try {
-    if (args.tokens > 0) cpu::moe_kernel(args.layout.shape.format, cpu::active_cpu_variant()).forward(args);
+    if (args.tokens > 0 && call->parts.empty())
+      cpu::moe_kernel(args.layout.shape.format, cpu::active_cpu_variant()).forward(args);
+    else if (args.tokens > 0)
+      run_parts(args, call->parts);
   } catch (const std::exception& e) {
     error = e.what();
     args.tokens = 0;
@@ -86,7 +112,7 @@ void CUDART_CB run_experts(void* data) {
   if (args.tokens < rows)  // rows not computed (padding past live_tokens, or an error) are zero
     std::memset(static_cast<char*>(args.output) + args.tokens * call->hidden_bytes, 0,
                 (rows - args.tokens) * call->hidden_bytes);
-  if (!error.empty()) record_host_error("kt::moe_forward (CUDA host function): " + error);
+  if (!error.empty()) record_host_error(std::string(call->op) + " (CUDA host function): " + error);
   if (!call->owned_by_graph) delete call;
 }
 
@@ -99,13 +125,11 @@ void copy_async(void* dst, const void* src, int64_t bytes, cudaMemcpyKind kind, 
   if (bytes > 0) C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), kind, stream));
 }
 
-at::Tensor moe_forward_cuda(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                            const at::Tensor& topk_weights, const at::Tensor& packed,
-                            const c10::optional<at::Tensor>& live_tokens) {
-  const std::string pending = take_host_error();
-  TORCH_CHECK(pending.empty(), "an earlier call failed on the stream: ", pending);
-  cpu::MoeArgs args = ops::check_moe_call(hidden_states, topk_ids, topk_weights, packed);
-  ops::check_live_tokens(live_tokens);
+// Queues `call` (its kernel arguments checked, no data pointers yet) on the current stream
+// of hidden_states' device: the inputs copied into pinned staging, the host function, the
+// output copied back. Returns the output (hidden_states' shape and dtype).
+at::Tensor enqueue(std::unique_ptr<HostCall> call, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                   const at::Tensor& topk_weights, const c10::optional<at::Tensor>& live_tokens) {
   const at::Device device = hidden_states.device();
   check_device(hidden_states, "hidden_states", device);
   check_device(topk_ids, "topk_ids", device);
@@ -115,7 +139,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& hidden_states, const at::Tensor& t
   c10::cuda::CUDAGuard guard(device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   at::Tensor output = at::empty_like(hidden_states);
-  const int64_t tokens = args.tokens, hidden = hidden_states.size(1), top_k = args.top_k;
+  const int64_t tokens = call->args.tokens, hidden = hidden_states.size(1), top_k = call->args.top_k;
   if (tokens == 0) return output;
 
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -123,14 +147,12 @@ at::Tensor moe_forward_cuda(const at::Tensor& hidden_states, const at::Tensor& t
   const bool capturing = capture != cudaStreamCaptureStatusNone;
   Staging* staging = capturing ? graph_staging(device.index(), tokens, hidden, top_k)
                                : eager_staging(device.index(), stream, tokens, hidden, top_k);
-  TORCH_CHECK_VALUE(staging != nullptr, "kt::moe_forward is being captured in a CUDA graph with ", tokens,
+  TORCH_CHECK_VALUE(staging != nullptr, call->op, " is being captured in a CUDA graph with ", tokens,
                     " tokens, hidden size ", hidden, ", top-k ", top_k, ", but no pinned buffers were "
                     "reserved for that batch size: call kt_ops.cuda.reserve_cuda_graph_buffers([", tokens,
                     ", ...], hidden_size=", hidden, ", top_k=", top_k, ") (or HybridMoE.set_capture_batch_sizes) "
                     "before capture");
 
-  auto call = std::make_unique<HostCall>();
-  call->args = args;
   call->args.hidden = staging->hidden;
   call->args.topk_ids = staging->ids;
   call->args.topk_weights = staging->weights;
@@ -154,10 +176,37 @@ at::Tensor moe_forward_cuda(const at::Tensor& hidden_states, const at::Tensor& t
   return output;
 }
 
+void check_no_pending_error() {
+  const std::string pending = take_host_error();
+  TORCH_CHECK(pending.empty(), "an earlier call failed on the stream: ", pending);
+}
+
+at::Tensor moe_forward_cuda(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                            const at::Tensor& topk_weights, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& live_tokens) {
+  check_no_pending_error();
+  auto call = std::make_unique<HostCall>();
+  call->args = ops::check_moe_call(hidden_states, topk_ids, topk_weights, packed);
+  ops::check_live_tokens(live_tokens);
+  return enqueue(std::move(call), hidden_states, topk_ids, topk_weights, live_tokens);
+}
+
+at::Tensor moe_forward_parts_cuda(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                                  const at::Tensor& topk_weights, at::TensorList parts, at::IntArrayRef nodes) {
+  check_no_pending_error();
+  auto call = std::make_unique<HostCall>();
+  call->op = "kt::moe_forward_parts";
+  call->parts = ops::check_moe_parts(hidden_states, topk_ids, topk_weights, parts, nodes, &call->args);
+  return enqueue(std::move(call), hidden_states, topk_ids, topk_weights, c10::nullopt);
+}
+
 }  // namespace
 
 int64_t captured_host_calls() { return graph_owned_calls.load(); }
 
-TORCH_LIBRARY_IMPL(kt, CUDA, m) { m.impl("moe_forward", &moe_forward_cuda); }
+TORCH_LIBRARY_IMPL(kt, CUDA, m) {
+  m.impl("moe_forward", &moe_forward_cuda);
+  m.impl("moe_forward_parts", &moe_forward_parts_cuda);
+}
 
 }  // namespace kt::cuda

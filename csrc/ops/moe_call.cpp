@@ -34,6 +34,27 @@ std::string first_bad(const Id* ids, int64_t count, int64_t top_k, int64_t exper
 
 }  // namespace
 
+std::vector<cpu::MoePart> check_moe_parts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                                          const at::Tensor& topk_weights, at::TensorList parts,
+                                          at::IntArrayRef nodes, cpu::MoeArgs* args) {
+  TORCH_CHECK_VALUE(!parts.empty(), "parts must hold at least one packed blob");
+  TORCH_CHECK_VALUE(nodes.size() == parts.size(), "nodes has ", nodes.size(), " entries but parts has ", parts.size(),
+                    " (one NUMA node id per part)");
+  std::vector<cpu::MoePart> blobs;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const std::string name = "parts[" + std::to_string(p) + "]";
+    const cpu::MoeArgs part = check_moe_call(hidden_states, topk_ids, topk_weights, parts[p], name.c_str());
+    if (p == 0) *args = part;
+    TORCH_CHECK_VALUE(part.layout.shape.num_experts == args->layout.shape.num_experts, name, " holds ",
+                      part.layout.shape.num_experts, " experts but parts[0] holds ", args->layout.shape.num_experts,
+                      " (the parts of one layer hold every expert)");
+    TORCH_CHECK_VALUE(nodes[p] >= 0 && nodes[p] < (int64_t{1} << 30), "nodes[", p, "] = ", nodes[p],
+                      " is not a NUMA node id");
+    blobs.push_back({part.packed, part.layout, static_cast<int>(nodes[p])});
+  }
+  return blobs;
+}
+
 cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                             const at::Tensor& topk_weights, const at::Tensor& packed, const char* packed_name) {
   check_dtype(hidden_states, "hidden_states", {at::kBFloat16, at::kHalf, at::kFloat});

@@ -1,5 +1,6 @@
-// What the CPU and CUDA keys of kt::moe_forward share: the metadata checks (dtypes, ranks,
-// shapes, the packed header, live_tokens) and the kernel arguments they fill. Data checks
+// What the CPU and CUDA keys of kt::moe_forward and kt::moe_forward_parts share: the
+// metadata checks (dtypes, ranks, shapes, the packed headers, live_tokens, the parts'
+// nodes) and the kernel arguments they fill. Data checks
 // (expert ids in range) are pointer-based so the CUDA key's host function can run them
 // on staged host memory.
 #pragma once
@@ -9,8 +10,10 @@
 
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "../cpu/kernels/moe_args.h"
+#include "../cpu/kernels/moe_parts.h"
 
 namespace kt::ops {
 
@@ -21,6 +24,13 @@ namespace kt::ops {
 cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                             const at::Tensor& topk_weights, const at::Tensor& packed,
                             const char* packed_name = "packed");
+
+// moe_forward_parts' parts (packed blobs of one E and H, each checked as check_moe_call's
+// `packed`, named parts[p]) and nodes (one NUMA node id per part) -> one MoePart each;
+// *args gets check_moe_call's arguments of parts[0].
+std::vector<cpu::MoePart> check_moe_parts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                                          const at::Tensor& topk_weights, at::TensorList parts,
+                                          at::IntArrayRef nodes, cpu::MoeArgs* args);
 
 // live_tokens: an optional one-element int32/int64 tensor; only its first `value` tokens
 // are computed (the rest of the output is zero). Checks its dtype and size only.

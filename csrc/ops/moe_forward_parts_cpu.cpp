@@ -19,22 +19,8 @@ namespace {
 at::Tensor moe_forward_parts_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                  const at::Tensor& topk_weights, at::TensorList parts, at::IntArrayRef nodes) {
   RECORD_FUNCTION("kt::moe_forward_parts", std::vector<c10::IValue>({hidden_states, topk_ids}));
-  TORCH_CHECK_VALUE(!parts.empty(), "parts must hold at least one packed blob");
-  TORCH_CHECK_VALUE(nodes.size() == parts.size(), "nodes has ", nodes.size(), " entries but parts has ", parts.size(),
-                    " (one NUMA node id per part)");
   cpu::MoeArgs args;
-  std::vector<cpu::MoePart> blobs;
-  for (size_t p = 0; p < parts.size(); ++p) {
-    const std::string name = "parts[" + std::to_string(p) + "]";
-    const cpu::MoeArgs part = check_moe_call(hidden_states, topk_ids, topk_weights, parts[p], name.c_str());
-    if (p == 0) args = part;
-    TORCH_CHECK_VALUE(part.layout.shape.num_experts == args.layout.shape.num_experts, name, " holds ",
-                      part.layout.shape.num_experts, " experts but parts[0] holds ", args.layout.shape.num_experts,
-                      " (the parts of one layer hold every expert)");
-    TORCH_CHECK_VALUE(nodes[p] >= 0 && nodes[p] < (int64_t{1} << 30), "nodes[", p, "] = ", nodes[p],
-                      " is not a NUMA node id");
-    blobs.push_back({part.packed, part.layout, static_cast<int>(nodes[p])});
-  }
+  const std::vector<cpu::MoePart> blobs = check_moe_parts(hidden_states, topk_ids, topk_weights, parts, nodes, &args);
   check_cpu_contiguous(hidden_states, "hidden_states");
   check_cpu_contiguous(topk_ids, "topk_ids");
   check_cpu_contiguous(topk_weights, "topk_weights");

@@ -2,8 +2,8 @@
 packed experts by a device-side table, parts and chunks summed in fp32.
 
 CPU inputs run it on a background thread. With a build that has the CUDA key (:func:`kt_ops.cuda.is_built`), ``submit_forward``
-with CUDA ``hidden_states`` queues ``torch.ops.kt.moe_forward`` on the stream
-(``cuda_stream`` or the current one): the inputs are staged into pinned memory, the
+with CUDA ``hidden_states`` queues ``torch.ops.kt.moe_forward`` (``moe_forward_parts``
+for a layer in NUMA parts) on the stream (``cuda_stream`` or the current one): the inputs are staged into pinned memory, the
 experts run in a host function and the result is copied back, in stream order, with
 no host synchronisation in Python (ids are mapped to packed experts on the device), so
 ``forward`` can be captured in a CUDA graph once the batch sizes were given to
@@ -64,12 +64,11 @@ def experts_on_device(
     """fp32 ``[T, H]`` on x's device: the CPU experts of physical ``ids [T, K]`` summed
     over ``parts`` (fp32 rows in and out, as on the CPU path), ``chunk`` tokens per call.
 
-    CPU tensors: several parts (or ``nodes`` given) run in one ``kt::moe_forward_parts``
-    call, part ``i`` on the threads of NUMA node ``nodes[i]`` (None: the nodes in turn,
-    :func:`kt_ops.numa.resolve_nodes`), all parts at once; one part without ``nodes`` is
-    one ``kt::moe_forward`` on all threads. CUDA tensors: one ``kt::moe_forward`` per part
-    (the CUDA key has no parts operator), one after another, each on all threads."""
-    on_nodes = x.device.type == "cpu" and (nodes is not None or len(parts) > 1)
+    CPU or CUDA tensors alike: several parts (or ``nodes`` given) run in one
+    ``kt::moe_forward_parts`` call, part ``i`` on the threads of NUMA node ``nodes[i]``
+    (None: the nodes in turn, :func:`kt_ops.numa.resolve_nodes`), all parts at once; one
+    part without ``nodes`` is one ``kt::moe_forward`` on all threads."""
+    on_nodes = nodes is not None or len(parts) > 1
     if on_nodes and nodes is None:
         nodes = resolve_nodes(None, len(parts))
     x = x.float().contiguous()
