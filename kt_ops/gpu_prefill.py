@@ -22,8 +22,14 @@ One call, in chunks of the routed experts (about ``chunk_bytes`` of packed weigh
    :func:`kt_ops.gguf_torch.dequantize_rows`) and runs each expert over its tokens.
 
 The host stages chunk ``k + 1`` while the GPU copies ``k`` and computes ``k - 1``; at most
-two chunks are on the GPU (double buffering). The same code runs on the CPU (no streams),
-which is how the CPU tests check it.
+two chunks are on the GPU (double buffering). Across layers: a call given ``next_layer``
+(the model's next kt_ops MoE layer, linked by :func:`set_gpu_prefill_token_threshold`)
+(``prefetch_next_layer``) starts staging and copying that layer's first chunk — its lowest expert ids, which a long
+prompt routes to — on a background thread once its own chunks are queued, so the host
+writes layer L + 1's first experts while the GPU computes layer L and the attention of
+L + 1; that layer's call takes the chunk if it was staged for the same dtype, device and
+chunk size (experts it does not route to are skipped). The same code runs on the CPU (no
+streams), which is how the CPU tests check it.
 
 Numerics: bf16 weights and activations with fp32 accumulation (fp32 where the input is
 fp32), the activation in fp32, each token's K weighted expert outputs summed in fp32 in
@@ -34,7 +40,9 @@ GPU's GEMMs choose their kernels by the number of tokens per expert, so unlike
 
 from __future__ import annotations
 
+import threading
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Union
 
@@ -198,6 +206,77 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _COPY_STREAMS[device]
 
 
+@dataclass
+class _Staged:
+    """A chunk on the device: its experts and six tensors (:func:`_host_chunk`), and the
+    event its copy ends with (None on the CPU)."""
+
+    experts: list[int]
+    tensors: list[torch.Tensor]
+    ready: torch.cuda.Event | None
+
+
+def _stage(packed: PackedExperts, experts: list[int], layout: Transport, dtype: torch.dtype,
+           device: torch.device) -> _Staged:
+    """Stages a chunk on the host and queues its copy on the device's copy stream (from
+    any thread)."""
+    cuda = device.type == "cuda"
+    host = _host_chunk(packed, experts, layout, dtype, pin=cuda)
+    if not cuda:
+        return _Staged(experts, host, None)
+    copy = _copy_stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(copy):
+        tensors = [t.to(device, non_blocking=True) for t in host]
+        ready = torch.cuda.Event()
+        ready.record(copy)
+    return _Staged(experts, tensors, ready)
+
+
+_PREFETCH_LOCK = threading.Lock()
+_PREFETCH_POOL: ThreadPoolExecutor | None = None
+# id(blob) -> (the blob, (dtype, device, chunk experts), the first chunk being staged)
+_PREFETCHED: dict[int, tuple[weakref.ref, tuple, Future]] = {}
+
+
+def _chunk_experts(packed: PackedExperts, chunk_bytes: int) -> int:
+    """Experts per chunk: about ``chunk_bytes`` of packed weights, at least one."""
+    per_expert = max(1, packed.nbytes // max(packed.num_experts, 1))
+    return max(1, chunk_bytes // per_expert)
+
+
+def prefetch_first_chunk(packed: PackedExperts, dtype: torch.dtype, device: torch.device,
+                         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """Starts staging the first chunk of ``packed`` (experts ``0 ..`` about ``chunk_bytes``
+    of them) for a call in ``dtype`` on ``device``, on a background thread (host writes,
+    then the copy on the copy stream); :func:`moe_forward_on_device` on that layer with
+    the same dtype, device and ``chunk_bytes`` takes it. A layer holds one such chunk at
+    a time (a newer one replaces it)."""
+    global _PREFETCH_POOL
+    size = _chunk_experts(packed, chunk_bytes)
+    experts = list(range(min(size, packed.num_experts)))
+    if not experts:
+        return
+    layout = transport(packed)
+    with _PREFETCH_LOCK:
+        if _PREFETCH_POOL is None:
+            _PREFETCH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kt_ops_prefetch")
+        future = _PREFETCH_POOL.submit(_stage, packed, experts, layout, dtype, device)
+        key = id(packed.data)
+        _PREFETCHED[key] = (weakref.ref(packed.data, lambda _, key=key: _PREFETCHED.pop(key, None)),
+                            (dtype, device, size), future)
+
+
+def _take_prefetched(packed: PackedExperts, dtype: torch.dtype, device: torch.device, size: int) -> _Staged | None:
+    """The first chunk :func:`prefetch_first_chunk` staged for this call, or None (none,
+    or staged for another dtype, device or chunk size: dropped)."""
+    with _PREFETCH_LOCK:
+        hit = _PREFETCHED.pop(id(packed.data), None)
+    if hit is None or hit[0]() is not packed.data:
+        return None
+    staged = hit[2].result()  # raises the staging's error, if any
+    return staged if hit[1] == (dtype, device, size) else None
+
+
 def moe_forward_on_device(
     hidden_states: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -205,6 +284,7 @@ def moe_forward_on_device(
     packed: PackedExperts,
     live_tokens: torch.Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    next_layer: PackedExperts | None = None,
 ) -> torch.Tensor:
     """``torch.ops.kt.moe_forward``'s result, computed on ``hidden_states``' device with
     the routed experts copied there from the packed layer (the module docstring).
@@ -217,6 +297,8 @@ def moe_forward_on_device(
             alpha SwiGLU as its header says).
         live_tokens: int ``[1]`` or None: rows from ``live_tokens`` on give 0.
         chunk_bytes: packed bytes per chunk of experts (at least one expert a chunk).
+        next_layer: the layer computed next, or None: its first chunk is staged in the
+            background once this call's chunks are queued (:func:`prefetch_first_chunk`).
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype. Syncs the host once (the expert counts);
@@ -257,30 +339,43 @@ def moe_forward_on_device(
     if biases is not None:
         biases = tuple(b.to(device) for b in biases)
     layout = transport(packed)
-    per_expert = max(1, packed.nbytes // max(E, 1))
-    size = max(1, chunk_bytes // per_expert)
+    size = _chunk_experts(packed, chunk_bytes)
+    first = _take_prefetched(packed, dtype, device, size)
+    if first is not None:  # the lowest ids: the rest keep the ascending order
+        taken = set(first.experts)
+        experts = [e for e in experts if e not in taken]
     chunks = [experts[i:i + size] for i in range(0, len(experts), size)]
+    if first is not None:
+        chunks.insert(0, first.experts)
 
     cuda = device.type == "cuda"
     copy = _copy_stream(device) if cuda else None
     compute = torch.cuda.current_stream(device) if cuda else None
     done: list[torch.cuda.Event | None] = [None, None]
     for k, chunk in enumerate(chunks):
-        host = _host_chunk(packed, chunk, layout, dtype, pin=cuda)  # overlaps the GPU's work on chunk k - 1
+        staged = first if k == 0 and first is not None else None
+        host = None if staged is not None else _host_chunk(packed, chunk, layout, dtype, pin=cuda)  # overlaps chunk k - 1
         slot = k % 2
         if done[slot] is not None:
             done[slot].synchronize()  # chunk k - 2's device buffers are free: two chunks on the GPU at most
-        if cuda:
+        if staged is not None:
+            tensors = staged.tensors
+            if staged.ready is not None:
+                compute.wait_event(staged.ready)
+        elif cuda:
             with torch.cuda.stream(copy):
                 tensors = [t.to(device, non_blocking=True) for t in host]
             compute.wait_stream(copy)
-            for t in tensors:
-                t.record_stream(compute)
         else:
             tensors = host
+        if cuda:
+            for t in tensors:
+                t.record_stream(compute)
         gates, ups, downs = _weights(tensors, layout, H, I, dtype)
         for c, e in enumerate(chunk):
             lo, hi = offsets[e], offsets[e + 1]
+            if lo == hi:  # a prefetched expert this call does not route to
+                continue
             h = x.index_select(0, tokens[lo:hi]).to(dtype)
             gate, up = (h @ gates[c].T).float(), (h @ ups[c].T).float()
             if biases is not None:
@@ -296,6 +391,8 @@ def moe_forward_on_device(
             event = torch.cuda.Event()
             event.record(compute)
             done[slot] = event
+    if next_layer is not None:
+        prefetch_first_chunk(next_layer, dtype, device, chunk_bytes)
     return out.to(x.dtype)
 
 
@@ -312,6 +409,21 @@ def should_run_on_device(x: torch.Tensor, threshold: int) -> bool:
 
 PREFILL_ATTRIBUTE = "_kt_ops_gpu_prefill"  # an experts module's threshold (kt_ops.hf_experts), in its __dict__
 UPDATE_ATTRIBUTE = "_kt_ops_gpu_prefill_updates"  # its update_gpu_experts flag
+NEXT_ATTRIBUTE = "_kt_ops_gpu_prefill_next"  # a layer's weak reference to the next (HybridMoE or experts module)
+
+
+def next_layer(module: torch.nn.Module) -> PackedExperts | None:
+    """The packed experts of the layer :func:`set_gpu_prefill_token_threshold` linked after
+    ``module`` (a :class:`kt_ops.HybridMoE` or a transformers experts module), or None."""
+    ref = module.__dict__.get(NEXT_ATTRIBUTE)
+    following = ref() if ref is not None else None
+    if following is None:
+        return None
+    from kt_ops import hf_experts
+
+    blob = getattr(following, "packed", None) if not hf_experts.is_experts_module(following) else \
+        getattr(following, hf_experts.BLOB_ATTRIBUTE, None)
+    return PackedExperts(blob) if isinstance(blob, torch.Tensor) and blob.numel() else None
 
 
 def checked_threshold(tokens: object) -> int:
@@ -328,7 +440,8 @@ def batch_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(ids[ids >= 0], minlength=num_experts)[:num_experts]
 
 
-def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_gpu_experts: bool = False) -> int:
+def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_gpu_experts: bool = False,
+                                    prefetch_next_layer: bool = False) -> int:
     """Calls of at least ``tokens`` tokens (0: none) whose activations are on a GPU compute
     the CPU experts of ``model``'s kt_ops MoE layers there (:func:`moe_forward_on_device`),
     as kt-kernel's ``--kt-gpu-prefill-token-threshold``. ``model``: a module holding
@@ -340,6 +453,14 @@ def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_
     (SGLang's ``--kt-enable-dynamic-expert-update``: ``select_top_experts_from_batch``,
     ascending ids), in place, after the call's own output is computed.
 
+    ``prefetch_next_layer``: the layers are linked in ``model.modules()`` order (the
+    model's layer order), and a GPU-prefill call of one starts staging the next one's
+    first chunk of experts in the background (:func:`moe_forward_on_device`'s
+    ``next_layer``), so the host's writes for layer L + 1 overlap the GPU's work on
+    layer L and the attention of L + 1. Off by default until measured on a GPU
+    (``scripts/bench_gpu_prefill.py --layers 2``): the staging thread competes for the
+    cores with whatever else the host runs. False (or ``tokens = 0``) unlinks them.
+
     Returns the number of layers set; ``ValueError`` for a bad ``tokens``, a model with no
     such layer, or ``update_gpu_experts`` with no dynamic layer holding GPU experts."""
     from kt_ops import hf_experts
@@ -347,6 +468,7 @@ def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_
 
     tokens = checked_threshold(tokens)
     count = movable = 0
+    layers: list[torch.nn.Module] = []
     for module in model.modules():
         if isinstance(module, HybridMoE):
             dynamic = module.dynamic and module.num_gpu_experts > 0
@@ -359,8 +481,12 @@ def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_
             module.__dict__[UPDATE_ATTRIBUTE] = bool(update_gpu_experts) and dynamic
         else:
             continue
+        layers.append(module)
         count += 1
         movable += dynamic
+    for module, following in zip(layers, layers[1:] + [None]):
+        linked = tokens and prefetch_next_layer and following is not None
+        module.__dict__[NEXT_ATTRIBUTE] = weakref.ref(following) if linked else None
     if not count:
         raise ValueError(f"{type(model).__name__} holds no kt_ops MoE layer (HybridMoE or a transformers experts "
                          "module)")
@@ -370,4 +496,5 @@ def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "GgufRows", "batch_counts", "checked_threshold", "expand_rows", "moe_forward_on_device",
-           "row_layout", "set_gpu_prefill_token_threshold", "should_run_on_device", "transport"]
+           "next_layer", "prefetch_first_chunk", "row_layout", "set_gpu_prefill_token_threshold",
+           "should_run_on_device", "transport"]

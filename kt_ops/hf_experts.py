@@ -44,6 +44,7 @@ from kt_ops.packed import PackedExperts
 
 IMPLEMENTATION = "kt_ops"
 _BLOB = "_kt_ops_blob"
+BLOB_ATTRIBUTE = _BLOB  # the packed experts of a module (absent until it is packed)
 _INTERMEDIATE = "_kt_ops_intermediate_size"  # the blob's I, read once (kt_ops.autograd.moe_forward)
 _ROUTE = "_kt_ops_route"  # int64 [E]: expert -> packed index, -1 for the experts kept in torch
 _LOCAL = "_kt_ops_local"  # the experts kept in torch: (ids [G], gate_up, gate_up_bias, down, down_bias)
@@ -87,7 +88,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     x, weights = hidden_states.contiguous(), top_k_weights.contiguous()
     prefill = gpu_prefill.should_run_on_device(x, self.__dict__.get(gpu_prefill.PREFILL_ATTRIBUTE, 0))
     if prefill:
-        out = gpu_prefill.moe_forward_on_device(x, ids, weights, PackedExperts(blob))
+        out = gpu_prefill.moe_forward_on_device(x, ids, weights, PackedExperts(blob),
+                                                next_layer=gpu_prefill.next_layer(self))
     elif autograd.saves_gate_up(x, weights):  # training: save gate and up for the backward
         size = self.__dict__.get(_INTERMEDIATE)
         if size is None:

@@ -9,6 +9,11 @@ computed on the GPU), interleaved, medians of ``--repeats``. Also prints the byt
 GPU path copied per call and the rate that makes; the crossover is where the GPU column
 drops below the CPU one (kt-kernel's default threshold is 4096 tokens). Needs a GPU and
 kt_ops built with its CUDA key.
+
+``--layers N`` (N >= 2) also times a chain of N distinct layers of the method, each after
+an attention-sized block of GPU work (four ``[T, H] x [H, H]`` bf16 products), through the
+GPU path with each layer staging the next one's first chunk ahead (``next_layer``) and
+without, interleaved: the ``chain ms`` columns, and their ratio.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 2048, 8192])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of this script where no GPU is")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="N >= 2: also a chain of N layers with and without the next layer staged ahead")
     args = parser.parse_args()
     if args.device != "cpu" and (not torch.cuda.is_available() or not kt_ops.cuda.is_built()):
         raise SystemExit("needs a GPU and kt_ops built with its CUDA key (KT_OPS_CUDA=1)")
@@ -57,10 +64,13 @@ def main() -> None:
         rate = statistics.median(timed(lambda: target.copy_(pinned, non_blocking=True)) for _ in range(5))
         print(f"pinned host -> GPU copy: {pinned.numel() / rate / 1e9:.1f} GB/s")
         del pinned, target
+    chain_head = f" {'chain ms':>9} {'ahead ms':>9} {'ratio':>6}" if args.layers > 1 else ""
     print(f"{'method':14} {'tokens':>6} {'cpu ms':>8} {'gpu ms':>8} {'gpu/cpu':>7} {'copied MB':>9} {'GB/s':>6} "
-          f"{'rel err':>8}")
+          f"{'rel err':>8}{chain_head}")
+    others = random_weights(shape, args.layers - 1) if args.layers > 1 else []
     for method in args.method:
         packed = pack_layer(layer.gate, layer.up, layer.down, method, shape)
+        chain = [packed] + [pack_layer(w.gate, w.up, w.down, method, shape) for w in others]
         staged = gpu_prefill.transport(packed)
         for tokens in args.tokens:
             x, ids, weights = (t.to(args.device) for t in timed_inputs(shape, tokens, 1)[0])
@@ -75,8 +85,29 @@ def main() -> None:
             routed = int(torch.unique(ids).numel())
             per_expert = packed.nbytes / E if staged is not None else 3 * H * I * 2
             copied = routed * per_expert / 1e6
+            tail = ""
+            if len(chain) > 1:
+                attention = [torch.randn(H, H, device=args.device).to(x.dtype) / H**0.5 for _ in range(4)]
+                plain, ahead = [], []
+                for _ in range(args.repeats):
+                    plain.append(timed(lambda: run_chain(chain, attention, x, ids, weights, False)))
+                    ahead.append(timed(lambda: run_chain(chain, attention, x, ids, weights, True)))
+                plain_ms, ahead_ms = statistics.median(plain) * 1e3, statistics.median(ahead) * 1e3
+                tail = f" {plain_ms:9.2f} {ahead_ms:9.2f} {ahead_ms / plain_ms:6.3f}"
             print(f"{method:14} {tokens:6d} {cpu_ms:8.2f} {gpu_ms:8.2f} {gpu_ms / cpu_ms:7.2f} {copied:9.1f} "
-                  f"{copied / gpu_ms:6.2f} {err:8.1e}", flush=True)
+                  f"{copied / gpu_ms:6.2f} {err:8.1e}{tail}", flush=True)
+
+
+def run_chain(chain: list, attention: list[torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor, ahead: bool) -> None:
+    """One prompt through ``chain``'s layers on the GPU path, each after the attention
+    stand-in; ``ahead``: each layer stages the next one's first chunk."""
+    h = x
+    for i, packed in enumerate(chain):
+        for w in attention:
+            h = h @ w
+        following = chain[i + 1] if ahead and i + 1 < len(chain) else None
+        h = h + gpu_prefill.moe_forward_on_device(h, ids, weights, packed, next_layer=following)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ with fp32 scales, INT8, asymmetric INT4) and the GGUF blocks of every type
 streams), computes the fp32 oracle on those weights for every packing case (within fp32
 rounding, 1e-5), with biases and the clamped/alpha SwiGLU, ``-1`` slots and
 ``live_tokens``; bad input is refused; the threshold plumbing (HybridMoE, patch_model,
-KtOpsConfig, the setter), that CPU inputs never take the path, and (the path forced on
-the CPU) dynamic layers moving their GPU experts to a prefill batch's hottest.
+KtOpsConfig, the setter), that CPU inputs never take the path, (the path forced on the
+CPU) dynamic layers moving their GPU experts to a prefill batch's hottest, and the next
+layer's first chunk staged ahead, taken by that layer's call without changing a bit.
 
 On a GPU (kt_ops built with its CUDA key): the same against the oracle for every case
 (fp32 activations 1e-4; bf16 activations 1e-2: bf16 weights and intermediates, 5.1e-3 at
@@ -328,3 +329,71 @@ def test_a_row_may_route_one_expert_twice() -> None:
     weights = torch.rand(3, 2)
     got = gpu_prefill.moe_forward_on_device(x, ids, weights, experts.packed)
     assert rel_err(got, oracle(x, ids, weights, experts.packed)) <= 1e-5
+
+
+# ---- the next layer's first chunk, staged ahead ---------------------------------------
+
+@needs_gpu
+def test_gpu_next_layer_staged_ahead_changes_no_bit() -> None:
+    first, second = make_experts(6, 64, 48), make_experts(6, 64, 48, seed=1)
+    x = torch.randn(40, 64, device="cuda").bfloat16()
+    ids, weights = (t.cuda() for t in random_routing(40, 6, 2))
+    chunk = 2 * second.packed.nbytes // 6
+    want = gpu_prefill.moe_forward_on_device(x, ids, weights, second.packed, chunk_bytes=chunk)
+    gpu_prefill.moe_forward_on_device(x, ids, weights, first.packed, chunk_bytes=chunk, next_layer=second.packed)
+    assert id(second.packed.data) in gpu_prefill._PREFETCHED
+    got = gpu_prefill.moe_forward_on_device(x, ids, weights, second.packed, chunk_bytes=chunk)
+    assert id(second.packed.data) not in gpu_prefill._PREFETCHED
+    assert torch.equal(got, want)
+
+
+def test_the_next_layers_first_chunk_is_staged_ahead_and_taken(monkeypatch) -> None:
+    """A call given ``next_layer`` stages that layer's first chunk (its lowest expert ids)
+    in the background; the next layer's call takes it instead of staging it again and
+    computes the same bits as without it, also when it routes to none of those experts;
+    a chunk staged for another dtype or chunk size is dropped."""
+    first, second = make_experts(6, 64, 48), make_experts(6, 64, 48, seed=1)
+    staged: list[tuple[int, list[int]]] = []
+    real = gpu_prefill._host_chunk
+    monkeypatch.setattr(gpu_prefill, "_host_chunk",
+                        lambda packed, experts, *rest, **kw: staged.append((id(packed.data), list(experts)))
+                        or real(packed, experts, *rest, **kw))
+    chunk = 2 * second.packed.nbytes // 6  # two experts a chunk
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(3))
+    for ids in (random_routing(12, 6, 2)[0], torch.randint(2, 6, (12, 2), generator=torch.Generator().manual_seed(4))):
+        weights = torch.rand(12, 2, generator=torch.Generator().manual_seed(5))
+        want = gpu_prefill.moe_forward_on_device(x, ids, weights, second.packed, chunk_bytes=chunk)
+        staged.clear()
+        gpu_prefill.moe_forward_on_device(x, ids, weights, first.packed, chunk_bytes=chunk, next_layer=second.packed)
+        got = gpu_prefill.moe_forward_on_device(x, ids, weights, second.packed, chunk_bytes=chunk)
+        ahead = [experts for blob, experts in staged if blob == id(second.packed.data)]
+        assert ahead[0] == [0, 1] and all(0 not in e and 1 not in e for e in ahead[1:])  # staged once, ahead
+        assert torch.equal(got, want)
+        assert id(second.packed.data) not in gpu_prefill._PREFETCHED  # taken
+    for kind, kwargs in (("dtype", {}), ("chunk size", {"chunk_bytes": 1})):
+        gpu_prefill.prefetch_first_chunk(second.packed, torch.bfloat16 if kind == "dtype" else torch.float32,
+                                         x.device, chunk)
+        staged.clear()
+        got = gpu_prefill.moe_forward_on_device(x, ids, weights, second.packed, **({"chunk_bytes": chunk} | kwargs))
+        assert [0] in [e for _, e in staged] or [0, 1] in [e for _, e in staged], kind  # staged again
+        assert rel_err(got, want) <= 1e-6, kind
+
+
+def test_the_threshold_links_the_layers_in_order(prefill_on_the_cpu) -> None:
+    """set_gpu_prefill_token_threshold(prefetch_next_layer=True) links each kt_ops MoE
+    layer to the next (module order; off by default, 0 unlinks), and a prefill call of a
+    layer stages the next one's first chunk."""
+    layers = torch.nn.ModuleList([dynamic_hybrid([0], dynamic=False) for _ in range(3)])
+    assert kt_ops.set_gpu_prefill_token_threshold(layers, 4) == 3
+    assert all(gpu_prefill.next_layer(layer) is None for layer in layers)
+    kt_ops.set_gpu_prefill_token_threshold(layers, 4, prefetch_next_layer=True)
+    packs = [gpu_prefill.next_layer(layer) for layer in layers]
+    assert [p.data is layer.packed for p, layer in zip(packs[:2], layers[1:])] == [True, True] and packs[2] is None
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    with torch.no_grad():
+        want = layers[1](x)
+        layers[0](x)
+        assert id(layers[1].packed) in gpu_prefill._PREFETCHED
+        assert torch.equal(layers[1](x), want)
+    kt_ops.set_gpu_prefill_token_threshold(layers, 0, prefetch_next_layer=True)
+    assert all(gpu_prefill.next_layer(layer) is None for layer in layers)

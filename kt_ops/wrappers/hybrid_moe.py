@@ -218,7 +218,8 @@ class HybridMoE(nn.Module):
         # take, not indexing: fake CUDA tensors index only where torch has CUDA
         cpu_ids = torch.take(self.cpu_index.to(x.device), ids)
         if gpu_prefill.should_run_on_device(x, self.gpu_prefill_token_threshold):
-            return gpu_prefill.moe_forward_on_device(x, cpu_ids, weights, PackedExperts(self.packed), live_tokens)
+            return gpu_prefill.moe_forward_on_device(x, cpu_ids, weights, PackedExperts(self.packed), live_tokens,
+                                                     next_layer=gpu_prefill.next_layer(self))
         return autograd.moe_forward(x.contiguous(), cpu_ids, weights.contiguous(), self.packed, self.intermediate_size,
                                     live_tokens)
 
