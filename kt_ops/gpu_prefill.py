@@ -285,6 +285,7 @@ def moe_forward_on_device(
     live_tokens: torch.Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     next_layer: PackedExperts | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``torch.ops.kt.moe_forward``'s result, computed on ``hidden_states``' device with
     the routed experts copied there from the packed layer (the module docstring).
@@ -299,10 +300,12 @@ def moe_forward_on_device(
         chunk_bytes: packed bytes per chunk of experts (at least one expert a chunk).
         next_layer: the layer computed next, or None: its first chunk is staged in the
             background once this call's chunks are queued (:func:`prefetch_first_chunk`).
+        out_dtype: the result's dtype (None: ``hidden_states``'); ``torch.float32`` returns
+            the fp32 accumulator as it is.
 
     Returns:
-        ``[T, H]`` in ``hidden_states``' dtype. Syncs the host once (the expert counts);
-        not for CUDA-graph capture or ``torch.compile``. ``ValueError`` for an expert id
+        ``[T, H]`` in ``out_dtype`` (default ``hidden_states``' dtype). Syncs the host
+        once (the expert counts); not for CUDA-graph capture or ``torch.compile``. ``ValueError`` for an expert id
         outside ``[-1, E)``.
     """
     x = hidden_states
@@ -393,7 +396,7 @@ def moe_forward_on_device(
             done[slot] = event
     if next_layer is not None:
         prefetch_first_chunk(next_layer, dtype, device, chunk_bytes)
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 def should_run_on_device(x: torch.Tensor, threshold: int) -> bool:

@@ -397,3 +397,71 @@ def test_the_threshold_links_the_layers_in_order(prefill_on_the_cpu) -> None:
         assert torch.equal(layers[1](x), want)
     kt_ops.set_gpu_prefill_token_threshold(layers, 0, prefetch_next_layer=True)
     assert all(gpu_prefill.next_layer(layer) is None for layer in layers)
+
+
+# ---- KTMoEWrapper ------------------------------------------------------------------------
+
+def prefill_wrapper(threadpool_count: int = 1, **kw) -> kt_ops.KTMoEWrapper:
+    """E 8, K 3, H 64, I 64, BF16; slots 2 and 5 on the GPU; physical slot p holds logical
+    expert 7 - p."""
+    experts = make_experts(8, 64, 64, seed=2)
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[[2, 5]] = True
+    wr = kt_ops.KTMoEWrapper(1, 8, 3, 64, 64, gpu_experts_mask=mask, method="BF16", threadpool_count=threadpool_count,
+                             deferral_group=object(), **kw)
+    wr.load_weights_from_tensors(experts.gate, experts.up, experts.down, physical_to_logical_map=torch.arange(8).flip(0))
+    return wr
+
+
+@pytest.mark.parametrize("threadpool_count", [1, 2])
+def test_wrapper_prefill_computes_every_cpu_expert_at_once(prefill_on_the_cpu, threadpool_count: int) -> None:
+    """KTMoEWrapper(gpu_prefill_token_threshold=N): a forward of at least N tokens takes
+    the GPU-prefill path (forced on the CPU here) over every part, none of its experts
+    deferred; shorter forwards keep the kernels' path, bit for bit; a bad id is refused."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(12, 64, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(12)])
+    ids[0, 0] = -1
+    w = torch.rand(12, 3, generator=g)
+    plain = prefill_wrapper(threadpool_count)
+    want = plain.forward(x, ids, w)
+    for kw in ({}, {"max_deferred_experts_per_token": 1}):
+        wr = prefill_wrapper(threadpool_count, gpu_prefill_token_threshold=8, **kw)
+        got = wr.forward(x, ids, w)
+        assert got.dtype == x.dtype and rel_err(got, want) <= 1e-2 and not torch.equal(got, want), kw
+        assert (wr.deferral_group, 2) not in kt_ops.KTMoEWrapper._pending  # nothing deferred to layer 2
+        if not kw:
+            assert torch.equal(wr.forward(x[:7], ids[:7], w[:7]), plain.forward(x[:7], ids[:7], w[:7]))
+    bad = ids.clone()
+    bad[4, 2] = 8
+    with pytest.raises(ValueError, match="topk_ids must be in"):
+        prefill_wrapper(threadpool_count, gpu_prefill_token_threshold=8).forward(x, bad, w)
+
+
+def test_wrapper_prefill_threshold_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD", "4096")
+    assert prefill_wrapper().gpu_prefill_token_threshold == 4096
+    assert prefill_wrapper(gpu_prefill_token_threshold=16).gpu_prefill_token_threshold == 16
+    for value in ("many", "-1"):
+        monkeypatch.setenv("KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD", value)
+        with pytest.raises(ValueError, match="KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD|gpu_prefill_token_threshold"):
+            prefill_wrapper()
+    monkeypatch.delenv("KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD")
+    assert prefill_wrapper().gpu_prefill_token_threshold == 0
+
+
+@needs_gpu
+@pytest.mark.parametrize("threadpool_count", [1, 2])
+def test_gpu_wrapper_prefill_matches_the_cpu_wrapper(threadpool_count: int) -> None:
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(40)])
+    w = torch.rand(40, 3, generator=g)
+    want = prefill_wrapper(threadpool_count).forward(x, ids, w)
+    wr = prefill_wrapper(threadpool_count, gpu_prefill_token_threshold=32)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    got = wr.forward(x.cuda(), ids.cuda(), w.cuda(), stream)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert got.device.type == "cuda" and got.dtype == torch.bfloat16
+    assert rel_err(got.cpu(), want) <= 1e-2

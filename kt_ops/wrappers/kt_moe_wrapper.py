@@ -24,7 +24,7 @@ from typing import ClassVar, Sequence
 import torch
 
 import kt_ops.cuda
-from kt_ops import expert_stats
+from kt_ops import expert_stats, gpu_prefill
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.dynamic_experts import host_copy
@@ -48,7 +48,8 @@ from kt_ops.parts import (FP8_KIND_METHODS, activate_parts, holds_activation, pa
                           pack_parts, part_bounds)
 from kt_ops.placement import generate_gpu_experts_masks  # noqa: F401 (its former home; kt_ops.wrappers re-exports it)
 from kt_ops.staging import Destination, write_weight_scale_to_buffer
-from kt_ops.wrappers.wrapper_cuda import capture_call_sizes, experts_on_device, resolve_stream, route_table
+from kt_ops.wrappers.wrapper_cuda import (capture_call_sizes, experts_on_device, packed_ids, resolve_stream,
+                                          route_table)
 
 
 @dataclass
@@ -140,6 +141,15 @@ class KTMoEWrapper:
             slots are packed, and a forward after an in-place change of the mask is a
             ``RuntimeError``. None (default): ``KT_OPS_DYNAMIC_GPU_EXPERTS=1`` turns it on
             (for wrappers a serving engine constructs), else off.
+        gpu_prefill_token_threshold: a forward of at least this many tokens whose
+            ``hidden_states`` are on a GPU computes this layer's CPU experts there, their
+            weights copied from the packed layer (:mod:`kt_ops.gpu_prefill`; kt-kernel's
+            ``--kt-gpu-prefill-token-threshold``, which SGLang runs with its own loop over
+            :meth:`submit_write_weight_scale_to_buffer`): every routed expert of the call,
+            none deferred, each part's output summed in fp32. Eager calls only (not
+            under CUDA-graph capture); it synchronises the host (the expert counts). 0:
+            never. None (default): ``KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD`` (an int), else 0.
+            A plain attribute: change it freely.
 
     Raises:
         ValueError: an invalid argument, with the reason.
@@ -178,6 +188,7 @@ class KTMoEWrapper:
         swiglu_alpha: float = 0.0,
         deferral_group: object | None = None,
         dynamic_gpu_experts: bool | None = None,
+        gpu_prefill_token_threshold: int | None = None,
     ) -> None:
         for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),
                             ("num_experts_per_tok", num_experts_per_tok), ("hidden_size", hidden_size),
@@ -213,6 +224,13 @@ class KTMoEWrapper:
         if not isinstance(dynamic_gpu_experts, bool):
             raise ValueError(f"dynamic_gpu_experts must be a bool, got {dynamic_gpu_experts!r}")
         self.dynamic_gpu_experts = dynamic_gpu_experts
+        if gpu_prefill_token_threshold is None:
+            text = os.environ.get("KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD", "").strip() or "0"
+            try:
+                gpu_prefill_token_threshold = int(text)
+            except ValueError:
+                raise ValueError(f"KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD must be an int >= 0, got {text!r}") from None
+        self.gpu_prefill_token_threshold = gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
         self.gpu_experts_mask = self._mask(gpu_experts_mask, num_gpu_experts)
         if dynamic_gpu_experts:
             self.gpu_experts_mask = host_copy(self.gpu_experts_mask)  # pinned: graph replays read it live
@@ -658,6 +676,8 @@ class KTMoEWrapper:
         if hidden_states.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"hidden_states must be float32, bfloat16 or float16, got {hidden_states.dtype}")
         device, dtype = hidden_states.device, hidden_states.dtype
+        if gpu_prefill.should_run_on_device(hidden_states, self.gpu_prefill_token_threshold):
+            return self._submit_prefill(hidden_states, topk_ids, topk_weights, cuda_stream)
         if device.type == "cuda" and kt_ops.cuda.is_built():
             return self._submit_cuda(hidden_states, topk_ids, topk_weights, cuda_stream)
         if device.type == "cuda" and not KTMoEWrapper._warned_no_cuda_key:
@@ -713,6 +733,30 @@ class KTMoEWrapper:
                 later = experts_on_device(self._parts, hidden_states, deferred, weights, table, chunk,
                                           self._part_nodes)
             KTMoEWrapper._pending[(self.deferral_group, self.layer_idx + 1)] = (later, hidden_states.shape[0], queue)
+        self._inflight = _Inflight(out, previous, device, hidden_states.dtype, stream)
+
+    def _submit_prefill(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        cuda_stream: object | None) -> None:
+        """GPU-assisted prefill: every CPU expert of the call (none deferred) computed on
+        ``hidden_states``' device by :func:`kt_ops.gpu_prefill.moe_forward_on_device`,
+        part by part, the parts' fp32 outputs summed in part order, on ``cuda_stream``."""
+        device = hidden_states.device
+        for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tensor.device != device:
+                raise ValueError(f"{name} is on {tensor.device}; hidden_states is on {device}")
+        if bool(((topk_ids >= self.num_experts) | (topk_ids < -1)).any()):
+            raise ValueError(f"topk_ids must be in [-1, num_experts = {self.num_experts}) (-1 skips a slot); got values "
+                             f"in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+        stream = resolve_stream(cuda_stream, device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream):
+            expert_stats.record(self.layer_idx, topk_ids, self.num_experts)  # kt_ops.ExpertStats
+            ids = packed_ids(topk_ids, self._table(device))
+            weights = topk_weights.float()
+            out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=device)
+            for part in self._parts:
+                out = out + gpu_prefill.moe_forward_on_device(hidden_states, ids, weights, part,
+                                                              out_dtype=torch.float32)
+            previous = KTMoEWrapper._pending.pop((self.deferral_group, self.layer_idx), None)
         self._inflight = _Inflight(out, previous, device, hidden_states.dtype, stream)
 
     def _deferred_stream(self, device: torch.device) -> torch.cuda.Stream:
