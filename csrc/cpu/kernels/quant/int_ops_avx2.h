@@ -53,6 +53,7 @@ struct IntOpsAvx2 {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
   static IReg set1(int32_t s) { return _mm256_set1_epi32(s); }
+  static IReg neg_shl(IReg v, int s) { return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(v, s)); }
   static Vec::Reg to_float(IReg v) { return _mm256_cvtepi32_ps(v); }
 };
 

@@ -57,6 +57,7 @@ struct IntOpsAvx512 {
   static IReg dot16(IReg acc, IReg a16, IReg b16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a16, b16)); }
   static IReg add(IReg a, IReg b) { return _mm512_add_epi32(a, b); }
   static IReg set1(int32_t s) { return _mm512_set1_epi32(s); }
+  static IReg neg_shl(IReg v, int s) { return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(v, s)); }
   static Vec::Reg to_float(IReg v) { return _mm512_cvtepi32_ps(v); }
 };
 
