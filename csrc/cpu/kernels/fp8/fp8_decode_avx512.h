@@ -63,13 +63,16 @@ struct Fp8LinesAvx512Bf16 {
   const uint8_t* mx = nullptr;
   uint16_t* out = nullptr;
   int64_t out_stride = 0;
+  Fp8NextTile next;
   KT_FP8_INLINE __m512i line(const uint16_t* block, int b, int64_t p) const {
     const __m512i bf16 = fp8_bf16_line<Mx>(reinterpret_cast<const uint8_t*>(block) + p * 32,
                                            mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes);
     if constexpr (Store) _mm512_storeu_si512(out + b * out_stride + p * 32, bf16);
     return bf16;
   }
-  KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { fp8_prefetch(block, p, ahead); }
+  KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const {
+    fp8_prefetch(block, p, ahead, next);
+  }
 };
 
 // The same lines widened to fp32 for the AVX-512F micro-kernel (as Bf16LinesAvx512 does).
