@@ -53,9 +53,20 @@ inline void maybe_stream(const uint16_t* stream, int64_t p) {
   if (stream != nullptr) _mm_prefetch(reinterpret_cast<const char*>(stream + p * 32), _MM_HINT_T1);
 }
 
-// Prefetches the weight line `ahead` k-pairs after line p of a block, if asked to.
-inline void maybe_prefetch(const uint16_t* block, int64_t p, int64_t ahead) {
-  if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(block + (p + ahead) * 32), _MM_HINT_T0);
+// Decode: from pair `end` of a call on (past its blocks' last lines), weight prefetches
+// move `wrap` bytes on, to the same block of the next tile of blocks, whose streams then
+// start warm (bf16_gemm_rows; FP8's code prefetch likewise, fp8_format.h).
+struct NextTile {
+  int64_t end = INT64_MAX;
+  int64_t wrap = 0;
+};
+
+// Prefetches the weight line `ahead` k-pairs after line p of a block (past next.end, in
+// the next tile's block), if asked to.
+inline void maybe_prefetch(const uint16_t* block, int64_t p, int64_t ahead, const NextTile& next) {
+  if (ahead <= 0) return;
+  const int64_t q = p + ahead;
+  _mm_prefetch(reinterpret_cast<const char*>(block + q * 32) + (q >= next.end ? next.wrap : 0), _MM_HINT_T0);
 }
 
 // Accumulators of a tile whose blocks are one vector each (16-lane ISAs): start from c

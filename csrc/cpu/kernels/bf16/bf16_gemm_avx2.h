@@ -31,7 +31,8 @@ struct Bf16LinesAvx2 {
       odd[h] = _mm256_castsi256_ps(_mm256_and_si256(line, high_mask));
     }
   }
-  void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead); }
+  NextTile next;
+  void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead, next); }
 };
 
 struct Bf16GemmAvx2 {

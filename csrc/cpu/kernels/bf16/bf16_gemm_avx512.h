@@ -24,7 +24,8 @@ struct Bf16LinesAvx512 {
   void widen(const uint16_t* block, int /*b*/, int64_t p, __m512& even, __m512& odd) const {
     widen_bf16_line(_mm512_loadu_si512(block + p * 32), even, odd);
   }
-  void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead); }
+  NextTile next;
+  void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead, next); }
 };
 
 struct Bf16GemmAvx512 {

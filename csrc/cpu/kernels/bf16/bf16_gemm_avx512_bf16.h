@@ -15,7 +15,8 @@ namespace {  // ISA header: each variant translation unit owns its copy
 // The BF16 format's weight source: line p of a block, as stored.
 struct Bf16LinesAvx512Bf16 {
   __m512i line(const uint16_t* block, int /*b*/, int64_t p) const { return _mm512_loadu_si512(block + p * 32); }
-  void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead); }
+  NextTile next;
+  void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead, next); }
 };
 
 struct Bf16GemmAvx512Bf16 {

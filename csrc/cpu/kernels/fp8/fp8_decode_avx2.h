@@ -64,7 +64,7 @@ struct Fp8LinesAvx2 {
   const uint8_t* mx = nullptr;
   uint16_t* out = nullptr;
   int64_t out_stride = 0;
-  Fp8NextTile next;
+  NextTile next;
   KT_FP8_INLINE void widen(const uint16_t* block, int b, int64_t p, __m256 (&even)[2], __m256 (&odd)[2]) const {
     const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint8_t*>(block) + p * 32));
     const float* scale = reinterpret_cast<const float*>(mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes);

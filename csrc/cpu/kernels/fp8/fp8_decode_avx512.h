@@ -63,7 +63,7 @@ struct Fp8LinesAvx512Bf16 {
   const uint8_t* mx = nullptr;
   uint16_t* out = nullptr;
   int64_t out_stride = 0;
-  Fp8NextTile next;
+  NextTile next;
   KT_FP8_INLINE __m512i line(const uint16_t* block, int b, int64_t p) const {
     const __m512i bf16 = fp8_bf16_line<Mx>(reinterpret_cast<const uint8_t*>(block) + p * 32,
                                            mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes);

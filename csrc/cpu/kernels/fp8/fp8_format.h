@@ -211,7 +211,7 @@ class Fp8Format {
       // 0.97-0.985; S2 1 token FP8 1.00, MXFP8 0.97.
       const bool wrap = !Store && q1 == pairs && next_blocks >= blocks;
       auto next_tile = [&](int64_t g0) {
-        return wrap ? Fp8NextTile{pairs - g0, blocks * block_bytes - pairs * 32} : Fp8NextTile{};
+        return wrap ? NextTile{pairs - g0, blocks * block_bytes - pairs * 32} : NextTile{};
       };
       for (int64_t m0 = 0; m0 < rows; m0 += Micro::kMaxRows) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));

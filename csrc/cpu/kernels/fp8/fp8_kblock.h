@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../../formats/fp8_layout.h"
+#include "../bf16/bf16_gemm.h"
 
 namespace kt::cpu {
 
@@ -21,18 +22,11 @@ static_assert(kMxGroupPairs == 16, "the weight sources find a pair's mxfp8 group
 // it: 512-token mxfp8 2.2x the BF16 layer's time).
 #define KT_FP8_INLINE inline __attribute__((always_inline))
 
-// Decode: from pair `end` of a call on (past its blocks' last codes), prefetches move
-// `wrap` bytes on, to the same block of the next group of blocks (fp8_format.h).
-struct Fp8NextTile {
-  int64_t end = INT64_MAX;
-  int64_t wrap = 0;
-};
-
 // Prefetches the codes 2 * `ahead` pairs after pair p of a block (the byte distance of
 // the BF16 lines at `ahead`; past next.end, in the next group's block); a 64-byte line
 // holds two pairs, so every line is asked for twice (cheaper here than a test of p's
 // parity).
-KT_FP8_INLINE void fp8_prefetch(const uint16_t* block, int64_t p, int64_t ahead, const Fp8NextTile& next) {
+KT_FP8_INLINE void fp8_prefetch(const uint16_t* block, int64_t p, int64_t ahead, const NextTile& next) {
   if (ahead <= 0) return;
   const int64_t q = p + 2 * ahead;
   _mm_prefetch(reinterpret_cast<const char*>(block) + q * 32 + (q >= next.end ? next.wrap : 0), _MM_HINT_T0);
