@@ -23,13 +23,13 @@ One call, in chunks of the routed experts (about ``chunk_bytes`` of packed weigh
 
 The host stages chunk ``k + 1`` while the GPU copies ``k`` and computes ``k - 1``; at most
 two chunks are on the GPU (double buffering). Across layers: a call given ``next_layer``
-(the model's next kt_ops MoE layer, linked by :func:`set_gpu_prefill_token_threshold`)
-(``prefetch_next_layer``) starts staging and copying that layer's first chunk — its lowest expert ids, which a long
-prompt routes to — on a background thread once its own chunks are queued, so the host
-writes layer L + 1's first experts while the GPU computes layer L and the attention of
-L + 1; that layer's call takes the chunk if it was staged for the same dtype, device and
-chunk size (experts it does not route to are skipped). The same code runs on the CPU (no
-streams), which is how the CPU tests check it.
+(the model's next kt_ops MoE layer, which :func:`set_gpu_prefill_token_threshold` links
+with ``prefetch_next_layer=True``) starts staging and copying that layer's first chunk —
+its lowest expert ids, which a long prompt routes to — on a background thread once its
+own chunks are queued, so the host writes layer L + 1's first experts while the GPU
+computes layer L and the attention of L + 1; that layer's call takes the chunk if it was
+staged for the same dtype, device and chunk size (experts it does not route to are
+skipped). The same code runs on the CPU (no streams), which is how the CPU tests check it.
 
 Numerics: bf16 weights and activations with fp32 accumulation (fp32 where the input is
 fp32), the activation in fp32, each token's K weighted expert outputs summed in fp32 in
@@ -305,8 +305,8 @@ def moe_forward_on_device(
 
     Returns:
         ``[T, H]`` in ``out_dtype`` (default ``hidden_states``' dtype). Syncs the host
-        once (the expert counts); not for CUDA-graph capture or ``torch.compile``. ``ValueError`` for an expert id
-        outside ``[-1, E)``.
+        once (the expert counts); not for CUDA-graph capture or ``torch.compile``.
+        ``ValueError`` for an expert id outside ``[-1, E)``.
     """
     x = hidden_states
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
@@ -357,7 +357,8 @@ def moe_forward_on_device(
     done: list[torch.cuda.Event | None] = [None, None]
     for k, chunk in enumerate(chunks):
         staged = first if k == 0 and first is not None else None
-        host = None if staged is not None else _host_chunk(packed, chunk, layout, dtype, pin=cuda)  # overlaps chunk k - 1
+        # the host's staging overlaps the GPU's work on chunk k - 1
+        host = None if staged is not None else _host_chunk(packed, chunk, layout, dtype, pin=cuda)
         slot = k % 2
         if done[slot] is not None:
             done[slot].synchronize()  # chunk k - 2's device buffers are free: two chunks on the GPU at most

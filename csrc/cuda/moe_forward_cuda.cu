@@ -1,11 +1,12 @@
 // CUDA keys of kt::moe_forward and kt::moe_forward_parts: the experts stay in host memory
 // and run on the CPU, in stream order (a layer's parts at once, each on its NUMA node's
-// threads, as the CPU key of kt::moe_forward_parts). On the current stream: copy the inputs (and live_tokens) into pinned
-// staging, cudaLaunchHostFunc the CPU experts, copy the result back. Nothing blocks the
-// Python thread; under CUDA graph capture the same three steps are recorded, with the
-// staging reserved ahead (kt_ops.cuda.reserve_cuda_graph_buffers) and the host function's
-// arguments owned by the graph (a CUDA user object: freed when the graph and every
-// executable instance of it are destroyed).
+// threads, as the CPU key of kt::moe_forward_parts). On the current stream: copy the
+// inputs (and live_tokens) into pinned staging, cudaLaunchHostFunc the CPU experts, copy
+// the result back. Nothing blocks the Python thread; under CUDA graph capture the same
+// three steps are recorded, with the staging reserved ahead
+// (kt_ops.cuda.reserve_cuda_graph_buffers) and the host function's arguments owned by the
+// graph (a CUDA user object: freed when the graph and every executable instance of it are
+// destroyed).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
