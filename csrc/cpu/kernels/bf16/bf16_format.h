@@ -134,19 +134,45 @@ void bf16_gemm_rows(const typename Micro::Act* a, int64_t lda, int64_t rows, con
     bf16_vector_gemm<Micro>(a, lda, rows, w, block_stride, 0, pairs, done.blocks, blocks, c, ldc, false);
 }
 
-// Blocks per gate/up or down prefill job of expert e (BF16 and FP8 formats; their decode
-// jobs, experts of at most kMaxRows pairs, are as long as keep every thread busy: the
-// formats' constructors; here they get one group). A group is kTileBlocks blocks (gate/up:
-// 2 gate + 2 up, 32 intermediate rows; down: 4 blocks). Prefill: `prefill_groups` such groups, whose row
-// tiles bring the next group's first k block to L2 as a group's last k block runs
-// (bf16_vector_gemm), so only a job's first group starts cold; with a tile GEMM (AMX) one
-// group, as its passes of 32 rows would re-read a larger job's weights from beyond L2, and
-// it prefetches its next block pair itself.
+// Rows per gate/up or down job of expert e, for the BF16 and FP8 formats. A group is
+// kTileBlocks blocks (gate/up: 2 gate + 2 up, 32 intermediate rows; down: 4 blocks).
+// Prefill (more than kMaxRows pairs): kBf16GateUpJobGroups / kBf16DownJobGroups groups,
+// whose row tiles bring the next group's first k block to L2 as a group's last k block
+// runs (bf16_vector_gemm), so only a job's first group starts cold; with a tile GEMM (AMX)
+// one group, as its passes of 32 rows would re-read a larger job's weights from beyond L2,
+// and it prefetches its next block pair itself. Decode: jobs as long as keep every thread
+// busy over the call's decode experts, up to a prefill job's blocks, their tiles
+// prefetching the next tile's first lines (bf16_gemm_rows; FP8: fp8_format.h), so fewer
+// jobs start their weight streams cold. Bit-identical to one-group jobs; in one process,
+// both ways interleaved call by call (Zen 5, 2026-11-27, 20-40 calls), BF16 against
+// one-group jobs without the next-tile prefetch: S1 1 token 0.915-0.99 of the time on
+// avx512_bf16 (the less, the higher the machine's bandwidth then), 0.98 on avx512 and
+// avx2; 8 tokens 0.98, 64 tokens 0.93; S2 1 token 0.98.
 template <class Micro>
-int64_t bf16_job_blocks(const MoePlan& plan, int64_t e, int64_t prefill_groups) {
-  const bool prefill = plan.expert_begin[e + 1] - plan.expert_begin[e] > Micro::kMaxRows;
-  return (prefill && !HasBf16TileGemm<Micro>::value ? prefill_groups : 1) * kTileBlocks;
-}
+class Bf16Jobs {
+ public:
+  Bf16Jobs(const MoePlan& plan, int64_t gate_up_blocks, int64_t down_blocks, int threads) : plan_(plan) {
+    int64_t decode_experts = 0;
+    for (int32_t e : plan.active_experts) decode_experts += !prefill(e);
+    gate_up_decode_ = streaming_job_blocks(decode_experts * gate_up_blocks, threads, kTileBlocks,
+                                           kBf16GateUpJobGroups * kTileBlocks, kTileBlocks);
+    down_decode_ = streaming_job_blocks(decode_experts * down_blocks, threads, kTileBlocks,
+                                        kBf16DownJobGroups * kTileBlocks, kTileBlocks);
+  }
+
+  int64_t gate_up_rows(int64_t e) const { return blocks(e, kBf16GateUpJobGroups, gate_up_decode_) / 2 * 16; }
+  int64_t down_rows(int64_t e) const { return blocks(e, kBf16DownJobGroups, down_decode_) * 16; }
+
+ private:
+  bool prefill(int64_t e) const { return plan_.expert_begin[e + 1] - plan_.expert_begin[e] > Micro::kMaxRows; }
+  int64_t blocks(int64_t e, int64_t prefill_groups, int64_t decode_blocks) const {
+    if (!prefill(e)) return decode_blocks;
+    return (HasBf16TileGemm<Micro>::value ? 1 : prefill_groups) * kTileBlocks;
+  }
+
+  const MoePlan& plan_;
+  int64_t gate_up_decode_ = kTileBlocks, down_decode_ = kTileBlocks;  // blocks per decode job
+};
 
 // One packed weight matrix (gate_up or down) of every expert in the blob.
 struct Bf16Matrix {
@@ -178,21 +204,8 @@ class Bf16Format {
         gate_up_{args.packed + args.layout.gate_up_offset, args.layout.gate_up_expert_bytes,
                  dims_.gate_up_block_bytes(), dims_.gate_up_blocks, dims_.hidden_pairs},
         down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down_block_bytes(),
-              dims_.down_blocks, dims_.down_pairs} {
-    // Decode jobs (experts of at most kMaxRows pairs) as long as keep every thread busy, up
-    // to a prefill job's blocks (as the FP8 formats'), their tiles prefetching the next
-    // tile's first lines (bf16_gemm_rows). Bit-identical; in one process, both ways
-    // interleaved call by call (Zen 5, 2026-11-27, 20-40 calls), against one-group jobs
-    // without it: S1 1 token 0.915-0.99 of the time on avx512_bf16 (the less, the higher
-    // the machine's bandwidth then), 0.98 on avx512 and avx2; 8 tokens 0.98, 64 tokens
-    // 0.93; S2 1 token 0.98.
-    int64_t decode_experts = 0;
-    for (int32_t e : plan.active_experts) decode_experts += !prefill(e);
-    gate_up_decode_blocks_ = streaming_job_blocks(decode_experts * dims_.gate_up_blocks, threads, kTileBlocks,
-                                                  kBf16GateUpJobGroups * kTileBlocks, kTileBlocks);
-    down_decode_blocks_ = streaming_job_blocks(decode_experts * dims_.down_blocks, threads, kTileBlocks,
-                                               kBf16DownJobGroups * kTileBlocks, kTileBlocks);
-  }
+              dims_.down_blocks, dims_.down_pairs},
+        jobs_(plan, dims_.gate_up_blocks, dims_.down_blocks, threads) {}
 
   int64_t token_cols() const { return act_cols_; }
 
@@ -221,12 +234,8 @@ class Bf16Format {
     convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
   }
 
-  int64_t gate_up_job_rows(int64_t e) const {
-    return (prefill(e) ? bf16_job_blocks<Micro>(plan_, e, kBf16GateUpJobGroups) : gate_up_decode_blocks_) / 2 * 16;
-  }
-  int64_t down_job_rows(int64_t e) const {
-    return (prefill(e) ? bf16_job_blocks<Micro>(plan_, e, kBf16DownJobGroups) : down_decode_blocks_) * 16;
-  }
+  int64_t gate_up_job_rows(int64_t e) const { return jobs_.gate_up_rows(e); }
+  int64_t down_job_rows(int64_t e) const { return jobs_.down_rows(e); }
   int64_t chunk_pairs() const { return kBf16RowChunk; }
 
   // Gate/up blocks 2 n0 / 16 ... are interleaved [gate 16 | up 16] per intermediate block.
@@ -249,13 +258,11 @@ class Bf16Format {
   const float* down_scales() const { return nullptr; }
 
  private:
-  bool prefill(int64_t e) const { return plan_.expert_begin[e + 1] - plan_.expert_begin[e] > Micro::kMaxRows; }
-
   const MoePlan& plan_;
   bf16_layout::Dims dims_;
   int64_t act_cols_;
   Bf16Matrix gate_up_, down_;
-  int64_t gate_up_decode_blocks_ = kTileBlocks, down_decode_blocks_ = kTileBlocks;  // per decode job
+  Bf16Jobs<Micro> jobs_;
   size_t acts_at_ = 0, inter_at_ = 0;
   Act* acts_ = nullptr;
   Act* inter_ = nullptr;

@@ -93,16 +93,8 @@ class Fp8Format {
         act_cols_(dims_.gate_up.padded_k),
         inter_cols_(dims_.down.padded_k),
         gate_up_{args.packed + args.layout.gate_up_offset, args.layout.gate_up_expert_bytes, dims_.gate_up},
-        down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down} {
-    // Decode jobs (experts of at most kMaxRows pairs) as long as keep every thread busy, up
-    // to a prefill job's blocks: fewer cold starts of the jobs' code streams.
-    int64_t decode_experts = 0;
-    for (int32_t e : plan.active_experts) decode_experts += !prefill(e);
-    gate_up_decode_blocks_ = streaming_job_blocks(decode_experts * dims_.gate_up.blocks, threads, kTileBlocks,
-                                                  kBf16GateUpJobGroups * kTileBlocks, kTileBlocks);
-    down_decode_blocks_ = streaming_job_blocks(decode_experts * dims_.down.blocks, threads, kTileBlocks,
-                                               kBf16DownJobGroups * kTileBlocks, kTileBlocks);
-  }
+        down_{args.packed + args.layout.down_offset, args.layout.down_expert_bytes, dims_.down},
+        jobs_(plan, dims_.gate_up.blocks, dims_.down.blocks, threads) {}
 
   int64_t token_cols() const { return act_cols_; }
 
@@ -126,14 +118,9 @@ class Fp8Format {
     convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
   }
 
-  // Prefill jobs as the BF16 format's (bf16_job_blocks: several block groups); decode jobs as
-  // long as keep every thread busy (the constructor).
-  int64_t gate_up_job_rows(int64_t e) const {
-    return (prefill(e) ? bf16_job_blocks<Micro>(plan_, e, kBf16GateUpJobGroups) : gate_up_decode_blocks_) / 2 * 16;
-  }
-  int64_t down_job_rows(int64_t e) const {
-    return (prefill(e) ? bf16_job_blocks<Micro>(plan_, e, kBf16DownJobGroups) : down_decode_blocks_) * 16;
-  }
+  // Jobs as the BF16 format's (Bf16Jobs).
+  int64_t gate_up_job_rows(int64_t e) const { return jobs_.gate_up_rows(e); }
+  int64_t down_job_rows(int64_t e) const { return jobs_.down_rows(e); }
   int64_t chunk_pairs() const { return kBf16RowChunk; }
 
   GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
@@ -291,8 +278,6 @@ class Fp8Format {
     }
   }
 
-  bool prefill(int64_t e) const { return plan_.expert_begin[e + 1] - plan_.expert_begin[e] > Micro::kMaxRows; }
-
   const MoePlan& plan_;
   fp8_layout::Dims dims_;
   int64_t act_cols_, inter_cols_;
@@ -300,7 +285,7 @@ class Fp8Format {
   size_t acts_at_ = 0, inter_at_ = 0;
   Act* acts_ = nullptr;
   Act* inter_ = nullptr;
-  int64_t gate_up_decode_blocks_ = kTileBlocks, down_decode_blocks_ = kTileBlocks;  // per decode job
+  Bf16Jobs<Micro> jobs_;
 };
 
 }  // namespace
