@@ -224,12 +224,17 @@ def _stage(packed: PackedExperts, experts: list[int], layout: Transport, dtype: 
     host = _host_chunk(packed, experts, layout, dtype, pin=cuda)
     if not cuda:
         return _Staged(experts, host, None)
-    copy = _copy_stream(device)
-    with torch.cuda.device(device), torch.cuda.stream(copy):
-        tensors = [t.to(device, non_blocking=True) for t in host]
-        ready = torch.cuda.Event()
-        ready.record(copy)
+    tensors = _to_device(host, device)
+    ready = torch.cuda.Event()
+    ready.record(_copy_stream(device))
     return _Staged(experts, tensors, ready)
+
+
+def _to_device(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """A chunk's (pinned) host tensors copied to ``device`` on its copy stream, from any
+    thread; the copies are ordered on that stream only."""
+    with torch.cuda.device(device), torch.cuda.stream(_copy_stream(device)):
+        return [t.to(device, non_blocking=True) for t in host]
 
 
 _PREFETCH_LOCK = threading.Lock()
@@ -367,8 +372,7 @@ def moe_forward_on_device(
             if staged.ready is not None:
                 compute.wait_event(staged.ready)
         elif cuda:
-            with torch.cuda.stream(copy):
-                tensors = [t.to(device, non_blocking=True) for t in host]
+            tensors = _to_device(host, device)
             compute.wait_stream(copy)
         else:
             tensors = host

@@ -583,11 +583,22 @@ class KTMoEWrapper:
         """CPU path: fp32 ``[T, H]``, the CPU experts of ``ids`` (physical) over every part,
         summed in fp32 (the kernels take fp32 rows, so parts and deferred results are not
         rounded). Unlike the CUDA path it may synchronise, so a bad id is named here."""
+        self._check_ids(ids)
+        return experts_on_device(self._parts, x, ids, weights, self._table(x.device), self.chunked_prefill_size,
+                                 self._part_nodes)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """``ValueError`` naming the values when a physical slot of ``ids`` is outside
+        ``[-1, num_experts)`` (synchronises the host on a GPU)."""
         if bool(((ids >= self.num_experts) | (ids < -1)).any()):
             raise ValueError(f"topk_ids must be in [-1, num_experts = {self.num_experts}) (-1 skips a slot); got values in "
                              f"[{int(ids.min())}, {int(ids.max())}]")
-        return experts_on_device(self._parts, x, ids, weights, self._table(x.device), self.chunked_prefill_size,
-                                 self._part_nodes)
+
+    @staticmethod
+    def _check_devices(device: torch.device, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tensor.device != device:
+                raise ValueError(f"{name} is on {tensor.device}; hidden_states is on {device}")
 
     @classmethod
     def _pool(cls) -> ThreadPoolExecutor:
@@ -703,9 +714,7 @@ class KTMoEWrapper:
     def _submit_cuda(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      cuda_stream: object | None) -> None:
         device = hidden_states.device
-        for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if tensor.device != device:
-                raise ValueError(f"{name} is on {tensor.device}; hidden_states is on {device}")
+        self._check_devices(device, topk_ids, topk_weights)
         stream = resolve_stream(cuda_stream, device)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing:
@@ -741,12 +750,8 @@ class KTMoEWrapper:
         ``hidden_states``' device by :func:`kt_ops.gpu_prefill.moe_forward_on_device`,
         part by part, the parts' fp32 outputs summed in part order, on ``cuda_stream``."""
         device = hidden_states.device
-        for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if tensor.device != device:
-                raise ValueError(f"{name} is on {tensor.device}; hidden_states is on {device}")
-        if bool(((topk_ids >= self.num_experts) | (topk_ids < -1)).any()):
-            raise ValueError(f"topk_ids must be in [-1, num_experts = {self.num_experts}) (-1 skips a slot); got values "
-                             f"in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+        self._check_devices(device, topk_ids, topk_weights)
+        self._check_ids(topk_ids)
         stream = resolve_stream(cuda_stream, device) if device.type == "cuda" else None
         with torch.cuda.stream(stream):
             expert_stats.record(self.layer_idx, topk_ids, self.num_experts)  # kt_ops.ExpertStats
