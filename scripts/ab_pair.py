@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         rounds: dict[int, list[dict[str, float]]] = {tokens: [] for tokens in args.tokens}
         for round_index in range(args.rounds):
             a = Side(args.a, args.a_variant, group, args.tokens)
-            b = Side(args.b, args.b_variant, b_group(group, args.b_method), args.tokens)
-            try:
+            b = None
+            try:  # side A's worker is closed also when side B's fails to start
+                b = Side(args.b, args.b_variant, b_group(group, args.b_method), args.tokens)
                 for tokens in args.tokens:
                     calls = args.calls if tokens < 512 else max(3, args.calls // 3)
                     row = pair_row(a, b, tokens, calls)
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{label:18} {row['a_us']:9.0f} {row['b_us']:9.0f}  {row['ratio']:.3f}", flush=True)
             finally:
                 a.close()
-                b.close()
+                if b is not None:
+                    b.close()
         for tokens in args.tokens:
             row = combine_rounds(rounds[tokens])
             rows[f"{group}:{tokens}"] = row

@@ -363,3 +363,23 @@ def test_gguf_methods_are_every_method_but_the_packed_formats() -> None:
     assert set(runner.ALL_METHODS) - set(runner.GGUF_METHODS) == {"BF16", "AMXINT8", "AMXINT4", *runner.FP8_METHODS,
                                                                   *runner.CHECKPOINT_METHODS}
     assert set(runner.GGUF_METHODS) <= set(runner.ALL_METHODS)
+
+
+def test_ab_pair_closes_side_a_when_side_b_fails_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    ab_pair = load_ab_pair()
+    started: list[object] = []
+    closed: list[object] = []
+
+    class FakeSide:
+        def __init__(self, path: str, variant: str | None, group: str, tokens: list[int]) -> None:
+            if started:  # side B
+                raise RuntimeError("side B's worker did not start")
+            started.append(self)
+
+        def close(self) -> None:
+            closed.append(self)
+
+    monkeypatch.setattr(ab_pair, "Side", FakeSide)
+    with pytest.raises(RuntimeError, match="did not start"):
+        ab_pair.main(["S1:BF16", "--tokens", "1"])
+    assert closed == started and len(started) == 1
