@@ -84,12 +84,8 @@ def experts_on_device(
         rows = [t.narrow(0, t0, n) for t in (x, routed, weights)]
         if on_nodes:
             pieces.append(moe_forward_parts(*rows, parts, nodes))
-            continue
-        total = None
-        for packed in parts:
-            part = moe_forward(*rows, packed)
-            total = part if total is None else total + part
-        pieces.append(total if total is not None else torch.zeros_like(rows[0]))
+        else:  # one part, or none
+            pieces.append(moe_forward(*rows, parts[0]) if parts else torch.zeros_like(rows[0]))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
