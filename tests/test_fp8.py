@@ -27,7 +27,8 @@ from test_quantized import make_weights
 FORMATS = {"FP8": "fp8", "FP8_PERCHANNEL": "fp8_perchannel", "MXFP8": "mxfp8"}
 
 # (E, top_k, H, I, tokens): H and I off 16 rows, 32 k and 128 k; one expert; tokens past
-# one row tile (4 / 6) and past the 96-row chunk; k over several 256-k blocks; decode
+# one row tile (4 / 6) and past the 96-row chunk; k over several 256-k (decode) blocks
+# (prefill's 2048-k blocks: test_prefill_k_blocks_past_2048); decode
 # experts (at most 6 tokens) with jobs of several 4-block groups (16 gate/up, 32 down
 # blocks here), the last group partial.
 SHAPES = [
@@ -92,6 +93,27 @@ def test_kernel_matches_reference(variant: str, method: str, fmt: str, E: int, t
     plain = reference.moe_forward(x, ids, weights, *dq)
     assert rel_err(out, tight) <= 1e-4, f"vs the reference with the kernel's activations: {rel_err(out, tight):.3g}"
     assert rel_err(out, plain) <= 1e-2, f"vs the fp32 reference: {rel_err(out, plain):.3g}"
+
+
+@pytest.mark.parametrize("H,I", [(2200, 48), (48, 2100)], ids=["gate_up_k2200", "down_k2100"])
+@pytest.mark.parametrize("method,fmt", list(FORMATS.items()), ids=list(FORMATS.values()))
+def test_prefill_k_blocks_past_2048(variant: str, method: str, fmt: str, H: int, I: int) -> None:
+    """Prefill runs k in blocks of 2048 (decode: 256): a k of 2200 (gate/up) or 2100 (down)
+    is one whole block and a partial one. Each token's row equals, bit for bit, the row of
+    the same token computed alone (the decode path), and the layer matches the reference."""
+    E, T = 2, 20
+    gate, up, down = make_weights(E, H, I, seed=H + I)
+    packed = kt_ops.pack_experts(gate, up, down, method=method)
+    ids = (torch.arange(T) % E).to(torch.int32).reshape(T, 1)  # 10 tokens per expert: prefill tiles
+    weights = torch.rand(T, 1, generator=torch.Generator().manual_seed(3)) + 0.5
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    out = kt_ops.moe_forward(x, ids, weights, packed)
+    for t in (0, 7, 19):
+        alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], packed)
+        assert torch.equal(out[t:t + 1], alone), f"token {t}: prefill and decode rows differ"
+    dq = reference.dequantize(packed.data)
+    tight = reference.moe_forward(x, ids, weights, *dq, quantize_activations=activation_rounding(variant))
+    assert rel_err(out, tight) <= 1e-4, f"vs the reference with the kernel's activations: {rel_err(out, tight):.3g}"
 
 
 def test_quantizer_codes_equal_torch_cast() -> None:

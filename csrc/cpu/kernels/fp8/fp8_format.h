@@ -64,6 +64,14 @@ void fp8_add_rows(int64_t rows, int blocks, const float* const* addends, float* 
       }
 }
 
+// Prefill's BF16 lines of a k block, [kTileBlocks][kFp8PrefillKBlockPairs][32] (256 KiB),
+// one buffer per thread for the three formats, in whole 64-byte lines (a std::vector's
+// 16-byte alignment split every line store and load across two).
+inline uint16_t* fp8_line_buffer() {
+  alignas(64) thread_local uint16_t lines[kTileBlocks * kFp8PrefillKBlockPairs * 32];
+  return lines;
+}
+
 // One packed FP8 matrix (gate_up or down) of every expert.
 struct Fp8Matrix {
   const uint8_t* first_expert;
@@ -143,11 +151,12 @@ class Fp8Format {
 
  private:
   // c[m][0, 16 blocks) = rows of a x `blocks` blocks starting at w, in groups of
-  // kTileBlocks blocks, each over k blocks of kFp8KBlockPairs pairs. In each k block the
-  // first row tile decodes the codes in registers as it streams them (prefetching 2 KiB
-  // ahead, as the BF16 decode does) and, when more row tiles follow, stores the BF16 lines
-  // for them to read from L1; those bring the group's next k block (after its last, the
-  // next group's first) to L2. With one row tile (decode, m <= kMaxRows) nothing is stored.
+  // kTileBlocks blocks, each over k blocks of kFp8KBlockPairs pairs (decode) or
+  // kFp8PrefillKBlockPairs (prefill). In each k block the first row tile decodes the codes
+  // in registers as it streams them (prefetching 2 KiB ahead, as the BF16 decode does) and,
+  // when more row tiles follow, stores the BF16 lines for them to read (fp8_line_buffer);
+  // those bring the group's next k block (after its last, the next group's first) to L2.
+  // With one row tile (decode, m <= kMaxRows) nothing is stored.
   static void gemm_rows(const Act* a, int64_t lda, int64_t rows, const fp8_layout::MatrixDims& dims,
                         const uint8_t* w, int blocks, float* c, int64_t ldc) {
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
@@ -169,10 +178,9 @@ class Fp8Format {
                          const uint8_t* w, int blocks, int next_blocks, float* c, int64_t ldc) {
     const int64_t pairs = dims.padded_k / 2, group_pairs = dims.group / 2;
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
-    // The k block's BF16 lines, [blocks][kFp8KBlockPairs][32], in whole 64-byte lines (a
-    // std::vector's 16-byte alignment split every line store and load across two).
-    constexpr int64_t kLineStride = kFp8KBlockPairs * 32;
-    alignas(64) thread_local uint16_t lines[kTileBlocks * kLineStride];
+    constexpr int64_t kKBlock = Store ? kFp8PrefillKBlockPairs : kFp8KBlockPairs;
+    constexpr int64_t kLineStride = kKBlock * 32;  // the k block's BF16 lines: [blocks][kKBlock][32]
+    uint16_t* const lines = Store ? fp8_line_buffer() : nullptr;
     const Act* row_at[Micro::kMaxRows];
     constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * Ops::kMxGroupBytes;
     alignas(64) uint8_t mx[kTileBlocks * kMxBlockBytes];          // mxfp8: the k block's exponents
@@ -182,8 +190,8 @@ class Fp8Format {
         scales[b] = reinterpret_cast<const float*>(first + b * block_bytes + dims.scales_offset()) + g * 16;
       return scales;
     };
-    for (int64_t q0 = 0; q0 < pairs; q0 += kFp8KBlockPairs) {
-      const int64_t q1 = std::min(pairs, q0 + kFp8KBlockPairs);
+    for (int64_t q0 = 0; q0 < pairs; q0 += kKBlock) {
+      const int64_t q1 = std::min(pairs, q0 + kKBlock);
       // The codes the later row tiles bring to L2: this group's next k block, or the next
       // group's first.
       const uint8_t* next = q1 < pairs ? w + q1 * 32 : next_blocks > 0 ? w + blocks * block_bytes : nullptr;
@@ -204,7 +212,7 @@ class Fp8Format {
         const int tile_rows = static_cast<int>(std::min<int64_t>(Micro::kMaxRows, rows - m0));
         const bool first = m0 == 0;
         const int max_blocks = Micro::max_blocks(tile_rows);
-        const int64_t step = kGroupFlush ? group_pairs : kFp8KBlockPairs;  // fp8 flushes per group
+        const int64_t step = kGroupFlush ? group_pairs : kKBlock;  // fp8 flushes per group
         for (int b0 = 0; b0 < blocks; b0 += max_blocks) {
           const int nb = std::min(max_blocks, blocks - b0);
           const uint8_t* codes = w + b0 * block_bytes;

@@ -11,10 +11,20 @@
 
 namespace kt::cpu {
 
-constexpr int64_t kFp8KBlockPairs = 128;  // 256 k: whole fp8 (128) and mxfp8 (32) groups
+constexpr int64_t kFp8KBlockPairs = 128;  // decode: 256 k, whole fp8 (128) and mxfp8 (32) groups
+// Prefill: k blocks of 2048 k (all of a 2048-wide layer's), whose BF16 lines the decoding
+// row tile stores for the later ones (4 blocks: 256 KiB, in L2). Bit-identical to 256-k
+// blocks; in one process, both interleaved call by call (Zen 5, avx512_bf16, 2026-11-27,
+// 11-15 calls), 512 tokens: S1 MXFP8 0.90, FP8_PERCHANNEL 0.94 (k blocks of 1024 k), FP8
+// 0.97 of the time; S2 0.90 / 0.92 / 0.97; S1 on avx512 0.93 / 0.96 / 0.98, on avx2 0.96 /
+// 0.98 / 0.98 (Zen 5's 1 MiB L2; Zen 3's 512 KiB not measured). Decode keeps 256 k (2048 k
+// read 1.02-1.03 for MXFP8 at 1 and 8 tokens).
+constexpr int64_t kFp8PrefillKBlockPairs = 1024;
 constexpr int64_t kMxGroupPairs = fp8_layout::kMxGroup / 2;
-constexpr int64_t kMxGroupsPerKBlock = kFp8KBlockPairs / kMxGroupPairs;
+constexpr int64_t kMxGroupsPerKBlock = kFp8PrefillKBlockPairs / kMxGroupPairs;  // the larger k block's
 static_assert(kFp8KBlockPairs * 2 % fp8_layout::kBlockGroup == 0, "k blocks must hold whole fp8 groups");
+static_assert(kFp8PrefillKBlockPairs * 2 % fp8_layout::kBlockGroup == 0, "k blocks must hold whole fp8 groups");
+static_assert(kFp8PrefillKBlockPairs >= kFp8KBlockPairs, "the mxfp8 exponent buffer holds either k block");
 static_assert(kMxGroupPairs == 16, "the weight sources find a pair's mxfp8 group as p >> 4");
 
 // The weight sources run once per k-pair and block inside the micro-kernels' loops: GCC
