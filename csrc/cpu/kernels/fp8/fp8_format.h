@@ -23,7 +23,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "../../engine/engine.h"
 #include "../../engine/scratch.h"
@@ -66,10 +68,21 @@ void fp8_add_rows(int64_t rows, int blocks, const float* const* addends, float* 
 
 // Prefill's BF16 lines of a k block, [kTileBlocks][kFp8PrefillKBlockPairs][32] (256 KiB),
 // one buffer per thread for the three formats, in whole 64-byte lines (a std::vector's
-// 16-byte alignment split every line store and load across two).
+// 16-byte alignment split every line store and load across two). Allocated on a thread's
+// first FP8 prefill: as a thread_local array it would sit in the library's static TLS
+// block, which every thread entering kt_ops gets zeroed in full (4.0 MB per thread then).
 inline uint16_t* fp8_line_buffer() {
-  alignas(64) thread_local uint16_t lines[kTileBlocks * kFp8PrefillKBlockPairs * 32];
-  return lines;
+  struct Lines {
+    uint16_t* data = nullptr;
+    ~Lines() { std::free(data); }
+  };
+  thread_local Lines lines;
+  if (lines.data == nullptr) {
+    constexpr size_t kBytes = kTileBlocks * kFp8PrefillKBlockPairs * 32 * sizeof(uint16_t);
+    lines.data = static_cast<uint16_t*>(std::aligned_alloc(64, kBytes));
+    if (lines.data == nullptr) throw std::bad_alloc();  // the engine hands it to the caller
+  }
+  return lines.data;
 }
 
 // One packed FP8 matrix (gate_up or down) of every expert.
