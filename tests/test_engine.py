@@ -205,3 +205,32 @@ print(os.waitstatus_to_exitcode(status))
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0", "forked child hung or computed a different result"
+
+
+def static_tls_bytes(library: str) -> int:
+    """Bytes of the ELF PT_TLS segment (its memory size) of a 64-bit little-endian library."""
+    import struct
+
+    with open(library, "rb") as f:
+        header = f.read(64)
+        assert header[:4] == b"\x7fELF" and header[4] == 2 and header[5] == 1, library
+        phoff, = struct.unpack_from("<Q", header, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+        for i in range(phnum):
+            f.seek(phoff + i * phentsize)
+            entry = f.read(phentsize)
+            p_type, = struct.unpack_from("<I", entry, 0)
+            if p_type == 7:  # PT_TLS
+                return struct.unpack_from("<Q", entry, 0x28)[0]
+    return 0
+
+
+def test_threads_entering_kt_ops_get_little_static_tls() -> None:
+    """Every thread that runs kt_ops code (engine workers, torch's intra-op threads, each
+    caller) gets the library's whole static TLS block allocated and zeroed: per-thread
+    kernel buffers are heap memory allocated on a thread's first use (engine/scratch.h
+    thread_buffer), not `thread_local` arrays, which made the block 3.26 MB per thread
+    (~0.4 GB resident on a 128-thread server) until 2026-11-27; today ~10 KB."""
+    from kt_ops import _C
+
+    assert static_tls_bytes(_C.__file__) <= 64 << 10

@@ -23,6 +23,11 @@ Retained& retained() {
   return r;
 }
 
+Retained& retained_buffer(ThreadBuffer which) {
+  thread_local Retained r[static_cast<int>(ThreadBuffer::kCount)];
+  return r[static_cast<int>(which)];
+}
+
 uint8_t* allocate(size_t bytes) {
   auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
   if (p == nullptr) throw std::bad_alloc();
@@ -54,5 +59,19 @@ ScratchLease::~ScratchLease() {
 }
 
 size_t retained_scratch_bytes() { return retained().capacity; }
+
+uint8_t* thread_buffer(ThreadBuffer which, size_t bytes) {
+  Retained& r = retained_buffer(which);
+  if (bytes > r.capacity) {
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    r.buffer.reset();
+    r.capacity = 0;
+    r.buffer.reset(allocate(rounded));
+    r.capacity = rounded;
+  }
+  return r.buffer.get();
+}
+
+size_t thread_buffer_bytes(ThreadBuffer which) { return retained_buffer(which).capacity; }
 
 }  // namespace kt::cpu

@@ -29,6 +29,21 @@ class ScratchLease {
 // Bytes of scratch this thread keeps between calls (tests).
 size_t retained_scratch_bytes();
 
+// Per-thread buffers that a job's micro-kernels write and read back within one job: the
+// gate/up tile of the BF16, FP8 and INT formats and FP8 prefill's decoded lines. On the
+// heap, allocated on a thread's first use: as `thread_local` arrays they sat in the
+// library's static TLS block, which every thread entering kt_ops (engine workers, torch's
+// intra-op threads, callers) gets allocated and zeroed in full (3.26 MB per thread).
+enum class ThreadBuffer { kGateUpTile, kFp8Lines, kCount };
+
+// This thread's buffer `which`, 64-byte aligned, at least `bytes` long (grow-only, kept
+// until the thread exits). Valid until the thread asks for the same buffer with more
+// bytes. Throws std::bad_alloc (the engine hands a job's exception to the caller).
+uint8_t* thread_buffer(ThreadBuffer which, size_t bytes);
+
+// Bytes of buffer `which` this thread holds (tests).
+size_t thread_buffer_bytes(ThreadBuffer which);
+
 // Carves consecutive 64-byte aligned sub-buffers out of one allocation.
 class ScratchLayout {
  public:

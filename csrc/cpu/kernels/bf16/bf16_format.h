@@ -240,8 +240,8 @@ class Bf16Format {
 
   // Gate/up blocks 2 n0 / 16 ... are interleaved [gate 16 | up 16] per intermediate block.
   GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
-    alignas(64) thread_local float c[kBf16RowChunk * kBf16GateUpJobGroups * kTileBlocks * 16];
     constexpr int64_t ldc = kBf16GateUpJobGroups * kTileBlocks * 16;
+    float* c = reinterpret_cast<float*>(thread_buffer(ThreadBuffer::kGateUpTile, kBf16RowChunk * ldc * sizeof(float)));
     bf16_gemm_rows<Micro>(acts_ + p0 * act_cols_, act_cols_, p1 - p0, gate_up_.block(e, 2 * n0 / 16),
                      gate_up_.block_stride(), gate_up_.pairs, static_cast<int>(2 * (n1 - n0) / 16), c, ldc);
     return {c, c + 16, ldc, 32};

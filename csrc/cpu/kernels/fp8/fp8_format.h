@@ -23,9 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 
 #include "../../engine/engine.h"
 #include "../../engine/scratch.h"
@@ -68,21 +66,10 @@ void fp8_add_rows(int64_t rows, int blocks, const float* const* addends, float* 
 
 // Prefill's BF16 lines of a k block, [kTileBlocks][kFp8PrefillKBlockPairs][32] (256 KiB),
 // one buffer per thread for the three formats, in whole 64-byte lines (a std::vector's
-// 16-byte alignment split every line store and load across two). Allocated on a thread's
-// first FP8 prefill: as a thread_local array it would sit in the library's static TLS
-// block, which every thread entering kt_ops gets zeroed in full (4.0 MB per thread then).
+// 16-byte alignment split every line store and load across two); see thread_buffer.
 inline uint16_t* fp8_line_buffer() {
-  struct Lines {
-    uint16_t* data = nullptr;
-    ~Lines() { std::free(data); }
-  };
-  thread_local Lines lines;
-  if (lines.data == nullptr) {
-    constexpr size_t kBytes = kTileBlocks * kFp8PrefillKBlockPairs * 32 * sizeof(uint16_t);
-    lines.data = static_cast<uint16_t*>(std::aligned_alloc(64, kBytes));
-    if (lines.data == nullptr) throw std::bad_alloc();  // the engine hands it to the caller
-  }
-  return lines.data;
+  constexpr size_t kBytes = kTileBlocks * kFp8PrefillKBlockPairs * 32 * sizeof(uint16_t);
+  return reinterpret_cast<uint16_t*>(thread_buffer(ThreadBuffer::kFp8Lines, kBytes));
 }
 
 // One packed FP8 matrix (gate_up or down) of every expert.
@@ -145,8 +132,8 @@ class Fp8Format {
   int64_t chunk_pairs() const { return kBf16RowChunk; }
 
   GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
-    alignas(64) thread_local float c[kBf16RowChunk * kBf16GateUpJobGroups * kTileBlocks * 16];
     constexpr int64_t ldc = kBf16GateUpJobGroups * kTileBlocks * 16;
+    float* c = reinterpret_cast<float*>(thread_buffer(ThreadBuffer::kGateUpTile, kBf16RowChunk * ldc * sizeof(float)));
     gemm_rows(acts_ + p0 * act_cols_, act_cols_, p1 - p0, dims_.gate_up, gate_up_.block(e, 2 * n0 / 16),
               static_cast<int>(2 * (n1 - n0) / 16), c, ldc);
     return {c, c + 16, ldc, 32};

@@ -293,8 +293,9 @@ class QuantFormat {
   // Gate/up blocks 2 n0 / 16 ... are interleaved [gate 16 | up 16] per intermediate block.
   GateUpTile gate_up(int64_t e, int64_t n0, int64_t n1, int64_t p0, int64_t p1) const {
     // A chunk of pairs times a prefill job's blocks, or a decode job's rows times its blocks.
-    alignas(64) thread_local float
-        c[std::max(kQuantRowChunk * kQuantGateUpJobGroups * kTileBlocks, Micro::kDecodeRows * kDecodeJobBlocks) * 16];
+    constexpr size_t kTileFloats =
+        std::max(kQuantRowChunk * kQuantGateUpJobGroups * kTileBlocks, Micro::kDecodeRows * kDecodeJobBlocks) * 16;
+    float* c = reinterpret_cast<float*>(thread_buffer(ThreadBuffer::kGateUpTile, kTileFloats * sizeof(float)));
     const int64_t ldc = 2 * (n1 - n0);  // the job's gate and up blocks
     const QuantRows rows{acts_ + p0 * act_cols_, act_cols_, act_sums_p_ + p0 * act_sums_, act_sums_};
     quant_gemm_rows<Micro>(rows, p1 - p0, dims_.gate_up, gate_up_.block(e, 2 * n0 / 16),
