@@ -1,7 +1,7 @@
 """Loads the native extension and applies the environment's choices once.
 
 Importing ``kt_ops._C`` registers the ``torch.ops.kt`` operators. ``KT_OPS_CPU_VARIANT``
-(``avx2``, ``avx_vnni``, ``avx512``, ``avx512_bf16``, ``amx``) forces a CPU variant; an unknown or
+(``avx2``, ``avx_vnni``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``, ``amx``) forces a CPU variant; an unknown or
 unsupported one raises at import, naming what is missing.
 """
 

@@ -5,11 +5,11 @@ from kt_ops._native import _C
 # In order of preference, oldest first: the best supported one is active by default.
 # avx_vnni (AVX2 + 256-bit vpdpbusd: Intel Core from Alder Lake, Zen 5) is not required by
 # the AVX-512 variants, so an AVX-512 CPU without AVX-VNNI (Zen 4) still runs them.
-CPU_VARIANTS: tuple[str, ...] = ("avx2", "avx_vnni", "avx512", "avx512_bf16", "amx")
+CPU_VARIANTS: tuple[str, ...] = ("avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 
 
 def cpu_variant() -> str:
-    """The active CPU variant: ``avx2``, ``avx_vnni``, ``avx512``, ``avx512_bf16`` or ``amx``."""
+    """The active CPU variant: ``avx2``, ``avx_vnni``, ``avx512``, ``avx512_vnni``, ``avx512_bf16`` or ``amx``."""
     return _C.cpu_variant()
 
 

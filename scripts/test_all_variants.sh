@@ -8,7 +8,9 @@
 #   - the avx2 pass also sets DNNL_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2, so torch
 #     itself (oneDNN, ATen's vectorized kernels) behaves as on an AVX2-only CPU; the
 #     avx_vnni pass sets DNNL_MAX_CPU_ISA=AVX2_VNNI ATEN_CPU_CAPABILITY=avx2 (an Intel
-#     Core from Alder Lake on: AVX2 + AVX-VNNI, no AVX-512).
+#     Core from Alder Lake on: AVX2 + AVX-VNNI, no AVX-512); the avx512 pass sets
+#     DNNL_MAX_CPU_ISA=AVX512_CORE (Skylake-SP: no VNNI, no BF16) and the avx512_vnni
+#     pass DNNL_MAX_CPU_ISA=AVX512_CORE_VNNI (Cascade Lake, Ice Lake: no BF16).
 # Each pass has its own TORCHINDUCTOR_CACHE_DIR (a fresh temporary one): with torch 2.13,
 # an ATEN_CPU_CAPABILITY=avx2 process that loads inductor kernels cached by a process
 # without it crashes (segmentation fault in the compiled graph, reproduced here).
@@ -51,6 +53,8 @@ for v in "${list[@]}"; do
   case $v in
     avx2) env_vars+=("DNNL_MAX_CPU_ISA=AVX2" "ATEN_CPU_CAPABILITY=avx2") ;;
     avx_vnni) env_vars+=("DNNL_MAX_CPU_ISA=AVX2_VNNI" "ATEN_CPU_CAPABILITY=avx2") ;;
+    avx512) env_vars+=("DNNL_MAX_CPU_ISA=AVX512_CORE") ;;
+    avx512_vnni) env_vars+=("DNNL_MAX_CPU_ISA=AVX512_CORE_VNNI") ;;
   esac
   echo
   echo "===== pass $i/${#list[@]}: variant $v ($what) -- ${env_vars[*]} ====="

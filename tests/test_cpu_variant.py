@@ -92,13 +92,45 @@ def test_avx_vnni_runs_vpdpbusd_for_the_integer_formats() -> None:
             assert "vpdpbusd" in kernel, kernel
 
 
-def test_avx_vnni_is_bit_identical_to_avx2() -> None:
+# --- avx512_vnni: AVX-512 + the 512-bit vpdpbusd, no AVX512_BF16 ---------------------------
+
+
+def test_avx512_vnni_is_supported_exactly_when_the_cpu_has_the_flags() -> None:
+    from kt_ops.host import cpu_flags
+
+    flags = cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo flags")
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    expected = avx512 and "avx512_vnni" in flags
+    assert (kt_ops.missing_features("avx512_vnni") == "") == expected, kt_ops.missing_features("avx512_vnni")
+    if avx512 and not expected:
+        assert kt_ops.missing_features("avx512_vnni") == "avx512_vnni (CPUID)"
+    if expected:  # avx512_bf16 asks for AVX512_BF16 on top, and names only that
+        assert kt_ops.missing_features("avx512_bf16") in ("", "avx512_bf16 (CPUID)")
+
+
+def test_avx512_vnni_runs_vpdpbusd_for_the_integer_formats() -> None:
+    from kt_ops.formats import FORMATS
+
+    for fmt in FORMATS:
+        kernel = fmt.kernels["avx512_vnni"]
+        if fmt.activations == "none":  # bf16, the fp8 formats: no integer products
+            assert "the avx512 kernel" in kernel and kernel.endswith(fmt.kernels["avx512"].split(" (", 1)[1]), kernel
+        else:
+            assert "vpdpbusd" in kernel and "the avx512 kernel" not in kernel, kernel
+
+
+@pytest.mark.parametrize("names", [("avx2", "avx_vnni"), ("avx512", "avx512_vnni")], ids=lambda n: "-".join(n))
+def test_vnni_variant_is_bit_identical_to_its_base(names: tuple[str, str]) -> None:
     """vpdpbusd and vpmaddubsw + vpmaddwd give the same exact int32 sums (no int16 pair
     saturates for the levels and activations the formats use), and the fp32 work around
-    them is the same: every packing case, decode and prefill token counts, equal bits."""
+    them adds the same values in the same order (avx_vnni and avx2 share that code;
+    avx512_vnni's tiles, avx512_bf16's, accumulate every k block in the order avx512's
+    do): every packing case, decode and prefill token counts, equal bits."""
     from format_cases import format_cases
 
-    for name in ("avx2", "avx_vnni"):
+    for name in names:
         if kt_ops.missing_features(name):
             pytest.skip(f"this CPU lacks {name}: {kt_ops.missing_features(name)}")
     previous = kt_ops.cpu_variant()
@@ -115,9 +147,9 @@ def test_avx_vnni_is_bit_identical_to_avx2() -> None:
                 ids = torch.stack([torch.randperm(E, generator=generator)[:2] for _ in range(tokens)]).int()
                 weights = torch.rand(tokens, 2, generator=generator)
                 outs = []
-                for name in ("avx2", "avx_vnni"):
+                for name in names:
                     kt_ops.set_cpu_variant(name)
                     outs.append(kt_ops.moe_forward(x, ids, weights, packed))
-                assert torch.equal(outs[0], outs[1]), f"{case.id}, {tokens} tokens: avx_vnni differs from avx2"
+                assert torch.equal(outs[0], outs[1]), f"{case.id}, {tokens} tokens: {names[1]} differs from {names[0]}"
     finally:
         kt_ops.set_cpu_variant(previous)

@@ -57,7 +57,7 @@ def docs_methods(text: str | None = None) -> list[tuple[tuple[str, ...], bool, s
     return parsed
 
 
-IN_PLACE_CELLS = {"all variants": kt_ops.CPU_VARIANTS, "AVX-512": ("avx512", "avx512_bf16", "amx"), "—": ()}
+IN_PLACE_CELLS = {"all variants": kt_ops.CPU_VARIANTS, "AVX-512": ("avx512", "avx512_vnni", "avx512_bf16", "amx"), "—": ()}
 
 
 def docs_ggml_types() -> dict[str, tuple[int, int, tuple[str, ...], str | None]]:

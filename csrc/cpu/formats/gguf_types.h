@@ -38,7 +38,7 @@ struct GgmlTypeInfo {
   // of this type's block (llama-quant.cpp; K-quants only), or nullptr. It need not be a
   // type kt_ops computes (IQ4_NL is not).
   const char* llama_cpp_fallback;
-  // The AVX-512 variants (avx512, avx512_bf16, amx) dot this type straight from its
+  // The AVX-512 variants (avx512, avx512_vnni, avx512_bf16, amx) dot this type straight from its
   // bytes for any number of tokens instead of decoding its rows first
   // (kernels/gguf/gguf_q4k_avx512.h (Q4_K, Q5_K), gguf_q6k_avx512.h, gguf_q23k_avx512.h,
   // gguf_block32_avx512.h (the 32-weight types, MXFP4 included)).

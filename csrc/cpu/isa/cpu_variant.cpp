@@ -95,6 +95,7 @@ const char* cpu_variant_name(CpuVariant variant) {
     case CpuVariant::kAvx2: return "avx2";
     case CpuVariant::kAvxVnni: return "avx_vnni";
     case CpuVariant::kAvx512: return "avx512";
+    case CpuVariant::kAvx512Vnni: return "avx512_vnni";
     case CpuVariant::kAvx512Bf16: return "avx512_bf16";
     case CpuVariant::kAmx: return "amx";
   }
@@ -105,7 +106,7 @@ CpuVariant parse_cpu_variant(const std::string& name) {
   for (int v = 0; v < kNumCpuVariants; ++v)
     if (name == cpu_variant_name(static_cast<CpuVariant>(v))) return static_cast<CpuVariant>(v);
   throw std::invalid_argument("unknown CPU variant '" + name +
-                              "'; expected one of: avx2, avx_vnni, avx512, avx512_bf16, amx");
+                              "'; expected one of: avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16, amx");
 }
 
 std::string missing_features(CpuVariant variant) {
@@ -120,8 +121,8 @@ std::string missing_features(CpuVariant variant) {
             "avx512f/bw/vl/dq (CPUID)");
     require(missing, f.os_avx512, "AVX-512 state (XCR0)");
   }
-  if (level >= static_cast<int>(CpuVariant::kAvx512Bf16))
-    require(missing, f.avx512_bf16 && f.avx512_vnni, "avx512_bf16+avx512_vnni (CPUID)");
+  if (level >= static_cast<int>(CpuVariant::kAvx512Vnni)) require(missing, f.avx512_vnni, "avx512_vnni (CPUID)");
+  if (level >= static_cast<int>(CpuVariant::kAvx512Bf16)) require(missing, f.avx512_bf16, "avx512_bf16 (CPUID)");
   if (level >= static_cast<int>(CpuVariant::kAmx)) {
     require(missing, f.amx_tile && f.amx_bf16 && f.amx_int8, "amx_tile/bf16/int8 (CPUID)");
     require(missing, f.os_amx, "AMX tile state (XCR0)");
