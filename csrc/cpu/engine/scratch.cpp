@@ -72,6 +72,4 @@ uint8_t* thread_buffer(ThreadBuffer which, size_t bytes) {
   return r.buffer.get();
 }
 
-size_t thread_buffer_bytes(ThreadBuffer which) { return retained_buffer(which).capacity; }
-
 }  // namespace kt::cpu

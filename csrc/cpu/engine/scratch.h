@@ -41,9 +41,6 @@ enum class ThreadBuffer { kGateUpTile, kFp8Lines, kCount };
 // bytes. Throws std::bad_alloc (the engine hands a job's exception to the caller).
 uint8_t* thread_buffer(ThreadBuffer which, size_t bytes);
 
-// Bytes of buffer `which` this thread holds (tests).
-size_t thread_buffer_bytes(ThreadBuffer which);
-
 // Carves consecutive 64-byte aligned sub-buffers out of one allocation.
 class ScratchLayout {
  public:
