@@ -1,4 +1,4 @@
-// [NOTE] 16-lane fp32 vector operations for the AVX-512 variants (avx512, avx512_bf16,
+// [NOTE] 16-lane fp32 vector operations for the AVX-512 variants (avx512, avx512_vnni, avx512_bf16,
 // amx). Include only from a translation unit compiled for AVX-512F/BW/VL/DQ + F16C
 // (see kernels/variants/). Generic algorithms (moe_driver.h) are written against this
 // interface and its AVX2 twin (vec_avx2.h).
