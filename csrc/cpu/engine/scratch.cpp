@@ -13,9 +13,27 @@ struct Free {
   void operator()(uint8_t* p) const { std::free(p); }
 };
 
+uint8_t* allocate(size_t bytes) {
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
+// A thread's grow-only buffer: reallocated (the old one freed first) when a request
+// exceeds it, to `grown` bytes.
 struct Retained {
   std::unique_ptr<uint8_t, Free> buffer;
   size_t capacity = 0;
+
+  uint8_t* at_least(size_t bytes, size_t grown) {
+    if (bytes > capacity) {
+      buffer.reset();
+      capacity = 0;
+      buffer.reset(allocate(grown));
+      capacity = grown;
+    }
+    return buffer.get();
+  }
 };
 
 Retained& retained() {
@@ -28,12 +46,6 @@ Retained& retained_buffer(ThreadBuffer which) {
   return r[static_cast<int>(which)];
 }
 
-uint8_t* allocate(size_t bytes) {
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-
 }  // namespace
 
 ScratchLease::ScratchLease(size_t bytes) {
@@ -44,14 +56,7 @@ ScratchLease::ScratchLease(size_t bytes) {
     owned_ = true;
     return;
   }
-  Retained& r = retained();
-  if (bytes > r.capacity) {
-    r.buffer.reset();
-    r.capacity = 0;
-    r.buffer.reset(allocate(rounded));
-    r.capacity = rounded;
-  }
-  data_ = r.buffer.get();
+  data_ = retained().at_least(bytes, rounded);
 }
 
 ScratchLease::~ScratchLease() {
@@ -61,15 +66,7 @@ ScratchLease::~ScratchLease() {
 size_t retained_scratch_bytes() { return retained().capacity; }
 
 uint8_t* thread_buffer(ThreadBuffer which, size_t bytes) {
-  Retained& r = retained_buffer(which);
-  if (bytes > r.capacity) {
-    const size_t rounded = (bytes + 63) / 64 * 64;
-    r.buffer.reset();
-    r.capacity = 0;
-    r.buffer.reset(allocate(rounded));
-    r.capacity = rounded;
-  }
-  return r.buffer.get();
+  return retained_buffer(which).at_least(bytes, (bytes + 63) / 64 * 64);
 }
 
 }  // namespace kt::cpu
