@@ -48,7 +48,7 @@ struct GgufActs {
   // block's scale times that sum (Q4_1's and Q5_1's minimums in both AVX-512 kernels,
   // which add whole blocks).
   bool quad32 = false;
-  float* block_min_sums = nullptr;  // quad32: [rows, kp / 8]
+  float* block_min_sums = nullptr;  // quad32: [rows, kp / 4], the first kp / 8 used (rows kp bytes apart, as q's)
   int16_t* level_sums = nullptr;
   const float* f = nullptr;  // block 0: [rows, kp] fp32
 };
@@ -128,7 +128,7 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
     // values until then).
     for (int64_t lane = 0; lane < kp / 8; ++lane)
       scale8[kp / 8 + lane] = scale8[lane] * static_cast<float>(bias8[lane] / -128);
-    float* block_min = acts.block_min_sums + r * (kp / 8);
+    float* block_min = acts.block_min_sums + r * (kp / 4);
     for (int64_t b = 0; b < kp / 32; ++b) {
       const int64_t lane = 16 * (b / 4) + 4 * (b % 4);  // the block's four lanes
       const int32_t bias = bias8[lane] + bias8[lane + 1] + bias8[lane + 2] + bias8[lane + 3];

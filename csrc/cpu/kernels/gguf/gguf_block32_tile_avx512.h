@@ -54,15 +54,78 @@ inline void block32_tile_scales(const __m512 (&v)[4], float (*out)[16], int bloc
   }
 }
 
+// The 8 level lines of one block of 16 rows (Q8_0, Q4_0, Q4_1, MXFP4), read from the rows'
+// bytes at byte `at` (the block's start) by 4 x 4 int32 transposes within the 128-bit
+// lanes. Q8_0: each register holds two rows' 32 level bytes (rows p and 4 + p, or 8 + p
+// and 12 + p), so after the transposes one vshufi32x4 puts line w (and 4 + w) of all 16
+// rows together; the packed nibble types: four rows' 16 bytes, one per 128-bit lane (row
+// 4 q + i in lane q of register i), whose transposes give the nibble words of rows 0-15 in
+// order, split into levels afterwards (low nibbles: line w, high: line 4 + w). Per line
+// 5 (Q8_0) or 4 (packed) vector operations, against 9 and 5.5 for the in-place extraction
+// of 4 blocks followed by 16 x 16 transposes (the Q5 types' path below).
+template <GgmlType kType>
+inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* const* rows, int64_t at, Block32TileBlock& t) {
+  constexpr int kQs = kBlock32Levels<kType>;
+  const auto transpose4 = [](const __m512i& x0, const __m512i& x1, const __m512i& x2, const __m512i& x3, __m512i* y) {
+    const __m512i t0 = _mm512_unpacklo_epi32(x0, x1), t1 = _mm512_unpackhi_epi32(x0, x1);
+    const __m512i t2 = _mm512_unpacklo_epi32(x2, x3), t3 = _mm512_unpackhi_epi32(x2, x3);
+    y[0] = _mm512_unpacklo_epi64(t0, t2);
+    y[1] = _mm512_unpackhi_epi64(t0, t2);
+    y[2] = _mm512_unpacklo_epi64(t1, t3);
+    y[3] = _mm512_unpackhi_epi64(t1, t3);
+  };
+  if constexpr (kType == GgmlType::kQ8_0) {
+    const auto pair = [&](int lo_row, int hi_row) {
+      const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[lo_row] + at + kQs));
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[hi_row] + at + kQs));
+      return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+    };
+    __m512i y[4], z[4];
+    transpose4(pair(0, 4), pair(1, 5), pair(2, 6), pair(3, 7), y);      // lanes: rows 0-3 w, 0-3 4+w, 4-7 w, 4-7 4+w
+    transpose4(pair(8, 12), pair(9, 13), pair(10, 14), pair(11, 15), z);  // rows 8-15 alike
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int w = 0; w < 4; ++w) {
+      _mm512_store_si512(t.levels[w], _mm512_xor_si512(_mm512_shuffle_i32x4(y[w], z[w], 0x88), flip));
+      _mm512_store_si512(t.levels[4 + w], _mm512_xor_si512(_mm512_shuffle_i32x4(y[w], z[w], 0xDD), flip));
+    }
+  } else {
+    const auto quad = [&](int i) {  // 128-bit lane q: row 4 q + i
+      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + at + kQs)));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 + i] + at + kQs)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[8 + i] + at + kQs)), 2);
+      return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[12 + i] + at + kQs)), 3);
+    };
+    __m512i y[4];
+    transpose4(quad(0), quad(1), quad(2), quad(3), y);  // y[w] lane r: bytes 4 w .. 4 w + 3 of row r
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int w = 0; w < 4; ++w) {
+      __m512i lo = _mm512_and_si512(y[w], low), hi = _mm512_and_si512(_mm512_srli_epi16(y[w], 4), low);
+      if constexpr (kType == GgmlType::kMxfp4) {
+        const __m512i table = _mm512_broadcast_i32x4(mxfp4_level_table());
+        lo = _mm512_shuffle_epi8(table, lo);
+        hi = _mm512_shuffle_epi8(table, hi);
+      }
+      _mm512_store_si512(t.levels[w], lo);
+      _mm512_store_si512(t.levels[4 + w], hi);
+    }
+  }
+}
+
 // 16 rows (pointers to their first block; a group's rows past the matrix repeat its last
-// row) -> `blocks` repacked blocks. Per step of 4 blocks each row's levels are extracted
-// as the in-place kernel does (two registers, block L in 128-bit lane L), then the 16
-// rows' registers go through a 16 x 16 int32 transpose: register 4 L + w holds word w of
-// block L of every row, i.e. line w (lo) or 4 + w (hi) of the block.
+// row) -> `blocks` repacked blocks, in steps of 4 blocks. Each row's block scales (and
+// minimums) of a step are gathered and transposed to one register per block
+// (block32_tile_scales). Levels: Q8_0, Q4_0, Q4_1 and MXFP4 per block straight from the
+// rows (block32_tile_levels; 512-token S1 Q8_0 0.92, Q4_0 0.95, MXFP4 0.98, Q4_1 0.99 of
+// the time of the extraction below, Intel Xeon VM, avx512_vnni, in one process, 2026-11-28);
+// Q5_0 and Q5_1, whose fifth bits are added per row, as the in-place kernel extracts a
+// step (two registers per row, block L in 128-bit lane L), then two 16 x 16 int32
+// transposes: register 4 L + w holds word w of block L of every row, i.e. line w (lo) or
+// 4 + w (hi) of the block.
 template <GgmlType kType>
 void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32TileBlock* out) {
   constexpr int kBytes = kBlock32Bytes<kType>, kStep = 4 * kBytes;
   constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
+  constexpr bool kFifth = kType == GgmlType::kQ5_0 || kType == GgmlType::kQ5_1;
   alignas(64) uint8_t tail[kStep];
   for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
     const int n = static_cast<int>(std::min<int64_t>(4, blocks - b0));
@@ -70,11 +133,7 @@ void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32Tile
       for (int r = 0; r < kKquantTileRows; ++r)
         for (int line = 0; line < kStep + 63; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kBytes * (b0 + 4) + std::min(line, kStep - 1)), _MM_HINT_T0);
-    // Q4_0, Q4_1, MXFP4: the packed nibble bytes go through one transpose and are split
-    // into levels (as block32_levels4 does) afterwards: one transpose per step, not two
-    // (512 tokens 0.97-0.99x the time; paired A/B, Zen 5, 2026-11-27).
-    constexpr bool kPacked = kType == GgmlType::kQ4_0 || kType == GgmlType::kQ4_1 || kType == GgmlType::kMxfp4;
-    __m512i lo[16], hi[16];
+    __m512i lo[kFifth ? 16 : 1], hi[kFifth ? 16 : 1];
     alignas(64) float d[16][4], m[16][4];  // row r, block L
     for (int r = 0; r < kKquantTileRows; ++r) {
       const uint8_t* b = rows[r] + kBytes * b0;
@@ -83,10 +142,7 @@ void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32Tile
         std::memcpy(tail, b, kBytes * n);
         b = tail;
       }
-      if constexpr (kPacked)
-        lo[r] = load_lanes4<kBytes>(b, kBlock32Levels<kType>);
-      else
-        block32_levels4<kType>(b, &lo[r], &hi[r]);
+      if constexpr (kFifth) block32_levels4<kType>(b, &lo[r], &hi[r]);
       if constexpr (kType == GgmlType::kMxfp4) {
         _mm_store_ps(d[r], mxfp4_half_scales4(b, kBytes));
       } else if constexpr (kMin) {  // (d, m) pairs -> d of blocks 0-3, then m
@@ -98,30 +154,22 @@ void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32Tile
         _mm_store_ps(d[r], _mm_cvtph_ps(block_scale_halves4<kBytes, false>(b)));
       }
     }
-    transpose16x16_epi32(lo);
-    if constexpr (kPacked) {
-      const __m512i low = _mm512_set1_epi8(0x0f);
-      for (int c = 0; c < 16; ++c) {  // low nibbles: weights 4 w .. 4 w + 3, high: 16 more
-        hi[c] = _mm512_and_si512(_mm512_srli_epi16(lo[c], 4), low);
-        lo[c] = _mm512_and_si512(lo[c], low);
-        if constexpr (kType == GgmlType::kMxfp4) {
-          const __m512i table = _mm512_broadcast_i32x4(mxfp4_level_table());
-          lo[c] = _mm512_shuffle_epi8(table, lo[c]);
-          hi[c] = _mm512_shuffle_epi8(table, hi[c]);
-        }
-      }
-    } else {
+    if constexpr (kFifth) {
+      transpose16x16_epi32(lo);
       transpose16x16_epi32(hi);
+    } else {
+      for (int blk = 0; blk < n; ++blk) block32_tile_levels<kType>(rows, kBytes * (b0 + blk), out[b0 + blk]);
     }
     alignas(64) float scales[4][16];  // block32_tile_scales stores whole registers
     const __m512 dv[4] = {_mm512_load_ps(d[0]), _mm512_load_ps(d[4]), _mm512_load_ps(d[8]), _mm512_load_ps(d[12])};
     block32_tile_scales(dv, scales, n);
     for (int blk = 0; blk < n; ++blk) {
       Block32TileBlock& t = out[b0 + blk];
-      for (int w = 0; w < 4; ++w) {
-        _mm512_store_si512(t.levels[w], lo[4 * blk + w]);
-        _mm512_store_si512(t.levels[4 + w], hi[4 * blk + w]);
-      }
+      if constexpr (kFifth)
+        for (int w = 0; w < 4; ++w) {
+          _mm512_store_si512(t.levels[w], lo[4 * blk + w]);
+          _mm512_store_si512(t.levels[4 + w], hi[4 * blk + w]);
+        }
       std::memcpy(t.d, scales[blk], sizeof(t.d));
     }
     if constexpr (kMin) {
@@ -133,18 +181,26 @@ void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32Tile
 }
 
 // G repacked groups (group g's blocks at w + g * blocks; rows r < rows[g]) dotted with T
-// activation rows: out[j] + 16 g + r = dot(row r of group g, activation row j); aq[j],
-// scale8[j], block_bias[j], block_min[j] as the in-place kernel's (quad order). Per 4-k
+// activation rows: out[j] + 16 g + r = dot(row r of group g, activation row j). Token j
+// is one pointer, aq[j] its levels (quad order); its other arrays (GgufActs: rows kp bytes
+// apart, as the levels') sit at fixed byte offsets from it: the block scales at scale_off,
+// the block biases (-128 * level sum) at bias_off, the minimum sums (Q4_1, Q5_1) at
+// min_off, each 16 bytes per block. With a pointer per token and array the tile's 18-24
+// pointers spilled to vector registers, one move back per broadcast (19 per block and 96
+// vpdpbusd): one pointer each, 512-token S1 Q8_0 0.94-0.96, Q4_0 0.89, Q5_0 / Q5_1 0.95-0.97,
+// Q4_1 0.99 of the time (Intel Xeon VM, avx512_vnni, in one process, 2026-11-28). Per 4-k
 // line, G weight loads and T broadcasts feed G * T vpdpbusd; the fp32 accumulators (4 block
 // lanes x G x T registers) live in L1.
 template <class Ops, GgmlType kType, int G, int T>
-void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* const* aq, const float* const* scale8,
-                       const int32_t* const* block_bias, const float* const* block_min, float* const* out,
-                       const int* rows, const char* stream, int64_t stream_lines) {
+void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* const* aq_in, intptr_t scale_off,
+                       intptr_t bias_off, intptr_t min_off, float* const* out, const int* rows, const char* stream,
+                       int64_t stream_lines) {
   constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
   // `stream_lines` lines from `stream` to L2, spread over the blocks.
   const int64_t per_step = (stream_lines + blocks - 1) / blocks;
   int64_t streamed = 0;
+  const int8_t* aq[T];  // a local copy: the compiler keeps them in general registers
+  for (int j = 0; j < T; ++j) aq[j] = aq_in[j];
   alignas(64) float acc[4][G][T][16], accm[kMin ? 4 : 1][G][T][16];
   for (int l = 0; l < 4; ++l)
     for (int g = 0; g < G; ++g)
@@ -156,17 +212,21 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
     for (const int64_t end = std::min(stream_lines, streamed + per_step); streamed < end; ++streamed)
       _mm_prefetch(stream + streamed * 64, _MM_HINT_T1);
     const int64_t at = 128 * (b / 4) + 16 * (b % 4);  // the block's values 0-15 (quad order); 16-31 at + 64
+    const intptr_t s_at = scale_off + 16 * b, b_at = bias_off + 16 * b, m_at = min_off + 16 * b;
     // The chain starts at the levels' offset times the activation block's level sum (taken
     // off in integers); with 8 or fewer accumulators, lines 0-3 and 4-7 run as two chains.
     constexpr bool kSplit = G * T <= 8;
     __m512i v[G][T], v_hi[G][T];
     for (int j = 0; j < T; ++j) {
-      const __m512i offset = block32_offset<Ops, kType>(_mm512_set1_epi32(block_bias[j][4 * b]));
+      int32_t bias;
+      std::memcpy(&bias, aq[j] + b_at, 4);
+      const __m512i offset = block32_offset<Ops, kType>(_mm512_set1_epi32(bias));
       for (int g = 0; g < G; ++g) {
         v[g][j] = kSplit ? _mm512_setzero_si512() : offset;
         if constexpr (kSplit) v_hi[g][j] = offset;
       }
     }
+    const Block32TileBlock* wb = w + b;
 #pragma GCC unroll 8
     for (int line = 0; line < 8; ++line) {
       __m512i a[T];
@@ -176,7 +236,7 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
         a[j] = _mm512_set1_epi32(word);
       }
       for (int g = 0; g < G; ++g) {
-        const __m512i levels = _mm512_load_si512(w[g * blocks + b].levels[line]);
+        const __m512i levels = _mm512_load_si512(wb[g * blocks].levels[line]);
         for (int j = 0; j < T; ++j) {
           __m512i& sum = kSplit && line >= 4 ? v_hi[g][j] : v[g][j];
           sum = kType == GgmlType::kQ8_0 ? Ops::dot_int8(sum, levels, a[j]) : Ops::dot(sum, levels, a[j]);
@@ -188,13 +248,16 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
         for (int j = 0; j < T; ++j) v[g][j] = _mm512_add_epi32(v[g][j], v_hi[g][j]);
     const int lane = static_cast<int>(b % 4);
     for (int j = 0; j < T; ++j) {
-      const __m512 da = _mm512_set1_ps(scale8[j][4 * b]);
+      float da_s, min_s = 0.0f;
+      std::memcpy(&da_s, aq[j] + s_at, 4);
+      if constexpr (kMin) std::memcpy(&min_s, aq[j] + m_at, 4);
+      const __m512 da = _mm512_set1_ps(da_s);
       for (int g = 0; g < G; ++g) {
-        const Block32TileBlock& t = w[g * blocks + b];
+        const Block32TileBlock& t = wb[g * blocks];
         _mm512_store_ps(acc[lane][g][j], _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[g][j]), _mm512_mul_ps(_mm512_load_ps(t.d), da),
                                                          _mm512_load_ps(acc[lane][g][j])));
         if constexpr (kMin)
-          _mm512_store_ps(accm[lane][g][j], _mm512_fmadd_ps(_mm512_load_ps(t.m), _mm512_set1_ps(block_min[j][4 * b]),
+          _mm512_store_ps(accm[lane][g][j], _mm512_fmadd_ps(_mm512_load_ps(t.m), _mm512_set1_ps(min_s),
                                                             _mm512_load_ps(accm[lane][g][j])));
       }
     }
@@ -215,16 +278,16 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
 
 template <class Ops, GgmlType kType, int G>
 void block32_tile_pass(int count, const Block32TileBlock* w, int64_t blocks, const int8_t* const* aq,
-                       const float* const* scale8, const int32_t* const* block_bias, const float* const* block_min,
-                       float* const* out, const int* rows, const char* stream, int64_t stream_lines) {
+                       intptr_t scale_off, intptr_t bias_off, intptr_t min_off, float* const* out, const int* rows,
+                       const char* stream, int64_t stream_lines) {
   static_assert(kBlock32TileTokens == 6);
   switch (count) {
-    case 6: return block32_tile_gemm<Ops, kType, G, 6>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
-    case 5: return block32_tile_gemm<Ops, kType, G, 5>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
-    case 4: return block32_tile_gemm<Ops, kType, G, 4>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
-    case 3: return block32_tile_gemm<Ops, kType, G, 3>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
-    case 2: return block32_tile_gemm<Ops, kType, G, 2>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
-    default: return block32_tile_gemm<Ops, kType, G, 1>(w, blocks, aq, scale8, block_bias, block_min, out, rows, stream, stream_lines);
+    case 6: return block32_tile_gemm<Ops, kType, G, 6>(w, blocks, aq, scale_off, bias_off, min_off, out, rows, stream, stream_lines);
+    case 5: return block32_tile_gemm<Ops, kType, G, 5>(w, blocks, aq, scale_off, bias_off, min_off, out, rows, stream, stream_lines);
+    case 4: return block32_tile_gemm<Ops, kType, G, 4>(w, blocks, aq, scale_off, bias_off, min_off, out, rows, stream, stream_lines);
+    case 3: return block32_tile_gemm<Ops, kType, G, 3>(w, blocks, aq, scale_off, bias_off, min_off, out, rows, stream, stream_lines);
+    case 2: return block32_tile_gemm<Ops, kType, G, 2>(w, blocks, aq, scale_off, bias_off, min_off, out, rows, stream, stream_lines);
+    default: return block32_tile_gemm<Ops, kType, G, 1>(w, blocks, aq, scale_off, bias_off, min_off, out, rows, stream, stream_lines);
   }
 }
 
@@ -241,24 +304,22 @@ void block32_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, 
   const auto repack = [&](int g, const uint8_t* const* row_at) {
     block32_tile_repack<kType>(row_at, blocks, packed.data() + g * blocks);
   };
+  // Byte offsets from a token's levels to its block scales, biases and minimum sums
+  // (GgufActs: every array's rows are kp bytes apart).
+  const intptr_t q0 = reinterpret_cast<intptr_t>(acts.q);
+  const intptr_t scale_off = reinterpret_cast<intptr_t>(acts.scale) - q0;
+  const intptr_t bias_off = reinterpret_cast<intptr_t>(acts.bias4 + m.kp / 8) - q0;
+  const intptr_t min_off = reinterpret_cast<intptr_t>(acts.block_min_sums) - q0;
   const auto pass = [&](int groups, int count, const int64_t* a, float* const* outs, const int* rows,
                         const char* stream, int64_t stream_lines) {
     const int8_t* aq[kBlock32TileTokens];
-    const float* scale8[kBlock32TileTokens];
-    const int32_t* block_bias[kBlock32TileTokens];
-    const float* block_min[kBlock32TileTokens];
-    for (int j = 0; j < count; ++j) {
-      aq[j] = acts.q + a[j] * m.kp;
-      scale8[j] = acts.scale + a[j] * (m.kp / 4);
-      block_bias[j] = acts.bias4 + a[j] * (m.kp / 4) + m.kp / 8;
-      block_min[j] = acts.block_min_sums + a[j] * (m.kp / 8);
-    }
+    for (int j = 0; j < count; ++j) aq[j] = acts.q + a[j] * m.kp;
     static_assert(kKquantTileGroups == 2);
     if (groups == 2)
-      block32_tile_pass<Ops, kType, 2>(count, packed.data(), blocks, aq, scale8, block_bias, block_min, outs, rows,
+      block32_tile_pass<Ops, kType, 2>(count, packed.data(), blocks, aq, scale_off, bias_off, min_off, outs, rows,
                                        stream, stream_lines);
     else
-      block32_tile_pass<Ops, kType, 1>(count, packed.data(), blocks, aq, scale8, block_bias, block_min, outs, rows,
+      block32_tile_pass<Ops, kType, 1>(count, packed.data(), blocks, aq, scale_off, bias_off, min_off, outs, rows,
                                        stream, stream_lines);
   };
   repacked_tile_spans<kBlock32TileTokens>(m, expert, n0, n1, act_rows, p0, p1, out, ldo, repack, pass);

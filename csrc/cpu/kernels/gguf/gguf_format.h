@@ -186,7 +186,7 @@ class GgufFormat {
     at[2] = carve.add<float>(n * kp / 16);
     at[3] = carve.add<int32_t>(n * kp / 4);
     at[4] = carve.add<int16_t>(block == kGgufQ4kActs || block == kGgufQ6kActs ? n * kp / 16 : 0);
-    at[5] = carve.add<float>(block == kGgufQuad32Acts ? n * kp / 8 : 0);
+    at[5] = carve.add<float>(block == kGgufQuad32Acts ? n * kp / 4 : 0);
   }
 
   static GgufActs bind_acts(uint8_t* scratch, int block, int64_t kp, const size_t at[6]) {

@@ -211,7 +211,7 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     bias4[j] = acts.bias4 + a * (m.kp / 4);
     level_sums[j] = acts.level_sums + a * (m.kp / 16);
     min_sums8[j] = scale4[j] + m.kp / 8;  // quad order (gguf_act.h)
-    block_min[j] = acts.block_min_sums + a * (m.kp / 8);
+    block_min[j] = acts.block_min_sums + a * (m.kp / 4);
   }
   if constexpr (Ops::kRegsPerLine != 1) {  // AVX2 / AVX-VNNI: the avx2_in_place types
     const int64_t units = m.kp / kGgufSuper;
