@@ -115,8 +115,9 @@ inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* co
 // row) -> `blocks` repacked blocks, in steps of 4 blocks. Each row's block scales (and
 // minimums) of a step are gathered and transposed to one register per block
 // (block32_tile_scales). Levels: Q8_0, Q4_0, Q4_1 and MXFP4 per block straight from the
-// rows (block32_tile_levels; 512-token S1 Q8_0 0.92, Q4_0 0.95, MXFP4 0.98, Q4_1 0.99 of
-// the time of the extraction below, Intel Xeon VM, avx512_vnni, in one process, 2026-11-28);
+// rows (block32_tile_levels; 512-token S1 Q8_0 0.92-0.94, Q4_0 0.95-0.96, MXFP4 0.98,
+// Q4_1 0.99 of the time of the extraction below, Intel Xeon VM, avx512_vnni, both ways
+// interleaved in one process, 2026-11-28);
 // Q5_0 and Q5_1, whose fifth bits are added per row, as the in-place kernel extracts a
 // step (two registers per row, block L in 128-bit lane L), then two 16 x 16 int32
 // transposes: register 4 L + w holds word w of block L of every row, i.e. line w (lo) or
@@ -187,8 +188,9 @@ void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32Tile
 // the block biases (-128 * level sum) at bias_off, the minimum sums (Q4_1, Q5_1) at
 // min_off, each 16 bytes per block. With a pointer per token and array the tile's 18-24
 // pointers spilled to vector registers, one move back per broadcast (19 per block and 96
-// vpdpbusd): one pointer each, 512-token S1 Q8_0 0.94-0.96, Q4_0 0.89, Q5_0 / Q5_1 0.95-0.97,
-// Q4_1 0.99 of the time (Intel Xeon VM, avx512_vnni, in one process, 2026-11-28). Per 4-k
+// vpdpbusd): one pointer each, 512-token S1 Q8_0 0.94-0.99, Q4_0 0.89, MXFP4 0.94, Q5_0 /
+// Q5_1 0.95-0.97, Q4_1 0.99-1.01 of the time (Intel Xeon VM, avx512_vnni, both ways
+// interleaved in one process, 2026-11-28). Per 4-k
 // line, G weight loads and T broadcasts feed G * T vpdpbusd; the fp32 accumulators (4 block
 // lanes x G x T registers) live in L1.
 template <class Ops, GgmlType kType, int G, int T>
