@@ -307,7 +307,7 @@ void block32_tile_rows(const Matrix& m, int64_t expert, int64_t n0, int64_t n1, 
     block32_tile_repack<kType>(row_at, blocks, packed.data() + g * blocks);
   };
   // Byte offsets from a token's levels to its block scales, biases and minimum sums
-  // (GgufActs: every array's rows are kp bytes apart).
+  // (GgufActs: every array's rows are kp bytes apart, all carved from one scratch buffer).
   const intptr_t q0 = reinterpret_cast<intptr_t>(acts.q);
   const intptr_t scale_off = reinterpret_cast<intptr_t>(acts.scale) - q0;
   const intptr_t bias_off = reinterpret_cast<intptr_t>(acts.bias4 + m.kp / 8) - q0;
