@@ -63,8 +63,6 @@ ScratchLease::~ScratchLease() {
   if (owned_) std::free(data_);
 }
 
-size_t retained_scratch_bytes() { return retained().capacity; }
-
 uint8_t* thread_buffer(ThreadBuffer which, size_t bytes) {
   return retained_buffer(which).at_least(bytes, (bytes + 63) / 64 * 64);
 }

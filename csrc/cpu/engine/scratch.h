@@ -26,9 +26,6 @@ class ScratchLease {
   bool owned_ = false;  // a buffer of its own (above kRetainedScratchBytes), freed here
 };
 
-// Bytes of scratch this thread keeps between calls (tests).
-size_t retained_scratch_bytes();
-
 // Per-thread buffers that a job's micro-kernels write and read back within one job: the
 // gate/up tile of the BF16, FP8 and INT formats and FP8 prefill's decoded lines. On the
 // heap, allocated on a thread's first use: as `thread_local` arrays they sat in the

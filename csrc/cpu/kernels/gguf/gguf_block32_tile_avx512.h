@@ -66,14 +66,6 @@ inline void block32_tile_scales(const __m512 (&v)[4], float (*out)[16], int bloc
 template <GgmlType kType>
 inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* const* rows, int64_t at, Block32TileBlock& t) {
   constexpr int kQs = kBlock32Levels<kType>;
-  const auto transpose4 = [](const __m512i& x0, const __m512i& x1, const __m512i& x2, const __m512i& x3, __m512i* y) {
-    const __m512i t0 = _mm512_unpacklo_epi32(x0, x1), t1 = _mm512_unpackhi_epi32(x0, x1);
-    const __m512i t2 = _mm512_unpacklo_epi32(x2, x3), t3 = _mm512_unpackhi_epi32(x2, x3);
-    y[0] = _mm512_unpacklo_epi64(t0, t2);
-    y[1] = _mm512_unpackhi_epi64(t0, t2);
-    y[2] = _mm512_unpacklo_epi64(t1, t3);
-    y[3] = _mm512_unpackhi_epi64(t1, t3);
-  };
   if constexpr (kType == GgmlType::kQ8_0) {
     const auto pair = [&](int lo_row, int hi_row) {
       const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[lo_row] + at + kQs));
@@ -81,8 +73,8 @@ inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* co
       return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
     };
     __m512i y[4], z[4];
-    transpose4(pair(0, 4), pair(1, 5), pair(2, 6), pair(3, 7), y);      // lanes: rows 0-3 w, 0-3 4+w, 4-7 w, 4-7 4+w
-    transpose4(pair(8, 12), pair(9, 13), pair(10, 14), pair(11, 15), z);  // rows 8-15 alike
+    transpose4x4_lanes_epi32(pair(0, 4), pair(1, 5), pair(2, 6), pair(3, 7), y);      // lanes: rows 0-3 w, 0-3 4+w, 4-7 w, 4-7 4+w
+    transpose4x4_lanes_epi32(pair(8, 12), pair(9, 13), pair(10, 14), pair(11, 15), z);  // rows 8-15 alike
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int w = 0; w < 4; ++w) {
       _mm512_store_si512(t.levels[w], _mm512_xor_si512(_mm512_shuffle_i32x4(y[w], z[w], 0x88), flip));
@@ -96,7 +88,7 @@ inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* co
       return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[12 + i] + at + kQs)), 3);
     };
     __m512i y[4];
-    transpose4(quad(0), quad(1), quad(2), quad(3), y);  // y[w] lane r: bytes 4 w .. 4 w + 3 of row r
+    transpose4x4_lanes_epi32(quad(0), quad(1), quad(2), quad(3), y);  // y[w] lane r: bytes 4 w .. 4 w + 3 of row r
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int w = 0; w < 4; ++w) {
       __m512i lo = _mm512_and_si512(y[w], low), hi = _mm512_and_si512(_mm512_srli_epi16(y[w], 4), low);

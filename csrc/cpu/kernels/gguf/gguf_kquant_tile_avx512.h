@@ -66,19 +66,23 @@ struct KquantTileKind {
 // The natural sub-block of 32-k chunk c in kGgufQ4kOrder.
 constexpr int kQ4kChunkSub[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
+// x[i] (i < 4) int32 word c of a 128-bit lane -> y[c] word i of that lane: a 4 x 4
+// transpose within each of the four lanes.
+inline void transpose4x4_lanes_epi32(const __m512i& x0, const __m512i& x1, const __m512i& x2, const __m512i& x3,
+                                     __m512i* y) {
+  const __m512i t0 = _mm512_unpacklo_epi32(x0, x1), t1 = _mm512_unpackhi_epi32(x0, x1);
+  const __m512i t2 = _mm512_unpacklo_epi32(x2, x3), t3 = _mm512_unpackhi_epi32(x2, x3);
+  y[0] = _mm512_unpacklo_epi64(t0, t2);
+  y[1] = _mm512_unpackhi_epi64(t0, t2);
+  y[2] = _mm512_unpacklo_epi64(t1, t3);
+  y[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
 // r[i] int32 lane c -> r[c] int32 lane i (a 16 x 16 transpose).
 inline void transpose16x16_epi32(__m512i (&r)[16]) {
   __m512i u[16];
-  for (int i = 0; i < 4; ++i) {  // 4 x 4 blocks within each 128-bit lane
-    const __m512i t0 = _mm512_unpacklo_epi32(r[4 * i], r[4 * i + 1]);
-    const __m512i t1 = _mm512_unpackhi_epi32(r[4 * i], r[4 * i + 1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(r[4 * i + 2], r[4 * i + 3]);
-    const __m512i t3 = _mm512_unpackhi_epi32(r[4 * i + 2], r[4 * i + 3]);
-    u[4 * i] = _mm512_unpacklo_epi64(t0, t2);  // lane L: column 4 L + 0 of rows 4 i .. 4 i + 3
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t0, t2);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t1, t3);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t1, t3);
-  }
+  for (int i = 0; i < 4; ++i)  // lane L of u[4 i + c]: column 4 L + c of rows 4 i .. 4 i + 3
+    transpose4x4_lanes_epi32(r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3], u + 4 * i);
   for (int e = 0; e < 4; ++e) {  // the 128-bit lanes of the four row groups
     const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
     const __m512i v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
@@ -126,14 +130,14 @@ inline void kquant_tile_words(const uint8_t* const* rows, int64_t at, __m512i& w
       v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * i + l] + at)), l);
     head[i] = v;
   }
-  const __m512i t0 = _mm512_unpacklo_epi32(head[0], head[1]), t1 = _mm512_unpackhi_epi32(head[0], head[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(head[2], head[3]), t3 = _mm512_unpackhi_epi32(head[2], head[3]);
+  __m512i y[4];
+  transpose4x4_lanes_epi32(head[0], head[1], head[2], head[3], y);
   // After the 4 x 4 transposes within the 128-bit lanes, lane 4 L + i holds row 4 i + L.
   const __m512i row_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  w0 = _mm512_permutexvar_epi32(row_order, _mm512_unpacklo_epi64(t0, t2));
-  w1 = _mm512_permutexvar_epi32(row_order, _mm512_unpackhi_epi64(t0, t2));
-  w2 = _mm512_permutexvar_epi32(row_order, _mm512_unpacklo_epi64(t1, t3));
-  w3 = _mm512_permutexvar_epi32(row_order, _mm512_unpackhi_epi64(t1, t3));
+  w0 = _mm512_permutexvar_epi32(row_order, y[0]);
+  w1 = _mm512_permutexvar_epi32(row_order, y[1]);
+  w2 = _mm512_permutexvar_epi32(row_order, y[2]);
+  w3 = _mm512_permutexvar_epi32(row_order, y[3]);
 }
 
 // 16 rows (pointers to their first super-block; a group's rows past the matrix repeat its
