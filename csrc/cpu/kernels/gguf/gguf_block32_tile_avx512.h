@@ -1,8 +1,8 @@
 // [NOTE] Block-32 prefill on AVX-512 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4): an integer tile
 // GEMM over rows repacked once per call, the K-quant tile's scheme
 // (gguf_kquant_tile_avx512.h) for the 32-weight blocks. Each group of 16 rows becomes, per
-// block, 8 lines of [16 rows][4 k] level bytes (unsigned, as the in-place kernel extracts
-// them: gguf_block32_avx512.h's block32_levels4) and the rows' d (and m) as fp32. Per token
+// block, 8 lines of [16 rows][4 k] level bytes (unsigned, the values the in-place kernel
+// extracts: gguf_block32_avx512.h's block32_levels4) and the rows' d (and m) as fp32. Per token
 // and block, 8 vpdpbusd give the 16 rows' exact int32 sums; the levels' offset comes off in
 // integers from the activation block's level sum; then one conversion and one fma per
 // (16 rows, token, block), into the accumulator of the block's lane b % 4. The integers and
@@ -43,29 +43,32 @@ struct alignas(64) Block32TileBlock {
   float d[16], m[16];     // per row; m: Q4_1 / Q5_1
 };
 
-// Four rows' values of 4 blocks, v[q] lane 4 r' + L = row 4 q + r', block L -> per block L
-// a register of the 16 rows (lane r).
-inline void block32_tile_scales(const __m512 (&v)[4], float (*out)[16], int blocks) {
-  for (int blk = 0; blk < blocks; ++blk) {
-    const __m512i at = _mm512_setr_epi32(blk, 4 + blk, 8 + blk, 12 + blk, 16 + blk, 20 + blk, 24 + blk, 28 + blk,  //
-                                         0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512 low = _mm512_permutex2var_ps(v[0], at, v[1]), high = _mm512_permutex2var_ps(v[2], at, v[3]);
-    _mm512_store_ps(out[blk], _mm512_insertf32x8(low, _mm512_castps512_ps256(high), 1));
-  }
+// Four rows' values of 4 blocks, v[q] lane 4 r' + L = row 4 q + r', block L -> block L's
+// 16 rows (lane r) at `out` (64-byte aligned).
+inline void block32_tile_scales(const __m512 (&v)[4], int blk, float* out) {
+  const __m512i at = _mm512_add_epi32(_mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0),
+                                      _mm512_set1_epi32(blk));
+  const __m512 low = _mm512_permutex2var_ps(v[0], at, v[1]), high = _mm512_permutex2var_ps(v[2], at, v[3]);
+  _mm512_store_ps(out, _mm512_insertf32x8(low, _mm512_castps512_ps256(high), 1));
 }
 
-// The 8 level lines of one block of 16 rows (Q8_0, Q4_0, Q4_1, MXFP4), read from the rows'
-// bytes at byte `at` (the block's start) by 4 x 4 int32 transposes within the 128-bit
-// lanes. Q8_0: each register holds two rows' 32 level bytes (rows p and 4 + p, or 8 + p
-// and 12 + p), so after the transposes one vshufi32x4 puts line w (and 4 + w) of all 16
-// rows together; the packed nibble types: four rows' 16 bytes, one per 128-bit lane (row
-// 4 q + i in lane q of register i), whose transposes give the nibble words of rows 0-15 in
-// order, split into levels afterwards (low nibbles: line w, high: line 4 + w). Per line
-// 5 (Q8_0) or 4 (packed) vector operations, against 9 and 5.5 for the in-place extraction
-// of 4 blocks followed by 16 x 16 transposes (the Q5 types' path below).
+// The 8 level lines of one block of 16 rows, read from the rows' bytes at byte `at` (the
+// block's start) by 4 x 4 int32 transposes within the 128-bit lanes. Q8_0: each register
+// holds two rows' 32 level bytes (rows p and 4 + p, or 8 + p and 12 + p), so after the
+// transposes one vshufi32x4 puts line w (and 4 + w) of all 16 rows together; the packed
+// nibble types: four rows' 16 bytes, one per 128-bit lane (row 4 q + i in lane q of
+// register i), whose transposes give the nibble words of rows 0-15 in order, split into
+// levels afterwards (low nibbles: line w, high: line 4 + w). Q5_0 / Q5_1 add 16 where a
+// fifth bit is set: the rows' 32-bit qh words gathered into one register (qh_offsets: row
+// r's bytes from row 0's), each of their bytes spread over its dword by a vpshufb, and
+// per line a byte test against the line's 4 bit masks and a masked add. Per line 5 (Q8_0),
+// 4 (Q4_0, Q4_1, MXFP4) or 6.5 (Q5) vector operations, against 9 and 5.5 for the in-place
+// extraction of 4 blocks followed by 16 x 16 transposes.
 template <GgmlType kType>
-inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* const* rows, int64_t at, Block32TileBlock& t) {
+inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* const* rows, int64_t at, Block32TileBlock& t,
+                                                                __m512i qh_offsets) {
   constexpr int kQs = kBlock32Levels<kType>;
+  constexpr bool kFifth = kType == GgmlType::kQ5_0 || kType == GgmlType::kQ5_1;
   if constexpr (kType == GgmlType::kQ8_0) {
     const auto pair = [&](int lo_row, int hi_row) {
       const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[lo_row] + at + kQs));
@@ -89,9 +92,21 @@ inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* co
     };
     __m512i y[4];
     transpose4x4_lanes_epi32(quad(0), quad(1), quad(2), quad(3), y);  // y[w] lane r: bytes 4 w .. 4 w + 3 of row r
+    __m512i fifth[4];  // Q5: lane r's 4 bytes all byte c of row r's 32 fifth bits
+    if constexpr (kFifth) {
+      const __m512i qh = _mm512_i32gather_epi32(qh_offsets, rows[0] + at + kQs - 4, 1);
+      const __m512i dword_bytes = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0);
+      for (int c = 0; c < 4; ++c) fifth[c] = _mm512_shuffle_epi8(qh, _mm512_add_epi8(dword_bytes, _mm512_set1_epi8(static_cast<char>(c))));
+    }
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int w = 0; w < 4; ++w) {
       __m512i lo = _mm512_and_si512(y[w], low), hi = _mm512_and_si512(_mm512_srli_epi16(y[w], 4), low);
+      if constexpr (kFifth) {  // weight 4 w + i (lo) and 16 + 4 w + i (hi): bit 4 (w % 2) + i of byte w / 2 and 2 + w / 2
+        const __m512i bit = _mm512_set1_epi32(static_cast<int>(w % 2 != 0 ? 0x80402010u : 0x08040201u));
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(fifth[w / 2], bit), lo, sixteen);
+        hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(fifth[2 + w / 2], bit), hi, sixteen);
+      }
       if constexpr (kType == GgmlType::kMxfp4) {
         const __m512i table = _mm512_broadcast_i32x4(mxfp4_level_table());
         lo = _mm512_shuffle_epi8(table, lo);
@@ -106,28 +121,31 @@ inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* co
 // 16 rows (pointers to their first block; a group's rows past the matrix repeat its last
 // row) -> `blocks` repacked blocks, in steps of 4 blocks. Each row's block scales (and
 // minimums) of a step are gathered and transposed to one register per block
-// (block32_tile_scales). Levels: Q8_0, Q4_0, Q4_1 and MXFP4 per block straight from the
-// rows (block32_tile_levels; 512-token S1 Q8_0 0.92-0.94, Q4_0 0.95-0.96, MXFP4 0.98,
-// Q4_1 0.99 of the time of the extraction below, Intel Xeon VM, avx512_vnni, both ways
-// interleaved in one process, 2026-11-28);
-// Q5_0 and Q5_1, whose fifth bits are added per row, as the in-place kernel extracts a
-// step (two registers per row, block L in 128-bit lane L), then two 16 x 16 int32
-// transposes: register 4 L + w holds word w of block L of every row, i.e. line w (lo) or
-// 4 + w (hi) of the block.
+// (block32_tile_scales); the levels are read per block straight from the rows
+// (block32_tile_levels). Against the in-place kernel's extraction of a step (block L in
+// 128-bit lane L) followed by 16 x 16 int32 transposes, 512-token S1 Q8_0 took 0.92-0.94,
+// Q4_0 0.95-0.96, MXFP4 0.98, Q4_1 0.99 of the time; Q5_0 0.88 (S1) and 0.96 (S2), Q5_1
+// 0.93 (S2), S1 64 tokens Q5_0 0.97 (Intel Xeon VM, avx512_vnni, both ways interleaved in
+// one process, 2026-11-28).
 template <GgmlType kType>
 void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32TileBlock* out) {
   constexpr int kBytes = kBlock32Bytes<kType>, kStep = 4 * kBytes;
   constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
   constexpr bool kFifth = kType == GgmlType::kQ5_0 || kType == GgmlType::kQ5_1;
   alignas(64) uint8_t tail[kStep];
+  __m512i qh_offsets = _mm512_setzero_si512();  // Q5: row r's bytes from row 0's
+  if constexpr (kFifth) {
+    alignas(64) int32_t offsets[kKquantTileRows];
+    for (int r = 0; r < kKquantTileRows; ++r) offsets[r] = static_cast<int32_t>(rows[r] - rows[0]);
+    qh_offsets = _mm512_load_si512(offsets);
+  }
   for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
     const int n = static_cast<int>(std::min<int64_t>(4, blocks - b0));
     if (b0 + 4 < blocks)  // the next step of every row to L1 (the span's stream brought it to L2)
       for (int r = 0; r < kKquantTileRows; ++r)
         for (int line = 0; line < kStep + 63; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kBytes * (b0 + 4) + std::min(line, kStep - 1)), _MM_HINT_T0);
-    __m512i lo[kFifth ? 16 : 1], hi[kFifth ? 16 : 1];
-    alignas(64) float d[16][4], m[16][4];  // row r, block L
+    alignas(64) float d[16][4], m[kMin ? 16 : 1][4];  // row r, block L
     for (int r = 0; r < kKquantTileRows; ++r) {
       const uint8_t* b = rows[r] + kBytes * b0;
       if (n < 4) {
@@ -135,7 +153,6 @@ void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32Tile
         std::memcpy(tail, b, kBytes * n);
         b = tail;
       }
-      if constexpr (kFifth) block32_levels4<kType>(b, &lo[r], &hi[r]);
       if constexpr (kType == GgmlType::kMxfp4) {
         _mm_store_ps(d[r], mxfp4_half_scales4(b, kBytes));
       } else if constexpr (kMin) {  // (d, m) pairs -> d of blocks 0-3, then m
@@ -147,28 +164,15 @@ void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32Tile
         _mm_store_ps(d[r], _mm_cvtph_ps(block_scale_halves4<kBytes, false>(b)));
       }
     }
-    if constexpr (kFifth) {
-      transpose16x16_epi32(lo);
-      transpose16x16_epi32(hi);
-    } else {
-      for (int blk = 0; blk < n; ++blk) block32_tile_levels<kType>(rows, kBytes * (b0 + blk), out[b0 + blk]);
-    }
-    alignas(64) float scales[4][16];  // block32_tile_scales stores whole registers
     const __m512 dv[4] = {_mm512_load_ps(d[0]), _mm512_load_ps(d[4]), _mm512_load_ps(d[8]), _mm512_load_ps(d[12])};
-    block32_tile_scales(dv, scales, n);
     for (int blk = 0; blk < n; ++blk) {
       Block32TileBlock& t = out[b0 + blk];
-      if constexpr (kFifth)
-        for (int w = 0; w < 4; ++w) {
-          _mm512_store_si512(t.levels[w], lo[4 * blk + w]);
-          _mm512_store_si512(t.levels[4 + w], hi[4 * blk + w]);
-        }
-      std::memcpy(t.d, scales[blk], sizeof(t.d));
-    }
-    if constexpr (kMin) {
-      const __m512 mv[4] = {_mm512_load_ps(m[0]), _mm512_load_ps(m[4]), _mm512_load_ps(m[8]), _mm512_load_ps(m[12])};
-      block32_tile_scales(mv, scales, n);
-      for (int blk = 0; blk < n; ++blk) std::memcpy(out[b0 + blk].m, scales[blk], sizeof(out[b0 + blk].m));
+      block32_tile_levels<kType>(rows, kBytes * (b0 + blk), t, qh_offsets);
+      block32_tile_scales(dv, blk, t.d);
+      if constexpr (kMin) {
+        const __m512 mv[4] = {_mm512_load_ps(m[0]), _mm512_load_ps(m[4]), _mm512_load_ps(m[8]), _mm512_load_ps(m[12])};
+        block32_tile_scales(mv, blk, t.m);
+      }
     }
   }
 }
@@ -184,7 +188,10 @@ void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32Tile
 // Q5_1 0.95-0.97, Q4_1 0.99-1.01 of the time (Intel Xeon VM, avx512_vnni, both ways
 // interleaved in one process, 2026-11-28). Per 4-k
 // line, G weight loads and T broadcasts feed G * T vpdpbusd; the fp32 accumulators (4 block
-// lanes x G x T registers) live in L1.
+// lanes x G x T registers) live in L1. The minimums' products (Q4_1, Q5_1) are summed after
+// the dots, lane by lane in registers (the same order within each lane, so the same bits):
+// 512-token S2 Q4_1 0.93-0.94, Q5_1 0.93 of the time of accumulating them in L1 beside the
+// dots (0.94 on avx512; Intel Xeon VM, interleaved in one process, 2026-11-28).
 template <class Ops, GgmlType kType, int G, int T>
 void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* const* aq_in, intptr_t scale_off,
                        intptr_t bias_off, intptr_t min_off, float* const* out, const int* rows, const char* stream,
@@ -198,15 +205,12 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
   alignas(64) float acc[4][G][T][16], accm[kMin ? 4 : 1][G][T][16];
   for (int l = 0; l < 4; ++l)
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < T; ++j) {
-        _mm512_store_ps(acc[l][g][j], _mm512_setzero_ps());
-        if constexpr (kMin) _mm512_store_ps(accm[l][g][j], _mm512_setzero_ps());
-      }
+      for (int j = 0; j < T; ++j) _mm512_store_ps(acc[l][g][j], _mm512_setzero_ps());
   for (int64_t b = 0; b < blocks; ++b) {
     for (const int64_t end = std::min(stream_lines, streamed + per_step); streamed < end; ++streamed)
       _mm_prefetch(stream + streamed * 64, _MM_HINT_T1);
     const int64_t at = 128 * (b / 4) + 16 * (b % 4);  // the block's values 0-15 (quad order); 16-31 at + 64
-    const intptr_t s_at = scale_off + 16 * b, b_at = bias_off + 16 * b, m_at = min_off + 16 * b;
+    const intptr_t s_at = scale_off + 16 * b, b_at = bias_off + 16 * b;
     // The chain starts at the levels' offset times the activation block's level sum (taken
     // off in integers); with 8 or fewer accumulators, lines 0-3 and 4-7 run as two chains.
     constexpr bool kSplit = G * T <= 8;
@@ -242,20 +246,31 @@ void block32_tile_gemm(const Block32TileBlock* w, int64_t blocks, const int8_t* 
         for (int j = 0; j < T; ++j) v[g][j] = _mm512_add_epi32(v[g][j], v_hi[g][j]);
     const int lane = static_cast<int>(b % 4);
     for (int j = 0; j < T; ++j) {
-      float da_s, min_s = 0.0f;
+      float da_s;
       std::memcpy(&da_s, aq[j] + s_at, 4);
-      if constexpr (kMin) std::memcpy(&min_s, aq[j] + m_at, 4);
       const __m512 da = _mm512_set1_ps(da_s);
       for (int g = 0; g < G; ++g) {
         const Block32TileBlock& t = wb[g * blocks];
         _mm512_store_ps(acc[lane][g][j], _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[g][j]), _mm512_mul_ps(_mm512_load_ps(t.d), da),
                                                          _mm512_load_ps(acc[lane][g][j])));
-        if constexpr (kMin)
-          _mm512_store_ps(accm[lane][g][j], _mm512_fmadd_ps(_mm512_load_ps(t.m), _mm512_set1_ps(min_s),
-                                                            _mm512_load_ps(accm[lane][g][j])));
       }
     }
   }
+  if constexpr (kMin)  // accm_{lane} = sum over its blocks, in order, of m_b * (da_b * levelsum_b)
+    for (int lane = 0; lane < 4; ++lane) {
+      __m512 f[G][T];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < T; ++j) f[g][j] = _mm512_setzero_ps();
+      for (int64_t b = lane; b < blocks; b += 4)
+        for (int j = 0; j < T; ++j) {
+          float min_s;
+          std::memcpy(&min_s, aq[j] + min_off + 16 * b, 4);
+          for (int g = 0; g < G; ++g)
+            f[g][j] = _mm512_fmadd_ps(_mm512_load_ps(w[b + g * blocks].m), _mm512_set1_ps(min_s), f[g][j]);
+        }
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < T; ++j) _mm512_store_ps(accm[lane][g][j], f[g][j]);
+    }
   for (int g = 0; g < G; ++g) {
     const __mmask16 valid = static_cast<__mmask16>((1u << rows[g]) - 1);
     for (int j = 0; j < T; ++j) {
