@@ -131,6 +131,22 @@ def test_gguf_prefill_rows_match_decode_rows(variant: str) -> None:
     assert_prefill_matches_decode(blob_of(raws, "gguf", E, H, I), *decoded(raws, E, H, I), E, H)
 
 
+def test_gguf_subnormal_exponents_on_the_prefill_tile(variant: str) -> None:
+    """Exponents 0 and 1 (subnormal half scales 2^-128, 2^-127) on the tile path: down rows 3
+    and 7 of every expert carry only them, so those outputs are sums of subnormal-scaled
+    products alone and show any difference from the in-place kernel's bits."""
+    E, H, I = 5, 1056, 160
+    raws = raw_blocks(E, H, I, seed=4)
+    down = raws[2].reshape(E, H, -1)
+    down[:, 3, 0::BLOCK_BYTES] = 0
+    down[:, 7, 0::BLOCK_BYTES] = 1
+    blob = blob_of(raws, "gguf", E, H, I)
+    gate, up, dn = decoded(raws, E, H, I)
+    assert (dn[:, 3] != 0).any() and (dn[:, 7] != 0).any()
+    assert dn[:, 7].abs().max() < 1e-37
+    assert_prefill_matches_decode(blob, gate, up, dn, E, H)
+
+
 def test_gguf_nan_exponent_on_the_prefill_tile(variant: str) -> None:
     """Exponent 255 in a gate row makes every token of that expert NaN on the tile path
     too (40 tokens, expert 1 with >= 8), the other experts' tokens stay finite."""

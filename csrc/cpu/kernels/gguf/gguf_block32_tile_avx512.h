@@ -43,13 +43,24 @@ struct alignas(64) Block32TileBlock {
   float d[16], m[16];     // per row; m: Q4_1 / Q5_1
 };
 
-// Four rows' values of 4 blocks, v[q] lane 4 r' + L = row 4 q + r', block L -> block L's
-// 16 rows (lane r) at `out` (64-byte aligned).
-inline void block32_tile_scales(const __m512 (&v)[4], int blk, float* out) {
-  const __m512i at = _mm512_add_epi32(_mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0),
-                                      _mm512_set1_epi32(blk));
-  const __m512 low = _mm512_permutex2var_ps(v[0], at, v[1]), high = _mm512_permutex2var_ps(v[2], at, v[3]);
-  _mm512_store_ps(out, _mm512_insertf32x8(low, _mm512_castps512_ps256(high), 1));
+// The block's scales of the 16 rows (lane r) from the first 4 bytes of each row's block
+// (`head`, gathered): d (and m, Q4_1 / Q5_1) as f16 halves, or MXFP4's half scale from its
+// exponent byte (mxfp4_half_scales4's values: 2^(e - 128), subnormal below e = 2, NaN at 255).
+template <GgmlType kType>
+inline void block32_tile_scales(__m512i head, Block32TileBlock& t) {
+  if constexpr (kType == GgmlType::kMxfp4) {
+    const __m512i e = _mm512_and_si512(head, _mm512_set1_epi32(0xff));
+    __m512i bits = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)),
+                                 _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(mxfp4::kNanExponent)),
+                                 _mm512_set1_epi32(0x7fc00000));
+    _mm512_store_ps(t.d, _mm512_castsi512_ps(bits));
+  } else {
+    _mm512_store_ps(t.d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)));
+    if constexpr (kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1)
+      _mm512_store_ps(t.m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))));
+  }
 }
 
 // The 8 level lines of one block of 16 rows, read from the rows' bytes at byte `at` (the
@@ -59,14 +70,14 @@ inline void block32_tile_scales(const __m512 (&v)[4], int blk, float* out) {
 // nibble types: four rows' 16 bytes, one per 128-bit lane (row 4 q + i in lane q of
 // register i), whose transposes give the nibble words of rows 0-15 in order, split into
 // levels afterwards (low nibbles: line w, high: line 4 + w). Q5_0 / Q5_1 add 16 where a
-// fifth bit is set: the rows' 32-bit qh words gathered into one register (qh_offsets: row
-// r's bytes from row 0's), each of their bytes spread over its dword by a vpshufb, and
+// fifth bit is set: the rows' 32-bit qh words gathered into one register (row_offsets:
+// row r's bytes from row 0's), each of their bytes spread over its dword by a vpshufb, and
 // per line a byte test against the line's 4 bit masks and a masked add. Per line 5 (Q8_0),
 // 4 (Q4_0, Q4_1, MXFP4) or 6.5 (Q5) vector operations, against 9 and 5.5 for the in-place
 // extraction of 4 blocks followed by 16 x 16 transposes.
 template <GgmlType kType>
 inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* const* rows, int64_t at, Block32TileBlock& t,
-                                                                __m512i qh_offsets) {
+                                                                __m512i row_offsets) {
   constexpr int kQs = kBlock32Levels<kType>;
   constexpr bool kFifth = kType == GgmlType::kQ5_0 || kType == GgmlType::kQ5_1;
   if constexpr (kType == GgmlType::kQ8_0) {
@@ -94,7 +105,7 @@ inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* co
     transpose4x4_lanes_epi32(quad(0), quad(1), quad(2), quad(3), y);  // y[w] lane r: bytes 4 w .. 4 w + 3 of row r
     __m512i fifth[4];  // Q5: lane r's 4 bytes all byte c of row r's 32 fifth bits
     if constexpr (kFifth) {
-      const __m512i qh = _mm512_i32gather_epi32(qh_offsets, rows[0] + at + kQs - 4, 1);
+      const __m512i qh = _mm512_i32gather_epi32(row_offsets, rows[0] + at + kQs - 4, 1);
       const __m512i dword_bytes = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0);
       for (int c = 0; c < 4; ++c) fifth[c] = _mm512_shuffle_epi8(qh, _mm512_add_epi8(dword_bytes, _mm512_set1_epi8(static_cast<char>(c))));
     }
@@ -119,60 +130,31 @@ inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* co
 }
 
 // 16 rows (pointers to their first block; a group's rows past the matrix repeat its last
-// row) -> `blocks` repacked blocks, in steps of 4 blocks. Each row's block scales (and
-// minimums) of a step are gathered and transposed to one register per block
-// (block32_tile_scales); the levels are read per block straight from the rows
-// (block32_tile_levels). Against the in-place kernel's extraction of a step (block L in
-// 128-bit lane L) followed by 16 x 16 int32 transposes, 512-token S1 Q8_0 took 0.92-0.94,
-// Q4_0 0.95-0.96, MXFP4 0.98, Q4_1 0.99 of the time; Q5_0 0.88 (S1) and 0.96 (S2), Q5_1
-// 0.93 (S2), S1 64 tokens Q5_0 0.97 (Intel Xeon VM, avx512_vnni, both ways interleaved in
-// one process, 2026-11-28).
+// row) -> `blocks` repacked blocks: per block the levels straight from the rows
+// (block32_tile_levels) and the scales from the rows' first 4 bytes of the block, gathered
+// (block32_tile_scales). Against the in-place kernel's extraction of 4 blocks followed by
+// 16 x 16 int32 transposes, 512-token S1 Q8_0 took 0.92-0.94, Q4_0 0.95-0.96, MXFP4 0.98,
+// Q4_1 0.99 of the time; Q5_0 0.88 (S1) and 0.96 (S2), Q5_1 0.93 (S2), S1 64 tokens Q5_0
+// 0.97 (Intel Xeon VM, avx512_vnni, both ways interleaved in one process, 2026-11-28).
+// The gathered scales, against each row's 4 blocks' scales collected in a general register
+// and transposed by permutes: 512 tokens S1 MXFP4 0.93, S2 Q4_0 0.96, Q4_1 0.93, Q5_0
+// 0.91, S1 Q8_0 1.01 of the time (paired A/B, same VM, 2026-11-28).
 template <GgmlType kType>
 void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32TileBlock* out) {
   constexpr int kBytes = kBlock32Bytes<kType>, kStep = 4 * kBytes;
-  constexpr bool kMin = kType == GgmlType::kQ4_1 || kType == GgmlType::kQ5_1;
-  constexpr bool kFifth = kType == GgmlType::kQ5_0 || kType == GgmlType::kQ5_1;
-  alignas(64) uint8_t tail[kStep];
-  __m512i qh_offsets = _mm512_setzero_si512();  // Q5: row r's bytes from row 0's
-  if constexpr (kFifth) {
-    alignas(64) int32_t offsets[kKquantTileRows];
-    for (int r = 0; r < kKquantTileRows; ++r) offsets[r] = static_cast<int32_t>(rows[r] - rows[0]);
-    qh_offsets = _mm512_load_si512(offsets);
-  }
+  alignas(64) int32_t offsets[kKquantTileRows];  // row r's bytes from row 0's (one matrix: int32)
+  for (int r = 0; r < kKquantTileRows; ++r) offsets[r] = static_cast<int32_t>(rows[r] - rows[0]);
+  const __m512i row_offsets = _mm512_load_si512(offsets);
   for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
     const int n = static_cast<int>(std::min<int64_t>(4, blocks - b0));
     if (b0 + 4 < blocks)  // the next step of every row to L1 (the span's stream brought it to L2)
       for (int r = 0; r < kKquantTileRows; ++r)
         for (int line = 0; line < kStep + 63; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kBytes * (b0 + 4) + std::min(line, kStep - 1)), _MM_HINT_T0);
-    alignas(64) float d[16][4], m[kMin ? 16 : 1][4];  // row r, block L
-    for (int r = 0; r < kKquantTileRows; ++r) {
-      const uint8_t* b = rows[r] + kBytes * b0;
-      if (n < 4) {
-        std::memset(tail, 0, sizeof(tail));
-        std::memcpy(tail, b, kBytes * n);
-        b = tail;
-      }
-      if constexpr (kType == GgmlType::kMxfp4) {
-        _mm_store_ps(d[r], mxfp4_half_scales4(b, kBytes));
-      } else if constexpr (kMin) {  // (d, m) pairs -> d of blocks 0-3, then m
-        const __m256 dm = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(block_scale_halves4<kBytes, true>(b)),
-                                                   _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
-        _mm_store_ps(d[r], _mm256_castps256_ps128(dm));
-        _mm_store_ps(m[r], _mm256_extractf128_ps(dm, 1));
-      } else {
-        _mm_store_ps(d[r], _mm_cvtph_ps(block_scale_halves4<kBytes, false>(b)));
-      }
-    }
-    const __m512 dv[4] = {_mm512_load_ps(d[0]), _mm512_load_ps(d[4]), _mm512_load_ps(d[8]), _mm512_load_ps(d[12])};
     for (int blk = 0; blk < n; ++blk) {
       Block32TileBlock& t = out[b0 + blk];
-      block32_tile_levels<kType>(rows, kBytes * (b0 + blk), t, qh_offsets);
-      block32_tile_scales(dv, blk, t.d);
-      if constexpr (kMin) {
-        const __m512 mv[4] = {_mm512_load_ps(m[0]), _mm512_load_ps(m[4]), _mm512_load_ps(m[8]), _mm512_load_ps(m[12])};
-        block32_tile_scales(mv, blk, t.m);
-      }
+      block32_tile_levels<kType>(rows, kBytes * (b0 + blk), t, row_offsets);
+      block32_tile_scales<kType>(_mm512_i32gather_epi32(row_offsets, rows[0] + kBytes * (b0 + blk), 1), t);
     }
   }
 }
