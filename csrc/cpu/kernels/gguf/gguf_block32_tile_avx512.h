@@ -134,8 +134,8 @@ inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* co
 // (block32_tile_levels) and the scales from the rows' first 4 bytes of the block, gathered
 // (block32_tile_scales). Against the in-place kernel's extraction of 4 blocks followed by
 // 16 x 16 int32 transposes, 512-token S1 Q8_0 took 0.92-0.94, Q4_0 0.95-0.96, MXFP4 0.98,
-// Q4_1 0.99 of the time; Q5_0 0.88 (S1) and 0.96 (S2), Q5_1 0.93 (S2), S1 64 tokens Q5_0
-// 0.97 (Intel Xeon VM, avx512_vnni, both ways interleaved in one process, 2026-11-28).
+// Q4_1 0.99 of the time; Q5_0 0.88 (S1) and 0.96 (S2), Q5_1 0.93 (S2) (Intel Xeon VM,
+// avx512_vnni, both ways interleaved in one process, 2026-11-28).
 // The gathered scales, against each row's 4 blocks' scales collected in a general register
 // and transposed by permutes: 512 tokens S1 MXFP4 0.93, S2 Q4_0 0.96, Q4_1 0.93, Q5_0
 // 0.91, S1 Q8_0 1.01 of the time (paired A/B, same VM, 2026-11-28).
