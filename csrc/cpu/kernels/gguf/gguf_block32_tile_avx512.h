@@ -45,7 +45,8 @@ struct alignas(64) Block32TileBlock {
 
 // The block's scales of the 16 rows (lane r) from the first 4 bytes of each row's block
 // (`head`, gathered): d (and m, Q4_1 / Q5_1) as f16 halves, or MXFP4's half scale from its
-// exponent byte (mxfp4_half_scales4's values: 2^(e - 128), subnormal below e = 2, NaN at 255).
+// exponent byte: mxfp4::half_scale_bits (mxfp4_block.h) on 16 lanes, as mxfp4_half_scales4
+// computes it on 4 for the in-place kernel (2^(e - 128); subnormal below e = 2, NaN at 255).
 template <GgmlType kType>
 inline void block32_tile_scales(__m512i head, Block32TileBlock& t) {
   if constexpr (kType == GgmlType::kMxfp4) {
