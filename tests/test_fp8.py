@@ -67,6 +67,11 @@ def torch_quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
     return ((g / s).to(torch.float8_e4m3fn).float() * s).reshape(E, N, Kp)[:, :, :K]
 
 
+# amx: an AMX-tile row (prefill) against the same token's vector row (decode), fp32
+# outputs; tdpbf16ps sums the same bf16 products in another order.
+AMX_TILE_BOUND = 1e-5
+
+
 def activation_rounding(variant: str) -> tuple | bool:
     return ("bf16", "bf16", "bf16") if variant in ("avx512_bf16", "amx") else False
 
@@ -100,7 +105,8 @@ def test_kernel_matches_reference(variant: str, method: str, fmt: str, E: int, t
 def test_prefill_k_blocks_past_2048(variant: str, method: str, fmt: str, H: int, I: int) -> None:
     """Prefill runs k in blocks of 2048 (decode: 256): a k of 2200 (gate/up) or 2100 (down)
     is one whole block and a partial one. Each token's row equals, bit for bit, the row of
-    the same token computed alone (the decode path), and the layer matches the reference."""
+    the same token computed alone (the decode path; on amx, where prefill runs on AMX tiles
+    that sum in their own order, within AMX_TILE_BOUND), and the layer matches the reference."""
     E, T = 2, 20
     gate, up, down = make_weights(E, H, I, seed=H + I)
     packed = kt_ops.pack_experts(gate, up, down, method=method)
@@ -110,7 +116,11 @@ def test_prefill_k_blocks_past_2048(variant: str, method: str, fmt: str, H: int,
     out = kt_ops.moe_forward(x, ids, weights, packed)
     for t in (0, 7, 19):
         alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], packed)
-        assert torch.equal(out[t:t + 1], alone), f"token {t}: prefill and decode rows differ"
+        if variant == "amx":
+            assert rel_err(out[t:t + 1], alone) <= AMX_TILE_BOUND, f"token {t}: {rel_err(out[t:t + 1], alone):.3g}"
+            assert not torch.equal(out[t:t + 1], alone), f"token {t}: did the AMX tiles run?"
+        else:
+            assert torch.equal(out[t:t + 1], alone), f"token {t}: prefill and decode rows differ"
     dq = reference.dequantize(packed.data)
     tight = reference.moe_forward(x, ids, weights, *dq, quantize_activations=activation_rounding(variant))
     assert rel_err(out, tight) <= 1e-4, f"vs the reference with the kernel's activations: {rel_err(out, tight):.3g}"

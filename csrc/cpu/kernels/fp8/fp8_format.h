@@ -94,6 +94,8 @@ class Fp8Format {
   static constexpr bool kMx = F == PackedFormat::kMxfp8;
   static constexpr bool kGroupFlush = F == PackedFormat::kFp8;
   static constexpr int64_t kScaleRowBytes = kMx ? 16 : 64;  // one group's scales of a block's rows
+  // Prefill on AMX tiles (Ops::Tiles, fp8_amx.h) where the micro-kernel set has a tile GEMM.
+  static constexpr bool kTiles = HasBf16TileGemm<Micro>::value;
 
   Fp8Format(const MoeArgs& args, const MoePlan& plan, int threads)
       : plan_(plan),
@@ -107,8 +109,10 @@ class Fp8Format {
   int64_t token_cols() const { return act_cols_; }
 
   void carve(ScratchLayout& carve) {
-    acts_at_ = carve.add<Act>(plan_.num_pairs * act_cols_);     // pair rows   : [P, Hk]
-    inter_at_ = carve.add<Act>(plan_.num_pairs * inter_cols_);  // intermediate: [P, Ik]
+    // With AMX tiles, kBf16PadRows rows follow the last pair for row tiles that run past it.
+    const int64_t rows = plan_.num_pairs + (kTiles ? kBf16PadRows : 0);
+    acts_at_ = carve.add<Act>(rows * act_cols_);     // pair rows   : [P (+ pad), Hk]
+    inter_at_ = carve.add<Act>(rows * inter_cols_);  // intermediate: [P (+ pad), Ik]
   }
 
   void bind(uint8_t* scratch) {
@@ -117,6 +121,11 @@ class Fp8Format {
     // gate/up write intermediate columns [0, I16); down reads [0, Ik): zero the rest.
     for (int64_t p = 0; p < plan_.num_pairs; ++p)
       std::fill(inter_ + p * inter_cols_ + dims_.intermediate16, inter_ + (p + 1) * inter_cols_, Act{});
+    if constexpr (kTiles) {  // only row tiles read past the last pair
+      const int64_t P = plan_.num_pairs;
+      std::fill(acts_ + P * act_cols_, acts_ + (P + kBf16PadRows) * act_cols_, Act{});
+      std::fill(inter_ + P * inter_cols_, inter_ + (P + kBf16PadRows) * inter_cols_, Act{});
+    }
   }
 
   void prepare_token(int64_t, const float*) {}
@@ -160,6 +169,15 @@ class Fp8Format {
   static void gemm_rows(const Act* a, int64_t lda, int64_t rows, const fp8_layout::MatrixDims& dims,
                         const uint8_t* w, int blocks, float* c, int64_t ldc) {
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
+    if constexpr (kTiles)
+      if (rows > Micro::kMaxRows) {
+        Ops::Tiles::begin();
+        for (int b0 = 0; b0 < blocks; b0 += kTileBlocks)
+          tile_group(a, lda, rows, dims, w + b0 * block_bytes, std::min(static_cast<int>(kTileBlocks), blocks - b0),
+                     c + b0 * 16, ldc);
+        Ops::Tiles::end();
+        return;
+      }
     for (int b0 = 0; b0 < blocks; b0 += kTileBlocks) {
       const int nb = std::min(static_cast<int>(kTileBlocks), blocks - b0);
       const int next_nb = std::min(static_cast<int>(kTileBlocks), blocks - b0 - nb);
@@ -262,12 +280,67 @@ class Fp8Format {
         }
       }
     }
-    if constexpr (F == PackedFormat::kFp8PerChannel) fp8_scale_rows<Vec>(rows, blocks, scales_of(w, blocks, 0), c, ldc);
-    if constexpr (kMx) {  // rows holding a NaN code or scale: NaN (the kernels cannot decode one)
+    finish_rows(rows, dims, w, blocks, c, ldc);
+  }
+
+  // After all of k: fp8_perchannel's scales, mxfp8's NaN addends (rows holding a NaN code
+  // or scale: the kernels cannot decode one).
+  static void finish_rows(int64_t rows, const fp8_layout::MatrixDims& dims, const uint8_t* w, int blocks, float* c,
+                          int64_t ldc) {
+    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
+    if constexpr (F == PackedFormat::kFp8PerChannel) {
+      const float* scales[kTileBlocks];
+      for (int b = 0; b < blocks; ++b) scales[b] = reinterpret_cast<const float*>(w + b * block_bytes + dims.scales_offset());
+      fp8_scale_rows<Vec>(rows, blocks, scales, c, ldc);
+    }
+    if constexpr (kMx) {
       const float* addends[kTileBlocks];
       for (int b = 0; b < blocks; ++b) addends[b] = reinterpret_cast<const float*>(w + b * block_bytes + dims.addend_offset());
       fp8_add_rows<Vec>(rows, blocks, addends, c, ldc);
     }
+  }
+
+  // Prefill on AMX tiles (fp8_amx.h): gemm_rows for one group of `blocks` <= kTileBlocks
+  // blocks at w. Per k block of kFp8PrefillKBlockPairs pairs, the first 32-row pass over
+  // each block pair decodes its codes into BF16 lines (fp8_line_buffer), 16 pairs just
+  // before the B tile loads that read them, the later passes read them from L2; fp8
+  // flushes per 128-k group with its scales, the others per k block.
+  static void tile_group(const Act* a, int64_t lda, int64_t rows, const fp8_layout::MatrixDims& dims, const uint8_t* w,
+                         int blocks, float* c, int64_t ldc) {
+    const int64_t pairs = dims.padded_k / 2, group_pairs = dims.group / 2;
+    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
+    constexpr int64_t kLineStride = kFp8PrefillKBlockPairs * 32;  // [blocks][kKBlock][32]
+    constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * Ops::kMxGroupBytes;
+    uint16_t* const lines = fp8_line_buffer();
+    alignas(64) uint8_t mx[kTileBlocks * kMxBlockBytes];  // mxfp8: the k block's exponents
+    for (int64_t q0 = 0; q0 < pairs; q0 += kFp8PrefillKBlockPairs) {
+      const int64_t q1 = std::min(pairs, q0 + kFp8PrefillKBlockPairs);
+      if constexpr (kMx)
+        for (int b = 0; b < blocks; ++b)
+          for (int64_t g = q0 / group_pairs; g < (q1 + group_pairs - 1) / group_pairs; ++g)
+            Ops::mx_prepare(w + b * block_bytes + dims.scales_offset() + g * 16,
+                            mx + b * kMxBlockBytes + (g - q0 / group_pairs) * Ops::kMxGroupBytes);
+      const typename Ops::template Lines<kMx, false> src{mx, nullptr, 0};
+      for (int64_t m0 = 0; m0 < rows; m0 += kBf16PadRows)
+        for (int b0 = 0; b0 < blocks; b0 += 2) {
+          // The first pass decodes block b0 + t's lines of pairs [p, p + 16) of this k block.
+          auto decode = [&](int t, int64_t p) {
+            if (m0 == 0)
+              Ops::Tiles::decode_lines(src, reinterpret_cast<const uint16_t*>(w + (b0 + t) * block_bytes + q0 * 32),
+                                       b0 + t, p, Ops::Tiles::kTilePairs, lines + (b0 + t) * kLineStride);
+          };
+          const float* scales[2] = {nullptr, nullptr};
+          if constexpr (kGroupFlush)
+            for (int t = 0; t < 2 && b0 + t < blocks; ++t)
+              scales[t] = reinterpret_cast<const float*>(w + (b0 + t) * block_bytes + dims.scales_offset()) +
+                          q0 / group_pairs * 16;
+          Ops::Tiles::pass(a + m0 * lda + 2 * q0, lda, std::min<int64_t>(kBf16PadRows, rows - m0),
+                           lines + b0 * kLineStride, kLineStride, b0 + 1 < blocks, q1 - q0,
+                           kGroupFlush ? group_pairs : q1 - q0, kGroupFlush ? scales : nullptr,
+                           kGroupFlush ? kFp8DecodeScale : 1.0f, c + m0 * ldc + b0 * 16, ldc, q0 > 0, decode);
+        }
+    }
+    finish_rows(rows, dims, w, blocks, c, ldc);
   }
 
   // Decode: asks for the scales of the k block at pair q of `blocks` blocks at w (fp8,

@@ -14,6 +14,8 @@
 #include "../bf16/bf16_gemm_amx.h"
 #include "../gguf/gguf_amx.h"
 #include "../bf16/bf16_format.h"
+#include "../fp8/fp8_amx.h"
+#include "../fp8/fp8_format.h"
 #include "../gguf/gguf_format.h"
 #include "../quant/quant_format.h"
 #include "../quant/int_ops_avx512_vnni.h"
@@ -36,6 +38,10 @@ void mxfp4_moe_amx(const MoeArgs& args) {
 }
 
 void gguf_moe_amx(const MoeArgs& args) { moe_forward<GgufFormat<IntOpsAvx512Vnni, GgufAmx>>(args); }
+
+void fp8_moe_amx(const MoeArgs& args) { moe_forward<Fp8Format<Fp8OpsAmx, PackedFormat::kFp8>>(args); }
+void fp8_perchannel_moe_amx(const MoeArgs& args) { moe_forward<Fp8Format<Fp8OpsAmx, PackedFormat::kFp8PerChannel>>(args); }
+void mxfp8_moe_amx(const MoeArgs& args) { moe_forward<Fp8Format<Fp8OpsAmx, PackedFormat::kMxfp8>>(args); }
 
 }  // namespace kt::cpu
 

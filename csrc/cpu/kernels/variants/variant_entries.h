@@ -42,11 +42,14 @@ void gguf_moe_amx(const MoeArgs& args);
 void fp8_moe_avx2(const MoeArgs& args);
 void fp8_moe_avx512(const MoeArgs& args);
 void fp8_moe_avx512_bf16(const MoeArgs& args);
+void fp8_moe_amx(const MoeArgs& args);
 void fp8_perchannel_moe_avx2(const MoeArgs& args);
 void fp8_perchannel_moe_avx512(const MoeArgs& args);
 void fp8_perchannel_moe_avx512_bf16(const MoeArgs& args);
+void fp8_perchannel_moe_amx(const MoeArgs& args);
 void mxfp8_moe_avx2(const MoeArgs& args);
 void mxfp8_moe_avx512(const MoeArgs& args);
 void mxfp8_moe_avx512_bf16(const MoeArgs& args);
+void mxfp8_moe_amx(const MoeArgs& args);
 
 }  // namespace kt::cpu
