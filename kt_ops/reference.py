@@ -35,7 +35,7 @@ def moe_forward(
             ``(gate, up, down)`` tuple gives the block size of the activations each
             matrix multiplies, as the GGUF kernels use them: ``None`` unquantized, ``0``
             one scale per row, ``32`` / ``256`` one per block, ``"bf16"`` rounded to
-            bf16 (the GGUF tile path).
+            bf16 (the amx variant's GGUF AMX tile path, layers with a float-type matrix).
         swiglu_limit, swiglu_alpha: the activation (:func:`glu`).
         biases: ``(gate_bias [E, I], up_bias [E, I], down_bias [E, H])``, entries may be
             ``None``; gate/up biases are added before the activation, down's before the

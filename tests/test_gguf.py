@@ -7,14 +7,15 @@ Per kernel case, two comparisons that can each fail on their own:
 - tight: the reference with the kernel's 8-bit activation blocks simulated
   (``quantize_activations=reference.gguf_activation_blocks(blob)``): only summation
   order differs, bound 1e-3 (measured ~1e-7 .. 1e-6); on the amx variant's tile path
-  (prefill: >= TILE_MIN_PAIRS tokens per expert on average) the reference on weights
-  and activations rounded to bf16 instead, same bound;
+  (prefill of a layer with a float-type matrix: >= TILE_MIN_PAIRS tokens per expert on
+  average) the reference on weights and activations rounded to bf16 instead, same bound;
 - the issue's bound: plain fp32 reference on the gguf-dequantized weights, relative
   (Frobenius) error <= 3e-2 (the 8-bit activation blocks cost 1-2%).
 
 Batch invariance (test_batch_invariance): a token's output row is bit-identical whatever
 the other tokens of the call, live_tokens and the thread count (outside the amx tile
-path, which by design runs calls averaging TILE_MIN_PAIRS tokens per expert in bf16).
+path, which by design runs calls of layers with a float-type matrix averaging
+TILE_MIN_PAIRS tokens per expert in bf16).
 """
 
 from __future__ import annotations
@@ -61,14 +62,16 @@ def packed_from_blocks(types: tuple[str, str, str], E: int, H: int, I: int, seed
     return blob, *weights
 
 
-# The GGUF driver's kGgufTileMinPairs: the amx variant multiplies bf16 tiles when the
-# call averages this many tokens per active expert.
+# The GGUF driver's kGgufTileMinPairs: the amx variant multiplies bf16 tiles when a layer
+# with a float-type matrix (F32 / F16 / BF16) gets a call averaging this many tokens per
+# active expert (layers of quantized types only keep the integer tiles: faster there).
 TILE_MIN_PAIRS = 8
 
 
-def takes_tile_path(ids: torch.Tensor) -> bool:
+def takes_tile_path(ids: torch.Tensor, blob: torch.Tensor) -> bool:
     active = torch.unique(ids[ids >= 0]).numel()
-    return kt_ops.cpu_variant() == "amx" and int((ids >= 0).sum()) >= TILE_MIN_PAIRS * active
+    has_float = any(t in FLOAT_TYPES for t in _C.packed_info(blob)["gguf_types"])
+    return kt_ops.cpu_variant() == "amx" and has_float and int((ids >= 0).sum()) >= TILE_MIN_PAIRS * active
 
 
 def check_kernel(blob: torch.Tensor, gate, up, down, E: int, k: int, H: int, T_: int, seed: int,
@@ -77,7 +80,7 @@ def check_kernel(blob: torch.Tensor, gate, up, down, E: int, k: int, H: int, T_:
     x = torch.randn(T_, H, generator=g)  # fp32 in and out: no output rounding hides a path's error
     ids, weights = random_routing(T_, E, k, seed) if ids is None else (ids, torch.rand(T_, k, generator=g) + 0.1)
     out = kt_ops.moe_forward(x, ids, weights, blob)
-    if takes_tile_path(ids):
+    if takes_tile_path(ids, blob):
         bf16 = [w.bfloat16().float() for w in (gate, up, down)]
         tight = reference.moe_forward(x, ids, weights, *bf16, quantize_activations=("bf16",) * 3)
     else:
@@ -392,7 +395,7 @@ def test_batch_invariance(variant: str, types: tuple[str, str, str], dtype: torc
         for i, first in enumerate(SHARED_COUNTS):
             second = SHARED_COUNTS[(i + 2 + probe) % len(SHARED_COUNTS)]
             ids, at = batch_around(7 * i + probe, first, second, E, seed=i)
-            assert not takes_tile_path(ids)
+            assert not takes_tile_path(ids, blob)
             x = torch.randn(ids.shape[0], H, generator=g).to(dtype)
             weights = torch.rand(ids.shape[0], 2, generator=g) + 0.1
             x[at], weights[at] = token[0], token_weights[0]
@@ -424,7 +427,7 @@ def assert_prefill_matches_decode(blob: torch.Tensor, gate, up, down, E: int, H:
     counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
     assert counts[:4].min() >= KQUANT_TILE_MIN_PAIRS and counts[4] < KQUANT_TILE_MIN_PAIRS
     check_kernel(blob, gate, up, down, E, 2, H, tokens, seed=3, ids=ids)
-    if takes_tile_path(ids):
+    if takes_tile_path(ids, blob):
         return  # amx: bf16 tiles by design (not batch-invariant)
     x = torch.randn(tokens, H, generator=g)
     weights = torch.rand(tokens, 2, generator=g) + 0.1

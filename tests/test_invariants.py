@@ -23,8 +23,9 @@ GEMMs (256 for bf16, 512 for int8/int4) with a partial last block where the form
 block rules allow one.
 
 The one documented exception (docs/formats.md, "Batch invariance"): on the amx variant,
-BF16 and FP8 (fp8, fp8_perchannel, mxfp8) experts with more than 6 tokens and GGUF calls
-averaging 8 or more tokens per expert run on AMX tiles, whose sums (``tdpbf16ps``, which neither ``vdpbf16ps`` nor fp32 FMAs
+BF16 and FP8 (fp8, fp8_perchannel, mxfp8) experts with more than 6 tokens and calls of GGUF
+layers with a float-type matrix (F32 / F16 / BF16) averaging 8 or more tokens per expert
+run on AMX tiles, whose sums (``tdpbf16ps``, which neither ``vdpbf16ps`` nor fp32 FMAs
 in either pair order reproduce) or inputs (GGUF rows and activations rounded to bf16)
 differ from the vector decode path. There, in the crowd37 and large300 scenarios, a row
 is compared with its solo call within AMX_TILE_BOUNDS instead of bit for bit. INT8/INT4 tiles
@@ -59,7 +60,8 @@ INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float
 # error of a tile row against its solo (vector) call. Seen on a Xeon, 2026-11-26: BF16
 # fp32 outputs ~1e-6 apart, bf16 outputs one ulp in up to 4 of 3005 values (at most
 # ~1.5e-4 by those messages' sizes); GGUF 0.2-2.2% (K-quants the most: bf16 tile inputs
-# against the vector path's 8-bit activation blocks). FP8 as BF16 (the same bf16 products,
+# against the vector path's 8-bit activation blocks; since 2026-11-28 only layers with a
+# float-type matrix take that path, quantized ones keep the bit-exact integer tiles). FP8 as BF16 (the same bf16 products,
 # flushed per scale group; Xeon, 2026-11-28: fp32 outputs <= 1.4e-6 apart, bf16 one ulp).
 AMX_TILE_BOUNDS = {"bf16": 1e-3, "gguf": 3e-2, "fp8": 1e-3, "fp8_perchannel": 1e-3, "mxfp8": 1e-3}
 AMX_TILE_SCENARIOS = {"crowd37", "large300"}  # enough tokens per expert for those tiles
@@ -176,6 +178,11 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
 def on_amx_tiles(layer: Layer, variant: str, scenario: str) -> bool:
     """Whether this scenario's rows run on the amx variant's AMX tiles (the documented
     exception to bit-identical rows; see the module docstring)."""
+    if layer.case.format == "gguf":
+        types = layer.case.kwargs["gguf_type"]
+        types = (types,) if isinstance(types, str) else types
+        if not any(t in ("F32", "F16", "BF16") for t in types):
+            return False  # quantized GGUF layers keep the integer tiles on amx: bit-exact
     return variant == "amx" and layer.case.format in AMX_TILE_BOUNDS and scenario in AMX_TILE_SCENARIOS
 
 

@@ -91,8 +91,8 @@ constexpr FormatRow kRows[] = {
       {gguf_moe_avx512_bf16,
        "gguf/avx512_bf16 (vpdpbusd; in-place types dotted from their bytes, the others decoded once per job)"},
       {gguf_moe_amx,
-       "gguf/amx (tdpbf16ps tiles on rows decoded to bf16 for calls averaging >= 8 tokens per expert; "
-       "below that the avx512_bf16 path)"}}},
+       "gguf/amx (the avx512_bf16 path; tdpbf16ps tiles on rows decoded to bf16 for calls of layers with a "
+       "float-type matrix averaging >= 8 tokens per expert)"}}},
     {PackedFormat::kFp8, "fp8", {"FP8", nullptr}, false,
      fp8_layout::kBlockRows, 4, 64, 4,
      RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,

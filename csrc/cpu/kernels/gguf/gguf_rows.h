@@ -47,7 +47,8 @@ constexpr int kGgufQ4kActs = 257;  // activation format code of Q4_K's and Q5_K'
 constexpr int kGgufQ6kActs = 258;  // of Q6_K's, Q2_K's, Q3_K's: 256-value blocks with int16 sums of 16
 constexpr int kGgufQuad32Acts = 259;  // of the block-32 types': 32-value blocks in quad order
 constexpr int kGgufDirectTokens = 4;  // activation rows per pass of the in-place kernels (registers)
-// Average tokens per active expert from which a tile unit runs the call (tests mirror it).
+// Average tokens per active expert from which a tile unit runs the call of a layer with a
+// float-type matrix (tests mirror it).
 constexpr int64_t kGgufTileMinPairs = 8;
 
 constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
