@@ -42,6 +42,7 @@ import torch
 
 import kt_ops
 from format_cases import FormatCase, format_cases
+from gguf_helpers import FLOAT_TYPES
 
 E, TOP_K = 8, 2
 # Probe tokens' routing: two plain pairs and one with a skipped slot.
@@ -181,7 +182,7 @@ def on_amx_tiles(layer: Layer, variant: str, scenario: str) -> bool:
     if layer.case.format == "gguf":
         types = layer.case.kwargs["gguf_type"]
         types = (types,) if isinstance(types, str) else types
-        if not any(t in ("F32", "F16", "BF16") for t in types):
+        if not any(t in FLOAT_TYPES for t in types):
             return False  # quantized GGUF layers keep the integer tiles on amx: bit-exact
     return variant == "amx" and layer.case.format in AMX_TILE_BOUNDS and scenario in AMX_TILE_SCENARIOS
 
