@@ -62,7 +62,7 @@ constexpr FormatRow kRows[] = {
       {int4_moe_avx512, "int4/avx512 (vpmaddubsw + vpmaddwd)"},
       {int4_moe_avx512_vnni, "int4/avx512_vnni (vpdpbusd)"},
       {int4_moe_avx512_bf16, "int4/avx512_bf16 (vpdpbusd)"},
-      {int4_moe_amx, "int4/amx (tdpbsud tiles; vpdpbusd for decode and tails)"}},
+      {int4_moe_amx, "int4/amx (tdpbssd tiles on signed levels; vpdpbusd for decode and tails)"}},
      0, 1, 0, dequantize_int_rows_to},
     {PackedFormat::kInt4Asym, "int4_asym", {"AMXINT4", "MOE_INT4"}, true,
      int_layout::kBlockRows, 8, int_layout::kLineBytes, 8,
@@ -139,7 +139,7 @@ constexpr FormatRow kRows[] = {
       {mxfp4_moe_avx512, "mxfp4/avx512 (codes to levels by vpshufb, vpmaddubsw + vpmaddwd)"},
       {mxfp4_moe_avx512_vnni, "mxfp4/avx512_vnni (codes to levels by vpshufb, vpdpbusd)"},
       {mxfp4_moe_avx512_bf16, "mxfp4/avx512_bf16 (codes to levels by vpshufb, vpdpbusd)"},
-      {mxfp4_moe_amx, "mxfp4/amx (tdpbsud tiles on the codes' levels; vpdpbusd for decode and tails)"}},
+      {mxfp4_moe_amx, "mxfp4/amx (tdpbssd tiles on the codes' signed levels; vpdpbusd for decode and tails)"}},
      0, 64, 0, dequantize_int_rows_to},
 };
 

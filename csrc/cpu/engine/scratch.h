@@ -27,11 +27,12 @@ class ScratchLease {
 };
 
 // Per-thread buffers that a job's micro-kernels write and read back within one job: the
-// gate/up tile of the BF16, FP8 and INT formats and FP8 prefill's decoded lines. On the
+// gate/up tile of the BF16, FP8 and INT formats, FP8 prefill's decoded lines and the
+// unpacked B tiles of a block of int4 groups of 32 on AMX (quant_gemm_amx.h). On the
 // heap, allocated on a thread's first use: as `thread_local` arrays they sat in the
 // library's static TLS block, which every thread entering kt_ops (engine workers, torch's
 // intra-op threads, callers) gets allocated and zeroed in full (3.26 MB per thread).
-enum class ThreadBuffer { kGateUpTile, kFp8Lines, kCount };
+enum class ThreadBuffer { kGateUpTile, kFp8Lines, kTileWeights, kCount };
 
 // This thread's buffer `which`, 64-byte aligned, at least `bytes` long (grow-only, kept
 // until the thread exits). Valid until the thread asks for the same buffer with more

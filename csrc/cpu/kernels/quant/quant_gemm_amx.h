@@ -1,14 +1,26 @@
-// [NOTE] INT8 / INT4 GEMM on AMX tiles (tdpbsud: signed int8 activations x unsigned
-// weight bytes -> int32) for experts with more tokens than one vector micro-tile.
-// An INT8 block's lines are AMX's B layout already (16 lines = a B tile of 64 k);
-// INT4 lines are unpacked per k step into a 1-2 KiB B tile buffer (AMX reads tiles
-// from memory; nothing larger is ever dequantized). Per pass: 32 rows x 2 blocks in
-// C tiles tmm0..3, A = tmm4..5, B = tmm6..7. int32 sums are flushed to fp32 per group
-// (int8: every kInt8FlushK k) exactly as QuantGemm does, so both give the same numbers;
-// an INT8 k tail left to the vector micro-kernel starts on a flush boundary.
-// k step: 64 k (int8, int4 with groups of 64/128), 32 k for int4 groups of 32.
-// What tiles do not cover (the decode path, an int8 k tail of 32, an odd last block)
-// the driver runs with the AVX512_VNNI micro-kernel this struct inherits.
+// [NOTE] INT8 / INT4 / MXFP4 GEMM on AMX tiles for experts with more tokens than one
+// vector micro-tile. Activations are int8 (signed); weights:
+//   INT8:  a block's lines are AMX's B layout already (16 lines = a B tile of 64 k),
+//          unsigned offset-binary bytes (tdpbsud, the bias comes off at the flush);
+//   INT4 / MXFP4: lines unpacked per k step into B tile buffers (AMX reads tiles from
+//          memory; nothing larger than a block's k range is ever unpacked), symmetric
+//          int4 and MXFP4 as signed levels (level - bias, tdpbssd: no activation sum at
+//          the flush), asymmetric int4 as unsigned levels (tdpbsud, plus the minimum term).
+// int32 sums are flushed to fp32 per group (int8: every kInt8FlushK k) with QuantGemm's
+// arithmetic, so the tiles give the same bits as the vector micro-kernel (decode, tails):
+// batch invariance holds.
+// Groups of 32 (RAWINT4, MXFP4, int4 group_size 32) flush after every tdpbssd: they run
+// one block at a time (block_pass_g32), its B tiles unpacked once, by the first row tile
+// just before it loads them, the later row tiles reading them back; the
+// fp32 accumulators of a 16-row tile in registers, four C tiles in rotation so a group's
+// sums are stored and flushed two groups later, while the next tdpbssd run. Larger
+// groups: passes of 32 rows x 2 blocks (tile_pass; C = tmm0..3, A = tmm4..5, B = tmm6..7).
+// Experts of at most 16 rows with groups of 32 keep the 32 x 2 passes. Measured (512
+// tokens RAWINT4 / MXFP4 0.62-0.78 of the previous pass's time) and what was tried and not
+// kept: docs/formats.md, "AMX tiles for INT4 and MXFP4".
+// An INT8 k tail (K not a multiple of 64) starts on a flush boundary and, with an odd
+// last block of the larger-group passes, is left to the AVX512_VNNI micro-kernel this
+// struct inherits.
 #pragma once
 
 #include <immintrin.h>
@@ -16,6 +28,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../../engine/scratch.h"
 #include "../../isa/vec_avx512.h"
 #include "../bf16/bf16_gemm_amx.h"
 #include "../tile_coverage.h"
@@ -29,6 +42,10 @@ template <QuantKind Kind>
 struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
   using Base = QuantGemm<IntOpsAvx512Vnni, Kind>;
   static constexpr bool kInt4 = Base::kInt4;
+  // Symmetric int4 and MXFP4 unpack level - bias into signed B tiles (tdpbssd): the same
+  // int32 sums as the biased levels' less bias x the activation sum.
+  static constexpr bool kSigned = Kind == QuantKind::kInt4 || Kind == QuantKind::kMxfp4;
+  static constexpr int kBias = Kind == QuantKind::kMxfp4 ? int_layout::kMxfp4LevelBias : int_layout::kInt4Zero;
 
   static TileCoverage tile_gemm(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
                                 const uint8_t* w, int blocks, float* c, int64_t ldc) {
@@ -37,13 +54,21 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
     // the vector micro-kernel starts on a flush boundary (same flushes as decode).
     const int64_t covered_k = kInt4 || dims.padded_k % 64 == 0 ? dims.padded_k
                                                                 : dims.padded_k / kInt8FlushK * kInt8FlushK;
-    const TileCoverage done{covered_k, blocks / 2 * 2};
+    // One block at a time pays off from two row tiles (at 64 tokens, experts of 5-16 rows
+    // took 1.05-1.10x the time on it: a 16-row flush per group for a few rows).
+    const bool g32 = kSigned && dims.group == 32 && rows > 16;
+    const TileCoverage done{covered_k, g32 ? blocks : blocks / 2 * 2};
     if (done.pairs == 0 || done.blocks == 0) return {0, 0};
     configure(k_step);
-    for (int64_t m0 = 0; m0 < rows; m0 += 32)
-      for (int b0 = 0; b0 < done.blocks; b0 += 2)
-        tile_pass(a, m0, std::min<int64_t>(32, rows - m0), dims, w + b0 * dims.block_bytes(), k_step,
-                  covered_k, c + m0 * ldc + b0 * 16, ldc);
+    if (g32) {
+      for (int b = 0; b < blocks; ++b)
+        block_pass_g32(a, rows, dims, w + b * dims.block_bytes(), covered_k, c + b * 16, ldc);
+    } else {
+      for (int64_t m0 = 0; m0 < rows; m0 += 32)
+        for (int b0 = 0; b0 < done.blocks; b0 += 2)
+          tile_pass(a, m0, std::min<int64_t>(32, rows - m0), dims, w + b0 * dims.block_bytes(), k_step,
+                    covered_k, c + m0 * ldc + b0 * 16, ldc);
+    }
     _tile_release();
     return done;
   }
@@ -67,10 +92,11 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
   }
 
   // INT4: the k_step / 8 lines from `line` as k_step / 4 quad lines (low nibbles of
-  // line l = quad 2l, high = quad 2l + 1).
-  // MXFP4: the codes' levels (Base::mxfp4_levels).
+  // line l = quad 2l, high = quad 2l + 1); MXFP4: the codes' levels (Base::mxfp4_levels);
+  // symmetric kinds minus their bias (signed).
   static void unpack_b(const uint8_t* line, int64_t k_step, uint8_t* tile) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(kBias));
     for (int64_t l = 0; l < k_step / 8; ++l) {
       const __m512i v = _mm512_loadu_si512(line + l * 64);
       __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
@@ -78,14 +104,78 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
         lo = Base::mxfp4_levels(lo);
         hi = Base::mxfp4_levels(hi);
       }
+      if constexpr (kSigned) {
+        lo = _mm512_sub_epi8(lo, bias);
+        hi = _mm512_sub_epi8(hi, bias);
+      }
       _mm512_store_si512(tile + (2 * l) * 64, lo);
       _mm512_store_si512(tile + (2 * l + 1) * 64, hi);
     }
   }
 
+  // Groups of 32 (signed levels): all rows x one block at w -> c (see the note above).
+  // Group g: C = tmm(g % 4), A = tmm4 / tmm5 and B = tmm6 / tmm7 by its parity.
+  static void block_pass_g32(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
+                             const uint8_t* w, int64_t covered_k, float* c, int64_t ldc) {
+    const int64_t groups = covered_k / 32;
+    const uint8_t* scales = w + dims.scales_offset();
+    uint8_t* b_buf = thread_buffer(ThreadBuffer::kTileWeights, static_cast<size_t>(groups) * 512);
+    constexpr int64_t kAhead = 16;  // groups of codes and scales prefetched ahead
+    alignas(64) int32_t sums[16][16];
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+      const int8_t* a0 = a.levels + m0 * a.stride;
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+      auto flush = [&](int64_t g) {  // acc += group g's sums x its scales
+        const __m512 scale = Base::load_scales(scales + g * Base::kScaleRowBytes, 0);
+#pragma GCC unroll 16
+        for (int m = 0; m < 16; ++m)
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[m])), scale, acc[m]);
+      };
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      // C tile of group g: tmm(g % 4); its sums are stored two groups later.
+      auto drain = [&](int64_t g) {
+        switch (g & 3) {
+          case 0: _tile_stored(0, sums, 64); _tile_zero(0); break;
+          case 1: _tile_stored(1, sums, 64); _tile_zero(1); break;
+          case 2: _tile_stored(2, sums, 64); _tile_zero(2); break;
+          default: _tile_stored(3, sums, 64); _tile_zero(3); break;
+        }
+        flush(g);
+      };
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* at_g = a0 + g * 32;
+        uint8_t* b_g = b_buf + g * 512;
+        if (m0 == 0) {  // the first row tile unpacks each group just before its B tile load
+          if (g + kAhead < groups) {
+            for (int l = 0; l < 4; ++l)
+              _mm_prefetch(reinterpret_cast<const char*>(w + ((g + kAhead) * 4 + l) * 64), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(scales + (g + kAhead) * Base::kScaleRowBytes), _MM_HINT_T0);
+          }
+          unpack_b(w + g * 4 * 64, 32, b_g);
+        }
+        switch (g & 3) {
+          case 0: _tile_loadd(4, at_g, a.stride); _tile_loadd(6, b_g, 64); _tile_dpbssd(0, 4, 6); break;
+          case 1: _tile_loadd(5, at_g, a.stride); _tile_loadd(7, b_g, 64); _tile_dpbssd(1, 5, 7); break;
+          case 2: _tile_loadd(4, at_g, a.stride); _tile_loadd(6, b_g, 64); _tile_dpbssd(2, 4, 6); break;
+          default: _tile_loadd(5, at_g, a.stride); _tile_loadd(7, b_g, 64); _tile_dpbssd(3, 5, 7); break;
+        }
+        if (g >= 2) drain(g - 2);
+      }
+      for (int64_t g = std::max<int64_t>(0, groups - 2); g < groups; ++g) drain(g);
+      const int64_t n = std::min<int64_t>(16, rows - m0);
+      for (int64_t m = 0; m < n; ++m) _mm512_storeu_ps(c + (m0 + m) * ldc, acc[m]);
+    }
+  }
+
   // Rows [m0, m0 + tile_rows) x 2 blocks at w over k in [0, covered_k) -> c.
-  static void tile_pass(const QuantRows& a, int64_t m0, int64_t tile_rows, const int_layout::MatrixDims& dims,
-                        const uint8_t* w, int64_t k_step, int64_t covered_k, float* c, int64_t ldc) {
+  static void tile_pass(const QuantRows& a, int64_t m0, int64_t tile_rows,
+                        const int_layout::MatrixDims& dims, const uint8_t* w, int64_t k_step, int64_t covered_k,
+                        float* c, int64_t ldc) {
     const int8_t* a0 = a.levels + m0 * a.stride;
     const int8_t* a1 = a0 + 16 * a.stride;
     const bool two_row_tiles = tile_rows > 16;
@@ -101,6 +191,20 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
       _tile_zero(3);
       const int64_t group_k = std::min(group, covered_k - g0);
       for (int64_t k = g0; k < g0 + group_k; k += k_step) {
+        if (m0 == 0) {  // the first row tile streams the weights from DRAM
+          if constexpr (kInt4) {
+            const int64_t ahead = k + 512;  // 8 lines of codes per block ahead
+            if (ahead < covered_k && (ahead & 63) == 0)
+              for (int b = 0; b < 2; ++b)
+                for (int l = 0; l < 8; ++l)
+                  _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + (ahead / 8 + l) * 64), _MM_HINT_T0);
+          } else {
+            for (int line = 0; line < 16; ++line) {
+              _mm_prefetch(reinterpret_cast<const char*>(w + (k / 4 + 128 + line) * 64), _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(w + block_bytes + (k / 4 + 128 + line) * 64), _MM_HINT_T1);
+            }
+          }
+        }
         _tile_loadd(4, a0 + k, a.stride);
         if constexpr (kInt4) {
           unpack_b(w + (k / 8) * 64, k_step, b_tiles[0]);
@@ -108,21 +212,26 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
           _tile_loadd(6, b_tiles[0], 64);
           _tile_loadd(7, b_tiles[1], 64);
         } else {
-          if (m0 == 0)  // the first row tile streams the weights from DRAM
-            for (int line = 0; line < 16; ++line) {
-              _mm_prefetch(reinterpret_cast<const char*>(w + (k / 4 + 128 + line) * 64), _MM_HINT_T1);
-              _mm_prefetch(reinterpret_cast<const char*>(w + block_bytes + (k / 4 + 128 + line) * 64), _MM_HINT_T1);
-            }
           _tile_loadd(6, w + (k / 4) * 64, 64);
           _tile_loadd(7, w + block_bytes + (k / 4) * 64, 64);
         }
-        _tile_dpbsud(0, 4, 6);
-        _tile_dpbsud(1, 4, 7);
+// C tile c += A tile a x B tile b: tdpbssd on signed levels, else tdpbsud (the
+// intrinsics paste their tile numbers into asm, so a macro, not a template).
+#define KT_AMX_DOT(c, a, b)      \
+  do {                           \
+    if constexpr (kSigned)       \
+      _tile_dpbssd(c, a, b);     \
+    else                         \
+      _tile_dpbsud(c, a, b);     \
+  } while (0)
+        KT_AMX_DOT(0, 4, 6);
+        KT_AMX_DOT(1, 4, 7);
         if (two_row_tiles) {
           _tile_loadd(5, a1 + k, a.stride);
-          _tile_dpbsud(2, 5, 6);
-          _tile_dpbsud(3, 5, 7);
+          KT_AMX_DOT(2, 5, 6);
+          KT_AMX_DOT(3, 5, 7);
         }
+#undef KT_AMX_DOT
       }
       _tile_stored(0, &sums[0][0], 128);
       _tile_stored(1, &sums[0][16], 128);
@@ -135,31 +244,42 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
     for (int64_t m = 0; m < tile_rows; ++m) std::memcpy(c + m * ldc, acc[m], 32 * sizeof(float));
   }
 
-  // acc += the group's sums, unbiased and scaled (QuantGemm::flush_group's arithmetic).
+  // acc += the group's sums, unbiased (unsigned kinds) and scaled (QuantGemm::flush_group's
+  // arithmetic). Signed kinds read each block's scales once; the unsigned ones go row by
+  // row, the row's activation sum shared by both blocks (AWQ_INT4 with the signed kinds'
+  // block-major loop took 1.09-1.15x the time at 512 tokens, S1 / S2, in-process A/B).
   static void flush(const QuantRows& a, int64_t m0, int64_t tile_rows, const int_layout::MatrixDims& dims,
                     const uint8_t* w, int64_t g0, int64_t group_k, const int32_t (&sums)[32][32],
                     float (&acc)[32][32]) {
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
     const int64_t g = kInt4 ? g0 / dims.group : 0;
+    auto scales_of = [&](int b) {
+      return Base::load_scales(w + b * block_bytes + dims.scales_offset() + g * Base::kScaleRowBytes, 0);
+    };
+    if constexpr (kSigned) {
+      for (int b = 0; b < 2; ++b) {
+        const __m512 scale = scales_of(b);
+        for (int64_t m = 0; m < tile_rows; ++m) {
+          const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(&sums[m][b * 16]));
+          _mm512_store_ps(&acc[m][b * 16], _mm512_fmadd_ps(s, scale, _mm512_load_ps(&acc[m][b * 16])));
+        }
+      }
+      return;
+    }
     for (int64_t m = 0; m < tile_rows; ++m) {
       const int32_t* row_sums = a.sums + (m0 + m) * a.sums_stride + g0 / int_layout::kKAlign;
       int32_t a_sum = 0;
       for (int64_t s = 0; s < group_k / int_layout::kKAlign; ++s) a_sum += row_sums[s];
       for (int b = 0; b < 2; ++b) {
-        const uint8_t* block = w + b * block_bytes;
-        const __m512 scale = Base::load_scales(block + dims.scales_offset() + g * Base::kScaleRowBytes, 0);
         const __m512i s = _mm512_load_si512(&sums[m][b * 16]);
         __m512 v = _mm512_load_ps(&acc[m][b * 16]);
         if constexpr (Kind == QuantKind::kInt4Asym) {
-          const __m512 minimum = _mm512_loadu_ps(
-              reinterpret_cast<const float*>(block + dims.minimums_offset()) + g * 16);
+          const __m512 minimum =
+              _mm512_loadu_ps(reinterpret_cast<const float*>(w + b * block_bytes + dims.minimums_offset()) + g * 16);
           v = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(a_sum)), minimum, v);
-          v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, v);
-        } else {
-          const int32_t bias = Kind == QuantKind::kInt8    ? 128
-                               : Kind == QuantKind::kMxfp4 ? int_layout::kMxfp4LevelBias
-                                                           : int_layout::kInt4Zero;
-          v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_set1_epi32(bias * a_sum))), scale, v);
+          v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scales_of(b), v);
+        } else {  // INT8: offset-binary weights (128)
+          v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_set1_epi32(128 * a_sum))), scales_of(b), v);
         }
         _mm512_store_ps(&acc[m][b * 16], v);
       }
