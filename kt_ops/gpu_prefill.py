@@ -19,22 +19,32 @@ One call, in chunks of the routed experts (about ``chunk_bytes`` of packed weigh
    dequantized to the compute dtype (:func:`kt_ops.dequantize_experts`);
 2. a copy stream moves chunk ``k`` to the GPU;
 3. the current stream expands the chunk's codes to the compute dtype (:func:`expand_rows`,
-   :func:`kt_ops.gguf_torch.dequantize_rows`) and runs each expert over its tokens.
+   :func:`kt_ops.gguf_torch.dequantize_rows`) and runs all its experts at once: the
+   chunk's rows gathered in expert order, one grouped GEMM each for gate, up and down
+   (``torch._grouped_mm`` in bf16 where the rows are 16-byte aligned; else one product
+   per expert), then one ``index_add_`` into the output per place a token's experts take
+   in its ascending order (at most K).
 
-The host stages chunk ``k + 1`` while the GPU copies ``k`` and computes ``k - 1``; at most
-two chunks are on the GPU (double buffering). Across layers: a call given ``next_layer``
+A background thread stages chunk ``k + 1`` on the host (the engine's threads) while the
+calling thread queues chunk ``k``'s copy and work and the GPU computes ``k - 1``; at most
+two chunks are on the GPU (double buffering). Per chunk the calling thread queues a few
+dozen kernels, not a dozen per expert: on an H200 with 16 Xeon cores the per-expert
+launches, not the copy, set the pace before. Across layers: a call given ``next_layer``
 (the model's next kt_ops MoE layer, which :func:`set_gpu_prefill_token_threshold` links
 with ``prefetch_next_layer=True``) starts staging and copying that layer's first chunk —
-its lowest expert ids, which a long prompt routes to — on a background thread once its
-own chunks are queued, so the host writes layer L + 1's first experts while the GPU
+its lowest expert ids, which a long prompt routes to — on that thread once its own
+chunks are queued, so the host writes layer L + 1's first experts while the GPU
 computes layer L and the attention of L + 1; that layer's call takes the chunk if it was
 staged for the same dtype, device and chunk size (experts it does not route to are
 skipped). The same code runs on the CPU (no streams), which is how the CPU tests check it.
 
 Numerics: bf16 weights and activations with fp32 accumulation (fp32 where the input is
 fp32), the activation in fp32, each token's K weighted expert outputs summed in fp32 in
-ascending expert order (one ``[T, H]`` fp32 accumulator; no ``[T, K, H]`` buffer). The
-GPU's GEMMs choose their kernels by the number of tokens per expert, so unlike
+ascending expert order (one ``[T, H]`` fp32 accumulator; no ``[T, K, H]`` buffer; no two
+additions of one ``index_add_`` meet, so the order of the device's atomics changes no
+bit). A chunk holds up to its routed rows' activations (``[N, H]`` bf16, ``[N, I]``
+fp32 twice, ``[N, H]`` fp32; ``N`` at most ``T K``). The GPU's GEMMs choose their
+kernels by the number of tokens per expert, so unlike
 ``torch.ops.kt.moe_forward`` a row's result may depend on the other rows of the call.
 """
 
@@ -238,9 +248,20 @@ def _to_device(host: list[torch.Tensor], device: torch.device) -> list[torch.Ten
 
 
 _PREFETCH_LOCK = threading.Lock()
-_PREFETCH_POOL: ThreadPoolExecutor | None = None
+_STAGING_LOCK = threading.Lock()
+_STAGING_THREAD: ThreadPoolExecutor | None = None  # the host's staging: chunks ahead, the next layer's first
 # id(blob) -> (the blob, (dtype, device, chunk experts), the first chunk being staged)
 _PREFETCHED: dict[int, tuple[weakref.ref, tuple, Future]] = {}
+
+
+def _staging_thread() -> ThreadPoolExecutor:
+    """One background thread for the host's staging (``kt::stage_expert_rows`` releases
+    the GIL and writes on the engine's threads), created on first use."""
+    global _STAGING_THREAD
+    with _STAGING_LOCK:
+        if _STAGING_THREAD is None:
+            _STAGING_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kt_ops_staging")
+        return _STAGING_THREAD
 
 
 def _chunk_experts(packed: PackedExperts, chunk_bytes: int) -> int:
@@ -256,16 +277,13 @@ def prefetch_first_chunk(packed: PackedExperts, dtype: torch.dtype, device: torc
     then the copy on the copy stream); :func:`moe_forward_on_device` on that layer with
     the same dtype, device and ``chunk_bytes`` takes it. A layer holds one such chunk at
     a time (a newer one replaces it)."""
-    global _PREFETCH_POOL
     size = _chunk_experts(packed, chunk_bytes)
     experts = list(range(min(size, packed.num_experts)))
     if not experts:
         return
     layout = transport(packed)
     with _PREFETCH_LOCK:
-        if _PREFETCH_POOL is None:
-            _PREFETCH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kt_ops_prefetch")
-        future = _PREFETCH_POOL.submit(_stage, packed, experts, layout, dtype, device)
+        future = _staging_thread().submit(_stage, packed, experts, layout, dtype, device)
         key = id(packed.data)
         _PREFETCHED[key] = (weakref.ref(packed.data, lambda _, key=key: _PREFETCHED.pop(key, None)),
                             (dtype, device, size), future)
@@ -280,6 +298,59 @@ def _take_prefetched(packed: PackedExperts, dtype: torch.dtype, device: torch.de
         return None
     staged = hit[2].result()  # raises the staging's error, if any
     return staged if hit[1] == (dtype, device, size) else None
+
+
+def _ranks(slots: torch.Tensor, K: int) -> torch.Tensor:
+    """``slots [T K]`` (expert ids, ``E`` for a skipped slot) -> int64 ``[T K]``: each slot's
+    place among its token's slots in ascending expert order (ties: slot order)."""
+    by_token = slots.view(-1, K)
+    places = torch.argsort(by_token, dim=1, stable=True)
+    ranks = torch.empty_like(places)
+    ranks.scatter_(1, places, torch.arange(K, device=slots.device).expand_as(places))
+    return ranks.reshape(-1)
+
+
+def _grouped_mm_fits(h: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``h [N, k]`` and ``w [C, n, k]``: bf16, rows and
+    pointers 16-byte aligned (its kernels' loads need it), contiguous weights."""
+    return (hasattr(torch, "_grouped_mm") and h.dtype == w.dtype == torch.bfloat16 and h.is_contiguous()
+            and w.is_contiguous() and h.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
+            and h.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+_NO_GROUPED_MM: set[torch.device] = set()  # devices where torch._grouped_mm refused a call
+
+
+def _grouped_linear(h: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, offsets: list[int],
+                    chunk: list[int]) -> torch.Tensor:
+    """A chunk's rows through its experts: ``h [N, k]`` (group ``c``: the rows of expert
+    ``chunk[c]``, ``offsets`` its bounds in the call's rows, ``ends`` int32 ``[C]`` the
+    groups' ends within ``h`` on its device) times ``w[c] [n, k]`` transposed ->
+    ``[N, n]`` in ``h``'s dtype. One grouped GEMM where it fits, else one product per
+    expert."""
+    if _grouped_mm_fits(h, w) and h.device not in _NO_GROUPED_MM:
+        try:
+            return torch._grouped_mm(h, w.transpose(1, 2), offs=ends)
+        except (RuntimeError, NotImplementedError):  # a device its kernels do not cover: per expert from now on
+            _NO_GROUPED_MM.add(h.device)
+    first = offsets[chunk[0]]
+    return torch.cat([h[offsets[e] - first:offsets[e + 1] - first] @ w[c].T for c, e in enumerate(chunk)])
+
+
+def _accumulate(out: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor, ranks: torch.Tensor,
+                per_rank: list[int]) -> None:
+    """``out[tokens[i]] += y[i]`` (fp32 ``out [T, H]``, ``y [N, H]``), each token's rows
+    added in ascending ``ranks`` (its experts' ascending order), one ``index_add_`` per
+    rank present (``per_rank``: rows of each rank): no token meets itself within one
+    call, so the sums do not depend on the device's order of atomics."""
+    present = [n for n in per_rank if n]
+    if len(present) > 1:
+        place = torch.argsort(ranks, stable=True)
+        tokens, y = tokens.index_select(0, place), y.index_select(0, place)
+    start = 0
+    for n in present:
+        out.index_add_(0, tokens[start:start + n], y[start:start + n])
+        start += n
 
 
 def moe_forward_on_device(
@@ -333,11 +404,16 @@ def moe_forward_on_device(
         if low < -1 or high >= E:
             raise ValueError(f"topk_ids must be in [-1, {E}), got values in [{low}, {high}]")
     slots = torch.where(flat >= 0, flat, E)
-    counts = torch.bincount(slots, minlength=E + 1).cpu()
+    ranks = _ranks(slots, K)
+    # rows of each expert and rank, one sync: [E + 1, K] (the last row: skipped slots)
+    rank_counts = torch.bincount(slots * K + ranks, minlength=(E + 1) * K).view(E + 1, K).cpu()
+    counts = rank_counts.sum(1)
     order = torch.argsort(slots, stable=True)
     offsets = [0] + torch.cumsum(counts, 0).tolist()
     rows = int(offsets[E])
     tokens = torch.div(order[:rows], K, rounding_mode="floor")  # [N]: token rows, grouped by expert
+    rank = ranks[order[:rows]]  # [N]: each row's place among its token's experts
+    row_expert = slots[order[:rows]]  # [N]
     routing = topk_weights.reshape(-1).to(device=device, dtype=torch.float32)[order[:rows]].unsqueeze(1)  # [N, 1]
     out = torch.zeros(T, H, dtype=torch.float32, device=device)
     experts = torch.nonzero(counts[:E]).reshape(-1).tolist()
@@ -359,11 +435,24 @@ def moe_forward_on_device(
     cuda = device.type == "cuda"
     copy = _copy_stream(device) if cuda else None
     compute = torch.cuda.current_stream(device) if cuda else None
+    # every chunk's group ends (rows of its experts, relative to its first row), one copy
+    firsts = [offsets[chunk[0]] for chunk in chunks]
+    ends = torch.tensor([offsets[e + 1] - first for chunk, first in zip(chunks, firsts) for e in chunk],
+                        dtype=torch.int32).to(device, non_blocking=True)
+    def stage(k: int) -> Future | None:  # chunk k's host tensors, staged on the background thread
+        if k >= len(chunks) or (k == 0 and first is not None):
+            return None
+        return _staging_thread().submit(_host_chunk, packed, chunks[k], layout, dtype, cuda)
+
     done: list[torch.cuda.Event | None] = [None, None]
+    at = 0  # the chunk's first entry in ends
+    pending = stage(0)
     for k, chunk in enumerate(chunks):
         staged = first if k == 0 and first is not None else None
-        # the host's staging overlaps the GPU's work on chunk k - 1
-        host = None if staged is not None else _host_chunk(packed, chunk, layout, dtype, pin=cuda)
+        host = pending.result() if pending is not None else None
+        # the host stages chunk k + 1 while this thread queues chunk k's copy and work, and
+        # the GPU computes chunk k - 1
+        pending = stage(k + 1)
         slot = k % 2
         if done[slot] is not None:
             done[slot].synchronize()  # chunk k - 2's device buffers are free: two chunks on the GPU at most
@@ -379,22 +468,24 @@ def moe_forward_on_device(
         if cuda:
             for t in tensors:
                 t.record_stream(compute)
-        gates, ups, downs = _weights(tensors, layout, H, I, dtype)
-        for c, e in enumerate(chunk):
-            lo, hi = offsets[e], offsets[e + 1]
-            if lo == hi:  # a prefetched expert this call does not route to
-                continue
+        lo, hi = firsts[k], offsets[chunk[-1] + 1]  # the chunk's rows: its experts are consecutive routed ids
+        if hi > lo:
+            gates, ups, downs = _weights(tensors, layout, H, I, dtype)
+            group_ends = ends[at:at + len(chunk)]
             h = x.index_select(0, tokens[lo:hi]).to(dtype)
-            gate, up = (h @ gates[c].T).float(), (h @ ups[c].T).float()
+            gate = _grouped_linear(h, gates, group_ends, offsets, chunk).float()
+            up = _grouped_linear(h, ups, group_ends, offsets, chunk).float()
             if biases is not None:
-                gate, up = gate + biases[0][e], up + biases[1][e]
+                row_experts = row_expert[lo:hi]
+                gate = gate + biases[0].index_select(0, row_experts)
+                up = up + biases[1].index_select(0, row_experts)
             inter = reference.glu(gate, up, act["swiglu_limit"], act["swiglu_alpha"]).to(dtype)
-            y = (inter @ downs[c].T).float()
+            y = _grouped_linear(inter, downs, group_ends, offsets, chunk).float()
             if biases is not None:
-                y = y + biases[2][e]
-            # one call per expert, in stream order; a token appears once per expert (unless
-            # its row repeats the id), so no two additions of a call meet: deterministic
-            out.index_add_(0, tokens[lo:hi], y * routing[lo:hi])
+                y = y + biases[2].index_select(0, row_experts)
+            _accumulate(out, y * routing[lo:hi], tokens[lo:hi], rank[lo:hi],
+                        rank_counts[chunk].sum(0).tolist())
+        at += len(chunk)
         if cuda:
             event = torch.cuda.Event()
             event.record(compute)
