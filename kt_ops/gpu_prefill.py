@@ -50,6 +50,7 @@ kernels by the number of tokens per expert, so unlike
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -249,19 +250,21 @@ def _to_device(host: list[torch.Tensor], device: torch.device) -> list[torch.Ten
 
 _PREFETCH_LOCK = threading.Lock()
 _STAGING_LOCK = threading.Lock()
-_STAGING_THREAD: ThreadPoolExecutor | None = None  # the host's staging: chunks ahead, the next layer's first
+_STAGING_THREAD: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the host's staging thread)
 # id(blob) -> (the blob, (dtype, device, chunk experts), the first chunk being staged)
 _PREFETCHED: dict[int, tuple[weakref.ref, tuple, Future]] = {}
 
 
 def _staging_thread() -> ThreadPoolExecutor:
     """One background thread for the host's staging (``kt::stage_expert_rows`` releases
-    the GIL and writes on the engine's threads), created on first use."""
+    the GIL and writes on the engine's threads): chunks ahead of a call's work and the next
+    layer's first chunk. Created on first use, and again in a forked child (which has no
+    copy of the parent's thread: its queue would never run)."""
     global _STAGING_THREAD
     with _STAGING_LOCK:
-        if _STAGING_THREAD is None:
-            _STAGING_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kt_ops_staging")
-        return _STAGING_THREAD
+        if _STAGING_THREAD is None or _STAGING_THREAD[0] != os.getpid():
+            _STAGING_THREAD = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="kt_ops_staging"))
+        return _STAGING_THREAD[1]
 
 
 def _chunk_experts(packed: PackedExperts, chunk_bytes: int) -> int:
@@ -331,6 +334,8 @@ def _grouped_linear(h: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, offset
     if _grouped_mm_fits(h, w) and h.device not in _NO_GROUPED_MM:
         try:
             return torch._grouped_mm(h, w.transpose(1, 2), offs=ends)
+        except torch.OutOfMemoryError:
+            raise
         except (RuntimeError, NotImplementedError):  # a device its kernels do not cover: per expert from now on
             _NO_GROUPED_MM.add(h.device)
     first = offsets[chunk[0]]

@@ -390,6 +390,55 @@ def test_bf16_chunks_run_grouped_gemms(monkeypatch) -> None:
     assert rel_err(got, oracle(x, ids, weights, experts.packed)) <= 1e-2
 
 
+def test_a_refused_grouped_gemm_falls_back_per_expert(monkeypatch) -> None:
+    experts = make_experts(5, 64, 48)
+    ids, weights = random_routing(9, 5, 2)
+    x = torch.randn(9, 64).bfloat16()
+    want = gpu_prefill.moe_forward_on_device(x, ids, weights, experts.packed)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("grouped_mm: no kernel for this device")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refused)
+    monkeypatch.setattr(gpu_prefill, "_NO_GROUPED_MM", set())
+    got = gpu_prefill.moe_forward_on_device(x, ids, weights, experts.packed)
+    assert torch.device("cpu") in gpu_prefill._NO_GROUPED_MM
+    assert rel_err(got, want) <= 1e-2
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(torch, "_grouped_mm", out_of_memory)
+    monkeypatch.setattr(gpu_prefill, "_NO_GROUPED_MM", set())
+    with pytest.raises(torch.OutOfMemoryError):  # not taken for a missing kernel
+        gpu_prefill.moe_forward_on_device(x, ids, weights, experts.packed)
+    assert not gpu_prefill._NO_GROUPED_MM
+
+
+def _prefill_in_child(queue) -> None:
+    torch.set_num_threads(1)  # torch's own OpenMP regions hang in a forked child (GNU OpenMP)
+    experts = make_experts(4, 64, 48)
+    ids, weights = random_routing(5, 4, 2)
+    queue.put(gpu_prefill.moe_forward_on_device(torch.randn(5, 64), ids, weights, experts.packed).shape[0])
+
+
+def test_a_forked_child_stages_on_its_own_thread() -> None:
+    import multiprocessing
+
+    experts = make_experts(4, 64, 48)
+    ids, weights = random_routing(5, 4, 2)
+    gpu_prefill.moe_forward_on_device(torch.randn(5, 64), ids, weights, experts.packed)  # the parent's thread
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_prefill_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the child's GPU-prefill call never finished (its staging queue had no thread)")
+    assert child.exitcode == 0 and queue.get(timeout=5) == 5
+
+
 # ---- the next layer's first chunk, staged ahead ---------------------------------------
 
 @needs_gpu
