@@ -10,6 +10,11 @@ GPU path copied per call and the rate that makes; the crossover is where the GPU
 drops below the CPU one (kt-kernel's default threshold is 4096 tokens). Needs a GPU and
 kt_ops built with its CUDA key.
 
+``--breakdown`` also times the GPU path's two transfers alone, each over all the call's
+routed experts in its chunks: the host staging them (``stage ms``, into pinned memory on a
+GPU) and copying the staged chunks to the device (``copy ms``); against ``gpu ms`` they
+say whether the call's pipeline overlaps them.
+
 ``--layers N`` (N >= 2) also times a chain of N distinct layers of the method, each after
 an attention-sized block of GPU work (four ``[T, H] x [H, H]`` bf16 products), through the
 GPU path with each layer staging the next one's first chunk ahead (``next_layer``) and
@@ -49,6 +54,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of this script where no GPU is")
     parser.add_argument("--layers", type=int, default=1,
                         help="N >= 2: also a chain of N layers with and without the next layer staged ahead")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the host's staging and the copies alone (stage ms, copy ms)")
     args = parser.parse_args()
     if args.device != "cpu" and (not torch.cuda.is_available() or not kt_ops.cuda.is_built()):
         raise SystemExit("needs a GPU and kt_ops built with its CUDA key (KT_OPS_CUDA=1)")
@@ -65,6 +72,8 @@ def main() -> None:
         print(f"pinned host -> GPU copy: {pinned.numel() / rate / 1e9:.1f} GB/s")
         del pinned, target
     chain_head = f" {'chain ms':>9} {'ahead ms':>9} {'ratio':>6}" if args.layers > 1 else ""
+    if args.breakdown:
+        chain_head = f" {'stage ms':>8} {'copy ms':>8}" + chain_head
     print(f"{'method':14} {'tokens':>6} {'cpu ms':>8} {'gpu ms':>8} {'gpu/cpu':>7} {'copied MB':>9} {'GB/s':>6} "
           f"{'rel err':>8}{chain_head}")
     others = random_weights(shape, args.layers - 1) if args.layers > 1 else []
@@ -86,6 +95,9 @@ def main() -> None:
             per_expert = packed.nbytes / E if staged is not None else 3 * H * I * 2
             copied = routed * per_expert / 1e6
             tail = ""
+            if args.breakdown:
+                stage_ms, copy_ms = transfers(packed, ids, x, args.repeats)
+                tail += f" {stage_ms:8.2f} {copy_ms:8.2f}"
             if len(chain) > 1:
                 attention = [torch.randn(H, H, device=args.device).to(x.dtype) / H**0.5 for _ in range(4)]
                 plain, ahead = [], []
@@ -96,6 +108,23 @@ def main() -> None:
                 tail = f" {plain_ms:9.2f} {ahead_ms:9.2f} {ahead_ms / plain_ms:6.3f}"
             print(f"{method:14} {tokens:6d} {cpu_ms:8.2f} {gpu_ms:8.2f} {gpu_ms / cpu_ms:7.2f} {copied:9.1f} "
                   f"{copied / gpu_ms:6.2f} {err:8.1e}{tail}", flush=True)
+
+
+def transfers(packed, ids: torch.Tensor, x: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """Medians (ms) of the GPU path's host staging of a call's routed experts, chunk by
+    chunk as :func:`kt_ops.gpu_prefill.moe_forward_on_device` cuts them, and of the copies
+    of the staged chunks to ``x``'s device (0 on the CPU: nothing to copy)."""
+    routed = sorted(int(e) for e in torch.unique(ids.cpu()) if e >= 0)
+    size = gpu_prefill._chunk_experts(packed, gpu_prefill.DEFAULT_CHUNK_BYTES)
+    chunks = [routed[i:i + size] for i in range(0, len(routed), size)]
+    layout, dtype, cuda = gpu_prefill.transport(packed), gpu_prefill._compute_dtype(x), x.device.type == "cuda"
+    stage_s, copy_s = [], []
+    for _ in range(repeats):
+        hosts: list = []
+        stage_s.append(timed(lambda: hosts.extend(gpu_prefill._host_chunk(packed, c, layout, dtype, cuda) for c in chunks)))
+        if cuda:
+            copy_s.append(timed(lambda: [gpu_prefill._to_device(h, x.device) for h in hosts]))
+    return statistics.median(stage_s) * 1e3, statistics.median(copy_s) * 1e3 if copy_s else 0.0
 
 
 def run_chain(chain: list, attention: list[torch.Tensor], x: torch.Tensor, ids: torch.Tensor,

@@ -77,7 +77,7 @@ if [ -n "${KT_OPS_GPU_ALSO:-}" ] && [ "$also_limit" -gt 0 ]; then
 fi
 bench_limit=$(step_limit "${KT_OPS_GPU_BENCH_SECONDS:-300}")
 if [ "${KT_OPS_GPU_BENCH:-0}" = 1 ] && [ "$bench_limit" -gt 0 ]; then
-  timeout "$bench_limit" $PY scripts/bench_gpu_prefill.py --method BF16 AMXINT4 AMXINT8 FP8 Q4_K_M \
+  timeout "$bench_limit" $PY scripts/bench_gpu_prefill.py --breakdown --method BF16 AMXINT4 AMXINT8 FP8 Q4_K_M \
     --tokens 512 2048 8192 --repeats 3 2>&1 | tee "$OUT/bench.log"
 fi
 
