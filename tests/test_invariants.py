@@ -29,7 +29,8 @@ run on AMX tiles, whose sums (``tdpbf16ps``, which neither ``vdpbf16ps`` nor fp3
 in either pair order reproduce) or inputs (GGUF rows and activations rounded to bf16)
 differ from the vector decode path. There, in the crowd37 and large300 scenarios, a row
 is compared with its solo call within AMX_TILE_BOUNDS instead of bit for bit. INT8/INT4 tiles
-compute the vector path's int32 sums and stay bit-exact there, and ``live_tokens = n``
+compute the vector path's int32 sums (MXFP4: its exact span partials, csrc/cpu/kernels/quant/mxfp4_span.h)
+and stay bit-exact there, and ``live_tokens = n``
 still equals a call on the first n rows bit for bit.
 """
 

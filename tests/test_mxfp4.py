@@ -342,3 +342,56 @@ def test_parts_off_the_32_groups_are_refused() -> None:
     with pytest.raises(ValueError, match="threadpool_count 2 splits moe_intermediate_size 96 into parts of 48; MXFP4"):
         pack_parts(gate, up, down, "MXFP4", 2)
     assert [p.format for p in pack_parts(gate, up, down, "MXFP4", 3)] == ["mxfp4"] * 3
+
+
+SPAN = 16  # groups of 32 per span: kMxfp4SpanGroups (csrc/cpu/kernels/quant/mxfp4_span.h)
+
+
+def span_exponents(rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``[rows, k / 32]`` exponents for the spans of SPAN groups that every kernel adds up
+    on their own: per 32-row pair of blocks and span, either every row's exponents within
+    3 of each other (AMX tiles: one integer sum with shifted levels) or one exponent 4-6
+    above the least of its span or a subnormal scale (0, 1) (AMX tiles: group by group).
+    A row's spans lie 0, 8 or 16 apart, so a span's partial is small beside what the row
+    holds by then (adding its groups one by one to that total would round differently)."""
+    groups = k // 32
+    base = rng.integers(108, 122, size=(rows, 1))
+    lift = np.repeat(rng.choice([0, 8, 16], size=(rows, (groups + SPAN - 1) // SPAN)), SPAN, axis=1)[:, :groups]
+    e = base + lift + rng.integers(0, 4, size=(rows, groups))
+    for r0 in range(0, rows, 32):
+        for s in range(0, groups, SPAN):
+            kind = rng.integers(0, 4)
+            row, group = r0 + rng.integers(0, 32), s + rng.integers(0, min(SPAN, groups - s))
+            if kind == 1:  # 4 above the span's least: the first spread past kMxfp4MaxShift, then more
+                span = e[row, s : s + SPAN]
+                e[row, group] = span.min() + 4 + (rng.integers(0, 3) if r0 % 64 else 0)
+            elif kind == 2:
+                e[row, group] = rng.integers(0, 2)
+    return e.astype(np.uint8)
+
+
+def test_tile_spans_match_the_vector_path(variant: str) -> None:
+    """Format mxfp4 with spans of every kind (span_exponents) on odd k (H = 1120: 35
+    groups, a k tail past the AMX tiles; I = 576: a last span of 2 groups): each of 40
+    tokens on two experts gets the bits it gets alone (decode), with fp32 and bf16 inputs,
+    and the call matches the oracle."""
+    E, H, I, tokens = 2, 1120, 576, 40
+    rng = np.random.default_rng(11)
+    raws = raw_blocks(E, H, I, seed=12)
+    for raw, (rows, k) in zip(raws, ((E * I, H), (E * I, H), (E * H, I))):
+        raw.reshape(rows, k // 32, BLOCK_BYTES)[:, :, 0] = span_exponents(rows, k, rng)
+    blob = blob_of(raws, "mxfp4", E, H, I)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(tokens, H, generator=g)
+    ids = torch.tensor([[0, 1]] * tokens, dtype=torch.int32)
+    weights = torch.rand(tokens, 2, generator=g) + 0.1
+    gate, up, down = decoded(raws, E, H, I)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = kt_ops.moe_forward(x.to(dtype), ids, weights, blob)
+        assert torch.isfinite(out).all()
+        if dtype == torch.float32:
+            tight = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
+            assert rel_err(out, tight) <= 1e-3
+        for t in range(tokens):
+            alone = kt_ops.moe_forward(x[t : t + 1].to(dtype), ids[t : t + 1], weights[t : t + 1], blob)[0]
+            assert torch.equal(out[t], alone), f"token {t} ({dtype})"

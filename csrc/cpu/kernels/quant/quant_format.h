@@ -23,6 +23,7 @@
 #include "../moe_args.h"
 #include "../moe_driver.h"
 #include "../moe_plan.h"
+#include "mxfp4_span.h"
 #include "../tile_coverage.h"
 #include "activation_quant.h"
 #include "quant_gemm.h"
@@ -31,6 +32,7 @@ namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int64_t kQuantKBlock = 512;     // GEMM k block (a multiple of every int4 group)
+static_assert(kQuantKBlock % (kMxfp4SpanGroups * 32) == 0, "MXFP4 spans start on k blocks");
 static_assert(kQuantKBlock % kInt8FlushK == 0, "k blocks must end on INT8 flush boundaries");
 constexpr int64_t kQuantRowChunk = 96;    // rows per gate/up epilogue chunk
 constexpr int64_t kQuantPadRows = 32;     // readable rows past the last pair (tile GEMMs)

@@ -27,7 +27,8 @@
 // with int32 sums per group flushed to fp32 (int_layout.h has q, z, scale, minimum).
 // MXFP4 is INT4 with a level table: each e2m1 code q becomes kValues[q] + 16 (one
 // byte shuffle per register, levels 4..28, z = 16) and its bf16 half-scales are widened
-// at the flush; everything else is INT4's arithmetic.
+// at the flush; everything else is INT4's arithmetic, except that its groups are added
+// in spans of 512 k, each span into a partial of its own (mxfp4_span.h).
 // INT8 has one scale per row; its sums are flushed every kInt8FlushK k (the last flush
 // may be shorter). Batch invariance: every output lane sees the same flushes in the same
 // order whatever M, NB and the k range the driver cuts the GEMM into (a range starts at
@@ -43,6 +44,7 @@
 #include <type_traits>
 
 #include "../../formats/int_layout.h"
+#include "mxfp4_span.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
@@ -182,12 +184,18 @@ struct QuantGemm {
   template <int M, int NB>
   __attribute__((always_inline)) static void tile(const QuantTileArgs& t) {
     constexpr bool kInMemory = kAccInMemory<M, NB>;
+    // MXFP4: acc (or span_mem) holds the current span's partial sum, c the total.
     FReg acc[kInMemory ? 1 : M][kInMemory ? 1 : NB][R];
+    alignas(64) float span_mem[kMxfp4 && kInMemory ? M : 1][kMxfp4 && kInMemory ? NB * 16 : 1];
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b)
         for (int r = 0; r < R; ++r) {
           float* c = t.c + m * t.ldc + b * 16 + r * W;
-          if constexpr (kInMemory) {
+          if constexpr (kMxfp4) {
+            if (!t.accumulate) Vec::store(c, Vec::zero());
+            if constexpr (kInMemory) Vec::store(&span_mem[m][b * 16 + r * W], Vec::zero());
+            else acc[m][b][r] = Vec::zero();
+          } else if constexpr (kInMemory) {
             if (!t.accumulate) Vec::store(c, Vec::zero());
           } else {
             acc[m][b][r] = t.accumulate ? Vec::load(c) : Vec::zero();
@@ -291,9 +299,14 @@ struct QuantGemm {
               const IReg high = kHighX16 ? Ops::shift_right4(high_sums[m][b][r]) : high_sums[m][b][r];
               sums[m][b][r] = Ops::add(sums[m][b][r], high);
             }
-      flush_group<M, NB>(t, g, a_sum, sums, acc);
+      if constexpr (kMxfp4) {
+        flush_span_group<M, NB>(t, g, sums, acc, span_mem);
+        if (g % kMxfp4SpanGroups == kMxfp4SpanGroups - 1 || k0 + group_k >= t.k) end_span<M, NB>(t, acc, span_mem);
+      } else {
+        flush_group<M, NB>(t, g, a_sum, sums, acc);
+      }
     }
-    if constexpr (!kInMemory)
+    if constexpr (!kInMemory && !kMxfp4)
       for (int m = 0; m < M; ++m)
         for (int b = 0; b < NB; ++b)
           for (int r = 0; r < R; ++r) Vec::store(t.c + m * t.ldc + b * 16 + r * W, acc[m][b][r]);
@@ -363,6 +376,51 @@ struct QuantGemm {
       for (int64_t s = 0; s < n; ++s) sum += t.a_sums[m][first_sum + s];
       a_sum[m] = sum;
     }
+  }
+
+  // MXFP4: acc (or span_mem) += group g's sums x its half-scales, the span's partial
+  // (mxfp4_span.h); end_span adds it to c and starts the next one from +0.
+  template <int M, int NB, class Acc, class Mem>
+  static void flush_span_group(const QuantTileArgs& t, int64_t g, IReg (&sums)[M][NB][R], Acc& acc, Mem& span_mem) {
+    constexpr bool kInMemory = kAccInMemory<M, NB>;
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* scale = reinterpret_cast<const uint8_t*>(t.scales) + b * t.block_stride + g * kScaleRowBytes;
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+          const FReg s = load_scales(scale, r);
+          if constexpr (kInMemory) {
+            float* p = &span_mem[m][b * 16 + r * W];
+            Vec::store(p, Vec::fma(Ops::to_float(sums[m][b][r]), s, Vec::load(p)));
+          } else {
+            acc[m][b][r] = Vec::fma(Ops::to_float(sums[m][b][r]), s, acc[m][b][r]);
+          }
+        }
+      }
+    }
+  }
+
+  template <int M, int NB, class Acc, class Mem>
+  static void end_span(const QuantTileArgs& t, Acc& acc, Mem& span_mem) {
+    constexpr bool kInMemory = kAccInMemory<M, NB>;
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b)
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+          float* c = t.c + m * t.ldc + b * 16 + r * W;
+          if constexpr (kInMemory) {
+            float* p = &span_mem[m][b * 16 + r * W];
+            Vec::store(c, Vec::add(Vec::load(c), Vec::load(p)));
+            Vec::store(p, Vec::zero());
+          } else {
+            Vec::store(c, Vec::add(Vec::load(c), acc[m][b][r]));
+            acc[m][b][r] = Vec::zero();
+          }
+        }
   }
 
   // acc += group g's int32 sums (already unbiased: they started at -kBias * a_sum) scaled

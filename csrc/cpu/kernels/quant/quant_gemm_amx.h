@@ -9,7 +9,9 @@
 // int32 sums are flushed to fp32 per group (int8: every kInt8FlushK k) with QuantGemm's
 // arithmetic, so the tiles give the same bits as the vector micro-kernel (decode, tails):
 // batch invariance holds.
-// Groups of 32 (RAWINT4, MXFP4, int4 group_size 32) flush after every tdpbssd: they run
+// MXFP4 runs spans of 512 k (mxfp4_span.h): one integer sum per span and tile where the
+// exponents allow, group by group otherwise (mxfp4_tile_gemm).
+// Groups of 32 (RAWINT4, int4 group_size 32) flush after every tdpbssd: they run
 // one block at a time (block_pass_g32), its B tiles unpacked once, by the first row tile
 // just before it loads them, the later row tiles reading them back; the
 // fp32 accumulators of a 16-row tile in registers, four C tiles in rotation so a group's
@@ -33,6 +35,7 @@
 #include "../bf16/bf16_gemm_amx.h"
 #include "../tile_coverage.h"
 #include "int_ops_avx512_vnni.h"
+#include "mxfp4_span.h"
 #include "quant_gemm.h"
 
 namespace kt::cpu {
@@ -56,6 +59,7 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
                                                                 : dims.padded_k / kInt8FlushK * kInt8FlushK;
     // One block at a time pays off from two row tiles (at 64 tokens, experts of 5-16 rows
     // took 1.05-1.10x the time on it: a 16-row flush per group for a few rows).
+    if constexpr (Kind == QuantKind::kMxfp4) return mxfp4_tile_gemm(a, rows, dims, w, blocks, c, ldc);
     const bool g32 = kSigned && dims.group == 32 && rows > 16;
     const TileCoverage done{covered_k, g32 ? blocks : blocks / 2 * 2};
     if (done.pairs == 0 || done.blocks == 0) return {0, 0};
@@ -170,6 +174,210 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
       const int64_t n = std::min<int64_t>(16, rows - m0);
       for (int64_t m = 0; m < n; ++m) _mm512_storeu_ps(c + (m0 + m) * ldc, acc[m]);
     }
+  }
+
+  // MXFP4: passes of 32 rows x 2 blocks over spans of 512 k (mxfp4_span.h), 64-k tiles.
+  // A span whose rows' exponents lie within kMxfp4MaxShift of each other (every row of
+  // both blocks) is one int32 sum per tile (levels shifted left by e - e_min), flushed
+  // once with the smallest half-scale; any other span runs group by group (each group's
+  // B tile with zeros in the other group's half of k), as the vector path adds them.
+  // Each block pair's B tiles are unpacked by its first row tile into a per-thread
+  // buffer (one 32 KiB slot per span) that the later row tiles read back.
+  struct SpanInfo {
+    alignas(64) float min_scale[2][16];  // merged: the smallest half-scale of each row
+    int32_t merged;
+  };
+  static constexpr int64_t kSpanK = kMxfp4SpanGroups * 32;
+  static constexpr int64_t kSpanSlotBytes = kMxfp4SpanGroups * 2 * 1024;  // 4 groups x 2 blocks of B tiles
+
+  static TileCoverage mxfp4_tile_gemm(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
+                                      const uint8_t* w, int blocks, float* c, int64_t ldc) {
+    // 64-k tiles: a k tail of 32 (an odd number of groups) goes to the vector path, from a
+    // span boundary so that it adds the same partials.
+    const int64_t covered_k = dims.padded_k % 64 == 0 ? dims.padded_k : dims.padded_k / kSpanK * kSpanK;
+    const TileCoverage done{covered_k, blocks / 2 * 2};
+    if (done.pairs == 0 || done.blocks == 0) return {0, 0};
+    const int64_t spans = (covered_k + kSpanK - 1) / kSpanK;
+    uint8_t* buffer = thread_buffer(ThreadBuffer::kTileWeights,
+                                    static_cast<size_t>(spans) * (kSpanSlotBytes + sizeof(SpanInfo)));
+    auto* info = reinterpret_cast<SpanInfo*>(buffer + spans * kSpanSlotBytes);
+    configure(64);
+    for (int b0 = 0; b0 < done.blocks; b0 += 2)
+      for (int64_t m0 = 0; m0 < rows; m0 += 32)
+        mxfp4_pass(a, m0, std::min<int64_t>(32, rows - m0), dims, w + b0 * dims.block_bytes(), covered_k, buffer,
+                   info, c + m0 * ldc + b0 * 16, ldc);
+    _tile_release();
+    return done;
+  }
+
+  // Whether the span of `n` groups whose first scale row is at `row` merges in every row
+  // of the block; if so, per group the shift of each row's levels (int32 lanes: the 4
+  // bytes of a B-tile lane are one row) with the byte mask that clears what the shift
+  // carries in from the byte below, and the rows' smallest half-scales.
+  static bool span_shifts(const uint8_t* row, int64_t n, __m512i (&shift)[kMxfp4SpanGroups],
+                          __m512i (&mask)[kMxfp4SpanGroups], float* min_scale) {
+    __m256i field[kMxfp4SpanGroups];
+    __m256i lo = _mm256_set1_epi16(-1), hi = _mm256_setzero_si256(), any = _mm256_setzero_si256(),
+            mantissa = _mm256_setzero_si256();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * Base::kScaleRowBytes));
+      field[j] = _mm256_srli_epi16(v, 7);  // the sign (never set) makes it > 255
+      lo = _mm256_min_epu16(lo, field[j]);
+      hi = _mm256_max_epu16(hi, field[j]);
+      any = _mm256_or_si256(any, v);
+      mantissa = _mm256_or_si256(mantissa, _mm256_and_si256(v, _mm256_set1_epi16(0x7f)));
+    }
+    const __mmask16 zero_rows = _mm256_cmpeq_epi16_mask(any, _mm256_setzero_si256());
+    const __mmask16 in_range = _mm256_cmpge_epu16_mask(lo, _mm256_set1_epi16(1)) &
+                               _mm256_cmple_epu16_mask(hi, _mm256_set1_epi16(kMxfp4MaxField)) &
+                               _mm256_cmple_epu16_mask(_mm256_sub_epi16(hi, lo), _mm256_set1_epi16(kMxfp4MaxShift)) &
+                               _mm256_cmpeq_epi16_mask(mantissa, _mm256_setzero_si256());
+    if (static_cast<__mmask16>(zero_rows | in_range) != 0xffff) return false;
+    for (int64_t j = 0; j < n; ++j) {
+      shift[j] = _mm512_cvtepu16_epi32(_mm256_sub_epi16(field[j], lo));
+      mask[j] = _mm512_mullo_epi32(_mm512_and_si512(_mm512_sllv_epi32(_mm512_set1_epi32(0xff), shift[j]),
+                                                    _mm512_set1_epi32(0xff)),
+                                   _mm512_set1_epi32(0x01010101));
+    }
+    // A bf16 half-scale 2^(f - 127) with no mantissa has f in fp32's exponent field too.
+    _mm512_store_ps(min_scale, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 23)));
+    return true;
+  }
+
+  // The 8 lines at `line` (64 k: groups 2s and 2s + 1 of the span) as a B tile of signed
+  // levels shifted left per row by shift[0] (first 32 k) and shift[1].
+  static void unpack_shifted(const uint8_t* line, const __m512i* shift, const __m512i* mask, uint8_t* tile) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(kBias));
+    for (int l = 0; l < 8; ++l) {
+      const __m512i v = _mm512_loadu_si512(line + l * 64);
+      __m512i lo = _mm512_sub_epi8(Base::mxfp4_levels(_mm512_and_si512(v, nibble)), bias);
+      __m512i hi = _mm512_sub_epi8(Base::mxfp4_levels(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)), bias);
+      lo = _mm512_and_si512(_mm512_sllv_epi32(lo, shift[l >> 2]), mask[l >> 2]);
+      hi = _mm512_and_si512(_mm512_sllv_epi32(hi, shift[l >> 2]), mask[l >> 2]);
+      _mm512_store_si512(tile + (2 * l) * 64, lo);
+      _mm512_store_si512(tile + (2 * l + 1) * 64, hi);
+    }
+  }
+
+  // Rows [m0, m0 + tile_rows) x 2 blocks at w over k in [0, covered_k) -> c (see above).
+  // The first row tile decides each span, unpacks each 64-k step's B tiles just before
+  // its tdpbssd and prefetches the same step of the next span.
+  static void mxfp4_pass(const QuantRows& a, int64_t m0, int64_t tile_rows, const int_layout::MatrixDims& dims,
+                         const uint8_t* w, int64_t covered_k, uint8_t* buffer, SpanInfo* info, float* c,
+                         int64_t ldc) {
+    const int8_t* a0 = a.levels + m0 * a.stride;
+    const int8_t* a1 = a0 + 16 * a.stride;
+    const bool two_row_tiles = tile_rows > 16;
+    const bool first = m0 == 0;
+    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
+    const uint8_t* scale_rows = w + dims.scales_offset();
+    alignas(64) float acc[32][32] = {};
+    alignas(64) float part[32][32];
+    alignas(64) int32_t sums[32][32];
+    __m512i shift[2][kMxfp4SpanGroups], mask[2][kMxfp4SpanGroups];
+    // The four tdpbssd of one 64-k step of A at k and B tiles at tiles (block 0, block 1).
+    auto step = [&](int64_t k, const uint8_t* tiles) {
+      _tile_loadd(4, a0 + k, a.stride);
+      _tile_loadd(6, tiles, 64);
+      _tile_loadd(7, tiles + 1024, 64);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      if (two_row_tiles) {
+        _tile_loadd(5, a1 + k, a.stride);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
+    };
+    auto zero_c = [] {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    };
+    auto store_c = [&] {
+      _tile_stored(0, &sums[0][0], 128);
+      _tile_stored(1, &sums[0][16], 128);
+      if (two_row_tiles) {
+        _tile_stored(2, &sums[16][0], 128);
+        _tile_stored(3, &sums[16][16], 128);
+      }
+    };
+    const int64_t spans = (covered_k + kSpanK - 1) / kSpanK;
+    for (int64_t s = 0; s < spans; ++s) {
+      const int64_t k0 = s * kSpanK;
+      const int64_t n_groups = std::min<int64_t>(kMxfp4SpanGroups, (covered_k - k0) / 32);
+      const bool next_span = s + 1 < spans;
+      uint8_t* slot = buffer + s * kSpanSlotBytes;
+      const uint8_t* lines = w + (k0 / 8) * 64;  // block 0's lines of the span
+      auto prefetch_next = [&](int64_t first_line, int n_lines) {  // block b's lines of the next span
+        if (!next_span) return;
+        for (int b = 0; b < 2; ++b)
+          for (int l = 0; l < n_lines; ++l)
+            _mm_prefetch(reinterpret_cast<const char*>(lines + b * block_bytes + (kSpanK / 8 + first_line + l) * 64),
+                         _MM_HINT_T0);
+      };
+      if (first) {
+        if (next_span)
+          for (int b = 0; b < 2; ++b)
+            for (int64_t l = 0; l < kMxfp4SpanGroups * Base::kScaleRowBytes / 64; ++l)
+              _mm_prefetch(reinterpret_cast<const char*>(scale_rows + b * block_bytes +
+                                                         (s + 1) * kMxfp4SpanGroups * Base::kScaleRowBytes + l * 64),
+                           _MM_HINT_T0);
+        bool merged = true;
+        for (int b = 0; b < 2 && merged; ++b)
+          merged = span_shifts(scale_rows + b * block_bytes + s * kMxfp4SpanGroups * Base::kScaleRowBytes, n_groups,
+                               shift[b], mask[b], info[s].min_scale[b]);
+        info[s].merged = merged;
+      }
+      zero_c();
+      if (info[s].merged) {
+        for (int64_t st = 0; st < n_groups / 2; ++st) {
+          uint8_t* tiles = slot + st * 2048;
+          if (first) {
+            prefetch_next(st * 8, 8);
+            for (int b = 0; b < 2; ++b)
+              unpack_shifted(lines + b * block_bytes + st * 8 * 64, shift[b] + 2 * st, mask[b] + 2 * st,
+                             tiles + b * 1024);
+          }
+          step(k0 + st * 64, tiles);
+        }
+        store_c();
+        for (int b = 0; b < 2; ++b) {
+          const __m512 scale = _mm512_load_ps(info[s].min_scale[b]);
+          for (int64_t m = 0; m < tile_rows; ++m) {
+            const __m512 x = _mm512_cvtepi32_ps(_mm512_load_si512(&sums[m][b * 16]));
+            _mm512_store_ps(&acc[m][b * 16], _mm512_fmadd_ps(x, scale, _mm512_load_ps(&acc[m][b * 16])));
+          }
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < n_groups; ++j) {  // the vector path's operations, group by group
+        uint8_t* tiles = slot + j * 2048;
+        if (first) {  // group j's levels in its half of the 64 k, zeros in the other half
+          prefetch_next(j * 4, 4);
+          const int64_t half = j & 1;
+          for (int b = 0; b < 2; ++b) {
+            std::memset(tiles + b * 1024 + (1 - half) * 512, 0, 512);
+            unpack_b(lines + b * block_bytes + j * 4 * 64, 32, tiles + b * 1024 + half * 512);
+          }
+        }
+        if (j > 0) zero_c();
+        step(k0 + (j / 2) * 64, tiles);
+        store_c();
+        for (int b = 0; b < 2; ++b) {
+          const __m512 scale =
+              Base::load_scales(scale_rows + b * block_bytes + (s * kMxfp4SpanGroups + j) * Base::kScaleRowBytes, 0);
+          for (int64_t m = 0; m < tile_rows; ++m) {
+            const __m512 x = _mm512_cvtepi32_ps(_mm512_load_si512(&sums[m][b * 16]));
+            __m512 v = _mm512_fmadd_ps(x, scale, j == 0 ? _mm512_setzero_ps() : _mm512_load_ps(&part[m][b * 16]));
+            if (j == n_groups - 1) v = _mm512_add_ps(_mm512_load_ps(&acc[m][b * 16]), v);
+            _mm512_store_ps(j == n_groups - 1 ? &acc[m][b * 16] : &part[m][b * 16], v);
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < tile_rows; ++m) std::memcpy(c + m * ldc, acc[m], 32 * sizeof(float));
   }
 
   // Rows [m0, m0 + tile_rows) x 2 blocks at w over k in [0, covered_k) -> c.
