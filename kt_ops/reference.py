@@ -131,7 +131,9 @@ def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> t
     ``int8``: symmetric per row (``scale = max|w| / 127``, levels ``[-127, 127]``).
     ``int4``: symmetric per group of ``group_size`` (``scale = extreme / -8`` with the
     signed extreme value, the positive one on ties; levels ``[-8, 7]``). ``int4_asym``: per group
-    ``scale = (max - min) / 15``, ``w ~ scale * q + min``, levels ``[0, 15]``.
+    as GPTQ and AWQ quantize: ``scale = (max(max, 0) - min(min, 0)) / 15`` rounded to 20
+    significant bits, an integer zero point ``z = clamp(round(-min(min, 0) / scale), 0, 15)``,
+    ``w ~ scale * (q - z)``, levels ``q`` in ``[0, 15]``.
     """
     w = weight.float()
     if format == "int8":
@@ -147,11 +149,14 @@ def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> t
         q = torch.clamp(torch.round(g * inv), -8, 7)
         return (q * scale).reshape(shape)
     if format == "int4_asym":
-        lo = g.amin(dim=-1, keepdim=True)
-        scale = (g.amax(dim=-1, keepdim=True) - lo) / 15.0
+        lo, hi = g.amin(dim=-1, keepdim=True).clamp(max=0), g.amax(dim=-1, keepdim=True).clamp(min=0)
+        scale = (hi - lo) / 15.0
+        bits = scale.view(torch.int32)  # 20 significant bits: z * scale is exact
+        scale = torch.where(scale.isfinite(), ((bits + 8) & ~0xF).view(torch.float32), scale)
         inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-        q = torch.clamp(torch.round((g - lo) * inv), 0, 15)
-        return (q * scale + lo).reshape(shape)
+        z = torch.clamp(torch.round(-lo * inv), 0, 15)
+        q = torch.maximum(torch.minimum(torch.round(g * inv), 15 - z), -z)
+        return (q * scale).reshape(shape)
     raise ValueError(f"fake_quantize: unknown format {format!r}")
 
 

@@ -2,7 +2,8 @@
 
 ``format_cases()`` enumerates one :class:`FormatCase` per packed format the methods of
 ``kt_ops.formats.METHOD_FORMATS`` reach (with and without ``zero_point``), per int4 group
-size each of the ``GROUPED_FORMATS`` takes (its ``group_sizes``; mxfp4: 32), and per ggml type of
+size each of the ``GROUPED_FORMATS`` takes (its ``group_sizes``; mxfp4: 32; a ``zero_point``
+format once more with ``scale_search``, whose minimums are not integer zero points), and per ggml type of
 ``kt_ops.gguf_types.SUPPORTED_TYPES`` for the GGUF method (each type alone, plus the
 Q4_K_M mix: gate/up Q4_K, down Q6_K). A row added to those lists is a new case here,
 so a test parametrized by ``format_cases()`` covers it on every CPU variant without
@@ -97,6 +98,11 @@ def format_cases(min_hidden: int = 600, min_intermediate: int = 520) -> list[For
                 H, I = fitting_size(group, min_hidden), fitting_size(group, min_intermediate)
                 kwargs = {"group_size": group, "zero_point": zero_point}
                 cases.append(FormatCase(f"{fmt}-g{group}", method, fmt, H, I, kwargs))
+            if zero_point:  # round-to-nearest gives integer zero points; the search any minimum
+                group = format_info(fmt).group_sizes[0]
+                H, I = fitting_size(group, min_hidden), fitting_size(group, min_intermediate)
+                kwargs = {"group_size": group, "zero_point": True, "scale_search": True}
+                cases.append(FormatCase(f"{fmt}-g{group}-minimums", method, fmt, H, I, kwargs))
         else:
             H, I = fitting_size(1, min_hidden), fitting_size(1, min_intermediate)
             cases.append(FormatCase(fmt, method, fmt, H, I, {"zero_point": zero_point} if zero_point else {}))

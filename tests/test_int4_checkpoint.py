@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import kt_ops
 from conftest import random_routing, rel_err
-from kt_ops import reference
+from kt_ops import _C, reference
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import int4_method, load_int4_experts
 from kt_ops.wrappers import KTMoEWrapper
@@ -147,6 +147,8 @@ def test_read_in_place_dequantizes_exactly(tmp_path: Path, case: str, convention
     packed = kt_ops.pack_int4_experts(experts.gate, experts.up, experts.down, experts.scales, experts.minimums,
                                       experts.group_size)
     assert packed.format == ("int4" if case in ("RAWINT4", "GPTQ_INT4") else "int4_asym")
+    # zero points are integers: the kernels' exact integer path (tests/test_int4_zero_points.py)
+    assert _C.packed_info(packed.data)["integer_zeros"] == (packed.format == "int4_asym")
     for got, want in zip(reference.dequantize(packed.data), expected):
         torch.testing.assert_close(got[:, :want.shape[1], :want.shape[2]], want[picked], rtol=0, atol=0)
     # resident size: nibbles plus fp32 scales (and minimums), against the checkpoint's bytes

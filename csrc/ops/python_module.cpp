@@ -53,6 +53,7 @@ py::dict packed_info(const at::Tensor& packed) {
   info["swiglu_alpha"] = layout.shape.glu.swiglu_alpha;
   info["biases"] = layout.shape.glu.biases;
   info["bias_offset"] = layout.bias_offset;
+  info["integer_zeros"] = layout.shape.integer_zeros;
   if (layout.shape.format == cpu::PackedFormat::kGguf) {
     py::list types, offsets;
     for (int m = 0; m < 3; ++m) {

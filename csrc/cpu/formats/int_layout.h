@@ -16,6 +16,11 @@
 //   next one, so one AND and one shift unpack a line into two vpdpbusd operands.
 //   int4:      w(n, k) = scale[g][n] * (q(n, k) - 8)          g = k / G
 //   int4_asym: w(n, k) = scale[g][n] * q(n, k) + minimum[g][n]
+//              With the header's integer-zero flag (PackedShape::integer_zeros: every
+//              minimum is -z * scale, z an integer in [0, 16]) the kernels take z =
+//              -minimum / scale (exact) and compute scale * sum (q - z) a per group, one
+//              exact integer sum (AMX: q - z as signed tile bytes), instead of adding
+//              minimum * sum a in fp32.
 // MXFP4 (OCP MX e2m1, G = 32): the INT4 lines with q an e2m1 code (0..15) and the scales
 //   bf16, 32 bytes per group row (padded to a multiple of 64 bytes per block):
 //   mxfp4:     w(n, k) = half_scale[g][n] * kValues[q(n, k)]   (mxfp4_block.h: the doubled
@@ -67,9 +72,11 @@ struct MatrixDims {
   int64_t lines = 0;   // 64-byte weight lines per block
   int64_t groups = 0;  // scale rows per block
   bool minimums = false;
+  bool integer_zeros = false;  // int4_asym: PackedShape::integer_zeros
   size_t scale_row_bytes = kLineBytes;  // bytes per scale row: 16 fp32, or mxfp4's 16 bf16
 
-  constexpr MatrixDims(PackedFormat format, int64_t rows_, int64_t blocks_, int64_t k_, int64_t g)
+  constexpr MatrixDims(PackedFormat format, int64_t rows_, int64_t blocks_, int64_t k_, int64_t g,
+                       bool integer_zeros_ = false)
       : rows(rows_),
         blocks(blocks_),
         k(k_),
@@ -78,6 +85,7 @@ struct MatrixDims {
         lines(is_int4(format) ? k_ / 8 : round_up(k_, kKAlign) / 4),
         groups(is_int4(format) ? k_ / g : 1),
         minimums(format == PackedFormat::kInt4Asym),
+        integer_zeros(format == PackedFormat::kInt4Asym && integer_zeros_),
         scale_row_bytes(format == PackedFormat::kMxfp4 ? kMxfp4ScaleRowBytes : kLineBytes) {}
 
   constexpr size_t scales_offset() const { return static_cast<size_t>(lines) * kLineBytes; }
@@ -102,9 +110,9 @@ struct Dims {
         intermediate16(round_up(s.intermediate_size, kBlockRows)),
         hidden16(round_up(s.hidden_size, kBlockRows)),
         gate_up(s.format, s.intermediate_size, 2 * round_up(s.intermediate_size, kBlockRows) / kBlockRows,
-                s.hidden_size, s.group_size),
+                s.hidden_size, s.group_size, s.integer_zeros),
         down(s.format, s.hidden_size, round_up(s.hidden_size, kBlockRows) / kBlockRows,
-             s.intermediate_size, s.group_size) {}
+             s.intermediate_size, s.group_size, s.integer_zeros) {}
 };
 
 }  // namespace kt::cpu::int_layout

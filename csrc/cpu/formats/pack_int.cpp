@@ -1,6 +1,7 @@
 #include "pack_int.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -185,6 +186,44 @@ void pack_int_experts(const void* gate, const void* up, const void* down, Elemen
                         [&](const uint8_t* source, const MatrixDims& matrix, int64_t row0, uint8_t* out) {
     pack_block(source, type, layout.shape.format, matrix, row0, options, out);
   });
+  mark_integer_zeros(layout, blob);
+}
+
+bool mark_integer_zeros(const PackedLayout& layout, uint8_t* blob) {
+  if (layout.shape.format != PackedFormat::kInt4Asym) return false;
+  const int_layout::Dims dims(layout.shape);
+  const auto integral = [](const uint8_t* block, const MatrixDims& m) {
+    const float* scales = reinterpret_cast<const float*>(block + m.scales_offset());
+    const float* minimums = reinterpret_cast<const float*>(block + m.minimums_offset());
+    for (int64_t i = 0; i < m.groups * kBlockRows; ++i) {
+      const float s = scales[i], minimum = minimums[i];
+      if (s == 0.0f) {
+        if (minimum != 0.0f) return false;
+        continue;
+      }
+      // The kernels take z from a reciprocal estimate (int_ops_avx512.h): a normal scale
+      // of a sane size (a subnormal one's estimate is infinite).
+      const float z = -minimum / s;  // exact when minimum is -z * s
+      if (!std::isnormal(s) || std::fabs(s) > 0x1p64f || !(z >= 0.0f && z <= kMaxIntegerZero) ||
+          z != std::nearbyint(z) ||
+          -static_cast<double>(z) * s != static_cast<double>(minimum))
+        return false;
+    }
+    return true;
+  };
+  for (uint32_t e = 0; e < layout.shape.num_experts; ++e) {
+    for (int64_t b = 0; b < dims.gate_up.blocks; ++b)
+      if (!integral(blob + layout.gate_up_offset + e * layout.gate_up_expert_bytes + b * dims.gate_up.block_bytes(),
+                    dims.gate_up))
+        return false;
+    for (int64_t b = 0; b < dims.down.blocks; ++b)
+      if (!integral(blob + layout.down_offset + e * layout.down_expert_bytes + b * dims.down.block_bytes(), dims.down))
+        return false;
+  }
+  PackedLayout marked = layout;
+  marked.shape.integer_zeros = true;
+  write_packed_header(marked, blob);
+  return true;
 }
 
 void pack_mxfp4_experts(const void* gate, const void* up, const void* down, ElementType type,
@@ -221,6 +260,7 @@ void pack_int4_sources(const Int4Source sources[3], const PackedLayout& layout, 
     if (source.minimums != nullptr) source.minimums += expert * rows * groups;
     copy_int4_block(source, matrix, row0, out);
   });
+  mark_integer_zeros(layout, blob);
 }
 
 }  // namespace kt::cpu

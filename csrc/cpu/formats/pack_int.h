@@ -42,4 +42,9 @@ struct Int4Source {
 // re-quantized. One job per (matrix, expert, 16-row block) on the Engine.
 void pack_int4_sources(const Int4Source sources[3], const PackedLayout& layout, uint8_t* blob);
 
+// An int4_asym blob packed from `layout`: if every minimum is -z * scale for an integer z
+// in [0, kMaxIntegerZero] (exactly; a zero scale with a zero minimum), rewrites the header
+// with PackedShape::integer_zeros set and returns true. The packers call it last.
+bool mark_integer_zeros(const PackedLayout& layout, uint8_t* blob);
+
 }  // namespace kt::cpu

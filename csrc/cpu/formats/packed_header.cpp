@@ -21,8 +21,10 @@ struct Field {
                           kGateUpOffset = 40, kGateUpExpertBytes = 48, kDownOffset = 56,
                           kDownExpertBytes = 64, kTotalBytes = 72, kGgufTypes = 80,
                           kMatrixOffsets = 96, kMatrixExpertBytes = 120, kGluFlags = 144,
-                          kSwigluLimit = 148, kSwigluAlpha = 152, kBiasOffset = 160, kChecksum = 248;
-  static constexpr uint32_t kHasBiases = 1;  // kGluFlags bit
+                          kSwigluLimit = 148, kSwigluAlpha = 152, kBiasOffset = 160, kWeightFlags = 168,
+                          kChecksum = 248;
+  static constexpr uint32_t kHasBiases = 1;     // kGluFlags bit
+  static constexpr uint32_t kIntegerZeros = 1;  // kWeightFlags bit (int4_asym)
 
 };
 
@@ -153,6 +155,8 @@ PackedLayout packed_layout(const PackedShape& shape) {
     const uint64_t bias_offset = shape.glu.biases ? at : 0;
     return gguf_layout(shape, offsets, at + glu_bias_bytes(shape), bias_offset);
   }
+  if (shape.integer_zeros && shape.format != PackedFormat::kInt4Asym)
+    throw std::invalid_argument("integer zero points are a flag of format int4_asym only");
   PackedLayout layout;
   layout.shape = shape;
   switch (shape.format) {
@@ -260,6 +264,7 @@ void write_packed_header(const PackedLayout& layout, uint8_t* blob) {
   put<float>(blob, Field::kSwigluLimit, layout.shape.glu.swiglu_limit);
   put<float>(blob, Field::kSwigluAlpha, layout.shape.glu.swiglu_alpha);
   put<uint64_t>(blob, Field::kBiasOffset, layout.bias_offset);
+  put<uint32_t>(blob, Field::kWeightFlags, layout.shape.integer_zeros ? Field::kIntegerZeros : 0);
   put<uint64_t>(blob, Field::kChecksum, header_checksum(blob));
 }
 
@@ -293,6 +298,13 @@ PackedLayout read_packed_header(const uint8_t* blob, size_t blob_bytes) {
   shape.glu.swiglu_limit = get<float>(blob, Field::kSwigluLimit);
   shape.glu.swiglu_alpha = get<float>(blob, Field::kSwigluAlpha);
   const uint64_t bias_offset = get<uint64_t>(blob, Field::kBiasOffset);
+  // A build from before the weight flags reads a blob with them as it always did: the flag
+  // only lets the kernels take an exact shortcut (PackedShape::integer_zeros).
+  const uint32_t weight_flags = get<uint32_t>(blob, Field::kWeightFlags);
+  if ((weight_flags & ~Field::kIntegerZeros) != 0) corrupt("unknown weight flags " + std::to_string(weight_flags));
+  shape.integer_zeros = (weight_flags & Field::kIntegerZeros) != 0;
+  if (shape.integer_zeros && shape.format != PackedFormat::kInt4Asym)
+    corrupt("the integer-zero-point flag is set on a format other than int4_asym");
   if ((version == kPackedVersion) != shape.glu.is_default())
     corrupt("header version " + std::to_string(version) + " disagrees with its activation fields");
   const PackedLayout layout =

@@ -64,7 +64,14 @@ struct PackedShape {
   uint32_t numa_parts = 1;  // parts the intermediate dimension is split into (1: none)
   uint32_t gguf_types[3] = {0, 0, 0};  // gguf: ggml type ids of gate, up, down
   GluSpec glu;
+  // int4_asym only: every minimum is -z * scale for an integer zero point z in
+  // [0, kMaxIntegerZero] and a normal scale below 2^64, or both are 0 (AWQ, GPTQ with zero
+  // points, online round-to-nearest; the packers check and set it: mark_integer_zeros).
+  // w = scale * q + minimum either way; with the flag the kernels compute
+  // scale * sum (q - z) a as one exact integer sum per group (int_layout.h).
+  bool integer_zeros = false;
 };
+constexpr int kMaxIntegerZero = 16;
 
 // Bytes of the bias region of `shape` (0 without biases): E * (2 * I16 + H16) fp32.
 uint64_t glu_bias_bytes(const PackedShape& shape);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace kt::cpu {
@@ -49,6 +51,18 @@ void round_levels(const float* w, int64_t n, float shift, float inv, float lo, f
     x = x > hi ? hi : x;
     q[k] = static_cast<uint8_t>(static_cast<int>((x + kRoundMagic) - kRoundMagic) + offset);
   }
+}
+
+// A scale rounded to 20 significant bits, so that z * scale is exact in fp32 for every
+// zero point z < 16 (the minimum of an int4_asym group with an integer zero point,
+// PackedShape::integer_zeros). Non-finite scales stay as they are.
+float zero_point_scale(float scale) {
+  if (!std::isfinite(scale)) return scale;
+  uint32_t bits;
+  std::memcpy(&bits, &scale, sizeof(bits));
+  bits = (bits + 0x8u) & ~0xfu;
+  std::memcpy(&scale, &bits, sizeof(bits));
+  return scale;
 }
 
 // Symmetric: q = clamp(round(w / scale), lo, hi); returns the squared error.
@@ -191,11 +205,14 @@ void quantize_int4_row(const float* w, int64_t n, int64_t group, const QuantOpti
         scales[g] = extreme / -8.0f;
         const float inv = extreme != 0.0f ? 1.0f / scales[g] : 0.0f;
         round_levels(wg, group, 0.0f, inv, -8.0f, 7.0f, 8, q + g * group);
-      } else {
-        scales[g] = (r.hi - r.lo) / 15.0f;
-        minimums[g] = r.lo;
-        const float inv = scales[g] != 0.0f ? 1.0f / scales[g] : 0.0f;
-        round_levels(wg, group, r.lo, inv, 0.0f, 15.0f, 0, q + g * group);
+      } else {  // GPTQ's / AWQ's rule: a range holding 0, an integer zero point z
+        const float lo = std::min(r.lo, 0.0f), hi = std::max(r.hi, 0.0f);
+        const float scale = zero_point_scale((hi - lo) / 15.0f);
+        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        const int z = std::clamp(round_int(-lo * inv), 0, 15);
+        scales[g] = scale;
+        minimums[g] = -static_cast<float>(z) * scale;  // exact (zero_point_scale)
+        round_levels(wg, group, 0.0f, inv, static_cast<float>(-z), static_cast<float>(15 - z), z, q + g * group);
       }
       continue;
     }

@@ -55,6 +55,15 @@ struct IntOpsAvx2 {
   static IReg set1(int32_t s) { return _mm256_set1_epi32(s); }
   static IReg neg_shl(IReg v, int s) { return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(v, s)); }
   static Vec::Reg to_float(IReg v) { return _mm256_cvtepi32_ps(v); }
+  static IReg mul(IReg a, IReg b) { return _mm256_mullo_epi32(a, b); }
+  // int4_asym with integer zero points (int_layout.h): -z = minimum / scale per lane, 0
+  // where the scale is 0 (padding rows). minimum is -z * scale with z <= 16 and the scale
+  // a normal number (mark_integer_zeros), so minimum x the reciprocal estimate (relative
+  // error <= 1.5 * 2^-12) lies within 0.01 of -z and rounds to it.
+  static IReg negative_zeros(Vec::Reg minimum, Vec::Reg scale) {
+    const __m256 nonzero = _mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+    return _mm256_cvtps_epi32(_mm256_and_ps(_mm256_mul_ps(minimum, _mm256_rcp_ps(scale)), nonzero));
+  }
 };
 
 }  // namespace

@@ -59,6 +59,15 @@ struct IntOpsAvx512 {
   static IReg set1(int32_t s) { return _mm512_set1_epi32(s); }
   static IReg neg_shl(IReg v, int s) { return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(v, s)); }
   static Vec::Reg to_float(IReg v) { return _mm512_cvtepi32_ps(v); }
+  static IReg mul(IReg a, IReg b) { return _mm512_mullo_epi32(a, b); }
+  // int4_asym with integer zero points (int_layout.h): -z = minimum / scale per lane, 0
+  // where the scale is 0 (padding rows). minimum is -z * scale with z <= 16 and the scale
+  // a normal number (mark_integer_zeros), so minimum x the reciprocal estimate (relative
+  // error < 2^-14) lies within 16 * 2^-13 of -z and rounds to it.
+  static IReg negative_zeros(Vec::Reg minimum, Vec::Reg scale) {
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    return _mm512_cvtps_epi32(_mm512_maskz_mul_ps(nonzero, minimum, _mm512_rcp14_ps(scale)));
+  }
 };
 
 }  // namespace

@@ -76,18 +76,20 @@ QuantTileArgs quant_args(const int_layout::MatrixDims& dims, const uint8_t* bloc
   const int64_t first_group = int4 ? k0 / dims.group : 0;
   const uint8_t* scales = block + dims.scales_offset() + first_group * static_cast<int64_t>(dims.scale_row_bytes);
   const uint8_t* minimums = block + dims.minimums_offset() + first_group * int_layout::kLineBytes;
-  return {nullptr,
-          nullptr,
-          block + (k0 / Micro::kKPerLine) * static_cast<int64_t>(int_layout::kLineBytes),
-          reinterpret_cast<const float*>(scales),
-          dims.minimums ? reinterpret_cast<const float*>(minimums) : nullptr,
-          static_cast<int64_t>(dims.block_bytes()),
-          k,
-          int4 ? dims.group : kInt8FlushK,
-          c,
-          ldc,
-          accumulate,
-          prefetch};
+  QuantTileArgs args{nullptr,
+                     nullptr,
+                     block + (k0 / Micro::kKPerLine) * static_cast<int64_t>(int_layout::kLineBytes),
+                     reinterpret_cast<const float*>(scales),
+                     dims.minimums ? reinterpret_cast<const float*>(minimums) : nullptr,
+                     static_cast<int64_t>(dims.block_bytes()),
+                     k,
+                     int4 ? dims.group : kInt8FlushK,
+                     c,
+                     ldc,
+                     accumulate,
+                     prefetch};
+  args.integer_zeros = dims.integer_zeros;
+  return args;
 }
 
 // k-blocked vector GEMM over rows [0, rows) and blocks [b0, b1), k in [k_begin, k_end), in

@@ -107,6 +107,9 @@ struct QuantTileArgs {
   // Decode: block 0 of the job's next tile of blocks (the same layout), where the last
   // `prefetch` lines of this tile prefetch the first of that one's (prefetch_line).
   const uint8_t* next_tile = nullptr;
+  // int4_asym with integer zero points (MatrixDims::integer_zeros): each group's sums start
+  // at -z * a_sum per lane (z = -minimum / scale), so the flush is symmetric int4's.
+  bool integer_zeros = false;
 };
 
 // Activation rows for a GEMM: int8 levels and their sums per 32 k.
@@ -234,11 +237,21 @@ struct QuantGemm {
       if (vector_start) vector_starts<M>(t, k0 / int_layout::kKAlign, starts);
       else group_sums<M>(t, k0, group_k, a_sum);
       IReg sums[M][NB][R], high_sums[M][NB][R];
+      IReg negative_zeros[Kind == QuantKind::kInt4Asym ? NB : 1][R];
+      const bool integer_zeros = Kind == QuantKind::kInt4Asym && t.integer_zeros;
+      if (integer_zeros)
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* scale = reinterpret_cast<const uint8_t*>(t.scales) + b * t.block_stride + g * kScaleRowBytes;
+          const float* minimum =
+              reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(t.minimums) + b * t.block_stride) + g * 16;
+          for (int r = 0; r < R; ++r)
+            negative_zeros[b][r] = Ops::negative_zeros(Vec::load(minimum + r * W), load_scales(scale, r));
+        }
       for (int m = 0; m < M; ++m) {
         const IReg start = vector_start ? starts[m] : kBias != 0 ? Ops::set1(-kBias * a_sum[m]) : Ops::zero();
         for (int b = 0; b < NB; ++b)
           for (int r = 0; r < R; ++r) {
-            sums[m][b][r] = start;
+            sums[m][b][r] = integer_zeros ? Ops::mul(negative_zeros[b][r], Ops::set1(a_sum[m])) : start;
             high_sums[m][b][r] = Ops::zero();
           }
       }
@@ -423,8 +436,8 @@ struct QuantGemm {
         }
   }
 
-  // acc += group g's int32 sums (already unbiased: they started at -kBias * a_sum) scaled
-  // to fp32; int4_asym adds minimum * a_sum first.
+  // acc += group g's int32 sums (already unbiased: they started at -kBias * a_sum, or
+  // -z * a_sum) scaled to fp32; int4_asym without integer zeros adds minimum * a_sum first.
   template <int M, int NB, class Acc>
   static void flush_group(const QuantTileArgs& t, int64_t g, const int32_t (&a_sum)[M], IReg (&sums)[M][NB][R],
                           Acc& acc) {
@@ -442,7 +455,7 @@ struct QuantGemm {
           float* c = t.c + m * t.ldc + b * 16 + r * W;
           FReg v;
           if constexpr (kInMemory) v = Vec::load(c); else v = acc[m][b][r];
-          if constexpr (Kind == QuantKind::kInt4Asym) {
+          if (Kind == QuantKind::kInt4Asym && !t.integer_zeros) {
             const float* minimum = reinterpret_cast<const float*>(
                 reinterpret_cast<const uint8_t*>(t.minimums) + b * t.block_stride) + g * 16;
             v = Vec::fma(Vec::set1(static_cast<float>(a_sum[m])), Vec::load(minimum + r * W), v);

@@ -5,7 +5,9 @@
 //   INT4 / MXFP4: lines unpacked per k step into B tile buffers (AMX reads tiles from
 //          memory; nothing larger than a block's k range is ever unpacked), symmetric
 //          int4 and MXFP4 as signed levels (level - bias, tdpbssd: no activation sum at
-//          the flush), asymmetric int4 as unsigned levels (tdpbsud, plus the minimum term).
+//          the flush), asymmetric int4 with integer zero points as level - z (signed, the
+//          same flush: int_layout.h), other asymmetric int4 as unsigned levels (tdpbsud,
+//          plus the minimum term).
 // int32 sums are flushed to fp32 per group (int8: every kInt8FlushK k) with QuantGemm's
 // arithmetic, so the tiles give the same bits as the vector micro-kernel (decode, tails):
 // batch invariance holds.
@@ -60,7 +62,7 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
     // One block at a time pays off from two row tiles (at 64 tokens, experts of 5-16 rows
     // took 1.05-1.10x the time on it: a 16-row flush per group for a few rows).
     if constexpr (Kind == QuantKind::kMxfp4) return mxfp4_tile_gemm(a, rows, dims, w, blocks, c, ldc);
-    const bool g32 = kSigned && dims.group == 32 && rows > 16;
+    const bool g32 = signed_levels(dims) && dims.group == 32 && rows > 16;
     const TileCoverage done{covered_k, g32 ? blocks : blocks / 2 * 2};
     if (done.pairs == 0 || done.blocks == 0) return {0, 0};
     configure(k_step);
@@ -78,6 +80,29 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
   }
 
  private:
+  // Whether the B tiles hold signed levels (tdpbssd): symmetric int4 and MXFP4 (level -
+  // bias), int4_asym with integer zero points (level - z: MatrixDims::integer_zeros).
+  static bool signed_levels(const int_layout::MatrixDims& dims) { return kSigned || dims.integer_zeros; }
+
+  // What unpack_b adds to each level byte: -bias (signed kinds), -z of each row's lane
+  // (integer zero points: group g's minimums / scales of the block at `block`), else 0.
+  static __m512i level_offsets(const int_layout::MatrixDims& dims, const uint8_t* block, int64_t g) {
+    if constexpr (kSigned) {
+      return _mm512_set1_epi8(static_cast<char>(-kBias));
+    } else if constexpr (Kind == QuantKind::kInt4Asym) {
+      if (!dims.integer_zeros) return _mm512_setzero_si512();
+      const __m512 minimum = _mm512_loadu_ps(
+          reinterpret_cast<const float*>(block + dims.minimums_offset() + g * int_layout::kLineBytes));
+      const __m512i negative_z = IntOpsAvx512::negative_zeros(
+          minimum, Base::load_scales(block + dims.scales_offset() + g * Base::kScaleRowBytes, 0));
+      // The low byte of each int32 lane (-z, two's complement) in all four of its bytes.
+      return _mm512_shuffle_epi8(negative_z,
+                                 _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c)));
+    } else {
+      return _mm512_setzero_si512();
+    }
+  }
+
   static void configure(int64_t k_step) {
     AmxTileConfig config;
     for (int t = 0; t < 4; ++t) {  // C: 16 rows x 16 int32
@@ -97,10 +122,9 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
 
   // INT4: the k_step / 8 lines from `line` as k_step / 4 quad lines (low nibbles of
   // line l = quad 2l, high = quad 2l + 1); MXFP4: the codes' levels (Base::mxfp4_levels);
-  // symmetric kinds minus their bias (signed).
-  static void unpack_b(const uint8_t* line, int64_t k_step, uint8_t* tile) {
+  // plus `offsets` (level_offsets: signed levels where it subtracts a bias or zero point).
+  static void unpack_b(const uint8_t* line, int64_t k_step, uint8_t* tile, __m512i offsets) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
-    const __m512i bias = _mm512_set1_epi8(static_cast<char>(kBias));
     for (int64_t l = 0; l < k_step / 8; ++l) {
       const __m512i v = _mm512_loadu_si512(line + l * 64);
       __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
@@ -108,9 +132,9 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
         lo = Base::mxfp4_levels(lo);
         hi = Base::mxfp4_levels(hi);
       }
-      if constexpr (kSigned) {
-        lo = _mm512_sub_epi8(lo, bias);
-        hi = _mm512_sub_epi8(hi, bias);
+      if constexpr (kInt4) {
+        lo = _mm512_add_epi8(lo, offsets);
+        hi = _mm512_add_epi8(hi, offsets);
       }
       _mm512_store_si512(tile + (2 * l) * 64, lo);
       _mm512_store_si512(tile + (2 * l + 1) * 64, hi);
@@ -160,7 +184,7 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
               _mm_prefetch(reinterpret_cast<const char*>(w + ((g + kAhead) * 4 + l) * 64), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(scales + (g + kAhead) * Base::kScaleRowBytes), _MM_HINT_T0);
           }
-          unpack_b(w + g * 4 * 64, 32, b_g);
+          unpack_b(w + g * 4 * 64, 32, b_g, level_offsets(dims, w, g));
         }
         switch (g & 3) {
           case 0: _tile_loadd(4, at_g, a.stride); _tile_loadd(6, b_g, 64); _tile_dpbssd(0, 4, 6); break;
@@ -359,7 +383,8 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
           const int64_t half = j & 1;
           for (int b = 0; b < 2; ++b) {
             std::memset(tiles + b * 1024 + (1 - half) * 512, 0, 512);
-            unpack_b(lines + b * block_bytes + j * 4 * 64, 32, tiles + b * 1024 + half * 512);
+            unpack_b(lines + b * block_bytes + j * 4 * 64, 32, tiles + b * 1024 + half * 512,
+                     _mm512_set1_epi8(static_cast<char>(-kBias)));
           }
         }
         if (j > 0) zero_c();
@@ -392,12 +417,16 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
     alignas(64) float acc[32][32] = {};
     alignas(64) int32_t sums[32][32];
     alignas(64) uint8_t b_tiles[2][16 * 64];
+    const bool signed_dot = signed_levels(dims);
     for (int64_t g0 = 0; g0 < covered_k; g0 += group) {
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
       const int64_t group_k = std::min(group, covered_k - g0);
+      __m512i offsets[2];
+      if constexpr (kInt4)
+        for (int b = 0; b < 2; ++b) offsets[b] = level_offsets(dims, w + b * block_bytes, g0 / group);
       for (int64_t k = g0; k < g0 + group_k; k += k_step) {
         if (m0 == 0) {  // the first row tile streams the weights from DRAM
           if constexpr (kInt4) {
@@ -415,8 +444,8 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
         }
         _tile_loadd(4, a0 + k, a.stride);
         if constexpr (kInt4) {
-          unpack_b(w + (k / 8) * 64, k_step, b_tiles[0]);
-          unpack_b(w + block_bytes + (k / 8) * 64, k_step, b_tiles[1]);
+          unpack_b(w + (k / 8) * 64, k_step, b_tiles[0], offsets[0]);
+          unpack_b(w + block_bytes + (k / 8) * 64, k_step, b_tiles[1], offsets[1]);
           _tile_loadd(6, b_tiles[0], 64);
           _tile_loadd(7, b_tiles[1], 64);
         } else {
@@ -427,7 +456,7 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
 // intrinsics paste their tile numbers into asm, so a macro, not a template).
 #define KT_AMX_DOT(c, a, b)      \
   do {                           \
-    if constexpr (kSigned)       \
+    if (signed_dot)              \
       _tile_dpbssd(c, a, b);     \
     else                         \
       _tile_dpbsud(c, a, b);     \
@@ -464,7 +493,7 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
     auto scales_of = [&](int b) {
       return Base::load_scales(w + b * block_bytes + dims.scales_offset() + g * Base::kScaleRowBytes, 0);
     };
-    if constexpr (kSigned) {
+    if (signed_levels(dims)) {
       for (int b = 0; b < 2; ++b) {
         const __m512 scale = scales_of(b);
         for (int64_t m = 0; m < tile_rows; ++m) {
