@@ -383,3 +383,28 @@ def test_ab_pair_closes_side_a_when_side_b_fails_to_start(monkeypatch: pytest.Mo
     with pytest.raises(RuntimeError, match="did not start"):
         ab_pair.main(["S1:BF16", "--tokens", "1"])
     assert closed == started and len(started) == 1
+
+
+def test_table_columns_stay_aligned_for_long_method_names() -> None:
+    """Method names longer than the column (GPTQ_INT4, FP8_PERCHANNEL) widen it: every
+    line's columns start where the header's do."""
+    limits = limits_of(read_gbs=10.0, float_gflops=100.0, int8_gflops=200.0)
+    rows = [rate(row_of(m), limits) for m in ("BF16", "GPTQ_INT4", "FP8_PERCHANNEL")]
+    lines = format_table(rows, "bf16").splitlines()
+    header, body = lines[0], [line for line in lines[2:] if line.startswith("S1")]
+    assert len(body) == 3
+    tokens_end = header.index("tokens") + len("tokens")
+    us_end = header.index("us/layer") + len("us/layer")
+    for line in body:
+        assert line[tokens_end - 1] == "1" and line[tokens_end] == " ", line
+        assert line[us_end - 4:us_end] == "1000", line
+
+
+def test_model_step_table_stays_aligned_for_long_method_names() -> None:
+    from kt_ops.bench.model_step import StepRow, format_steps
+
+    rows = [StepRow("S1", m, 8, 100.0, 200.0, 330.0, 1.1) for m in ("BF16", "FP8_PERCHANNEL")]
+    lines = format_steps(rows).splitlines()
+    tokens_end = lines[0].index("tokens") + len("tokens")
+    for line in lines[2:]:
+        assert line[tokens_end - 1] == "8" and line[tokens_end] == " ", line

@@ -104,9 +104,10 @@ def measure_step(shape: Shape | str, method: str, tokens: int, rounds: int = 7, 
 
 
 def format_steps(rows: list[StepRow]) -> str:
-    header = f"{'shape':5} {'method':7} {'tokens':>6} {'torch us':>9} {'kt us':>9} {'step us':>9} {'step/(torch+kt)':>16}"
+    width = max([7, *(len(r.method) for r in rows)])
+    header = f"{'shape':5} {'method':{width}} {'tokens':>6} {'torch us':>9} {'kt us':>9} {'step us':>9} {'step/(torch+kt)':>16}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.shape:5} {r.method:7} {r.tokens:>6} {r.torch_us:>9.0f} {r.kt_us:>9.0f} {r.step_us:>9.0f} "
+        lines.append(f"{r.shape:5} {r.method:{width}} {r.tokens:>6} {r.torch_us:>9.0f} {r.kt_us:>9.0f} {r.step_us:>9.0f} "
                      f"{r.ratio:>15.2f}x")
     return "\n".join(lines)
