@@ -2,12 +2,15 @@
 
     .venv/bin/python scripts/ab_pair.py S1:AMXINT4 S2:Q4_K [--tokens 1 8 64 512]
         [--a PATH] [--b PATH] [--a-variant V] [--b-variant V] [--b-method M] [--calls 40] [--rounds 1] [--json OUT]
+        [--a-env NAME=VALUE ...] [--b-env NAME=VALUE ...]
 
 Side A and side B are two worker processes, each importing kt_ops from its own path
 (``--a``/``--b``: a checkout with the extension built in place; default: this checkout)
 under its own ``KT_OPS_CPU_VARIANT`` (``--a-variant``/``--b-variant``; default: the
 active one); ``--b-method`` makes side B pack another method on the same shape and
-weights (e.g. ``S1:MXFP4 --b-method GGUF_MXFP4``: two packings, one build). Both pack the same random layers (seed 0; 3 layers cycled), and time the
+weights (e.g. ``S1:MXFP4 --b-method GGUF_MXFP4``: two packings, one build);
+``--a-env``/``--b-env`` set environment variables in one side's worker only (a run-time
+switch read with ``getenv`` during an experiment: both ways from one build). Both pack the same random layers (seed 0; 3 layers cycled), and time the
 same calls with the bench's protocol: before every timed call the caches are flushed
 (256 MiB stream) and a small layer of the same method runs. The driver alternates the
 sides call by call (ABBA order), so the machine's drift — read bandwidth swinging by a
@@ -88,8 +91,9 @@ def worker(group: str, tokens_list: list[int]) -> None:
 class Side:
     """One worker process: kt_ops from ``path`` under ``variant`` (None: the default)."""
 
-    def __init__(self, path: str, variant: str | None, group: str, tokens: list[int]) -> None:
-        env = {**os.environ, "PYTHONPATH": path}
+    def __init__(self, path: str, variant: str | None, group: str, tokens: list[int],
+                 extra_env: list[str] | None = None) -> None:
+        env = {**os.environ, **dict(item.split("=", 1) for item in extra_env or []), "PYTHONPATH": path}
         if variant:
             env["KT_OPS_CPU_VARIANT"] = variant
         self.proc = subprocess.Popen(
@@ -149,6 +153,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--a-variant", default=None, help="side A's KT_OPS_CPU_VARIANT (default: the best)")
     parser.add_argument("--b-variant", default=None, help="side B's KT_OPS_CPU_VARIANT (default: the best)")
     parser.add_argument("--b-method", default=None, help="side B packs this method instead (same shape)")
+    parser.add_argument("--a-env", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="environment variables of side A's worker only (e.g. a run-time switch)")
+    parser.add_argument("--b-env", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="environment variables of side B's worker only")
     parser.add_argument("--calls", type=int, default=40, help="paired calls per row (a third at 512+ tokens)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="fresh pairs of worker processes per group (default 1); rows report their median")
@@ -157,6 +165,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.calls < 1 or args.rounds < 1 or any(t < 1 for t in args.tokens):
         parser.error("--calls, --rounds and --tokens must be >= 1")
+    for item in args.a_env + args.b_env:
+        if "=" not in item or not item.split("=", 1)[0]:
+            parser.error(f"--a-env/--b-env: expected NAME=VALUE, got {item!r}")
     if args.worker:  # validated by the driver; the worker's checkout may predate ALL_METHODS
         return args
     from kt_ops.bench.runner import ALL_METHODS, SHAPES
@@ -175,17 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.groups[0], args.tokens)
         return 0
-    print(f"A: {args.a} ({args.a_variant or 'default variant'})  B: {args.b} ({args.b_variant or 'default variant'}"
+    print(f"A: {args.a} ({args.a_variant or 'default variant'}{''.join(', ' + e for e in args.a_env)})"
+          f"  B: {args.b} ({args.b_variant or 'default variant'}{''.join(', ' + e for e in args.b_env)}"
           + (f", method {args.b_method})" if args.b_method else ")"))
     print(f"{'row':18} {'A us':>9} {'B us':>9}  median B/A")
     rows = {}
     for group in args.groups:
         rounds: dict[int, list[dict[str, float]]] = {tokens: [] for tokens in args.tokens}
         for round_index in range(args.rounds):
-            a = Side(args.a, args.a_variant, group, args.tokens)
+            a = Side(args.a, args.a_variant, group, args.tokens, args.a_env)
             b = None
             try:  # side A's worker is closed also when side B's fails to start
-                b = Side(args.b, args.b_variant, b_group(group, args.b_method), args.tokens)
+                b = Side(args.b, args.b_variant, b_group(group, args.b_method), args.tokens, args.b_env)
                 for tokens in args.tokens:
                     calls = args.calls if tokens < 512 else max(3, args.calls // 3)
                     row = pair_row(a, b, tokens, calls)

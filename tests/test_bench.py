@@ -371,7 +371,8 @@ def test_ab_pair_closes_side_a_when_side_b_fails_to_start(monkeypatch: pytest.Mo
     closed: list[object] = []
 
     class FakeSide:
-        def __init__(self, path: str, variant: str | None, group: str, tokens: list[int]) -> None:
+        def __init__(self, path: str, variant: str | None, group: str, tokens: list[int],
+                     extra_env: list[str] | None = None) -> None:
             if started:  # side B
                 raise RuntimeError("side B's worker did not start")
             started.append(self)
@@ -383,6 +384,30 @@ def test_ab_pair_closes_side_a_when_side_b_fails_to_start(monkeypatch: pytest.Mo
     with pytest.raises(RuntimeError, match="did not start"):
         ab_pair.main(["S1:BF16", "--tokens", "1"])
     assert closed == started and len(started) == 1
+
+
+def test_ab_pair_gives_each_side_its_own_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--a-env / --b-env reach only their side's worker (an A/B of a run-time switch in one
+    build); a malformed item is a usage error."""
+    ab_pair = load_ab_pair()
+    envs = []
+
+    class FakeSide:
+        def __init__(self, path: str, variant: str | None, group: str, tokens: list[int],
+                     extra_env: list[str] | None = None) -> None:
+            envs.append(extra_env)
+
+        def call(self, tokens: int) -> float:
+            return 1.0
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(ab_pair, "Side", FakeSide)
+    ab_pair.main(["S1:BF16", "--tokens", "1", "--calls", "1", "--a-env", "X=0", "--b-env", "X=1", "Y=a=b"])
+    assert envs == [["X=0"], ["X=1", "Y=a=b"]]
+    with pytest.raises(SystemExit):
+        ab_pair.parse_args(["S1:BF16", "--b-env", "NOVALUE"])
 
 
 def test_table_columns_stay_aligned_for_long_method_names() -> None:
