@@ -260,6 +260,45 @@ def test_subnormal_codes_decode_exactly(variant: str, method: str, fmt: str) -> 
     w = [weights_of(c, s, fmt) for c, s in zip(codes, scales)]
     ref = reference.moe_forward(x, ids, weights, *w, quantize_activations=activation_rounding(variant))
     assert rel_err(out, ref) <= 1e-4, rel_err(out, ref)
+    for t in range(T):  # each token alone: the decode path (7 tokens per expert above: prefill)
+        alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], packed)
+        assert rel_err(alone, ref[t:t + 1]) <= 1e-4, f"token {t} alone: {rel_err(alone, ref[t:t + 1]):.3g}"
+
+
+@pytest.mark.parametrize("method,fmt", FORMATS.items())
+def test_activation_scales_from_tiny_to_huge(variant: str, method: str, fmt: str) -> None:
+    """Tokens of magnitude 2^-50 ... 2^50 in one call, decoded (one token per expert) and in
+    prefill tiles: each row within 1e-4 of the tight reference on its own scale (the AVX2
+    decode multiplies w * 2^-120 by activations normalized per row: without that, a small
+    token's products would underflow), prefill rows equal to the same token alone, and a
+    token holding an infinity non-finite where the reference is."""
+    E, H, I = 8, 256, 96
+    gate, up, down = make_weights(E, H, I, seed=11)
+    packed = kt_ops.pack_experts(gate, up, down, method=method)
+    dq = reference.dequantize(packed.data)
+    exponents = torch.tensor([-50.0, -20.0, 0.0, 20.0, 50.0])
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(len(exponents), H, generator=g) * torch.exp2(exponents)[:, None]
+    rounding = activation_rounding(variant)
+    routings = {"decode": random_routing(len(exponents), E, 2, seed=13),  # <= 4 tokens per expert
+                "prefill": (torch.zeros(len(exponents), 1, dtype=torch.int32), torch.ones(len(exponents), 1))}
+    for path, (ids, weights) in routings.items():
+        out = kt_ops.moe_forward(x, ids, weights, packed)
+        ref = reference.moe_forward(x, ids, weights, *dq, quantize_activations=rounding)
+        assert torch.isfinite(ref).all()
+        for t, e in enumerate(exponents.tolist()):  # in fp64: a 2^50 row's squares overflow fp32
+            err = float((out[t].double() - ref[t].double()).norm() / ref[t].double().norm())
+            assert err <= 1e-4, f"{path}, token 2^{e:g}: {err:.3g}"
+            if path == "prefill" and variant != "amx":
+                alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], packed)
+                assert torch.equal(out[t:t + 1], alone), f"token 2^{e:g}: prefill and decode rows differ"
+    x[2, 5] = math.inf
+    ids, weights = routings["decode"]
+    out = kt_ops.moe_forward(x, ids, weights, packed)
+    ref = reference.moe_forward(x, ids, weights, *dq, quantize_activations=rounding)
+    assert not torch.isfinite(ref[2]).all()
+    assert torch.equal(torch.isfinite(out), torch.isfinite(ref))
+    assert rel_err(out[[0, 1, 3]], ref[[0, 1, 3]]) <= 1e-4
 
 
 def test_scale_shapes_and_dtypes_accepted() -> None:

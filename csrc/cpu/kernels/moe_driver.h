@@ -24,7 +24,8 @@
 //     using Vec = ...;                       // fp32 vector ops (isa/vec_*.h)
 //     using Inter = ...;                     // element of the intermediate rows
 //     static constexpr bool kScaled;         // gate/up results and down results are
-//                                            // scaled per pair (quantized activations)
+//                                            // scaled per pair (quantized activations;
+//                                            // FP8 on AVX2: normalized ones)
 //     Format(const MoeArgs&, const MoePlan&, int threads);
 //     int64_t token_cols() const;            // fp32 columns of a token row (>= H)
 //     int64_t intermediate_cols() const;     // columns of an intermediate row (>= I16)

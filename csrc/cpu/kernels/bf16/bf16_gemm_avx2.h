@@ -23,6 +23,7 @@ struct Bf16LinesAvx2 {
   // The tile widens all its blocks before the fmas (decode issues their loads together:
   // widening one block at a time measured 1-3% slower BF16 decode, Zen 3, 2026-11-26).
   static constexpr bool kWidenInTurn = false;
+  static constexpr bool kSplitLanes = false;
   void widen(const uint16_t* block, int /*b*/, int64_t p, __m256 (&even)[2], __m256 (&odd)[2]) const {
     const __m256i high_mask = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
     for (int h = 0; h < 2; ++h) {
@@ -34,6 +35,14 @@ struct Bf16LinesAvx2 {
   NextTile next;
   void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead, next); }
 };
+
+// A block's two accumulators between row order (rows 0-7 | 8-15) and the split order of
+// a source with kSplitLanes (rows 0-3 | 8-11, 4-7 | 12-15): the same swap both ways.
+inline __attribute__((always_inline)) void swap_split_lanes(__m256 (&v)[2]) {
+  const __m256 low = _mm256_permute2f128_ps(v[0], v[1], 0x20), high = _mm256_permute2f128_ps(v[0], v[1], 0x31);
+  v[0] = low;
+  v[1] = high;
+}
 
 struct Bf16GemmAvx2 {
   using Vec = VecAvx2;
@@ -53,6 +62,10 @@ struct Bf16GemmAvx2 {
       for (int b = 0; b < NB; ++b)
         for (int h = 0; h < 2; ++h)
           acc[m][b][h] = from_c ? _mm256_loadu_ps(t.c + m * t.ldc + b * 16 + h * 8) : _mm256_setzero_ps();
+    if constexpr (Src::kSplitLanes)
+      if (from_c)
+        for (int m = 0; m < M; ++m)
+          for (int b = 0; b < NB; ++b) swap_split_lanes(acc[m][b]);
     for (int64_t p = 0; p < t.pairs; ++p) {
       if constexpr (NB == 1 || !Src::kWidenInTurn) {  // widen every block, then the fmas
         __m256 even[NB][2], odd[NB][2];
@@ -86,6 +99,9 @@ struct Bf16GemmAvx2 {
       }
       maybe_stream(t.stream, p);
     }
+    if constexpr (Src::kSplitLanes)
+      for (int m = 0; m < M; ++m)
+        for (int b = 0; b < NB; ++b) swap_split_lanes(acc[m][b]);
     if (t.group_scales != nullptr) {
       const __m256 unit = _mm256_set1_ps(t.group_unit);
       for (int m = 0; m < M; ++m)

@@ -1,17 +1,22 @@
-// [NOTE] e4m3 decoding for the AVX2 variants (fp8_format.h). AVX2 has no 16-bit permute
-// for fp8_decode_avx512.h's subnormal table, so the codes go through fp16: one vpshufb per
-// k puts the k (or k + 1) code of each of a line's 16 rows into the top byte of a 16-bit
-// lane (rows in order, 0-7 | 8-15), an arithmetic shift by one and a mask make it an fp16
-// of w / 256 (s, 0eeee, mmm0000000: e4m3's exponent bias 7 read with fp16's 15; e4m3
-// subnormals are fp16 subnormals), and vcvtph2ps widens it exactly. That is the
-// micro-kernel's k and k + 1 vectors without reordering lanes: 32 codes in 12 vector
-// instructions after the load (the first version decoded in line order and reordered the
-// lanes, 22; paired A/B on Zen 3, 2026-11-26: 1-token S1/S2 decode 0.60x its time).
-// Decode stays compute-bound on AVX2 (~13 GB/s of codes per core in a loop from L1:
-// about 20 instructions per 32 weights with the fmas; an integer e4m3 -> fp32 path
-// without vcvtph2ps needs a subnormal check and measured no faster).
-// mxfp8 multiplies by 2^(e - 127) * 256 in fp32 (exact). Prefill stores the BF16 line
-// (exact: every decoded value is a bf16).
+// [NOTE] e4m3 decoding for the AVX2 variants (fp8_format.h), two ways.
+// fp8 and fp8_perchannel (Fp8SplitLinesAvx2, below): integer operations only, to the fp32
+// value of w * 2^-120 (e4m3 subnormals are fp32 subnormals), in 12 vector instructions per
+// 32 codes and in a split row order the micro-kernel undoes at its stores; the activation
+// rows are normalized by a power of two to keep the products normal. An earlier integer
+// path multiplied by 2^120 to get w back (or checked for subnormal codes) and measured no
+// faster than fp16: the multiply was what cost.
+// mxfp8 (Fp8LinesAvx2) goes through fp16, since its power-of-two scales (2^-117 ... 2^119)
+// times w * 2^-120 would leave fp32's range: AVX2 has no 16-bit permute for
+// fp8_decode_avx512.h's subnormal table, so one vpshufb per k puts the k (or k + 1) code of
+// each of a line's 16 rows into the top byte of a 16-bit lane (rows in order, 0-7 | 8-15),
+// an arithmetic shift by one and a mask make it an fp16 of w / 256 (s, 0eeee, mmm0000000:
+// e4m3's exponent bias 7 read with fp16's 15; e4m3 subnormals are fp16 subnormals), and
+// vcvtph2ps widens it exactly: 32 codes in 12 vector instructions after the load, 4 of
+// them two-uop vcvtph2ps on Zen 3 (the first version decoded in line order and reordered
+// the lanes, 22; paired A/B on Zen 3, 2026-11-26: 1-token S1/S2 decode 0.60x its time);
+// ~12 GB/s of codes per core in a loop from L1 with the fmas. mxfp8 then multiplies by
+// 2^(e - 127) * 256 in fp32 (exact). Prefill stores the BF16 lines (exact: every decoded
+// value is a bf16, subnormals included).
 #pragma once
 
 #include <immintrin.h>
@@ -59,6 +64,7 @@ struct Fp8LinesAvx2 {
   // Decoded in turn: 4 decoded blocks next to 8 accumulators spilled to the stack
   // (1-token S1: 1958 -> 1903 us; 512 tokens, widened blocks first: 1.23x slower).
   static constexpr bool kWidenInTurn = true;
+  static constexpr bool kSplitLanes = false;
   static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx2;
   static constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * kMxGroupBytes;
   const uint8_t* mx = nullptr;
@@ -82,10 +88,70 @@ struct Fp8LinesAvx2 {
   }
 };
 
+// fp8 and fp8_perchannel: integer operations only, 12 per 32 codes against the fp16
+// path's 8 + 4 two-uop vcvtph2ps (in an L1 loop on Zen 3: 16.5 against 12 GB/s of codes
+// per core). A vpshufb puts code (row r, parity i) into the top byte of a 32-bit lane; an
+// arithmetic shift by 4 and a mask (clearing the sign's copies in bits 30-27) leave s,
+// eeee, mmm at fp32's bits 31, 26-23, 22-20: the fp32 value of w * 2^-120, exact for
+// every code (e4m3 subnormals become fp32 subnormals, m * 2^-129). vpshufb stays in
+// 128-bit lanes, so a vector holds rows 0-3 | 8-11 (even[0], odd[0]) or 4-7 | 12-15
+// (even[1], odd[1]): kSplitLanes makes the micro-kernel put its accumulators in row order
+// when it loads or stores them. Store: the BF16 lines go out in that split order too (exact),
+// for Bf16SplitLinesAvx2 to read. Every path of these formats multiplies w * 2^-120 (a
+// format whose decode and prefill used different weight scales would round products near
+// fp32's underflow differently: a token's row would depend on the path); the activation
+// rows are normalized per row to 2^32 <= max |a| < 2^33 (fp8_format.h) so the products and
+// sums stay normal numbers, and Fp8OpsAvx2::kSplitUnit = 2^120 restores w.
+KT_FP8_INLINE __m256i fp8_pick32_avx2(int i, int j) {
+  const int r = 8 * j + i;  // byte of row 4j, parity i, in each 128-bit lane
+  return _mm256_setr_epi8(-1, -1, -1, r, -1, -1, -1, r + 2, -1, -1, -1, r + 4, -1, -1, -1, r + 6,  //
+                          -1, -1, -1, r, -1, -1, -1, r + 2, -1, -1, -1, r + 4, -1, -1, -1, r + 6);
+}
+
+KT_FP8_INLINE __m256 fp8_decode32_avx2(__m256i line, int i, int j) {
+  const __m256i bits = _mm256_srai_epi32(_mm256_shuffle_epi8(line, fp8_pick32_avx2(i, j)), 4);
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int32_t>(0x87ffffffu))));
+}
+
+template <bool Store>
+struct Fp8SplitLinesAvx2 {
+  static constexpr bool kWidenInTurn = true;
+  static constexpr bool kSplitLanes = true;
+  uint16_t* out = nullptr;
+  int64_t out_stride = 0;
+  NextTile next;
+  KT_FP8_INLINE void widen(const uint16_t* block, int b, int64_t p, __m256 (&even)[2], __m256 (&odd)[2]) const {
+    const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint8_t*>(block) + p * 32));
+    for (int h = 0; h < 2; ++h) {
+      even[h] = fp8_decode32_avx2(line, 0, h);
+      odd[h] = fp8_decode32_avx2(line, 1, h);
+      if constexpr (Store) {  // (k, k + 1) per 32-bit lane, split row order
+        const __m256i words = _mm256_blend_epi16(_mm256_srli_epi32(_mm256_castps_si256(even[h]), 16),
+                                                 _mm256_castps_si256(odd[h]), 0xaa);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * out_stride + p * 32 + h * 16), words);
+      }
+    }
+  }
+  KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const {
+    fp8_prefetch(block, p, ahead, next);
+  }
+};
+
+// The BF16 lines Fp8SplitLinesAvx2<true> stored, read by the later row tiles.
+struct Bf16SplitLinesAvx2 : Bf16LinesAvx2 {
+  static constexpr bool kSplitLanes = true;
+};
+
 struct Fp8OpsAvx2 {
   using Micro = Bf16GemmAvx2;
   template <bool Mx, bool Store = false>
   using Lines = Fp8LinesAvx2<Mx, Store>;
+  // fp8 and fp8_perchannel (mxfp8 keeps the fp16 path: its power-of-two scales span more
+  // than fp32's range once w carries 2^-120).
+  template <bool Store>
+  using SplitLines = Fp8SplitLinesAvx2<Store>;
+  using SplitReader = Bf16SplitLinesAvx2;
+  static constexpr float kSplitUnit = 0x1p120f;
   static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx2;
 
   // 16 exponent codes e (in [10, 246] or 255) -> 2^(e - 127) * 256 (255: NaN), in row order.

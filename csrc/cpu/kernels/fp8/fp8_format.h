@@ -23,7 +23,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "../../engine/engine.h"
 #include "../../engine/scratch.h"
@@ -39,11 +41,18 @@ namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr float kFp8DecodeScale = 256.0f;  // the decoders give w / 256
 
-// fp8_perchannel: c[m][16 b + n] = s_b[n] * (256 * c[m][16 b + n]).
+// Ops whose fp8 and fp8_perchannel sources give w / Ops::kSplitUnit in split lanes
+// (Ops::SplitLines, Ops::SplitReader: fp8_decode_avx2.h).
+template <class Ops, class = void>
+struct HasSplitLines : std::false_type {};
+template <class Ops>
+struct HasSplitLines<Ops, std::void_t<typename Ops::SplitReader>> : std::true_type {};
+
+// fp8_perchannel: c[m][16 b + n] = s_b[n] * (unit * c[m][16 b + n]).
 template <class V>
-void fp8_scale_rows(int64_t rows, int blocks, const float* const* scales, float* c, int64_t ldc) {
+void fp8_scale_rows(int64_t rows, int blocks, const float* const* scales, float* c, int64_t ldc, float unit) {
   constexpr int W = V::kWidth;
-  const typename V::Reg decode = V::set1(kFp8DecodeScale);
+  const typename V::Reg decode = V::set1(unit);
   for (int64_t m = 0; m < rows; ++m)
     for (int b = 0; b < blocks; ++b)
       for (int v = 0; v < 16; v += W) {
@@ -62,6 +71,37 @@ void fp8_add_rows(int64_t rows, int blocks, const float* const* addends, float* 
         float* out = c + m * ldc + b * 16 + v;
         V::store(out, V::add(V::load(out), V::load(addends[b] + v)));
       }
+}
+
+// The power of two f that brings the largest finite magnitude of x[0, n) (fp32) into
+// [2^32, 2^33): the activation normalization of Ops::SplitLines, whose weights are
+// w * 2^-120 (fp8_decode_avx2.h). Products and sums then stay normal fp32 numbers for any
+// activation scale, and scaling by f and back is exact. 1 for a row of zeros, infinities
+// or NaNs only; within [2^-126, 2^127] otherwise.
+template <class V>
+float fp8_row_normalizer(const float* x, int64_t n) {
+  constexpr int W = V::kWidth;
+  typename V::Reg top = V::zero();
+  for (int64_t i = 0; i < n; i += W)  // n: a multiple of 16
+    top = V::max(V::abs(V::load(x + i)), top);  // a NaN lane keeps top
+  float largest = V::reduce_max(top);
+  if (!(largest > 0.0f) || std::isinf(largest)) {
+    largest = 0.0f;  // the finite lanes' maximum, read again without the infinities
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isfinite(x[i])) largest = std::max(largest, std::fabs(x[i]));
+    if (largest == 0.0f) return 1.0f;
+  }
+  int exponent = 0;
+  std::frexp(largest, &exponent);  // largest in [2^(exponent - 1), 2^exponent)
+  return std::ldexp(1.0f, std::clamp(33 - exponent, -126, 127));
+}
+
+// out[0, n) = factor * x[0, n) (fp32; out may be x).
+template <class V>
+void fp8_scale_row(const float* x, int64_t n, float factor, float* out) {
+  constexpr int W = V::kWidth;
+  const typename V::Reg f = V::set1(factor);
+  for (int64_t i = 0; i < n; i += W) V::store(out + i, V::mul(f, V::load(x + i)));
 }
 
 // Prefill's BF16 lines of a k block, [kTileBlocks][kFp8PrefillKBlockPairs][32] (256 KiB),
@@ -90,9 +130,13 @@ class Fp8Format {
   using Vec = typename Micro::Vec;
   using Act = typename Micro::Act;
   using Inter = Act;
-  static constexpr bool kScaled = false;
   static constexpr bool kMx = F == PackedFormat::kMxfp8;
   static constexpr bool kGroupFlush = F == PackedFormat::kFp8;
+  // fp8 and fp8_perchannel through Ops::SplitLines (w * 2^-120) where the ISA has them;
+  // their activation rows are normalized per row by a power of two (exact), whose inverse
+  // the skeleton applies as the pair's gate/up and down scale (kScaled).
+  static constexpr bool kSplit = HasSplitLines<Ops>::value && !kMx;
+  static constexpr bool kScaled = kSplit;
   static constexpr int64_t kScaleRowBytes = kMx ? 16 : 64;  // one group's scales of a block's rows
   // Prefill on AMX tiles (Ops::Tiles, fp8_amx.h) where the micro-kernel set has a tile GEMM.
   static constexpr bool kTiles = HasBf16TileGemm<Micro>::value;
@@ -100,6 +144,7 @@ class Fp8Format {
   Fp8Format(const MoeArgs& args, const MoePlan& plan, int threads)
       : plan_(plan),
         dims_(args.layout.shape),
+        tokens_(args.tokens),
         act_cols_(dims_.gate_up.padded_k),
         inter_cols_(dims_.down.padded_k),
         gate_up_{args.packed + args.layout.gate_up_offset, args.layout.gate_up_expert_bytes, dims_.gate_up},
@@ -113,11 +158,19 @@ class Fp8Format {
     const int64_t rows = plan_.num_pairs + (kTiles ? kBf16PadRows : 0);
     acts_at_ = carve.add<Act>(rows * act_cols_);     // pair rows   : [P (+ pad), Hk]
     inter_at_ = carve.add<Act>(rows * inter_cols_);  // intermediate: [P (+ pad), Ik]
+    if constexpr (kScaled) {
+      token_scale_at_ = carve.add<float>(2 * tokens_);        // (factor, inverse) per token
+      inter_scale_at_ = carve.add<float>(plan_.num_pairs);  // inverse per pair
+    }
   }
 
   void bind(uint8_t* scratch) {
     acts_ = reinterpret_cast<Act*>(scratch + acts_at_);
     inter_ = reinterpret_cast<Act*>(scratch + inter_at_);
+    if constexpr (kScaled) {
+      token_scale_ = reinterpret_cast<float*>(scratch + token_scale_at_);
+      inter_scale_ = reinterpret_cast<float*>(scratch + inter_scale_at_);
+    }
     // gate/up write intermediate columns [0, I16); down reads [0, Ik): zero the rest.
     for (int64_t p = 0; p < plan_.num_pairs; ++p)
       std::fill(inter_ + p * inter_cols_ + dims_.intermediate16, inter_ + (p + 1) * inter_cols_, Act{});
@@ -128,11 +181,28 @@ class Fp8Format {
     }
   }
 
-  void prepare_token(int64_t, const float*) {}
+  void prepare_token(int64_t t, const float* x) {
+    if constexpr (kScaled) {
+      const float factor = fp8_row_normalizer<Vec>(x, act_cols_);
+      token_scale_[2 * t] = factor;
+      token_scale_[2 * t + 1] = 1.0f / factor;
+    }
+  }
 
-  // Each pair's token row in the micro-kernel's element type.
+  // Each pair's token row in the micro-kernel's element type (kScaled: times the token's
+  // normalizing factor).
   void prepare_pairs(Engine& engine, const float* tokens) {
-    convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
+    if constexpr (kScaled) {
+      const int64_t P = plan_.num_pairs;
+      engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+        for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p) {
+          const int64_t t = plan_.pair_token[p];
+          fp8_scale_row<Vec>(tokens + t * act_cols_, act_cols_, token_scale_[2 * t], acts_ + p * act_cols_);
+        }
+      });
+    } else {
+      convert_pair_rows<Vec>(engine, plan_, tokens, act_cols_, acts_);
+    }
   }
 
   // Jobs as the BF16 format's (Bf16Jobs).
@@ -148,15 +218,31 @@ class Fp8Format {
     return {c, c + 16, ldc, 32};
   }
 
+  float gate_up_scale(int64_t p) const { return token_scale_[2 * plan_.pair_token[p] + 1]; }
   Inter* intermediate_row(int64_t p) const { return inter_ + p * inter_cols_; }
-  void prepare_intermediate(Engine&) {}
+
+  // kScaled: each pair's intermediate row normalized in place (its inverse goes to the
+  // combine as the pair's down scale).
+  void prepare_intermediate(Engine& engine) {
+    if constexpr (kScaled) {
+      const int64_t P = plan_.num_pairs;
+      engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+        for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p) {
+          Act* row = inter_ + p * inter_cols_;
+          const float factor = fp8_row_normalizer<Vec>(row, inter_cols_);
+          fp8_scale_row<Vec>(row, inter_cols_, factor, row);
+          inter_scale_[p] = 1.0f / factor;
+        }
+      });
+    }
+  }
 
   void down(int64_t e, int64_t h0, int64_t h1, int64_t p0, int64_t p1, float* out, int64_t ldo) const {
     gemm_rows(inter_ + p0 * inter_cols_, inter_cols_, p1 - p0, dims_.down, down_.block(e, h0 / 16),
               static_cast<int>((h1 - h0) / 16), out, ldo);
   }
 
-  const float* down_scales() const { return nullptr; }
+  const float* down_scales() const { return kScaled ? inter_scale_ : nullptr; }
 
  private:
   // c[m][0, 16 blocks) = rows of a x `blocks` blocks starting at w, in groups of
@@ -252,13 +338,17 @@ class Fp8Format {
                                     kBf16PrefetchPairs,
                                     nullptr,
                                     group_scales,
-                                    kFp8DecodeScale};
+                                    decode_unit()};
               if constexpr (kMx)
                 for (int b = 0; b < nb; ++b)
                   for (int64_t g = g0 / group_pairs; g < (g1 + group_pairs - 1) / group_pairs; ++g)
                     Ops::mx_prepare(codes + b * block_bytes + dims.scales_offset() + g * 16,
                                     mx + b * kMxBlockBytes + (g - g0 / group_pairs) * Ops::kMxGroupBytes);
-              if constexpr (Store)
+              if constexpr (kSplit)
+                bf16_tile_any<Micro>(tile_rows, nb, t,
+                                     typename Ops::template SplitLines<Store>{
+                                         Store ? decoded + (g0 - q0) * 32 : nullptr, kLineStride, next_tile(g0)});
+              else if constexpr (Store)
                 bf16_tile_any<Micro>(tile_rows, nb, t,
                                      typename Ops::template Lines<kMx, true>{mx, decoded + (g0 - q0) * 32, kLineStride});
               else
@@ -272,26 +362,35 @@ class Fp8Format {
                   b0 == 0 && j < streamed && next != nullptr
                       ? reinterpret_cast<const uint16_t*>(next + j * block_bytes + (g0 - q0) * 64)
                       : nullptr;
-              bf16_tile_any<Micro>(tile_rows, nb,
-                                   {row_at, decoded + (g0 - q0) * 32, kLineStride, g1 - g0, out, ldc, accumulate, 0,
-                                    stream, group_scales, kFp8DecodeScale});
+              const TileArgs<Act> t{row_at, decoded + (g0 - q0) * 32, kLineStride, g1 - g0, out, ldc, accumulate, 0,
+                                    stream, group_scales, decode_unit()};
+              if constexpr (kSplit)
+                bf16_tile_any<Micro>(tile_rows, nb, t, typename Ops::SplitReader{});
+              else
+                bf16_tile_any<Micro>(tile_rows, nb, t);
             }
           }
         }
       }
     }
-    finish_rows(rows, dims, w, blocks, c, ldc);
+    finish_rows(rows, dims, w, blocks, c, ldc, decode_unit());
+  }
+
+  // What the vector kernels' decoded weights are to be multiplied by.
+  static constexpr float decode_unit() {
+    if constexpr (kSplit) return Ops::kSplitUnit;
+    return kFp8DecodeScale;
   }
 
   // After all of k: fp8_perchannel's scales, mxfp8's NaN addends (rows holding a NaN code
   // or scale: the kernels cannot decode one).
   static void finish_rows(int64_t rows, const fp8_layout::MatrixDims& dims, const uint8_t* w, int blocks, float* c,
-                          int64_t ldc) {
+                          int64_t ldc, float unit) {
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
     if constexpr (F == PackedFormat::kFp8PerChannel) {
       const float* scales[kTileBlocks];
       for (int b = 0; b < blocks; ++b) scales[b] = reinterpret_cast<const float*>(w + b * block_bytes + dims.scales_offset());
-      fp8_scale_rows<Vec>(rows, blocks, scales, c, ldc);
+      fp8_scale_rows<Vec>(rows, blocks, scales, c, ldc, unit);
     }
     if constexpr (kMx) {
       const float* addends[kTileBlocks];
@@ -340,7 +439,7 @@ class Fp8Format {
                            kGroupFlush ? kFp8DecodeScale : 1.0f, c + m0 * ldc + b0 * 16, ldc, q0 > 0, decode);
         }
     }
-    finish_rows(rows, dims, w, blocks, c, ldc);
+    finish_rows(rows, dims, w, blocks, c, ldc, kFp8DecodeScale);
   }
 
   // Decode: asks for the scales of the k block at pair q of `blocks` blocks at w (fp8,
@@ -361,11 +460,13 @@ class Fp8Format {
 
   const MoePlan& plan_;
   fp8_layout::Dims dims_;
-  int64_t act_cols_, inter_cols_;
+  int64_t tokens_, act_cols_, inter_cols_;
   Fp8Matrix gate_up_, down_;
-  size_t acts_at_ = 0, inter_at_ = 0;
+  size_t acts_at_ = 0, inter_at_ = 0, token_scale_at_ = 0, inter_scale_at_ = 0;
   Act* acts_ = nullptr;
   Act* inter_ = nullptr;
+  float* token_scale_ = nullptr;  // kScaled: [T][2] normalizing factor, its inverse
+  float* inter_scale_ = nullptr;  // kScaled: [P] inverse of the intermediate row's factor
   Bf16Jobs<Micro> jobs_;
 };
 
