@@ -353,6 +353,53 @@ def test_mxfp8_exponent_limits() -> None:
     assert torch.isnan(reference.dequantize(packed.data)[0][0, 1]).all()
 
 
+def test_mxfp8_every_exponent_code_through_the_kernel(variant: str) -> None:
+    """Exponent codes over the whole range the packer takes (10 ... 246), activations
+    scaled against them so every product is O(1): the AVX2 decode multiplies w * 2^-120 by
+    2^(e - 7) where a k block's codes are all <= 134 and decodes through fp16 where one is
+    larger (gate/up: k blocks all low, one with a single high code, all high; down: rows
+    all low, rows mixed). Each output column within 1e-4 of the tight reference on its own
+    scale, decode (one token alone) equal bit for bit to the same token's prefill row."""
+    E, H, I, T = 2, 768, 64, 9
+    g = torch.Generator().manual_seed(21)
+
+    def codes(n: int, k: int) -> torch.Tensor:
+        c = torch.randint(0, 256, (E, n, k), generator=g, dtype=torch.uint8)
+        return torch.where(c & 0x7F == 0x7F, torch.full_like(c, 0x38), c)  # finite (NaN -> 1.0)
+
+    group_exp = torch.cat([torch.linspace(13, 131, 8), torch.linspace(13, 131, 8), torch.linspace(138, 243, 8)])
+    group_exp = group_exp.round().long()  # gate/up: one per 32-k group, k blocks of 8 groups
+    jitter = torch.randint(-3, 4, (E, I, H // 32), generator=g)
+    gate_up_scales = []
+    for _ in range(2):
+        e = (group_exp + jitter).clamp(10, 246)
+        assert int(e[:, :, :16].max()) <= 134 and int(e[:, :, 16:].min()) >= 135
+        e[:, 5, 15] = 135  # k block 1: one high code among low ones
+        gate_up_scales.append(e.to(torch.uint8))
+    down_exp = torch.randint(110, 151, (E, H, I // 32), generator=g)
+    down_exp[:, : H // 2] = down_exp[:, : H // 2].clamp(max=134)  # the first half of the rows: all low
+    scales = [*gate_up_scales, down_exp.to(torch.uint8)]
+    all_codes = [codes(I, H), codes(I, H), codes(H, I)]
+    assert int(scales[0].min()) <= 12 and int(scales[0].max()) >= 240
+    packed = kt_ops.pack_fp8_experts(*(c.view(torch.float8_e4m3fn) for c in all_codes), *scales, method="MXFP8")
+    w = [weights_of(c, s, "mxfp8") for c, s in zip(all_codes, scales)]
+    # x[k] ~ 2^(127 - e) of its group: gate/up sums O(1) per group whatever the scale.
+    x = torch.randn(T, H, generator=g) * torch.exp2(127.0 - group_exp.double()).float().repeat_interleave(32)
+    rounding = activation_rounding(variant)
+    routings = {"decode": random_routing(T, E, 2, seed=22),
+                "prefill": (torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, 1))}
+    for path, (ids, weights) in routings.items():
+        out = kt_ops.moe_forward(x, ids, weights, packed)
+        ref = reference.moe_forward(x, ids, weights, *w, quantize_activations=rounding)
+        assert torch.isfinite(ref).all() and torch.isfinite(out).all(), path
+        col_err = (out.double() - ref.double()).norm(dim=0) / ref.double().norm(dim=0)
+        assert col_err.max() <= 1e-4, f"{path}: output column {int(col_err.argmax())}: {float(col_err.max()):.3g}"
+        if path == "prefill" and variant != "amx":
+            for t in (0, 4, 8):
+                alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], packed)
+                assert torch.equal(out[t:t + 1], alone), f"token {t}: prefill and decode rows differ"
+
+
 def test_bad_fp8_input_is_a_value_error() -> None:
     E, H, I = 2, 64, 32
     (gq, gs, _), (uq, us, _), (dq_, ds, _) = checkpoint_tensors("fp8", E, H, I, seed=3)

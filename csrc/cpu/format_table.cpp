@@ -122,7 +122,7 @@ constexpr FormatRow kRows[] = {
      RowRule::kAny, fp8_layout::kKAlign, 0, nullptr, 0, 0, false,
      pack_fp8_experts, "pack_fp8_experts", dequantize_fp8_rows, "dequantize_fp8_rows",
      ActivationQuant::kNone, kOracle,
-     {{mxfp8_moe_avx2, "mxfp8/avx2 (e4m3 -> fp16 -> fp32 in registers, fp32 FMA)"},
+     {{mxfp8_moe_avx2, "mxfp8/avx2 (e4m3 -> fp32 in registers by integer ops times the 2^e scale, fp32 FMA; prefill and exponent codes above 134: via fp16)"},
       {mxfp8_moe_avx2, "mxfp8/avx_vnni (the avx2 kernel: e4m3 -> fp32 in registers, fp32 FMA)"},
       {mxfp8_moe_avx512, "mxfp8/avx512 (e4m3 -> bf16 in registers, widened to fp32, fp32 FMA)"},
       {mxfp8_moe_avx512, "mxfp8/avx512_vnni (the avx512 kernel: e4m3 -> bf16 in registers, widened to fp32, fp32 FMA)"},

@@ -5,8 +5,10 @@
 // rows are normalized by a power of two to keep the products normal. An earlier integer
 // path multiplied by 2^120 to get w back (or checked for subnormal codes) and measured no
 // faster than fp16: the multiply was what cost.
-// mxfp8 (Fp8LinesAvx2) goes through fp16, since its power-of-two scales (2^-117 ... 2^119)
-// times w * 2^-120 would leave fp32's range: AVX2 has no 16-bit permute for
+// mxfp8 decode (Fp8MxSplitLinesAvx2) multiplies that by 2^(e - 7), where every exponent
+// code of the k block is at most 134 (real checkpoints' are far below); mxfp8 prefill and
+// the other k blocks go through fp16 (Fp8LinesAvx2), since the power-of-two scales
+// (2^-117 ... 2^119) times w * 2^-120 would leave fp32's range: AVX2 has no 16-bit permute for
 // fp8_decode_avx512.h's subnormal table, so one vpshufb per k puts the k (or k + 1) code of
 // each of a line's 16 rows into the top byte of a 16-bit lane (rows in order, 0-7 | 8-15),
 // an arithmetic shift by one and a mask make it an fp16 of w / 256 (s, 0eeee, mmm0000000:
@@ -137,6 +139,31 @@ struct Fp8SplitLinesAvx2 {
   }
 };
 
+// mxfp8 decode (one row tile, nothing stored): Fp8SplitLinesAvx2's w * 2^-120 times the
+// rows' 2^(e - 7) (Fp8OpsAvx2::mx_prepare_split, split row order) = w * 2^(e - 127), the
+// weight itself, exact, as the fp16 path's (w / 256) * 2^(e - 127) * 256: both paths add
+// the same products in the same order (bit-identical). 2^(e - 7) is a finite fp32 only for
+// e <= 134 (2^7): a k block with a larger exponent code decodes through fp16 instead.
+struct Fp8MxSplitLinesAvx2 {
+  static constexpr bool kWidenInTurn = true;
+  static constexpr bool kSplitLanes = true;
+  static constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * kMxGroupBytesAvx2;
+  const uint8_t* mx = nullptr;
+  NextTile next;
+  KT_FP8_INLINE void widen(const uint16_t* block, int b, int64_t p, __m256 (&even)[2], __m256 (&odd)[2]) const {
+    const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint8_t*>(block) + p * 32));
+    const float* scale = reinterpret_cast<const float*>(mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytesAvx2);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_loadu_ps(scale + 8 * h);
+      even[h] = _mm256_mul_ps(fp8_decode32_avx2(line, 0, h), s);
+      odd[h] = _mm256_mul_ps(fp8_decode32_avx2(line, 1, h), s);
+    }
+  }
+  KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const {
+    fp8_prefetch(block, p, ahead, next);
+  }
+};
+
 // The BF16 lines Fp8SplitLinesAvx2<true> stored, read by the later row tiles.
 struct Bf16SplitLinesAvx2 : Bf16LinesAvx2 {
   static constexpr bool kSplitLanes = true;
@@ -146,13 +173,33 @@ struct Fp8OpsAvx2 {
   using Micro = Bf16GemmAvx2;
   template <bool Mx, bool Store = false>
   using Lines = Fp8LinesAvx2<Mx, Store>;
-  // fp8 and fp8_perchannel (mxfp8 keeps the fp16 path: its power-of-two scales span more
-  // than fp32's range once w carries 2^-120).
+  // fp8 and fp8_perchannel; mxfp8 decode where mx_prepare_split takes the k block's codes
+  // (prefill and the other blocks keep the fp16 path: mxfp8's scales 2^-117 ... 2^119 span
+  // more than fp32's range once w carries 2^-120).
   template <bool Store>
   using SplitLines = Fp8SplitLinesAvx2<Store>;
   using SplitReader = Bf16SplitLinesAvx2;
+  using MxSplitLines = Fp8MxSplitLinesAvx2;
   static constexpr float kSplitUnit = 0x1p120f;
   static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx2;
+
+  // 16 exponent codes e -> 2^(e - 7) (255: NaN) in split row order (rows 0-3, 8-11, 4-7,
+  // 12-15), for Fp8MxSplitLinesAvx2. False (and `out` unusable) when a code other than 255
+  // is above 134, whose 2^(e - 7) fp32 cannot hold.
+  static bool mx_prepare_split(const uint8_t* codes, uint8_t* out) {
+    float* scale = reinterpret_cast<float*>(out);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i nan_codes = _mm_cmpeq_epi8(raw, _mm_set1_epi8(static_cast<char>(0xff)));
+    const __m128i large = _mm_cmpeq_epi8(_mm_max_epu8(raw, _mm_set1_epi8(static_cast<char>(135))), raw);
+    const __m128i all = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i e = _mm256_cvtepu8_epi32(h == 0 ? all : _mm_srli_si128(all, 8));
+      const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(120)), 23);
+      const __m256i nan = _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255));
+      _mm256_storeu_ps(scale + 8 * h, _mm256_castsi256_ps(_mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7fc00000), nan)));
+    }
+    return _mm_movemask_epi8(_mm_andnot_si128(nan_codes, large)) == 0;
+  }
 
   // 16 exponent codes e (in [10, 246] or 255) -> 2^(e - 127) * 256 (255: NaN), in row order.
   static void mx_prepare(const uint8_t* codes, uint8_t* out) {

@@ -137,6 +137,9 @@ class Fp8Format {
   // the skeleton applies as the pair's gate/up and down scale (kScaled).
   static constexpr bool kSplit = HasSplitLines<Ops>::value && !kMx;
   static constexpr bool kScaled = kSplit;
+  // mxfp8 decode through Ops::MxSplitLines (w * 2^-120 * 2^(e - 7): the weight itself, no
+  // normalization) where the ISA has split lines and the k block's exponents allow it.
+  static constexpr bool kMxSplit = HasSplitLines<Ops>::value && kMx;
   static constexpr int64_t kScaleRowBytes = kMx ? 16 : 64;  // one group's scales of a block's rows
   // Prefill on AMX tiles (Ops::Tiles, fp8_amx.h) where the micro-kernel set has a tile GEMM.
   static constexpr bool kTiles = HasBf16TileGemm<Micro>::value;
@@ -339,11 +342,8 @@ class Fp8Format {
                                     nullptr,
                                     group_scales,
                                     decode_unit()};
-              if constexpr (kMx)
-                for (int b = 0; b < nb; ++b)
-                  for (int64_t g = g0 / group_pairs; g < (g1 + group_pairs - 1) / group_pairs; ++g)
-                    Ops::mx_prepare(codes + b * block_bytes + dims.scales_offset() + g * 16,
-                                    mx + b * kMxBlockBytes + (g - g0 / group_pairs) * Ops::kMxGroupBytes);
+              bool mx_split = false;
+              if constexpr (kMx) mx_split = prepare_mx<!Store>(codes, nb, dims, g0, g1, mx);
               if constexpr (kSplit)
                 bf16_tile_any<Micro>(tile_rows, nb, t,
                                      typename Ops::template SplitLines<Store>{
@@ -351,9 +351,13 @@ class Fp8Format {
               else if constexpr (Store)
                 bf16_tile_any<Micro>(tile_rows, nb, t,
                                      typename Ops::template Lines<kMx, true>{mx, decoded + (g0 - q0) * 32, kLineStride});
-              else
+              else if (mx_split) {
+                if constexpr (kMxSplit)
+                  bf16_tile_any<Micro>(tile_rows, nb, t, typename Ops::MxSplitLines{mx, next_tile(g0)});
+              } else {
                 bf16_tile_any<Micro>(tile_rows, nb, t,
                                      typename Ops::template Lines<kMx, false>{mx, nullptr, 0, next_tile(g0)});
+              }
             } else {
               // Row tile j + 1 brings block j of `next` to L2, a line per step, for the
               // decoding tile (as the BF16 GEMM streams its next k block).
@@ -374,6 +378,30 @@ class Fp8Format {
       }
     }
     finish_rows(rows, dims, w, blocks, c, ldc, decode_unit());
+  }
+
+  // mxfp8: the exponents of pairs [q0, q1) of `blocks` blocks at w into mx (per block
+  // kMxGroupsPerKBlock groups of Ops::kMxGroupBytes), for Ops::MxSplitLines when Split
+  // and it takes every code (true), else for Ops::Lines<true, ...> (false).
+  template <bool Split>
+  static bool prepare_mx(const uint8_t* w, int blocks, const fp8_layout::MatrixDims& dims, int64_t q0, int64_t q1,
+                         uint8_t* mx) {
+    constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * Ops::kMxGroupBytes;
+    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes()), group_pairs = dims.group / 2;
+    const int64_t g0 = q0 / group_pairs, g1 = (q1 + group_pairs - 1) / group_pairs;
+    if constexpr (Split && kMxSplit) {
+      bool fits = true;
+      for (int b = 0; b < blocks; ++b)
+        for (int64_t g = g0; g < g1; ++g)
+          fits &= Ops::mx_prepare_split(w + b * block_bytes + dims.scales_offset() + g * 16,
+                                        mx + b * kMxBlockBytes + (g - g0) * Ops::kMxGroupBytes);
+      if (fits) return true;
+    }
+    for (int b = 0; b < blocks; ++b)
+      for (int64_t g = g0; g < g1; ++g)
+        Ops::mx_prepare(w + b * block_bytes + dims.scales_offset() + g * 16,
+                        mx + b * kMxBlockBytes + (g - g0) * Ops::kMxGroupBytes);
+    return false;
   }
 
   // What the vector kernels' decoded weights are to be multiplied by.
@@ -414,11 +442,7 @@ class Fp8Format {
     alignas(64) uint8_t mx[kTileBlocks * kMxBlockBytes];  // mxfp8: the k block's exponents
     for (int64_t q0 = 0; q0 < pairs; q0 += kFp8PrefillKBlockPairs) {
       const int64_t q1 = std::min(pairs, q0 + kFp8PrefillKBlockPairs);
-      if constexpr (kMx)
-        for (int b = 0; b < blocks; ++b)
-          for (int64_t g = q0 / group_pairs; g < (q1 + group_pairs - 1) / group_pairs; ++g)
-            Ops::mx_prepare(w + b * block_bytes + dims.scales_offset() + g * 16,
-                            mx + b * kMxBlockBytes + (g - q0 / group_pairs) * Ops::kMxGroupBytes);
+      if constexpr (kMx) prepare_mx<false>(w, blocks, dims, q0, q1, mx);
       const typename Ops::template Lines<kMx, false> src{mx, nullptr, 0};
       for (int64_t m0 = 0; m0 < rows; m0 += kBf16PadRows)
         for (int b0 = 0; b0 < blocks; b0 += 2) {
