@@ -36,12 +36,18 @@ struct Bf16LinesAvx2 {
   void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead, next); }
 };
 
-// A block's two accumulators between row order (rows 0-7 | 8-15) and the split order of
-// a source with kSplitLanes (rows 0-3 | 8-11, 4-7 | 12-15): the same swap both ways.
-inline __attribute__((always_inline)) void swap_split_lanes(__m256 (&v)[2]) {
+// A block's two accumulators between the split order of a source with kSplitLanes (even
+// rows 0, 2, ..., 14 | odd rows 1, 3, ..., 15: fp8_decode_avx2.h) and row order (rows
+// 0-7 | 8-15), at the tile's stores and loads.
+inline __attribute__((always_inline)) void split_lanes_to_rows(__m256 (&v)[2]) {
+  const __m256 low = _mm256_unpacklo_ps(v[0], v[1]), high = _mm256_unpackhi_ps(v[0], v[1]);  // 0-3 | 8-11, 4-7 | 12-15
+  v[0] = _mm256_permute2f128_ps(low, high, 0x20);
+  v[1] = _mm256_permute2f128_ps(low, high, 0x31);
+}
+inline __attribute__((always_inline)) void rows_to_split_lanes(__m256 (&v)[2]) {
   const __m256 low = _mm256_permute2f128_ps(v[0], v[1], 0x20), high = _mm256_permute2f128_ps(v[0], v[1], 0x31);
-  v[0] = low;
-  v[1] = high;
+  v[0] = _mm256_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0));
+  v[1] = _mm256_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1));
 }
 
 struct Bf16GemmAvx2 {
@@ -65,7 +71,7 @@ struct Bf16GemmAvx2 {
     if constexpr (Src::kSplitLanes)
       if (from_c)
         for (int m = 0; m < M; ++m)
-          for (int b = 0; b < NB; ++b) swap_split_lanes(acc[m][b]);
+          for (int b = 0; b < NB; ++b) rows_to_split_lanes(acc[m][b]);
     for (int64_t p = 0; p < t.pairs; ++p) {
       if constexpr (NB == 1 || !Src::kWidenInTurn) {  // widen every block, then the fmas
         __m256 even[NB][2], odd[NB][2];
@@ -101,7 +107,7 @@ struct Bf16GemmAvx2 {
     }
     if constexpr (Src::kSplitLanes)
       for (int m = 0; m < M; ++m)
-        for (int b = 0; b < NB; ++b) swap_split_lanes(acc[m][b]);
+        for (int b = 0; b < NB; ++b) split_lanes_to_rows(acc[m][b]);
     if (t.group_scales != nullptr) {
       const __m256 unit = _mm256_set1_ps(t.group_unit);
       for (int m = 0; m < M; ++m)
