@@ -16,7 +16,8 @@ same calls with the bench's protocol: before every timed call the caches are flu
 sides call by call (ABBA order), so the machine's drift — read bandwidth swinging by a
 third within minutes on shared hosts — hits both alike, and reports per row the median
 microseconds of each side and the median of the per-pair ratios B/A (below 1: B is
-faster). Run it on an otherwise idle machine: no builds, tests or helpers beside it.
+faster). Before each row both workers read every page of their layers (pair_row). Run it
+on an otherwise idle machine: no builds, tests or helpers beside it.
 A pair of processes can also differ by itself: on the shared Zen 5 host, one build against
 itself (S1 RAWINT4, 1 and 8 tokens, 30 calls, 2026-11-27) gave 0.79 and 0.88 in one run
 and 0.97-1.03 in the next, steady within a run, so the pairing cannot cancel it.
@@ -76,6 +77,10 @@ def worker(group: str, tokens_list: list[int]) -> None:
     print("ready", flush=True)
     i = 0
     for line in sys.stdin:
+        if line.startswith("warm"):  # read every byte of the layers: none starts a row cold
+            touched = sum(int(layer.packed.data.view(torch.uint8)[::4096].sum()) for layer in (*layers, previous))
+            print(float(touched > -1), flush=True)
+            continue
         if not line.startswith("go"):
             break
         inputs, small_x, small_ids, small_weights = data[int(line.split()[1])]
@@ -109,13 +114,25 @@ class Side:
         self.proc.stdin.flush()
         return float(self.proc.stdout.readline())
 
+    def warm(self) -> None:
+        """Touches every page of the worker's layers (see pair_row)."""
+        self.proc.stdin.write("warm\n")
+        self.proc.stdin.flush()
+        self.proc.stdout.readline()
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
 
 
 def pair_row(a: Side, b: Side, tokens: int, calls: int) -> dict[str, float]:
-    """``calls`` paired calls in ABBA order: medians of each side and of the ratios B/A."""
+    """``calls`` paired calls in ABBA order: medians of each side and of the ratios B/A.
+    Both workers first touch every page of their layers: on the Firecracker VMs, memory a
+    process left idle for seconds (side A's layers while side B packs) came back slowly —
+    a 1-token call reads a few experts, so a side's first rows ran up to 2.3x slower than the
+    same build on the other side (S1 AMXINT8 against itself, Zen 3, 2026-12-02)."""
+    a.warm()
+    b.warm()
     times_a, times_b = [], []
     for i in range(calls):
         if i % 2:

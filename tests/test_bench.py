@@ -302,6 +302,9 @@ def test_ab_pair_alternates_sides_and_takes_the_median_of_paired_ratios() -> Non
             order.append(self.name)
             return next(self.times)
 
+        def warm(self) -> None:
+            pass
+
     # B is half of A in every pair, while the machine slows down 10x halfway through.
     a = Fake("a", [100, 100, 1000, 1000])
     b = Fake("b", [50, 50, 500, 500])
@@ -390,22 +393,29 @@ def test_ab_pair_gives_each_side_its_own_environment(monkeypatch: pytest.MonkeyP
     """--a-env / --b-env reach only their side's worker (an A/B of a run-time switch in one
     build); a malformed item is a usage error."""
     ab_pair = load_ab_pair()
-    envs = []
+    envs, events = [], []
 
     class FakeSide:
         def __init__(self, path: str, variant: str | None, group: str, tokens: list[int],
                      extra_env: list[str] | None = None) -> None:
             envs.append(extra_env)
+            self.name = "AB"[len(envs) - 1]
 
         def call(self, tokens: int) -> float:
+            events.append(f"{self.name} {tokens}")
             return 1.0
+
+        def warm(self) -> None:
+            events.append(f"{self.name} warm")
 
         def close(self) -> None:
             pass
 
     monkeypatch.setattr(ab_pair, "Side", FakeSide)
-    ab_pair.main(["S1:BF16", "--tokens", "1", "--calls", "1", "--a-env", "X=0", "--b-env", "X=1", "Y=a=b"])
+    ab_pair.main(["S1:BF16", "--tokens", "1", "8", "--calls", "2", "--a-env", "X=0", "--b-env", "X=1", "Y=a=b"])
     assert envs == [["X=0"], ["X=1", "Y=a=b"]]
+    # Both workers touch their layers before each row's timed calls (ABBA order).
+    assert events == ["A warm", "B warm", "A 1", "B 1", "B 1", "A 1", "A warm", "B warm", "A 8", "B 8", "B 8", "A 8"]
     with pytest.raises(SystemExit):
         ab_pair.parse_args(["S1:BF16", "--b-env", "NOVALUE"])
 
