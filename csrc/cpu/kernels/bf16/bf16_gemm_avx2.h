@@ -24,6 +24,7 @@ struct Bf16LinesAvx2 {
   // widening one block at a time measured 1-3% slower BF16 decode, Zen 3, 2026-11-26).
   static constexpr bool kWidenInTurn = false;
   static constexpr bool kSplitLanes = false;
+  static constexpr bool kOutlined = false;  // see Bf16GemmAvx2::tile
   void widen(const uint16_t* block, int /*b*/, int64_t p, __m256 (&even)[2], __m256 (&odd)[2]) const {
     const __m256i high_mask = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
     for (int h = 0; h < 2; ++h) {
@@ -59,8 +60,35 @@ struct Bf16GemmAvx2 {
   // Blocks a tile of `rows` rows may hold (8 accumulators).
   static constexpr int max_blocks(int rows) { return rows <= 1 ? 4 : rows == 2 ? 2 : 1; }
 
+  // A source with kOutlined runs the tile as a function of its own, on copies of its
+  // arguments: inlined into the FP8 decode loops (fp8_format.h), GCC kept the 8
+  // accumulators in registers but also stored them to the stack on every k-pair, and
+  // reloaded loop bounds from it (87 instructions per pair, 13 on the stack, against 77
+  // and none). Paired on Zen 3 (2026-12-02, 2 rounds of 16 calls): S1 FP8 1 and 8 tokens
+  // 0.93 and 0.93 of the time (S2 0.90, 0.93), MXFP8 0.86 and 0.85 (S2 0.88, 0.88);
+  // FP8_PERCHANNEL's inlined tile had no such stores (0.99). Not for the prefill sources:
+  // all tiles outlined took 512-token S1 FP8 to 1.25x (FP8_PERCHANNEL 1.21x, MXFP8 1.5x).
   template <int M, int NB, class Src = Lines>
   static void tile(const TileArgs<Act>& t, const Src& src = Src()) {
+    if constexpr (Src::kOutlined)
+      outlined_tile<M, NB, Src>(t, src);
+    else
+      tile_body<M, NB, Src>(t, src);
+  }
+
+ private:
+  template <int M, int NB, class Src>
+  __attribute__((noinline)) static void outlined_tile(const TileArgs<Act>& args, const Src& source) {
+    const Act* rows[M];
+    for (int m = 0; m < M; ++m) rows[m] = args.a[m];
+    TileArgs<Act> t = args;
+    t.a = rows;
+    const Src src = source;
+    tile_body<M, NB, Src>(t, src);
+  }
+
+  template <int M, int NB, class Src>
+  KT_TILE_INLINE static void tile_body(const TileArgs<Act>& t, const Src& src) {
     static_assert(NB <= max_blocks(M), "the AVX2 micro-GEMM holds 8 accumulators");
     __m256 acc[M][NB][2];
     const bool from_c = t.accumulate && t.group_scales == nullptr;

@@ -67,6 +67,7 @@ struct Fp8LinesAvx2 {
   // (1-token S1: 1958 -> 1903 us; 512 tokens, widened blocks first: 1.23x slower).
   static constexpr bool kWidenInTurn = true;
   static constexpr bool kSplitLanes = false;
+  static constexpr bool kOutlined = false;
   static constexpr int64_t kMxGroupBytes = kMxGroupBytesAvx2;
   static constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * kMxGroupBytes;
   const uint8_t* mx = nullptr;
@@ -126,6 +127,7 @@ template <bool Store>
 struct Fp8SplitLinesAvx2 {
   static constexpr bool kWidenInTurn = true;
   static constexpr bool kSplitLanes = true;
+  static constexpr bool kOutlined = !Store;  // decode: Bf16GemmAvx2::tile
   uint16_t* out = nullptr;
   int64_t out_stride = 0;
   NextTile next;
@@ -153,6 +155,7 @@ struct Fp8SplitLinesAvx2 {
 struct Fp8MxSplitLinesAvx2 {
   static constexpr bool kWidenInTurn = true;
   static constexpr bool kSplitLanes = true;
+  static constexpr bool kOutlined = true;
   static constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * kMxGroupBytesAvx2;
   const uint8_t* mx = nullptr;
   NextTile next;
