@@ -209,8 +209,13 @@ struct QuantGemm {
       const int64_t group_k = std::min(t.group, t.k - k0);
       // Decode (one or two rows) would chain every dot of a block on one register's
       // latency; int4 then keeps the high nibbles' sums apart (no measurable change on
-      // this memory-bound machine; it costs nothing).
-      constexpr bool kSplit = kInt4 && M <= 2;
+      // this memory-bound machine; it costs nothing). Not on AVX2 (dot_int4 with 16
+      // registers): its chain is one vpaddd, and the second set of sums made the 1 x 4
+      // decode tile spill (and reload) sums and decoded lines on every line; without it,
+      // paired A/B on Zen 3 (2026-12-02, 2 rounds of 16 calls), 1 / 8 / 512 tokens: S1
+      // RAWINT4 0.83 / 0.87 / 0.77 of the time, S1 AMXINT4 0.80 / 0.82 / 0.78, S2
+      // GPTQ_INT4 0.90 / 0.82 / 0.80, S1 MXFP4 0.94 / 0.84 / 0.85 (bit-identical: int32 sums).
+      constexpr bool kSplit = kInt4 && M <= 2 && !(HasDotInt4<Ops>::value && R == 2);
       // Split decode sums of plain int4 codes on vpdpbusd (no int16 pair sums) take the high
       // nibbles in place, 16 x their level, and divide their sum by 16 at the flush
       // (exact: a multiple of 16): one shift less per line and block. Bit-identical; paired
