@@ -147,6 +147,8 @@ struct QuantGemm {
   static constexpr int R = Ops::kRegsPerLine;
   static constexpr int W = Vec::kWidth;  // 16 / R
   static constexpr int kKPerLine = kInt4 ? 8 : 4;
+  // AVX2 (int_ops_avx2.h): vpmaddubsw pair sums (dot_int4) in 16 registers of 8 int32.
+  static constexpr bool kAvx2Dots = HasDotInt4<Ops>::value && R == 2;
   // What the integer sums carry per unit of sum(a): 128 (int8 offset binary, when the
   // dot keeps it), 8 (symmetric int4), 16 (mxfp4's levels), 0 (asymmetric int4: handled
   // by the minimum).
@@ -215,7 +217,7 @@ struct QuantGemm {
       // paired A/B on Zen 3 (2026-12-02, 2 rounds of 16 calls), 1 / 8 / 512 tokens: S1
       // RAWINT4 0.83 / 0.87 / 0.77 of the time, S1 AMXINT4 0.80 / 0.82 / 0.78, S2
       // GPTQ_INT4 0.90 / 0.82 / 0.80, S1 MXFP4 0.94 / 0.84 / 0.85 (bit-identical: int32 sums).
-      constexpr bool kSplit = kInt4 && M <= 2 && !(HasDotInt4<Ops>::value && R == 2);
+      constexpr bool kSplit = kInt4 && M <= 2 && !kAvx2Dots;
       // Split decode sums of plain int4 codes on vpdpbusd (no int16 pair sums) take the high
       // nibbles in place, 16 x their level, and divide their sum by 16 at the flush
       // (exact: a multiple of 16): one shift less per line and block. Bit-identical; paired
@@ -267,7 +269,24 @@ struct QuantGemm {
         if (t.stream != nullptr)
           for (int b = 0; b < t.stream_blocks; ++b)
             _mm_prefetch(reinterpret_cast<const char*>(t.stream + b * t.block_stride + l * 64), _MM_HINT_T1);
-        if constexpr (kInt4) {
+        if constexpr (kInt4 && kAvx2Dots && M == 1) {
+          // AVX2's one-row decode tile dots each block as soon as it is unpacked: 8 sums,
+          // 4 unpacked registers, 2 broadcasts and 2 constants fit 16 registers, where
+          // unpacking all 4 blocks first spilled 6 of the sums on every line. Paired A/B
+          // (Zen 3, 2026-12-02, 2 rounds of 16 calls), 1 / 8 tokens: S1 RAWINT4 0.89 /
+          // 0.97 of the time, S1 AMXINT4 0.92 / 0.97, S2 GPTQ_INT4 0.88 / 0.94, S1 MXFP4
+          // 0.79 / 0.91 (the same sums in the same order: bit-identical).
+          const uint8_t* line0 = t.w + l * 64;
+          const IReg a0 = Ops::broadcast4(t.a[0] + k), a1 = Ops::broadcast4(t.a[0] + k + 4);
+          for (int b = 0; b < NB; ++b) {
+            if (t.prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(pf_line + b * t.block_stride), _MM_HINT_T0);
+            for (int r = 0; r < R; ++r) {
+              const IReg v = Ops::load(line0 + b * t.block_stride, r);
+              sums[0][b][r] = Ops::dot_int4(sums[0][b][r], nibble_levels(Ops::low_nibbles(v)), a0,
+                                            nibble_levels(Ops::high_nibbles(v)), a1);
+            }
+          }
+        } else if constexpr (kInt4) {
           const uint8_t* line0 = t.w + l * 64;
           IReg lo[NB][R], hi[NB][R];
           for (int b = 0; b < NB; ++b) {
