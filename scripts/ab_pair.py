@@ -77,9 +77,10 @@ def worker(group: str, tokens_list: list[int]) -> None:
     print("ready", flush=True)
     i = 0
     for line in sys.stdin:
-        if line.startswith("warm"):  # read every byte of the layers: none starts a row cold
-            touched = sum(int(layer.packed.data.view(torch.uint8)[::4096].sum()) for layer in (*layers, previous))
-            print(float(touched > -1), flush=True)
+        if line.startswith("warm"):  # read one byte of every page of the layers: none starts a row cold
+            for layer in (*layers, previous):
+                layer.packed.data.view(torch.uint8)[::4096].sum()
+            print("warm", flush=True)
             continue
         if not line.startswith("go"):
             break
@@ -118,7 +119,8 @@ class Side:
         """Touches every page of the worker's layers (see pair_row)."""
         self.proc.stdin.write("warm\n")
         self.proc.stdin.flush()
-        self.proc.stdout.readline()
+        if self.proc.stdout.readline().strip() != "warm":
+            raise RuntimeError("a worker did not answer 'warm'")
 
     def close(self) -> None:
         self.proc.stdin.close()
