@@ -269,35 +269,30 @@ struct QuantGemm {
         if (t.stream != nullptr)
           for (int b = 0; b < t.stream_blocks; ++b)
             _mm_prefetch(reinterpret_cast<const char*>(t.stream + b * t.block_stride + l * 64), _MM_HINT_T1);
-        if constexpr (kInt4 && kAvx2Dots && M == 1) {
+        if constexpr (kInt4) {
+          const uint8_t* line0 = t.w + l * 64;
           // AVX2's one-row decode tile dots each block as soon as it is unpacked: 8 sums,
           // 4 unpacked registers, 2 broadcasts and 2 constants fit 16 registers, where
           // unpacking all 4 blocks first spilled 6 of the sums on every line. Paired A/B
           // (Zen 3, 2026-12-02, 2 rounds of 16 calls), 1 / 8 tokens: S1 RAWINT4 0.89 /
           // 0.97 of the time, S1 AMXINT4 0.92 / 0.97, S2 GPTQ_INT4 0.88 / 0.94, S1 MXFP4
           // 0.79 / 0.91 (the same sums in the same order: bit-identical).
-          const uint8_t* line0 = t.w + l * 64;
-          const IReg a0 = Ops::broadcast4(t.a[0] + k), a1 = Ops::broadcast4(t.a[0] + k + 4);
-          for (int b = 0; b < NB; ++b) {
-            if (t.prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(pf_line + b * t.block_stride), _MM_HINT_T0);
-            for (int r = 0; r < R; ++r) {
-              const IReg v = Ops::load(line0 + b * t.block_stride, r);
-              sums[0][b][r] = Ops::dot_int4(sums[0][b][r], nibble_levels(Ops::low_nibbles(v)), a0,
-                                            nibble_levels(Ops::high_nibbles(v)), a1);
-            }
+          constexpr bool kInTurn = kAvx2Dots && M == 1;
+          IReg lo[NB][R], hi[NB][R], x0 = Ops::zero(), x1 = Ops::zero();
+          if constexpr (kInTurn) {
+            x0 = Ops::broadcast4(t.a[0] + k);
+            x1 = Ops::broadcast4(t.a[0] + k + 4);
           }
-        } else if constexpr (kInt4) {
-          const uint8_t* line0 = t.w + l * 64;
-          IReg lo[NB][R], hi[NB][R];
           for (int b = 0; b < NB; ++b) {
             if (t.prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(pf_line + b * t.block_stride), _MM_HINT_T0);
             for (int r = 0; r < R; ++r) {
               const IReg v = Ops::load(line0 + b * t.block_stride, r);
               lo[b][r] = nibble_levels(Ops::low_nibbles(v));
               hi[b][r] = kHighX16 ? Ops::high_nibbles_x16(v) : nibble_levels(Ops::high_nibbles(v));
+              if constexpr (kInTurn) sums[0][b][r] = Ops::dot_int4(sums[0][b][r], lo[b][r], x0, hi[b][r], x1);
             }
           }
-          for (int m = 0; m < M; ++m) {
+          for (int m = 0; m < M && !kInTurn; ++m) {
             const IReg a0 = Ops::broadcast4(t.a[m] + k), a1 = Ops::broadcast4(t.a[m] + k + 4);
             for (int b = 0; b < NB; ++b)
               for (int r = 0; r < R; ++r) {
