@@ -13,11 +13,11 @@
 // sub-block pairs with its activation bytes by offset, and the minimums of two rows go
 // together (vpmaddwd of the rows' 6-bit minimums against the level sums), times
 // dmin * da. Q5_K's fifth bits: bit r of qh[l] belongs to weight 32r + l, so each
-// register's levels take one bit test (AND, compare) and + 16.
+// register's levels take one shift and AND to bring bit r to 16 (byte_bit_to), and an OR.
 // Q6_K, Q2_K and Q3_K take natural-order activations with level sums per 16
 // (kGgufQ6kActs): Q6_K's qh bits reach bits 4-5 by one shift and mask per register;
 // Q2_K's and Q3_K's levels are bits 2r of the half's 32 qs bytes (Q3_K: + 4 where its
-// hmask bit is set, one AND and compare). The offsets (Q6_K -32, Q3_K -4) are removed
+// hmask bit is set, one shift and AND). The offsets (Q6_K -32, Q3_K -4) are removed
 // in integers as offset * sum_g scale_g * (level sum of g); Q2_K's minimums in floats.
 // Each (row, activation row) result takes the same operations in the same order
 // whatever the number of activation rows per pass or the row's place among the four.
@@ -39,6 +39,21 @@ namespace {  // ISA header: each variant translation unit owns its copy
 // acc + vpmaddwd(pairs, scales): int16 pair sums times int16 scales into int32 lanes.
 inline __m256i kquant_scaled_add(__m256i acc, __m256i pairs, __m256i scales) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
+}
+
+// 1 << kTo in each byte where bit `from` of the same byte of x is set, else 0: one 16-bit
+// shift and one AND (a word shift by |from - kTo| < 8 brings bit `from` of each byte, and
+// no bit of the other byte, to bit kTo). `from` is a constant once the callers' loops are
+// unrolled. It replaced AND, compare, AND per register of Q5_K's fifth and Q3_K's third
+// bits, as the even/odd scale order below replaced a vpermd per register of Q6_K, Q2_K,
+// Q3_K by a vpshufd: paired A/B on Zen 3 (avx2, 2026-12-02; with gguf_rows.h's per-type
+// row loop, which alone left the K-quants at 0.94-1.00), 1 / 8 tokens: S1 Q3_K 0.76 /
+// 0.73 the time, Q5_K 0.92 / 0.81, Q2_K 0.90 / 0.88, Q6_K 0.92 / 0.91 (one round of five
+// 1.20-1.27), Q4_K_M 0.93 / 0.95, S2 Q4_K_M 0.94 / 0.93. Same integers, same results.
+template <int kTo>
+inline __m256i byte_bit_to(__m256i x, int from) {
+  const __m256i moved = from > kTo ? _mm256_srli_epi16(x, from - kTo) : from < kTo ? _mm256_slli_epi16(x, kTo - from) : x;
+  return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << kTo)));
 }
 
 // Two rows' Q4_K / Q5_K headers (d, dmin, 12 scale bytes) -> per 128-bit lane (row):
@@ -74,7 +89,7 @@ void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
   constexpr int64_t kQs = kFive ? 48 : 16;       // offset of the nibbles
   // Sub-block r's activation bytes in kGgufQ4kOrder.
   constexpr int kActAt[8] = {0, 64, 32, 96, 128, 192, 160, 224};
-  const __m256i low = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16), zero = _mm256_setzero_si256();
+  const __m256i low = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
   __m256 acc[M][4], accm[M];
   for (int j = 0; j < M; ++j) {
     accm[j] = _mm256_setzero_ps();
@@ -152,11 +167,9 @@ void gguf_q4k_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const* aq
           const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + kQs + 32 * c));
           l0 = _mm256_and_si256(q, low);
           l1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-          if constexpr (kFive) {
-            const __m256i bit0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
-            const __m256i bit1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
-            l0 = _mm256_or_si256(l0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit0), bit0), sixteen));
-            l1 = _mm256_or_si256(l1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit1), bit1), sixteen));
+          if constexpr (kFive) {  // bits 2c, 2c + 1 of qh: + 16
+            l0 = _mm256_or_si256(l0, byte_bit_to<4>(qh, 2 * c));
+            l1 = _mm256_or_si256(l1, byte_bit_to<4>(qh, 2 * c + 1));
           }
           if constexpr (kLevels == KeptLevels::kKeep) {
             _mm256_store_si256(kept_reg(row_at + 64 + 64 * c), l0);
@@ -208,10 +221,9 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
   constexpr bool kSix = kType == GgmlType::kQ6_K, kThree = kType == GgmlType::kQ3_K;
   constexpr int64_t kBytes = kSix ? 210 : Q23k<kType>::kBytes;
   const __m256i low = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
-  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
-  // vpermd indices: lane 0 takes dword 2k (scale pair (s, s)), lane 1 dword 2k + 1.
-  const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                           _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  const __m256i three = _mm256_set1_epi8(3);
+  // Per 128-bit lane of int16 scales: the even groups first, then the odd ones (vpshufb).
+  const __m256i even_odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
   __m256 acc[M][4];
   for (int j = 0; j < M; ++j)
     for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
@@ -221,8 +233,10 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
       const uint8_t* b = rows[i] + u * kBytes;
       uint8_t* kept = kLevels == KeptLevels::kExtract ? nullptr : cache + (u * 4 + i) * kGroup16Kept;
       const auto kept_reg = [&](int64_t at) { return reinterpret_cast<__m256i*>(kept + at); };
-      // The 16 groups' scales as int16 (Q2_K: and minimums); as pairs (s, s):
-      // P = s0-s3 | s8-s11, Q = s4-s7 | s12-s15.
+      // The 16 groups' scales as int16 (Q2_K: and minimums); as pairs (s, s), the even
+      // groups in lane 0 and the odd ones in lane 1: P = s0 s2 s4 s6 | s1 s3 s5 s7,
+      // Q = s8 s10 s12 s14 | s9 s11 s13 s15, so each register's two scales are one
+      // in-lane vpshufd away (vpermd per register before).
       __m256i sc = _mm256_setzero_si256(), minimums = sc, P = sc, Q = sc;
       float d, dmin = 0.0f;
       __m256i hmask = _mm256_setzero_si256();
@@ -241,8 +255,10 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
           d = Q23k<kType>::d(b);
           dmin = Q23k<kType>::dmin(b);
         }
-        P = _mm256_unpacklo_epi16(sc, sc);
-        Q = _mm256_unpackhi_epi16(sc, sc);
+        // [s0 s2 s4 s6 s1 s3 s5 s7 | s8 s10 .. s9 s11 ..] -> [s0 s2 .. s14 | s1 s3 .. s15]
+        const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(sc, even_odd), 0xD8);
+        P = _mm256_unpacklo_epi16(split, split);
+        Q = _mm256_unpackhi_epi16(split, split);
         if constexpr (kThree) hmask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
         if constexpr (kLevels == KeptLevels::kKeep) {
           _mm256_store_si256(kept_reg(512), sc);
@@ -276,10 +292,7 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
           v[2] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), three);
           v[3] = _mm256_and_si256(_mm256_srli_epi16(qs, 6), three);
           if constexpr (kThree)
-            for (int r = 0; r < 4; ++r) {
-              const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (4 * n + r)));
-              v[r] = _mm256_or_si256(v[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit), four));
-            }
+            for (int r = 0; r < 4; ++r) v[r] = _mm256_or_si256(v[r], byte_bit_to<2>(hmask, 4 * n + r));
         }
         if constexpr (kLevels == KeptLevels::kKeep)
           for (int r = 0; r < 4; ++r) _mm256_store_si256(kept_reg(32 * (4 * n + r)), v[r]);
@@ -289,7 +302,11 @@ void gguf_group16_dot_rows4_avx2(const uint8_t* const* rows, const int8_t* const
           if constexpr (kLevels == KeptLevels::kLoad) {
             s = _mm256_load_si256(kept_reg(256 + 32 * (4 * n + r)));
           } else {
-            s = _mm256_permutevar8x32_epi32(r < 2 ? P : Q, pick[2 * n + r % 2]);
+            const __m256i half = n == 0 ? P : Q;  // dword r of each lane (immediates at any -O)
+            s = r == 0   ? _mm256_shuffle_epi32(half, 0x00)
+                : r == 1 ? _mm256_shuffle_epi32(half, 0x55)
+                : r == 2 ? _mm256_shuffle_epi32(half, 0xAA)
+                         : _mm256_shuffle_epi32(half, 0xFF);
             if constexpr (kLevels == KeptLevels::kKeep) _mm256_store_si256(kept_reg(256 + 32 * (4 * n + r)), s);
           }
           for (int j = 0; j < M; ++j) {
