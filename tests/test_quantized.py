@@ -31,7 +31,8 @@ METHODS = [  # (method, zero_point, packed format)
 
 # (E, top_k, H, I, tokens, group): H and I off the 16-row blocks and (int8) the 32-k
 # padding, one expert, top-k = E, experts past one micro-tile (4 rows) and past the
-# 96-row chunk, k over several 512-k GEMM blocks, every int4 group size.
+# 96-row chunk, k over several 512-k GEMM blocks (AVX2 and MXFP4; 2048 elsewhere:
+# test_k_blocks_past_2048), every int4 group size.
 SHAPES = [
     (4, 2, 64, 32, 1, 32),
     (3, 3, 96, 64, 6, 32),
@@ -81,6 +82,45 @@ def test_kernel_matches_reference(variant: str, method: str, zero_point: bool, f
     assert rel_err(out, tight) <= 1e-3, f"vs activation-quantized reference: {rel_err(out, tight):.3g}"
     assert rel_err(out, plain) <= 3e-2, f"vs dequantized-weight reference: {rel_err(out, plain):.3g}"
     assert max_err(out, plain) <= 6e-2, f"max error {max_err(out, plain):.3g}"
+
+
+# (method, zero_point, H, I): k of one whole 2048-k block and a partial one, for gate/up
+# (H) or down (I); INT4's k a multiple of its groups of 128.
+LONG_K = [
+    pytest.param("AMXINT8", False, 2200, 48, id="int8-gate_up_k2200"),
+    pytest.param("AMXINT8", False, 48, 2100, id="int8-down_k2100"),
+    pytest.param("AMXINT4", False, 2176, 128, id="int4-gate_up_k2176"),
+    pytest.param("AMXINT4", True, 128, 2304, id="int4_asym-down_k2304"),
+]
+
+
+@pytest.mark.parametrize("extreme", [False, True], ids=["gaussian", "extreme"])
+@pytest.mark.parametrize("method,zero_point,H,I", LONG_K)
+def test_k_blocks_past_2048(variant: str, method: str, zero_point: bool, H: int, I: int, extreme: bool) -> None:
+    """On the AVX-512 variants INT8 flushes its int32 sums every 2048 k and INT8 / INT4
+    prefill runs k in blocks of 2048 (AVX2, and MXFP4 everywhere: 512): a k past 2048 is
+    one whole block and a partial one. Each token's row equals, bit for bit, the row of
+    the same token computed alone (decode path), and the layer matches the reference.
+    ``extreme``: every weight and activation at the quantized limit with one sign (INT8:
+    127 x 255 per product in offset binary), the largest int32 sums a flush can hold."""
+    E, T = 2, 20
+    if extreme:
+        gate, up, down = torch.ones(E, I, H), torch.ones(E, I, H), torch.ones(E, H, I) * 1e-6
+        x = torch.ones(T, H) * 1e-3
+    else:
+        gate, up, down = make_weights(E, H, I, seed=H + I)
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    packed = kt_ops.pack_experts(gate, up, down, method=method, group_size=128, zero_point=zero_point)
+    ids = (torch.arange(T) % E).to(torch.int32).reshape(T, 1)  # 10 tokens per expert: prefill tiles
+    weights = torch.rand(T, 1, generator=torch.Generator().manual_seed(3)) + 0.5
+    out = kt_ops.moe_forward(x, ids, weights, packed)
+    assert torch.isfinite(out).all()
+    for t in (0, 7, 19):
+        alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], packed)
+        assert torch.equal(out[t:t + 1], alone), f"token {t}: prefill and decode rows differ"
+    dq = reference.dequantize(packed.data)
+    tight = reference.moe_forward(x, ids, weights, *dq, quantize_activations=True)
+    assert rel_err(out, tight) <= 1e-4, f"vs the reference with the kernel's activations: {rel_err(out, tight):.3g}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])

@@ -31,9 +31,21 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-constexpr int64_t kQuantKBlock = 512;     // GEMM k block (a multiple of every int4 group)
+constexpr int64_t kQuantKBlock = 512;     // MXFP4's and AVX2's GEMM k block (a multiple of every int4 group)
 static_assert(kQuantKBlock % (kMxfp4SpanGroups * 32) == 0, "MXFP4 spans start on k blocks");
-static_assert(kQuantKBlock % kInt8FlushK == 0, "k blocks must end on INT8 flush boundaries");
+// The k block of Micro's k-blocked GEMM (quant_vector_gemm): INT8's is one flush
+// (QuantGemm::kInt8FlushK); on AVX-512 (one register per line) INT4's is 2048 too, MXFP4
+// keeps one span per k block (mxfp4_span.h). Per k block each row tile starts and ends a
+// call, and the first streams the weights in: a C++ harness calling quant_gemm_rows on
+// S1's matrices (36 token rows, weights in DRAM, one core, Zen 5, 2026-12-02) ran INT4
+// (groups of 128) gate/up at 5.9-6.2 vpdpbusd per ns with 512-k blocks, 6.8-6.9 with 2048,
+// down (K = 768) 5.5-6.0 against 6.6-6.7.
+template <class Micro>
+constexpr int64_t quant_k_block() {
+  if constexpr (!Micro::kInt4) return Micro::kInt8FlushK;
+  else if constexpr (Micro::kMxfp4 || Micro::R != 1) return kQuantKBlock;
+  else return 2048;
+}
 constexpr int64_t kQuantRowChunk = 96;    // rows per gate/up epilogue chunk
 constexpr int64_t kQuantPadRows = 32;     // readable rows past the last pair (tile GEMMs)
 constexpr int64_t kQuantPrefetchLines = 32;  // decode: prefetch 2 KiB ahead
@@ -83,7 +95,7 @@ QuantTileArgs quant_args(const int_layout::MatrixDims& dims, const uint8_t* bloc
                      dims.minimums ? reinterpret_cast<const float*>(minimums) : nullptr,
                      static_cast<int64_t>(dims.block_bytes()),
                      k,
-                     int4 ? dims.group : kInt8FlushK,
+                     int4 ? dims.group : Micro::kInt8FlushK,
                      c,
                      ldc,
                      accumulate,
@@ -108,8 +120,8 @@ __attribute__((noinline)) void quant_vector_gemm(const QuantRows& a, int64_t row
   const auto line_of = [](int64_t k) { return (k / Micro::kKPerLine) * static_cast<int64_t>(int_layout::kLineBytes); };
   for (int g0 = b0; g0 < b1; g0 += kTileBlocks) {
     const int g1 = std::min(b1, g0 + kTileBlocks);
-    for (int64_t k0 = k_begin; k0 < k_end; k0 += kQuantKBlock) {
-      const int64_t k = std::min(kQuantKBlock, k_end - k0);
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += quant_k_block<Micro>()) {
+      const int64_t k = std::min(quant_k_block<Micro>(), k_end - k0);
       // Row tile j brings block j of the group's next k block (after its last, of the next
       // group's first) to L2, one line per line step, and prefill jobs hold several groups
       // (QuantFormat), so only a job's first k block starts cold (Zen 5, avx512_bf16,

@@ -82,8 +82,6 @@ inline IReg asm_dpwssd(IReg acc, IReg a, IReg b) {
   return acc;
 }
 
-// k per int32 flush of INT8 sums (the k block of the driver's GEMM is a multiple of it).
-constexpr int64_t kInt8FlushK = 512;
 
 struct QuantTileArgs {
   const int8_t* const* a;        // [M] activation row pointers at the tile's first k
@@ -93,7 +91,7 @@ struct QuantTileArgs {
   const float* minimums;         // same for int4_asym (nullptr otherwise)
   int64_t block_stride;          // bytes between consecutive blocks (lines and scales)
   int64_t k;                     // k to accumulate: a multiple of group (int8: any multiple of 32)
-  int64_t group;                 // k per flush: int4's group; int8: kInt8FlushK (one scale row)
+  int64_t group;                 // k per flush: int4's group; int8: QuantGemm::kInt8FlushK (one scale row)
   float* c;                      // [M][ldc] fp32 output tile, NB * 16 columns used
   int64_t ldc;
   bool accumulate;               // add to c instead of overwriting it
@@ -146,6 +144,18 @@ struct QuantGemm {
   static constexpr int kDecodeBlocks = Ops::kMaxBlocks;
   static constexpr int R = Ops::kRegsPerLine;
   static constexpr int W = Vec::kWidth;  // 16 / R
+  // k per int32 flush of INT8 sums; the INT8 k block of the driver's GEMM (quant_format.h).
+  // AVX-512 (one register per line): 2048. A k-blocked row tile of 6 x 4 blocks runs
+  // 128 line steps per 512 k, and what it does around them (sums started, flushed through
+  // c, the next call set up) cost ~15% beside them: a C++ harness calling
+  // quant_gemm_rows on S1's matrices (36 token rows, weights in DRAM, one core, Zen 5,
+  // 2026-12-02) ran gate/up at 5.7-6.0 vpdpbusd per ns with 512, 6.0-6.6 with 2048 (a
+  // 2048 k block flushed every 512: 5.8-5.9) and down (K = 768, blocks of 512 + 256) at
+  // 4.8-5.1 against 5.7-5.9 (one k block). 2048 k of int8 x uint8 products stays far
+  // inside int32 (2048 x 127 x 255 < 2^26). The 4 blocks' 2048 k (128 KiB) stay in L2 for
+  // the later row tiles instead of L1 (Zen 5: 1 MiB L2). AVX2 (two registers per line, tiles
+  // of 2 rows that re-read each k block T / 2 times, and Zen 3's 512 KiB L2) keeps 512.
+  static constexpr int64_t kInt8FlushK = R == 1 ? 2048 : 512;
   static constexpr int kKPerLine = kInt4 ? 8 : 4;
   // AVX2 (int_ops_avx2.h): vpmaddubsw pair sums (dot_int4) in 16 registers of 8 int32.
   static constexpr bool kAvx2Dots = HasDotInt4<Ops>::value && R == 2;

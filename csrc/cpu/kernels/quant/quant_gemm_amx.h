@@ -8,7 +8,7 @@
 //          the flush), asymmetric int4 with integer zero points as level - z (signed, the
 //          same flush: int_layout.h), other asymmetric int4 as unsigned levels (tdpbsud,
 //          plus the minimum term).
-// int32 sums are flushed to fp32 per group (int8: every kInt8FlushK k) with QuantGemm's
+// int32 sums are flushed to fp32 per group (int8: every QuantGemm::kInt8FlushK k) with QuantGemm's
 // arithmetic, so the tiles give the same bits as the vector micro-kernel (decode, tails):
 // batch invariance holds.
 // MXFP4 runs spans of 512 k (mxfp4_span.h): one integer sum per span and tile where the
@@ -58,7 +58,7 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
     // INT8 tiles take k in steps of 64; when K is not a multiple of 64 the tail left to
     // the vector micro-kernel starts on a flush boundary (same flushes as decode).
     const int64_t covered_k = kInt4 || dims.padded_k % 64 == 0 ? dims.padded_k
-                                                                : dims.padded_k / kInt8FlushK * kInt8FlushK;
+                                                                : dims.padded_k / Base::kInt8FlushK * Base::kInt8FlushK;
     // One block at a time pays off from two row tiles (at 64 tokens, experts of 5-16 rows
     // took 1.05-1.10x the time on it: a 16-row flush per group for a few rows).
     if constexpr (Kind == QuantKind::kMxfp4) return mxfp4_tile_gemm(a, rows, dims, w, blocks, c, ldc);
@@ -413,7 +413,7 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
     const int8_t* a1 = a0 + 16 * a.stride;
     const bool two_row_tiles = tile_rows > 16;
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
-    const int64_t group = kInt4 ? dims.group : kInt8FlushK;
+    const int64_t group = kInt4 ? dims.group : Base::kInt8FlushK;
     alignas(64) float acc[32][32] = {};
     alignas(64) int32_t sums[32][32];
     alignas(64) uint8_t b_tiles[2][16 * 64];
