@@ -24,7 +24,8 @@ from conftest import make_experts, max_err, random_routing, rel_err
 FP32_ACTIVATION_VARIANTS = {"avx512", "avx_vnni", "avx2"}
 
 # (E, top_k, H, I, tokens): H and I off every tile multiple (16 rows, pairs, 4-block
-# tiles, 128-pair k blocks), one expert, top-k = E, tokens from 0 to past the
+# tiles, AVX2's 128-pair k blocks; AVX-512's 1024-pair blocks: test_prefill_k_blocks_past_2048),
+# one expert, top-k = E, tokens from 0 to past the
 # 48-row chunk, and experts with more tokens than one micro-tile.
 SHAPES = [
     (8, 2, 64, 32, 1),
@@ -61,6 +62,29 @@ def test_matches_reference(variant: str, E: int, top_k: int, H: int, I: int, T: 
     assert out.dtype == dtype
     ref = kt_ops.reference.moe_forward(x, ids, weights, experts.gate, experts.up, experts.down)
     check(out, ref, tolerance(variant, dtype))
+
+
+@pytest.mark.parametrize("H,I", [(2200, 48), (48, 2100)], ids=["gate_up_k2200", "down_k2100"])
+def test_prefill_k_blocks_past_2048(variant: str, H: int, I: int) -> None:
+    """Prefill runs k in blocks of 1024 pairs on the AVX-512 variants (128 on AVX2): a k of
+    2200 (gate/up) or 2100 (down) is one whole block and a partial one. Each token's row
+    equals, bit for bit, the row of the same token computed alone (the decode path; on amx,
+    whose prefill runs on AMX tiles that sum in their own order, within 1e-5), and the
+    layer matches the reference."""
+    E, T = 2, 20
+    experts = make_experts(E, H, I, seed=H + I)
+    ids = (torch.arange(T) % E).to(torch.int32).reshape(T, 1)  # 10 tokens per expert: prefill tiles
+    weights = torch.rand(T, 1, generator=torch.Generator().manual_seed(3)) + 0.5
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    out = kt_ops.moe_forward(x, ids, weights, experts.packed)
+    for t in (0, 7, 19):
+        alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], experts.packed)
+        if variant == "amx":
+            assert rel_err(out[t:t + 1], alone) <= 1e-5, f"token {t}: {rel_err(out[t:t + 1], alone):.3g}"
+        else:
+            assert torch.equal(out[t:t + 1], alone), f"token {t}: prefill and decode rows differ"
+    ref = kt_ops.reference.moe_forward(x, ids, weights, experts.gate, experts.up, experts.down)
+    check(out, ref, tolerance(variant, torch.float32))
 
 
 def test_skip_slots_and_repeated_experts(variant: str) -> None:

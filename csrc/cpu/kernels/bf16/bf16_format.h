@@ -29,7 +29,6 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-constexpr int64_t kBf16KBlockPairs = 128;  // GEMM k block: 4 blocks x 128 pairs = 32 KiB of weights
 constexpr int64_t kBf16RowChunk = 96;      // rows per epilogue chunk (multiple of 32, 6 and 4)
 constexpr int64_t kBf16PadRows = 32;       // readable rows past the last pair (AMX row tiles)
 constexpr int64_t kBf16PrefetchPairs = 32;  // streaming passes prefetch weight lines 2 KiB ahead
@@ -54,9 +53,23 @@ void bf16_tile_any(int rows, int blocks, const TileArgs<typename Micro::Act>& t,
   }
 }
 
+// The k block of Micro's k-blocked GEMM, in k pairs: 4 blocks x 128 pairs = 32 KiB of
+// weights (L1) on AVX2; on AVX-512, 1024 pairs (256 KiB, L2) since 2026-12-02: each row
+// tile starts and ends a call per k block (its accumulators loaded and stored) and the
+// first streams the weights in. A C++ harness calling bf16_gemm_rows on S1's matrices (36
+// token rows, weights in DRAM, Zen 5, avx512_bf16) ran 6.0-6.3 vdpbf16ps per ns with 128
+// pairs, 6.6-7.0 with 512 or 1024 on one core, 5.5-6.0 against 5.8-6.4 on both cores at
+// once; paired A/B in place (512 tokens, 3 rounds of 16 calls): S1 0.98, S2 0.97 of the
+// time, 64 tokens 0.97-0.98. The fp32 sums go through c between k blocks in the same
+// order either way: the same bits.
+template <class Micro>
+constexpr int64_t bf16_k_block_pairs() {
+  return sizeof(typename Micro::Vec::Reg) == 64 ? 1024 : 128;
+}
+
 // The k-blocked vector GEMM: c[m][16 b0, 16 b1) (+)= a[m] x blocks [b0, b1) over k-pairs
 // [p_begin, p_end), for m < rows, in groups of kTileBlocks blocks: a group's block of
-// weight lines (kBf16KBlockPairs) stays in L1 while every row tile reuses it.
+// weight lines (bf16_k_block_pairs) stays in cache while every row tile reuses it.
 // `accumulate` adds to c from the first k block on.
 template <class Micro>
 void bf16_vector_gemm(const typename Micro::Act* a, int64_t lda, int64_t rows, const uint16_t* w,
@@ -66,8 +79,8 @@ void bf16_vector_gemm(const typename Micro::Act* a, int64_t lda, int64_t rows, c
   const Act* row_at[Micro::kMaxRows];
   for (int g0 = b0; g0 < b1; g0 += static_cast<int>(kTileBlocks)) {
     const int g1 = std::min(b1, g0 + static_cast<int>(kTileBlocks));
-    for (int64_t p0 = p_begin; p0 < p_end; p0 += kBf16KBlockPairs) {
-      const int64_t block_pairs = std::min(kBf16KBlockPairs, p_end - p0);
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += bf16_k_block_pairs<Micro>()) {
+      const int64_t block_pairs = std::min(bf16_k_block_pairs<Micro>(), p_end - p0);
       // What the row tiles bring to L2 while this k block runs: the group's next k block,
       // or after its last one the next group's first (prefill jobs of several groups, so
       // only a job's first k block starts cold: 512-token BF16 0.89-0.95 of the time, FP8
