@@ -82,7 +82,6 @@ inline IReg asm_dpwssd(IReg acc, IReg a, IReg b) {
   return acc;
 }
 
-
 struct QuantTileArgs {
   const int8_t* const* a;        // [M] activation row pointers at the tile's first k
   const int32_t* const* a_sums;  // [M] pointers to the rows' sums per 32 k, same first k
