@@ -1,7 +1,9 @@
 """1-token GGUF decode with the weights cache-resident: the kernels' compute limit.
 
-S1 sizes (H 2048, I 768) with only the 8 experts a token uses, so the 21-40 MB layer
-stays in the L3 between calls; prints the median time and the weight bytes it would
+S1 sizes (H 2048, I 768) with only the 8 experts a token uses: a 21 MB (4-bit types) to
+40 MB (Q8_0) layer, which stays in a 32 MiB L3 between calls for the types below ~6 bits
+per weight (Q8_0's and Q6_K's layers partly stream from DRAM there, so their figure is a
+lower bound of the compute limit); prints the median time and the weight bytes it would
 stream per second. Compare with ``python -m kt_ops.bench`` (caches evicted).
 TOKENS=n routes n tokens to the same 8 experts (n tokens per expert: the in-place
 kernels' token blocks); N sets the timed calls (300).
