@@ -73,6 +73,13 @@ inline constexpr GgmlTypeInfo kGgmlTypes[] = {
     {GgmlType::kQ6_K, "Q6_K", 256, 210, false, "Q8_0", true, true},
 };
 
+// Elements per block of a type kt_ops computes, at compile time (0: not in kGgmlTypes).
+constexpr uint32_t ggml_block_elems(GgmlType type) {
+  for (const GgmlTypeInfo& info : kGgmlTypes)
+    if (info.type == type) return info.block_elems;
+  return 0;
+}
+
 // Throws std::invalid_argument naming the type (or its id) when kt_ops has no kernel for it.
 const GgmlTypeInfo& ggml_type_info(uint32_t id);
 

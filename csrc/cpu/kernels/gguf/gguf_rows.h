@@ -184,18 +184,15 @@ inline int64_t gguf_kept_bytes(GgmlType type, int64_t k) {
     case GgmlType::kQ6_K:
     case GgmlType::kQ2_K:
     case GgmlType::kQ3_K: return (k / 256) * 4 * kGroup16Kept;
-    default:
-      return ggml_type_info(static_cast<uint32_t>(type)).block_elems == 32
-                 ? 4 * ((k / 32 + 3) / 4) * kBlock32CacheStep<GgmlType::kQ5_1>
-                 : 0;
+    default: return ggml_block_elems(type) == 32 ? 4 * ((k / 32 + 3) / 4) * kBlock32CacheStep<GgmlType::kQ5_1> : 0;
   }
 }
 
 // Whether kType is a K-quant (256-weight super-blocks; the other in-place types have 32-weight blocks).
-constexpr bool gguf_is_kquant(GgmlType type) {
-  return type == GgmlType::kQ4_K || type == GgmlType::kQ5_K || type == GgmlType::kQ6_K || type == GgmlType::kQ2_K ||
-         type == GgmlType::kQ3_K;
-}
+constexpr bool gguf_is_kquant(GgmlType type) { return ggml_block_elems(type) == 256; }
+static_assert(gguf_is_kquant(GgmlType::kQ2_K) && gguf_is_kquant(GgmlType::kQ6_K) && !gguf_is_kquant(GgmlType::kQ8_0) &&
+                  !gguf_is_kquant(GgmlType::kMxfp4),
+              "K-quants are the 256-element types of kGgmlTypes");
 
 // run(type) with the in-place type `type` (gguf_in_place) as a compile-time constant
 // (std::integral_constant<GgmlType, T>): gguf_direct_rows' loop over the groups of four
