@@ -57,8 +57,8 @@ void bf16_tile_any(int rows, int blocks, const TileArgs<typename Micro::Act>& t,
 // weights (L1) on AVX2; on AVX-512, 1024 pairs (256 KiB, L2) since 2026-12-02: each row
 // tile starts and ends a call per k block (its accumulators loaded and stored) and the
 // first streams the weights in. A C++ harness calling bf16_gemm_rows on S1's matrices (36
-// token rows, weights in DRAM, Zen 5, avx512_bf16) ran 6.0-6.3 vdpbf16ps per ns with 128
-// pairs, 6.6-7.0 with 512 or 1024 on one core, 5.5-6.0 against 5.8-6.4 on both cores at
+// token rows, weights in DRAM, Zen 5, avx512_bf16) ran 5.9-6.3 vdpbf16ps per ns with 128
+// pairs, 6.6-7.0 with 512 or 1024 on one core, 4.9-6.1 against 5.5-6.4 on both cores at
 // once; paired A/B in place (512 tokens, 3 rounds of 16 calls): S1 0.98, S2 0.97 of the
 // time, 64 tokens 0.97-0.98. The fp32 sums go through c between k blocks in the same
 // order either way: the same bits.

@@ -38,7 +38,7 @@ static_assert(kQuantKBlock % (kMxfp4SpanGroups * 32) == 0, "MXFP4 spans start on
 // keeps one span per k block (mxfp4_span.h). Per k block each row tile starts and ends a
 // call, and the first streams the weights in: a C++ harness calling quant_gemm_rows on
 // S1's matrices (36 token rows, weights in DRAM, one core, Zen 5, 2026-12-02) ran INT4
-// (groups of 128) gate/up at 5.9-6.2 vpdpbusd per ns with 512-k blocks, 6.8-6.9 with 2048,
+// (groups of 128) gate/up at 5.9-6.2 vpdpbusd per ns with 512-k blocks, 6.7-6.9 with 2048,
 // down (K = 768) 5.5-6.0 against 6.6-6.7.
 template <class Micro>
 constexpr int64_t quant_k_block() {
