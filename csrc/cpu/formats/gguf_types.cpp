@@ -43,8 +43,7 @@ std::string supported_names() {
 }  // namespace
 
 const GgmlTypeInfo& ggml_type_info(uint32_t id) {
-  for (const GgmlTypeInfo& info : kGgmlTypes)
-    if (static_cast<uint32_t>(info.type) == id) return info;
+  if (const GgmlTypeInfo* info = find_ggml_type(id)) return *info;
   const char* name = unsupported_name(id);
   throw std::invalid_argument(std::string("GGUF tensor type ") + (name ? name : "id " + std::to_string(id)) +
                               " is not supported; kt_ops computes " + supported_names() + " experts");

@@ -73,14 +73,22 @@ inline constexpr GgmlTypeInfo kGgmlTypes[] = {
     {GgmlType::kQ6_K, "Q6_K", 256, 210, false, "Q8_0", true, true},
 };
 
-// Elements per block of a type kt_ops computes, at compile time (0: not in kGgmlTypes).
-constexpr uint32_t ggml_block_elems(GgmlType type) {
+// The row of kGgmlTypes for a ggml type id, or nullptr when kt_ops has no kernel for it
+// (usable at compile time; ggml_type_info is the checked run-time lookup).
+constexpr const GgmlTypeInfo* find_ggml_type(uint32_t id) {
   for (const GgmlTypeInfo& info : kGgmlTypes)
-    if (info.type == type) return info.block_elems;
-  return 0;
+    if (static_cast<uint32_t>(info.type) == id) return &info;
+  return nullptr;
 }
 
-// Throws std::invalid_argument naming the type (or its id) when kt_ops has no kernel for it.
+// Elements per block of a type kt_ops computes, at compile time (0: not in kGgmlTypes).
+constexpr uint32_t ggml_block_elems(GgmlType type) {
+  const GgmlTypeInfo* info = find_ggml_type(static_cast<uint32_t>(type));
+  return info != nullptr ? info->block_elems : 0;
+}
+
+// find_ggml_type's row; throws std::invalid_argument naming the type (or its id) when kt_ops
+// has no kernel for it.
 const GgmlTypeInfo& ggml_type_info(uint32_t id);
 
 // Bytes of one row of k elements; throws std::invalid_argument (naming `what`) when k
