@@ -31,7 +31,6 @@
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
-constexpr int64_t kQuantKBlock = 512;     // MXFP4's and AVX2's GEMM k block (a multiple of every int4 group)
 static_assert(kQuantKBlock % (kMxfp4SpanGroups * 32) == 0, "MXFP4 spans start on k blocks");
 // The k block of Micro's k-blocked GEMM (quant_vector_gemm): INT8's is one flush
 // (QuantGemm::kInt8FlushK); on AVX-512 (one register per line) INT4's is 2048 too, MXFP4
@@ -44,7 +43,7 @@ template <class Micro>
 constexpr int64_t quant_k_block() {
   if constexpr (!Micro::kInt4) return Micro::kInt8FlushK;
   else if constexpr (Micro::kMxfp4 || Micro::R != 1) return kQuantKBlock;
-  else return 2048;
+  else return kQuantWideKBlock;
 }
 constexpr int64_t kQuantRowChunk = 96;    // rows per gate/up epilogue chunk
 constexpr int64_t kQuantPadRows = 32;     // readable rows past the last pair (tile GEMMs)

@@ -51,6 +51,12 @@ namespace {  // ISA header: each variant translation unit owns its copy
 
 enum class QuantKind { kInt8, kInt4, kInt4Asym, kMxfp4 };
 
+// k per block of the driver's k-blocked GEMM (quant_format.h's quant_k_block) and per
+// int32 flush of INT8 sums (QuantGemm::kInt8FlushK): 512 for MXFP4 and the AVX2-width
+// variants (a multiple of every int4 group), 2048 where a weight line is one register.
+constexpr int64_t kQuantKBlock = 512;
+constexpr int64_t kQuantWideKBlock = 2048;
+
 // GCC's vpdpbusd / vpdpwssd intrinsics make its register allocator copy every accumulator
 // around each dot (a 6 x 4 int8 tile loop: 131 register moves and stack spills for 24
 // vpdpbusd, and 2 moves per dot in the 4 x 2 tile; its vdpbf16ps intrinsic compiles
@@ -154,7 +160,7 @@ struct QuantGemm {
   // inside int32 (2048 x 127 x 255 < 2^26). The 4 blocks' 2048 k (128 KiB) stay in L2 for
   // the later row tiles instead of L1 (Zen 5: 1 MiB L2). AVX2 (two registers per line, tiles
   // of 2 rows that re-read each k block T / 2 times, and Zen 3's 512 KiB L2) keeps 512.
-  static constexpr int64_t kInt8FlushK = R == 1 ? 2048 : 512;
+  static constexpr int64_t kInt8FlushK = R == 1 ? kQuantWideKBlock : kQuantKBlock;
   static constexpr int kKPerLine = kInt4 ? 8 : 4;
   // AVX2 (int_ops_avx2.h): vpmaddubsw pair sums (dot_int4) in 16 registers of 8 int32.
   static constexpr bool kAvx2Dots = HasDotInt4<Ops>::value && R == 2;
