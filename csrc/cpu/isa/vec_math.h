@@ -1,6 +1,10 @@
 // Elementwise math written once against the Vec interface (vec_avx512.h, vec_avx2.h).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
@@ -32,6 +36,31 @@ bool any_nan(typename V::Reg r) {
   bool nan = false;
   for (float lane : lanes) nan |= lane != lane;
   return nan;
+}
+
+// The largest |x[i]| of x[0, n) and whether every x[i] is finite: the activation
+// quantizers' one pass over a row or block (quant/activation_quant.h, gguf/gguf_act.h,
+// fp8/fp8_format.h). A NaN does not raise the maximum (an infinity does); any n.
+struct AbsMax {
+  float value;
+  bool finite;
+};
+template <class V>
+AbsMax abs_max(const float* x, int64_t n) {
+  constexpr int W = V::kWidth;
+  const int64_t body = n / W * W;
+  typename V::Reg top = V::zero(), poison = V::zero();
+  for (int64_t i = 0; i < body; i += W) {
+    const typename V::Reg v = V::load(x + i);
+    top = V::max(V::abs(v), top);           // maxps: a NaN lane keeps top
+    poison = V::fma(v, V::zero(), poison);  // NaN once a lane saw NaN or inf
+  }
+  AbsMax m{V::reduce_max(top), !any_nan<V>(poison)};
+  for (int64_t i = body; i < n; ++i) {
+    if (!std::isnan(x[i])) m.value = std::max(m.value, std::fabs(x[i]));
+    m.finite &= static_cast<bool>(std::isfinite(x[i]));
+  }
+  return m;
 }
 
 // silu(g) * u = g / (1 + exp(-g)) * u

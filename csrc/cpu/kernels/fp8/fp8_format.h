@@ -80,17 +80,14 @@ void fp8_add_rows(int64_t rows, int blocks, const float* const* addends, float* 
 // or NaNs only; within [2^-126, 2^127] otherwise.
 template <class V>
 float fp8_row_normalizer(const float* x, int64_t n) {
-  constexpr int W = V::kWidth;
-  typename V::Reg top = V::zero();
-  for (int64_t i = 0; i < n; i += W)  // n: a multiple of 16
-    top = V::max(V::abs(V::load(x + i)), top);  // a NaN lane keeps top
-  float largest = V::reduce_max(top);
-  if (!(largest > 0.0f) || std::isinf(largest)) {
+  const AbsMax top = abs_max<V>(x, n);
+  float largest = top.value;
+  if (!top.finite) {
     largest = 0.0f;  // the finite lanes' maximum, read again without the infinities
     for (int64_t i = 0; i < n; ++i)
       if (std::isfinite(x[i])) largest = std::max(largest, std::fabs(x[i]));
-    if (largest == 0.0f) return 1.0f;
   }
+  if (!(largest > 0.0f)) return 1.0f;
   int exponent = 0;
   std::frexp(largest, &exponent);  // largest in [2^(exponent - 1), 2^exponent)
   return std::ldexp(1.0f, std::clamp(33 - exponent, -126, 127));

@@ -67,15 +67,10 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
   // per-4 scale and the int16 level sums only: no per-4 biases or scaled sums of 16.
   const bool kquant = acts.q4k_order || acts.sums_of_16;
   for (int64_t b0 = 0; b0 < kp; b0 += acts.block) {
-    typename V::Reg top = V::zero(), poison = V::zero();
-    for (int64_t i = b0; i < b0 + acts.block; i += W) {
-      const typename V::Reg v = V::load(x + i);
-      top = V::max(top, V::abs(v));
-      poison = V::fma(v, V::zero(), poison);  // NaN once a lane saw NaN or inf
-    }
-    const float amax = V::reduce_max(top);
+    const AbsMax top = abs_max<V>(x + b0, acts.block);
+    const float amax = top.value;
     // A block holding a NaN or an infinity: scale NaN, levels 0 (the row's results are NaN).
-    const bool finite = !any_nan<V>(poison);
+    const bool finite = top.finite;
     const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
     const typename V::Reg inv = V::set1(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
     for (int64_t i = b0; i < b0 + acts.block; i += W) V::store_int8(q + i, V::mul(V::load(x + i), inv));

@@ -22,19 +22,9 @@ template <class V>
 float quantize_activation_row(const float* x, int64_t n, int64_t cols, int8_t* q, int32_t* sums) {
   constexpr int W = V::kWidth;
   const int64_t body = n / W * W;
-  typename V::Reg top = V::zero(), poison = V::zero();
-  for (int64_t i = 0; i < body; i += W) {
-    const typename V::Reg v = V::load(x + i);
-    top = V::max(top, V::abs(v));
-    poison = V::fma(v, V::zero(), poison);  // NaN once a lane saw NaN or inf
-  }
-  float amax = V::reduce_max(top);
-  bool finite = !any_nan<V>(poison);
-  for (int64_t i = body; i < n; ++i) {
-    amax = std::max(amax, std::fabs(x[i]));
-    finite &= std::isfinite(x[i]);
-  }
-  if (!finite) {
+  const AbsMax top = abs_max<V>(x, n);
+  const float amax = top.value;
+  if (!top.finite) {
     std::fill(q, q + cols, int8_t{0});
     std::fill(sums, sums + cols / int_layout::kKAlign, 0);
     return std::numeric_limits<float>::quiet_NaN();
