@@ -46,23 +46,21 @@ KT_FP8_INLINE __m256i fp8_pick_avx2(int i) {
 }
 
 // Codes of k-pair p of a block (32 bytes, line order) -> fp32 w / 256 of rows 0-7 (v[0])
-// and 8-15 (v[1]) at k + i (i = 0: k, 1: k + 1); Mx: times the rows' scales mx[0, 16).
-template <bool Mx>
+// and 8-15 (v[1]) at k + i (i = 0: k, 1: k + 1), times the rows' scales mx[0, 16).
 KT_FP8_INLINE void fp8_decode_k_avx2(__m256i line, int i, const float* mx, __m256 (&v)[2]) {
   const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_shuffle_epi8(line, fp8_pick_avx2(i)), 1),
                                         _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
-  v[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
-  v[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
-  if constexpr (Mx) {
-    v[0] = _mm256_mul_ps(v[0], _mm256_loadu_ps(mx));
-    v[1] = _mm256_mul_ps(v[1], _mm256_loadu_ps(mx + 8));
-  }
+  v[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), _mm256_loadu_ps(mx));
+  v[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), _mm256_loadu_ps(mx + 8));
 }
 
-// The FP8 weight source of the AVX2 micro-kernel (as fp8_decode_avx512.h's): Mx scales of
-// pair p of block b at mx + b * kMxBlockBytes + (p / 16) * kMxGroupBytes.
+// The mxfp8 weight source of the AVX2 micro-kernel through fp16 (as fp8_decode_avx512.h's
+// Lines): the scales of pair p of block b at mx + b * kMxBlockBytes + (p / 16) * kMxGroupBytes.
+// fp8 and fp8_perchannel decode through Fp8SplitLinesAvx2 on AVX2 (fp8_format.h's kSplit),
+// so only Mx = true exists here.
 template <bool Mx, bool Store>
 struct Fp8LinesAvx2 {
+  static_assert(Mx, "AVX2 decodes fp8 and fp8_perchannel through Fp8SplitLinesAvx2");
   // Decoded in turn: 4 decoded blocks next to 8 accumulators spilled to the stack
   // (1-token S1: 1958 -> 1903 us; 512 tokens, widened blocks first: 1.23x slower).
   static constexpr bool kWidenInTurn = true;
@@ -77,8 +75,8 @@ struct Fp8LinesAvx2 {
   KT_FP8_INLINE void widen(const uint16_t* block, int b, int64_t p, __m256 (&even)[2], __m256 (&odd)[2]) const {
     const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint8_t*>(block) + p * 32));
     const float* scale = reinterpret_cast<const float*>(mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes);
-    fp8_decode_k_avx2<Mx>(line, 0, scale, even);
-    fp8_decode_k_avx2<Mx>(line, 1, scale, odd);
+    fp8_decode_k_avx2(line, 0, scale, even);
+    fp8_decode_k_avx2(line, 1, scale, odd);
     if constexpr (Store)
       for (int h = 0; h < 2; ++h) {  // the BF16 line of rows 8h..8h+7: (k, k + 1) per 32-bit lane
         const __m256i words = _mm256_blend_epi16(_mm256_srli_epi32(_mm256_castps_si256(even[h]), 16),
