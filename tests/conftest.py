@@ -102,3 +102,26 @@ def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     scale = ref.float().abs().max().item()
     diff = (out.float() - ref.float()).abs().max().item()
     return diff / scale if scale > 0 else diff
+
+
+def long_k_prefill(packed: kt_ops.PackedExperts, x: torch.Tensor, num_experts: int = 2,
+                   tokens_alone: tuple[int, ...] = (0, 7, 19), tile_bound: float | None = None,
+                   tiles_must_differ: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer on every row of ``x`` [T, H] at once, token t routed to expert t % E (one
+    slot, weights in [0.5, 1.5): T / E tokens per expert, enough for the prefill tiles),
+    checked row by row against the same token computed alone (the decode path) for each t
+    in ``tokens_alone``: bit-equal, or with ``tile_bound`` (a variant whose prefill tiles sum
+    in their own order) within that relative error, and with ``tiles_must_differ`` also not
+    equal (the tiles did run). Returns the output, the ids and the weights."""
+    T = x.shape[0]
+    ids = (torch.arange(T) % num_experts).to(torch.int32).reshape(T, 1)
+    weights = torch.rand(T, 1, generator=torch.Generator().manual_seed(3)) + 0.5
+    out = kt_ops.moe_forward(x, ids, weights, packed)
+    for t in tokens_alone:
+        alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], packed)
+        if tile_bound is None:
+            assert torch.equal(out[t:t + 1], alone), f"token {t}: prefill and decode rows differ"
+        else:
+            assert rel_err(out[t:t + 1], alone) <= tile_bound, f"token {t}: {rel_err(out[t:t + 1], alone):.3g}"
+            assert not (tiles_must_differ and torch.equal(out[t:t + 1], alone)), f"token {t}: did the tiles run?"
+    return out, ids, weights

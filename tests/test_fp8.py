@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kt_ops
-from conftest import random_routing, rel_err
+from conftest import long_k_prefill, random_routing, rel_err
 from kt_ops import reference
 from test_quantized import make_weights
 
@@ -110,17 +110,9 @@ def test_prefill_k_blocks_past_2048(variant: str, method: str, fmt: str, H: int,
     E, T = 2, 20
     gate, up, down = make_weights(E, H, I, seed=H + I)
     packed = kt_ops.pack_experts(gate, up, down, method=method)
-    ids = (torch.arange(T) % E).to(torch.int32).reshape(T, 1)  # 10 tokens per expert: prefill tiles
-    weights = torch.rand(T, 1, generator=torch.Generator().manual_seed(3)) + 0.5
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
-    out = kt_ops.moe_forward(x, ids, weights, packed)
-    for t in (0, 7, 19):
-        alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], packed)
-        if variant == "amx":
-            assert rel_err(out[t:t + 1], alone) <= AMX_TILE_BOUND, f"token {t}: {rel_err(out[t:t + 1], alone):.3g}"
-            assert not torch.equal(out[t:t + 1], alone), f"token {t}: did the AMX tiles run?"
-        else:
-            assert torch.equal(out[t:t + 1], alone), f"token {t}: prefill and decode rows differ"
+    amx = variant == "amx"
+    out, ids, weights = long_k_prefill(packed, x, E, tile_bound=AMX_TILE_BOUND if amx else None, tiles_must_differ=amx)
     dq = reference.dequantize(packed.data)
     tight = reference.moe_forward(x, ids, weights, *dq, quantize_activations=activation_rounding(variant))
     assert rel_err(out, tight) <= 1e-4, f"vs the reference with the kernel's activations: {rel_err(out, tight):.3g}"
