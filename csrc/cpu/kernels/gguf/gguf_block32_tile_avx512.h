@@ -140,6 +140,13 @@ inline __attribute__((always_inline)) void block32_tile_levels(const uint8_t* co
 // The gathered scales, against each row's 4 blocks' scales collected in a general register
 // and transposed by permutes: 512 tokens S1 MXFP4 0.93, S2 Q4_0 0.96, Q4_1 0.93, Q5_0
 // 0.91, S1 Q8_0 1.01 of the time (paired A/B, same VM, 2026-11-28).
+// Cost on Zen 5 (a C++ harness, one core, rows in L2, 2026-12-02): per 16 rows x 32 k,
+// Q8_0 11.3 ns, Q4_0 10.1, Q4_1 10.4, Q5_0 14.9 (what the tile GEMM spends on 6-9 tokens
+// of that block); the scales' vpgatherdd is 1.7-3.4 ns of it (without it, timing only:
+// 9.6 / 7.0 / 7.8 / 11.5), and 16 scalar loads through a stack array did not gain (1.05x
+// the time, a noisy A/B). At 512 tokens (S1, ~32 tokens per expert) the repack and the
+// passes of fewer than 6 tokens took 46% of the kernel's samples (perf), the 6-token tile
+// the rest.
 template <GgmlType kType>
 void block32_tile_repack(const uint8_t* const* rows, int64_t blocks, Block32TileBlock* out) {
   constexpr int kBytes = kBlock32Bytes<kType>, kStep = 4 * kBytes;

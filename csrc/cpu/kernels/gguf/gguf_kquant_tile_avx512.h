@@ -35,7 +35,12 @@ namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
 
 constexpr int kKquantTileRows = 16;   // rows per repacked group (one register of outputs)
-constexpr int kKquantTileTokens = 4;  // tokens per pass over a repacked group (registers)
+// Tokens per pass over a repacked group (registers). Passes of 5 or 6 (a C++ harness of
+// S1's Q4_K matrices, 32 tokens per expert, Zen 5, 2026-12-02) took 0.96-1.01x the time:
+// the 8 chains of 8 vpdpbusd per sub-block are not what bounds it. That harness's tile
+// alone ran 4.8-5.5 vpdpbusd per ns (7.7 the core's peak) and the Q4_K repack cost 6.6 ns
+// per 16 rows x 32 k (one core, L2).
+constexpr int kKquantTileTokens = 4;
 // Tokens of one expert from which gguf_rows repacks its rows (K-quants, block-32 types; either path gives
 // the same bits, so the choice may follow the call).
 constexpr int64_t kKquantTileMinPairs = 8;
