@@ -141,6 +141,33 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
     }
   }
 
+  // One k step of a 32-row x 2-block pass: C tmm0..3 += A (a0, and a1 when two_row_tiles:
+  // tmm4 / tmm5) x B (b0 / b1: tmm6 / tmm7, 64-byte rows, the A tiles' k_step / 4 quad lines).
+  // tdpbssd on signed levels, else tdpbsud (unsigned offset-binary or asymmetric levels).
+  // The intrinsics paste their tile numbers into asm, so the tile numbers are literals here.
+  __attribute__((always_inline)) static inline void dot_step(const int8_t* a0, const int8_t* a1, int64_t stride,
+                                                             const void* b0, const void* b1, bool two_row_tiles,
+                                                             bool signed_dot) {
+#define KT_AMX_DOT(c, a, b)  \
+  do {                       \
+    if (signed_dot)          \
+      _tile_dpbssd(c, a, b); \
+    else                     \
+      _tile_dpbsud(c, a, b); \
+  } while (0)
+    _tile_loadd(4, a0, stride);
+    _tile_loadd(6, b0, 64);
+    _tile_loadd(7, b1, 64);
+    KT_AMX_DOT(0, 4, 6);
+    KT_AMX_DOT(1, 4, 7);
+    if (two_row_tiles) {
+      _tile_loadd(5, a1, stride);
+      KT_AMX_DOT(2, 5, 6);
+      KT_AMX_DOT(3, 5, 7);
+    }
+#undef KT_AMX_DOT
+  }
+
   // Groups of 32 (signed levels): all rows x one block at w -> c (see the note above).
   // Group g: C = tmm(g % 4), A = tmm4 / tmm5 and B = tmm6 / tmm7 by its parity.
   static void block_pass_g32(const QuantRows& a, int64_t rows, const int_layout::MatrixDims& dims,
@@ -300,18 +327,9 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
     alignas(64) float part[32][32];
     alignas(64) int32_t sums[32][32];
     __m512i shift[2][kMxfp4SpanGroups], mask[2][kMxfp4SpanGroups];
-    // The four tdpbssd of one 64-k step of A at k and B tiles at tiles (block 0, block 1).
+    // One 64-k step of A at k with block 0's and block 1's B tiles at tiles, tiles + 1024.
     auto step = [&](int64_t k, const uint8_t* tiles) {
-      _tile_loadd(4, a0 + k, a.stride);
-      _tile_loadd(6, tiles, 64);
-      _tile_loadd(7, tiles + 1024, 64);
-      _tile_dpbssd(0, 4, 6);
-      _tile_dpbssd(1, 4, 7);
-      if (two_row_tiles) {
-        _tile_loadd(5, a1 + k, a.stride);
-        _tile_dpbssd(2, 5, 6);
-        _tile_dpbssd(3, 5, 7);
-      }
+      dot_step(a0 + k, a1 + k, a.stride, tiles, tiles + 1024, two_row_tiles, true);
     };
     auto zero_c = [] {
       _tile_zero(0);
@@ -442,33 +460,14 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
             }
           }
         }
-        _tile_loadd(4, a0 + k, a.stride);
         if constexpr (kInt4) {
           unpack_b(w + (k / 8) * 64, k_step, b_tiles[0], offsets[0]);
           unpack_b(w + block_bytes + (k / 8) * 64, k_step, b_tiles[1], offsets[1]);
-          _tile_loadd(6, b_tiles[0], 64);
-          _tile_loadd(7, b_tiles[1], 64);
+          dot_step(a0 + k, a1 + k, a.stride, b_tiles[0], b_tiles[1], two_row_tiles, signed_dot);
         } else {
-          _tile_loadd(6, w + (k / 4) * 64, 64);
-          _tile_loadd(7, w + block_bytes + (k / 4) * 64, 64);
+          dot_step(a0 + k, a1 + k, a.stride, w + (k / 4) * 64, w + block_bytes + (k / 4) * 64, two_row_tiles,
+                   signed_dot);
         }
-// C tile c += A tile a x B tile b: tdpbssd on signed levels, else tdpbsud (the
-// intrinsics paste their tile numbers into asm, so a macro, not a template).
-#define KT_AMX_DOT(c, a, b)      \
-  do {                           \
-    if (signed_dot)              \
-      _tile_dpbssd(c, a, b);     \
-    else                         \
-      _tile_dpbsud(c, a, b);     \
-  } while (0)
-        KT_AMX_DOT(0, 4, 6);
-        KT_AMX_DOT(1, 4, 7);
-        if (two_row_tiles) {
-          _tile_loadd(5, a1 + k, a.stride);
-          KT_AMX_DOT(2, 5, 6);
-          KT_AMX_DOT(3, 5, 7);
-        }
-#undef KT_AMX_DOT
       }
       _tile_stored(0, &sums[0][0], 128);
       _tile_stored(1, &sums[0][16], 128);
