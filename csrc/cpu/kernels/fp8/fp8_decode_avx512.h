@@ -42,14 +42,19 @@ KT_FP8_INLINE __m512i fp8_bf16_line(const uint8_t* codes, const uint8_t* addend)
   __m512i r = _mm512_ternarylogic_epi32(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(static_cast<int16_t>(0x87f0)),
                                         _mm512_set1_epi16(0x3800), 0xea);  // (a & b) | c
   const __mmask32 exponent_zero = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));
-  // mxfp8: a line without exponent-zero codes (zeros, subnormals; most lines of a
-  // checkpoint) is done with the addend, every code nonzero: the table, the sign and the
-  // nonzero mask only where needed. Bit-identical; in one process, both ways interleaved
-  // call by call (Zen 5, avx512_bf16, 2026-11-27, 30-40 calls): 8 tokens S1 0.96 and S2
-  // 0.94 of the time, 1 token 0.98-0.99, 512 tokens 0.98. fp8 (two operations fewer, not
-  // four) read 0.94-1.03: it keeps the straight path.
-  if constexpr (Mx)
+  // A line without exponent-zero codes (zeros, subnormals; most lines of a checkpoint)
+  // is done here: r already holds every code's sign, and mxfp8 adds its addend (every
+  // code nonzero); the table, the sign and the nonzero mask only where needed.
+  // Bit-identical. mxfp8, both ways interleaved call by call in one process (Zen 5,
+  // avx512_bf16, 2026-11-27, 30-40 calls): 8 tokens S1 0.96 and S2 0.94 of the time,
+  // 1 token 0.98-0.99, 512 tokens 0.98. fp8 (two operations fewer, not four): Zen 5
+  // 0.94-1.03; Intel Xeon AMX VM (amx, 2026-12-02, scripts/ab_pair.py, 24 calls x 2
+  // rounds): S1/S2 FP8 and S1 FP8_PERCHANNEL at 1 and 8 tokens 0.87-0.91, 512 tokens 0.93.
+  if constexpr (Mx) {
     if (__builtin_expect(exponent_zero == 0, 1)) return _mm512_add_epi16(r, _mm512_loadu_si512(addend));
+  } else {
+    if (__builtin_expect(exponent_zero == 0, 1)) return r;
+  }
   r = _mm512_mask_permutexvar_epi16(r, exponent_zero, x, fp8_subnormal_table());
   r = _mm512_ternarylogic_epi32(r, x, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xf8);  // r | (x & sign)
   if constexpr (Mx) {
