@@ -50,11 +50,7 @@ KT_FP8_INLINE __m512i fp8_bf16_line(const uint8_t* codes, const uint8_t* addend)
   // 1 token 0.98-0.99, 512 tokens 0.98. fp8 (two operations fewer, not four): Zen 5
   // 0.94-1.03; Intel Xeon AMX VM (amx, 2026-12-02, scripts/ab_pair.py, 24 calls x 2
   // rounds): S1/S2 FP8 and S1 FP8_PERCHANNEL at 1 and 8 tokens 0.87-0.91, 512 tokens 0.93.
-  if constexpr (Mx) {
-    if (__builtin_expect(exponent_zero == 0, 1)) return _mm512_add_epi16(r, _mm512_loadu_si512(addend));
-  } else {
-    if (__builtin_expect(exponent_zero == 0, 1)) return r;
-  }
+  if (__builtin_expect(exponent_zero == 0, 1)) return Mx ? _mm512_add_epi16(r, _mm512_loadu_si512(addend)) : r;
   r = _mm512_mask_permutexvar_epi16(r, exponent_zero, x, fp8_subnormal_table());
   r = _mm512_ternarylogic_epi32(r, x, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xf8);  // r | (x & sign)
   if constexpr (Mx) {
