@@ -6,6 +6,8 @@
 
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "../../isa/vec_avx512.h"
 #include "bf16_gemm.h"
 
@@ -19,6 +21,17 @@ struct Bf16LinesAvx512Bf16 {
   void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const { maybe_prefetch(block, p, ahead, next); }
 };
 
+// A weight source may also decode pairs p and p + 1 of every block in one call (p even):
+//   template <int NB, int Accumulators, class Step>
+//   void two_pairs(w, block_stride, p, prefetch, Step&& step)
+// which prefetches as `prefetch` asks and calls step(p, lines) then step(p + 1, lines)
+// with each pair's NB lines (Accumulators: the tile's live accumulator registers, M NB) (FP8: one exponent test for all of them, fp8_decode_avx512.h).
+// The accumulators see the same operations in the same order either way.
+template <class Src, class = void>
+constexpr bool kHasTwoPairs = false;
+template <class Src>
+constexpr bool kHasTwoPairs<Src, std::void_t<decltype(Src::kTwoPairs)>> = Src::kTwoPairs;
+
 struct Bf16GemmAvx512Bf16 {
   using Vec = VecAvx512;
   using Act = uint16_t;
@@ -31,18 +44,25 @@ struct Bf16GemmAvx512Bf16 {
   static void tile(const TileArgs<Act>& t, const Src& src = Src()) {
     __m512 acc[M][NB];
     load_accumulators<Vec>(acc, t);
-    for (int64_t p = 0; p < t.pairs; ++p) {
-      __m512i w[NB];
-      for (int b = 0; b < NB; ++b) {
-        w[b] = src.line(t.w + b * t.block_stride, b, p);
-        src.prefetch(t.w + b * t.block_stride, p, t.prefetch);
-      }
+    // Pair p's lines w[NB] into every row's accumulators.
+    auto step = [&](int64_t p, const __m512i(&w)[NB]) __attribute__((always_inline)) {
       maybe_stream(t.stream, p);
       for (int m = 0; m < M; ++m) {
         const __m512i x = _mm512_set1_epi32(load_pair(t.a[m] + 2 * p));
         for (int b = 0; b < NB; ++b)
           acc[m][b] = _mm512_dpbf16_ps(acc[m][b], (__m512bh)w[b], (__m512bh)x);
       }
+    };
+    int64_t p = 0;
+    if constexpr (kHasTwoPairs<Src>)
+      for (; p + 2 <= t.pairs; p += 2) src.template two_pairs<NB, M * NB>(t.w, t.block_stride, p, t.prefetch, step);
+    for (; p < t.pairs; ++p) {
+      __m512i w[NB];
+      for (int b = 0; b < NB; ++b) {
+        w[b] = src.line(t.w + b * t.block_stride, b, p);
+        src.prefetch(t.w + b * t.block_stride, p, t.prefetch);
+      }
+      step(p, w);
     }
     store_accumulators<Vec>(acc, t);
   }

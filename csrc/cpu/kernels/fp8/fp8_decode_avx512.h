@@ -36,11 +36,21 @@ constexpr int64_t kMxGroupBytesAvx512 = 64;
 
 // The BF16 line of k-pair p of an FP8 block at `codes` (32 bytes); Mx: plus the exponent
 // addend at `addend` on nonzero codes.
+// The 32 codes at `codes`, sign-extended to 16 bits.
+KT_FP8_INLINE __m512i fp8_code_words(const uint8_t* codes) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+}
+
+// Sign and rebiased magnitude of code words x: the BF16 line where no code has exponent 0.
+KT_FP8_INLINE __m512i fp8_rebias(__m512i x) {
+  return _mm512_ternarylogic_epi32(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(static_cast<int16_t>(0x87f0)),
+                                   _mm512_set1_epi16(0x3800), 0xea);  // (a & b) | c
+}
+
 template <bool Mx>
 KT_FP8_INLINE __m512i fp8_bf16_line(const uint8_t* codes, const uint8_t* addend) {
-  const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-  __m512i r = _mm512_ternarylogic_epi32(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(static_cast<int16_t>(0x87f0)),
-                                        _mm512_set1_epi16(0x3800), 0xea);  // (a & b) | c
+  const __m512i x = fp8_code_words(codes);
+  __m512i r = fp8_rebias(x);
   const __mmask32 exponent_zero = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));
   // A line without exponent-zero codes (zeros, subnormals; most lines of a checkpoint)
   // is done here: r already holds every code's sign, and mxfp8 adds its addend (every
@@ -74,14 +84,55 @@ struct Fp8LinesAvx512Bf16 {
   int64_t out_stride = 0;
   NextTile next;
   KT_FP8_INLINE __m512i line(const uint16_t* block, int b, int64_t p) const {
-    const __m512i bf16 = fp8_bf16_line<Mx>(reinterpret_cast<const uint8_t*>(block) + p * 32,
-                                           mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes);
+    const __m512i bf16 = fp8_bf16_line<Mx>(reinterpret_cast<const uint8_t*>(block) + p * 32, addend(b, p));
     if constexpr (Store) _mm512_storeu_si512(out + b * out_stride + p * 32, bf16);
     return bf16;
+  }
+  // Pairs p and p + 1 (p even: one 64-byte line of codes per block, one mxfp8 group) of NB
+  // blocks for the micro-kernel (kHasTwoPairs, bf16_gemm_avx512_bf16.h): one exponent-zero
+  // test per 64 bytes and one branch for all 2 NB lines; without such codes every line
+  // is fp8_bf16_line's short way, else each takes `line`. One code prefetch per 64 bytes.
+  // Bit-identical to `line`. Intel Xeon AMX VM (amx, 2026-12-03, scripts/ab_pair.py, both
+  // ways from one build, 12 calls x 2 rounds): S1/S2 MXFP8 at 1 and 8 tokens 0.90-0.92 of
+  // the time, S1 FP8_PERCHANNEL 0.96-0.97, FP8 0.95-1.01. A GFNI + VBMI decode of the
+  // two lines (4 operations instead of 6) showed no gain over this in noisy runs: not kept.
+  static constexpr bool kTwoPairs = true;
+  template <int NB, int /*Accumulators*/, class Step>
+  KT_FP8_INLINE void two_pairs(const uint16_t* w, int64_t block_stride, int64_t p, int64_t ahead, Step&& step) const {
+    __mmask64 exponent_zero = 0;
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* codes = reinterpret_cast<const uint8_t*>(w + b * block_stride) + p * 32;
+      exponent_zero |= _mm512_testn_epi8_mask(_mm512_loadu_si512(codes), _mm512_set1_epi8(0x78));
+      fp8_prefetch(w + b * block_stride, p, ahead, next);
+    }
+    if (__builtin_expect(exponent_zero == 0, 1)) {
+      for (int64_t q = p; q < p + 2; ++q) {
+        __m512i lines[NB];
+        for (int b = 0; b < NB; ++b) {
+          lines[b] = fp8_rebias(fp8_code_words(reinterpret_cast<const uint8_t*>(w + b * block_stride) + q * 32));
+          if constexpr (Mx) lines[b] = _mm512_add_epi16(lines[b], _mm512_loadu_si512(addend(b, q)));
+          if constexpr (Store) _mm512_storeu_si512(out + b * out_stride + q * 32, lines[b]);
+        }
+        step(q, lines);
+      }
+    } else {
+      each_line<NB>(w, block_stride, p, step);
+    }
+  }
+  // two_pairs where some code has exponent 0: every line through `line`.
+  template <int NB, class Step>
+  KT_FP8_INLINE void each_line(const uint16_t* w, int64_t block_stride, int64_t p, Step&& step) const {
+    for (int64_t q = p; q < p + 2; ++q) {
+      __m512i lines[NB];
+      for (int b = 0; b < NB; ++b) lines[b] = line(w + b * block_stride, b, q);
+      step(q, lines);
+    }
   }
   KT_FP8_INLINE void prefetch(const uint16_t* block, int64_t p, int64_t ahead) const {
     fp8_prefetch(block, p, ahead, next);
   }
+  // mxfp8: pair p of block b's exponent addend.
+  KT_FP8_INLINE const uint8_t* addend(int b, int64_t p) const { return mx + b * kMxBlockBytes + (p >> 4) * kMxGroupBytes; }
 };
 
 // The same lines widened to fp32 for the AVX-512F micro-kernel (as Bf16LinesAvx512 does).
