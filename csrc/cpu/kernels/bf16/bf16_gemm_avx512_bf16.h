@@ -22,10 +22,10 @@ struct Bf16LinesAvx512Bf16 {
 };
 
 // A weight source may also decode pairs p and p + 1 of every block in one call (p even):
-//   template <int NB, int Accumulators, class Step>
+//   template <int NB, class Step>
 //   void two_pairs(w, block_stride, p, prefetch, Step&& step)
 // which prefetches as `prefetch` asks and calls step(p, lines) then step(p + 1, lines)
-// with each pair's NB lines (Accumulators: the tile's live accumulator registers, M NB) (FP8: one exponent test for all of them, fp8_decode_avx512.h).
+// with each pair's NB lines (FP8: one exponent test for all of them, fp8_decode_avx512.h).
 // The accumulators see the same operations in the same order either way.
 template <class Src, class = void>
 constexpr bool kHasTwoPairs = false;
@@ -55,7 +55,7 @@ struct Bf16GemmAvx512Bf16 {
     };
     int64_t p = 0;
     if constexpr (kHasTwoPairs<Src>)
-      for (; p + 2 <= t.pairs; p += 2) src.template two_pairs<NB, M * NB>(t.w, t.block_stride, p, t.prefetch, step);
+      for (; p + 2 <= t.pairs; p += 2) src.template two_pairs<NB>(t.w, t.block_stride, p, t.prefetch, step);
     for (; p < t.pairs; ++p) {
       __m512i w[NB];
       for (int b = 0; b < NB; ++b) {

@@ -34,8 +34,6 @@ inline __m512i fp8_subnormal_table() {
 // mxfp8: the 32-word exponent addend of one group of a block (kMxGroupBytesAvx512 bytes).
 constexpr int64_t kMxGroupBytesAvx512 = 64;
 
-// The BF16 line of k-pair p of an FP8 block at `codes` (32 bytes); Mx: plus the exponent
-// addend at `addend` on nonzero codes.
 // The 32 codes at `codes`, sign-extended to 16 bits.
 KT_FP8_INLINE __m512i fp8_code_words(const uint8_t* codes) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
@@ -47,6 +45,8 @@ KT_FP8_INLINE __m512i fp8_rebias(__m512i x) {
                                    _mm512_set1_epi16(0x3800), 0xea);  // (a & b) | c
 }
 
+// The BF16 line of k-pair p of an FP8 block at `codes` (32 bytes); Mx: plus the exponent
+// addend at `addend` on nonzero codes.
 template <bool Mx>
 KT_FP8_INLINE __m512i fp8_bf16_line(const uint8_t* codes, const uint8_t* addend) {
   const __m512i x = fp8_code_words(codes);
@@ -97,7 +97,7 @@ struct Fp8LinesAvx512Bf16 {
   // the time, S1 FP8_PERCHANNEL 0.96-0.97, FP8 0.95-1.01. A GFNI + VBMI decode of the
   // two lines (4 operations instead of 6) showed no gain over this in noisy runs: not kept.
   static constexpr bool kTwoPairs = true;
-  template <int NB, int /*Accumulators*/, class Step>
+  template <int NB, class Step>
   KT_FP8_INLINE void two_pairs(const uint16_t* w, int64_t block_stride, int64_t p, int64_t ahead, Step&& step) const {
     __mmask64 exponent_zero = 0;
     for (int b = 0; b < NB; ++b) {
