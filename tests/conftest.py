@@ -11,14 +11,9 @@ import torch
 
 import kt_ops
 
-# torch 2.13's inductor cache does not keep apart kernels compiled under different
-# ATEN_CPU_CAPABILITY settings: a process with ATEN_CPU_CAPABILITY=avx2 that loads kernels
-# another process compiled without it crashes (segmentation fault in the compiled graph;
-# reproduced on the AMX Xeon, 2026-12-03, a manual `-m slow` pass after a default one).
-# Unless the caller chose a cache, each ISA setting gets its own, next to inductor's
-# default one (scripts/test_all_variants.sh gives every pass a fresh one anyway).
-# Inductor reads the variable when it first compiles, so setting it here is in time.
+
 def _default_inductor_cache() -> str:
+    """Inductor's default cache directory (``/tmp/torchinductor_<user>``)."""
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # private to torch: another release may move it
@@ -26,6 +21,13 @@ def _default_inductor_cache() -> str:
     return default_cache_dir()
 
 
+# torch 2.13's inductor cache does not keep apart kernels compiled under different
+# ATEN_CPU_CAPABILITY settings: a process with ATEN_CPU_CAPABILITY=avx2 that loads kernels
+# another process compiled without it crashes (segmentation fault in the compiled graph;
+# reproduced on the AMX Xeon, 2026-12-03, a manual `-m slow` pass after a default one).
+# Unless the caller chose a cache, each ISA setting gets its own, next to inductor's
+# default one (scripts/test_all_variants.sh gives every pass a fresh one anyway).
+# Inductor reads the variable when it first compiles, so setting it here is in time.
 _ISA_SETTINGS = [f"{k}-{os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA") if os.environ.get(k)]
 if _ISA_SETTINGS and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _default_inductor_cache() + "_" + "_".join(_ISA_SETTINGS).lower()
