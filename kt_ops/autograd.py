@@ -1,4 +1,10 @@
-"""Autograd for ``kt::moe_forward``, ``kt::moe_forward_train`` and ``kt::moe_lora_forward``.
+"""Autograd for ``kt::moe_forward``, ``kt::moe_forward_parts``, ``kt::moe_forward_train`` and
+``kt::moe_lora_forward``.
+
+The inference operators' autograd kernels are C++ (``csrc/ops/autograd.cpp``): a call that
+needs no gradient goes straight to the CPU or CUDA kernel, with no Python on the way (a
+Python registration ran torch's generated autograd function on every call: ~10 us). The
+training operators' are registered here (:func:`torch.library.register_autograd`).
 
 The packed experts are frozen. The backwards are operators of their own
 (``kt::moe_backward``, ``kt::moe_train_backward``, ``kt::moe_lora_backward``; schemas in
@@ -42,20 +48,6 @@ def _on_host(op: object):
         out = op(*host)
         return tuple(t.to(device) for t in out) if isinstance(out, tuple) else out.to(device)
     return kernel
-
-
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
-    hidden_states, topk_ids, topk_weights, packed, live_tokens = (*inputs, None)[:5]
-    ctx.save_for_backward(hidden_states, topk_ids, topk_weights, packed,
-                          *(() if live_tokens is None else (live_tokens,)))
-
-
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
-    hidden_states, topk_ids, topk_weights, packed, *live = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.kt.moe_backward(grad_output.contiguous(), hidden_states, topk_ids, topk_weights,
-                                               packed, live[0] if live else None)
-    needs = ctx.needs_input_grad
-    return (grad_x if needs[0] else None, None, grad_w if needs[2] else None, None, None)
 
 
 _save_gate_up = True
@@ -142,27 +134,7 @@ def _lora_backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.
             *(g if needs[4 + i] else None for i, g in enumerate(grad_lora)), None, None)
 
 
-def _parts_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
-    hidden_states, topk_ids, topk_weights, parts, _nodes = inputs
-    ctx.num_parts = len(parts)
-    ctx.save_for_backward(hidden_states, topk_ids, topk_weights, *parts)
-
-
-def _parts_backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
-    """``moe_forward_parts`` is the sum of its parts' ``moe_forward``: the gradients are the
-    sums of the parts' ``moe_backward``, in part order."""
-    hidden_states, topk_ids, topk_weights, *parts = ctx.saved_tensors
-    grad_x = grad_w = None
-    for part in parts:
-        gx, gw = torch.ops.kt.moe_backward(grad_output.contiguous(), hidden_states, topk_ids, topk_weights, part)
-        grad_x, grad_w = (gx, gw) if grad_x is None else (grad_x + gx, grad_w + gw)
-    needs = ctx.needs_input_grad
-    return (grad_x if needs[0] else None, None, grad_w if needs[2] else None, [None] * ctx.num_parts, None)
-
-
 for _name in ("moe_backward", "moe_forward_train", "moe_train_backward", "moe_lora_forward", "moe_lora_backward"):
     torch.library.impl(f"kt::{_name}", "CUDA")(_on_host(getattr(torch.ops.kt, _name).default))
-torch.library.register_autograd("kt::moe_forward", _backward, setup_context=_setup_context)
 torch.library.register_autograd("kt::moe_forward_train", _train_backward, setup_context=_train_setup_context)
 torch.library.register_autograd("kt::moe_lora_forward", _lora_backward, setup_context=_lora_setup_context)
-torch.library.register_autograd("kt::moe_forward_parts", _parts_backward, setup_context=_parts_setup_context)
