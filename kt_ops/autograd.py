@@ -40,6 +40,11 @@ import torch
 from kt_ops._native import _C  # also registers the kt:: operators
 
 
+# kt::moe_forward's overload, looked up once: ``torch.ops.kt.moe_forward(...)`` walks the
+# namespace, the packet and its overloads (~0.5 us) on every call.
+MOE_FORWARD = torch.ops.kt.moe_forward.default
+
+
 def _on_host(op: object):
     """The CUDA key of a training op: its CPU kernel on host copies, results copied back."""
     def kernel(*args: object) -> object:
@@ -66,8 +71,9 @@ def saves_gate_up(hidden_states: torch.Tensor, topk_weights: torch.Tensor) -> bo
     """Whether :func:`moe_forward` takes the saving path for these inputs: CPU inputs only
     (CUDA inputs keep ``kt::moe_forward``'s stream-ordered CUDA key and the recomputing
     backward)."""
-    return (_save_gate_up and torch.is_grad_enabled() and hidden_states.device.type == "cpu"
-            and (hidden_states.requires_grad or topk_weights.requires_grad))
+    # requires_grad first: an inference call (no input requiring a gradient) answers on it.
+    return (_save_gate_up and (hidden_states.requires_grad or topk_weights.requires_grad)
+            and torch.is_grad_enabled() and hidden_states.device.type == "cpu")
 
 
 def blob_intermediate_size(blob: torch.Tensor) -> int | None:
@@ -89,7 +95,7 @@ def moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         out, _ = torch.ops.kt.moe_forward_train(hidden_states, topk_ids, topk_weights, packed, int(intermediate_size),
                                                 None, live_tokens)
         return out
-    return torch.ops.kt.moe_forward(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    return MOE_FORWARD(hidden_states, topk_ids, topk_weights, packed, live_tokens)
 
 
 def _train_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:

@@ -98,7 +98,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                 self.__dict__[_INTERMEDIATE] = size
         out = autograd.moe_forward(x, ids.contiguous(), weights, blob, size)
     else:
-        out = torch.ops.kt.moe_forward(x, ids.contiguous(), weights, blob)
+        out = autograd.MOE_FORWARD(x, ids.contiguous(), weights, blob)
     if local is not None:
         out = out + _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
     if prefill and self.__dict__.get(gpu_prefill.UPDATE_ATTRIBUTE):  # queued after this call's compute

@@ -306,7 +306,7 @@ def moe_forward(
     """
     data = packed.data if isinstance(packed, PackedExperts) else packed
     if not autograd.saves_gate_up(hidden_states, topk_weights):
-        return torch.ops.kt.moe_forward(hidden_states, topk_ids, topk_weights, data, live_tokens)
+        return autograd.MOE_FORWARD(hidden_states, topk_ids, topk_weights, data, live_tokens)
     size = packed.intermediate_size if isinstance(packed, PackedExperts) else autograd.blob_intermediate_size(packed)
     return autograd.moe_forward(hidden_states, topk_ids, topk_weights, data, size, live_tokens)
 
