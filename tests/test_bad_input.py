@@ -74,6 +74,24 @@ def test_corrupted_header_is_detected(experts, offset: int, what: str) -> None:
         call(args)
 
 
+@pytest.mark.parametrize("offset,what", [(8, "version"), (16, "checksum"), (250, "checksum")])
+def test_header_changed_in_place_after_a_call_is_detected(experts, offset: int, what: str) -> None:
+    """The operators keep the headers they read (csrc/ops/packed_blob.cpp): a blob whose
+    header is changed in place after good calls is read, and rejected, again; restored, it
+    runs again with the same result."""
+    blob = experts.packed.data.clone()
+    args = good_args(experts)
+    args["packed"] = blob
+    expected = call(args)
+    assert torch.equal(call(args), expected)
+    original = int(blob[offset])
+    blob[offset] ^= 0x5A
+    with pytest.raises(ValueError, match=what):
+        call(args)
+    blob[offset] = original
+    assert torch.equal(call(args), expected)
+
+
 def test_empty_batch_with_bad_ids_dtype_still_raises(experts) -> None:
     with pytest.raises(TypeError, match="topk_ids"):
         torch.ops.kt.moe_forward(torch.empty(0, H), torch.empty(0, 2), torch.empty(0, 2), experts.packed.data)
