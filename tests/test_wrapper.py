@@ -274,6 +274,52 @@ def test_submit_returns_before_the_experts_finish(weights, monkeypatch):
     assert rel_err(wr.sync_forward(x), expected(x, ids, w, weights[1])) <= 1e-2
 
 
+def test_forward_computes_cpu_inputs_on_the_calling_thread(weights, monkeypatch):
+    """forward() (submit then sync at once) runs the experts on the caller's thread, so on
+    torch's OpenMP team; submit_forward on the worker thread, and so does forward while
+    the worker is busy. Same result either way; an error is raised by forward and leaves
+    the wrapper usable."""
+    wr = wrapper()
+    wr.load_weights_from_tensors(*weights[1])
+    threads = []
+    compute = wr._compute
+
+    def recorded(*args):
+        threads.append(threading.current_thread())
+        return compute(*args)
+
+    monkeypatch.setattr(wr, "_compute", recorded)
+    x, ids, w = inputs()
+    inline = wr.forward(x, ids, w)
+    assert threads == [threading.current_thread()]
+    wr.submit_forward(x, ids, w)
+    worker = wr.sync_forward(x)
+    assert threads[1] is not threading.current_thread() and threads[1].name.startswith("kt_ops_moe")
+    assert torch.equal(inline, worker)
+    assert rel_err(inline, expected(x, ids, w, weights[1])) <= 1e-2
+
+    release = threading.Event()
+    busy = KTMoEWrapper._run_on_worker(release.wait, 10)  # another layer's work on the worker
+    try:
+        assert KTMoEWrapper._pool_tasks == 1
+        queued = threading.Thread(target=lambda: threads.append(wr.forward(x, ids, w)))
+        queued.start()
+        queued.join(0.5)
+        assert queued.is_alive()  # waits behind the busy worker instead of running beside it
+    finally:
+        release.set()
+    queued.join(10)
+    assert busy.result() and threads[2].name.startswith("kt_ops_moe") and torch.equal(threads[3], inline)
+    assert KTMoEWrapper._pool_tasks == 0
+
+    bad = ids.clone()
+    bad[0, 0] = E
+    with pytest.raises(ValueError, match="topk_ids"):
+        wr.forward(x, bad, w)
+    assert len(threads) == 5 and threads[4] is threading.current_thread()
+    assert torch.equal(wr.forward(x, ids, w), inline)
+
+
 def test_output_is_fresh_in_input_dtype_and_chunked(weights):
     x, ids, w = inputs(9)
     wr = wrapper(chunked_prefill_size=4)

@@ -19,7 +19,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 
@@ -164,6 +164,7 @@ class KTMoEWrapper:
     _warned_no_cuda_key: ClassVar[bool] = False
     _executor: ClassVar[ThreadPoolExecutor | None] = None
     _executor_lock: ClassVar[threading.Lock] = threading.Lock()
+    _pool_tasks: ClassVar[int] = 0  # tasks submitted to _executor and not finished
 
     def __init__(
         self,
@@ -253,6 +254,7 @@ class KTMoEWrapper:
         self._route_all = torch.empty(0, dtype=torch.int32)  # physical slot -> packed expert (-1: not packed)
         # _route per device (route_table); dynamic_gpu_experts: (base, mask, -1s, table) per device
         self._tables: dict[torch.device, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+        self._identity_route: bool | None = None  # every slot packed here, slot i as packed expert i
         self._reserved: set[tuple[int, tuple[int, ...]]] = set()  # (device, call sizes) with pinned staging
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # deferred experts, eager CUDA calls
         self._inflight: _Inflight | None = None
@@ -317,6 +319,7 @@ class KTMoEWrapper:
         self._route_all = route.to(torch.int32)
         self._mask_at_load = self.gpu_experts_mask.clone()
         self._tables = {}
+        self._identity_route = None
 
     @property
     def _route(self) -> torch.Tensor:
@@ -584,15 +587,22 @@ class KTMoEWrapper:
         summed in fp32 (the kernels take fp32 rows, so parts and deferred results are not
         rounded). Unlike the CUDA path it may synchronise, so a bad id is named here."""
         self._check_ids(ids)
-        return experts_on_device(self._parts, x, ids, weights, self._table(x.device), self.chunked_prefill_size,
-                                 self._part_nodes)
+        if not self.dynamic_gpu_experts and self._identity_route is None:
+            route = self._route
+            self._identity_route = bool(torch.equal(route, torch.arange(route.numel(), dtype=route.dtype)))
+        # An identity route maps every checked id to itself: the ids go to the kernels as they are.
+        table = None if self._identity_route and not self.dynamic_gpu_experts else self._table(x.device)
+        return experts_on_device(self._parts, x, ids, weights, table, self.chunked_prefill_size, self._part_nodes)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         """``ValueError`` naming the values when a physical slot of ``ids`` is outside
         ``[-1, num_experts)`` (synchronises the host on a GPU)."""
-        if bool(((ids >= self.num_experts) | (ids < -1)).any()):
+        if ids.numel() == 0:
+            return
+        low, high = (int(v) for v in torch.aminmax(ids))  # one pass (four ops and a sync before)
+        if low < -1 or high >= self.num_experts:
             raise ValueError(f"topk_ids must be in [-1, num_experts = {self.num_experts}) (-1 skips a slot); got values in "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
+                             f"[{low}, {high}]")
 
     @staticmethod
     def _check_devices(device: torch.device, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -606,6 +616,26 @@ class KTMoEWrapper:
             if cls._executor is None:
                 cls._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kt_ops_moe")
             return cls._executor
+
+    @classmethod
+    def _run_on_worker(cls, fn: Callable[..., object], *args: object) -> Future:
+        """``fn(*args)`` on the wrapper's worker thread (one for every wrapper: tasks run in
+        submission order), counted in ``_pool_tasks`` until it finishes."""
+        pool = cls._pool()
+        with cls._executor_lock:
+            cls._pool_tasks += 1
+        try:
+            future = pool.submit(fn, *args)
+        except BaseException:
+            cls._task_done(None)
+            raise
+        future.add_done_callback(cls._task_done)
+        return future
+
+    @classmethod
+    def _task_done(cls, _future: Future | None) -> None:
+        with cls._executor_lock:
+            cls._pool_tasks -= 1
 
     def submit_write_weight_scale_to_buffer(
         self,
@@ -635,7 +665,7 @@ class KTMoEWrapper:
         if packed < 0:
             raise ValueError(f"expert_id {expert_id} is a GPU expert (gpu_experts_mask): the CPU holds no weights for it")
         self.sync_write_weight_scale_to_buffer()
-        self._staging = self._pool().submit(write_weight_scale_to_buffer, list(self._parts), packed, gpu_tp_count,
+        self._staging = self._run_on_worker(write_weight_scale_to_buffer, list(self._parts), packed, gpu_tp_count,
                                             w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs)
 
     def sync_write_weight_scale_to_buffer(self) -> None:
@@ -670,6 +700,14 @@ class KTMoEWrapper:
         otherwise; on the CUDA path an id out of range is reported by the next call).
         Inside a :class:`kt_ops.ExpertStats` block the ids are counted as given (before
         deferral), under row ``layer_idx``."""
+        self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, inline=False)
+
+    def _submit(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                cuda_stream: object | None, inline: bool) -> None:
+        """:meth:`submit_forward`; ``inline`` (:meth:`forward`, which waits at once): CPU
+        inputs are computed on the calling thread when the worker thread is idle and no
+        expert is deferred, the result (or error) left for :meth:`sync_forward` as the
+        worker's would be."""
         if not self._parts and bool((~self.gpu_experts_mask).any()):
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
         self._check_mask()
@@ -703,12 +741,21 @@ class KTMoEWrapper:
         deferred = None
         if d > 0:
             ids, deferred = self.select_deferred_experts(ids, weights, self.num_experts_per_tok - d)
-        pool = self._pool()
-        future = pool.submit(self._compute, x, ids, weights)
+        if inline and deferred is None and KTMoEWrapper._pool_tasks == 0:
+            # The worker would add a thread hand-off (~50 us) and run the kernels' parallel
+            # regions as the master of a second OpenMP team, which spins against the
+            # caller's (torch's) team for the same cores.
+            future: Future = Future()
+            try:
+                future.set_result(self._compute(x, ids, weights))
+            except Exception as error:  # raised by sync_forward, as the worker's would be
+                future.set_exception(error)
+        else:
+            future = self._run_on_worker(self._compute, x, ids, weights)
         previous = KTMoEWrapper._pending.pop((self.deferral_group, self.layer_idx), None)
         if deferred is not None:
             KTMoEWrapper._pending[(self.deferral_group, self.layer_idx + 1)] = (
-                pool.submit(self._compute, x, deferred, weights), x.shape[0], None)
+                self._run_on_worker(self._compute, x, deferred, weights), x.shape[0], None)
         self._inflight = _Inflight(future, previous, device, dtype)
 
     def _submit_cuda(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -811,8 +858,10 @@ class KTMoEWrapper:
         topk_weights: torch.Tensor,
         cuda_stream: object | None = None,
     ) -> torch.Tensor:
-        """:meth:`submit_forward` then :meth:`sync_forward`."""
-        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+        """:meth:`submit_forward` then :meth:`sync_forward`. CPU inputs are computed on the
+        calling thread (on torch's intra-op threads, with no hand-off) unless the worker
+        thread is busy or experts are deferred."""
+        self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, inline=True)
         return self.sync_forward(hidden_states, cuda_stream)
 
     # ---- kt-kernel's buffer API ----------------------------------------------------------

@@ -57,7 +57,7 @@ def experts_on_device(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
-    table: torch.Tensor,
+    table: torch.Tensor | None,
     chunk: int | None,
     nodes: Sequence[int] | None = None,
 ) -> torch.Tensor:
@@ -67,13 +67,14 @@ def experts_on_device(
     CPU or CUDA tensors alike: several parts (or ``nodes`` given) run in one
     ``kt::moe_forward_parts`` call, part ``i`` on the threads of NUMA node ``nodes[i]``
     (None: the nodes in turn, :func:`kt_ops.numa.resolve_nodes`), all parts at once; one
-    part without ``nodes`` is one ``kt::moe_forward`` on all threads."""
+    part without ``nodes`` is one ``kt::moe_forward`` on all threads. ``table``: the route
+    (:func:`route_table`), or None when ``ids`` are the packed experts' ids already."""
     on_nodes = nodes is not None or len(parts) > 1
     if on_nodes and nodes is None:
         nodes = resolve_nodes(None, len(parts))
     x = x.float().contiguous()
     weights = weights.float().contiguous()
-    routed = packed_ids(ids, table).contiguous()
+    routed = (ids if table is None else packed_ids(ids, table)).contiguous()
     tokens = x.shape[0]
     if tokens == 0:
         return torch.zeros_like(x)
@@ -81,7 +82,7 @@ def experts_on_device(
     pieces = []
     for t0 in range(0, tokens, step):
         n = min(step, tokens - t0)  # narrow, not x[a:b]: indexing does not trace with fake CUDA tensors
-        rows = [t.narrow(0, t0, n) for t in (x, routed, weights)]
+        rows = (x, routed, weights) if n == tokens else [t.narrow(0, t0, n) for t in (x, routed, weights)]
         if on_nodes:
             pieces.append(moe_forward_parts(*rows, parts, nodes))
         else:  # one part, or none
