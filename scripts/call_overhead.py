@@ -1,6 +1,7 @@
 """Fixed cost of one ``moe_forward`` call: a tiny layer (1 token, L1-resident weights),
 timed under grad mode, ``torch.no_grad()`` and ``torch.inference_mode()`` (which skips the
-Autograd dispatch key), through ``kt_ops.moe_forward`` and ``torch.ops.kt.moe_forward``.
+Autograd dispatch key), through ``kt_ops.moe_forward``, ``torch.ops.kt.moe_forward`` and
+kt-kernel's API (``KTMoEWrapper.forward``, the same weights, CPU inputs).
 
     .venv/bin/python scripts/call_overhead.py [--method BF16] [--layer 2,64,32,1]
         [--calls 20000] [--rounds 3]
@@ -51,9 +52,12 @@ def main() -> None:
     ids = torch.arange(top_k, dtype=torch.int32).view(1, top_k)
     weights = torch.rand(1, top_k)
     op = torch.ops.kt.moe_forward.default
+    wrapper = kt_ops.KTMoEWrapper(0, experts, top_k, hidden, inter, method=args.method)
+    wrapper.load_weights_from_tensors(*(kt_ops.dequantize_experts(packed)))
     entries = {
         "kt_ops.moe_forward": lambda: kt_ops.moe_forward(x, ids, weights, packed),
         "torch.ops.kt.moe_forward.default": lambda: op(x, ids, weights, packed.data, None),
+        "KTMoEWrapper.forward": lambda: wrapper.forward(x, ids, weights),
     }
     modes = {"grad mode": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
     results: dict[tuple[str, str], list[float]] = {}
