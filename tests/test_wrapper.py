@@ -320,6 +320,33 @@ def test_forward_computes_cpu_inputs_on_the_calling_thread(weights, monkeypatch)
     assert torch.equal(wr.forward(x, ids, w), inline)
 
 
+def test_forked_child_gets_its_own_worker_thread() -> None:
+    """A fork()ed child has none of the parent's threads: submit_forward there must start a
+    worker of its own, not queue on the parent's (which never runs: the child hung)."""
+    code = """
+import os, signal, torch
+from kt_ops import KTMoEWrapper
+E, H, I = 4, 64, 32
+wr = KTMoEWrapper(0, E, 2, H, I, method="BF16")
+wr.load_weights_from_tensors(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I))
+x, ids, w = torch.randn(2, H), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+wr.submit_forward(x, ids, w)
+expected = wr.sync_forward(x)  # the parent's worker thread exists now
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)
+    wr.submit_forward(x, ids, w)
+    ok = torch.equal(wr.sync_forward(x), expected) and torch.equal(wr.forward(x, ids, w), expected)
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0", "forked child hung (-14: killed by its alarm) or computed a different result"
+
+
 def test_output_is_fresh_in_input_dtype_and_chunked(weights):
     x, ids, w = inputs(9)
     wr = wrapper(chunked_prefill_size=4)

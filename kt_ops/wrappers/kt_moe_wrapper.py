@@ -637,6 +637,14 @@ class KTMoEWrapper:
         with cls._executor_lock:
             cls._pool_tasks -= 1
 
+    @classmethod
+    def _forget_worker_after_fork(cls) -> None:
+        """In a fork()ed child the parent's worker thread is gone (its executor would queue
+        tasks that never run): the next task starts a new one."""
+        cls._executor_lock = threading.Lock()
+        cls._executor = None
+        cls._pool_tasks = 0
+
     def submit_write_weight_scale_to_buffer(
         self,
         gpu_tp_count: int,
@@ -898,6 +906,10 @@ class KTMoEWrapper:
         """Drops deferred results not yet collected by the next layer. The pinned staging
         of captured batch sizes is kept: captured CUDA graphs point into it."""
         KTMoEWrapper._pending.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=KTMoEWrapper._forget_worker_after_fork)
 
 
 def detect_method(path: Path, layer_idx: int) -> str:
