@@ -1,7 +1,8 @@
 """Fixed cost of one ``moe_forward`` call: a tiny layer (1 token, L1-resident weights),
 timed under grad mode, ``torch.no_grad()`` and ``torch.inference_mode()`` (which skips the
 Autograd dispatch key), through ``kt_ops.moe_forward``, ``torch.ops.kt.moe_forward`` and
-kt-kernel's API (``KTMoEWrapper.forward``, the same weights, CPU inputs).
+kt-kernel's API (``KTMoEWrapper.forward`` on CPU inputs, its layer re-packed from the
+dequantized weights: the same weights for BF16, quantized again for the other methods).
 
     .venv/bin/python scripts/call_overhead.py [--method BF16] [--layer 2,64,32,1]
         [--calls 20000] [--rounds 3]
