@@ -504,10 +504,11 @@ def should_run_on_device(x: torch.Tensor, threshold: int) -> bool:
     """Whether a call with activations ``x [T, H]`` takes the GPU-prefill path: ``x`` on a
     CUDA device, at least ``threshold > 0`` tokens, eager (not compiling, not capturing a
     CUDA graph, not a fake tensor)."""
+    if threshold <= 0 or x.shape[0] < threshold or x.device.type != "cuda":
+        return False  # before the import: every CPU-path call asks
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return (threshold > 0 and x.device.type == "cuda" and x.shape[0] >= threshold
-            and not torch.compiler.is_compiling() and not isinstance(x, FakeTensor)
+    return (not torch.compiler.is_compiling() and not isinstance(x, FakeTensor)
             and not torch.cuda.is_current_stream_capturing())
 
 

@@ -282,13 +282,17 @@ def test_forward_computes_cpu_inputs_on_the_calling_thread(weights, monkeypatch)
     wr = wrapper()
     wr.load_weights_from_tensors(*weights[1])
     threads = []
-    compute = wr._compute
 
-    def recorded(*args):
-        threads.append(threading.current_thread())
-        return compute(*args)
+    def recording(method):
+        def recorded(*args):
+            result = method(*args)
+            if result is not None:  # _direct_cpu_forward returns None where it does not compute
+                threads.append(threading.current_thread())
+            return result
+        return recorded
 
-    monkeypatch.setattr(wr, "_compute", recorded)
+    monkeypatch.setattr(wr, "_compute", recording(wr._compute))
+    monkeypatch.setattr(wr, "_direct_cpu_forward", recording(wr._direct_cpu_forward))
     x, ids, w = inputs()
     inline = wr.forward(x, ids, w)
     assert threads == [threading.current_thread()]
@@ -316,8 +320,47 @@ def test_forward_computes_cpu_inputs_on_the_calling_thread(weights, monkeypatch)
     bad[0, 0] = E
     with pytest.raises(ValueError, match="topk_ids"):
         wr.forward(x, bad, w)
-    assert len(threads) == 5 and threads[4] is threading.current_thread()
-    assert torch.equal(wr.forward(x, ids, w), inline)
+    assert len(threads) == 4  # raised on the calling thread, by the operator's id check
+    assert torch.equal(wr.forward(x, ids, w), inline) and threads[4] is threading.current_thread()
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4", "FP8", "MXFP4"])
+def test_direct_forward_matches_the_general_path_bit_for_bit(weights, method):
+    """forward()'s one-operator path (_direct_cpu_forward: inputs in their own dtype, one
+    rounding of the operator's fp32 sums) gives the general path's bits (fp32 rows into
+    the kernels, ``.to(dtype)`` after), for every input dtype, skipped slots, int64 ids,
+    bf16 routing weights and non-contiguous rows; and is taken only where the call is one
+    operator call: not with GPU slots, deferral or chunks."""
+    H2 = 256  # FP8's 128-blocks, MXFP4's 32-groups
+    layer = make_weights([0], E, H2, I, seed=3)[0]
+
+    def built(**extra):
+        wr = KTMoEWrapper(0, E, K, H2, I, method=method, group_size=None if method == "MXFP4" else 32, **extra)
+        wr.load_weights_from_tensors(*layer)
+        return wr
+
+    wr = built()
+    g = torch.Generator().manual_seed(5)
+    for T in (1, 3, 17, 64):  # 64: 24 rows per expert, the tile paths
+        rows = torch.randn(T, 2 * H2, generator=g)[:, ::2]  # non-contiguous
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        ids[0, -1] = -1
+        routing = torch.rand(T, K, generator=g)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for id_dtype, w_dtype in ((torch.int32, torch.float32), (torch.int64, torch.bfloat16)):
+                args = (rows.to(dtype), ids.to(id_dtype), routing.to(w_dtype))
+                direct = wr._direct_cpu_forward(*args)
+                assert direct is not None and direct.dtype == dtype
+                general = wr._compute(*(t.contiguous() for t in args)).to(dtype)  # forward's other path
+                assert torch.equal(wr.forward(*args), direct)
+                assert torch.equal(direct, general), (T, dtype, id_dtype)
+    x, ids, w = inputs()
+    x = torch.randn(7, H2)
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[1] = True
+    for other in (built(gpu_experts_mask=mask), built(max_deferred_experts_per_token=1), built(chunked_prefill_size=4)):
+        assert other._direct_cpu_forward(x, ids, w) is None
+    assert built(chunked_prefill_size=7)._direct_cpu_forward(x, ids, w) is not None
 
 
 def test_forked_child_gets_its_own_worker_thread() -> None:

@@ -43,7 +43,7 @@ from kt_ops.hf_mxfp4 import find_mxfp4_layer, gguf_mxfp4_experts, load_mxfp4_exp
 from kt_ops.hf_native import native_method
 from kt_ops.numa import place_parts, resolve_nodes
 from kt_ops.packed import PackedExperts
-from kt_ops.ops import Biases
+from kt_ops.ops import Biases, moe_forward
 from kt_ops.parts import (FP8_KIND_METHODS, activate_parts, holds_activation, pack_fp8_parts, pack_int4_parts,
                           pack_parts, part_bounds)
 from kt_ops.placement import generate_gpu_experts_masks  # noqa: F401 (its former home; kt_ops.wrappers re-exports it)
@@ -587,12 +587,42 @@ class KTMoEWrapper:
         summed in fp32 (the kernels take fp32 rows, so parts and deferred results are not
         rounded). Unlike the CUDA path it may synchronise, so a bad id is named here."""
         self._check_ids(ids)
-        if not self.dynamic_gpu_experts and self._identity_route is None:
+        # An identity route maps every checked id to itself: the ids go to the kernels as they are.
+        table = None if self._has_identity_route() else self._table(x.device)
+        return experts_on_device(self._parts, x, ids, weights, table, self.chunked_prefill_size, self._part_nodes)
+
+    def _has_identity_route(self) -> bool:
+        """Whether physical slot ``i`` is packed expert ``i`` for every slot (all packed
+        here, no remapping; never with ``dynamic_gpu_experts``, whose route follows the
+        live mask). Cached until the weights change."""
+        if self.dynamic_gpu_experts:
+            return False
+        if self._identity_route is None:
             route = self._route
             self._identity_route = bool(torch.equal(route, torch.arange(route.numel(), dtype=route.dtype)))
-        # An identity route maps every checked id to itself: the ids go to the kernels as they are.
-        table = None if self._identity_route and not self.dynamic_gpu_experts else self._table(x.device)
-        return experts_on_device(self._parts, x, ids, weights, table, self.chunked_prefill_size, self._part_nodes)
+        return self._identity_route
+
+    def _direct_cpu_forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                            topk_weights: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`forward`'s result computed by one operator call on the calling thread, in
+        ``hidden_states``' dtype, when the call needs nothing else: CPU inputs, one part on
+        all threads, the identity route (the operator checks the ids; a failure is
+        re-checked here for the general path's message), no deferral (none asked, none pending from the previous layer), one
+        chunk, and an idle worker thread (a busy one runs earlier work that must finish
+        first). None otherwise. The kernels take bf16/fp16 rows and round their fp32 sums
+        once, as the general path's fp32 call and ``.to(dtype)`` do: same bits (tested)."""
+        chunk = self.chunked_prefill_size
+        if (len(self._parts) != 1 or self._part_nodes is not None or self.max_deferred_experts_per_token > 0
+                or KTMoEWrapper._pool_tasks != 0 or (chunk and hidden_states.shape[0] > chunk)
+                or (self.deferral_group, self.layer_idx) in KTMoEWrapper._pending
+                or not self._has_identity_route() or self._parts[0].num_experts != self.num_experts):
+            return None
+        try:
+            return moe_forward(hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
+                               self._parts[0])
+        except ValueError:
+            self._check_ids(topk_ids)  # an id out of range: the general path's message (num_experts)
+            raise
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         """``ValueError`` naming the values when a physical slot of ``ids`` is outside
@@ -711,11 +741,12 @@ class KTMoEWrapper:
         self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, inline=False)
 
     def _submit(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                cuda_stream: object | None, inline: bool) -> None:
+                cuda_stream: object | None, inline: bool) -> torch.Tensor | None:
         """:meth:`submit_forward`; ``inline`` (:meth:`forward`, which waits at once): CPU
         inputs are computed on the calling thread when the worker thread is idle and no
-        expert is deferred, the result (or error) left for :meth:`sync_forward` as the
-        worker's would be."""
+        expert is deferred — returned at once where one operator call is the whole layer
+        (:meth:`_direct_cpu_forward`), else the result (or error) left for
+        :meth:`sync_forward` as the worker's would be. None when nothing is returned."""
         if not self._parts and bool((~self.gpu_experts_mask).any()):
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
         self._check_mask()
@@ -742,6 +773,10 @@ class KTMoEWrapper:
             warnings.warn("this kt_ops build has no CUDA key: KTMoEWrapper copies CUDA inputs to the CPU and waits "
                           "(not asynchronous, not capturable in a CUDA graph); see kt_ops.cuda.is_built()", stacklevel=2)
         expert_stats.record(self.layer_idx, topk_ids, self.num_experts)  # kt_ops.ExpertStats, on topk_ids' device
+        if inline and device.type == "cpu":
+            out = self._direct_cpu_forward(hidden_states, topk_ids, topk_weights)
+            if out is not None:
+                return out
         x = hidden_states.to("cpu").contiguous()
         ids = topk_ids.to("cpu")
         weights = topk_weights.to("cpu").float()
@@ -869,8 +904,8 @@ class KTMoEWrapper:
         """:meth:`submit_forward` then :meth:`sync_forward`. CPU inputs are computed on the
         calling thread (on torch's intra-op threads, with no hand-off) unless the worker
         thread is busy or experts are deferred."""
-        self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, inline=True)
-        return self.sync_forward(hidden_states, cuda_stream)
+        out = self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, inline=True)
+        return out if out is not None else self.sync_forward(hidden_states, cuda_stream)
 
     # ---- kt-kernel's buffer API ----------------------------------------------------------
 
