@@ -607,10 +607,11 @@ class KTMoEWrapper:
         """:meth:`forward`'s result computed by one operator call on the calling thread, in
         ``hidden_states``' dtype, when the call needs nothing else: CPU inputs, one part on
         all threads, the identity route (the operator checks the ids; a failure is
-        re-checked here for the general path's message), no deferral (none asked, none pending from the previous layer), one
-        chunk, and an idle worker thread (a busy one runs earlier work that must finish
-        first). None otherwise. The kernels take bf16/fp16 rows and round their fp32 sums
-        once, as the general path's fp32 call and ``.to(dtype)`` do: same bits (tested)."""
+        re-checked here for the general path's message), no deferral (none asked, none
+        pending from the previous layer), one chunk, and an idle worker thread (a busy one
+        runs earlier work that must finish first). None otherwise. The kernels take
+        bf16/fp16 rows and round their fp32 sums once, as the general path's fp32 call and
+        ``.to(dtype)`` do: same bits (tested)."""
         chunk = self.chunked_prefill_size
         if (len(self._parts) != 1 or self._part_nodes is not None or self.max_deferred_experts_per_token > 0
                 or KTMoEWrapper._pool_tasks != 0 or (chunk and hidden_states.shape[0] > chunk)
