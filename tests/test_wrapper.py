@@ -354,7 +354,7 @@ def test_direct_forward_matches_the_general_path_bit_for_bit(weights, method):
                 general = wr._compute(*(t.contiguous() for t in args)).to(dtype)  # forward's other path
                 assert torch.equal(wr.forward(*args), direct)
                 assert torch.equal(direct, general), (T, dtype, id_dtype)
-    x, ids, w = inputs()
+    _, ids, w = inputs()
     x = torch.randn(7, H2)
     mask = torch.zeros(E, dtype=torch.bool)
     mask[1] = True
