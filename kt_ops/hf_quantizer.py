@@ -77,8 +77,8 @@ class KtOpsConfig(QuantizationConfigMixin):
                  progress: bool = True, placement: str | None = None, gpu_budget: int | float | str | None = None,
                  expert_stats: Any = None, dynamic_gpu_experts: bool = False, gpu_prefill_token_threshold: int = 0,
                  **kwargs: Any) -> None:
-        from kt_ops.formats import format_for_method
         from kt_ops.gpu_prefill import checked_threshold
+        from kt_ops.ops import check_pack_arguments
 
         if not isinstance(method, str):
             raise ValueError(f"method must be a string, got {method!r}")
@@ -89,10 +89,12 @@ class KtOpsConfig(QuantizationConfigMixin):
                 raise ValueError(f"KtOpsConfig(method='native') keeps the checkpoint's own format; {', '.join(given)} "
                                  "cannot apply")
             method = NATIVE
-        else:
-            format_for_method(method, zero_point)  # ValueError naming the methods
-        if method.upper() == "LLAMAFILE" and gguf_type is None:
+        elif method.upper() == "LLAMAFILE" and gguf_type is None:
             raise ValueError("KtOpsConfig(method='LLAMAFILE') needs gguf_type, e.g. 'Q4_K' or ('Q4_K', 'Q4_K', 'Q6_K')")
+        else:
+            # ValueError naming the methods, or an argument the method does not take (before
+            # any tensor loads: transformers would report it per tensor, as a RuntimeError)
+            check_pack_arguments(method, group_size, zero_point, scale_search, gguf_type)
         self.quant_method = QUANT_METHOD
         self.method = method
         self.group_size = group_size

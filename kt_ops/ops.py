@@ -109,16 +109,17 @@ def check_finite(name: str, weight: torch.Tensor) -> None:
                              "a NaN or infinite weight is a corrupted checkpoint)")
 
 
-def _pack(
-    gate_proj: torch.Tensor,
-    up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+def check_pack_arguments(
     method: str,
-    group_size: int | None,
-    zero_point: bool,
-    scale_search: bool,
-    gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None,
-) -> PackedExperts:
+    group_size: int | None = None,
+    zero_point: bool = False,
+    scale_search: bool = False,
+    gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None = None,
+) -> str:
+    """The packed format of ``method`` (:func:`kt_ops.formats.format_for_method`);
+    ``ValueError`` where the other :func:`pack_experts` arguments do not apply to it (a
+    ``gguf_type`` outside LLAMAFILE, a ``group_size`` for a method without k-groups, ...).
+    Needs no tensor: ``KtOpsConfig`` checks its arguments with it before a model loads."""
     fmt = format_for_method(method, zero_point)
     if fmt == "mxfp4":
         # e2m1 codes + power-of-two scales per 32 k in the INT4 lines (docs/formats.md); the
@@ -129,27 +130,42 @@ def _pack(
         if group_size not in (None, DEFAULT_GROUP_SIZE, 32) or scale_search:
             raise ValueError(f"method 'MXFP4' has fixed groups of 32 and no scale_search; got group_size="
                              f"{group_size}, scale_search={scale_search}")
+    elif fmt == "gguf":
+        if gguf_type is None:
+            raise ValueError("method 'LLAMAFILE' needs gguf_type, e.g. 'Q4_K' or ('Q4_K', 'Q4_K', 'Q6_K')")
+        if group_size not in (None, DEFAULT_GROUP_SIZE) or scale_search:
+            raise ValueError("method 'LLAMAFILE' takes neither group_size nor scale_search")
+        gguf_type_ids(gguf_type)  # ValueError naming an unknown type or a tuple of another length
+    else:
+        if gguf_type is not None:
+            raise ValueError(f"gguf_type applies to method 'LLAMAFILE', not {method!r}")
+        if fmt not in GROUPED_FORMATS and group_size not in (None, DEFAULT_GROUP_SIZE):
+            raise ValueError(f"method {method!r} has no k-groups; group_size applies to the INT4 methods")
+    return fmt
+
+
+def _pack(
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    method: str,
+    group_size: int | None,
+    zero_point: bool,
+    scale_search: bool,
+    gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None,
+) -> PackedExperts:
+    fmt = check_pack_arguments(method, group_size, zero_point, scale_search, gguf_type)
+    if fmt == "mxfp4":
         for name, size in (("hidden_size", int(gate_proj.shape[-1])), ("intermediate_size", int(down_proj.shape[-1]))):
             if gate_proj.dim() == 3 and down_proj.dim() == 3 and size % 32:
                 raise ValueError(f"method 'MXFP4' needs {name} to be a multiple of 32, got {size}")
         return PackedExperts(torch.ops.kt.pack_experts(gate_proj, up_proj, down_proj, fmt, 32, False))
     if fmt == "gguf":
-        if gguf_type is None:
-            raise ValueError("method 'LLAMAFILE' needs gguf_type, e.g. 'Q4_K' or ('Q4_K', 'Q4_K', 'Q6_K')")
-        if group_size not in (None, DEFAULT_GROUP_SIZE) or scale_search:
-            raise ValueError("method 'LLAMAFILE' takes neither group_size nor scale_search")
         types = gguf_type_ids(gguf_type)
         if gate_proj.dim() == 3 and down_proj.dim() == 3:
             check_row_lengths(types, int(gate_proj.shape[2]), int(down_proj.shape[2]))
         return PackedExperts(torch.ops.kt.pack_gguf_experts(gate_proj, up_proj, down_proj, list(types)))
-    if gguf_type is not None:
-        raise ValueError(f"gguf_type applies to method 'LLAMAFILE', not {method!r}")
-    if fmt in GROUPED_FORMATS:
-        group = default_group_size(method) if group_size is None else group_size
-    elif group_size not in (None, DEFAULT_GROUP_SIZE):
-        raise ValueError(f"method {method!r} has no k-groups; group_size applies to the INT4 methods")
-    else:
-        group = 0
+    group = (default_group_size(method) if group_size is None else group_size) if fmt in GROUPED_FORMATS else 0
     return PackedExperts(
         torch.ops.kt.pack_experts(gate_proj, up_proj, down_proj, fmt, group, scale_search)
     )
