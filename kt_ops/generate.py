@@ -10,11 +10,25 @@ prompt to stdout, and prints prefill and decode tokens/s to stderr at the end. E
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import Any, Sequence
 
 DTYPES = ("bfloat16", "float16", "float32")
+# check_row_lengths' suggestion (kt_ops.gguf_types), repeated in the command line's syntax.
+_GGUF_SUGGESTION = re.compile(r"gguf_type=\('(\w+)', '(\w+)', '(\w+)'\)")
+
+
+def gguf_type_arg(value: str) -> str | tuple[str, str, str]:
+    """``--gguf-type``: one type for every matrix (``Q4_K``) or ``GATE,UP,DOWN``
+    (``Q4_K,Q4_K,Q6_K``, as llama.cpp's Q4_K_M files store a layer)."""
+    parts = [part.strip() for part in value.split(",")]
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) != 3 or not all(parts):
+        raise argparse.ArgumentTypeError(f"takes one GGUF type or three, GATE,UP,DOWN (e.g. Q4_K,Q4_K,Q6_K); got {value!r}")
+    return parts[0], parts[1], parts[2]
 
 
 def build_parser(prog: str = "python -m kt_ops.generate") -> argparse.ArgumentParser:
@@ -26,7 +40,9 @@ def build_parser(prog: str = "python -m kt_ops.generate") -> argparse.ArgumentPa
                         help="the experts' kt_ops method (BF16, AMXINT8, AMXINT4, ...); default native: as the "
                              "checkpoint stores them (FP8/INT4/MXFP4 read in place, float packed as BF16)")
     parser.add_argument("--group-size", type=int, default=None, help="INT4 k-group (32, 64, 128)")
-    parser.add_argument("--gguf-type", default=None, help="LLAMAFILE: the GGUF type, e.g. Q4_K")
+    parser.add_argument("--gguf-type", default=None, type=gguf_type_arg,
+                        help="LLAMAFILE (implied when --method is not given): the GGUF type of every matrix "
+                             "(e.g. Q4_K) or GATE,UP,DOWN (e.g. Q4_K,Q4_K,Q6_K)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the rest of the model's dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch's (and kt_ops') threads")
     parser.add_argument("--sample", action="store_true", help="sample (temperature 0.7) instead of greedy")
@@ -66,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    pack: dict[str, Any] = {"method": args.method}
+    # --gguf-type alone means the GGUF method (the default, native, takes no type).
+    method = "LLAMAFILE" if args.gguf_type is not None and args.method == "native" else args.method
+    pack: dict[str, Any] = {"method": method}
     if args.group_size is not None:
         pack["group_size"] = args.group_size
     if args.gguf_type is not None:
@@ -81,8 +99,13 @@ def run(args: argparse.Namespace) -> int:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             args.model, dtype=getattr(torch, args.dtype), quantization_config=config).eval()
     except (OSError, ValueError) as error:
-        raise UsageError(f"{args.model}: {error}") from None
+        suggestion = _GGUF_SUGGESTION.search(str(error))
+        hint = f" (on the command line: --gguf-type {','.join(suggestion.groups())})" if suggestion else ""
+        raise UsageError(f"{args.model}: {error}{hint}") from None
     loaded = time.perf_counter()
+    if args.chat and not getattr(tokenizer, "chat_template", None):
+        print("note: the tokenizer has no chat template; --chat is ignored, the prompt goes in as it is",
+              file=sys.stderr)
     if args.chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             return_tensors="pt")
@@ -99,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     prefill = (times[0] - begin) if times else float("nan")
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
     print(file=sys.stderr)
-    methods = getattr(model.config.quantization_config, "packed_methods", None) or [args.method]
+    methods = getattr(model.config.quantization_config, "packed_methods", None) or [method]
     print(f"kt_ops {'/'.join(methods)}: loaded in {loaded - started:.1f} s; prompt {ids.shape[1]} tokens, prefill "
           f"{ids.shape[1] / prefill:.1f} tokens/s ({prefill * 1e3:.0f} ms to the first token); {new} new tokens, "
           f"decode {decode:.2f} tokens/s; {torch.get_num_threads()} threads, CPU variant {kt_ops.cpu_variant()}",

@@ -98,9 +98,28 @@ def type_name(type_id: int) -> str:
     return gguf.GGMLQuantizationType(type_id).name
 
 
+def llama_cpp_types(types: tuple[int, int, int], hidden: int, intermediate: int) -> tuple[str, str, str] | None:
+    """The ``(gate, up, down)`` type names a llama.cpp GGUF file of these sizes stores for
+    ``types``: each K-quant whose 256-weight block does not divide its row length (``hidden``
+    for gate and up, ``intermediate`` for down) replaced by llama.cpp's fallback type (Q4_K
+    -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0); None where such a fallback is one kt_ops does not
+    compute (Q2_K, Q3_K: IQ4_NL) or a type of another kind does not fit."""
+    names = []
+    for type_id, k in zip(types, (hidden, hidden, intermediate)):
+        info = ggml_type_info(type_id)
+        name = info.name
+        if k % info.block_elems:
+            name = LLAMA_CPP_FALLBACK.get(name)
+            if name is None or k % ggml_type_info(gguf_type_id(name)).block_elems:
+                return None
+        names.append(name)
+    return names[0], names[1], names[2]
+
+
 def check_row_lengths(types: tuple[int, int, int], hidden: int, intermediate: int) -> None:
     """``ValueError`` if a matrix's row length is not a multiple of its type's block,
-    naming the llama.cpp fallback type for K-quants."""
+    naming the llama.cpp fallback type for K-quants (and the ``gguf_type`` triple that
+    applies it to every matrix that needs it, :func:`llama_cpp_types`)."""
     for matrix, type_id, k in (("gate_proj", types[0], hidden), ("up_proj", types[1], hidden),
                                ("down_proj", types[2], intermediate)):
         info = ggml_type_info(type_id)
@@ -108,7 +127,10 @@ def check_row_lengths(types: tuple[int, int, int], hidden: int, intermediate: in
         if k % block:
             hint = ""
             if fallback in SUPPORTED_TYPES:
-                hint = f"; llama.cpp stores such tensors as {fallback} (pass gguf_type as a (gate, up, down) tuple)"
+                hint = f"; llama.cpp stores such tensors as {fallback}"
+                suggestion = llama_cpp_types(types, hidden, intermediate)
+                hint += (f": pass gguf_type={suggestion!r} (gate, up, down)" if suggestion is not None
+                         else " (pass gguf_type as a (gate, up, down) tuple)")
             elif fallback is not None:
                 hint = (f"; llama.cpp stores such tensors as {fallback}, which kt_ops does not compute: "
                         "use a 32-weight type such as Q4_0 for that matrix")

@@ -306,11 +306,26 @@ def test_bad_files(tmp_path) -> None:
         kt_ops.load_gguf_experts(split, 0)
 
 
+def test_llama_cpp_types() -> None:
+    """llama.cpp's types for a layer: each K-quant whose rows its 256-weight blocks do not
+    fit replaced by the fallback (gate and up by H, down by I); None where that fallback is
+    IQ4_NL, which kt_ops does not compute."""
+    from kt_ops.gguf_types import gguf_type_ids, llama_cpp_types
+
+    assert llama_cpp_types(gguf_type_ids("Q4_K"), 2048, 1408) == ("Q4_K", "Q4_K", "Q5_0")
+    assert llama_cpp_types(gguf_type_ids(("Q5_K", "Q5_K", "Q6_K")), 2048, 1408) == ("Q5_K", "Q5_K", "Q8_0")
+    assert llama_cpp_types(gguf_type_ids("Q4_K"), 64, 512) == ("Q5_0", "Q5_0", "Q4_K")
+    assert llama_cpp_types(gguf_type_ids("Q4_0"), 2048, 1408) == ("Q4_0",) * 3
+    assert llama_cpp_types(gguf_type_ids("Q3_K"), 2048, 1408) is None
+    assert llama_cpp_types(gguf_type_ids("Q8_0"), 2048, 1400) is None  # 1400: no 32-weight block fits either
+
+
 def test_bad_pack_arguments() -> None:
     E, H, I = 2, 256, 1408  # 1408 = 5.5 x 256: K-quants cannot store down
     g = torch.Generator().manual_seed(0)
     gate, up, down = (torch.randn(E, r, c, generator=g) for r, c in ((I, H), (I, H), (H, I)))
-    with pytest.raises(ValueError, match=r"down_proj: GGUF type Q4_K needs a row length.*1408.*Q5_0"):
+    with pytest.raises(ValueError, match=r"down_proj: GGUF type Q4_K needs a row length.*1408.*Q5_0: pass "
+                                         r"gguf_type=\('Q4_K', 'Q4_K', 'Q5_0'\)"):
         kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type="Q4_K")
     kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type=("Q4_K", "Q4_K", "Q5_0"))  # the fallback
     with pytest.raises(ValueError, match="IQ4_NL, which kt_ops does not compute"):

@@ -219,6 +219,13 @@ def test_quantization_config_packs_while_loading(saved: dict[str, Path], arch: s
         kt_ops.KtOpsConfig(method="NOPE")
     with pytest.raises(ValueError, match="needs gguf_type"):
         kt_ops.KtOpsConfig(method="LLAMAFILE")
+    # arguments the method does not take: at construction, not per tensor while loading
+    with pytest.raises(ValueError, match="gguf_type applies to method 'LLAMAFILE', not 'AMXINT8'"):
+        kt_ops.KtOpsConfig(method="AMXINT8", gguf_type="Q4_0")
+    with pytest.raises(ValueError, match="'BF16' has no k-groups"):
+        kt_ops.KtOpsConfig(method="BF16", group_size=64)
+    with pytest.raises(ValueError, match="unknown GGUF type 'Q9_9'"):
+        kt_ops.KtOpsConfig(method="LLAMAFILE", gguf_type="Q9_9")
 
 
 def test_quantization_config_keeps_gpu_experts_in_torch(saved: dict[str, Path]) -> None:
@@ -369,6 +376,29 @@ def test_kt_ops_generate_runs_on_a_saved_model(saved: dict[str, Path]) -> None:
     bad = subprocess.run([sys.executable, "-m", "kt_ops", "generate", str(path.parent / "missing"), "--prompt", "w1"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "error" in bad.stderr.splitlines()[-1]
+
+
+def test_kt_ops_generate_gguf_types(saved: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """kt-ops generate --gguf-type: one type alone means LLAMAFILE, GATE,UP,DOWN gives a type per
+    matrix; a K-quant whose blocks do not fit the rows (H = 64) is exit status 2 naming
+    llama.cpp's types in the command line's syntax; a type with another method is exit
+    status 2 before anything loads; --chat without a chat template says so."""
+    from kt_ops import generate
+
+    path = saved["qwen3_moe"]
+    save_tokenizer(path)
+    args = [str(path), "--prompt", "w5 w17", "--max-new-tokens", "2", "--dtype", "float32"]
+    assert generate.main(args + ["--gguf-type", "Q4_K"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert "gguf_type=('Q5_0', 'Q5_0', 'Q5_0')" in last and last.endswith("(on the command line: --gguf-type Q5_0,Q5_0,Q5_0)")
+    assert generate.main(args + ["--gguf-type", "Q8_0, Q4_0,Q5_0", "--chat"]) == 0
+    err = capsys.readouterr().err
+    assert "kt_ops LLAMAFILE: loaded" in err and "no chat template" in err
+    assert generate.main(args + ["--method", "AMXINT8", "--gguf-type", "Q4_0"]) == 2
+    assert "gguf_type applies to method 'LLAMAFILE', not 'AMXINT8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        generate.main(args + ["--gguf-type", "Q4_K,Q6_K"])
+    assert exited.value.code == 2 and "GATE,UP,DOWN" in capsys.readouterr().err
 
 
 def test_import_kt_ops_does_not_import_transformers() -> None:
