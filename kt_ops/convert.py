@@ -2,7 +2,7 @@
 
     python -m kt_ops.convert --input-path DIR --input-type bf16|fp16|fp8|int4|mxfp4 --output DIR \\
         --quant-method int8|int4|fp8|fp8_perchannel|mxfp8|rawint4|gptq_int4|awq_int4|mxfp4 [--group-size 128] \\
-        [--threadpool-count N] [--no-merge-safetensor] [--resume-layer L] [--layers START-END]
+        [--threadpool-count N] [--no-merge-safetensor] [--resume-layer L] [--layers START-END|L]
 
 (``scripts/convert_cpu_weights.py`` is the same program.) One layer at a time: its
 experts are read (an FP8 input dequantized with its scales: 128 x 128 blocks, per channel
@@ -88,7 +88,7 @@ def build_parser(prog: str = "python -m kt_ops.convert") -> argparse.ArgumentPar
     parser.add_argument("--cpuinfer-threads", type=int, default=None, help="kernel threads = torch's intra-op threads (default: torch's, the physical cores)")
     parser.add_argument("--no-merge-safetensor", action="store_true", help="keep one file per layer")
     parser.add_argument("--resume-layer", type=int, default=None, help="continue from this layer")
-    parser.add_argument("--layers", default=None, help="only layers START-END (inclusive)")
+    parser.add_argument("--layers", default=None, help="only layers START-END (inclusive), or one layer")
     return parser
 
 
@@ -96,9 +96,12 @@ def layer_range(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     try:
-        start, end = (int(v) for v in text.split("-"))
+        bounds = [int(v) for v in text.split("-")]
+        start, end = bounds if len(bounds) == 2 else (bounds[0], bounds[0]) if len(bounds) == 1 else (None, None)
+        if start is None:
+            raise ValueError(text)
     except ValueError:
-        raise UsageError(f"--layers {text!r}: expected START-END, e.g. 0-47") from None
+        raise UsageError(f"--layers {text!r}: expected START-END or one layer, e.g. 0-47 or 5") from None
     if start < 0 or end < start:
         raise UsageError(f"--layers {text!r}: need 0 <= START <= END")
     return start, end
@@ -194,13 +197,17 @@ def convert(args: argparse.Namespace) -> Path:
     out = Path(args.output)
     method = METHODS[args.quant_method]
     fmt = format_for_method(method)
+    sizes = format_info(fmt).group_sizes
+    if args.group_size is not None and not sizes:  # kt-kernel's converter ignores it too: say so
+        print(f"note: --group-size {args.group_size} does not apply to {args.quant_method} (no k-groups: "
+              f"{'one scale per row' if fmt in ('int8', 'fp8_perchannel') else 'its own fixed blocks'}); ignored",
+              file=sys.stderr)
     if args.group_size is None:
         args.group_size = default_group_size(method)
     if args.threadpool_count < 1:
         raise UsageError(f"--threadpool-count must be >= 1, got {args.threadpool_count}")
     if args.cpuinfer_threads is not None and args.cpuinfer_threads < 1:
         raise UsageError(f"--cpuinfer-threads must be >= 1, got {args.cpuinfer_threads}")
-    sizes = format_info(fmt).group_sizes
     if sizes and args.group_size not in sizes:
         raise UsageError(f"--group-size {args.group_size}: {fmt} takes {', '.join(map(str, sizes))}")
     if not source.is_dir():

@@ -208,7 +208,24 @@ def test_layer_range_and_missing_layer(tmp_path, checkpoint):
                "int8", "--layers", "7-9") == 2
     assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "o", "--quant-method",
                "int8", "--layers", "x") == 2
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "o", "--quant-method",
+               "int8", "--layers", "1-2-3") == 2
     assert not (tmp_path / "o").exists()  # a bad argument writes nothing
+
+
+def test_group_size_of_a_method_without_groups_is_noted(tmp_path, checkpoint, capsys):
+    """--group-size with int8 (kt-kernel's converter takes it for every method and ignores
+    it there): the same files as without it, and a note on stderr saying it was ignored."""
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--quant-method", "int8", "--layers", "1"]
+    assert run(*base, "--output", tmp_path / "a", "--group-size", 128) == 0
+    assert "note: --group-size 128 does not apply to int8 (no k-groups: one scale per row); ignored" in (
+        capsys.readouterr().err)
+    assert run(*base, "--output", tmp_path / "b") == 0
+    assert "does not apply" not in capsys.readouterr().err
+    written = sorted(p.name for p in (tmp_path / "a").glob("*.safetensors"))
+    assert written and written == sorted(p.name for p in (tmp_path / "b").glob("*.safetensors"))
+    for name in written:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -252,7 +269,7 @@ def test_verification_catches_wrong_weights(tmp_path, checkpoint, monkeypatch, c
 def test_command_line_entry_points(tmp_path, checkpoint):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run([sys.executable, "-m", "kt_ops.convert", "--input-path", checkpoint, "--input-type",
-                           "bf16", "--output", tmp_path / "cli", "--quant-method", "int8", "--layers", "1-1"],
+                           "bf16", "--output", tmp_path / "cli", "--quant-method", "int8", "--layers", "1"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "1/1 layers" in done.stderr and "ETA" in done.stderr and (tmp_path / "cli" / MANIFEST).is_file()
