@@ -153,7 +153,20 @@ def inspect_weights(path: str | os.PathLike[str]) -> Inspection:
             return _inspect_gguf(root)
         if any(root.glob("*.safetensors")):
             return _inspect_hf(root)
-    raise ValueError(f"{root} {NOT_RECOGNISED}")
+    raise ValueError(f"{root} {NOT_RECOGNISED}{_directory_hint(root)}")
+
+
+def _directory_hint(root: Path) -> str:
+    """For a file of a converted directory or Hugging Face checkpoint (a shard, its
+    config.json): which directory to inspect instead."""
+    parent = root.parent
+    if not root.is_file():
+        return ""
+    if (parent / MANIFEST).is_file():
+        return f" (it belongs to the converted directory {parent}: inspect that)"
+    if (parent / "config.json").is_file() and any(parent.glob("*.safetensors")):
+        return f" (it belongs to the Hugging Face checkpoint {parent}: inspect that directory)"
+    return ""
 
 
 def _progress(items: Sequence[T], what: str) -> Iterable[T]:

@@ -24,6 +24,7 @@ import kt_ops
 from kt_ops import cli, diagnostics, host
 from kt_ops.formats import format_info
 from kt_ops.gguf_types import GGML_TYPES
+from kt_ops.converted import MANIFEST
 from kt_ops.inspection import NOT_RECOGNISED, format_bytes, inspect_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,6 +326,17 @@ def test_inspect_bad_paths_exit_2_naming_the_problem(tmp_path, capsys) -> None:
     for path in (text, empty):
         status, _, err = run(capsys, "inspect", path)
         assert status == 2 and last_line(err) == f"kt-ops inspect: error: {path} {NOT_RECOGNISED}"
+    # a file of a checkpoint (a shard, its config.json): the message names the directory to inspect
+    shard_dir = write_checkpoint(tmp_path / "sharded", make_weights([1], E, H, I))
+    for path in (next(shard_dir.glob("*.safetensors")), shard_dir / "config.json"):
+        status, _, err = run(capsys, "inspect", path)
+        assert status == 2 and last_line(err) == (f"kt-ops inspect: error: {path} {NOT_RECOGNISED} (it belongs to "
+                                                  f"the Hugging Face checkpoint {shard_dir}: inspect that directory)")
+    converted_dir = tmp_path / "converted"
+    converted_dir.mkdir()
+    (converted_dir / MANIFEST).write_text("{}")
+    status, _, err = run(capsys, "inspect", converted_dir / MANIFEST)
+    assert status == 2 and last_line(err).endswith(f"(it belongs to the converted directory {converted_dir}: inspect that)")
     dense = write_checkpoint(tmp_path / "dense", make_weights([1], E, H, I), skip=tuple(
         f"model.layers.1.mlp.experts.{e}.{m}_proj.weight" for e in range(E) for m in ("gate", "up", "down")))
     status, _, err = run(capsys, "inspect", dense)
