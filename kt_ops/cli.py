@@ -4,7 +4,7 @@
     kt-ops bench ARGS      the benchmark (python -m kt_ops.bench's options)
     kt-ops convert ARGS    the CPU-weight converter (python -m kt_ops.convert's options)
     kt-ops inspect PATH    what a weight file or directory holds (kt_ops.inspection)
-    kt-ops generate MODEL --prompt TEXT   load a model with kt_ops experts, stream text, print tokens/s
+    kt-ops generate MODEL --prompt TEXT   load a model (or a GGUF file) with kt_ops experts, stream text, print tokens/s
 
 Exit status 0 on success, 2 for a bad argument or path (the last stderr line says what is
 wrong; argparse's usage line may precede it), 1 when the work itself fails (e.g. a
@@ -29,8 +29,8 @@ COMMANDS = {
     "convert": "convert a Hugging Face checkpoint's routed experts to packed INT8/INT4 CPU weights "
                "(python -m kt_ops.convert; 'kt-ops convert --help' lists its options)",
     "inspect": "what a packed file, converted directory, GGUF file/directory or Hugging Face checkpoint holds",
-    "generate": "load a Hugging Face model with its experts packed by kt_ops, stream a continuation of --prompt and "
-                "print prefill/decode tokens/s (python -m kt_ops.generate; 'kt-ops generate --help')",
+    "generate": "load a Hugging Face model with its experts packed by kt_ops (or a GGUF file), stream a continuation "
+                "of --prompt and print prefill/decode tokens/s (python -m kt_ops.generate; 'kt-ops generate --help')",
 }
 
 

@@ -2,9 +2,12 @@
 
 Loads a Hugging Face model directory with its routed experts packed while they load
 (``from_pretrained(..., quantization_config=kt_ops.KtOpsConfig(method=...))``, the rest of
-the model in ``--dtype`` on the CPU), streams the greedy (or sampled) continuation of the
-prompt to stdout, and prints prefill and decode tokens/s to stderr at the end. Exit status
-2 for a bad argument or a model directory it cannot load, 1 when generation fails.
+the model in ``--dtype`` on the CPU) — or a GGUF file (or a directory holding one and no
+config.json) through :func:`kt_ops.from_gguf`, its experts run from the mapped file as
+stored and its tokenizer read from the file (or ``--tokenizer``) — streams the greedy (or
+sampled) continuation of the prompt to stdout, and prints prefill and decode tokens/s to
+stderr at the end. Exit status 2 for a bad argument or a model it cannot load, 1 when
+generation fails.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -33,7 +37,9 @@ def gguf_type_arg(value: str) -> str | tuple[str, str, str]:
 
 def build_parser(prog: str = "python -m kt_ops.generate") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Generate text with a model whose experts run on kt_ops.")
-    parser.add_argument("model", metavar="MODEL", help="a Hugging Face model directory (config, tokenizer, weights)")
+    parser.add_argument("model", metavar="MODEL",
+                        help="a Hugging Face model directory (config, tokenizer, weights), or a GGUF file (or a directory "
+                             "holding one and no config.json)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--method", default="native",
@@ -47,7 +53,48 @@ def build_parser(prog: str = "python -m kt_ops.generate") -> argparse.ArgumentPa
     parser.add_argument("--threads", type=int, default=None, help="torch's (and kt_ops') threads")
     parser.add_argument("--sample", action="store_true", help="sample (temperature 0.7) instead of greedy")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a Hugging Face tokenizer directory (default: MODEL's own; a GGUF's is read from the file)")
     return parser
+
+
+def gguf_model(model: str) -> Path | None:
+    """The GGUF model ``model`` names (a ``.gguf`` file, or a directory with ``*.gguf`` files
+    and no ``config.json``), else None (a Hugging Face directory)."""
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf")):
+        return path
+    return None
+
+
+def _load_gguf(args: argparse.Namespace, path: Path, dtype: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a GGUF model: kt_ops.from_gguf, and the tokenizer the file
+    carries (or ``--tokenizer``'s). UsageError for options that do not apply, or a file
+    transformers cannot read."""
+    import transformers
+
+    import kt_ops
+    from kt_ops.gguf_loader import gguf_files
+
+    if args.method.lower() not in ("native", "llamafile") or args.gguf_type is not None or args.group_size is not None:
+        raise UsageError("a GGUF model's experts run as the file stores them (method LLAMAFILE): --method, "
+                         "--gguf-type and --group-size do not apply")
+    try:
+        file = gguf_files(path)[0]
+        if args.tokenizer is not None:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+        else:
+            try:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+            except Exception as error:  # transformers raises several kinds for a GGUF without a tokenizer
+                raise UsageError(f"{file}: no tokenizer transformers can read in this GGUF ({type(error).__name__}: "
+                                 f"{error}); pass --tokenizer DIR (a Hugging Face tokenizer directory)") from None
+        model = kt_ops.from_gguf(path, dtype=dtype).eval()
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{args.model}: {error}") from None
+    return model, tokenizer
 
 
 class _Timing:
@@ -89,19 +136,25 @@ def run(args: argparse.Namespace) -> int:
         pack["group_size"] = args.group_size
     if args.gguf_type is not None:
         pack["gguf_type"] = args.gguf_type
-    try:
-        config = kt_ops.KtOpsConfig(**pack)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError) as error:
-        raise UsageError(str(error)) from None
+    gguf_path = gguf_model(args.model)
     started = time.perf_counter()
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            args.model, dtype=getattr(torch, args.dtype), quantization_config=config).eval()
-    except (OSError, ValueError) as error:
-        suggestion = _GGUF_SUGGESTION.search(str(error))
-        hint = f" (on the command line: --gguf-type {','.join(suggestion.groups())})" if suggestion else ""
-        raise UsageError(f"{args.model}: {error}{hint}") from None
+    if gguf_path is not None:
+        method = "LLAMAFILE"
+        model, tokenizer = _load_gguf(args, gguf_path, getattr(torch, args.dtype))
+    else:
+        try:
+            config = kt_ops.KtOpsConfig(**pack)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        except (OSError, ValueError) as error:
+            raise UsageError(str(error)) from None
+        started = time.perf_counter()
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                args.model, dtype=getattr(torch, args.dtype), quantization_config=config).eval()
+        except (OSError, ValueError) as error:
+            suggestion = _GGUF_SUGGESTION.search(str(error))
+            hint = f" (on the command line: --gguf-type {','.join(suggestion.groups())})" if suggestion else ""
+            raise UsageError(f"{args.model}: {error}{hint}") from None
     loaded = time.perf_counter()
     if args.chat and not getattr(tokenizer, "chat_template", None):
         print("note: the tokenizer has no chat template; --chat is ignored, the prompt goes in as it is",
@@ -122,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     prefill = (times[0] - begin) if times else float("nan")
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
     print(file=sys.stderr)
-    methods = getattr(model.config.quantization_config, "packed_methods", None) or [method]
+    methods = getattr(getattr(model.config, "quantization_config", None), "packed_methods", None) or [method]
     print(f"kt_ops {'/'.join(methods)}: loaded in {loaded - started:.1f} s; prompt {ids.shape[1]} tokens, prefill "
           f"{ids.shape[1] / prefill:.1f} tokens/s ({prefill * 1e3:.0f} ms to the first token); {new} new tokens, "
           f"decode {decode:.2f} tokens/s; {torch.get_num_threads()} threads, CPU variant {kt_ops.cpu_variant()}",

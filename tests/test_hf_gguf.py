@@ -18,10 +18,12 @@ from hf_models import tiny_model  # noqa: E402
 from kt_ops import hf_experts  # noqa: E402
 
 
-def write_qwen3moe_gguf(model: torch.nn.Module, path: Path, expert_type: str) -> torch.nn.Module:
+def write_qwen3moe_gguf(model: torch.nn.Module, path: Path, expert_type: str, tokenizer: bool = False) -> torch.nn.Module:
     """``model`` (a tiny Qwen3-MoE, fp32) written as a GGUF of llama.cpp's names, its expert
     tensors in ``expert_type``; returns the model with its experts replaced by what the file
-    holds (dequantized by the gguf package), the reference."""
+    holds (dequantized by the gguf package), the reference. ``tokenizer``: the file also
+    carries a byte-level BPE tokenizer of its 96 tokens (printable ASCII, "Ġ" for the space,
+    "<eos>"), no merges: one token per character."""
     cfg = model.config
     kind = gguf.GGMLQuantizationType[expert_type]
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
@@ -39,6 +41,16 @@ def write_qwen3moe_gguf(model: torch.nn.Module, path: Path, expert_type: str) ->
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if tokenizer:
+        tokens = [chr(c) for c in range(33, 127)] + ["Ġ", "<eos>"]
+        assert len(tokens) == cfg.vocab_size
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([1] * (len(tokens) - 1) + [3])
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_merges([])
+        writer.add_eos_token_id(len(tokens) - 1)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg.num_hidden_layers)
 
     def add_experts(name: str, weights: torch.Tensor) -> torch.Tensor:
@@ -103,3 +115,37 @@ def test_from_gguf_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     write_model(tmp_path / "split.gguf", [layer, layer], 4, 64, 64, split_max_tensors=4)
     with pytest.raises(ValueError, match="split into"):
         kt_ops.from_gguf(tmp_path)
+
+
+def test_kt_ops_generate_runs_a_gguf_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """kt-ops generate MODEL.gguf: the model from kt_ops.from_gguf, the tokenizer from the
+    file; greedy tokens as transformers generates them from the same weights. --method
+    other than LLAMAFILE is exit status 2; a GGUF without a tokenizer asks for --tokenizer,
+    which then works."""
+    from kt_ops import generate
+    from test_hf_experts import save_tokenizer
+
+    path = tmp_path / "tiny.gguf"
+    reference = write_qwen3moe_gguf(tiny_model("qwen3_moe", dtype=torch.bfloat16).float().eval(), path, "F32",
+                                    tokenizer=True)
+    prompt = "hello world"
+    assert generate.main([str(path), "--prompt", prompt, "--max-new-tokens", "6", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    assert "kt_ops LLAMAFILE: loaded" in err
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids.shape[1] == len(prompt)  # one token per character
+    with torch.no_grad():
+        want = reference.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert out.strip() == tokenizer.decode(want[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    assert generate.main([str(path), "--prompt", prompt, "--method", "AMXINT8"]) == 2
+    assert "do not apply" in capsys.readouterr().err.splitlines()[-1]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    write_qwen3moe_gguf(tiny_model("qwen3_moe", dtype=torch.bfloat16).float().eval(), bare / "m.gguf", "Q8_0")
+    assert generate.main([str(bare), "--prompt", "w5 w17"]) == 2
+    assert "pass --tokenizer DIR" in capsys.readouterr().err.splitlines()[-1]
+    save_tokenizer(tmp_path / "tokenizer")
+    assert generate.main([str(bare), "--prompt", "w5 w17", "--max-new-tokens", "2",
+                          "--tokenizer", str(tmp_path / "tokenizer")]) == 0
+    assert "kt_ops LLAMAFILE: loaded" in capsys.readouterr().err
