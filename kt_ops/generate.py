@@ -164,6 +164,12 @@ def run(args: argparse.Namespace) -> int:
                                             return_tensors="pt")
     else:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0 and not args.prompt.strip():
+        raise UsageError("--prompt is empty and this tokenizer adds no start token: give a prompt")
+    if ids.shape[1] == 0:  # e.g. a directory without tokenizer files: transformers builds an empty one
+        raise UsageError(f"the prompt encodes to no tokens with {type(tokenizer).__name__} ({len(tokenizer)} tokens in "
+                         f"its vocabulary; does {args.tokenizer or args.model} hold tokenizer files?): pass "
+                         "--tokenizer DIR")
     streamer = _Timing(tokenizer)
     sampling = {"do_sample": True, "temperature": 0.7} if args.sample else {"do_sample": False}
     begin = time.perf_counter()

@@ -378,11 +378,15 @@ def test_kt_ops_generate_runs_on_a_saved_model(saved: dict[str, Path]) -> None:
     assert bad.returncode == 2 and "error" in bad.stderr.splitlines()[-1]
 
 
-def test_kt_ops_generate_gguf_types(saved: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_kt_ops_generate_gguf_types(saved: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                   tmp_path: Path) -> None:
     """kt-ops generate --gguf-type: one type alone means LLAMAFILE, GATE,UP,DOWN gives a type per
     matrix; a K-quant whose blocks do not fit the rows (H = 64) is exit status 2 naming
     llama.cpp's types in the command line's syntax; a type with another method is exit
-    status 2 before anything loads; --chat without a chat template says so."""
+    status 2 before anything loads; --chat without a chat template says so; --tokenizer
+    serves a model directory without one."""
+    import shutil
+
     from kt_ops import generate
 
     path = saved["qwen3_moe"]
@@ -399,6 +403,17 @@ def test_kt_ops_generate_gguf_types(saved: dict[str, Path], capsys: pytest.Captu
     with pytest.raises(SystemExit) as exited:
         generate.main(args + ["--gguf-type", "Q4_K,Q6_K"])
     assert exited.value.code == 2 and "GATE,UP,DOWN" in capsys.readouterr().err
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(path / name, bare / name)
+    rest = args[1:]
+    assert generate.main([str(bare), *rest]) == 2  # transformers' stand-in tokenizer encodes nothing
+    assert "pass --tokenizer DIR" in capsys.readouterr().err.splitlines()[-1]
+    assert generate.main([str(path), "--prompt", " ", "--max-new-tokens", "2"]) == 2
+    assert "--prompt is empty" in capsys.readouterr().err.splitlines()[-1]
+    assert generate.main([str(bare), *rest, "--tokenizer", str(path)]) == 0
+    assert "kt_ops BF16: loaded" in capsys.readouterr().err
 
 
 def test_import_kt_ops_does_not_import_transformers() -> None:
