@@ -75,11 +75,15 @@ def pack_experts(
         A :class:`PackedExperts` whose ``data`` is a new uint8 CPU tensor.
 
     Raises:
-        ValueError: a bad argument, and a NaN or infinite weight (naming the matrix,
-            expert and row). The operators themselves (``torch.ops.kt.pack_experts`` and
-            the others) pack non-finite weights as given (NaN where the format holds one).
+        ValueError: a bad argument, a weight on the meta device, and a NaN or infinite
+            weight (naming the matrix, expert and row). The operators themselves
+            (``torch.ops.kt.pack_experts`` and the others) pack non-finite weights as
+            given (NaN where the format holds one).
     """
     for name, weight in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+        if isinstance(weight, torch.Tensor) and weight.is_meta:
+            raise ValueError(f"{name} is on the meta device (a shape without values): pack_experts quantizes the "
+                             "weights' values; load them first (from_pretrained, or to_empty() + load_state_dict)")
         check_finite(name, weight)
     packed = _pack(gate_proj, up_proj, down_proj, method, group_size, zero_point, scale_search, gguf_type)
     return set_activation(packed, swiglu_limit, swiglu_alpha, biases)

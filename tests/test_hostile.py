@@ -185,6 +185,8 @@ def test_pack_experts_refuses_non_finite_weights(method: str, value: float) -> N
         kt_ops.pack_experts(*weights, method=method, **extra)
     weights[2][1, 17, 4] = 0.0
     kt_ops.pack_experts(*[w.bfloat16() for w in weights], method=method, **extra)  # finite: packs
+    with pytest.raises(ValueError, match="up_proj is on the meta device"):  # no values to quantize
+        kt_ops.pack_experts(weights[0], weights[1].to("meta"), weights[2], method=method, **extra)
 
 
 # ---- memory (issue 23, case 9) -----------------------------------------------------------
