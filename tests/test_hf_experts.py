@@ -343,6 +343,17 @@ def test_patch_model_covers_the_experts_interface(arch: str) -> None:
     assert calls == report.layers
     assert ((logits - want).norm() / want.norm()) <= logits_bound()
     assert "nemotron_h" not in supported_model_types()  # has_gate=False: not computed
+    with pytest.raises(ValueError, match="already runs on packed kt_ops experts"):  # the float weights are gone
+        kt_ops.patch_model(model, method="BF16")
+
+
+def test_patch_model_twice_says_so() -> None:
+    """A model whose MoE blocks patch_model already replaced (HybridMoE): a ValueError
+    saying so, not only that no block was found."""
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16).float().eval()
+    kt_ops.patch_model(model, method="BF16")
+    with pytest.raises(ValueError, match="HybridMoE layers already .patch_model ran on it"):
+        kt_ops.patch_model(model, method="BF16")
 
 
 def save_tokenizer(path: Path, vocab_size: int = 96) -> None:

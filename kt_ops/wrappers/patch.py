@@ -230,6 +230,10 @@ def patch_model(
             raise ValueError(f"kt_ops.patch_model does not support model_type {model_type!r} "
                              f"({type(model).__name__}: no experts class using transformers' experts interface); "
                              f"supported: {', '.join(supported_model_types())}")
+        packed = [name for name, module in experts if hf_experts.packed_blob(module) is not None]
+        if packed:
+            raise ValueError(f"{packed[0]} (and {len(packed) - 1} more) already runs on packed kt_ops experts "
+                             "(patch_model or KtOpsConfig ran on this model); its float weights are gone")
         num_experts = int(experts[0][1].down_proj.shape[0])
         if placement is not None:
             nbytes = hf_experts.expert_nbytes(experts[0][1])
@@ -244,7 +248,10 @@ def patch_model(
     blocks = [(name, module) for name, module in model.named_modules()
               if type(module).__name__ in _BLOCKS[model_type]]
     if not blocks:
-        raise ValueError(f"no {'/'.join(_BLOCKS[model_type])} block found in {type(model).__name__}")
+        patched = any(isinstance(module, HybridMoE) for module in model.modules())
+        raise ValueError(f"no {'/'.join(_BLOCKS[model_type])} block found in {type(model).__name__}"
+                         + ("; its MoE blocks are kt_ops HybridMoE layers already (patch_model ran on it)"
+                            if patched else ""))
     routing = _routing(config, model_type)
     hidden = int(config.hidden_size)
     num_experts = int(blocks[0][1].gate.weight.shape[0])
