@@ -95,8 +95,16 @@ class PackedExperts:
         return cls(tensors[_TENSOR_KEY])
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Writes a safetensors file holding the packed blob."""
-        save_file(self.to_tensors(), os.fspath(path), metadata=_METADATA)
+        """Writes a safetensors file holding the packed blob. ``IsADirectoryError`` when
+        ``path`` is a directory, ``FileNotFoundError`` when its directory does not exist."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path!r} is a directory; PackedExperts.save writes one file (e.g. "
+                                    f"{os.path.join(path, 'experts.safetensors')!r})")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"{path!r}: its directory {parent!r} does not exist")
+        save_file(self.to_tensors(), path, metadata=_METADATA)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], copy: bool = False) -> PackedExperts:

@@ -41,6 +41,15 @@ def test_save_load_is_memory_mapped_and_runs(tmp_path, experts) -> None:
     )
 
 
+def test_save_names_a_bad_path(tmp_path, experts) -> None:
+    """save() to a directory or into a missing one: the path named, nothing written."""
+    with pytest.raises(IsADirectoryError, match="is a directory; PackedExperts.save writes one file"):
+        experts.packed.save(tmp_path)
+    with pytest.raises(FileNotFoundError, match="its directory .*missing.* does not exist"):
+        experts.packed.save(tmp_path / "missing" / "layer0.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
 def resident_mb() -> float:
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 1e6
 
