@@ -31,15 +31,16 @@ def gguf_type_arg(value: str) -> str | tuple[str, str, str]:
     if len(parts) == 1:
         return parts[0]
     if len(parts) != 3 or not all(parts):
-        raise argparse.ArgumentTypeError(f"takes one GGUF type or three, GATE,UP,DOWN (e.g. Q4_K,Q4_K,Q6_K); got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"takes one GGUF type or three, GATE,UP,DOWN (e.g. Q4_K,Q4_K,Q6_K); got {value!r}")
     return parts[0], parts[1], parts[2]
 
 
 def build_parser(prog: str = "python -m kt_ops.generate") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Generate text with a model whose experts run on kt_ops.")
     parser.add_argument("model", metavar="MODEL",
-                        help="a Hugging Face model directory (config, tokenizer, weights), or a GGUF file (or a directory "
-                             "holding one and no config.json)")
+                        help="a Hugging Face model directory (config, tokenizer, weights), or a GGUF file (or a "
+                             "directory holding one and no config.json)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--method", default="native",
@@ -54,7 +55,8 @@ def build_parser(prog: str = "python -m kt_ops.generate") -> argparse.ArgumentPa
     parser.add_argument("--sample", action="store_true", help="sample (temperature 0.7) instead of greedy")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--tokenizer", default=None,
-                        help="a Hugging Face tokenizer directory (default: MODEL's own; a GGUF's is read from the file)")
+                        help="a Hugging Face tokenizer directory (default: MODEL's own; a GGUF's is read from the "
+                             "file)")
     return parser
 
 

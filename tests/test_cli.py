@@ -22,9 +22,9 @@ from gguf_helpers import random_blocks, write_model
 
 import kt_ops
 from kt_ops import cli, diagnostics, host
+from kt_ops.converted import MANIFEST
 from kt_ops.formats import format_info
 from kt_ops.gguf_types import GGML_TYPES
-from kt_ops.converted import MANIFEST
 from kt_ops.inspection import NOT_RECOGNISED, format_bytes, inspect_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,7 +336,8 @@ def test_inspect_bad_paths_exit_2_naming_the_problem(tmp_path, capsys) -> None:
     converted_dir.mkdir()
     (converted_dir / MANIFEST).write_text("{}")
     status, _, err = run(capsys, "inspect", converted_dir / MANIFEST)
-    assert status == 2 and last_line(err).endswith(f"(it belongs to the converted directory {converted_dir}: inspect that)")
+    assert status == 2 and last_line(err).endswith(
+        f"(it belongs to the converted directory {converted_dir}: inspect that)")
     dense = write_checkpoint(tmp_path / "dense", make_weights([1], E, H, I), skip=tuple(
         f"model.layers.1.mlp.experts.{e}.{m}_proj.weight" for e in range(E) for m in ("gate", "up", "down")))
     status, _, err = run(capsys, "inspect", dense)

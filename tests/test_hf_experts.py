@@ -405,7 +405,8 @@ def test_kt_ops_generate_gguf_types(saved: dict[str, Path], capsys: pytest.Captu
     args = [str(path), "--prompt", "w5 w17", "--max-new-tokens", "2", "--dtype", "float32"]
     assert generate.main(args + ["--gguf-type", "Q4_K"]) == 2
     last = capsys.readouterr().err.splitlines()[-1]
-    assert "gguf_type=('Q5_0', 'Q5_0', 'Q5_0')" in last and last.endswith("(on the command line: --gguf-type Q5_0,Q5_0,Q5_0)")
+    assert "gguf_type=('Q5_0', 'Q5_0', 'Q5_0')" in last
+    assert last.endswith("(on the command line: --gguf-type Q5_0,Q5_0,Q5_0)")
     assert generate.main(args + ["--gguf-type", "Q8_0, Q4_0,Q5_0", "--chat"]) == 0
     err = capsys.readouterr().err
     assert "kt_ops LLAMAFILE: loaded" in err and "no chat template" in err

@@ -18,7 +18,8 @@ from hf_models import tiny_model  # noqa: E402
 from kt_ops import hf_experts  # noqa: E402
 
 
-def write_qwen3moe_gguf(model: torch.nn.Module, path: Path, expert_type: str, tokenizer: bool = False) -> torch.nn.Module:
+def write_qwen3moe_gguf(model: torch.nn.Module, path: Path, expert_type: str,
+                        tokenizer: bool = False) -> torch.nn.Module:
     """``model`` (a tiny Qwen3-MoE, fp32) written as a GGUF of llama.cpp's names, its expert
     tensors in ``expert_type``; returns the model with its experts replaced by what the file
     holds (dequantized by the gguf package), the reference. ``tokenizer``: the file also
