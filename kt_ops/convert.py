@@ -95,11 +95,11 @@ def build_parser(prog: str = "python -m kt_ops.convert") -> argparse.ArgumentPar
 def layer_range(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
+    parts = text.split("-")
     try:
-        bounds = [int(v) for v in text.split("-")]
-        start, end = bounds if len(bounds) == 2 else (bounds[0], bounds[0]) if len(bounds) == 1 else (None, None)
-        if start is None:
+        if len(parts) > 2:
             raise ValueError(text)
+        start, end = int(parts[0]), int(parts[-1])  # one layer: START = END
     except ValueError:
         raise UsageError(f"--layers {text!r}: expected START-END or one layer, e.g. 0-47 or 5") from None
     if start < 0 or end < start:

@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
     if args.gguf_type is not None:
         pack["gguf_type"] = args.gguf_type
     gguf_path = gguf_model(args.model)
-    started = time.perf_counter()
     if gguf_path is not None:
         method = "LLAMAFILE"
+        started = time.perf_counter()  # the tokenizer comes from the same file: timed with it
         model, tokenizer = _load_gguf(args, gguf_path, getattr(torch, args.dtype))
     else:
         try:
@@ -158,10 +158,11 @@ def run(args: argparse.Namespace) -> int:
             hint = f" (on the command line: --gguf-type {','.join(suggestion.groups())})" if suggestion else ""
             raise UsageError(f"{args.model}: {error}{hint}") from None
     loaded = time.perf_counter()
-    if args.chat and not getattr(tokenizer, "chat_template", None):
+    chat = args.chat and bool(getattr(tokenizer, "chat_template", None))
+    if args.chat and not chat:
         print("note: the tokenizer has no chat template; --chat is ignored, the prompt goes in as it is",
               file=sys.stderr)
-    if args.chat and getattr(tokenizer, "chat_template", None):
+    if chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                             return_tensors="pt")
     else:
