@@ -3,7 +3,8 @@
 :func:`inspect_weights` recognises the four weight sources kt_ops loads — a packed-experts
 safetensors file (:meth:`kt_ops.PackedExperts.save`, or one layer file of a converted
 directory), a converted directory (``python -m kt_ops.convert``), a GGUF file or
-directory (split models included) and a Hugging Face safetensors checkpoint — and says
+directory (split models included) and a Hugging Face safetensors checkpoint (float, FP8, or
+4-bit as published: RAWINT4, GPTQ, AWQ, MXFP4) — and says
 per MoE layer: E, H, I, the format or type of gate, up and down, their bytes, and the
 kernel that would run them under the active CPU variant. Only headers are read
 (safetensors headers, GGUF tensor infos, packed blob headers through a memory map), never
@@ -34,6 +35,8 @@ from kt_ops.formats import FORMATS, format_info
 from kt_ops.gguf_loader import gguf_files, open_gguf, read_gguf_config
 from kt_ops.gguf_types import GGML_TYPES
 from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts
+from kt_ops.hf_int4 import int4_method, quantization_config
+from kt_ops.hf_mxfp4 import Mxfp4Layer, find_mxfp4_layer, mxfp4_layers
 from kt_ops.parts import FP8_KIND_METHODS
 
 MATRICES = ("gate", "up", "down")
@@ -42,6 +45,11 @@ _PACKED_KEY = re.compile(r"^(?:packed|blk\.(?P<layer>\d+)\.part(?P<part>\d+)\.pa
 # safetensors dtype of expert weights -> (name shown, bytes per element)
 _DTYPES = {"BF16": ("bf16", 2), "F16": ("fp16", 2), "F32": ("fp32", 4), "F8_E4M3": ("fp8_e4m3", 1)}
 _SCALE_DTYPES = {**_DTYPES, "U8": ("ue8m0", 1), "F8_E8M0": ("ue8m0", 1)}  # FP8 scales (mxfp8: exponent bytes)
+# Bytes per element of the tensors of 4-bit checkpoints (packed codes, scales, zeros, biases).
+_STORED_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
+# The tensors beside an INT4 expert matrix's stem (compressed-tensors, GPTQ, AWQ).
+_INT4_TENSORS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "qweight", "scales", "qzeros",
+                 "g_idx")
 NOT_RECOGNISED = "is not a packed file, converted directory, GGUF file/directory or Hugging Face checkpoint"
 
 T = TypeVar("T")
@@ -423,42 +431,121 @@ def _hf_layer(where: LayerExperts, headers: dict[str, _Header]) -> LayerInfo:
     return LayerInfo(where.layer, E, H, I, matrices, sum(sizes))
 
 
+def _stored_bytes(checkpoint: HfCheckpoint, key: str) -> int:
+    """Bytes of tensor ``key`` as stored (0 when absent); ``ValueError`` for a dtype no
+    4-bit layout uses."""
+    if key not in checkpoint.key_file:
+        return 0
+    dtype, shape = checkpoint.tensor_info(key)
+    if dtype not in _STORED_BYTES:
+        raise ValueError(f"{checkpoint.key_file[key]}: tensor {key!r} is {dtype}, which no 4-bit expert layout uses")
+    return math.prod(shape) * _STORED_BYTES[dtype]
+
+
+def _int4_layer(checkpoint: HfCheckpoint, where: LayerExperts, method: str) -> tuple[LayerInfo, str, str]:
+    """An INT4 checkpoint's layer (RAWINT4, GPTQ_INT4, AWQ_INT4) from its headers: the
+    layer, what it is stored as, and the packed format the method reads it into."""
+    dtype, shape = checkpoint.tensor_info(where.key(0))  # gate of expert 0
+    if method == "RAWINT4":  # weight_packed I32 [I, H/8] or U8 [I, H/2]
+        I, H = shape[0], shape[1] * (8 if dtype == "I32" else 2)
+        scale = checkpoint.tensor_info(f"{where.stem(0)}.weight_scale")[1]  # [I, H/gs]
+        groups = scale[1] if len(scale) == 2 else 0
+    else:  # GPTQ qweight [H/8, I], AWQ [H, I/8]; scales [H/gs, I]
+        H, I = (shape[0] * 8, shape[1]) if method == "GPTQ_INT4" else (shape[0], shape[1] * 8)
+        groups = checkpoint.tensor_info(f"{where.stem(0)}.scales")[1][0]
+    sizes = [sum(_stored_bytes(checkpoint, f"{where.stem(m, e)}.{part}")
+                 for e in range(where.num_experts) for part in _INT4_TENSORS) for m in range(3)]
+    # Zero points as config.json declares them (AWQ always; GPTQ with sym: false): the
+    # loader reads the values too and packs zero points that are all 8 as symmetric int4.
+    zeros = method == "AWQ_INT4" or (method == "GPTQ_INT4" and not quantization_config(checkpoint.path).get("sym", True))
+    label = method.lower()
+    matrices = tuple(MatrixInfo(name, label, size, "") for name, size in zip(MATRICES, sizes))
+    group = f"groups of {H // groups}" if groups and H % groups == 0 else "groups unknown"
+    stored = f"{label} ({group}, {'zero points' if zeros else 'symmetric'}: method {method} reads it in place)"
+    return LayerInfo(where.layer, where.num_experts, H, I, matrices, sum(sizes)), stored, \
+        "int4_asym" if zeros else "int4"
+
+
+def _mxfp4_layer(checkpoint: HfCheckpoint, layer: int, where: Mxfp4Layer) -> LayerInfo:
+    """An MXFP4 checkpoint's layer (gpt-oss's fused, interleaved gate/up with biases, or
+    DeepSeek-V4's per-expert w1/w3/w2) from its headers."""
+    E = where.num_experts
+    if where.kind == "gpt_oss":
+        prefix = f"{where.base}.mlp.experts"
+        shape = checkpoint.tensor_info(f"{prefix}.gate_up_proj_blocks")[1]  # [E, 2I, H/32, 16]
+        I, H = shape[1] // 2, shape[2] * 32
+        gate_up = sum(_stored_bytes(checkpoint, f"{prefix}.gate_up_proj_{part}") for part in ("blocks", "scales", "bias"))
+        down = sum(_stored_bytes(checkpoint, f"{prefix}.down_proj_{part}") for part in ("blocks", "scales", "bias"))
+        sizes = [gate_up // 2, gate_up - gate_up // 2, down]
+    else:
+        shape = checkpoint.tensor_info(f"{where.base}.ffn.experts.0.w1.weight")[1]  # [I, H/2]
+        I, H = shape[0], shape[1] * 2
+        sizes = [sum(_stored_bytes(checkpoint, f"{where.base}.ffn.experts.{e}.{name}.{part}")
+                     for e in range(E) for part in ("weight", "scale")) for name in ("w1", "w3", "w2")]
+    matrices = tuple(MatrixInfo(name, "mxfp4", size, "") for name, size in zip(MATRICES, sizes))
+    return LayerInfo(layer, E, H, I, matrices, sum(sizes))
+
+
 def _inspect_hf(root: Path) -> Inspection:
     variant = cpu_variant()
     checkpoint = HfCheckpoint(root)
     moe = checkpoint.moe_layers()
-    if not moe:
+    mxfp4 = {L: where for L in mxfp4_layers(checkpoint) for where in [find_mxfp4_layer(checkpoint, L)] if where}
+    if not moe and not mxfp4:
         raise ValueError(f"{root} holds safetensors files but no routed-expert tensors (per-expert "
-                         "'*.mlp.experts.{e}.gate_proj.weight', Mixtral's '*.block_sparse_moe.experts.{e}.w1.weight' "
-                         "or fused '*.mlp.experts.gate_up_proj')")
+                         "'*.mlp.experts.{e}.gate_proj.weight', Mixtral's '*.block_sparse_moe.experts.{e}.w1.weight', "
+                         "fused '*.mlp.experts.gate_up_proj', INT4 '*.qweight' / '*.weight_packed', or MXFP4 "
+                         "'*.mlp.experts.gate_up_proj_blocks' / '*.ffn.experts.{e}.w1.weight')")
+    int4 = {L: method for L in moe for method in [int4_method(checkpoint, L)] if method is not None}
+    floats = {L: where for L, where in moe.items() if L not in int4}
     keys = {L: [where.key(m, e) for m in range(3)
                 for e in ([0] if where.convention == "fused" else range(where.num_experts))]
-            for L, where in moe.items()}
+            for L, where in floats.items()}
     headers = _safetensors_headers(checkpoint, [k for ks in keys.values() for k in ks],
                                    [s for ks in keys.values() for k in ks for s in _scale_keys(k)])
-    layers, notes = [], []
-    for L, where in moe.items():
+    layers, notes, stored, in_place = [], [], [], {}
+    for L, where in floats.items():
         absent = [key for key in keys[L] if key not in headers]
         if absent:
             notes.append(f"layer {L}: {len(absent)} expert tensor(s) missing, e.g. {absent[0]!r}")
         else:
             layers.append(_hf_layer(where, headers))
+    for L, method in int4.items():
+        layer, label, fmt = _int4_layer(checkpoint, moe[L], method)
+        layers.append(layer)
+        stored.append(label)
+        in_place[f"method {method} (read in place)"] = fmt
+    for L, where in mxfp4.items():
+        if L not in moe:  # a layer of float experts beside MXFP4 blobs keeps its float row
+            layers.append(_mxfp4_layer(checkpoint, L, where))
+            stored.append("mxfp4 (ue8m0 exponents per 32: method MXFP4 reads it in place)")
+            in_place["method MXFP4 (read in place)"] = "mxfp4"
+    layers.sort(key=lambda layer: layer.layer)
     config_file = root / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    dtypes = sorted({m.type for layer in layers for m in layer.matrices})
-    kinds = sorted({kind for L in moe if L in {layer.layer for layer in layers}
+    float_layers = {layer.layer for layer in layers if layer.layer in floats}
+    dtypes = sorted({m.type for layer in layers if layer.layer in floats for m in layer.matrices})
+    kinds = sorted({kind for L in floats if L in float_layers
                     for kind in [checkpoint.fp8_kind(L)] if kind is not None})
     scale_names = {"fp8": "128 x 128 block scales", "fp8_perchannel": "per-channel scales",
                    "mxfp8": "MXFP8 ue8m0 exponents per 32"}
     scales = f" (with {', '.join(scale_names[k] for k in kinds)}: method {', '.join(FP8_KIND_METHODS[k] for k in kinds)}" \
              " reads it in place)" if kinds else ""
+    stored_as = [", ".join(dtypes) + scales] if dtypes else []
+    stored_as.extend(dict.fromkeys(stored))  # each 4-bit label once, in layer order
+    conventions = sorted({where.convention for L, where in moe.items() if L not in int4}
+                         | {f"{method} per_expert" for method in int4.values()}
+                         | {f"MXFP4 {where.kind}" for L, where in mxfp4.items() if L not in moe})
     facts = (("model type", str(config.get("model_type", "unknown (no config.json)"))),
              ("experts per token", str(config.get("num_experts_per_tok", "unknown"))),
-             ("expert tensors", ", ".join(sorted({where.convention for where in moe.values()})) + " naming"),
-             ("stored as", ", ".join(dtypes) + scales),
+             ("expert tensors", ", ".join(conventions) + " naming"),
+             ("stored as", "; ".join(stored_as)),
              ("files", str(len(set(checkpoint.key_file.values())))))
-    notes.append(f"packed when loaded, so the kernel is the method's (under {variant}):")
-    notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in FORMATS if fmt.k_rule != "ggml_block")
+    for label, fmt in in_place.items():
+        notes.append(f"{label}: {format_info(fmt).kernels[variant]}")
+    if floats:
+        notes.append(f"packed when loaded, so the kernel is the method's (under {variant}):")
+        notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in FORMATS if fmt.k_rule != "ggml_block")
     num_layers = config.get("num_hidden_layers")
     return Inspection(os.fspath(root), "Hugging Face checkpoint", variant, facts,
                       None if num_layers is None else int(num_layers), tuple(layers), None, tuple(notes))

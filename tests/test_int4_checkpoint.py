@@ -303,3 +303,33 @@ def test_converter_keeps_the_nibbles(tmp_path: Path, case: str, capsys) -> None:
         assert f"holds {case} experts" in capsys.readouterr().err
     bf16 = ["--input-path", str(path), "--input-type", "bf16", "--output", str(tmp_path / "o3"), "--quant-method", "int8"]
     assert convert.main(bf16) == 2 and not (tmp_path / "o3").exists()
+
+
+@pytest.mark.parametrize("case", ["RAWINT4", "GPTQ_INT4", "GPTQ_INT4-asym", "AWQ_INT4"])
+def test_inspect_reads_an_int4_checkpoint(tmp_path: Path, case: str) -> None:
+    """kt-ops inspect names the layout, its group size and the kernel that reads it in place,
+    and counts every tensor of the experts (codes, scales, zeros) from the headers alone."""
+    from safetensors import safe_open
+
+    from kt_ops.formats import format_info
+    from kt_ops.inspection import format_inspection, inspect_weights
+
+    path, _ = write_int4_checkpoint(tmp_path / case, case)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        expected = sum(f.get_tensor(k).nbytes for k in f.keys() if ".experts." in k)
+    report = inspect_weights(path)
+    [layer] = report.layers
+    assert (layer.layer, layer.num_experts, layer.hidden_size, layer.intermediate_size) == (LAYER, E, H, I)
+    method = case.split("-")[0]
+    assert layer.nbytes == expected and all(m.type == method.lower() for m in layer.matrices)
+    gs = 32 if case == "RAWINT4" else 128
+    zeros = case in ("GPTQ_INT4-asym", "AWQ_INT4")
+    assert dict(report.facts)["stored as"] == (f"{method.lower()} (groups of {gs}, {'zero points' if zeros else 'symmetric'}"
+                                               f": method {method} reads it in place)")
+    fmt = "int4_asym" if zeros else "int4"  # the format the wrapper packs (the symmetric GPTQ's zeros are all 8)
+    wrapper = KTMoEWrapper(layer_idx=LAYER, num_experts=E, num_experts_per_tok=2, hidden_size=H,
+                           moe_intermediate_size=I, weight_path=path, method=method)
+    wrapper.load_weights()
+    assert [p.format for p in wrapper._parts] == [fmt]
+    text = format_inspection(report)
+    assert f"method {method} (read in place): {format_info(fmt).kernels[kt_ops.cpu_variant()]}" in text, text

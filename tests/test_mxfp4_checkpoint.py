@@ -307,3 +307,24 @@ def test_convert_refuses_mxfp4_mixups(tmp_path: Path, capsys) -> None:
     assert convert.main([*base, "--input-type", "mxfp4", "--quant-method", "int4"]) == 2
     assert "--input-type mxfp4 converts only to --quant-method mxfp4" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("layout", ["gpt_oss", "deepseek_v4"])
+def test_inspect_reads_an_mxfp4_checkpoint(tmp_path: Path, layout: str) -> None:
+    """kt-ops inspect on gpt-oss's and DeepSeek-V4's MXFP4 experts: the layer's shape, its
+    bytes (codes, exponents, biases) and the kernel of method MXFP4, from the headers."""
+    from kt_ops.formats import format_info
+    from kt_ops.inspection import format_inspection, inspect_weights
+
+    g = torch.Generator().manual_seed(2)
+    (write_gpt_oss if layout == "gpt_oss" else write_deepseek_v4)(tmp_path, g)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    expected = sum(t.nbytes for k, t in tensors.items() if ".experts." in k)
+    report = inspect_weights(tmp_path)
+    [layer] = report.layers
+    assert (layer.layer, layer.num_experts, layer.hidden_size, layer.intermediate_size) == (
+        1 if layout == "gpt_oss" else 0, E, H, I)
+    assert layer.nbytes == expected and [m.type for m in layer.matrices] == ["mxfp4"] * 3
+    assert ("expert tensors", f"MXFP4 {layout} naming") in report.facts
+    text = format_inspection(report)
+    assert f"method MXFP4 (read in place): {format_info('mxfp4').kernels[kt_ops.cpu_variant()]}" in text, text
