@@ -19,11 +19,13 @@ files are merged into ``model-0000i-of-0000N.safetensors`` shards (unless
 and the source ``config.json`` are written; every file goes to disk under a temporary name
 and is renamed, so a crash at any point loses at most the layer being written
 (kt_ops/convert_merge.py). ``--resume-layer L`` keeps the layers below L (in layer files
-or merged shards) and continues from L. The output may not be, contain or lie inside the
-input directory. See kt_ops/converted.py for the
+or merged shards) and continues from L; a new conversion that fails before its first layer
+is done removes what it wrote (its manifest, the output directory if it made it), so a
+rerun starts afresh. The output may not be, contain or lie inside the input directory. See kt_ops/converted.py for the
 format. Exit status 2 for a bad argument or path (found before anything is written: the
 input is not a checkpoint, ``--layers`` matches no layer, ``--input-type`` is not what the
-tensors hold, the output holds another conversion or overlaps the input, ...), 1 when a
+tensors hold, ``--threadpool-count`` does not split I into parts the format takes, the
+output holds another conversion or overlaps the input, ...), 1 when a
 conversion step fails or a file cannot be read or written; the last stderr line says why.
 """
 
@@ -254,9 +256,18 @@ def convert(args: argparse.Namespace) -> Path:
     config_file = source / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     E, H, I = mxfp4_sizes(config) if mxfp4_input else model_sizes(checkpoint, config, layers[0])
+    if I % args.threadpool_count:
+        raise UsageError(f"--threadpool-count {args.threadpool_count} must divide moe_intermediate_size {I}")
+    part_size = I // args.threadpool_count
+    if fmt == "mxfp4" and part_size % MXFP4_GROUP:
+        raise UsageError(f"--threadpool-count {args.threadpool_count} splits moe_intermediate_size {I} into parts of "
+                         f"{part_size}; mxfp4 needs parts of a multiple of {MXFP4_GROUP}")
     grouped = fmt in GROUPED_FORMATS  # int4, int4_asym; mxfp4 (its group fixed at 32)
     if grouped and not in_place and (H % args.group_size or I % args.group_size):
         raise UsageError(f"--group-size {args.group_size} must divide hidden_size {H} and moe_intermediate_size {I}")
+    if grouped and not in_place and part_size % args.group_size:
+        raise UsageError(f"--threadpool-count {args.threadpool_count} splits moe_intermediate_size {I} into parts of "
+                         f"{part_size}, which --group-size {args.group_size} does not divide")
     group = args.group_size if grouped else 0
     pack_args = {"group_size": args.group_size} if grouped else {}
     if in_place:  # the checkpoint decides the format and group (probed on expert 0 of the first layer)
@@ -289,8 +300,41 @@ def convert(args: argparse.Namespace) -> Path:
     if missing:
         raise UsageError(f"--resume-layer {args.resume_layer}: layers {', '.join(map(str, missing))} are in no "
                          f"layer file or shard of {out}")
+    fresh, created = not (out / MANIFEST).is_file(), not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     manifest.write(out)
+    done: list[int] = []
+    try:
+        _convert_layers(args, checkpoint, out, todo, layers, E, H, I, method, fmt, group, in_place, mxfp4_input,
+                        pack_args, done)
+    except BaseException:
+        if fresh and todo and not done:  # a rerun starts clean, not with "already holds a conversion"
+            _forget_failed_start(out, todo[0], created)
+        raise
+    if args.no_merge_safetensor:
+        keys = index_layer_files(out, layers, args.threadpool_count)
+    else:
+        keys = merge_layers(out, layers, args.threadpool_count, MAX_SHARD_BYTES)
+    if config_file.is_file():
+        shutil.copyfile(config_file, out / "config.json")
+    Manifest(**{**manifest.__dict__, "complete": True}).write(out)
+    return out
+
+
+def _forget_failed_start(out: Path, first: int, created: bool) -> None:
+    """Removes what a fresh conversion that failed on its first layer wrote: the manifest,
+    that layer's file, and ``out`` itself when this run created it and it is empty."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    (out / layer_file(first)).unlink(missing_ok=True)
+    if created and not any(out.iterdir()):
+        out.rmdir()
+
+
+def _convert_layers(args: argparse.Namespace, checkpoint: HfCheckpoint, out: Path, todo: list[int], layers: list[int],
+                    E: int, H: int, I: int, method: str, fmt: str, group: int, in_place: bool, mxfp4_input: bool,
+                    pack_args: dict, done: list[int]) -> None:
+    """Converts, writes and verifies each layer of ``todo`` (one layer file each), appending
+    each finished layer to ``done``."""
     with progress_bar(len(todo)) as progress:
         for layer in todo:
             progress.set_description_str(f"layer {layer}")
@@ -321,15 +365,8 @@ def convert(args: argparse.Namespace) -> Path:
             save_durably(tensors, path)
             verify_layer(path, layer, parts, gate, up, down, bound, *activation)
             del gate, up, down, parts, tensors
+            done.append(layer)
             progress.update()
-    if args.no_merge_safetensor:
-        keys = index_layer_files(out, layers, args.threadpool_count)
-    else:
-        keys = merge_layers(out, layers, args.threadpool_count, MAX_SHARD_BYTES)
-    if config_file.is_file():
-        shutil.copyfile(config_file, out / "config.json")
-    Manifest(**{**manifest.__dict__, "complete": True}).write(out)
-    return out
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m kt_ops.convert") -> int:

@@ -234,6 +234,11 @@ def test_group_size_of_a_method_without_groups_is_noted(tmp_path, checkpoint, ca
     (["--quant-method", "int8", "--input-type", "fp16"], "--input-type fp16, but layer 1's tensors are torch.bfloat16"),
     (["--quant-method", "int4", "--group-size", 128], "--group-size 128 must divide hidden_size 64 and "
                                                       "moe_intermediate_size 64"),
+    (["--quant-method", "int8", "--threadpool-count", 3], "--threadpool-count 3 must divide moe_intermediate_size 64"),
+    (["--quant-method", "int4", "--group-size", 64, "--threadpool-count", 2],
+     "--threadpool-count 2 splits moe_intermediate_size 64 into parts of 32, which --group-size 64 does not divide"),
+    (["--quant-method", "mxfp4", "--threadpool-count", 4],
+     "--threadpool-count 4 splits moe_intermediate_size 64 into parts of 16; mxfp4 needs parts of a multiple of 32"),
 ])
 def test_bad_arguments_exit_2_and_write_nothing(tmp_path, checkpoint, capsys, extra, message):
     out = tmp_path / "out"
@@ -255,6 +260,30 @@ def test_verification_catches_a_bad_write(tmp_path, checkpoint, monkeypatch, cap
     assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "a", "--quant-method",
                "int8") == 1
     assert "differs from the packed weights" in capsys.readouterr().err
+    # Nothing finished: nothing left behind, so the rerun is not told the output "already holds a conversion".
+    assert not (tmp_path / "a").exists()
+    monkeypatch.setattr(convert, "save_durably", real_save)
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", tmp_path / "a", "--quant-method",
+               "int8") == 0
+
+
+def test_a_failure_after_a_finished_layer_keeps_it_for_resume(tmp_path, checkpoint, monkeypatch, capsys):
+    real_save, saved = convert.save_durably, []
+
+    def failing_second_save(tensors, path):
+        if saved:
+            raise OSError(28, "No space left on device", str(path))
+        saved.append(path)
+        real_save(tensors, path)
+
+    monkeypatch.setattr(convert, "save_durably", failing_second_save)
+    out = tmp_path / "a"
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert (out / MANIFEST).is_file() and (out / layer_file(1)).is_file() and not (out / layer_file(2)).exists()
+    monkeypatch.setattr(convert, "save_durably", real_save)
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+               "--resume-layer", 2) == 0
 
 
 def test_verification_catches_wrong_weights(tmp_path, checkpoint, monkeypatch, capsys):
