@@ -270,13 +270,21 @@ def convert(args: argparse.Namespace) -> Path:
                          f"{part_size}, which --group-size {args.group_size} does not divide")
     group = args.group_size if grouped else 0
     pack_args = {"group_size": args.group_size} if grouped else {}
-    if in_place:  # the checkpoint decides the format and group (probed on expert 0 of the first layer)
+    # A checkpoint's own INT4 or FP8 bytes decide the format and group (INT4) and which
+    # splits work: probed on expert 0 of the first layer before anything is written.
+    fp8_in_place = not in_place and not mxfp4_input and fmt in FP8_KIND_METHODS and \
+        checkpoint.fp8_kind(layers[0]) == fmt
+    if in_place or fp8_in_place:
         try:
-            probe = pack_int4_parts(load_int4_experts(checkpoint, layers[0], [0], H, I, method),
-                                    args.threadpool_count)[0]
+            if in_place:
+                probe = pack_int4_parts(load_int4_experts(checkpoint, layers[0], [0], H, I, method),
+                                        args.threadpool_count)[0]
+                fmt, group = probe.format, probe.group_size
+            else:
+                pack_fp8_parts(checkpoint.load_fp8_experts(layers[0], [0], H, I), args.threadpool_count)
         except (KeyError, ValueError) as error:
-            raise UsageError(f"--input-path: {error.args[0] if error.args else error}") from None
-        fmt, group = probe.format, probe.group_size
+            message = str(error.args[0] if error.args else error)
+            raise UsageError(message if message.startswith("threadpool_count") else f"--input-path: {message}") from None
     if args.cpuinfer_threads is not None:
         from kt_ops.cpu import set_num_threads
 

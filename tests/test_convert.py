@@ -97,6 +97,12 @@ def test_fp8_input(tmp_path):
     assert rel_err(wr.forward(x, ids, w), reference.moe_forward(x, ids, w, *deq)) <= 5e-2
     assert run("--input-path", src, "--input-type", "bf16", "--output", tmp_path / "o2", "--quant-method", "int8") == 2
 
+    # Its own block-FP8 bytes kept: a split inside a 128-wide scale block is refused before anything is written.
+    assert run("--input-path", src, "--input-type", "fp8", "--output", tmp_path / "o3", "--quant-method", "fp8",
+               "--threadpool-count", 2) == 2
+    assert not (tmp_path / "o3").exists()
+    assert run("--input-path", src, "--input-type", "fp8", "--output", tmp_path / "o4", "--quant-method", "fp8") == 0
+
 
 def test_resume_keeps_written_layers(tmp_path, checkpoint, capsys):
     out = tmp_path / "out"
