@@ -137,6 +137,24 @@ def test_gpu_mask_and_physical_map(checkpoint, weights, method):
     assert rel_err(want, expected(x, ids, w, weights[1], mask=mask, method=method)) > 0.2
 
 
+@pytest.mark.parametrize("mapping", [
+    torch.tensor([3, 0, 7, 1, 6, 2, 5.5, 4]),  # a fraction: truncated it would load expert 5 silently
+    torch.tensor([3, 0, 7, 1, 6, 2, float("nan"), 4]),
+    torch.tensor([True, False] * 4),  # a mask where a map belongs
+    ["3", "0", "7", "1", "6", "2", "5", "4"],
+])
+def test_physical_map_must_hold_integers(checkpoint, weights, mapping):
+    with pytest.raises(ValueError, match="physical_to_logical_map must be integer expert indices"):
+        wrapper(checkpoint, 1).load_weights(mapping)
+    with pytest.raises(ValueError, match="physical_to_logical_map must be integer expert indices"):
+        wrapper(None, 1).load_weights_from_tensors(*weights[1], physical_to_logical_map=mapping)
+    whole = [3, 0, 7, 1, 6, 2, 5.0, 4]  # floats of whole numbers are indices
+    wr = wrapper(checkpoint, 1)
+    wr.load_weights(whole)
+    x, ids, w = inputs()
+    assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[1], torch.tensor(whole).long())) <= 1e-2
+
+
 def test_num_gpu_experts_and_all_on_gpu(weights):
     x, ids, w = inputs()
     wr = wrapper(num_gpu_experts=3)

@@ -297,7 +297,16 @@ class KTMoEWrapper:
             if logical < E:
                 raise ValueError(f"the weights hold {logical} experts; num_experts is {E}")
             return torch.arange(E)
-        mapping = torch.as_tensor(physical_to_logical_map).to("cpu", torch.long).reshape(-1)
+        try:
+            raw = torch.as_tensor(physical_to_logical_map).to("cpu").reshape(-1)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"physical_to_logical_map must be integer expert indices: {error}") from None
+        if raw.dtype == torch.bool or raw.is_complex() or (
+                raw.is_floating_point() and not bool(torch.equal(raw, raw.round()))):  # NaN and 1.5 alike
+            values = ", ".join(str(v) for v in raw[:4].tolist())
+            raise ValueError(f"physical_to_logical_map must be integer expert indices, got {raw.dtype} ({values}"
+                             f"{', ...' if raw.numel() > 4 else ''}): a fraction or a bool would pick an expert silently")
+        mapping = raw.to(torch.long)
         if mapping.numel() != E:
             raise ValueError(f"physical_to_logical_map has {mapping.numel()} entries; num_experts is {E}")
         if E and (int(mapping.min()) < 0 or int(mapping.max()) >= logical):
