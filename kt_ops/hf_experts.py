@@ -31,6 +31,7 @@ experts packed first (:func:`pack_model_experts`); then the call is one opaque o
 from __future__ import annotations
 
 import importlib.abc
+import numbers
 import re
 import sys
 from typing import Any, Sequence
@@ -367,12 +368,16 @@ def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask:
     masks: list[torch.Tensor | None] = [None] * len(modules)
     if gpu_experts_mask is not None:
         mask = torch.as_tensor(gpu_experts_mask)
-        if mask.dim() != 2 or mask.shape[0] != len(modules):
+        if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != len(modules):
             raise ValueError(f"gpu_experts_mask must be bool [num_moe_layers={len(modules)}, E], got "
-                             f"{tuple(mask.shape)}")
+                             f"{mask.dtype} {tuple(mask.shape)}")
         masks = list(mask)
     elif num_gpu_experts is not None:
-        masks = [torch.arange(int(m.down_proj.shape[0])) < num_gpu_experts for m in modules]
+        experts = [int(m.down_proj.shape[0]) for m in modules]
+        if isinstance(num_gpu_experts, bool) or not isinstance(num_gpu_experts, numbers.Integral) or \
+                not all(0 <= num_gpu_experts <= e for e in experts):
+            raise ValueError(f"num_gpu_experts must be an int in [0, {min(experts, default=0)}], got {num_gpu_experts!r}")
+        masks = [torch.arange(e) < num_gpu_experts for e in experts]
     if dynamic and masks[0] is None:
         raise ValueError("dynamic=True needs gpu_experts_mask or num_gpu_experts (the first GPU experts)")
     for module, mask in zip(modules, masks):

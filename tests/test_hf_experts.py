@@ -120,6 +120,11 @@ def test_gpu_experts_in_torch(saved: dict[str, Path], arch: str) -> None:
         assert ((logits - want).norm() / want.norm()) <= logits_bound(), kwargs
     with pytest.raises(ValueError, match="num_moe_layers"):
         hf_experts.pack_model_experts(ours, gpu_experts_mask=mask[:1])
+    with pytest.raises(ValueError, match="must be bool"):  # an int mask is not a list of expert indices
+        hf_experts.pack_model_experts(ours, gpu_experts_mask=mask.int())
+    for count in (1.5, True, -1, 9):  # 1.5 would keep arange(8) < 1.5, two experts, silently
+        with pytest.raises(ValueError, match=r"num_gpu_experts must be an int in \[0, 8\]"):
+            hf_experts.pack_model_experts(ours, num_gpu_experts=count)
 
 
 def test_activations_are_read_from_the_class(saved: dict[str, Path]) -> None:

@@ -206,8 +206,9 @@ def test_bad_masks_are_rejected() -> None:
         kt_ops.patch_model(copy.deepcopy(model), gpu_experts_mask=torch.zeros(3, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="not both"):
         kt_ops.patch_model(copy.deepcopy(model), gpu_experts_mask=torch.zeros(2, 8, dtype=torch.bool), num_gpu_experts=1)
-    with pytest.raises(ValueError, match="num_gpu_experts"):
-        kt_ops.patch_model(copy.deepcopy(model), num_gpu_experts=9)
+    for count in (9, 1.5, True, [1, 1.5]):  # a fraction would keep arange(E) < 1.5, i.e. 2 experts, silently
+        with pytest.raises(ValueError, match="num_gpu_experts"):
+            kt_ops.patch_model(copy.deepcopy(model), num_gpu_experts=count)
 
 
 def test_transformers_v4_expert_lists() -> None:

@@ -155,6 +155,12 @@ def test_physical_map_must_hold_integers(checkpoint, weights, mapping):
     assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[1], torch.tensor(whole).long())) <= 1e-2
 
 
+@pytest.mark.parametrize("count", [1.5, True, -1, E + 1])
+def test_num_gpu_experts_must_be_an_int_in_range(count):
+    with pytest.raises(ValueError, match=rf"num_gpu_experts must be an int in \[0, {E}\], got {count!r}"):
+        wrapper(num_gpu_experts=count)
+
+
 def test_num_gpu_experts_and_all_on_gpu(weights):
     x, ids, w = inputs()
     wr = wrapper(num_gpu_experts=3)
