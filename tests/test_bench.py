@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -443,3 +444,22 @@ def test_model_step_table_stays_aligned_for_long_method_names() -> None:
     tokens_end = lines[0].index("tokens") + len("tokens")
     for line in lines[2:]:
         assert line[tokens_end - 1] == "8" and line[tokens_end] == " ", line
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layers", "0"], "--layers must be >= 1, got 0"),  # 0 was taken as "the default" (3)
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--json", "/nonexistent/kt_ops_dir/rows.json"], "cannot write into /nonexistent/kt_ops_dir (no such directory)"),
+    (["--json", "."], "--json . is a directory"),
+])
+def test_bad_arguments_are_refused_before_any_timing(argv: list[str], message: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_threads_above_the_cpu_count_are_noted(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_args(["--threads", str((os.cpu_count() or 1) + 1), "--json", "rows.json"])
+    assert args.layers == 3 and args.repeats == 30
+    assert "exceeds this machine's" in capsys.readouterr().err

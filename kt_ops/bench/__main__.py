@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -143,8 +145,25 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
     # --quick packs one layer per method: the flush before every timed call already makes
     # each call read its weights from DRAM (distinct layers only guard a flush that
     # misses), and drawing and packing an S1 layer costs 1.5-5 s per method here.
-    args.layers = args.layers or (1 if args.quick else 3)
-    args.repeats = args.repeats or (5 if args.quick else 30)
+    for name in ("layers", "threads", "repeats"):  # before the defaults: 0 is an error, not "the default"
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be >= 1, got {value}")
+    if args.json:  # found out now, not after minutes of timing
+        target = Path(args.json)
+        if target.is_dir():
+            parser.error(f"--json {args.json} is a directory; give a file path")
+        folder = target.parent if str(target.parent) else Path(".")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            parser.error(f"--json {args.json}: cannot write into {folder} "
+                         f"({'no such directory' if not folder.is_dir() else 'permission denied'})")
+    if args.threads is not None and args.threads > (os.cpu_count() or 1):
+        print(f"note: --threads {args.threads} exceeds this machine's {os.cpu_count()} CPUs: the rows time an "
+              "oversubscribed machine", file=sys.stderr)
+    if args.layers is None:
+        args.layers = 1 if args.quick else 3
+    if args.repeats is None:
+        args.repeats = 5 if args.quick else 30
     # Seconds a row keeps timing calls past --repeats (our layer; the plain layer gets half).
     args.min_seconds = 0.25 if args.quick else 1.0
     if any(t < 1 for t in args.tokens):
@@ -156,10 +175,6 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
                     gguf_types_for(method, SHAPES[shape])
                 except ValueError as error:
                     parser.error(str(error))
-    for name in ("layers", "threads", "repeats"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name} must be >= 1, got {value}")
     return args
 
 
