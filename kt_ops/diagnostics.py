@@ -17,7 +17,7 @@ from kt_ops.cpu import (
     supported_cpu_variants,
     thread_source,
 )
-from kt_ops.formats import FORMATS, FormatInfo
+from kt_ops.formats import CHECKPOINT_METHODS, FORMATS, FormatInfo
 from kt_ops.gguf_types import GGML_TYPES
 
 
@@ -163,4 +163,8 @@ def doctor() -> str:
             in_place = [t.name for t in GGML_TYPES if active in t.in_place_variants]
             lines.append(f"  {'':{width}s}  ggml types: {', '.join(t.name for t in GGML_TYPES)}")
             lines.append(f"  {'':{width}s}  read in place: {', '.join(in_place) if in_place else 'none'}")
+    # The published 4-bit checkpoints' methods pack into the formats above (kt_ops.hf_int4, hf_mxfp4).
+    read = [f"{method} -> {fmt}" + (" (int4_asym with zero points)" if method == "GPTQ_INT4" else "")
+            for method, (fmt, _) in CHECKPOINT_METHODS.items()]
+    lines.append(f"4-bit checkpoints read in place: {', '.join(read)}, MXFP4 (gpt-oss, DeepSeek-V4) -> mxfp4")
     return "\n".join(lines)

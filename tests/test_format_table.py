@@ -218,6 +218,12 @@ def test_doctor_lists_every_format_with_the_active_kernel() -> None:
                          report, re.MULTILINE), info.name
     in_place = [t.name for t in gguf_types.GGML_TYPES if active in t.in_place_variants]
     assert f"read in place: {', '.join(in_place) or 'none'}" in report
+    # Each published 4-bit checkpoint method names the format the wrapper packs it into.
+    checkpoints = re.search(r"^4-bit checkpoints read in place: (.*)$", report, re.MULTILINE)
+    assert checkpoints is not None, report
+    for method, (fmt, _) in formats.CHECKPOINT_METHODS.items():
+        assert f"{method} -> {fmt}" in checkpoints[1]
+        formats.format_info(fmt)  # a format of the table
 
 
 # --- docs/formats.md is checked against it --------------------------------------------------
