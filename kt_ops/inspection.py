@@ -442,19 +442,24 @@ def _stored_bytes(checkpoint: HfCheckpoint, key: str) -> int:
     return math.prod(shape) * _STORED_BYTES[dtype]
 
 
-def _int4_layer(checkpoint: HfCheckpoint, where: LayerExperts, method: str) -> tuple[LayerInfo, str, str]:
+def _int4_layer(checkpoint: HfCheckpoint, where: LayerExperts, method: str) -> tuple[LayerInfo, str, str, list[str]]:
     """An INT4 checkpoint's layer (RAWINT4, GPTQ_INT4, AWQ_INT4) from its headers: the
-    layer, what it is stored as, and the packed format the method reads it into."""
+    layer, what it is stored as, the packed format the method reads it into, and the
+    experts' code and scale tensors that are missing."""
     dtype, shape = checkpoint.tensor_info(where.key(0))  # gate of expert 0
     if method == "RAWINT4":  # weight_packed I32 [I, H/8] or U8 [I, H/2]
         I, H = shape[0], shape[1] * (8 if dtype == "I32" else 2)
-        scale = checkpoint.tensor_info(f"{where.stem(0)}.weight_scale")[1]  # [I, H/gs]
-        groups = scale[1] if len(scale) == 2 else 0
+        scale_key, axis = f"{where.stem(0)}.weight_scale", 1  # [I, H/gs]
     else:  # GPTQ qweight [H/8, I], AWQ [H, I/8]; scales [H/gs, I]
         H, I = (shape[0] * 8, shape[1]) if method == "GPTQ_INT4" else (shape[0], shape[1] * 8)
-        groups = checkpoint.tensor_info(f"{where.stem(0)}.scales")[1][0]
+        scale_key, axis = f"{where.stem(0)}.scales", 0
+    scale = checkpoint.tensor_info(scale_key)[1] if scale_key in checkpoint.key_file else ()
+    groups = scale[axis] if len(scale) == 2 else 0  # a missing or odd scale: the loader names it
     sizes = [sum(_stored_bytes(checkpoint, f"{where.stem(m, e)}.{part}")
                  for e in range(where.num_experts) for part in _INT4_TENSORS) for m in range(3)]
+    scale_part = scale_key.rsplit(".", 1)[1]
+    absent = [key for m in range(3) for e in range(where.num_experts)
+              for key in (where.key(m, e), f"{where.stem(m, e)}.{scale_part}") if key not in checkpoint.key_file]
     # Zero points as config.json declares them (AWQ always; GPTQ with sym: false): the
     # loader reads the values too and packs zero points that are all 8 as symmetric int4.
     zeros = method == "AWQ_INT4" or (method == "GPTQ_INT4" and not quantization_config(checkpoint.path).get("sym", True))
@@ -463,27 +468,32 @@ def _int4_layer(checkpoint: HfCheckpoint, where: LayerExperts, method: str) -> t
     group = f"groups of {H // groups}" if groups and H % groups == 0 else "groups unknown"
     stored = f"{label} ({group}, {'zero points' if zeros else 'symmetric'}: method {method} reads it in place)"
     return LayerInfo(where.layer, where.num_experts, H, I, matrices, sum(sizes)), stored, \
-        "int4_asym" if zeros else "int4"
+        "int4_asym" if zeros else "int4", absent
 
 
-def _mxfp4_layer(checkpoint: HfCheckpoint, layer: int, where: Mxfp4Layer) -> LayerInfo:
+def _mxfp4_layer(checkpoint: HfCheckpoint, layer: int, where: Mxfp4Layer) -> tuple[LayerInfo, list[str]]:
     """An MXFP4 checkpoint's layer (gpt-oss's fused, interleaved gate/up with biases, or
-    DeepSeek-V4's per-expert w1/w3/w2) from its headers."""
+    DeepSeek-V4's per-expert w1/w3/w2) from its headers, and its missing code and exponent
+    tensors."""
     E = where.num_experts
     if where.kind == "gpt_oss":
         prefix = f"{where.base}.mlp.experts"
+        needed = [f"{prefix}.{m}_proj_{part}" for m in ("gate_up", "down") for part in ("blocks", "scales")]
         shape = checkpoint.tensor_info(f"{prefix}.gate_up_proj_blocks")[1]  # [E, 2I, H/32, 16]
         I, H = shape[1] // 2, shape[2] * 32
         gate_up = sum(_stored_bytes(checkpoint, f"{prefix}.gate_up_proj_{part}") for part in ("blocks", "scales", "bias"))
         down = sum(_stored_bytes(checkpoint, f"{prefix}.down_proj_{part}") for part in ("blocks", "scales", "bias"))
         sizes = [gate_up // 2, gate_up - gate_up // 2, down]
     else:
-        shape = checkpoint.tensor_info(f"{where.base}.ffn.experts.0.w1.weight")[1]  # [I, H/2]
+        first = next(e for e in range(E) if f"{where.base}.ffn.experts.{e}.w1.weight" in checkpoint.key_file)
+        shape = checkpoint.tensor_info(f"{where.base}.ffn.experts.{first}.w1.weight")[1]  # [I, H/2]
         I, H = shape[0], shape[1] * 2
         sizes = [sum(_stored_bytes(checkpoint, f"{where.base}.ffn.experts.{e}.{name}.{part}")
                      for e in range(E) for part in ("weight", "scale")) for name in ("w1", "w3", "w2")]
+        needed = [f"{where.base}.ffn.experts.{e}.{name}.{part}"
+                  for name in ("w1", "w3", "w2") for e in range(E) for part in ("weight", "scale")]
     matrices = tuple(MatrixInfo(name, "mxfp4", size, "") for name, size in zip(MATRICES, sizes))
-    return LayerInfo(layer, E, H, I, matrices, sum(sizes))
+    return LayerInfo(layer, E, H, I, matrices, sum(sizes)), [key for key in needed if key not in checkpoint.key_file]
 
 
 def _inspect_hf(root: Path) -> Inspection:
@@ -510,16 +520,22 @@ def _inspect_hf(root: Path) -> Inspection:
             notes.append(f"layer {L}: {len(absent)} expert tensor(s) missing, e.g. {absent[0]!r}")
         else:
             layers.append(_hf_layer(where, headers))
+    four_bit: list[tuple[LayerInfo, str, str, str, list[str]]] = []  # layer, label, method, format, absent
     for L, method in int4.items():
-        layer, label, fmt = _int4_layer(checkpoint, moe[L], method)
+        layer, label, fmt, absent = _int4_layer(checkpoint, moe[L], method)
+        four_bit.append((layer, label, method, fmt, absent))
+    for L, where in mxfp4.items():
+        if L not in moe:  # a layer of float experts beside MXFP4 blobs keeps its float row
+            layer, absent = _mxfp4_layer(checkpoint, L, where)
+            four_bit.append((layer, "mxfp4 (ue8m0 exponents per 32: method MXFP4 reads it in place)", "MXFP4",
+                             "mxfp4", absent))
+    for layer, label, method, fmt, absent in four_bit:
+        if absent:  # as a float layer with missing tensors: named, no row
+            notes.append(f"layer {layer.layer}: {len(absent)} expert tensor(s) missing, e.g. {absent[0]!r}")
+            continue
         layers.append(layer)
         stored.append(label)
         in_place[f"method {method} (read in place)"] = fmt
-    for L, where in mxfp4.items():
-        if L not in moe:  # a layer of float experts beside MXFP4 blobs keeps its float row
-            layers.append(_mxfp4_layer(checkpoint, L, where))
-            stored.append("mxfp4 (ue8m0 exponents per 32: method MXFP4 reads it in place)")
-            in_place["method MXFP4 (read in place)"] = "mxfp4"
     layers.sort(key=lambda layer: layer.layer)
     config_file = root / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}

@@ -333,3 +333,12 @@ def test_inspect_reads_an_int4_checkpoint(tmp_path: Path, case: str) -> None:
     assert [p.format for p in wrapper._parts] == [fmt]
     text = format_inspection(report)
     assert f"method {method} (read in place): {format_info(fmt).kernels[kt_ops.cpu_variant()]}" in text, text
+
+
+def test_inspect_names_a_missing_int4_tensor(tmp_path: Path) -> None:
+    from kt_ops.inspection import inspect_weights
+
+    key = f"model.layers.{LAYER}.mlp.experts.1.up_proj.weight_scale"
+    path, _ = write_int4_checkpoint(tmp_path, "RAWINT4", edit=lambda tensors: tensors.pop(key))
+    report = inspect_weights(path)
+    assert report.layers == () and f"layer {LAYER}: 1 expert tensor(s) missing, e.g. {key!r}" in report.notes
