@@ -209,6 +209,7 @@ def test_bad_masks_are_rejected() -> None:
     for count in (9, 1.5, True, [1, 1.5]):  # a fraction would keep arange(E) < 1.5, i.e. 2 experts, silently
         with pytest.raises(ValueError, match="num_gpu_experts"):
             kt_ops.patch_model(copy.deepcopy(model), num_gpu_experts=count)
+    kt_ops.patch_model(copy.deepcopy(model), num_gpu_experts=torch.tensor([1, 2]))  # an int tensor: one count per layer
 
 
 def test_transformers_v4_expert_lists() -> None:
