@@ -299,7 +299,7 @@ struct QuantGemm {
             x1 = Ops::broadcast4(t.a[0] + k + 4);
           }
           for (int b = 0; b < NB; ++b) {
-            if (t.prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(pf_line + b * t.block_stride), _MM_HINT_T0);
+            if (t.prefetch > 0) prefetch_ahead(pf_line + b * t.block_stride);
             for (int r = 0; r < R; ++r) {
               const IReg v = Ops::load(line0 + b * t.block_stride, r);
               lo[b][r] = nibble_levels(Ops::low_nibbles(v));
@@ -329,7 +329,7 @@ struct QuantGemm {
           IReg w[NB][R];
           for (int b = 0; b < NB; ++b) {
             const uint8_t* line = t.w + b * t.block_stride + l * 64;
-            if (t.prefetch > 0) _mm_prefetch(reinterpret_cast<const char*>(pf_line + b * t.block_stride), _MM_HINT_T0);
+            if (t.prefetch > 0) prefetch_ahead(pf_line + b * t.block_stride);
             for (int r = 0; r < R; ++r) w[b][r] = Ops::load(line, r);
           }
           for (int m = 0; m < M; ++m) {
@@ -368,6 +368,19 @@ struct QuantGemm {
   // tokens S1 RAWINT4 0.93-0.94 of the time, AMXINT4 0.95, AMXINT8 0.94-0.96; S2 (longer
   // blocks) GPTQ_INT4 / AWQ_INT4 1.01, MXFP4 / AMXINT8 0.99. Prefetching the int4 scale
   // rows ahead too gained nothing (alone 1.005-1.009 of the time, with this 0.95-0.97).
+  // A line `prefetch` lines ahead: to L2 with AVX-512 registers, to L1 with AVX2's. On a
+  // 2-core Zen 4 (avx512_bf16, 2026-12-04, scripts/ab_pair.py with a run-time switch, one
+  // build, 8-20 calls per row; the same bits) L2 took 1 and 8 tokens S1/S2 AMXINT4 to
+  // 0.87-0.91 of the time, S1 AMXINT8 0.92-0.94, 64 tokens AMXINT4 / AMXINT8 / S2 GPTQ_INT4
+  // 0.83 / 0.92 / 0.91, 512 tokens 0.99-1.01: an L1 prefetch holds a fill buffer until the line
+  // arrives, so 4 streams 32 lines ahead kept too few lines in flight. Forced to avx2 it read
+  // 0.96-1.04 (AMXINT4 slower, AMXINT8 faster): AVX2 keeps L1. Zen 5 and the Intel Xeons were
+  // not measured with it.
+  static void prefetch_ahead(const uint8_t* line) {
+    if constexpr (R == 1) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+    else _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
+
   static const uint8_t* prefetch_line(const QuantTileArgs& t, int64_t l, int64_t n_lines) {
     const int64_t ahead = l + t.prefetch;
     if (t.next_tile != nullptr && ahead >= n_lines) return t.next_tile + (ahead - n_lines) * 64;
