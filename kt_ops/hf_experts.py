@@ -31,7 +31,6 @@ experts packed first (:func:`pack_model_experts`); then the call is one opaque o
 from __future__ import annotations
 
 import importlib.abc
-import numbers
 import re
 import sys
 from typing import Any, Sequence
@@ -374,7 +373,7 @@ def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask:
         masks = list(mask)
     elif num_gpu_experts is not None:
         experts = [int(m.down_proj.shape[0]) for m in modules]
-        if isinstance(num_gpu_experts, bool) or not isinstance(num_gpu_experts, numbers.Integral) or \
+        if not isinstance(num_gpu_experts, int) or isinstance(num_gpu_experts, bool) or \
                 not all(0 <= num_gpu_experts <= e for e in experts):
             raise ValueError(f"num_gpu_experts must be an int in [0, {min(experts, default=0)}], got {num_gpu_experts!r}")
         masks = [torch.arange(e) < num_gpu_experts for e in experts]

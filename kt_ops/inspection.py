@@ -46,7 +46,7 @@ _PACKED_KEY = re.compile(r"^(?:packed|blk\.(?P<layer>\d+)\.part(?P<part>\d+)\.pa
 _DTYPES = {"BF16": ("bf16", 2), "F16": ("fp16", 2), "F32": ("fp32", 4), "F8_E4M3": ("fp8_e4m3", 1)}
 _SCALE_DTYPES = {**_DTYPES, "U8": ("ue8m0", 1), "F8_E8M0": ("ue8m0", 1)}  # FP8 scales (mxfp8: exponent bytes)
 # Bytes per element of the tensors of 4-bit checkpoints (packed codes, scales, zeros, biases).
-_STORED_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
+_STORED_BYTES = {**{name: size for name, (_, size) in _SCALE_DTYPES.items()}, "I8": 1, "I32": 4, "I64": 8}
 # The tensors beside an INT4 expert matrix's stem (compressed-tensors, GPTQ, AWQ).
 _INT4_TENSORS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "qweight", "scales", "qzeros",
                  "g_idx")
@@ -442,10 +442,11 @@ def _stored_bytes(checkpoint: HfCheckpoint, key: str) -> int:
     return math.prod(shape) * _STORED_BYTES[dtype]
 
 
-def _int4_layer(checkpoint: HfCheckpoint, where: LayerExperts, method: str) -> tuple[LayerInfo, str, str, list[str]]:
+def _int4_layer(checkpoint: HfCheckpoint, where: LayerExperts, method: str,
+                symmetric: bool) -> tuple[LayerInfo, str, str, list[str]]:
     """An INT4 checkpoint's layer (RAWINT4, GPTQ_INT4, AWQ_INT4) from its headers: the
     layer, what it is stored as, the packed format the method reads it into, and the
-    experts' code and scale tensors that are missing."""
+    experts' code and scale tensors that are missing. ``symmetric``: config.json's ``sym``."""
     dtype, shape = checkpoint.tensor_info(where.key(0))  # gate of expert 0
     if method == "RAWINT4":  # weight_packed I32 [I, H/8] or U8 [I, H/2]
         I, H = shape[0], shape[1] * (8 if dtype == "I32" else 2)
@@ -462,7 +463,7 @@ def _int4_layer(checkpoint: HfCheckpoint, where: LayerExperts, method: str) -> t
               for key in (where.key(m, e), f"{where.stem(m, e)}.{scale_part}") if key not in checkpoint.key_file]
     # Zero points as config.json declares them (AWQ always; GPTQ with sym: false): the
     # loader reads the values too and packs zero points that are all 8 as symmetric int4.
-    zeros = method == "AWQ_INT4" or (method == "GPTQ_INT4" and not quantization_config(checkpoint.path).get("sym", True))
+    zeros = method == "AWQ_INT4" or (method == "GPTQ_INT4" and not symmetric)
     label = method.lower()
     matrices = tuple(MatrixInfo(name, label, size, "") for name, size in zip(MATRICES, sizes))
     group = f"groups of {H // groups}" if groups and H % groups == 0 else "groups unknown"
@@ -485,13 +486,13 @@ def _mxfp4_layer(checkpoint: HfCheckpoint, layer: int, where: Mxfp4Layer) -> tup
         down = sum(_stored_bytes(checkpoint, f"{prefix}.down_proj_{part}") for part in ("blocks", "scales", "bias"))
         sizes = [gate_up // 2, gate_up - gate_up // 2, down]
     else:
-        first = next(e for e in range(E) if f"{where.base}.ffn.experts.{e}.w1.weight" in checkpoint.key_file)
-        shape = checkpoint.tensor_info(f"{where.base}.ffn.experts.{first}.w1.weight")[1]  # [I, H/2]
+        keys = [[f"{where.base}.ffn.experts.{e}.{name}.{part}" for e in range(E) for part in ("weight", "scale")]
+                for name in ("w1", "w3", "w2")]
+        first = next(key for key in keys[0] if key.endswith(".weight") and key in checkpoint.key_file)
+        shape = checkpoint.tensor_info(first)[1]  # [I, H/2]
         I, H = shape[0], shape[1] * 2
-        sizes = [sum(_stored_bytes(checkpoint, f"{where.base}.ffn.experts.{e}.{name}.{part}")
-                     for e in range(E) for part in ("weight", "scale")) for name in ("w1", "w3", "w2")]
-        needed = [f"{where.base}.ffn.experts.{e}.{name}.{part}"
-                  for name in ("w1", "w3", "w2") for e in range(E) for part in ("weight", "scale")]
+        sizes = [sum(_stored_bytes(checkpoint, key) for key in matrix) for matrix in keys]
+        needed = [key for matrix in keys for key in matrix]
     matrices = tuple(MatrixInfo(name, "mxfp4", size, "") for name, size in zip(MATRICES, sizes))
     return LayerInfo(layer, E, H, I, matrices, sum(sizes)), [key for key in needed if key not in checkpoint.key_file]
 
@@ -521,8 +522,9 @@ def _inspect_hf(root: Path) -> Inspection:
         else:
             layers.append(_hf_layer(where, headers))
     four_bit: list[tuple[LayerInfo, str, str, str, list[str]]] = []  # layer, label, method, format, absent
+    symmetric = bool(quantization_config(checkpoint.path).get("sym", True)) if int4 else True  # read once
     for L, method in int4.items():
-        layer, label, fmt, absent = _int4_layer(checkpoint, moe[L], method)
+        layer, label, fmt, absent = _int4_layer(checkpoint, moe[L], method, symmetric)
         four_bit.append((layer, label, method, fmt, absent))
     for L, where in mxfp4.items():
         if L not in moe:  # a layer of float experts beside MXFP4 blobs keeps its float row

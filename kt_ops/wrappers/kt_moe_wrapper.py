@@ -12,7 +12,6 @@ output of the layer with ``layer_idx + 1`` (construct the last layer with ``d = 
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import threading
 import warnings
@@ -280,7 +279,7 @@ class KTMoEWrapper:
         if mask is not None and num_gpu is not None:
             raise ValueError("give gpu_experts_mask or num_gpu_experts, not both")
         if num_gpu is not None:
-            if isinstance(num_gpu, bool) or not isinstance(num_gpu, numbers.Integral) or not 0 <= num_gpu <= E:
+            if not isinstance(num_gpu, int) or isinstance(num_gpu, bool) or not 0 <= num_gpu <= E:
                 raise ValueError(f"num_gpu_experts must be an int in [0, {E}], got {num_gpu!r}")
             return torch.arange(E) < num_gpu
         if mask is None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import numbers
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,10 +140,10 @@ def _layer_masks(
         return list(mask)
     if num_gpu_experts is None:
         return [None] * layers
-    counts = [num_gpu_experts] * layers if isinstance(num_gpu_experts, numbers.Number) else list(num_gpu_experts)
+    counts = [num_gpu_experts] * layers if isinstance(num_gpu_experts, (int, float)) else list(num_gpu_experts)
     counts = [int(c) if isinstance(c, torch.Tensor) and c.dim() == 0 and not c.is_floating_point()
               and c.dtype != torch.bool else c for c in counts]  # an int tensor's elements
-    if len(counts) != layers or any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or not 0 <= c <= experts
+    if len(counts) != layers or any(not isinstance(c, int) or isinstance(c, bool) or not 0 <= c <= experts
                                     for c in counts):
         raise ValueError(f"num_gpu_experts must be an int or {layers} ints in [0, {experts}], got {num_gpu_experts!r}")
     return [torch.arange(experts) < c for c in counts]
