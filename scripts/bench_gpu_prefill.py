@@ -105,7 +105,7 @@ def main() -> None:
                     plain.append(timed(lambda: run_chain(chain, attention, x, ids, weights, False)))
                     ahead.append(timed(lambda: run_chain(chain, attention, x, ids, weights, True)))
                 plain_ms, ahead_ms = statistics.median(plain) * 1e3, statistics.median(ahead) * 1e3
-                tail = f" {plain_ms:9.2f} {ahead_ms:9.2f} {ahead_ms / plain_ms:6.3f}"
+                tail += f" {plain_ms:9.2f} {ahead_ms:9.2f} {ahead_ms / plain_ms:6.3f}"
             print(f"{method:14} {tokens:6d} {cpu_ms:8.2f} {gpu_ms:8.2f} {gpu_ms / cpu_ms:7.2f} {copied:9.1f} "
                   f"{copied / gpu_ms:6.2f} {err:8.1e}{tail}", flush=True)
 
