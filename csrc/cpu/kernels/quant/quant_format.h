@@ -184,12 +184,18 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
       if (next_blocks > 0) t.next_tile = w + (b0 + max_blocks) * block_bytes;
       // All of the job's next tile of blocks comes to L2 while this one runs: its streams start
       // warm (Zen 3, a C++ harness of S1's 1-token down jobs of 16 blocks: 24 -> 30 GB/s,
-      // a plain reader of the same bytes 31). Only with AVX2-width registers: on the
-      // AVX-512 variants the extra prefetches cost more than they save (Zen 5,
-      // avx512_bf16, paired A/B without them, 30-40 calls, 2026-11-26: 1 and 8 tokens
-      // AMXINT8 0.84-0.91 of the time, AMXINT4 / GPTQ_INT4 0.88-0.96, RAWINT4 / MXFP4
-      // 0.95-1.01; forced to avx_vnni, AMXINT8 0.86-0.90 but AMXINT4 0.93-1.10, so kept).
-      constexpr bool kStreamNextTile = Micro::R == 2;
+      // a plain reader of the same bytes 31). With AVX2-width registers for every kind;
+      // with AVX-512's only for the 4-bit kinds. Zen 5 (avx512_bf16, paired A/B without
+      // them, 30-40 calls, 2026-11-26, when AVX-512's prefetch_ahead still went to L1):
+      // 1 and 8 tokens AMXINT8 0.84-0.91 of the time, AMXINT4 / GPTQ_INT4 0.88-0.96,
+      // RAWINT4 / MXFP4 0.95-1.01 without them; forced to avx_vnni, AMXINT8 0.86-0.90 but
+      // AMXINT4 0.93-1.10, so kept there. Zen 4 (avx512_bf16, prefetch_ahead to L2,
+      // scripts/ab_pair.py with a run-time switch, 2 rounds of 12 calls, 2026-12-04), with
+      // them: 1 / 8 / 64 tokens S1 AMXINT4 0.96 / 0.87 / 0.90, S1 MXFP4 0.89 / 0.90 / 0.87,
+      // S2 GPTQ_INT4 0.97 / 0.93 / 0.94, S1 RAWINT4 1.01 / 0.97; but S1 AMXINT8 1.04 / 1.04
+      // and S2 AMXINT8 1.00-1.45, so int8 streams its own tile alone. Zen 5 and the Intel
+      // Xeons were not measured with the 4-bit kinds' streams on AVX-512.
+      constexpr bool kStreamNextTile = Micro::R == 2 || Micro::kInt4;
       if (kStreamNextTile && next_blocks > 0) {
         t.stream = t.next_tile;
         t.stream_blocks = next_blocks;
