@@ -62,11 +62,15 @@ struct NextTile {
 };
 
 // Prefetches the weight line `ahead` k-pairs after line p of a block (past next.end, in
-// the next tile's block), if asked to.
+// the next tile's block), if asked to: to L2, as the int decode tiles do (quant_gemm.h's
+// prefetch_ahead; an L1 prefetch holds a fill buffer until its line arrives). On a 2-core
+// Zen 4 (scripts/ab_pair.py, a run-time switch in one build, 2 rounds of 12 calls,
+// 2026-12-04) L2 instead of L1 took 1 / 8 / 64 tokens S1 BF16 to 0.95-0.98 / 0.99 / 0.96
+// of the time on avx512_bf16 and 1 / 8 tokens to 0.94 / 1.00 forced to avx2.
 inline void maybe_prefetch(const uint16_t* block, int64_t p, int64_t ahead, const NextTile& next) {
   if (ahead <= 0) return;
   const int64_t q = p + ahead;
-  _mm_prefetch(reinterpret_cast<const char*>(block + q * 32) + (q >= next.end ? next.wrap : 0), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(block + q * 32) + (q >= next.end ? next.wrap : 0), _MM_HINT_T1);
 }
 
 // Accumulators of a tile whose blocks are one vector each (16-lane ISAs): start from c

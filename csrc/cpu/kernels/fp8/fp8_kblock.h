@@ -35,11 +35,14 @@ static_assert(kMxGroupPairs == 16, "the weight sources find a pair's mxfp8 group
 // Prefetches the codes 2 * `ahead` pairs after pair p of a block (the byte distance of
 // the BF16 lines at `ahead`; past next.end, in the next group's block); a 64-byte line
 // holds two pairs, so every line is asked for twice (cheaper here than a test of p's
-// parity).
+// parity). To L2: on a 2-core Zen 4 (scripts/ab_pair.py, a run-time switch in one build,
+// 2 rounds of 12 calls, 2026-12-04) L2 instead of L1 took 1 / 8 / 64 tokens S1 FP8 to
+// 0.90-0.92 / 0.90 / 0.99 of the time and S2 FP8 1 / 64 to 0.93 / 0.98 on avx512_bf16,
+// S1 FP8 1 / 8 to 0.92 / 0.95 forced to avx2.
 KT_FP8_INLINE void fp8_prefetch(const uint16_t* block, int64_t p, int64_t ahead, const NextTile& next) {
   if (ahead <= 0) return;
   const int64_t q = p + 2 * ahead;
-  _mm_prefetch(reinterpret_cast<const char*>(block) + q * 32 + (q >= next.end ? next.wrap : 0), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(block) + q * 32 + (q >= next.end ? next.wrap : 0), _MM_HINT_T1);
 }
 
 }  // namespace kt::cpu
