@@ -1,6 +1,7 @@
 """CPU variant selection and the engine's thread count."""
 
 from kt_ops._native import _C
+from kt_ops._validate import is_int
 
 # In order of preference, oldest first: the best supported one is active by default.
 # avx_vnni (AVX2 + 256-bit vpdpbusd: Intel Core from Alder Lake, Zen 5) is not required by
@@ -46,7 +47,7 @@ def set_num_threads(n: int) -> None:
     caller plus ``n - 1`` pinned helpers (default ``KT_OPS_NUM_THREADS`` or the physical
     cores), rebuilt here after any running kernel. Raises ``ValueError`` for ``n < 1``.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     _C.set_num_threads(n)
 

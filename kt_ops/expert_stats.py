@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from kt_ops._validate import is_int
+
 # The collectors inside whose ``with`` block we are, innermost last; all of them count.
 _ACTIVE: list[ExpertStats] = []
 _warned_no_layer_id = False
@@ -76,7 +78,7 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _check_size(name: str, value: int | None, minimum: int) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+    if value is not None and (not is_int(value) or value < minimum):
         raise ValueError(f"{name} must be an int >= {minimum} or None, got {value!r}")
 
 
@@ -149,9 +151,9 @@ class ExpertStats:
         self._accumulator(device, self._layers, self._experts)
 
     def _grow(self, layer_id: int, num_experts: int) -> tuple[int, int]:
-        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or layer_id < 0:
+        if not is_int(layer_id) or layer_id < 0:
             raise ValueError(f"layer_id must be a non-negative int, got {layer_id!r}")
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        if not is_int(num_experts) or num_experts < 1:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
         if layer_id >= self._layers:
             if self._fixed_layers:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kt_ops._native import _C
+from kt_ops._validate import is_int
 from kt_ops.gguf_types import gguf_type_id
 from kt_ops.packed import PackedExperts
 
@@ -136,7 +137,7 @@ def _layer_tensors(path: str | os.PathLike[str], layer_idx: int, suffix: str
     """The model's metadata, the names ``blk.{layer_idx}.ffn_{gate,up,down}_exps.{suffix}``
     and those of them the files hold (name -> (file, tensor)). ``TypeError`` for a layer
     index that is not an int, ``ValueError`` for one outside the model."""
-    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+    if not is_int(layer_idx):
         raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
     info = read_gguf_config(path)
     if not 0 <= layer_idx < info.num_layers:

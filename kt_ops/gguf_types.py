@@ -12,6 +12,7 @@ from typing import Union
 import gguf
 
 from kt_ops._native import _C
+from kt_ops._validate import is_int
 
 GgufTypeLike = Union[gguf.GGMLQuantizationType, str, int]
 
@@ -63,7 +64,7 @@ def gguf_type_id(value: GgufTypeLike) -> int:
             qtype = gguf.GGMLQuantizationType[value.upper()]
         except KeyError:
             raise ValueError(f"unknown GGUF type {value!r}; supported: {', '.join(SUPPORTED_TYPES)}") from None
-    elif isinstance(value, int) and not isinstance(value, bool):
+    elif is_int(value):
         try:
             qtype = gguf.GGMLQuantizationType(value)
         except ValueError:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from kt_ops import autograd, expert_stats, gpu_prefill
+from kt_ops._validate import is_int
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.packed import PackedExperts
 
@@ -373,7 +374,7 @@ def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask:
         masks = list(mask)
     elif num_gpu_experts is not None:
         experts = [int(m.down_proj.shape[0]) for m in modules]
-        if not isinstance(num_gpu_experts, int) or isinstance(num_gpu_experts, bool) or \
+        if not is_int(num_gpu_experts) or \
                 not all(0 <= num_gpu_experts <= e for e in experts):
             raise ValueError(f"num_gpu_experts must be an int in [0, {min(experts, default=0)}], got {num_gpu_experts!r}")
         masks = [torch.arange(e) < num_gpu_experts for e in experts]

@@ -34,6 +34,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from kt_ops import hf_experts
+from kt_ops._validate import is_int
 from kt_ops.mapped_files import release_file_pages
 
 QUANT_METHOD = "kt_ops"
@@ -101,7 +102,7 @@ class KtOpsConfig(QuantizationConfigMixin):
         self.gguf_type = gguf_type
         self.scale_search = scale_search
         self.zero_point = zero_point
-        if not isinstance(num_gpu_experts, int) or isinstance(num_gpu_experts, bool) or num_gpu_experts < 0:
+        if not is_int(num_gpu_experts) or num_gpu_experts < 0:
             raise ValueError(f"num_gpu_experts must be an int >= 0, got {num_gpu_experts!r}")
         self.num_gpu_experts = num_gpu_experts
         if placement is not None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kt_ops import autograd  # noqa: F401  (the operators' autograd)
+from kt_ops._validate import is_int
 from kt_ops.packed import PackedExperts
 
 LORA_NAMES = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
@@ -63,7 +64,7 @@ class LoraExperts(nn.Module):
         super().__init__()
         for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
                             ("intermediate_size", intermediate_size), ("rank", rank)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
             raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")

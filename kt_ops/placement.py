@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
+from kt_ops._validate import is_int
+
 if TYPE_CHECKING:
     from kt_ops.expert_stats import ExpertStats
 
@@ -34,7 +36,7 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     negative count none. A count that is not an int (or a bool) is a ``TypeError``."""
     if activation_freq.dim() != 2:
         raise ValueError(f"activation_freq must be [num_layers, num_experts], got shape {tuple(activation_freq.shape)}")
-    if not isinstance(num_gpu_experts, int) or isinstance(num_gpu_experts, bool):
+    if not is_int(num_gpu_experts):
         raise TypeError(f"num_gpu_experts must be an int, got {num_gpu_experts!r}")
     total = activation_freq.numel()
     num_gpu_experts = max(min(num_gpu_experts, total), 0)
@@ -62,7 +64,7 @@ def total_gpu_experts(budget: int | float, num_experts: int, num_moe_layers: int
 
 
 def _check_layers(num_experts: int, moe_layers: Sequence[int]) -> list[int]:
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+    if not is_int(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     layers = list(moe_layers)
     if any(not isinstance(i, numbers.Integral) or isinstance(i, bool) or i < 0 for i in layers):
@@ -155,7 +157,7 @@ def placement_masks(
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown placement strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     layers = _check_layers(num_experts, moe_layers)
-    if num_hidden_layers is not None and (not isinstance(num_hidden_layers, int) or isinstance(num_hidden_layers, bool)
+    if num_hidden_layers is not None and (not is_int(num_hidden_layers)
                                           or num_hidden_layers <= max(layers, default=-1)):
         raise ValueError(f"num_hidden_layers must be an int > every MoE layer index, got {num_hidden_layers!r}")
     E, L = num_experts, len(layers)

@@ -17,6 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kt_ops import autograd, expert_stats, gpu_prefill
+from kt_ops._validate import is_int
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
@@ -101,7 +102,7 @@ class HybridMoE(nn.Module):
         if mask.dtype != torch.bool or mask.shape != (experts,):
             raise ValueError(f"gpu_experts_mask must be a bool tensor of shape [{experts}], got {mask.dtype} "
                              f"{tuple(mask.shape)}")
-        if layer_idx is not None and (not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0):
+        if layer_idx is not None and (not is_int(layer_idx) or layer_idx < 0):
             raise ValueError(f"layer_idx must be a non-negative int or None, got {layer_idx!r}")
         self.layer_idx = layer_idx
         self.gpu_prefill_token_threshold = gpu_prefill.checked_threshold(gpu_prefill_token_threshold)

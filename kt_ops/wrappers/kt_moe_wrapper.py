@@ -25,6 +25,7 @@ import torch
 
 import kt_ops.cuda
 from kt_ops import expert_stats, gpu_prefill
+from kt_ops._validate import is_int
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.dynamic_experts import host_copy
@@ -194,7 +195,7 @@ class KTMoEWrapper:
         for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),
                             ("num_experts_per_tok", num_experts_per_tok), ("hidden_size", hidden_size),
                             ("moe_intermediate_size", moe_intermediate_size), ("threadpool_count", threadpool_count)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "layer_idx" else 1):
+            if not is_int(value) or value < (0 if name == "layer_idx" else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if name == 'layer_idx' else 'positive'} int, got {value!r}")
         if num_experts_per_tok > num_experts:
             raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) exceeds num_experts ({num_experts})")
@@ -279,7 +280,7 @@ class KTMoEWrapper:
         if mask is not None and num_gpu is not None:
             raise ValueError("give gpu_experts_mask or num_gpu_experts, not both")
         if num_gpu is not None:
-            if not isinstance(num_gpu, int) or isinstance(num_gpu, bool) or not 0 <= num_gpu <= E:
+            if not is_int(num_gpu) or not 0 <= num_gpu <= E:
                 raise ValueError(f"num_gpu_experts must be an int in [0, {E}], got {num_gpu!r}")
             return torch.arange(E) < num_gpu
         if mask is None:

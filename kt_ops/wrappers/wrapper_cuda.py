@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from kt_ops._validate import is_int
 from kt_ops.numa import resolve_nodes
 from kt_ops.ops import moe_forward, moe_forward_parts
 from kt_ops.packed import PackedExperts
@@ -98,6 +99,6 @@ def resolve_stream(cuda_stream: object | None, device: torch.device) -> torch.cu
         return torch.cuda.current_stream(device)
     if isinstance(cuda_stream, torch.cuda.Stream):
         return cuda_stream
-    if isinstance(cuda_stream, int) and not isinstance(cuda_stream, bool):
+    if is_int(cuda_stream):
         return torch.cuda.ExternalStream(cuda_stream, device=device)
     raise TypeError(f"cuda_stream must be None, a torch.cuda.Stream or a cudaStream_t int; got {type(cuda_stream)}")

@@ -1,0 +1,9 @@
+"""Argument checks shared by the public entry points."""
+
+from __future__ import annotations
+
+
+def is_int(value: object) -> bool:
+    """True for a Python ``int`` that is not a ``bool`` (``True`` is an ``int`` to
+    ``isinstance``, but a count of ``True`` is a caller's mistake)."""
+    return isinstance(value, int) and not isinstance(value, bool)
