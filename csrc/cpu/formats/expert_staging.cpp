@@ -1,6 +1,7 @@
 #include "expert_staging.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -72,10 +73,16 @@ __attribute__((target("avx2"))) int64_t untile_words_avx2(const uint8_t* block, 
                                             _mm256_and_si256(_mm256_srli_epi16(w, 8), high));
           w = _mm256_shuffle_epi8(_mm256_or_si256(a, _mm256_slli_epi16(b, 8)), order);
         }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst.codes + (8 * half + i) * row_bytes + 4 * l), w);
+        // Non-temporal where aligned: the rows go to a staging buffer that the GPU's copy
+        // (on the CPU device, torch's expansion of the chunk) reads, not this core: they skip the read for
+        // ownership and leave the caches alone.
+        __m256i* to = reinterpret_cast<__m256i*>(dst.codes + (8 * half + i) * row_bytes + 4 * l);
+        if ((reinterpret_cast<uintptr_t>(to) & 31) == 0) _mm256_stream_si256(to, w);
+        else _mm256_storeu_si256(to, w);
       }
     }
   }
+  _mm_sfence();  // the streamed rows are visible before the job's end is
   return done;
 }
 
