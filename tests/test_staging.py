@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import kt_ops
 from checkpoint_helpers import make_weights, write_checkpoint, write_fp8_layer
 from kt_ops import reference
-from kt_ops.staging import stage_expert, write_weight_scale_to_buffer
+from kt_ops.staging import stage_expert, stage_rows_into, write_weight_scale_to_buffer
 from kt_ops.wrappers import KTMoEWrapper
 from test_int4_checkpoint import write_int4_checkpoint
 from test_mxfp4_checkpoint import write_deepseek_v4
@@ -82,6 +82,31 @@ def test_a_partial_last_scale_group_is_staged() -> None:
     assert tuple(s.w2_scale.shape) == (H, 3) and tuple(s.w13_scale.shape) == (2 * I, 3)
     w2 = s.w2_weight.float() * torch.exp2(s.w2_scale.float() - 127).repeat_interleave(32, 1)[:, :I]
     assert torch.equal(w2, reference.dequantize(packed.data)[2][1])
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT8", "FP8", "FP8_PERCHANNEL", "MXFP8"])
+@pytest.mark.parametrize("H,I", [(96, 48), (352, 200), (130, 66)])
+def test_every_step_of_the_row_writers_stages_the_oracles_weights(method: str, H: int, I: int) -> None:
+    """Sizes that take each step of the AVX2 row writers (whole 64-byte lines per row,
+    streamed where aligned; half lines; the scalar rest), rows aligned and not, and partial
+    16-row blocks."""
+    from kt_ops.gpu_prefill import expand_rows, row_layout
+
+    E = 2
+    g = torch.Generator().manual_seed(3)
+    gate, up, down = (torch.randn(*shape, generator=g) * 0.05 for shape in ((E, I, H), (E, I, H), (E, H, I)))
+    packed = kt_ops.pack_experts(gate, up, down, method=method)
+    layout = row_layout(packed)
+    outs = layout.buffers(E)
+    for t in outs:
+        t.fill_(0xAB)
+    for e in range(E):
+        stage_rows_into(packed, e, [t[e] for t in outs], layout.int4_fp32_scales)
+    r = layout.views(outs)
+    want = reference.dequantize(packed.data)
+    for got, scale, k, w in ((r.gate, r.gate_scale, H, want[0]), (r.up, r.up_scale, H, want[1]),
+                             (r.down, r.down_scale, I, want[2])):
+        assert torch.equal(expand_rows(layout, got, scale, k, torch.float32), w.float())
 
 
 def fp8_wrapper(tmp_path: Path, kind: str, method: str) -> tuple[KTMoEWrapper, dict]:
