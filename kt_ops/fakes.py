@@ -10,6 +10,22 @@ import torch
 from kt_ops._native import _C
 
 
+def _check_meta(source_name: str, source: torch.Tensor, **others: torch.Tensor | list[torch.Tensor] | None) -> None:
+    """``ValueError`` when one of ``others`` is on the meta device but ``source`` (the
+    tensor the outputs are made like) is not. Such a call dispatches to these fakes (the
+    Meta key wins over CPU and CUDA), which would return uninitialized memory on
+    ``source``'s device as if it were the result; all-meta calls and FakeTensors (never
+    ``is_meta``) pass."""
+    if source.is_meta:
+        return
+    for name, value in others.items():
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                raise ValueError(f"{name} is on the meta device (a shape without values) but {source_name} is on "
+                                 f"{source.device}: load its values first (from_pretrained, or to_empty() + "
+                                 "load_state_dict)")
+
+
 @torch.library.register_fake("kt::moe_forward")
 def _moe_forward_fake(
     hidden_states: torch.Tensor,
@@ -18,6 +34,8 @@ def _moe_forward_fake(
     packed: torch.Tensor,
     live_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    _check_meta("hidden_states", hidden_states, topk_ids=topk_ids, topk_weights=topk_weights, packed=packed,
+                live_tokens=live_tokens)
     torch._check(hidden_states.dim() == 2, lambda: f"hidden_states must be 2-D, got {hidden_states.shape}")
     torch._check(topk_ids.dim() == 2, lambda: f"topk_ids must be 2-D, got {topk_ids.shape}")
     torch._check(
@@ -39,6 +57,7 @@ def _moe_forward_parts_fake(
     parts: list[torch.Tensor],
     nodes: list[int],
 ) -> torch.Tensor:
+    _check_meta("hidden_states", hidden_states, parts=list(parts))
     torch._check(len(parts) >= 1, lambda: "parts must hold at least one packed blob")
     torch._check(len(nodes) == len(parts),
                  lambda: f"nodes has {len(nodes)} entries but parts has {len(parts)} (one NUMA node id per part)")
@@ -54,6 +73,7 @@ def _pack_experts_fake(
     group_size: int = 0,
     scale_search: bool = False,
 ) -> torch.Tensor:
+    _check_meta("gate_proj", gate_proj, up_proj=up_proj, down_proj=down_proj)
     experts, intermediate, hidden = gate_proj.shape
     nbytes = _C.packed_nbytes(format, int(experts), int(hidden), int(intermediate), int(group_size))
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
@@ -66,6 +86,7 @@ def _pack_gguf_experts_fake(
     down_proj: torch.Tensor,
     gguf_types: list[int],
 ) -> torch.Tensor:
+    _check_meta("gate_proj", gate_proj, up_proj=up_proj, down_proj=down_proj)
     experts, intermediate, hidden = gate_proj.shape
     nbytes = _C.gguf_packed_nbytes(list(gguf_types), int(experts), int(hidden), int(intermediate))
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
@@ -81,6 +102,8 @@ def _pack_fp8_experts_fake(
     down_scale: torch.Tensor,
     format: str,
 ) -> torch.Tensor:
+    _check_meta("gate_proj", gate_proj, up_proj=up_proj, down_proj=down_proj, gate_scale=gate_scale,
+                up_scale=up_scale, down_scale=down_scale)
     experts, intermediate, hidden = gate_proj.shape
     nbytes = _C.packed_nbytes(format, int(experts), int(hidden), int(intermediate), 0)
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
@@ -99,6 +122,8 @@ def _pack_int4_experts_fake(
     down_min: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
+    _check_meta("gate_proj", gate_proj, up_proj=up_proj, down_proj=down_proj, gate_scale=gate_scale,
+                up_scale=up_scale, down_scale=down_scale, gate_min=gate_min, up_min=up_min, down_min=down_min)
     experts, intermediate, half_hidden = gate_proj.shape
     fmt = "int4" if gate_min is None else "int4_asym"
     nbytes = _C.packed_nbytes(fmt, int(experts), 2 * int(half_hidden), int(intermediate), int(group_size))
@@ -114,6 +139,7 @@ def _moe_backward_fake(
     packed: torch.Tensor,
     live_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_meta("hidden_states", hidden_states, grad_output=grad_output)
     torch._check(grad_output.shape == hidden_states.shape,
                  lambda: f"grad_output {grad_output.shape} must have hidden_states' shape {hidden_states.shape}")
     _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
@@ -131,6 +157,7 @@ def _moe_forward_train_fake(
     gate_up_delta: torch.Tensor | None = None,
     live_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_meta("hidden_states", hidden_states, gate_up_delta=gate_up_delta)
     out = _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
     torch._check(intermediate_size >= 1, lambda: f"intermediate_size must be >= 1, got {intermediate_size}")
     shape = (hidden_states.shape[0], topk_ids.shape[1], 2 * intermediate_size)
@@ -150,6 +177,7 @@ def _moe_train_backward_fake(
     gate_up: torch.Tensor,
     live_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_meta("hidden_states", hidden_states, gate_up=gate_up)
     grad_x, grad_w = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)
     torch._check(gate_up.dim() == 3, lambda: f"gate_up must be [T, K, 2I], got {gate_up.shape}")
     return grad_x, grad_w, torch.empty_like(gate_up, memory_format=torch.contiguous_format)
@@ -178,6 +206,8 @@ def _moe_lora_forward_fake(
     live_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_lora_fake(gate_a, gate_b, up_a, up_b, down_a, down_b)
+    _check_meta("hidden_states", hidden_states, gate_a=gate_a, gate_b=gate_b, up_a=up_a,
+                up_b=up_b, down_a=down_a, down_b=down_b)
     out = _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
     shape = (hidden_states.shape[0], topk_ids.shape[1], 2 * gate_b.shape[1])
     return out, hidden_states.new_empty(shape, dtype=torch.float32)
@@ -201,6 +231,8 @@ def _moe_lora_backward_fake(
     gate_up: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     _check_lora_fake(gate_a, gate_b, up_a, up_b, down_a, down_b)
+    _check_meta("hidden_states", hidden_states, gate_a=gate_a, gate_b=gate_b, up_a=up_a,
+                up_b=up_b, down_a=down_a, down_b=down_b, gate_up=gate_up)
     grads = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)
     return (*grads, *(torch.empty_like(t, memory_format=torch.contiguous_format)
                       for t in (gate_a, gate_b, up_a, up_b, down_a, down_b)))
@@ -216,6 +248,7 @@ def _dequantize_experts_fake(
     # data-dependent sizes (as nonzero's length), one each, shared by the three outputs.
     # kt_ops.dequantize_experts pins them with torch._check when it is given a
     # PackedExperts (whose header was read eagerly), so compiled code sees them as constants.
+    _check_meta("packed", packed, expert_ids=expert_ids)
     torch._check(expert_ids.dim() == 1, lambda: f"expert_ids must be 1-D, got {expert_ids.shape}")
     out = torch.float32 if dtype is None else dtype
     torch._check(out in (torch.float32, torch.bfloat16), lambda: f"dtype must be float32 or bfloat16; got {out}")

@@ -104,6 +104,24 @@ def test_meta_input_runs_the_fake_not_the_cpu_kernel(experts) -> None:
     assert call(args).device.type == "meta"
 
 
+@pytest.mark.parametrize("name", ["packed", "topk_ids", "topk_weights"])
+def test_a_meta_tensor_beside_real_activations_is_refused(experts, name: str) -> None:
+    """One argument on the meta device (say a model's packed buffer never loaded) beside
+    CPU activations dispatches to the fake kernel: a ValueError naming it, not a CPU
+    tensor of uninitialized memory returned as the result."""
+    args = good_args(experts)
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} is on the meta device"):
+        call(args)
+
+
+def test_a_meta_weight_beside_real_ones_is_refused_by_the_pack_operator(experts) -> None:
+    with pytest.raises(ValueError, match="up_proj is on the meta device"):
+        torch.ops.kt.pack_experts(experts.gate, experts.up.to("meta"), experts.down, "bf16")
+    with pytest.raises(ValueError, match="expert_ids is on the meta device"):
+        torch.ops.kt.dequantize_experts(experts.packed.data, torch.arange(E).to("meta"))
+
+
 PACK_CASES = [
     ("gate rank", lambda g, u, d: (g[0], u, d), ValueError, "gate_proj must be 3-D"),
     ("up shape", lambda g, u, d: (g, u[:, :-1], d), ValueError, "up_proj must have the shape of gate_proj"),
