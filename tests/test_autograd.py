@@ -224,6 +224,26 @@ def test_rows_past_live_tokens_get_no_gradient(save: bool) -> None:
     assert x.grad[:4].abs().sum() > 0
 
 
+@pytest.mark.parametrize("save", [True, False], ids=["saved", "recomputed"])
+@pytest.mark.parametrize("tokens,top_k", [(0, 2), (3, 0)], ids=["no-tokens", "no-slots"])
+def test_a_call_that_routes_nothing_gets_zero_gradients(save: bool, tokens: int, top_k: int) -> None:
+    """An empty batch (T = 0) or top-k 0: the backward gives zero gradients of the inputs'
+    shapes (the saving path's backward used to fail viewing an empty [T, K, 2I] as
+    [T * K, -1])."""
+    experts = make_experts(4, 32, 16)
+    x = torch.randn(tokens, 32, requires_grad=True)
+    w = torch.rand(tokens, top_k, requires_grad=True)
+    ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+    kt_ops.autograd.set_save_gate_up(save)
+    try:
+        out = kt_ops.moe_forward(x, ids, w, experts.packed)
+    finally:
+        kt_ops.autograd.set_save_gate_up(True)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert x.grad.abs().sum() == 0 and w.grad.abs().sum() == 0
+
+
 def test_bf16_inputs_get_bf16_gradients() -> None:
     experts = make_experts(4, 32, 16)
     ids, w = random_routing(5, 4, 2)

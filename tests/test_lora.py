@@ -139,6 +139,21 @@ def test_bad_lora_shapes_name_the_tensor() -> None:
         lora(torch.randn(3, H + 1), ids, w, packed)
 
 
+@pytest.mark.parametrize("tokens,top_k", [(0, 2), (3, 0)], ids=["no-tokens", "no-slots"])
+def test_a_lora_call_that_routes_nothing_gets_zero_gradients(tokens: int, top_k: int) -> None:
+    """T = 0 or K = 0: zero gradients for the inputs and the six LoRA matrices (the
+    backward used to fail viewing the empty saved gate and up as [T * K, -1])."""
+    experts = make_experts(4, 32, 16)
+    lora = kt_ops.LoraExperts(4, 32, 16, rank=4)
+    x = torch.randn(tokens, 32, requires_grad=True)
+    w = torch.rand(tokens, top_k, requires_grad=True)
+    lora(x, torch.zeros(tokens, top_k, dtype=torch.int64), w, experts.packed).sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    for name in LORA_NAMES:
+        grad = getattr(lora, name).grad
+        assert grad is not None and grad.shape == getattr(lora, name).shape and grad.abs().sum() == 0
+
+
 def test_opcheck_lora_operators() -> None:
     packed = pack("BF16")
     lora = random_lora()
