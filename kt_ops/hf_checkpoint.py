@@ -110,8 +110,7 @@ class HfCheckpoint:
         self.key_file: dict[str, Path] = {}
         self._headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.key_file = {key: self.path / name for key, name in weight_map.items()}
+            self.key_file = {key: self.path / name for key, name in _read_weight_map(index).items()}
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
@@ -446,6 +445,20 @@ class HfCheckpoint:
         kind = next(iter(kinds.values()))
         e4m3 = [w.view(torch.float8_e4m3fn) for w in weights]
         return Fp8Experts(kind, e4m3[0], e4m3[1], e4m3[2], scales[0], scales[1], scales[2])
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor key -> shard file name) of ``model.safetensors.index.json``;
+    ``ValueError`` naming the file when it is not JSON or has no such mapping."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as error:  # JSONDecodeError, or JSON that is not an object
+        raise ValueError(f"{index}: not a safetensors index (expected a JSON object with a \"weight_map\"): "
+                         f"{error}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: not a safetensors index (\"weight_map\" must map tensor keys to shard file "
+                         f"names, got {type(weight_map).__name__})")
+    return weight_map
 
 
 def _check_shape(key: str, got: torch.Size | tuple[int, ...], want: tuple[int, ...]) -> None:

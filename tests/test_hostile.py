@@ -363,5 +363,19 @@ def test_gguf_expert_used_count_above_expert_count_is_refused(tmp_path: Path) ->
         kt_ops.read_gguf_config(path)
 
 
+
+@pytest.mark.parametrize("text", ["{}", "not json", "[]", '{"weight_map": ["a"]}'],
+                         ids=["no-weight-map", "not-json", "a-list", "weight-map-a-list"])
+def test_a_damaged_safetensors_index_is_a_value_error_naming_it(tmp_path: Path, text: str) -> None:
+    """model.safetensors.index.json without a usable weight_map: a ValueError naming the
+    file (it was a bare KeyError 'weight_map', or an AttributeError)."""
+    from checkpoint_helpers import make_weights, write_checkpoint
+    from kt_ops.hf_checkpoint import HfCheckpoint
+
+    path = write_checkpoint(tmp_path / "model", make_weights([0], 4, 32, 16))
+    (path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match="model.safetensors.index.json: not a safetensors index"):
+        HfCheckpoint(path)
+
 if __name__ == "__main__":
     sys.exit(globals()[sys.argv[1]]())
