@@ -479,6 +479,12 @@ def test_capture_batch_sizes():
     ({"threadpool_count": 3}, "must divide"),
     ({"numa_nodes": [0, 1]}, "numa_nodes"),
     ({"max_deferred_experts_per_token": 4}, "max_deferred"),
+    # a fraction or a bool deferred a rounded number of experts silently
+    ({"max_deferred_experts_per_token": 1.5}, "max_deferred_experts_per_token must be an int"),
+    ({"max_deferred_experts_per_token": True}, "max_deferred_experts_per_token must be an int"),
+    # these failed only at the first forward, with a TypeError from inside the chunking
+    ({"chunked_prefill_size": 2.5}, "chunked_prefill_size must be a positive int"),
+    ({"chunked_prefill_size": True}, "chunked_prefill_size must be a positive int"),
     ({"num_experts": 0}, "num_experts"),
 ])
 def test_bad_constructor_arguments(kwargs, match):
@@ -502,6 +508,8 @@ def test_bad_weights(tmp_path, checkpoint, weights):
         wrapper(tmp_path / "nowhere", 1).load_weights()
     with pytest.raises(ValueError, match="gate_proj must be"):
         wrapper().load_weights_from_tensors(weights[1][1][:, :, :32], *weights[1][1:])
+    with pytest.raises(ValueError, match="up_proj is on the meta device"):  # was NotImplementedError from .cpu()
+        wrapper().load_weights_from_tensors(weights[1][0], weights[1][1].to("meta"), weights[1][2])
     wr = wrapper()
     with pytest.raises(RuntimeError, match="load_weights"):
         wr.forward(*inputs())

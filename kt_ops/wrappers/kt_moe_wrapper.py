@@ -207,11 +207,11 @@ class KTMoEWrapper:
         if cpuinfer_threads is not None and (not isinstance(cpuinfer_threads, int) or cpuinfer_threads < threadpool_count):
             raise ValueError(f"cpuinfer_threads ({cpuinfer_threads}) must be an int >= threadpool_count ({threadpool_count})")
         nodes = resolve_nodes(numa_nodes, threadpool_count)  # ValueError for a length or id that does not fit
-        if not 0 <= max_deferred_experts_per_token <= num_experts_per_tok:
-            raise ValueError(f"max_deferred_experts_per_token must be in [0, {num_experts_per_tok}], "
-                             f"got {max_deferred_experts_per_token}")
-        if chunked_prefill_size is not None and chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be positive or None, got {chunked_prefill_size}")
+        if not is_int(max_deferred_experts_per_token) or not 0 <= max_deferred_experts_per_token <= num_experts_per_tok:
+            raise ValueError(f"max_deferred_experts_per_token must be an int in [0, {num_experts_per_tok}], "
+                             f"got {max_deferred_experts_per_token!r}")
+        if chunked_prefill_size is not None and (not is_int(chunked_prefill_size) or chunked_prefill_size < 1):
+            raise ValueError(f"chunked_prefill_size must be a positive int or None, got {chunked_prefill_size!r}")
         part_bounds(moe_intermediate_size, threadpool_count)  # ValueError unless it divides I
         for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -380,6 +380,9 @@ class KTMoEWrapper:
         for name, tensor, shape in zip(("gate_proj", "up_proj", "down_proj"), (gate_proj, up_proj, down_proj), expected):
             if tensor.dim() != 3 or tuple(tensor.shape[1:]) != shape:
                 raise ValueError(f"{name} must be [E, {shape[0]}, {shape[1]}], got {tuple(tensor.shape)}")
+            if tensor.is_meta:  # as kt_ops.pack_experts says it (.cpu() below would raise NotImplementedError)
+                raise ValueError(f"{name} is on the meta device (a shape without values): the weights are packed "
+                                 "from their values; load them first (from_pretrained, or to_empty() + load_state_dict)")
         mapping = self._physical_map(physical_to_logical_map, int(gate_proj.shape[0]))
         cpu = mapping[self._packed_slots()]
         if biases is not None:
