@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from kt_ops import reference
 from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, save_durably
-from kt_ops.converted import MANIFEST, Manifest, layer_file, layer_key
+from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
@@ -194,6 +194,16 @@ def int4_weights(experts: Int4Experts) -> tuple[torch.Tensor, torch.Tensor, torc
     return out[0], out[1], out[2]
 
 
+def foreign_model_files(out: Path) -> list[str]:
+    """The files of directory ``out`` a conversion writes over (``config.json``, the
+    safetensors index, ``*.safetensors``) when ``out`` holds no kt_ops conversion (no
+    manifest: they belong to someone else, e.g. another model); empty otherwise."""
+    if not out.is_dir() or (out / MANIFEST).is_file():
+        return []
+    return sorted(p.name for p in out.iterdir()
+                  if p.is_file() and (p.name in ("config.json", INDEX) or p.suffix == ".safetensors"))
+
+
 def convert(args: argparse.Namespace) -> Path:
     source = Path(args.input_path)
     out = Path(args.output)
@@ -220,6 +230,11 @@ def convert(args: argparse.Namespace) -> Path:
                          "write the conversion to a separate directory")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output {out} exists and is not a directory")
+    foreign = foreign_model_files(out)
+    if foreign:
+        raise UsageError(f"--output {out} holds another model's files ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}) and no kt_ops conversion; converting there would "
+                         "overwrite them: choose a new or empty directory")
     mxfp4_input = args.input_type == "mxfp4"
     if mxfp4_input and args.quant_method != "mxfp4":
         raise UsageError(f"--input-type mxfp4 converts only to --quant-method mxfp4 (its codes kept), not "

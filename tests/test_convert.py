@@ -190,6 +190,22 @@ def test_output_overlapping_the_input_is_refused(tmp_path, weights, capsys, wher
     assert not (source / "converted").exists()
 
 
+def test_output_holding_another_model_is_refused(tmp_path, checkpoint, weights, capsys):
+    """An --output directory with another model's config.json / safetensors and no kt_ops
+    manifest: refused before anything is written (the merge and the config copy used to
+    overwrite them)."""
+    other = write_checkpoint(tmp_path / "other", weights, shards=2)
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", other, "--quant-method", "int8") == 2
+    assert "holds another model's files" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+    unrelated = tmp_path / "unrelated"  # a directory with other files is still fine
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("mine")
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", unrelated, "--quant-method", "int8") == 0
+    assert (unrelated / "notes.txt").read_text() == "mine"
+
+
 def test_unwritable_output_is_one_error_line(tmp_path, checkpoint, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
