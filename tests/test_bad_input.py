@@ -147,6 +147,14 @@ def test_unknown_method_and_format(experts) -> None:
         torch.ops.kt.pack_experts(experts.gate, experts.up, experts.down, "int3")
 
 
+@pytest.mark.parametrize("group_size", [64.0, True, "64"])
+def test_a_group_size_that_is_not_an_int_is_a_value_error(experts, group_size) -> None:
+    """It was a RuntimeError from the operator's schema (64.0) or a confusing message about
+    group size 1 (True)."""
+    with pytest.raises(ValueError, match="group_size must be an int"):
+        kt_ops.pack_experts(experts.gate, experts.up, experts.down, method="AMXINT4", group_size=group_size)
+
+
 def test_pack_accepts_any_float_dtype_and_strides(experts) -> None:
     """fp32 and non-contiguous inputs are converted, giving the same blob as bf16."""
     reference = experts.packed.data
