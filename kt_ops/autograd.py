@@ -98,13 +98,6 @@ def moe_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     return MOE_FORWARD(hidden_states, topk_ids, topk_weights, packed, live_tokens)
 
 
-def _routes_nothing(topk_ids: torch.Tensor) -> bool:
-    """Whether a call has no (token, slot) at all (``T == 0`` or ``K == 0``): its gradients
-    are all zero, and the backward kernels, which view the saved ``[T, K, 2I]`` gate and
-    up as ``[T * K, -1]``, cannot take it (a ``RuntimeError`` from ``view``)."""
-    return topk_ids.numel() == 0
-
-
 def _train_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
     hidden_states, topk_ids, topk_weights, packed, _size, delta, live_tokens = (*inputs, None, None)[:7]
     gate_up = output[1]
@@ -117,13 +110,9 @@ def _train_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple
 def _train_backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor,
                     _grad_gate_up: torch.Tensor | None) -> tuple:
     hidden_states, topk_ids, topk_weights, packed, gate_up, *live = ctx.saved_tensors
-    if _routes_nothing(topk_ids):
-        grad_x, grad_w, grad_gu = (torch.zeros_like(t, memory_format=torch.contiguous_format)
-                                   for t in (hidden_states, topk_weights, gate_up))
-    else:
-        grad_x, grad_w, grad_gu = torch.ops.kt.moe_train_backward(grad_output.contiguous(), hidden_states, topk_ids,
-                                                                  topk_weights, packed, gate_up,
-                                                                  live[0] if live else None)
+    grad_x, grad_w, grad_gu = torch.ops.kt.moe_train_backward(grad_output.contiguous(), hidden_states, topk_ids,
+                                                              topk_weights, packed, gate_up,
+                                                              live[0] if live else None)
     needs = (*ctx.needs_input_grad, False, False, False)
     grad_delta = grad_gu.to(ctx.delta_dtype) if needs[5] and ctx.delta_dtype is not None else None
     return (grad_x if needs[0] else None, None, grad_w if needs[2] else None, None, None, grad_delta, None)
@@ -143,11 +132,8 @@ def _lora_backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.
     x, ids, w, packed, *rest = ctx.saved_tensors
     lora, gate_up = rest[:6], rest[6]
     live = rest[7] if ctx.has_live else None
-    if _routes_nothing(ids):
-        grads = tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (x, w, *lora))
-    else:
-        grads = torch.ops.kt.moe_lora_backward(grad_output.contiguous(), x, ids, w, packed, *lora, ctx.scaling, live,
-                                               gate_up)
+    grads = torch.ops.kt.moe_lora_backward(grad_output.contiguous(), x, ids, w, packed, *lora, ctx.scaling, live,
+                                           gate_up)
     needs = (*ctx.needs_input_grad, False, False)
     grad_x, grad_w, *grad_lora = grads
     return (grad_x if needs[0] else None, None, grad_w if needs[2] else None, None,

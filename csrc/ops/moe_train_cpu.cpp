@@ -480,7 +480,8 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
   const int64_t live = live_rows(live_tokens, x.size(0));
   at::Tensor saved;  // [T * K, 2I]
   if (gate_up.defined()) {
-    saved = gate_up.to(at::kFloat).contiguous().view({weights.numel(), -1});
+    // [T * K, 2I] by its sizes: T * K may be 0 (an empty batch, top-k 0), where -1 cannot be inferred
+    saved = gate_up.to(at::kFloat).contiguous().view({weights.numel(), 2 * layer.layout.shape.intermediate_size});
     out.gate_up = at::empty_like(saved);
     zero_unrouted_rows(out.gate_up, topk_ids, live);  // the routed rows are written below
   }
