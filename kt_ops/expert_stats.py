@@ -31,6 +31,7 @@ writes ``buffer = 1``, :meth:`ExpertStats.load` sums over ``buffer``.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -93,7 +94,9 @@ class ExpertStats:
 
     A layer id or expert count beyond a given size is a ``ValueError`` at the call.
     Collectors nest: every active one counts. A collector may be entered again later
-    and keeps adding to its counts until :meth:`reset`.
+    and keeps adding to its counts until :meth:`reset`. Calls from several threads at
+    once (models served by a thread pool) are all counted: a collector's counting,
+    growing and reading hold its lock.
     """
 
     def __init__(self, num_hidden_layers: int | None = None, num_experts: int | None = None) -> None:
@@ -108,6 +111,9 @@ class ExpertStats:
         self._captured: set[int] = set()  # id() of accumulators a CUDA graph may write into
         self._retired: list[torch.Tensor] = []  # outgrown accumulators a captured graph may still write into
         self._base: torch.Tensor | None = None  # int64 [L, E] CPU counts set by load/from_counts
+        # CPU index_add_ is a read-modify-write: concurrent calls would lose counts (and a
+        # growth would drop the adds racing it); eager calls take this lock
+        self._lock = threading.Lock()
 
     # ---- context ----------------------------------------------------------------------
 
@@ -186,6 +192,13 @@ class ExpertStats:
         return new
 
     def _add(self, layer_id: int, topk_ids: torch.Tensor, num_experts: int) -> None:
+        if torch.compiler.is_compiling():  # traced into the graph: no lock (dynamo cannot trace one)
+            self._add_unlocked(layer_id, topk_ids, num_experts)
+            return
+        with self._lock:
+            self._add_unlocked(layer_id, topk_ids, num_experts)
+
+    def _add_unlocked(self, layer_id: int, topk_ids: torch.Tensor, num_experts: int) -> None:
         layers, experts = self._grow(layer_id, num_experts)
         device = topk_ids.device
         acc = self._accumulator(device, layers, experts)
@@ -204,22 +217,25 @@ class ExpertStats:
         """int64 CPU ``[num_hidden_layers, num_experts]``: activations per (layer id,
         expert), summed over devices (and over counts set by :meth:`load`). Rows of layers
         that never ran (dense layers) are 0. Reading synchronizes the CUDA devices counted on."""
-        out = torch.zeros(self._layers, self._experts, dtype=torch.int64)
-        if self._base is not None:
-            out[: self._base.shape[0], : self._base.shape[1]] += self._base
-        for acc in [*self._acc.values(), *self._retired]:
+        with self._lock:
+            out = torch.zeros(self._layers, self._experts, dtype=torch.int64)
+            if self._base is not None:
+                out[: self._base.shape[0], : self._base.shape[1]] += self._base
+            accumulators = [*self._acc.values(), *self._retired]
+        for acc in accumulators:
             if acc.device.type == "cuda":
                 torch.cuda.synchronize(acc.device)
-            rows, experts = min(acc.shape[0], self._layers), min(acc.shape[1] - 1, self._experts)
+            rows, experts = min(acc.shape[0], out.shape[0]), min(acc.shape[1] - 1, out.shape[1])
             out[:rows, :experts] += acc[:rows, :experts].cpu()
         return out
 
     def reset(self) -> None:
         """Sets every count to 0 (the accumulators are zeroed in place: graphs captured
         with them keep counting into them)."""
-        self._base = None
-        for acc in [*self._acc.values(), *self._retired]:
-            acc.zero_()
+        with self._lock:
+            self._base = None
+            for acc in [*self._acc.values(), *self._retired]:
+                acc.zero_()
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes SGLang's dump format: ``torch.save({"logical_count": counts[None]})``,

@@ -147,6 +147,28 @@ def test_sizes_grow_and_keep_their_counts():
     assert torch.equal(stats.counts, expected)
 
 
+def test_calls_from_several_threads_are_all_counted():
+    """Layers run by several threads at once (a thread pool serving a model): no count is
+    lost, also while the rows grow (CPU index_add_ is a read-modify-write)."""
+    import threading
+
+    ids = torch.randint(0, E, (4096, K), generator=torch.Generator().manual_seed(0))
+    calls = 100
+
+    def run(layer: int) -> None:
+        for _ in range(calls):
+            expert_stats.record(layer, ids, E)
+
+    with kt_ops.ExpertStats() as stats:
+        threads = [threading.Thread(target=run, args=(layer,)) for layer in (0, 1, 2, 3, 0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    per_layer = torch.bincount(ids.reshape(-1), minlength=E) * calls
+    assert torch.equal(stats.counts, torch.stack([2 * per_layer, 2 * per_layer, per_layer, per_layer]))
+
+
 def test_fixed_sizes_are_enforced():
     with kt_ops.ExpertStats(num_hidden_layers=3, num_experts=8) as stats:
         expert_stats.record(2, torch.tensor([[1]]), 4)  # fewer experts is fine
