@@ -306,7 +306,10 @@ def _take_prefetched(packed: PackedExperts, dtype: torch.dtype, device: torch.de
 
 def _ranks(slots: torch.Tensor, K: int) -> torch.Tensor:
     """``slots [T K]`` (expert ids, ``E`` for a skipped slot) -> int64 ``[T K]``: each slot's
-    place among its token's slots in ascending expert order (ties: slot order)."""
+    place among its token's slots in ascending expert order (ties: slot order). ``K = 0``
+    (no slot): empty."""
+    if K == 0:  # view(-1, 0) of no element is ambiguous
+        return torch.empty(0, dtype=torch.int64, device=slots.device)
     by_token = slots.view(-1, K)
     places = torch.argsort(by_token, dim=1, stable=True)
     ranks = torch.empty_like(places)

@@ -164,6 +164,8 @@ def test_bad_input_is_refused() -> None:
         kt_ops.set_gpu_prefill_token_threshold(torch.nn.Linear(2, 2), 8)
     empty = gpu_prefill.moe_forward_on_device(x[:0], ids[:0], weights[:0], experts.packed)
     assert empty.shape == (0, 64)
+    none = gpu_prefill.moe_forward_on_device(x, ids[:, :0], weights[:, :0], experts.packed)  # top-k 0: zeros,
+    assert torch.equal(none, kt_ops.moe_forward(x, ids[:, :0], weights[:, :0], experts.packed))  # as the operator
 
 
 def hybrid(threshold: int = 0) -> kt_ops.HybridMoE:
