@@ -417,13 +417,17 @@ def _safetensors_headers(checkpoint: HfCheckpoint, keys: Iterable[str], scales: 
 
 def _hf_layer(where: LayerExperts, headers: dict[str, _Header]) -> LayerInfo:
     """A layer from its tensors' headers: per-expert ``gate [I, H]`` (E from the names) or
-    fused ``gate_up_proj [E, 2I, H]`` + ``down_proj [E, H, I]``; FP8 scales count as bytes."""
+    fused ``gate_up_proj [E, 2I, H]`` + ``down_proj [E, H, I]`` (or stored transposed, as
+    gpt-oss: ``[E, H, 2I]`` + ``[E, I, H]``); FP8 scales count as bytes."""
     experts = [0] if where.convention == "fused" else range(where.num_experts)
     sizes = [sum(headers[key].nbytes + sum(headers[s].nbytes for s in _scale_keys(key) if s in headers)
                  for key in (where.key(m, e) for e in experts)) for m in range(3)]
     label = _DTYPES[headers[where.key(0)].dtype][0]
     if where.convention == "fused":
         E, H, I = headers[where.key(2)].shape
+        gate_up = headers[where.key(0)].shape
+        if tuple(gate_up[1:]) != (2 * I, H) and tuple(gate_up[1:]) == (I, 2 * H):  # transposed: down is [E, I, H]
+            H, I = I, H
         sizes = [sizes[0] // 2, sizes[0] - sizes[0] // 2, sizes[2]]
     else:
         (I, H), E = headers[where.key(0)].shape, where.num_experts

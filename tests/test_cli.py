@@ -306,6 +306,22 @@ def test_inspect_hf_checkpoint(hf_checkpoint, tmp_path, capsys, convention) -> N
         assert f": {format_info(fmt).kernels[kt_ops.cpu_variant()]}\n" in out
 
 
+def test_inspect_transposed_fused_checkpoint(tmp_path) -> None:
+    """gpt-oss stores its fused experts transposed (``gate_up_proj [E, H, 2I]``,
+    ``down_proj [E, I, H]``): H and I are read the right way round (H != I here)."""
+    from safetensors.torch import save_file
+
+    hidden, inter = 64, 32
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(E, hidden, 2 * inter, dtype=torch.bfloat16),
+               "model.layers.0.mlp.experts.down_proj": torch.zeros(E, inter, hidden, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 1,
+                                                      "hidden_size": hidden, "intermediate_size": inter,
+                                                      "num_local_experts": E, "num_experts_per_tok": 2}))
+    [layer] = inspect_weights(tmp_path).layers
+    assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (E, hidden, inter)
+
+
 def test_inspect_json(gguf_file, capsys) -> None:
     status, out, _ = run(capsys, "inspect", "--json", gguf_file)
     data = json.loads(out)
