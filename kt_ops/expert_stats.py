@@ -115,6 +115,17 @@ class ExpertStats:
         # growth would drop the adds racing it); eager calls take this lock
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles (a ``KtOpsConfig(expert_stats=...)`` is deep-copied with its
+        config) leave the lock out; the copy gets its own."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # ---- context ----------------------------------------------------------------------
 
     def __enter__(self) -> ExpertStats:

@@ -167,6 +167,14 @@ def test_calls_from_several_threads_are_all_counted():
             thread.join()
     per_layer = torch.bincount(ids.reshape(-1), minlength=E) * calls
     assert torch.equal(stats.counts, torch.stack([2 * per_layer, 2 * per_layer, per_layer, per_layer]))
+    import copy
+    import pickle
+
+    for twin in (copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):  # KtOpsConfig(expert_stats=) copies it
+        assert torch.equal(twin.counts, stats.counts)
+        with twin:
+            expert_stats.record(0, ids, E)
+        assert torch.equal(twin.counts[0], stats.counts[0] + per_layer // calls)
 
 
 def test_fixed_sizes_are_enforced():
