@@ -234,6 +234,12 @@ class HfCheckpoint:
         if where.suffix != "weight":
             raise ValueError(f"{self.path}: layer {layer} holds INT4 experts ({where.key(0)!r}); read them with "
                              "method RAWINT4, GPTQ_INT4 or AWQ_INT4 (kt_ops.hf_int4)")
+        if where.convention == "fused" and where.key(0) + "_bias" in self.key_file:
+            raise ValueError(f"{self.path}: layer {layer} stores gpt-oss's experts ({where.key(0)!r} [E, H, 2I] with "
+                             "gate and up rows interleaved, expert biases and its clamped alpha-SwiGLU), which this "
+                             "reader does not take: convert an MXFP4 gpt-oss checkpoint with --input-type mxfp4, or "
+                             "load the model with transformers (experts_implementation=\"kt_ops\" or KtOpsConfig), "
+                             "which packs its experts with their activation and biases")
         return where
 
     def _scale(self, key: str, shape: tuple[int, ...]) -> tuple[str, str]:

@@ -9,6 +9,7 @@ instead of killing the run.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -379,3 +380,27 @@ def test_a_damaged_safetensors_index_is_a_value_error_naming_it(tmp_path: Path, 
 
 if __name__ == "__main__":
     sys.exit(globals()[sys.argv[1]]())
+
+
+def test_a_bf16_gpt_oss_checkpoint_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """gpt-oss's fused experts (transposed, gate/up rows interleaved, biases): the float
+    reader (converter, KTMoEWrapper) names the layout and the ways that read it, instead
+    of a shape mismatch; inspect still reads the layer."""
+    from safetensors.torch import save_file
+
+    from kt_ops.hf_checkpoint import HfCheckpoint
+    from kt_ops.inspection import inspect_weights
+
+    E, H, I = 4, 64, 32
+    base = "model.layers.0.mlp.experts."
+    save_file({base + "gate_up_proj": torch.zeros(E, H, 2 * I, dtype=torch.bfloat16),
+               base + "gate_up_proj_bias": torch.zeros(E, 2 * I, dtype=torch.bfloat16),
+               base + "down_proj": torch.zeros(E, I, H, dtype=torch.bfloat16),
+               base + "down_proj_bias": torch.zeros(E, H, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 1,
+                                                      "hidden_size": H, "intermediate_size": I,
+                                                      "num_local_experts": E, "num_experts_per_tok": 2}))
+    with pytest.raises(ValueError, match="gpt-oss's experts.*--input-type mxfp4"):
+        HfCheckpoint(tmp_path).load_experts(0, range(E), H, I)
+    [layer] = inspect_weights(tmp_path).layers
+    assert (layer.hidden_size, layer.intermediate_size) == (H, I)
