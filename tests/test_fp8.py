@@ -293,6 +293,28 @@ def test_activation_scales_from_tiny_to_huge(variant: str, method: str, fmt: str
     assert rel_err(out[[0, 1, 3]], ref[[0, 1, 3]]) <= 1e-4
 
 
+@pytest.mark.parametrize("method", ["FP8", "FP8_PERCHANNEL"])
+@pytest.mark.parametrize("tokens", [1, 9], ids=["decode", "prefill"])
+def test_sums_larger_than_fp32_before_their_scale_stay_finite(variant: str, method: str, tokens: int) -> None:
+    """Activations ~1e18 into small down weights (scale ~2e-9): the down sums of w / 256 are
+    ~1e37, 256 times that is not an fp32 number, the scaled output (~1e31) is. The decode
+    unit goes onto the scale (s * 256), not onto the sum: finite, within the bf16 bound
+    (every variant; AVX-512's came out inf before)."""
+    E, H, I = 1, 32, 32
+    g = torch.Generator().manual_seed(21)
+    gate, up = (torch.randn(E, I, H, generator=g) * 0.1 for _ in range(2))
+    down = torch.randn(E, H, I, generator=g) * 1e-6
+    packed = kt_ops.pack_experts(gate, up, down, method=method)
+    x = torch.randn(tokens, H, generator=g) * 4e18
+    ids, weights = torch.zeros(tokens, 1, dtype=torch.int64), torch.ones(tokens, 1)
+    ref = reference.moe_forward(x, ids, weights, *reference.dequantize(packed.data))
+    out = kt_ops.moe_forward(x, ids, weights, packed)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 1e30
+    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} of {out.numel()} outputs not finite"
+    err = float((out.double() - ref.double()).norm() / ref.double().norm())  # fp64: fp32 squares overflow
+    assert err <= 1e-2, err
+
+
 def test_scale_shapes_and_dtypes_accepted() -> None:
     """fp8 block scales per 128 rows or per row, bf16 scales; per-channel [E, N] or
     [E, N, 1]; mxfp8 uint8 or float8_e8m0fnu: the same blob."""

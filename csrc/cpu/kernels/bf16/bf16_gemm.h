@@ -87,10 +87,21 @@ KT_TILE_INLINE void load_accumulators(typename V::Reg (&acc)[M][NB], const TileA
     for (int b = 0; b < NB; ++b) acc[m][b] = from_c ? V::load(t.c + m * t.ldc + b * 16) : V::zero();
 }
 
+// Whether a group's unit multiplies its scales (s * unit, then the sum) rather than its
+// sums: AVX-512's decoders give w / 256 for activations as they are, so 256 * sum can
+// overflow where s * 256 * sum does not (FP8 with activations ~1e18 came out inf), and
+// s * 256 is exact for any real scale; AVX2's split lanes give w * 2^-120 of rows
+// normalized to [2^32, 2^33), whose sums take 2^120 safely but a scale above 256 would
+// not. Same bits either way wherever nothing overflows (the one rounding is of the same
+// exact product).
+KT_TILE_INLINE bool unit_on_scale(float unit) { return unit <= 256.0f; }
+
 // One output vector of a tile that ends a scale group (TileArgs::group_scales).
 template <class V>
-KT_TILE_INLINE void store_group_sum(float* out, typename V::Reg sum, const float* scale, typename V::Reg unit, bool accumulate) {
-  const typename V::Reg s = V::load(scale), x = V::mul(sum, unit);
+KT_TILE_INLINE void store_group_sum(float* out, typename V::Reg sum, const float* scale, typename V::Reg unit,
+                                    bool on_scale, bool accumulate) {
+  const typename V::Reg s = on_scale ? V::mul(V::load(scale), unit) : V::load(scale);
+  const typename V::Reg x = on_scale ? sum : V::mul(sum, unit);
   V::store(out, accumulate ? V::fma(s, x, V::load(out)) : V::mul(s, x));
 }
 
@@ -98,9 +109,10 @@ template <class V, int M, int NB, typename Act>
 KT_TILE_INLINE void store_accumulators(const typename V::Reg (&acc)[M][NB], const TileArgs<Act>& t) {
   if (t.group_scales != nullptr) {
     const typename V::Reg unit = V::set1(t.group_unit);
+    const bool on_scale = unit_on_scale(t.group_unit);
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b)
-        store_group_sum<V>(t.c + m * t.ldc + b * 16, acc[m][b], t.group_scales[b], unit, t.accumulate);
+        store_group_sum<V>(t.c + m * t.ldc + b * 16, acc[m][b], t.group_scales[b], unit, on_scale, t.accumulate);
     return;
   }
   for (int m = 0; m < M; ++m)

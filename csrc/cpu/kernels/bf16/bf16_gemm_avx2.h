@@ -138,11 +138,12 @@ struct Bf16GemmAvx2 {
         for (int b = 0; b < NB; ++b) split_lanes_to_rows(acc[m][b]);
     if (t.group_scales != nullptr) {
       const __m256 unit = _mm256_set1_ps(t.group_unit);
+      const bool on_scale = unit_on_scale(t.group_unit);
       for (int m = 0; m < M; ++m)
         for (int b = 0; b < NB; ++b)
           for (int h = 0; h < 2; ++h)
             store_group_sum<VecAvx2>(t.c + m * t.ldc + b * 16 + h * 8, acc[m][b][h], t.group_scales[b] + h * 8, unit,
-                                     t.accumulate);
+                                     on_scale, t.accumulate);
       return;
     }
     for (int m = 0; m < M; ++m)

@@ -48,16 +48,20 @@ struct HasSplitLines : std::false_type {};
 template <class Ops>
 struct HasSplitLines<Ops, std::void_t<typename Ops::SplitReader>> : std::true_type {};
 
-// fp8_perchannel: c[m][16 b + n] = s_b[n] * (unit * c[m][16 b + n]).
+// fp8_perchannel: c[m][16 b + n] = s_b[n] * unit * c[m][16 b + n], the unit on the scale
+// or on the sum as unit_on_scale (bf16_gemm.h) says: no intermediate overflows where the
+// result does not.
 template <class V>
 void fp8_scale_rows(int64_t rows, int blocks, const float* const* scales, float* c, int64_t ldc, float unit) {
   constexpr int W = V::kWidth;
   const typename V::Reg decode = V::set1(unit);
+  const bool on_scale = unit_on_scale(unit);
   for (int64_t m = 0; m < rows; ++m)
     for (int b = 0; b < blocks; ++b)
       for (int v = 0; v < 16; v += W) {
         float* out = c + m * ldc + b * 16 + v;
-        V::store(out, V::mul(V::load(scales[b] + v), V::mul(V::load(out), decode)));
+        const typename V::Reg s = V::load(scales[b] + v);
+        V::store(out, on_scale ? V::mul(V::mul(s, decode), V::load(out)) : V::mul(s, V::mul(V::load(out), decode)));
       }
 }
 
