@@ -84,18 +84,35 @@ def test_a_partial_last_scale_group_is_staged() -> None:
     assert torch.equal(w2, reference.dequantize(packed.data)[2][1])
 
 
-@pytest.mark.parametrize("method", ["BF16", "AMXINT8", "FP8", "FP8_PERCHANNEL", "MXFP8"])
+@pytest.mark.parametrize("method,group_size", [("BF16", None), ("AMXINT8", None), ("FP8", None),
+                                               ("FP8_PERCHANNEL", None), ("MXFP8", None)])
 @pytest.mark.parametrize("H,I", [(96, 48), (352, 200), (130, 66)])
-def test_every_step_of_the_row_writers_stages_the_oracles_weights(method: str, H: int, I: int) -> None:
+def test_every_step_of_the_row_writers_stages_the_oracles_weights(method: str, group_size: int | None, H: int,
+                                                                  I: int) -> None:
     """Sizes that take each step of the AVX2 row writers (whole 64-byte lines per row,
     streamed where aligned; half lines; the scalar rest), rows aligned and not, and partial
     16-row blocks."""
+    stage_and_compare(method, group_size, H, I)
+
+
+@pytest.mark.parametrize("method,group_size", [("FP8", None), ("RAWINT4", 32), ("AMXINT4", 64)])
+def test_fp32_scales_of_eight_groups_and_more_are_transposed_as_the_codes(method: str, group_size: int | None) -> None:
+    """FP8's block scales and INT4's fp32 scales (the prefill rows) of 8 or more groups go
+    through the vector transpose (8 at a time, the rest scalar): H 1152, I 320 give 9 / 3
+    (FP8), 36 / 10 (groups of 32) and 18 / 5 (groups of 64) groups per row."""
+    stage_and_compare(method, group_size, 1152, 320)
+
+
+def stage_and_compare(method: str, group_size: int | None, H: int, I: int) -> None:
+    """Stages two experts of a layer packed online into the prefill rows (buffers filled
+    with 0xAB first) and checks that the rows expand to the oracle's weights exactly."""
     from kt_ops.gpu_prefill import expand_rows, row_layout
 
     E = 2
     g = torch.Generator().manual_seed(3)
     gate, up, down = (torch.randn(*shape, generator=g) * 0.05 for shape in ((E, I, H), (E, I, H), (E, H, I)))
-    packed = kt_ops.pack_experts(gate, up, down, method=method)
+    packed = kt_ops.pack_experts(gate, up, down, method=method,
+                                 **({} if group_size is None else {"group_size": group_size}))
     layout = row_layout(packed)
     outs = layout.buffers(E)
     for t in outs:

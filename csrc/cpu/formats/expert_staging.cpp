@@ -145,6 +145,16 @@ __attribute__((target("avx2"))) int64_t untile_e4m3_avx2(const uint8_t* block, i
   return p;
 }
 
+// 64-byte lines of 16 fp32 values (one per row of the block: the fp8 and int4 scales,
+// [lines][16]) -> each row's `lines` values, contiguous at dst.codes + i * row_bytes: the
+// same transpose as bf16's k-pair words.
+void untile_fp32(const uint8_t* block, int64_t lines, const BlockRows& dst, size_t row_bytes) {
+  const int64_t first = kHasAvx2 ? untile_words_avx2<Word::kAsIs>(block, lines, dst, row_bytes) : 0;
+  for (int64_t i = 0; i < dst.rows; ++i)
+    for (int64_t l = first; l < lines; ++l)
+      std::memcpy(dst.codes + i * row_bytes + 4 * l, block + l * 4 * kRows + 4 * i, 4);
+}
+
 // Lines of k-pairs (bf16 and the e4m3 formats): line p holds, for each of the 16 rows i,
 // elements 2p and 2p + 1 of `element` bytes each at byte 2 i element.
 void untile_pairs(const uint8_t* block, int element, int64_t k, const BlockRows& dst, size_t row_bytes) {
@@ -206,6 +216,7 @@ void stage_fp8(const uint8_t* blob, const PackedLayout& layout, int64_t e, const
     const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k, groups * scale_bytes);
     untile_pairs(block, 1, m.k, dst, m.k);
     const uint8_t* scales = block + m.scales_offset();  // [groups][16], fp32 or bytes
+    if (scale_bytes == 4) return untile_fp32(scales, groups, {dst.scales, nullptr, dst.rows}, groups * 4);
     for (int64_t i = 0; i < dst.rows; ++i)
       for (int64_t g = 0; g < groups; ++g)
         std::memcpy(dst.scales + (i * groups + g) * scale_bytes, scales + (g * kRows + i) * scale_bytes, scale_bytes);
@@ -223,6 +234,8 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
     const size_t scale_bytes = m.minimums ? 8 : out.int4_fp32_scales && !mx ? 4 : 2;
     const BlockRows dst = block_rows(out, gate_up, b, m.rows, m.k / 2, m.groups * scale_bytes);
     const int64_t first = kHasAvx2 ? untile_words_avx2<Word::kNibbles>(block, m.lines, dst, m.k / 2) : 0;
+    const bool fp32_scales = out.int4_fp32_scales && !mx && !m.minimums;  // [groups][16] fp32, transposed at once
+    if (fp32_scales) untile_fp32(block + m.scales_offset(), m.groups, {dst.scales, nullptr, dst.rows}, m.groups * 4);
     for (int64_t i = 0; i < dst.rows; ++i) {
       // byte 4 i + j of line l: q(8 l + j) | q(8 l + 4 + j) << 4; out byte: k = 2 c low, 2 c + 1 high
       uint8_t* d = dst.codes + i * (m.k / 2);
@@ -243,6 +256,7 @@ void stage_int4(const uint8_t* blob, const PackedLayout& layout, int64_t e, cons
           const float value = 2.0f * bf16_to_float(half);  // exact: a power of two, or NaN
           scale[g] = bf16_truncated(reinterpret_cast<const uint8_t*>(&value));
         }
+      } else if (fp32_scales) {  // written above
       } else if (out.int4_fp32_scales) {
         for (int64_t g = 0; g < m.groups; ++g) {
           uint8_t* to = dst.scales + (i * m.groups + g) * scale_bytes;
