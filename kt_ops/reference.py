@@ -114,13 +114,20 @@ def activation_of(packed: torch.Tensor) -> dict:
 def fake_quantize_activations(x: torch.Tensor, block_size: int = 0) -> torch.Tensor:
     """Symmetric int8 of ``x [..., K]`` (fp32) per row (``block_size=0``) or per block
     of ``block_size`` values along K (which it must divide), dequantized: the kernels'
-    dynamic activation quantization (``scale = max|x| / 127``, round to nearest even)."""
+    dynamic activation quantization (``scale = max|x| / 127``, round to nearest even; a
+    row whose ``max|x|`` is below ``127 / FLT_MAX`` is quantized ``2^64`` times larger)."""
     if block_size:
         shape = x.shape
         return fake_quantize_activations(x.reshape(*shape[:-1], shape[-1] // block_size, block_size)).reshape(shape)
     amax = x.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return torch.clamp(torch.round(x * inv), -127, 127) * (amax / 127.0)
+    # max|x| < 127 / FLT_MAX (127 / amax overflows): the kernels take such a row 2^64
+    # times (exact) and scale back by 2^-64 (activation_quant.h, tiny_row_levels)
+    tiny = torch.isinf(inv)
+    up = torch.where(tiny, torch.full_like(amax, 2.0**64), torch.ones_like(amax))
+    inv = torch.where(tiny, 127.0 / (amax * up), inv)
+    scale = torch.where(tiny, amax * up / 127.0 * 2.0**-64, amax / 127.0)
+    return torch.clamp(torch.round(x * up * inv), -127, 127) * scale
 
 
 def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> torch.Tensor:

@@ -244,3 +244,28 @@ def test_corrupted_quantized_header() -> None:
     truncated = kt_ops.pack_experts(gate, up, down, method="AMXINT8").data[:-64]
     with pytest.raises(ValueError, match="truncated"):
         torch.ops.kt.moe_forward(x, ids, weights, truncated)
+
+
+@pytest.mark.parametrize("method,zero_point", [("AMXINT8", False), ("AMXINT4", False), ("AMXINT4", True),
+                                               ("MXFP4", False)])
+def test_token_rows_below_127_over_flt_max_quantize_as_any_row(variant: str, method: str, zero_point: bool) -> None:
+    """Tokens whose largest magnitude is below 127 / FLT_MAX (~3.7e-37), where 127 / amax is
+    no fp32 number: the row is quantized 2^64 times larger and scaled back (every level
+    came out +-127 before: errors of 4-6x the output), decode and prefill, within the
+    tight bound of the reference, which does the same."""
+    E, H, I = 2, 64, 64
+    g = torch.Generator().manual_seed(31)
+    gate, up = (torch.randn(E, I, H, generator=g) * 1e30 for _ in range(2))
+    down = torch.randn(E, H, I, generator=g) * 0.1
+    kwargs = {"zero_point": zero_point, "group_size": 32} if method == "AMXINT4" else {}
+    packed = kt_ops.pack_experts(gate, up, down, method=method, **kwargs)
+    dq = reference.dequantize(packed.data)
+    for T in (1, 9):  # one token per expert (decode), then 9 on one expert (prefill)
+        x = torch.randn(T, H, generator=g) * 1e-38
+        ids, weights = torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1)
+        out = kt_ops.moe_forward(x, ids, weights, packed)
+        tight = reference.moe_forward(x, ids, weights, *dq, quantize_activations=True)
+        assert torch.isfinite(tight).all() and tight.abs().max() > 1e-20
+        assert rel_err(out, tight) <= 1e-4, f"{T} tokens: {rel_err(out, tight):.3g}"
+        loose = reference.moe_forward(x, ids, weights, *dq)
+        assert rel_err(out, loose) <= 4e-2, f"{T} tokens: {rel_err(out, loose):.3g}"

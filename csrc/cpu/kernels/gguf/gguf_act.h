@@ -13,11 +13,13 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 
 #include "../../isa/vec_math.h"
+#include "../quant/activation_quant.h"
 #include "gguf_decode.h"
 
 namespace kt::cpu {
@@ -71,9 +73,14 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
     const float amax = top.value;
     // A block holding a NaN or an infinity: scale NaN, levels 0 (the row's results are NaN).
     const bool finite = top.finite;
-    const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-    const typename V::Reg inv = V::set1(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
-    for (int64_t i = b0; i < b0 + acts.block; i += W) V::store_int8(q + i, V::mul(V::load(x + i), inv));
+    float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    if (std::isinf(inv)) {  // a block below 127 / FLT_MAX (activation_quant.h)
+      d = tiny_row_levels(x + b0, acts.block, amax, q + b0);
+    } else {
+      const typename V::Reg vinv = V::set1(inv);
+      for (int64_t i = b0; i < b0 + acts.block; i += W) V::store_int8(q + i, V::mul(V::load(x + i), vinv));
+    }
     if (kquant) {
       scale[b0 / 4] = d;
       continue;
