@@ -48,7 +48,9 @@ EXTRA: dict[str, dict[str, Any]] = {
     "deepseek_v2": dict(num_key_value_heads=4), "deepseek_v3": dict(num_key_value_heads=4, head_dim=8),
     "axk1": dict(num_key_value_heads=4, head_dim=8), "axk2": dict(num_key_value_heads=4),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
-    "kimi_linear": dict(pad_token_id=0, num_key_value_heads=4),
+    "kimi_linear": dict(pad_token_id=0, num_key_value_heads=4, layer_types=["linear_attention", "full_attention"]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0),
     "longcat_flash": dict(qk_head_dim=24, num_key_value_heads=4, head_dim=8),
     "flex_olmo": dict(pad_token_id=0), "hy_v4": dict(pad_token_id=0),
 }
