@@ -70,7 +70,7 @@ EXPERTS_CONFIGS = {
         shared_expert_intermediate_size=32, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
     # newer architectures (transformers 5.23): Qwen3.5-MoE (text model), GLM-5 (MoE + DSA),
-    # DeepSeek-V3.2, MiniMax-M3 (text model)
+    # DeepSeek-V3.2, MiniMax-M3 (text model), Kimi-Linear
     "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(
         **COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=32,
         head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
@@ -79,6 +79,11 @@ EXPERTS_CONFIGS = {
     "deepseek_v32": lambda: transformers.DeepseekV32Config(**{**COMMON, "num_key_value_heads": 4}, **_MLA_MOE),
     "minimax_m3_vl_text": lambda: transformers.MiniMaxM3VLTextConfig(**COMMON, intermediate_size=96, num_local_experts=8,
                                                                      num_experts_per_tok=2, head_dim=16),
+    "kimi_linear": lambda: transformers.KimiLinearConfig(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, num_shared_experts=1, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, linear_num_heads=4, linear_head_dim=16,
+        pad_token_id=0, layer_types=["linear_attention", "full_attention"]),
     "deepseek_v4": lambda: transformers.DeepseekV4Config(**{**COMMON, "num_key_value_heads": 1}, intermediate_size=32,
                                                          num_local_experts=8, num_experts_per_tok=2),
 }

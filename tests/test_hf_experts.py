@@ -21,7 +21,7 @@ from hf_models import CONFIGS, EXPERTS_CONFIGS, tiny_model  # noqa: E402
 from kt_ops import hf_experts  # noqa: E402
 
 ARCHS = ["qwen3_moe", "deepseek_v3", "deepseek_v4", "glm4_moe", "gpt_oss", "qwen3_next", "minimax_m2", "mixtral",
-         "olmoe", "qwen2_moe", "deepseek_v2", "qwen3_5_moe_text", "glm_moe_dsa", "deepseek_v32", "minimax_m3_vl_text"]
+         "olmoe", "qwen2_moe", "deepseek_v2", "qwen3_5_moe_text", "glm_moe_dsa", "deepseek_v32", "minimax_m3_vl_text", "kimi_linear"]
 assert set(ARCHS) <= set(CONFIGS) | set(EXPERTS_CONFIGS)
 GAP = 0.3  # std of a step's logits: as tests/test_hf_patch.py's test_greedy_generation_matches
 
