@@ -19,7 +19,6 @@ AutoModelForCausalLM mapping, or more than 20 M parameters). Nothing is download
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import tempfile
 import warnings
@@ -145,7 +144,8 @@ def main() -> None:
     counts: dict[str, int] = {}
     for t in types:
         line = sweep_one(t)
-        counts[re.split(r"\s+", line)[1]] = counts.get(re.split(r"\s+", line)[1], 0) + 1
+        outcome = line.split()[1]
+        counts[outcome] = counts.get(outcome, 0) + 1
         print(line, flush=True)
     print(", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     sys.exit(1 if counts.get("kt_ops") else 0)

@@ -60,6 +60,19 @@ __attribute__((target("avx2"))) inline __m256i convert_words(__m256i w) {
   return w;
 }
 
+// 64 bytes of a row (halves a, b) at `to`: streamed where they are one aligned cache line,
+// stored plainly otherwise (the callers' fence orders the streamed ones).
+__attribute__((target("avx2"))) inline void store_line(uint8_t* to, __m256i a, __m256i b) {
+  __m256i* line = reinterpret_cast<__m256i*>(to);
+  if ((reinterpret_cast<uintptr_t>(to) & 63) == 0) {
+    _mm256_stream_si256(line, a);
+    _mm256_stream_si256(line + 1, b);
+  } else {
+    _mm256_storeu_si256(line, a);
+    _mm256_storeu_si256(line + 1, b);
+  }
+}
+
 // 64-byte lines holding a 32-bit word of each of the 16 rows (bf16: a k-pair; int4: 8
 // nibbles, see stage_int4; int8: 4 offset-binary bytes), 8 lines x 8 rows at a time through
 // an 8 x 8 word transpose, each row's words stored contiguously (kNibbles: reordered into
@@ -87,14 +100,8 @@ __attribute__((target("avx2"))) int64_t untile_words_avx2(const uint8_t* block, 
         load_transposed_8x8(block + l * kLine + 32 * half, kLine, t);
         load_transposed_8x8(block + (l + 8) * kLine + 32 * half, kLine, u);
         for (int64_t i = 0; i < rows; ++i) {
-          __m256i* to = reinterpret_cast<__m256i*>(dst.codes + (8 * half + i) * row_bytes + 4 * l);
-          if ((reinterpret_cast<uintptr_t>(to) & 63) == 0) {
-            _mm256_stream_si256(to, convert_words<kWord>(t[i]));
-            _mm256_stream_si256(to + 1, convert_words<kWord>(u[i]));
-          } else {
-            _mm256_storeu_si256(to, convert_words<kWord>(t[i]));
-            _mm256_storeu_si256(to + 1, convert_words<kWord>(u[i]));
-          }
+          store_line(dst.codes + (8 * half + i) * row_bytes + 4 * l, convert_words<kWord>(t[i]),
+                     convert_words<kWord>(u[i]));
         }
       }
     for (; l < done; l += 8) {
@@ -124,16 +131,7 @@ __attribute__((target("avx2"))) int64_t untile_e4m3_avx2(const uint8_t* block, i
     __m256i t[16], u[16];
     load_transposed_16x16_epi16(block + p * kLine, kLine, t);
     load_transposed_16x16_epi16(block + (p + 16) * kLine, kLine, u);
-    for (int64_t i = 0; i < dst.rows; ++i) {
-      __m256i* to = reinterpret_cast<__m256i*>(dst.codes + i * row_bytes + 2 * p);
-      if ((reinterpret_cast<uintptr_t>(to) & 63) == 0) {
-        _mm256_stream_si256(to, t[i]);
-        _mm256_stream_si256(to + 1, u[i]);
-      } else {
-        _mm256_storeu_si256(to, t[i]);
-        _mm256_storeu_si256(to + 1, u[i]);
-      }
-    }
+    for (int64_t i = 0; i < dst.rows; ++i) store_line(dst.codes + i * row_bytes + 2 * p, t[i], u[i]);
   }
   for (; p + 16 <= pairs; p += 16) {
     __m256i t[16];
