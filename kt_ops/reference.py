@@ -130,6 +130,13 @@ def fake_quantize_activations(x: torch.Tensor, block_size: int = 0) -> torch.Ten
     return torch.clamp(torch.round(x * up * inv), -127, 127) * scale
 
 
+def _scaled(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``w / scale`` as the packers compute it: ``w * (1 / scale)``, or ``w / scale`` where
+    ``1 / scale`` overflows (a subnormal scale of tiny weights); 0 where the scale is 0."""
+    inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    return torch.where(inv.isinf(), w / torch.where(inv.isinf(), scale, torch.ones_like(scale)), w * inv)
+
+
 def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> torch.Tensor:
     """Round-to-nearest quantization of ``weight`` ``[..., K]`` along its last dimension,
     returned dequantized (fp32, same shape): what ``pack_experts(..., scale_search=False)``
@@ -145,24 +152,21 @@ def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> t
     w = weight.float()
     if format == "int8":
         scale = w.abs().amax(dim=-1, keepdim=True) / 127.0
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        return torch.clamp(torch.round(w * inv), -127, 127) * scale
+        return torch.clamp(torch.round(_scaled(w, scale)), -127, 127) * scale
     shape = w.shape
     g = w.reshape(*shape[:-1], shape[-1] // group_size, group_size)
     if format == "int4":
         hi, lo = g.amax(dim=-1, keepdim=True), g.amin(dim=-1, keepdim=True)
         scale = torch.where(hi >= -lo, hi, lo) / -8.0  # the extreme value -> level -8
-        inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-        q = torch.clamp(torch.round(g * inv), -8, 7)
+        q = torch.clamp(torch.round(_scaled(g, scale)), -8, 7)
         return (q * scale).reshape(shape)
     if format == "int4_asym":
         lo, hi = g.amin(dim=-1, keepdim=True).clamp(max=0), g.amax(dim=-1, keepdim=True).clamp(min=0)
         scale = (hi - lo) / 15.0
         bits = scale.view(torch.int32)  # 20 significant bits: z * scale is exact
         scale = torch.where(scale.isfinite(), ((bits + 8) & ~0xF).view(torch.float32), scale)
-        inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-        z = torch.clamp(torch.round(-lo * inv), 0, 15)
-        q = torch.maximum(torch.minimum(torch.round(g * inv), 15 - z), -z)
+        z = torch.clamp(torch.round(_scaled(-lo, scale)), 0, 15)
+        q = torch.maximum(torch.minimum(torch.round(_scaled(g, scale)), 15 - z), -z)
         return (q * scale).reshape(shape)
     raise ValueError(f"fake_quantize: unknown format {format!r}")
 

@@ -269,3 +269,35 @@ def test_token_rows_below_127_over_flt_max_quantize_as_any_row(variant: str, met
         assert rel_err(out, tight) <= 1e-4, f"{T} tokens: {rel_err(out, tight):.3g}"
         loose = reference.moe_forward(x, ids, weights, *dq)
         assert rel_err(out, loose) <= 4e-2, f"{T} tokens: {rel_err(out, loose):.3g}"
+
+
+@pytest.mark.parametrize("method,zero_point,fmt", [m for m in METHODS if m[2] != "mxfp4"])
+@pytest.mark.parametrize("scale_search", [False, True])
+def test_weight_rows_of_subnormal_scale_keep_their_levels(method: str, zero_point: bool, fmt: str,
+                                                          scale_search: bool) -> None:
+    """A row (int8) or group (int4) of weights so small that 1 / scale overflows fp32 is
+    quantized as the same row 2^100 times larger (w / scale, not w * inf, which put every
+    weight on an extreme level and zeros on NaN), up to its subnormal scale's rounding."""
+    E, H, I = 1, 128, 64
+    group = {"group_size": 32} if fmt != "int8" else {}
+    g = torch.Generator().manual_seed(7)
+    gate = torch.randn(E, I, H, generator=g) * 0.02
+    gate[0, 1] = torch.randn(H, generator=g) * 1e-40  # scale ~ 1e-42: 1 / scale = inf
+    gate[0, 1, 5] = 0.0
+    gate[0, 2] = torch.randn(H, generator=g) * 1e-37  # subnormal scale, finite inverse
+    gate[0, 3, :64] = torch.rand(64, generator=g) * 1e-39  # one sign: int4_asym's zero point
+    up = torch.randn(E, I, H, generator=g) * 0.02
+    down = torch.randn(E, H, I, generator=g) * 0.02
+    large = gate * 2.0**100  # exact: the same rows with normal scales
+    dq = {}
+    for name, weights in (("tiny", gate), ("large", large)):
+        packed = kt_ops.pack_experts(weights, up, down, method=method, zero_point=zero_point,
+                                     scale_search=scale_search, **group)
+        dq[name] = reference.dequantize(packed.data)[0]
+        if not scale_search:
+            torch.testing.assert_close(dq[name], reference.fake_quantize(weights, fmt, group.get("group_size", 128)),
+                                       rtol=0, atol=0)
+    for row in (1, 2, 3):
+        w, q, q_large = gate[0, row], dq["tiny"][0, row], dq["large"][0, row] * 2.0**-100
+        large_error = (q_large - w).abs().max()
+        assert (q - w).abs().max() <= 1.1 * large_error + 1e-43, (row, q[:6], q_large[:6], w[:6])

@@ -40,13 +40,23 @@ Range value_range(const float* w, int64_t n) {
   return r;
 }
 
-// q[k] = clamp(round((w[k] - shift) * inv), lo, hi) + offset as bytes (two's complement
-// for negative levels). The clamped value is below 2^22 in magnitude, where the magic
-// rounding is exact.
-void round_levels(const float* w, int64_t n, float shift, float inv, float lo, float hi, int offset,
+// 1 / scale, 0 for a zero scale. Infinite where |scale| < 1 / FLT_MAX (the subnormal scale
+// of a row or group of tiny weights): scaled() then divides instead, since w * inf would
+// put every weight of the row on an extreme level.
+float inverse(float scale) { return scale != 0.0f ? 1.0f / scale : 0.0f; }
+
+// w / scale as w * inv (inv = inverse(scale)): the same bits as before for every scale
+// whose inverse is finite.
+float scaled(float w, float inv, float scale) { return std::isinf(inv) ? w / scale : w * inv; }
+
+// q[k] = clamp(round((w[k] - shift) / scale), lo, hi) + offset as bytes (two's complement
+// for negative levels; scale 0 gives level 0). The clamped value is below 2^22 in
+// magnitude, where the magic rounding is exact.
+void round_levels(const float* w, int64_t n, float shift, float scale, float lo, float hi, int offset,
                   uint8_t* q) {
+  const float inv = inverse(scale);
   for (int64_t k = 0; k < n; ++k) {
-    float x = (w[k] - shift) * inv;
+    float x = scaled(w[k] - shift, inv, scale);
     x = x < lo ? lo : x;
     x = x > hi ? hi : x;
     q[k] = static_cast<uint8_t>(static_cast<int>((x + kRoundMagic) - kRoundMagic) + offset);
@@ -67,10 +77,10 @@ float zero_point_scale(float scale) {
 
 // Symmetric: q = clamp(round(w / scale), lo, hi); returns the squared error.
 float quantize_symmetric(const float* w, int64_t n, float scale, int lo, int hi, int* q) {
-  const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+  const float inv = inverse(scale);
   float error = 0.0f;
   for (int64_t k = 0; k < n; ++k) {
-    q[k] = std::clamp(round_int(w[k] * inv), lo, hi);
+    q[k] = std::clamp(round_int(scaled(w[k], inv, scale)), lo, hi);
     const float d = w[k] - scale * static_cast<float>(q[k]);
     error += d * d;
   }
@@ -79,10 +89,10 @@ float quantize_symmetric(const float* w, int64_t n, float scale, int lo, int hi,
 
 // Asymmetric: q = clamp(round((w - minimum) / scale), 0, 15); returns the squared error.
 float quantize_asymmetric(const float* w, int64_t n, float scale, float minimum, int* q) {
-  const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+  const float inv = inverse(scale);
   float error = 0.0f;
   for (int64_t k = 0; k < n; ++k) {
-    q[k] = std::clamp(round_int((w[k] - minimum) * inv), 0, 15);
+    q[k] = std::clamp(round_int(scaled(w[k] - minimum, inv, scale)), 0, 15);
     const float d = w[k] - (scale * static_cast<float>(q[k]) + minimum);
     error += d * d;
   }
@@ -181,8 +191,7 @@ void quantize_int8_row(const float* w, int64_t n, const QuantOptions& options, i
     const Range r = value_range(w, n);
     const float amax = std::max(-r.lo, r.hi);
     *scale = amax / 127.0f;
-    const float inv = amax > 0.0f ? 1.0f / *scale : 0.0f;
-    round_levels(w, n, 0.0f, inv, -127.0f, 127.0f, 0, reinterpret_cast<uint8_t*>(q));
+    round_levels(w, n, 0.0f, *scale, -127.0f, 127.0f, 0, reinterpret_cast<uint8_t*>(q));
     return;
   }
   thread_local std::vector<int> levels, best;
@@ -203,16 +212,14 @@ void quantize_int4_row(const float* w, int64_t n, int64_t group, const QuantOpti
       if (minimums == nullptr) {  // the extreme value becomes level -8 (positive on ties)
         const float extreme = r.hi >= -r.lo ? r.hi : r.lo;
         scales[g] = extreme / -8.0f;
-        const float inv = extreme != 0.0f ? 1.0f / scales[g] : 0.0f;
-        round_levels(wg, group, 0.0f, inv, -8.0f, 7.0f, 8, q + g * group);
+        round_levels(wg, group, 0.0f, scales[g], -8.0f, 7.0f, 8, q + g * group);
       } else {  // GPTQ's / AWQ's rule: a range holding 0, an integer zero point z
         const float lo = std::min(r.lo, 0.0f), hi = std::max(r.hi, 0.0f);
         const float scale = zero_point_scale((hi - lo) / 15.0f);
-        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-        const int z = std::clamp(round_int(-lo * inv), 0, 15);
+        const int z = std::clamp(round_int(scaled(-lo, inverse(scale), scale)), 0, 15);
         scales[g] = scale;
         minimums[g] = -static_cast<float>(z) * scale;  // exact (zero_point_scale)
-        round_levels(wg, group, 0.0f, inv, static_cast<float>(-z), static_cast<float>(15 - z), z, q + g * group);
+        round_levels(wg, group, 0.0f, scale, static_cast<float>(-z), static_cast<float>(15 - z), z, q + g * group);
       }
       continue;
     }
