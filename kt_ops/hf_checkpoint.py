@@ -330,6 +330,9 @@ class HfCheckpoint:
         anything else with None, None."""
         dtype, shape = self._header(key)
         if dtype not in ("F8_E4M3", "F8_E5M2"):
+            if dtype not in _DTYPES:  # e.g. an integer tensor: copied into the float matrix, it would be wrong weights
+                raise ValueError(f"{self.path}: tensor {key!r} is {dtype}; expert weights must be BF16, F16, F32 "
+                                 "or F8_E4M3")
             _check_shape(key, shape, want)
             return self._tensor(key), None, None
         return self._read_fp8(key, want, ("F8_E4M3", "F8_E5M2"))

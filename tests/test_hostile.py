@@ -404,3 +404,22 @@ def test_a_bf16_gpt_oss_checkpoint_is_refused_with_the_reason(tmp_path: Path) ->
         HfCheckpoint(tmp_path).load_experts(0, range(E), H, I)
     [layer] = inspect_weights(tmp_path).layers
     assert (layer.hidden_size, layer.intermediate_size) == (H, I)
+
+
+def test_an_expert_tensor_of_a_non_float_dtype_is_refused(tmp_path: Path) -> None:
+    """One expert's weight stored as integers (the layer's first gate is bf16): a
+    ValueError naming the tensor, not its integer values silently read as weights (the
+    converter and KTMoEWrapper used to pack them)."""
+    from checkpoint_helpers import make_weights, write_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from kt_ops.hf_checkpoint import HfCheckpoint
+
+    path = write_checkpoint(tmp_path / "model", make_weights([0], 4, 32, 16))
+    shard = path / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    key = "model.layers.0.mlp.experts.2.up_proj.weight"
+    tensors[key] = (tensors[key].float() * 1000).to(torch.int32)
+    save_file(tensors, shard)
+    with pytest.raises(ValueError, match=f"{key}.*is I32; expert weights must be"):
+        HfCheckpoint(path).load_experts(0, range(4), 32, 16)
