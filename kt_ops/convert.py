@@ -316,6 +316,13 @@ def convert(args: argparse.Namespace) -> Path:
         changed = [s for s in settings if getattr(old, s) != getattr(manifest, s)]
         if changed:
             raise UsageError(f"--output {out}: cannot resume, the earlier run used different {', '.join(changed)}")
+        # The layers kept must come from the same model: another checkpoint of the same sizes
+        # would leave a directory mixing two models' experts under one manifest.
+        before = {k: old.source.get(k) for k in ("path", "input_type")}
+        if before["path"] is not None and before != {k: manifest.source[k] for k in before}:
+            raise UsageError(f"--output {out}: cannot resume, the earlier run converted --input-path {before['path']} "
+                             f"(--input-type {before['input_type']}), not {manifest.source['path']} "
+                             f"(--input-type {args.input_type}); its layers would be mixed with this model's")
     todo = [L for L in layers if args.resume_layer is None or L >= args.resume_layer]
     kept = [L for L in layers if L not in todo]
     found = layer_sources(out, kept, args.threadpool_count) if kept else {}

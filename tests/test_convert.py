@@ -128,6 +128,26 @@ def test_resume_keeps_written_layers(tmp_path, checkpoint, capsys):
     assert run(*base[:-1], "--quant-method", "int4", "--resume-layer", 2) == 2  # different settings
 
 
+def test_resume_from_another_checkpoint_is_refused(tmp_path, checkpoint, weights, capsys):
+    """--resume-layer with another --input-path of the same sizes (another model, a
+    fine-tune): refused, not a directory mixing two models' experts under one manifest."""
+    other = write_checkpoint(tmp_path / "other", make_weights([1, 2, 3], E, H, I, seed=7), shards=2,
+                             dense_layers=(0,))
+    out = tmp_path / "out"
+    base = ["--input-type", "bf16", "--output", out, "--quant-method", "int8"]
+    assert run("--input-path", checkpoint, *base) == 0
+    manifest = Manifest.read(out)
+    Manifest(**{**manifest.__dict__, "complete": False}).write(out)  # a crash before the end
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert run("--input-path", other, *base, "--resume-layer", 3) == 2
+    assert "cannot resume, the earlier run converted --input-path" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert run("--input-path", checkpoint, *base, "--resume-layer", 3) == 0  # the same model resumes
+    for L in (1, 2, 3):
+        assert torch.equal(outputs(out, L, "AMXINT8"), outputs(checkpoint, L, "AMXINT8"))
+
+
 @pytest.mark.parametrize("crash_at", ["shard_write", "shard_rename", "index", "layer_delete"])
 def test_a_crash_in_the_merge_resumes(tmp_path, checkpoint, monkeypatch, crash_at):
     """A crash at each step of the merge leaves a directory --resume-layer completes, with
