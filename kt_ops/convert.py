@@ -316,6 +316,12 @@ def convert(args: argparse.Namespace) -> Path:
         changed = [s for s in settings if getattr(old, s) != getattr(manifest, s)]
         if changed:
             raise UsageError(f"--output {out}: cannot resume, the earlier run used different {', '.join(changed)}")
+        dropped = [L for L in old.layers if L not in layers]
+        if dropped:  # the merge would rewrite the shards without them: converted layers silently lost
+            raise UsageError(f"--output {out}: the earlier run converted layer(s) {', '.join(map(str, dropped))}, which "
+                             f"--layers {args.layers} leaves out; resuming would drop them from the directory: give "
+                             f"--layers covering them (e.g. {min(old.layers[0], layers[0])}-"
+                             f"{max(old.layers[-1], layers[-1])}) or another --output")
         # The layers kept must come from the same model: another checkpoint of the same sizes
         # would leave a directory mixing two models' experts under one manifest.
         before = {k: old.source.get(k) for k in ("path", "input_type")}

@@ -128,6 +128,24 @@ def test_resume_keeps_written_layers(tmp_path, checkpoint, capsys):
     assert run(*base[:-1], "--quant-method", "int4", "--resume-layer", 2) == 2  # different settings
 
 
+def test_resume_with_layers_leaving_out_converted_ones_is_refused(tmp_path, checkpoint, capsys):
+    """--resume-layer with a --layers range that leaves out layers the earlier run
+    converted: refused, not a merge that rewrites the shard without them (they were
+    silently dropped from the directory and its manifest)."""
+    out = tmp_path / "out"
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8"]
+    assert run(*base, "--layers", "1-2") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert run(*base, "--layers", "3", "--resume-layer", 3) == 2
+    assert "converted layer(s) 1, 2, which --layers 3 leaves out" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert run(*base, "--layers", "1-3", "--resume-layer", 3) == 0  # a range covering them adds layer 3
+    assert Manifest.read(out).layers == (1, 2, 3)
+    for L in (1, 2, 3):
+        assert torch.equal(outputs(out, L, "AMXINT8"), outputs(checkpoint, L, "AMXINT8"))
+
+
 def test_resume_from_another_checkpoint_is_refused(tmp_path, checkpoint, weights, capsys):
     """--resume-layer with another --input-path of the same sizes (another model, a
     fine-tune): refused, not a directory mixing two models' experts under one manifest."""
