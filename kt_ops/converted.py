@@ -82,7 +82,8 @@ def load_converted_layer(path: str | os.PathLike[str], layer: int,
     """The manifest and layer ``layer``'s packed parts: memory-mapped and watched for
     changes on disk (:mod:`kt_ops.mapped_files`), or read into RAM with ``copy=True``.
 
-    Raises ``ValueError`` for an incomplete conversion and ``KeyError`` naming the key
+    Raises ``ValueError`` for an incomplete conversion or a blob that is not what the
+    manifest says (format, group size, sizes: a file of another conversion), and ``KeyError`` naming the key
     of a layer that was not converted or whose tensor is missing.
     """
     root = Path(path)
@@ -99,5 +100,22 @@ def load_converted_layer(path: str | os.PathLike[str], layer: int,
         key = layer_key(layer, part)
         if key not in weight_map:
             raise KeyError(f"{root}: tensor {key!r} is missing from {INDEX}")
-        parts.append(PackedExperts(load_uint8_tensor(root / weight_map[key], key, copy=copy)))
+        packed = PackedExperts(load_uint8_tensor(root / weight_map[key], key, copy=copy))
+        _check_part(root / weight_map[key], key, packed, manifest)
+        parts.append(packed)
     return manifest, parts
+
+
+def _check_part(file: Path, key: str, packed: PackedExperts, manifest: Manifest) -> None:
+    """``ValueError`` naming the file when a blob is not what the manifest says the
+    conversion wrote (a layer file replaced by one of another conversion: another method,
+    group size, model size or split), which the wrapper would otherwise run as it is."""
+    want = {"format": manifest.format, "num_experts": manifest.num_experts, "hidden_size": manifest.hidden_size,
+            "intermediate_size": manifest.intermediate_size // max(manifest.threadpool_count, 1)}
+    if manifest.format in ("int4", "int4_asym"):
+        want["group_size"] = manifest.group_size
+    got = {name: getattr(packed, name) for name in want}
+    if got != want:
+        differ = ", ".join(f"{name} {got[name]} (manifest: {want[name]})" for name in want if got[name] != want[name])
+        raise ValueError(f"{file}: tensor {key!r} is not what {MANIFEST} says this conversion wrote: {differ}; the "
+                         "file was replaced or belongs to another conversion, convert again")

@@ -128,6 +128,27 @@ def test_resume_keeps_written_layers(tmp_path, checkpoint, capsys):
     assert run(*base[:-1], "--quant-method", "int4", "--resume-layer", 2) == 2  # different settings
 
 
+def test_a_layer_file_of_another_conversion_is_refused(tmp_path, checkpoint):
+    """A converted directory whose layer file was replaced by the same layer of another
+    conversion (another method or group size): a ValueError naming the file, not the
+    blob run as it is under a manifest (and wrapper) that say otherwise."""
+    def convert_to(name, *extra):
+        out = tmp_path / name
+        assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--no-merge-safetensor",
+                   *extra) == 0
+        return out
+
+    int8, int4, int4_32 = (convert_to("int8", "--quant-method", "int8"), convert_to("int4", "--quant-method", "int4", "--group-size", 64),
+                           convert_to("int4_32", "--quant-method", "int4", "--group-size", 32))
+    (int8 / layer_file(2)).write_bytes((int4 / layer_file(2)).read_bytes())
+    with pytest.raises(ValueError, match=r"layer-00002.safetensors: .*format int4 \(manifest: int8\)"):
+        outputs(int8, 2, "AMXINT8")
+    (int4 / layer_file(2)).write_bytes((int4_32 / layer_file(2)).read_bytes())
+    with pytest.raises(ValueError, match=r"group_size 32 \(manifest: 64\)"):
+        outputs(int4, 2, "AMXINT4", group_size=64)
+    assert torch.equal(outputs(int4, 1, "AMXINT4", group_size=64), outputs(checkpoint, 1, "AMXINT4", group_size=64))  # the other layers load
+
+
 def test_resume_with_layers_leaving_out_converted_ones_is_refused(tmp_path, checkpoint, capsys):
     """--resume-layer with a --layers range that leaves out layers the earlier run
     converted: refused, not a merge that rewrites the shard without them (they were
