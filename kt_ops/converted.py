@@ -58,13 +58,23 @@ class Manifest:
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Manifest:
         file = Path(path) / MANIFEST
-        data = json.loads(file.read_text())
+        try:
+            data = json.loads(file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{file}: not a kt_ops manifest (not JSON: {error})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{file}: not a kt_ops manifest (expected a JSON object, got {type(data).__name__})")
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{file}: format_version {data.get('format_version')!r}, this kt_ops reads {FORMAT_VERSION}")
-        return cls(data["method"], data["format"], int(data["group_size"]), int(data["num_layers"]),
-                   tuple(int(v) for v in data["layers"]), int(data["num_experts"]), int(data["hidden_size"]),
-                   int(data["intermediate_size"]), int(data["threadpool_count"]), bool(data["complete"]),
-                   dict(data.get("source", {})))
+        try:
+            return cls(str(data["method"]), str(data["format"]), int(data["group_size"]), int(data["num_layers"]),
+                       tuple(int(v) for v in data["layers"]), int(data["num_experts"]), int(data["hidden_size"]),
+                       int(data["intermediate_size"]), int(data["threadpool_count"]), bool(data["complete"]),
+                       dict(data.get("source", {})))
+        except KeyError as error:
+            raise ValueError(f"{file}: damaged kt_ops manifest (no {error.args[0]!r})") from None
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{file}: damaged kt_ops manifest ({error})") from None
 
     def write(self, path: str | os.PathLike[str]) -> None:
         file = Path(path) / MANIFEST
@@ -75,6 +85,18 @@ class Manifest:
 
 def is_converted(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / MANIFEST).is_file()
+
+
+def read_weight_map(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The ``weight_map`` (tensor key -> file name) of a converted directory's index:
+    ``FileNotFoundError`` when it is missing, ``ValueError`` naming it when it is damaged."""
+    from kt_ops.hf_checkpoint import _read_weight_map
+
+    index = Path(path) / INDEX
+    if not index.is_file():
+        raise FileNotFoundError(f"{index} is missing: a converted directory names its files there "
+                                "(an unfinished conversion? rerun the converter with --resume-layer)")
+    return _read_weight_map(index)
 
 
 def load_converted_layer(path: str | os.PathLike[str], layer: int,
@@ -94,7 +116,7 @@ def load_converted_layer(path: str | os.PathLike[str], layer: int,
     if layer not in manifest.layers:
         raise KeyError(f"{root}: layer {layer} was not converted ({layer_key(layer, 0)!r} missing); "
                        f"converted layers: {', '.join(map(str, manifest.layers)) or 'none'}")
-    weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+    weight_map = read_weight_map(root)
     parts = []
     for part in range(manifest.threadpool_count):
         key = layer_key(layer, part)

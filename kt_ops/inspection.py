@@ -14,6 +14,7 @@ consecutive layers share one row.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,14 +22,14 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence, TypeVar
+from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 import gguf
 from safetensors import safe_open
 from tqdm import tqdm
 
 from kt_ops._native import _C
-from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
+from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key, read_weight_map
 from kt_ops.cpu import cpu_variant
 from kt_ops.diagnostics import methods_label
 from kt_ops.formats import FORMATS, format_info
@@ -218,6 +219,19 @@ def _layer_count(num_layers: int | None, layers: Sequence[LayerInfo]) -> str:
 # --- packed-experts files ------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _read_safetensors(path: Path) -> Iterator[Any]:
+    """``safe_open(path)`` whose errors (safetensors' own types: a truncated or corrupt
+    file, a key the file does not hold, a missing file) are ``ValueError`` naming ``path``."""
+    try:
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            yield handle
+    except (MemoryError, ValueError):  # ours name the file already
+        raise
+    except Exception as error:  # noqa: BLE001 - SafetensorError, OSError
+        raise ValueError(f"{path}: cannot read it as safetensors (truncated or corrupt file?): {error}") from None
+
+
 def _packed_keys(path: Path) -> dict[str, tuple[int | None, int]] | None:
     """key -> (layer, part) when ``path`` is a safetensors file of kt_ops packed blobs
     (``"packed"`` from PackedExperts.save, ``blk.{L}.part{p}.packed`` from the converter)."""
@@ -280,7 +294,7 @@ def _inspect_converted(root: Path) -> Inspection:
     manifest = Manifest.read(root)
     notes: list[str] = []
     if (root / INDEX).is_file():
-        weight_map: dict[str, str] = json.loads((root / INDEX).read_text())["weight_map"]
+        weight_map: dict[str, str] = read_weight_map(root)
     else:  # an unfinished conversion: only per-layer files so far
         weight_map = {layer_key(L, p): layer_file(L) for L in manifest.layers for p in range(manifest.threadpool_count)
                       if (root / layer_file(L)).is_file()}
@@ -291,7 +305,7 @@ def _inspect_converted(root: Path) -> Inspection:
     for name in _progress(sorted(by_file), "reading headers"):
         if not (root / name).is_file():
             continue
-        with safe_open(os.fspath(root / name), framework="pt") as handle:
+        with _read_safetensors(root / name) as handle:
             for key in by_file[name]:
                 key_bytes[key] = int(handle.get_slice(key).get_shape()[0])  # 1-D uint8 blob
     E, H, I = manifest.num_experts, manifest.hidden_size, manifest.intermediate_size
@@ -404,7 +418,7 @@ def _safetensors_headers(checkpoint: HfCheckpoint, keys: Iterable[str], scales: 
             by_file[checkpoint.key_file[key]].append(key)
     headers: dict[str, _Header] = {}
     for file in _progress(sorted(by_file), "reading safetensors headers"):
-        with safe_open(os.fspath(file), framework="pt") as handle:
+        with _read_safetensors(file) as handle:
             for key in by_file[file]:
                 piece = handle.get_slice(key)
                 dtype, shape = piece.get_dtype(), piece.get_shape()

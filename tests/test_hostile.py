@@ -423,3 +423,62 @@ def test_an_expert_tensor_of_a_non_float_dtype_is_refused(tmp_path: Path) -> Non
     save_file(tensors, shard)
     with pytest.raises(ValueError, match=f"{key}.*is I32; expert weights must be"):
         HfCheckpoint(path).load_experts(0, range(4), 32, 16)
+
+
+@pytest.mark.parametrize("damage", ["manifest-not-json", "manifest-a-list", "manifest-no-method", "index-empty",
+                                    "index-missing", "shard-truncated", "index-names-another-file"])
+def test_a_damaged_converted_directory_is_a_clear_error(tmp_path: Path, damage: str) -> None:
+    """A converted directory with a damaged manifest, index or shard: inspect and
+    load_converted_layer raise ValueError / FileNotFoundError naming the file (they were
+    bare KeyError 'method', AttributeError, JSONDecodeError without the file, or
+    safetensors' own error types: a traceback from 'kt-ops inspect')."""
+    from kt_ops import pack_experts
+    from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_key, load_converted_layer
+    from kt_ops.convert_merge import write_index
+    from kt_ops.inspection import inspect_weights
+    from safetensors.torch import save_file
+
+    E, H, I = 2, 64, 32
+    blob = pack_experts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I), method="BF16")
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    save_file({layer_key(0, 0): blob.data}, str(shard), metadata={"producer": "kt_ops"})
+    write_index(tmp_path, {layer_key(0, 0): shard.name}, shard.stat().st_size)
+    Manifest("bf16", "bf16", 0, 1, (0,), E, H, I, 1, True, {}).write(tmp_path)
+    load_converted_layer(tmp_path, 0)  # intact
+    (tmp_path / "config.json").write_text("{}")
+    named = {"manifest-not-json": MANIFEST, "manifest-a-list": MANIFEST, "manifest-no-method": MANIFEST,
+             "index-empty": INDEX, "index-missing": INDEX, "shard-truncated": shard.name,
+             "index-names-another-file": "config.json"}[damage]
+    if damage.startswith("manifest"):
+        text = {"manifest-not-json": "garbage", "manifest-a-list": "[1, 2]",
+                "manifest-no-method": '{"format_version": 1}'}[damage]
+        (tmp_path / MANIFEST).write_text(text)
+    elif damage == "index-empty":
+        (tmp_path / INDEX).write_text("{}")
+    elif damage == "index-missing":
+        (tmp_path / INDEX).unlink()
+    elif damage == "shard-truncated":
+        with open(shard, "r+b") as file:
+            file.truncate(100)
+    else:
+        write_index(tmp_path, {layer_key(0, 0): "config.json"}, 2)
+    with pytest.raises((ValueError, FileNotFoundError), match=named):
+        load_converted_layer(tmp_path, 0)
+    if damage != "index-missing":  # inspect reports an unfinished conversion's layers without the index
+        with pytest.raises(ValueError, match=named):
+            inspect_weights(tmp_path)
+
+
+def test_inspect_of_a_checkpoint_with_a_truncated_shard_names_it(tmp_path: Path) -> None:
+    """A Hugging Face checkpoint (with its index) whose shard was cut short: inspect raises
+    ValueError naming the shard (it was safetensors' SafetensorError: a traceback)."""
+    from checkpoint_helpers import make_weights, write_checkpoint
+
+    from kt_ops.inspection import inspect_weights
+
+    path = write_checkpoint(tmp_path / "model", make_weights([0], 4, 32, 16))
+    shard = path / "model-00001-of-00001.safetensors"
+    with open(shard, "r+b") as file:
+        file.truncate(shard.stat().st_size // 2)
+    with pytest.raises(ValueError, match="model-00001-of-00001.safetensors: cannot read it"):
+        inspect_weights(path)
