@@ -117,6 +117,10 @@ class HfCheckpoint:
                 raise FileNotFoundError(f"{self.path}: no *.safetensors files")
             for file in files:
                 for key in self._file_headers(file):
+                    if key in self.key_file:  # which copy is the model's? without an index nothing says
+                        raise ValueError(f"{self.path}: tensor {key!r} is in both {self.key_file[key].name} and "
+                                         f"{file.name}, and no model.safetensors.index.json says which to read; "
+                                         "remove the stale file (or add the index)")
                     self.key_file[key] = file
         self._layers: dict[int, LayerExperts] | None = None
 

@@ -482,3 +482,19 @@ def test_inspect_of_a_checkpoint_with_a_truncated_shard_names_it(tmp_path: Path)
         file.truncate(shard.stat().st_size // 2)
     with pytest.raises(ValueError, match="model-00001-of-00001.safetensors: cannot read it"):
         inspect_weights(path)
+
+
+def test_a_tensor_in_two_files_without_an_index_is_refused(tmp_path: Path) -> None:
+    """A checkpoint directory without an index whose files both hold a tensor (a stale
+    shard left beside the model): a ValueError naming both files, not the copy of
+    whichever file sorts last read silently."""
+    from checkpoint_helpers import make_weights, write_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from kt_ops.hf_checkpoint import HfCheckpoint
+
+    path = write_checkpoint(tmp_path / "model", make_weights([0], 4, 32, 16), index=False)
+    tensors = load_file(path / "model-00001-of-00001.safetensors")
+    save_file({k: v * 0 for k, v in tensors.items() if ".experts.1." in k}, str(path / "zz-stale.safetensors"))
+    with pytest.raises(ValueError, match="is in both model-00001-of-00001.safetensors and zz-stale.safetensors"):
+        HfCheckpoint(path)
