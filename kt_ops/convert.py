@@ -316,7 +316,7 @@ def convert(args: argparse.Namespace) -> Path:
         changed = [s for s in settings if getattr(old, s) != getattr(manifest, s)]
         if changed:
             raise UsageError(f"--output {out}: cannot resume, the earlier run used different {', '.join(changed)}")
-        dropped = [L for L in old.layers if L not in layers]
+        dropped = sorted(layer_sources(out, [L for L in old.layers if L not in layers], old.threadpool_count))
         if dropped:  # the merge would rewrite the shards without them: converted layers silently lost
             raise UsageError(f"--output {out}: the earlier run converted layer(s) {', '.join(map(str, dropped))}, which "
                              f"--layers {args.layers} leaves out; resuming would drop them from the directory: give "
