@@ -167,6 +167,21 @@ def test_resume_with_layers_leaving_out_converted_ones_is_refused(tmp_path, chec
         assert torch.equal(outputs(out, L, "AMXINT8"), outputs(checkpoint, L, "AMXINT8"))
 
 
+def test_resume_may_narrow_layers_to_those_written(tmp_path, checkpoint):
+    """A run that crashed before layer 3: --layers 1-2 --resume-layer 3 finishes with the
+    layers it wrote (layer 3 was only planned, nothing of it is lost)."""
+    out = tmp_path / "out"
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+            "--no-merge-safetensor"]
+    assert run(*base) == 0
+    (out / layer_file(3)).unlink()
+    manifest = Manifest.read(out)
+    Manifest(**{**manifest.__dict__, "complete": False}).write(out)
+    assert run(*base, "--layers", "1", "--resume-layer", 2) == 2  # layer 2 is on disk: kept only by a wider range
+    assert run(*base, "--layers", "1-2", "--resume-layer", 3) == 0
+    assert Manifest.read(out).layers == (1, 2)
+
+
 def test_resume_from_another_checkpoint_is_refused(tmp_path, checkpoint, weights, capsys):
     """--resume-layer with another --input-path of the same sizes (another model, a
     fine-tune): refused, not a directory mixing two models' experts under one manifest."""
