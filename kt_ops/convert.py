@@ -309,9 +309,14 @@ def convert(args: argparse.Namespace) -> Path:
                         {"path": os.fspath(source.resolve()), "input_type": args.input_type,
                          "model_type": config.get("model_type")})
     if (out / MANIFEST).is_file():
-        if args.resume_layer is None:
-            raise UsageError(f"--output {out} already holds a conversion; use --resume-layer L or another --output")
         old = Manifest.read(out)
+        if args.resume_layer is None:
+            on_disk = layer_sources(out, layers, args.threadpool_count)
+            todo_first = next((L for L in layers if L not in on_disk), None)
+            state = ("a finished conversion" if old.complete else "an unfinished conversion") + (
+                f" (layers before {todo_first} written: continue with --resume-layer {todo_first})"
+                if todo_first is not None and todo_first != layers[0] else "")
+            raise UsageError(f"--output {out} already holds {state}; use --resume-layer L or another --output")
         settings = ("format", "group_size", "num_experts", "hidden_size", "intermediate_size", "threadpool_count")
         changed = [s for s in settings if getattr(old, s) != getattr(manifest, s)]
         if changed:

@@ -118,7 +118,9 @@ def test_resume_keeps_written_layers(tmp_path, checkpoint, capsys):
     Manifest(**{**manifest.__dict__, "complete": False}).write(out)
     with pytest.raises(ValueError, match="did not finish"):
         outputs(out, 1, "AMXINT8")
-    assert run(*base) == 2  # refuses to overwrite without --resume-layer
+    capsys.readouterr()
+    assert run(*base) == 2  # refuses to overwrite without --resume-layer, saying where to continue
+    assert "unfinished conversion (layers before 3 written: continue with --resume-layer 3)" in capsys.readouterr().err
     assert run(*base, "--resume-layer", 3) == 0
     for L, (data, mtime) in before.items():
         assert (out / layer_file(L)).read_bytes() == data and (out / layer_file(L)).stat().st_mtime_ns == mtime
