@@ -5,8 +5,9 @@ A layer's experts are GGUF's stacked tensors ``blk.{L}.ffn_gate_exps.weight``,
 ``ffn_down_exps`` (``[I, H, E]``), in any supported type each (Q4_K_M files store down
 in Q6_K). They are memory-mapped in place, copy-on-write, behind a kt_ops header page:
 nothing is converted or copied, and the returned tensor keeps the mapping alive after
-the reader is gone (deleting or replacing the file is safe; truncating it in place while
-a layer is loaded is not: the kernel then raises SIGBUS, as for any memory-mapped file).
+the reader is gone (deleting or replacing the file is safe; a file truncated or rewritten
+in place while a layer is loaded makes the next call raise ``RuntimeError`` naming it,
+:mod:`kt_ops.mapped_files`; only a truncation *during* a call can still end in SIGBUS).
 """
 
 from __future__ import annotations
