@@ -95,7 +95,9 @@ class PackedExperts:
         return cls(tensors[_TENSOR_KEY])
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Writes a safetensors file holding the packed blob. ``IsADirectoryError`` when
+        """Writes a safetensors file holding the packed blob (under a temporary name in the
+        same directory, renamed over ``path``: an existing file stays whole until the new one
+        is complete). ``IsADirectoryError`` when
         ``path`` is a directory, ``FileNotFoundError`` when its directory does not exist."""
         path = os.fspath(path)
         if os.path.isdir(path):
@@ -104,7 +106,17 @@ class PackedExperts:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(f"{path!r}: its directory {parent!r} does not exist")
-        save_file(self.to_tensors(), path, metadata=_METADATA)
+        # Under a temporary name, then renamed: a crash or a full disk leaves the file that was
+        # there intact, and a process with it memory-mapped keeps its weights (the old inode).
+        target = os.path.realpath(path)  # a symlink: its target is written, as before
+        tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{os.getpid()}.tmp")
+        try:
+            save_file(self.to_tensors(), tmp, metadata=_METADATA)
+            os.replace(tmp, target)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], copy: bool = False) -> PackedExperts:

@@ -498,3 +498,35 @@ def test_a_tensor_in_two_files_without_an_index_is_refused(tmp_path: Path) -> No
     save_file({k: v * 0 for k, v in tensors.items() if ".experts.1." in k}, str(path / "zz-stale.safetensors"))
     with pytest.raises(ValueError, match="is in both model-00001-of-00001.safetensors and zz-stale.safetensors"):
         HfCheckpoint(path)
+
+
+def test_packed_save_over_a_file_keeps_it_whole_on_failure_and_for_its_readers(tmp_path: Path, monkeypatch) -> None:
+    """PackedExperts.save over an existing file writes a temporary file and renames it: a
+    write that fails half way leaves the old file whole (it was truncated in place), and
+    a blob memory-mapped from the old file keeps working (it raised 'changed on disk')."""
+    import kt_ops
+    from kt_ops import packed as packed_module
+
+    E, H, I = 2, 64, 32
+    make = lambda seed: kt_ops.pack_experts(*(torch.randn(E, *s, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+                                              for s in ((I, H), (I, H), (H, I))), method="BF16")
+    path = tmp_path / "experts.safetensors"
+    make(0).save(path)
+    before = path.read_bytes()
+    loaded = kt_ops.PackedExperts.load(path)
+    x, ids, w = torch.randn(3, H), torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
+    out = kt_ops.moe_forward(x, ids, w, loaded)
+
+    def half_write(tensors, name, metadata=None):
+        with open(name, "wb") as file:
+            file.write(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(packed_module, "save_file", half_write)
+    with pytest.raises(OSError, match="No space left"):
+        make(1).save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
+    make(1).save(path)  # replaced while `loaded` maps the old file
+    assert torch.equal(kt_ops.moe_forward(x, ids, w, loaded), out)
+    assert not torch.equal(kt_ops.moe_forward(x, ids, w, kt_ops.PackedExperts.load(path)), out)
