@@ -67,7 +67,7 @@ class Manifest:
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{file}: format_version {data.get('format_version')!r}, this kt_ops reads {FORMAT_VERSION}")
         try:
-            return cls(str(data["method"]), str(data["format"]), int(data["group_size"]), int(data["num_layers"]),
+            manifest = cls(str(data["method"]), str(data["format"]), int(data["group_size"]), int(data["num_layers"]),
                        tuple(int(v) for v in data["layers"]), int(data["num_experts"]), int(data["hidden_size"]),
                        int(data["intermediate_size"]), int(data["threadpool_count"]), bool(data["complete"]),
                        dict(data.get("source", {})))
@@ -75,6 +75,13 @@ class Manifest:
             raise ValueError(f"{file}: damaged kt_ops manifest (no {error.args[0]!r})") from None
         except (TypeError, ValueError) as error:
             raise ValueError(f"{file}: damaged kt_ops manifest ({error})") from None
+        counts = {"num_experts": 1, "hidden_size": 1, "intermediate_size": 1, "threadpool_count": 1, "group_size": 0,
+                  "num_layers": 0}
+        bad = [f"{name} {getattr(manifest, name)}" for name, low in counts.items() if getattr(manifest, name) < low]
+        bad += [f"layer {L}" for L in manifest.layers if L < 0][:1]
+        if bad:
+            raise ValueError(f"{file}: damaged kt_ops manifest ({', '.join(bad)} out of range)")
+        return manifest
 
     def write(self, path: str | os.PathLike[str]) -> None:
         file = Path(path) / MANIFEST

@@ -425,7 +425,8 @@ def test_an_expert_tensor_of_a_non_float_dtype_is_refused(tmp_path: Path) -> Non
         HfCheckpoint(path).load_experts(0, range(4), 32, 16)
 
 
-@pytest.mark.parametrize("damage", ["manifest-not-json", "manifest-a-list", "manifest-no-method", "index-empty",
+@pytest.mark.parametrize("damage", ["manifest-not-json", "manifest-a-list", "manifest-no-method",
+                                    "manifest-no-parts", "index-empty",
                                     "index-missing", "shard-truncated", "index-names-another-file"])
 def test_a_damaged_converted_directory_is_a_clear_error(tmp_path: Path, damage: str) -> None:
     """A converted directory with a damaged manifest, index or shard: inspect and
@@ -447,11 +448,14 @@ def test_a_damaged_converted_directory_is_a_clear_error(tmp_path: Path, damage: 
     load_converted_layer(tmp_path, 0)  # intact
     (tmp_path / "config.json").write_text("{}")
     named = {"manifest-not-json": MANIFEST, "manifest-a-list": MANIFEST, "manifest-no-method": MANIFEST,
+             "manifest-no-parts": MANIFEST,
              "index-empty": INDEX, "index-missing": INDEX, "shard-truncated": shard.name,
              "index-names-another-file": "config.json"}[damage]
     if damage.startswith("manifest"):
         text = {"manifest-not-json": "garbage", "manifest-a-list": "[1, 2]",
-                "manifest-no-method": '{"format_version": 1}'}[damage]
+                "manifest-no-method": '{"format_version": 1}',  # a threadpool_count of 0 loaded no parts
+                "manifest-no-parts": (tmp_path / MANIFEST).read_text().replace('"threadpool_count": 1',
+                                                                               '"threadpool_count": 0')}[damage]
         (tmp_path / MANIFEST).write_text(text)
     elif damage == "index-empty":
         (tmp_path / INDEX).write_text("{}")
