@@ -138,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
         pack["group_size"] = args.group_size
     if args.gguf_type is not None:
         pack["gguf_type"] = args.gguf_type
+    local = Path(args.model).expanduser()
+    if not local.exists() and (local.is_absolute() or args.model.startswith((".", "~"))):
+        # a path, not a hub id: transformers would answer "Repo id must use alphanumeric chars"
+        raise UsageError(f"{args.model}: no such file or directory")
     gguf_path = gguf_model(args.model)
     if gguf_path is not None:
         method = "LLAMAFILE"

@@ -98,6 +98,14 @@ def test_help_lists_every_command_and_each_command_has_help(capsys) -> None:
     assert out.startswith("usage: kt-ops convert")
 
 
+@pytest.mark.parametrize("model", ["/nonexistent/model", "./missing-model", "~/missing-model.gguf"])
+def test_generate_of_a_missing_path_says_so(capsys, model) -> None:
+    """A local path that does not exist: 'no such file or directory', not transformers'
+    'Repo id must use alphanumeric chars' (it was taken for a hub id)."""
+    status, _, err = run(capsys, "generate", model, "--prompt", "hi")
+    assert status == 2 and last_line(err) == f"kt-ops generate: error: {model}: no such file or directory"
+
+
 def test_no_command_and_unknown_command_exit_2(capsys) -> None:
     status, _, err = run(capsys)
     assert status == 2 and "usage: kt-ops" in err
