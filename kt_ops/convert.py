@@ -32,7 +32,6 @@ conversion step fails or a file cannot be read or written; the last stderr line 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -46,7 +45,7 @@ from kt_ops import reference
 from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, save_durably
 from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
-from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.hf_checkpoint import HfCheckpoint, read_config_json
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
 from kt_ops.hf_mxfp4 import MXFP4_GROUP, Mxfp4Experts, load_mxfp4_experts, mxfp4_layers, pack_mxfp4_parts
 from kt_ops.ops import moe_forward
@@ -269,8 +268,12 @@ def convert(args: argparse.Namespace) -> Path:
         raise UsageError(f"--quant-method {args.quant_method}: the checkpoint holds {held} experts, which convert only "
                          f"to their own method (--quant-method {held.lower()})")
     config_file = source / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    E, H, I = mxfp4_sizes(config) if mxfp4_input else model_sizes(checkpoint, config, layers[0])
+    try:
+        config = read_config_json(source)
+        E, H, I = mxfp4_sizes(config) if mxfp4_input else model_sizes(checkpoint, config, layers[0])
+    except (TypeError, ValueError) as error:  # not JSON, or a size that is not a number
+        raise UsageError(f"--input-path: {error}" if str(config_file) in str(error) else
+                         f"--input-path: {config_file}: {error}") from None
     if I % args.threadpool_count:
         raise UsageError(f"--threadpool-count {args.threadpool_count} must divide moe_intermediate_size {I}")
     part_size = I // args.threadpool_count

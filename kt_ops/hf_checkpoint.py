@@ -460,6 +460,21 @@ class HfCheckpoint:
         return Fp8Experts(kind, e4m3[0], e4m3[1], e4m3[2], scales[0], scales[1], scales[2])
 
 
+def read_config_json(folder: str | os.PathLike[str]) -> dict:
+    """``folder/config.json`` as a dict (``{}`` where there is none); ``ValueError`` naming
+    the file when it is not a JSON object."""
+    file = Path(folder) / "config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a model config (expected a JSON object, got {type(config).__name__})")
+    return config
+
+
 def _read_weight_map(index: Path) -> dict[str, str]:
     """The ``weight_map`` (tensor key -> shard file name) of ``model.safetensors.index.json``;
     ``ValueError`` naming the file when it is not JSON or has no such mapping."""

@@ -24,14 +24,13 @@ several 128-groups with the same scale). ``kt_ops.reference.dequantize_rawint4``
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts
+from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, read_config_json
 from kt_ops.reference import AWQ_ORDER
 
 INT4_METHODS = ("RAWINT4", "GPTQ_INT4", "AWQ_INT4")
@@ -62,12 +61,8 @@ def quantization_config(path: str | Path) -> dict:
     """``config.json``'s ``quantization_config`` of a checkpoint directory (or its parent, as
     kt-kernel also looks there); ``{}`` when there is none."""
     for folder in (Path(path), Path(path).parent):
-        config = folder / "config.json"
-        if config.is_file():
-            try:
-                value = json.loads(config.read_text()).get("quantization_config") or {}
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ValueError(f"{config}: not valid JSON ({error})") from None
+        if (folder / "config.json").is_file():
+            value = read_config_json(folder).get("quantization_config") or {}
             return value if isinstance(value, dict) else {}
     return {}
 

@@ -26,7 +26,6 @@ gate from above only, as kt_ops does).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import torch
 
 from kt_ops._native import _C
 from kt_ops.gguf_loader import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
-from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.hf_checkpoint import HfCheckpoint, read_config_json
 from kt_ops.ops import Biases
 from kt_ops.packed import PackedExperts
 from kt_ops.parts import part_bounds
@@ -157,8 +156,7 @@ def _bias(checkpoint: HfCheckpoint, key: str, shape: tuple[int, ...]) -> torch.T
 
 def _gpt_oss_activation(checkpoint: HfCheckpoint) -> tuple[float, float]:
     """(swiglu_limit, swiglu_alpha) from config.json (gpt-oss's 7 and 1.702 where absent)."""
-    config_file = checkpoint.path / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = read_config_json(checkpoint.path)
     return (float(config.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT)),
             float(config.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)))
 
@@ -166,8 +164,7 @@ def _gpt_oss_activation(checkpoint: HfCheckpoint) -> tuple[float, float]:
 def _deepseek_v4_limit(checkpoint: HfCheckpoint) -> float:
     """DeepSeek-V4's clamped SwiGLU limit: config.json's ``swiglu_limit`` (10, transformers'
     DeepseekV4Config default, where absent)."""
-    config_file = checkpoint.path / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = read_config_json(checkpoint.path)
     return float(config.get("swiglu_limit", DEEPSEEK_V4_SWIGLU_LIMIT))
 
 

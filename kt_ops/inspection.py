@@ -35,7 +35,7 @@ from kt_ops.diagnostics import methods_label
 from kt_ops.formats import FORMATS, format_info
 from kt_ops.gguf_loader import gguf_files, open_gguf, read_gguf_config
 from kt_ops.gguf_types import GGML_TYPES
-from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts
+from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, read_config_json
 from kt_ops.hf_int4 import int4_method, quantization_config
 from kt_ops.hf_mxfp4 import Mxfp4Layer, find_mxfp4_layer, mxfp4_layers
 from kt_ops.parts import FP8_KIND_METHODS
@@ -557,8 +557,7 @@ def _inspect_hf(root: Path) -> Inspection:
         stored.append(label)
         in_place[f"method {method} (read in place)"] = fmt
     layers.sort(key=lambda layer: layer.layer)
-    config_file = root / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = read_config_json(root)
     float_layers = {layer.layer for layer in layers if layer.layer in floats}
     dtypes = sorted({m.type for layer in layers if layer.layer in floats for m in layer.matrices})
     kinds = sorted({kind for L in floats if L in float_layers

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -407,3 +408,20 @@ def test_command_line_entry_points(tmp_path, checkpoint):
                           "bf16", "--output", tmp_path / "x", "--quant-method", "int8"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith("python -m kt_ops.convert: error: ")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("garbage", "config.json: not valid JSON"),
+    ("[1]", "config.json: not a model config \\(expected a JSON object, got list\\)"),
+    ('{"hidden_size": "abc", "moe_intermediate_size": 64}', "config.json: invalid literal for int"),
+])
+def test_a_damaged_config_json_exits_2_naming_it(tmp_path, weights, capsys, text, message):
+    """A config.json that is not JSON, not an object, or gives a size that is not a
+    number: exit 2, the file named, nothing written (it was exit 1 with a bare
+    'Expecting value: ...', or an AttributeError traceback for a JSON list)."""
+    source = write_checkpoint(tmp_path / "model", weights, shards=2, dense_layers=(0,))
+    (source / "config.json").write_text(text)
+    out = tmp_path / "out"
+    assert run("--input-path", source, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 2
+    assert re.search(message, capsys.readouterr().err.strip().splitlines()[-1])
+    assert not out.exists()
