@@ -18,6 +18,7 @@ import re
 from glob import escape as glob_escape
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 import gguf
 import numpy as np
@@ -94,6 +95,8 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     """A reader of one GGUF file (metadata and tensor infos; the data stays memory-mapped),
     cached per path, size and mtime; ``ValueError`` for a damaged file."""
     stat = path.stat()
+    if not S_ISREG(stat.st_mode):  # a FIFO would block the reader's open for ever
+        raise ValueError(f"{str(path)!r} is not a regular file (a FIFO, device or directory); GGUF models are files")
     return _reader(str(path), stat.st_mtime_ns, stat.st_size)
 
 

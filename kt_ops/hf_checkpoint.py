@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import KeysView, Sequence
@@ -110,7 +111,12 @@ class HfCheckpoint:
         self.key_file: dict[str, Path] = {}
         self._headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
         if index.is_file():
-            self.key_file = {key: self.path / name for key, name in _read_weight_map(index).items()}
+            weight_map = _read_weight_map(index)
+            outside = [name for name in weight_map.values() if Path(name).is_absolute() or ".." in Path(name).parts]
+            if outside:  # e.g. /dev/stdin or a FIFO: reading it would hang
+                raise ValueError(f"{index}: shard {outside[0]!r} is not a file of the checkpoint directory (the index "
+                                 "names shards relative to it)")
+            self.key_file = {key: self.path / name for key, name in weight_map.items()}
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
@@ -186,6 +192,7 @@ class HfCheckpoint:
     def _file_headers(self, file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Every tensor of ``file`` as (safetensors dtype name, shape), read once per file."""
         if file not in self._headers:
+            _check_regular_file(file)
             entries: dict[str, tuple[str, tuple[int, ...]]] = {}
             try:
                 with safe_open(os.fspath(file), framework="pt") as handle:
@@ -214,6 +221,7 @@ class HfCheckpoint:
     def _tensor(self, key: str) -> torch.Tensor:
         """A stored tensor as is; ``ValueError`` naming the file if it cannot be read."""
         file = self._file(key)
+        _check_regular_file(file)
         try:
             with safe_open(os.fspath(file), framework="pt") as handle:
                 return handle.get_tensor(key)
@@ -458,6 +466,17 @@ class HfCheckpoint:
         kind = next(iter(kinds.values()))
         e4m3 = [w.view(torch.float8_e4m3fn) for w in weights]
         return Fp8Experts(kind, e4m3[0], e4m3[1], e4m3[2], scales[0], scales[1], scales[2])
+
+
+def _check_regular_file(file: Path) -> None:
+    """``ValueError`` naming ``file`` unless it is a regular file (after symlinks): opening
+    a FIFO or a device to read a safetensors header blocks or never ends."""
+    try:
+        mode = file.stat().st_mode
+    except OSError as error:
+        raise ValueError(f"{file}: cannot read the safetensors file ({error.strerror or error})") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{file}: not a regular file (a FIFO, device or directory); a checkpoint's shards are files")
 
 
 def read_config_json(folder: str | os.PathLike[str]) -> dict:

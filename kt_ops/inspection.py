@@ -35,7 +35,7 @@ from kt_ops.diagnostics import methods_label
 from kt_ops.formats import FORMATS, format_info
 from kt_ops.gguf_loader import gguf_files, open_gguf, read_gguf_config
 from kt_ops.gguf_types import GGML_TYPES
-from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, read_config_json
+from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, _check_regular_file, read_config_json
 from kt_ops.hf_int4 import int4_method, quantization_config
 from kt_ops.hf_mxfp4 import Mxfp4Layer, find_mxfp4_layer, mxfp4_layers
 from kt_ops.parts import FP8_KIND_METHODS
@@ -223,6 +223,7 @@ def _layer_count(num_layers: int | None, layers: Sequence[LayerInfo]) -> str:
 def _read_safetensors(path: Path) -> Iterator[Any]:
     """``safe_open(path)`` whose errors (safetensors' own types: a truncated or corrupt
     file, a key the file does not hold, a missing file) are ``ValueError`` naming ``path``."""
+    _check_regular_file(path)  # a FIFO would block safe_open for ever
     try:
         with safe_open(os.fspath(path), framework="pt") as handle:
             yield handle

@@ -534,3 +534,51 @@ def test_packed_save_over_a_file_keeps_it_whole_on_failure_and_for_its_readers(t
     make(1).save(path)  # replaced while `loaded` maps the old file
     assert torch.equal(kt_ops.moe_forward(x, ids, w, loaded), out)
     assert not torch.equal(kt_ops.moe_forward(x, ids, w, kt_ops.PackedExperts.load(path)), out)
+
+
+def test_fifos_and_paths_outside_the_checkpoint_are_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO where a shard, layer file or GGUF file should be, or an index naming a
+    shard outside the checkpoint (/dev/stdin, a FIFO): a ValueError naming it. Opening a
+    FIFO to read its header blocked for ever: 'kt-ops convert' / 'inspect' and
+    KTMoEWrapper.load_weights hung. Run in a subprocess with a timeout, so a hang fails."""
+    code = f"""
+import json, os, shutil, sys
+from pathlib import Path
+sys.path.insert(0, {str(HERE)!r})
+from checkpoint_helpers import make_weights, write_checkpoint
+from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.inspection import inspect_weights
+from kt_ops.mapped_files import load_uint8_tensor
+root = Path({str(tmp_path)!r})
+fifo = root / "fifo"
+os.mkfifo(fifo)
+
+def refused(call, text):
+    try:
+        call()
+    except ValueError as error:
+        assert text in str(error), error
+        print("refused")
+    else:
+        raise AssertionError("accepted")
+
+a = write_checkpoint(root / "a", make_weights([0], 4, 32, 16))
+index = a / "model.safetensors.index.json"
+data = json.loads(index.read_text())
+key = next(iter(k for k in data["weight_map"] if ".experts." in k))
+data["weight_map"][key] = str(fifo)
+index.write_text(json.dumps(data))
+refused(lambda: HfCheckpoint(a), "is not a file of the checkpoint directory")
+b = write_checkpoint(root / "b", make_weights([0], 4, 32, 16), index=False)
+os.mkfifo(b / "zz.safetensors")
+refused(lambda: HfCheckpoint(b), "not a regular file")
+refused(lambda: inspect_weights(b), "not a regular file")
+refused(lambda: load_uint8_tensor(fifo, "packed"), "not a regular file")
+g = root / "g"
+g.mkdir()
+os.mkfifo(g / "model.gguf")
+refused(lambda: inspect_weights(g), "not a regular file")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=HERE.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["refused"] * 5
