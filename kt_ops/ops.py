@@ -8,7 +8,7 @@ import torch
 
 from kt_ops import autograd, fakes  # noqa: F401  (fakes: registers the fake implementations)
 from kt_ops._native import _C
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, is_real
 from kt_ops.formats import CHECKPOINT_METHODS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, default_group_size, format_for_method
 from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
 from kt_ops.packed import PackedExperts
@@ -217,9 +217,17 @@ def set_activation(
     """
     if not isinstance(packed, PackedExperts):
         packed = PackedExperts(packed)
+    for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
+        if not is_real(value):  # True or "7" passed float() silently
+            raise ValueError(f"swiglu_limit and swiglu_alpha must be finite and >= 0 (0: off); {name} is {value!r}")
     if biases is not None:
         if not isinstance(biases, (tuple, list)) or len(biases) != 3:
             raise ValueError("biases must be a (gate_bias, up_bias, down_bias) tuple; any entry may be None")
+        for name, bias in zip(("gate_bias", "up_bias", "down_bias"), biases):
+            # as pack_experts refuses non-finite weights: a NaN bias made every output of its expert NaN
+            if isinstance(bias, torch.Tensor) and bias.is_floating_point() and not bias.is_meta \
+                    and not bool(torch.isfinite(bias).all()):
+                raise ValueError(f"{name} holds non-finite values (NaN or infinity are refused, as in the weights)")
         if all(b is None for b in biases):
             biases = None
     if swiglu_limit == 0 and swiglu_alpha == 0 and biases is None and not packed.has_biases \

@@ -5,6 +5,7 @@ activation on the blob's dequantized weights."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from format_cases import FormatCase, format_cases
@@ -164,6 +165,16 @@ def test_bad_activation_input() -> None:
         kt_ops.set_activation(packed, biases=(None, ub.to(torch.int32), None))
     with pytest.raises(ValueError, match="tuple"):
         kt_ops.set_activation(packed, biases=gb)  # type: ignore[arg-type]
+    # a bool or a string passed float() silently; a NaN bias made its expert's outputs NaN
+    for limit, alpha in [(True, 0.0), ("7", 0.0), (0.0, True)]:
+        with pytest.raises(ValueError, match="swiglu_limit and swiglu_alpha"):
+            kt_ops.set_activation(packed, limit, alpha)  # type: ignore[arg-type]
+    for bad in [(gb.masked_fill(gb > 0, float("nan")), None, None), (None, None, db.masked_fill(db > 0, float("inf")))]:
+        with pytest.raises(ValueError, match="non-finite"):
+            kt_ops.set_activation(packed, biases=bad)
+        with pytest.raises(ValueError, match="non-finite"):
+            kt_ops.pack_experts(gate, up, down, method="BF16", biases=bad)
+    assert kt_ops.set_activation(packed, np.float32(7.0), np.float64(0.0)).swiglu_limit == 7.0
 
 
 def test_headers_whose_version_disagrees_with_the_activation_are_refused() -> None:
@@ -207,5 +218,7 @@ def test_wrapper_activation_and_biases(method: str, threadpool_count: int) -> No
     assert rel_err(out, ref) <= 4e-2
     with pytest.raises(ValueError, match="swiglu_alpha must be a finite number"):
         kt_ops.KTMoEWrapper(0, E, TOP_K, H, I, method=method, swiglu_alpha=-1.0)
+    with pytest.raises(ValueError, match="swiglu_limit must be a finite number"):
+        kt_ops.KTMoEWrapper(0, E, TOP_K, H, I, method=method, swiglu_limit=True)
     with pytest.raises(ValueError, match=r"down_bias must be \[4, 64\]"):
         wr.load_weights_from_tensors(gate, up, down, biases=(None, None, biases[0]))

@@ -476,6 +476,8 @@ def test_capture_batch_sizes():
     ({"method": "GGML_Q4"}, "not available"),
     ({"method": "NOPE"}, "not available"),
     ({"threadpool_count": 2, "cpuinfer_threads": 1}, "cpuinfer_threads"),
+    ({"cpuinfer_threads": True}, "cpuinfer_threads"),  # set torch's threads to 1
+    ({"cpuinfer_threads": 2.0}, "cpuinfer_threads"),
     ({"threadpool_count": 3}, "must divide"),
     ({"numa_nodes": [0, 1]}, "numa_nodes"),
     ({"max_deferred_experts_per_token": 4}, "max_deferred"),

@@ -25,7 +25,7 @@ import torch
 
 import kt_ops.cuda
 from kt_ops import expert_stats, gpu_prefill
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, is_real
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.dynamic_experts import host_copy
@@ -204,7 +204,7 @@ class KTMoEWrapper:
                 raise ValueError("method=None detects the method from weight_path; give weight_path or a method")
             method = detect_method(Path(weight_path), layer_idx)
         self.format = format_for_method(method)  # ValueError naming the implemented methods
-        if cpuinfer_threads is not None and (not isinstance(cpuinfer_threads, int) or cpuinfer_threads < threadpool_count):
+        if cpuinfer_threads is not None and (not is_int(cpuinfer_threads) or cpuinfer_threads < threadpool_count):
             raise ValueError(f"cpuinfer_threads ({cpuinfer_threads}) must be an int >= threadpool_count ({threadpool_count})")
         nodes = resolve_nodes(numa_nodes, threadpool_count)  # ValueError for a length or id that does not fit
         if not is_int(max_deferred_experts_per_token) or not 0 <= max_deferred_experts_per_token <= num_experts_per_tok:
@@ -214,7 +214,7 @@ class KTMoEWrapper:
             raise ValueError(f"chunked_prefill_size must be a positive int or None, got {chunked_prefill_size!r}")
         part_bounds(moe_intermediate_size, threadpool_count)  # ValueError unless it divides I
         for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if not is_real(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value!r}")
         self.layer_idx = layer_idx
         self.num_experts = num_experts
