@@ -519,6 +519,10 @@ def test_bad_weights(tmp_path, checkpoint, weights):
     x, ids, w = inputs()
     with pytest.raises(ValueError, match="num_experts"):
         wr.forward(x, ids + E, w)
+    deferring = wrapper(max_deferred_experts_per_token=1)
+    deferring.load_weights_from_tensors(*weights[1])
+    with pytest.raises(ValueError, match="num_experts"):  # was RuntimeError from the deferral's scatter
+        deferring.forward(x, ids + 2 * E, w)
     with pytest.raises(ValueError, match="hidden_states"):
         wr.forward(x[:, :32], ids, w)
 

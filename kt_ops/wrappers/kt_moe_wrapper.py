@@ -797,6 +797,7 @@ class KTMoEWrapper:
         d = self.max_deferred_experts_per_token
         deferred = None
         if d > 0:
+            self._check_ids(ids)  # before the split: an id above num_experts failed in its scatter (RuntimeError)
             ids, deferred = self.select_deferred_experts(ids, weights, self.num_experts_per_tok - d)
         if inline and deferred is None and KTMoEWrapper._pool_tasks == 0:
             # The worker would add a thread hand-off (~50 us) and run the kernels' parallel
