@@ -144,3 +144,22 @@ for _name in ("moe_backward", "moe_forward_train", "moe_train_backward", "moe_lo
     torch.library.impl(f"kt::{_name}", "CUDA")(_on_host(getattr(torch.ops.kt, _name).default))
 torch.library.register_autograd("kt::moe_forward_train", _train_backward, setup_context=_train_setup_context)
 torch.library.register_autograd("kt::moe_lora_forward", _lora_backward, setup_context=_lora_setup_context)
+
+
+def _no_double_backward(name: str):
+    """The autograd of a backward operator: differentiating it (a gradient penalty,
+    ``create_graph=True`` then another ``grad``) is not implemented. Without this, torch's
+    not-implemented fallback gave the gradient's graph no edge to the inputs, so a second
+    derivative came back as None (zero) instead of an error."""
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor) -> tuple:
+        raise RuntimeError(f"kt::{name}: double backward (differentiating a gradient of kt_ops' MoE operators, e.g. "
+                           "a gradient penalty) is not implemented")
+    return backward
+
+
+def _no_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: object) -> None:
+    pass
+
+
+for _name in ("moe_backward", "moe_train_backward", "moe_lora_backward"):
+    torch.library.register_autograd(f"kt::{_name}", _no_double_backward(_name), setup_context=_no_context)

@@ -269,6 +269,29 @@ def test_opcheck_moe_backward_and_forward_with_grad() -> None:
                           (x, ids, w, experts.packed.data, 32, torch.randn(5, 2, 64, requires_grad=True)))
 
 
+
+@pytest.mark.parametrize("save", [True, False])
+def test_double_backward_is_refused_not_silently_zero(save: bool) -> None:
+    """A gradient penalty through the layer: the backward operators have no derivative,
+    and torch's not-implemented fallback gave the penalty's graph no edge to the inputs
+    (x.grad and w.grad None: a second derivative of zero, silently). Now an error."""
+    experts = make_experts(4, 32, 16)
+    ids, w = random_routing(3, 4, 2)
+    x = torch.randn(3, 32, requires_grad=True)
+    w = w.clone().requires_grad_()
+    kt_ops.autograd.set_save_gate_up(save)
+    try:
+        out = kt_ops.moe_forward(x, ids, w, experts.packed)
+    finally:
+        kt_ops.autograd.set_save_gate_up(True)
+    grad_x, = torch.autograd.grad(out.sum(), x, create_graph=True)  # the first order still works
+    with pytest.raises(RuntimeError, match="double backward"):
+        grad_x.square().sum().backward()
+    lora = kt_ops.LoraExperts(4, 32, 16, rank=2)
+    grad_x, = torch.autograd.grad(lora(x, ids, w, experts.packed).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        grad_x.square().sum().backward()
+
 @pytest.mark.parametrize("blob", ["tensor", "PackedExperts"])
 def test_compiled_training_step_has_no_graph_break(blob: str) -> None:
     """A raw blob compiles through kt::moe_forward (recomputing backward), a PackedExperts
