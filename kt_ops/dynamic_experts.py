@@ -41,6 +41,8 @@ def most_activated(counts: torch.Tensor, count: int, num_experts: int) -> torch.
     counts = torch.as_tensor(counts).to("cpu")
     if counts.shape != (num_experts,):
         raise ValueError(f"counts must be [{num_experts}], got {tuple(counts.shape)}")
+    if counts.is_floating_point() and bool(counts.isnan().any()):  # topk ranks NaN first: a NaN expert went to the GPU
+        raise ValueError(f"counts hold NaN: {counts.tolist()}")
     return torch.sort(torch.topk(counts.double(), count, sorted=True).indices).values
 
 

@@ -78,7 +78,18 @@ def test_bad_updates_are_refused():
             dyn.update_gpu_experts(ids)
     with pytest.raises(ValueError, match=r"counts must be \[8\]"):
         dyn.rebalance(torch.ones(7))
+    with pytest.raises(ValueError, match="NaN"):  # topk ranked NaN first: expert 0 went to the GPU silently
+        dyn.rebalance(torch.tensor([float("nan"), 0, 9, 1, 9, 3, 2, 8]))
     assert dyn.gpu_experts.tolist() == [0, 1]  # unchanged by the refusals
+
+
+@pytest.mark.parametrize("kwargs", [{"top_k": True}, {"top_k": 1.5}, {"top_k": 2, "num_groups": 2.0},
+                                    {"top_k": 2, "routed_scaling_factor": float("nan")}])
+def test_bad_routing_is_refused(kwargs):
+    """A bool or fractional count passed the comparisons (True: one expert per token; 1.5:
+    a TypeError from topk at the first forward); a NaN scale made every output NaN."""
+    with pytest.raises(ValueError, match="must be"):
+        kt_ops.Routing(**kwargs)
 
 
 def test_compiled_layer_sees_the_update():

@@ -18,11 +18,14 @@ compiles with ``torch.compile(fullgraph=True)`` and captures in CUDA graphs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from kt_ops._validate import is_int, is_real
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,12 @@ class Routing:
     weights_in_logits_dtype: bool = False
 
     def __post_init__(self) -> None:
+        # a bool or a fraction passed the comparisons and failed (or picked 1 expert) in topk
+        for name in ("top_k", "num_groups", "topk_groups"):
+            if not is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if not is_real(self.routed_scaling_factor) or not math.isfinite(self.routed_scaling_factor):
+            raise ValueError(f"routed_scaling_factor must be a finite number, got {self.routed_scaling_factor!r}")
         if self.top_k < 1:
             raise ValueError(f"top_k must be positive, got {self.top_k}")
         if self.scoring not in ("softmax", "sigmoid"):
