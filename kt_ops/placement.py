@@ -34,10 +34,18 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     more GPU experts than another, or none. As kt-kernel's, ``num_gpu_experts`` is clamped
     to ``[0, num_layers * num_experts]``: more than that puts every expert on the GPU, a
     negative count none. A count that is not an int (or a bool) is a ``TypeError``."""
+    if not isinstance(activation_freq, torch.Tensor):
+        raise TypeError(f"activation_freq must be a tensor [num_layers, num_experts], got {type(activation_freq).__name__}")
     if activation_freq.dim() != 2:
         raise ValueError(f"activation_freq must be [num_layers, num_experts], got shape {tuple(activation_freq.shape)}")
-    if not is_int(num_gpu_experts):
+    if activation_freq.dtype == torch.bool or activation_freq.is_complex():
+        raise ValueError(f"activation_freq must hold real counts, got {activation_freq.dtype}")
+    if activation_freq.is_floating_point() and bool(activation_freq.isnan().any()):
+        # topk ranks NaN above every count: a NaN expert went to the GPU silently
+        raise ValueError("activation_freq holds NaN")
+    if not isinstance(num_gpu_experts, numbers.Integral) or isinstance(num_gpu_experts, bool):
         raise TypeError(f"num_gpu_experts must be an int, got {num_gpu_experts!r}")
+    num_gpu_experts = int(num_gpu_experts)
     total = activation_freq.numel()
     num_gpu_experts = max(min(num_gpu_experts, total), 0)
     flat = activation_freq.detach().reshape(-1).to("cpu", torch.float64)
@@ -160,6 +168,8 @@ def placement_masks(
     if num_hidden_layers is not None and (not is_int(num_hidden_layers)
                                           or num_hidden_layers <= max(layers, default=-1)):
         raise ValueError(f"num_hidden_layers must be an int > every MoE layer index, got {num_hidden_layers!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):  # 1.5: RuntimeError from manual_seed
+        raise ValueError(f"seed must be an int, got {seed!r}")
     E, L = num_experts, len(layers)
     total = total_gpu_experts(budget, E, L)
     if strategy == "frequency":

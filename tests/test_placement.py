@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,6 +212,19 @@ def test_generate_gpu_experts_masks_is_still_importable_from_the_wrapper():
     assert generate_gpu_experts_masks is kt_ops.placement.generate_gpu_experts_masks
 
 
+
+def test_generate_gpu_experts_masks_refuses_nan_and_takes_numpy_counts():
+    """topk ranks NaN above every count: the NaN expert went to the GPU silently."""
+    freq = torch.tensor([[1.0, math.nan, 3.0], [0.0, 5.0, 2.0]])
+    with pytest.raises(ValueError, match="NaN"):
+        kt_ops.generate_gpu_experts_masks(freq, 2)
+    with pytest.raises(ValueError, match="real counts"):
+        kt_ops.generate_gpu_experts_masks(freq.bool(), 2)
+    with pytest.raises(TypeError, match="must be a tensor"):
+        kt_ops.generate_gpu_experts_masks(freq.numpy(), 2)
+    assert kt_ops.generate_gpu_experts_masks(freq.nan_to_num(), np.int64(2)).tolist() == \
+        [[False, False, True], [False, True, False]]
+
 def test_empty_moe_layers():
     for strategy in ("uniform", "front-loading", "random", "frequency"):
         assert kt_ops.placement_masks(strategy, 8, [], 4).shape == (0, 8)
@@ -238,6 +252,7 @@ def test_empty_moe_layers():
     (dict(strategy="frequency", stats=torch.zeros(5, 8, dtype=torch.bool)), "stats"),
     (dict(strategy="frequency", stats=torch.full((5, 8), math.inf)), "finite"),
     (dict(strategy="frequency", stats=[[1] * 8] * 5), "stats must be"),
+    (dict(strategy="random", seed=1.5), "seed"),  # was RuntimeError from manual_seed
 ])
 def test_bad_arguments(kwargs, match):
     args = dict(strategy="uniform", num_experts=8, moe_layers=[1, 2, 3], budget=2)
