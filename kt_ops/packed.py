@@ -15,7 +15,7 @@ _TENSOR_KEY = "packed"
 _METADATA = {"producer": "kt_ops", "content": "packed_experts"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedExperts:
     """The routed experts of one MoE layer, packed for ``torch.ops.kt.moe_forward``.
 
@@ -27,6 +27,16 @@ class PackedExperts:
     """
 
     data: torch.Tensor
+
+    # Equal when they wrap the same tensor (dataclass's generated __eq__ compared the blobs
+    # with tensor ==: a RuntimeError for ``a == b`` and ``a in [b]``). Hash to match.
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedExperts):
+            return NotImplemented
+        return self.data is other.data
+
+    def __hash__(self) -> int:
+        return hash(id(self.data))
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, torch.Tensor):

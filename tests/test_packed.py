@@ -29,6 +29,15 @@ def test_tensors_round_trip(experts) -> None:
         kt_ops.PackedExperts.from_tensors({"weights": experts.packed.data})
 
 
+
+def test_comparison_and_hash(experts) -> None:
+    """``==`` and ``in`` compared the blobs with tensor ``==`` (RuntimeError: ambiguous bool)."""
+    packed = experts.packed
+    copy = kt_ops.PackedExperts(packed.data.clone())
+    assert packed == kt_ops.PackedExperts(packed.data) and hash(packed) == hash(kt_ops.PackedExperts(packed.data))
+    assert packed != copy and copy not in [packed] and packed in [copy, packed]
+    assert packed != packed.data and len({packed, copy}) == 2
+
 def test_save_load_is_memory_mapped_and_runs(tmp_path, experts) -> None:
     path = tmp_path / "layer0.safetensors"
     experts.packed.save(path)
