@@ -87,6 +87,18 @@ def test_an_in_place_change_without_dynamic_is_refused(weights):
         KTMoEWrapper(1, E, K, H, I, dynamic_gpu_experts=1)
 
 
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_replaced_mask_of_another_type_is_named(weights, dynamic: bool):
+    """A mask replaced by an int tensor, a shorter one or a list failed inside torch.where /
+    torch.equal (RuntimeError, TypeError)."""
+    wr = wrapper(weights, FIRST, dynamic=dynamic)
+    x, ids, w = inputs()
+    for bad in (mask(FIRST).long(), mask(FIRST)[:-1], mask(FIRST).tolist()):
+        wr.gpu_experts_mask = bad
+        with pytest.raises(ValueError, match=rf"gpu_experts_mask must be a bool tensor of shape \[{E}\]"):
+            wr.forward(x, ids, w)
+
 def test_a_dynamic_gpu_slot_can_be_staged(weights):
     """kt-kernel stages any slot (every expert is in host memory): so does a dynamic wrapper."""
     dyn, fixed = wrapper(weights, FIRST, dynamic=True), wrapper(weights, [])

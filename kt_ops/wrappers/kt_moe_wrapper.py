@@ -551,6 +551,12 @@ class KTMoEWrapper:
     def _check_mask(self) -> None:
         """Without ``dynamic_gpu_experts``, the mask must be the one the weights were loaded
         with (its GPU slots are not packed here)."""
+        mask = self.gpu_experts_mask
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (self.num_experts,):
+            # a replaced mask of another dtype or length failed inside torch.where / torch.equal
+            got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"layer {self.layer_idx}: gpu_experts_mask must be a bool tensor of shape "
+                             f"[{self.num_experts}], got {got} (update it in place: wrapper.gpu_experts_mask.copy_(mask))")
         if not self.dynamic_gpu_experts and not torch.equal(self.gpu_experts_mask, self._mask_at_load):
             raise RuntimeError(f"layer {self.layer_idx}: gpu_experts_mask changed after the weights were loaded; only "
                                "the CPU slots of the first mask are packed here. Construct the wrapper with "
