@@ -85,7 +85,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if blob.numel() == 0:  # every expert kept in torch
         return _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
     route = getattr(self, _ROUTE, None)
-    ids = top_k_index if route is None else torch.take(_on(self, _ROUTE_ON, route, top_k_index.device), top_k_index)
+    ids = top_k_index if route is None else _packed_ids(_on(self, _ROUTE_ON, route, top_k_index.device), top_k_index)
     x, weights = hidden_states.contiguous(), top_k_weights.contiguous()
     prefill = gpu_prefill.should_run_on_device(x, self.__dict__.get(gpu_prefill.PREFILL_ATTRIBUTE, 0))
     if prefill:
@@ -105,6 +105,14 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if prefill and self.__dict__.get(gpu_prefill.UPDATE_ATTRIBUTE):  # queued after this call's compute
         rebalance_local_experts(self, gpu_prefill.batch_counts(top_k_index, int(self.__dict__[_SOURCE][0].shape[0])))
     return out
+
+
+def _packed_ids(route: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Expert ids -> packed ids through ``route [E]``; ids outside ``[0, E)`` stay as they are
+    (-1 skips the slot, the operator names the others). ``torch.take`` alone read -1 as
+    ``route[E - 1]``: a skipped slot computed the last expert, silently. Shape-static."""
+    inside = (ids >= 0) & (ids < route.shape[0])
+    return torch.where(inside, torch.take(route, torch.where(inside, ids, 0)), ids.to(route.dtype))
 
 
 def _on(module: nn.Module, cache: str, value: Any, device: torch.device) -> Any:

@@ -127,6 +127,26 @@ def test_gpu_experts_in_torch(saved: dict[str, Path], arch: str) -> None:
             hf_experts.pack_model_experts(ours, num_gpu_experts=count)
 
 
+
+def test_a_skipped_slot_stays_skipped_with_experts_in_torch() -> None:
+    """With experts kept in torch the ids go through a route table: torch.take read -1 (a
+    skipped slot) as the last expert's entry, so the slot computed expert E - 1 silently,
+    and -2 another expert instead of an error."""
+    module = experts_modules(tiny_model("qwen3_moe", dtype=torch.float32))[0]
+    E, H = int(module.down_proj.shape[0]), int(module.down_proj.shape[1])
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, H, generator=g), torch.rand(3, 2, generator=g)
+    ids = torch.tensor([[0, -1], [2, 3], [-1, 1]])
+    hf_experts.pack_module_experts(module, "BF16")
+    want = hf_experts.experts_forward(module, x, ids, w)
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[5] = True
+    hf_experts.pack_module_experts(module, "BF16", gpu_experts_mask=mask)
+    torch.testing.assert_close(hf_experts.experts_forward(module, x, ids, w), want)
+    for bad in (-2, E):
+        with pytest.raises(ValueError, match="outside"):
+            hf_experts.experts_forward(module, x, torch.tensor([[0, bad], [2, 3], [1, 0]]), w)
+
 def test_activations_are_read_from_the_class(saved: dict[str, Path]) -> None:
     gpt_oss = experts_modules(load(saved["gpt_oss"], "kt_ops"))[0]
     assert hf_experts.activation_of(gpt_oss, 32) == (7.0, 1.702)
