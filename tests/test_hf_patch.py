@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -210,6 +211,10 @@ def test_bad_masks_are_rejected() -> None:
         with pytest.raises(ValueError, match="num_gpu_experts"):
             kt_ops.patch_model(copy.deepcopy(model), num_gpu_experts=count)
     kt_ops.patch_model(copy.deepcopy(model), num_gpu_experts=torch.tensor([1, 2]))  # an int tensor: one count per layer
+    for count in (np.int64(1), torch.tensor(1), np.array([1, 2])):  # list() of the first two raised TypeError
+        kt_ops.patch_model(copy.deepcopy(model), num_gpu_experts=count)
+    with pytest.raises(ValueError, match="num_gpu_experts"):
+        kt_ops.patch_model(copy.deepcopy(model), num_gpu_experts=object())
 
 
 def test_transformers_v4_expert_lists() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,9 +142,17 @@ def _layer_masks(
         return list(mask)
     if num_gpu_experts is None:
         return [None] * layers
-    counts = [num_gpu_experts] * layers if isinstance(num_gpu_experts, (int, float)) else list(num_gpu_experts)
+    # one count for every layer: a number, a numpy scalar or a 0-d tensor (list() of the latter two raised TypeError)
+    scalar = isinstance(num_gpu_experts, numbers.Number) or (isinstance(num_gpu_experts, torch.Tensor)
+                                                             and num_gpu_experts.dim() == 0)
+    try:
+        counts = [num_gpu_experts] * layers if scalar else list(num_gpu_experts)
+    except TypeError:
+        raise ValueError(f"num_gpu_experts must be an int or {layers} ints in [0, {experts}], "
+                         f"got {num_gpu_experts!r}") from None
     counts = [int(c) if isinstance(c, torch.Tensor) and c.dim() == 0 and not c.is_floating_point()
               and c.dtype != torch.bool else c for c in counts]  # an int tensor's elements
+    counts = [int(c) if isinstance(c, numbers.Integral) and not isinstance(c, bool) else c for c in counts]  # numpy ints
     if len(counts) != layers or any(not is_int(c) or not 0 <= c <= experts
                                     for c in counts):
         raise ValueError(f"num_gpu_experts must be an int or {layers} ints in [0, {experts}], got {num_gpu_experts!r}")
