@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kt_ops import autograd  # noqa: F401  (the operators' autograd)
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, is_real
 from kt_ops.packed import PackedExperts
 
 LORA_NAMES = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
@@ -66,9 +66,9 @@ class LoraExperts(nn.Module):
                             ("intermediate_size", intermediate_size), ("rank", rank)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
+        if not (is_real(alpha) and math.isfinite(alpha) and alpha > 0):  # True passed as alpha = 1
             raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
-        if not 0.0 <= dropout < 1.0:
+        if not is_real(dropout) or not 0.0 <= dropout < 1.0:  # "0.1": TypeError from the comparison
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         E, H, I, r = num_experts, hidden_size, intermediate_size, rank
         self.rank, self.alpha, self.dropout = r, float(alpha), float(dropout)

@@ -125,6 +125,10 @@ def test_dropout_masks_input_features_while_training() -> None:
     assert torch.equal(evaluated, lora(x, ids, w, packed))  # eval: no dropout
     with pytest.raises(ValueError, match="dropout"):
         kt_ops.LoraExperts(E, H, I, dropout=1.0)
+    with pytest.raises(ValueError, match="dropout"):
+        kt_ops.LoraExperts(E, H, I, dropout="0.1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="alpha"):
+        kt_ops.LoraExperts(E, H, I, alpha=True)  # was scaling 1 / rank, silently
 
 
 def test_bad_lora_shapes_name_the_tensor() -> None:
