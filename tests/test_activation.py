@@ -222,3 +222,5 @@ def test_wrapper_activation_and_biases(method: str, threadpool_count: int) -> No
         kt_ops.KTMoEWrapper(0, E, TOP_K, H, I, method=method, swiglu_limit=True)
     with pytest.raises(ValueError, match=r"down_bias must be \[4, 64\]"):
         wr.load_weights_from_tensors(gate, up, down, biases=(None, None, biases[0]))
+    with pytest.raises(ValueError, match="gate_bias must be a tensor"):
+        wr.load_weights_from_tensors(gate, up, down, biases=(biases[0].tolist(), None, None))

@@ -390,6 +390,9 @@ class KTMoEWrapper:
                 raise ValueError("biases must be a (gate_bias, up_bias, down_bias) tuple; any entry may be None")
             for name, bias, width in zip(("gate_bias", "up_bias", "down_bias"), biases,
                                          (self.moe_intermediate_size,) * 2 + (self.hidden_size,)):
+                if bias is not None and not isinstance(bias, torch.Tensor):  # a list failed on .dim() (AttributeError)
+                    raise ValueError(f"{name} must be a tensor [{gate_proj.shape[0]}, {width}] or None, "
+                                     f"got {type(bias).__name__}")
                 if bias is not None and (bias.dim() != 2 or tuple(bias.shape) != (gate_proj.shape[0], width)):
                     raise ValueError(f"{name} must be [{gate_proj.shape[0]}, {width}], got {tuple(bias.shape)}")
             biases = tuple(None if b is None else b[cpu].cpu() for b in biases)
