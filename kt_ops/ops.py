@@ -218,7 +218,9 @@ def set_activation(
     if not isinstance(packed, PackedExperts):
         packed = PackedExperts(packed)
     for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
-        if not is_real(value):  # True or "7" passed float() silently
+        scalar = isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool \
+            and not value.is_complex()  # a 0-d tensor, as float() took it before
+        if not is_real(value) and not scalar:  # True or "7" passed float() silently
             raise ValueError(f"swiglu_limit and swiglu_alpha must be finite and >= 0 (0: off); {name} is {value!r}")
     if biases is not None:
         if not isinstance(biases, (tuple, list)) or len(biases) != 3:

@@ -175,6 +175,9 @@ def test_bad_activation_input() -> None:
         with pytest.raises(ValueError, match="non-finite"):
             kt_ops.pack_experts(gate, up, down, method="BF16", biases=bad)
     assert kt_ops.set_activation(packed, np.float32(7.0), np.float64(0.0)).swiglu_limit == 7.0
+    assert kt_ops.set_activation(packed, torch.tensor(7.0)).swiglu_limit == 7.0
+    with pytest.raises(ValueError, match="swiglu_limit and swiglu_alpha"):
+        kt_ops.set_activation(packed, torch.tensor(True))
 
 
 def test_headers_whose_version_disagrees_with_the_activation_are_refused() -> None:
