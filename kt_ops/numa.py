@@ -80,7 +80,10 @@ def resolve_nodes(numa_nodes: Sequence[int] | None, parts: int) -> list[int]:
     known = topology()
     if numa_nodes is None:
         return [known.ids[i % len(known.ids)] for i in range(parts)]
-    given = list(numa_nodes)
+    try:
+        given = list(numa_nodes)
+    except TypeError:  # numa_nodes=0: "'int' object is not iterable"
+        raise TypeError(f"numa_nodes must be a sequence of {parts} node ids (one per part), got {numa_nodes!r}") from None
     if len(given) != parts:
         raise ValueError(f"numa_nodes has {len(given)} entries; threadpool_count is {parts}")
     nodes = []

@@ -488,10 +488,18 @@ def test_capture_batch_sizes():
     ({"chunked_prefill_size": 2.5}, "chunked_prefill_size must be a positive int"),
     ({"chunked_prefill_size": True}, "chunked_prefill_size must be a positive int"),
     ({"num_experts": 0}, "num_experts"),
+    # accepted here, refused only by load_weights
+    ({"method": "AMXINT4", "group_size": 64.0}, "group_size must be an int"),
+    ({"method": "AMXINT4", "group_size": True}, "group_size must be an int"),
 ])
 def test_bad_constructor_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         wrapper(**kwargs)
+
+
+def test_numa_nodes_that_is_not_a_sequence_is_named():
+    with pytest.raises(TypeError, match="numa_nodes must be a sequence"):  # was "'int' object is not iterable"
+        wrapper(numa_nodes=0)
 
 
 def test_bad_weights(tmp_path, checkpoint, weights):

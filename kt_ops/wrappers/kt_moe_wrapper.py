@@ -213,6 +213,8 @@ class KTMoEWrapper:
         if chunked_prefill_size is not None and (not is_int(chunked_prefill_size) or chunked_prefill_size < 1):
             raise ValueError(f"chunked_prefill_size must be a positive int or None, got {chunked_prefill_size!r}")
         part_bounds(moe_intermediate_size, threadpool_count)  # ValueError unless it divides I
+        if group_size is not None and not is_int(group_size):  # 64.0 or True: refused only at load_weights
+            raise ValueError(f"group_size must be an int (32, 64 or 128) or None, got {group_size!r}")
         for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
             if not is_real(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value!r}")
