@@ -92,6 +92,27 @@ def test_bad_routing_is_refused(kwargs):
         kt_ops.Routing(**kwargs)
 
 
+
+def test_update_after_loading_other_experts_is_refused():
+    """The host copies GPU slots are refilled from are the constructor's weights, not in the
+    state dict: after load_state_dict of other experts an update computed the old experts
+    in the refilled slots, silently. Loading the same experts (moved or not) still updates."""
+    x = tokens()
+    router, gate, up, down = weights(seed=7)
+    other = kt_ops.HybridMoE(router, gate, up, down, kt_ops.Routing(K), gpu_experts_mask=torch.arange(E) < 2,
+                             dynamic=True, layer_idx=0)
+    dyn = layer([0, 1], dynamic=True)
+    dyn.load_state_dict(other.state_dict())
+    assert close(dyn(x), other(x))
+    with pytest.raises(RuntimeError, match="load_state_dict replaced"):
+        dyn.update_gpu_experts([2, 3])
+    moved = layer([0, 1], dynamic=True)
+    moved.update_gpu_experts([4, 5])
+    same = layer([0, 1], dynamic=True)
+    same.load_state_dict(moved.state_dict())
+    same.update_gpu_experts([3, 6])
+    assert close(same(x), layer([3, 6])(x))
+
 def test_compiled_layer_sees_the_update():
     x = tokens()
     dyn = layer([0, 1], dynamic=True)

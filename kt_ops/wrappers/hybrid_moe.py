@@ -142,6 +142,33 @@ class HybridMoE(nn.Module):
         self.register_buffer("gpu_gate_up", torch.cat([gate_proj[sel], up_proj[sel]], dim=1).to(dtype))
         self.register_buffer("gpu_down", down_proj[sel].to(dtype))
 
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
+        """A dynamic layer fills GPU slots from the host copies of the constructor's weights
+        (not in the state dict): loading other experts makes them stale, and a later
+        :meth:`update_gpu_experts` computed the old experts in the refilled slots, silently."""
+        if self.dynamic and self._source is not None and not self._matches_source(state_dict, prefix):
+            self._source_stale = True
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _matches_source(self, state_dict: dict, prefix: str) -> bool:
+        """Whether the experts in ``state_dict`` are the ones the host copies hold: the same
+        packed blob (every expert is packed in a dynamic layer) and GPU slots equal to the
+        host copies of the experts they name."""
+        packed = state_dict.get(prefix + "packed")
+        if isinstance(packed, torch.Tensor) and packed is not self.packed and not (
+                packed.shape == self.packed.shape and torch.equal(packed.cpu(), self.packed)):
+            return False
+        ids, gate_up, down = (state_dict.get(prefix + name) for name in ("gpu_experts", "gpu_gate_up", "gpu_down"))
+        if not all(isinstance(t, torch.Tensor) for t in (ids, gate_up, down)):
+            return True
+        gate, up, down_all = self._source
+        ids = ids.cpu().long()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
+            return False
+        want_gate_up = torch.cat([gate[ids], up[ids]], dim=1).to(gate_up.dtype)
+        return (want_gate_up.shape == gate_up.shape and torch.equal(want_gate_up, gate_up.cpu())
+                and torch.equal(down_all[ids].to(down.dtype), down.cpu()))
+
     # Host-resident buffers: the packed experts are the model's bulk and live in RAM.
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "HybridMoE":
         kept = {name: self._buffers.pop(name) for name in _HOST_BUFFERS if name in self._buffers}
@@ -245,6 +272,10 @@ class HybridMoE(nn.Module):
         if not self.dynamic or self._source is None:
             raise RuntimeError("update_gpu_experts needs HybridMoE(dynamic=True) (all experts packed for the CPU, "
                                "host weights kept to fill GPU slots from)")
+        if getattr(self, "_source_stale", False):
+            raise RuntimeError("update_gpu_experts: load_state_dict replaced this layer's experts, but the host copies "
+                               "GPU slots are filled from are the constructor's weights; construct the HybridMoE from "
+                               "the loaded weights instead")
         ids = checked_expert_ids(expert_ids, self.num_gpu_experts, self.num_experts)
         old = self.gpu_experts.to("cpu")
         gate, up, down = self._source
