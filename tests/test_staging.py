@@ -320,6 +320,12 @@ def test_what_has_no_staging_layout_is_refused(tmp_path: Path) -> None:
         wrapper.submit_write_weight_scale_to_buffer(1, gpu_slot, [0], [0], [0], [0])
     with pytest.raises(ValueError, match="not a slot"):
         wrapper.submit_write_weight_scale_to_buffer(1, E, [0], [0], [0], [0])
+    for slot in (1.5, True):  # IndexError / RuntimeError from indexing the route with them
+        with pytest.raises(ValueError, match="not a slot"):
+            wrapper.submit_write_weight_scale_to_buffer(1, slot, [0], [0], [0], [0])
+    with pytest.raises(ValueError, match="gpu_tp_count must be a positive int"):
+        wrapper.submit_write_weight_scale_to_buffer(1.0, int(torch.nonzero(~wrapper.gpu_experts_mask)[0]), [0], [0],
+                                                    [0], [0])
     cpu_slot = int(torch.nonzero(~wrapper.gpu_experts_mask)[0])
     wrapper.submit_write_weight_scale_to_buffer(1, cpu_slot, [0], [None], [0], [None])
     with pytest.raises(ValueError, match="host address"):

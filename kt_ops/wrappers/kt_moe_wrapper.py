@@ -722,8 +722,10 @@ class KTMoEWrapper:
         destination of the wrong size."""
         if not self._parts:
             raise RuntimeError(f"layer {self.layer_idx}: load_weights first; no CPU experts are packed")
-        if not 0 <= expert_id < self.num_experts:
-            raise ValueError(f"expert_id {expert_id} is not a slot of this layer's {self.num_experts}")
+        if not is_int(expert_id) or not 0 <= expert_id < self.num_experts:  # 1.5: IndexError, True: RuntimeError
+            raise ValueError(f"expert_id {expert_id!r} is not a slot of this layer's {self.num_experts}")
+        if not is_int(gpu_tp_count) or gpu_tp_count < 1:  # else raised only by the sync, from the worker
+            raise ValueError(f"gpu_tp_count must be a positive int, got {gpu_tp_count!r}")
         packed = int(self._route_all[expert_id])
         if packed < 0:
             raise ValueError(f"expert_id {expert_id} is a GPU expert (gpu_experts_mask): the CPU holds no weights for it")
