@@ -90,6 +90,9 @@ def test_bad_routing_is_refused(kwargs):
     a TypeError from topk at the first forward); a NaN scale made every output NaN."""
     with pytest.raises(ValueError, match="must be"):
         kt_ops.Routing(**kwargs)
+    routing = kt_ops.Routing(2, scoring="sigmoid", num_groups=8, topk_groups=2)  # groups of one expert
+    with pytest.raises(ValueError, match="at least 2 experts per group"):  # was RuntimeError from topk(2)
+        routing.select(torch.randn(3, 8))
 
 
 

@@ -118,6 +118,9 @@ class Routing:
         tokens, experts = choice.shape
         if experts % self.num_groups:
             raise ValueError(f"{experts} experts do not split into {self.num_groups} groups")
+        if self.group_score == "top2_sum" and experts // self.num_groups < 2:  # topk(2) of one: RuntimeError
+            raise ValueError(f"group_score 'top2_sum' needs at least 2 experts per group; {experts} experts in "
+                             f"{self.num_groups} groups")
         grouped = choice.view(tokens, self.num_groups, experts // self.num_groups)
         if self.group_score == "max":
             group_scores = grouped.max(dim=-1).values
