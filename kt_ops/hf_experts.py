@@ -55,6 +55,7 @@ _SOURCE = "_kt_ops_source"  # dynamic: every expert's (gate_up, gate_up_bias, do
 _DERIVED = (_ROUTE, _LOCAL, _LOCAL_ON, _ROUTE_ON, _SOURCE)  # what packing sets besides the blob
 _LAYER_ID = "_kt_ops_layer"  # (layer index in the model, E): the module's row in kt_ops.ExpertStats
 _SHAPES = "_kt_ops_shapes"  # {"gate_up_proj": shape, "down_proj": shape} as stored before packing
+_PACKED_WITH = "_kt_ops_packed_with"  # pack_module_experts' arguments, to repack after load_state_dict
 _LORA = "_kt_ops_lora"  # {parameter name: PEFT LoRA factors} while a PEFT adapter is active (kt_ops.hf_peft)
 _PEFT_MODULE = "peft.tuners.lora.layer"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -353,12 +354,33 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
                 gate, up, down = gate[cpu], up[cpu], down[cpu]
                 if weights["biases"] is not None:
                     weights["biases"] = tuple(None if b is None else b[cpu] for b in weights["biases"])
+    _repack_on_load(module, dict(method=method, gpu_experts_mask=gpu_experts_mask, dynamic=dynamic, **pack_args))
     if gate.shape[0] == 0:  # every expert kept in torch: nothing for the CPU (an empty blob)
         setattr(module, _BLOB, torch.empty(0, dtype=torch.uint8))
         return getattr(module, _BLOB)
     packed = pack_experts(gate, up, down, method=method, **weights, **pack_args)
     setattr(module, _BLOB, packed.data)
     return packed.data
+
+
+def _repack_on_load(module: nn.Module, arguments: dict[str, Any]) -> None:
+    """Keeps ``arguments`` and, once per module, a ``load_state_dict`` post-hook that packs
+    the loaded experts again with them: the blob is a copy, so without it a model whose
+    experts were packed kept computing the experts it had before the load, silently."""
+    module.__dict__[_PACKED_WITH] = arguments
+    if not module.__dict__.get("_kt_ops_load_hook"):
+        module.register_load_state_dict_post_hook(_repack_after_load)
+        module.__dict__["_kt_ops_load_hook"] = True
+
+
+def _repack_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    arguments = module.__dict__.get(_PACKED_WITH)
+    if arguments is None or getattr(module, _BLOB, None) is None:
+        return
+    weights = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
+    if any(not isinstance(w, torch.Tensor) or w.is_meta or w.numel() == 0 for w in weights):
+        return  # released (the blob computes them) or not loaded: nothing to pack from
+    pack_module_experts(module, **arguments)
 
 
 def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask: torch.Tensor | None = None,

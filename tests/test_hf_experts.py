@@ -147,6 +147,27 @@ def test_a_skipped_slot_stays_skipped_with_experts_in_torch() -> None:
         with pytest.raises(ValueError, match="outside"):
             hf_experts.experts_forward(module, x, torch.tensor([[0, bad], [2, 3], [1, 0]]), w)
 
+
+@pytest.mark.parametrize("pack", ["first call", "AMXINT8"])
+def test_load_state_dict_after_packing_packs_the_loaded_experts(pack: str) -> None:
+    """The blob is a copy of the experts: after load_state_dict the model kept computing the
+    experts it had before (logits 0.48 off), silently."""
+    ours, other = tiny_model("qwen3_moe", dtype=torch.float32, seed=0).eval(), tiny_model("qwen3_moe", seed=1)
+    other = other.float().eval()
+    ours.set_experts_implementation(hf_experts.IMPLEMENTATION)
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = other(ids).logits
+        if pack == "first call":
+            ours(ids)
+        else:
+            hf_experts.pack_model_experts(ours, pack)
+        ours.load_state_dict(other.state_dict())
+        got = ours(ids).logits
+    assert ((got - want).norm() / want.norm()) <= (logits_bound() if pack == "first call" else 0.1)
+    if pack != "first call":
+        assert all(kt_ops.PackedExperts(hf_experts.packed_blob(m)).format == "int8" for m in experts_modules(ours))
+
 def test_activations_are_read_from_the_class(saved: dict[str, Path]) -> None:
     gpt_oss = experts_modules(load(saved["gpt_oss"], "kt_ops"))[0]
     assert hf_experts.activation_of(gpt_oss, 32) == (7.0, 1.702)
