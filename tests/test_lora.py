@@ -139,6 +139,9 @@ def test_bad_lora_shapes_name_the_tensor() -> None:
     mats[3] = mats[3][:, :, :2]
     with pytest.raises(ValueError, match="up_b must be"):
         kt_ops.moe_lora_forward(torch.randn(3, H), ids, w, packed, tuple(mats), 2.0)
+    for scaling in (float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="scaling must be a finite number"):
+            kt_ops.moe_lora_forward(torch.randn(3, H), ids, w, packed, lora.matrices(), scaling)
     with pytest.raises(ValueError, match="hidden size"):
         lora(torch.randn(3, H + 1), ids, w, packed)
 
