@@ -172,6 +172,15 @@ struct QuantGemm {
                                    : Kind == QuantKind::kMxfp4 ? int_layout::kMxfp4LevelBias
                                                                : 0;
   static constexpr bool kMxfp4 = Kind == QuantKind::kMxfp4;
+  // AVX-512 VNNI int4 lines (not MXFP4's, whose table lookup follows): one load per line and
+  // two ANDs of the register. GCC folded the load into both ANDs, two 64-byte loads of each
+  // line beside the tile's prefetches on Zen 4's load ports. Paired A/B (2-core Zen 4,
+  // avx512_bf16, scripts/ab_pair.py with a run-time switch in one build, 2 rounds of 12
+  // calls, 2026-12-05), 1 / 8 tokens: S1 AMXINT4 0.92-0.99 / 0.94-0.99 of the time, S2
+  // GPTQ_INT4 0.87-0.98 / 0.90-0.98, S1 RAWINT4 0.90-0.97 / 0.91-1.02, S2 AWQ_INT4 0.96 /
+  // 0.97; 64 tokens 0.96-1.03, 512 0.99 (the same operations: bit-identical). Left as GCC
+  // compiles them: avx512's dot_int4 lines (1.02-1.2, noisy), AVX2's (1.00), MXFP4 (1.01).
+  static constexpr bool kOneLoad = R == 1 && !HasDotInt4<Ops>::value && !kMxfp4;
   // Bytes between a block's scale rows of consecutive groups (int_layout.h).
   static constexpr int64_t kScaleRowBytes =
       kMxfp4 ? static_cast<int64_t>(int_layout::kMxfp4ScaleRowBytes) : static_cast<int64_t>(int_layout::kLineBytes);
@@ -301,7 +310,8 @@ struct QuantGemm {
           for (int b = 0; b < NB; ++b) {
             if (t.prefetch > 0) prefetch_ahead(pf_line + b * t.block_stride);
             for (int r = 0; r < R; ++r) {
-              const IReg v = Ops::load(line0 + b * t.block_stride, r);
+              IReg v = Ops::load(line0 + b * t.block_stride, r);
+              if constexpr (kOneLoad) asm volatile("" : "+v"(v));  // one load, two ANDs of the register
               lo[b][r] = nibble_levels(Ops::low_nibbles(v));
               hi[b][r] = kHighX16 ? Ops::high_nibbles_x16(v) : nibble_levels(Ops::high_nibbles(v));
               if constexpr (kInTurn) sums[0][b][r] = Ops::dot_int4(sums[0][b][r], lo[b][r], x0, hi[b][r], x1);
