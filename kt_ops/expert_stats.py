@@ -43,6 +43,9 @@ from kt_ops._validate import is_int
 # The collectors inside whose ``with`` block we are, innermost last; all of them count.
 _ACTIVE: list[ExpertStats] = []
 _warned_no_layer_id = False
+# How far a collector without num_hidden_layers / num_experts grows: far above any model's
+# layers and experts, far below a layer id that would allocate gigabytes of counts.
+_MAX_GROWN = 1 << 16
 
 
 def record(layer_id: int | None, topk_ids: torch.Tensor, num_experts: int) -> None:
@@ -175,10 +178,16 @@ class ExpertStats:
         if layer_id >= self._layers:
             if self._fixed_layers:
                 raise ValueError(f"layer id {layer_id} is outside ExpertStats(num_hidden_layers={self._layers})")
+            if layer_id >= _MAX_GROWN:  # 10**9 allocated a [10**9, E + 1] int64 accumulator (out of memory)
+                raise ValueError(f"layer id {layer_id} is not a layer index (ExpertStats grows to {_MAX_GROWN} layers; "
+                                 "give num_hidden_layers for more)")
             self._layers = layer_id + 1
         if num_experts > self._experts:
             if self._fixed_experts:
                 raise ValueError(f"a layer with {num_experts} experts ran inside ExpertStats(num_experts={self._experts})")
+            if num_experts > _MAX_GROWN:
+                raise ValueError(f"num_experts {num_experts} is above the {_MAX_GROWN} ExpertStats grows to "
+                                 "(give num_experts for more)")
             self._experts = num_experts
         return self._layers, self._experts
 

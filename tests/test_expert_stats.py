@@ -192,6 +192,21 @@ def test_fixed_sizes_are_enforced():
             kt_ops.ExpertStats(**bad)
 
 
+def test_growing_sizes_stop_at_what_no_model_has():
+    """Without sizes a collector grows to the ids it sees, but not to a layer id of 10**9
+    (a [10**9, E + 1] int64 accumulator: out of memory) or a billion experts."""
+    with kt_ops.ExpertStats() as stats:
+        expert_stats.record(70, torch.tensor([[1]]), 8)
+        with pytest.raises(ValueError, match="not a layer index"):
+            expert_stats.record(10**9, torch.tensor([[1]]), 8)
+        with pytest.raises(ValueError, match="num_experts 1000000000"):
+            expert_stats.record(0, torch.tensor([[1]]), 10**9)
+    assert stats.counts.shape == (71, 8) and int(stats.counts.sum()) == 1
+    with kt_ops.ExpertStats(num_hidden_layers=10**5) as stats:  # given sizes are the caller's
+        expert_stats.record(70_000, torch.tensor([[1]]), 2)
+    assert int(stats.counts[70_000, 1]) == 1
+
+
 def test_layer_without_index_is_not_counted(monkeypatch):
     monkeypatch.setattr(expert_stats, "_warned_no_layer_id", False)
     layer = hybrid(layer_idx=None)
