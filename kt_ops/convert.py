@@ -219,6 +219,8 @@ def convert(args: argparse.Namespace) -> Path:
         raise UsageError(f"--threadpool-count must be >= 1, got {args.threadpool_count}")
     if args.cpuinfer_threads is not None and args.cpuinfer_threads < 1:
         raise UsageError(f"--cpuinfer-threads must be >= 1, got {args.cpuinfer_threads}")
+    if args.resume_layer is not None and args.resume_layer < 0:
+        raise UsageError(f"--resume-layer must be a layer index >= 0, got {args.resume_layer}")
     if sizes and args.group_size not in sizes:
         raise UsageError(f"--group-size {args.group_size}: {fmt} takes {', '.join(map(str, sizes))}")
     if not source.is_dir():

@@ -330,6 +330,7 @@ def test_group_size_of_a_method_without_groups_is_noted(tmp_path, checkpoint, ca
 @pytest.mark.parametrize("extra,message", [
     (["--quant-method", "int4", "--group-size", 48], "--group-size 48: int4 takes 32, 64, 128"),
     (["--quant-method", "int8", "--threadpool-count", 0], "--threadpool-count must be >= 1, got 0"),
+    (["--quant-method", "int8", "--resume-layer", -3], "--resume-layer must be a layer index >= 0, got -3"),
     (["--quant-method", "int8", "--input-type", "fp16"], "--input-type fp16, but layer 1's tensors are torch.bfloat16"),
     (["--quant-method", "int4", "--group-size", 128], "--group-size 128 must divide hidden_size 64 and "
                                                       "moe_intermediate_size 64"),
