@@ -84,10 +84,11 @@ class Manifest:
         return manifest
 
     def write(self, path: str | os.PathLike[str]) -> None:
-        file = Path(path) / MANIFEST
-        tmp = file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, file)
+        """Writes the manifest durably (temporary file, fsync, rename, fsync of the directory):
+        a power loss leaves the old manifest or the new one, never an empty file."""
+        from kt_ops.convert_merge import write_text_durably  # it imports this module
+
+        write_text_durably(Path(path) / MANIFEST, json.dumps(self.to_json(), indent=2) + "\n")
 
 
 def is_converted(path: str | os.PathLike[str]) -> bool:
