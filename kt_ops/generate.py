@@ -142,6 +142,12 @@ def run(args: argparse.Namespace) -> int:
     if not local.exists() and (local.is_absolute() or args.model.startswith((".", "~"))):
         # a path, not a hub id: transformers would answer "Repo id must use alphanumeric chars"
         raise UsageError(f"{args.model}: no such file or directory")
+    from kt_ops.converted import is_converted
+
+    if local.is_dir() and is_converted(local):  # else: transformers' error about missing expert tensors
+        raise UsageError(f"{args.model}: a directory written by kt-ops convert holds the packed experts only (for "
+                         "KTMoEWrapper(weight_path=...)); generate loads the model's Hugging Face checkpoint or a "
+                         "GGUF file")
     gguf_path = gguf_model(args.model)
     if gguf_path is not None:
         method = "LLAMAFILE"

@@ -106,6 +106,13 @@ def test_generate_of_a_missing_path_says_so(capsys, model) -> None:
     assert status == 2 and last_line(err) == f"kt-ops generate: error: {model}: no such file or directory"
 
 
+def test_generate_of_a_converted_directory_says_what_it_is(capsys, converted) -> None:
+    """A kt-ops convert output holds packed experts only: generate says so (transformers
+    complained about missing expert tensors)."""
+    status, _, err = run(capsys, "generate", converted, "--prompt", "hi")
+    assert status == 2 and "a directory written by kt-ops convert" in last_line(err), err
+
+
 def test_no_command_and_unknown_command_exit_2(capsys) -> None:
     status, _, err = run(capsys)
     assert status == 2 and "usage: kt-ops" in err
