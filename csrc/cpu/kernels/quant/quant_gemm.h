@@ -177,7 +177,7 @@ struct QuantGemm {
   // line beside the tile's prefetches on Zen 4's load ports. Paired A/B (2-core Zen 4,
   // avx512_bf16, scripts/ab_pair.py with a run-time switch in one build, 2 rounds of 12
   // calls, 2026-12-05), 1 / 8 tokens: S1 AMXINT4 0.92-0.99 / 0.94-0.99 of the time, S2
-  // GPTQ_INT4 0.87-0.98 / 0.90-0.98, S1 RAWINT4 0.90-0.97 / 0.91-1.02, S2 AWQ_INT4 0.96 /
+  // GPTQ_INT4 0.87-0.98 / 0.73-0.98, S1 RAWINT4 0.90-0.97 / 0.91-1.02, S2 AWQ_INT4 0.96 /
   // 0.97; 64 tokens 0.96-1.03, 512 0.99 (the same operations: bit-identical). Left as GCC
   // compiles them: avx512's dot_int4 lines (1.02-1.2, noisy), AVX2's (1.00), MXFP4 (1.01).
   static constexpr bool kOneLoad = R == 1 && !HasDotInt4<Ops>::value && !kMxfp4;
