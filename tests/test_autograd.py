@@ -158,6 +158,15 @@ def test_forward_train_rejects_bad_arguments() -> None:
         torch.ops.kt.moe_train_backward(x, x, ids, w, experts.packed.data, torch.zeros(3, 2, 16))
 
 
+def forward_saving(save: bool, *args: object) -> torch.Tensor:
+    """``kt_ops.moe_forward(*args)`` with gate/up saved for backward (True) or recomputed."""
+    kt_ops.autograd.set_save_gate_up(save)
+    try:
+        return kt_ops.moe_forward(*args)
+    finally:
+        kt_ops.autograd.set_save_gate_up(True)
+
+
 def test_set_save_gate_up_false_recomputes() -> None:
     experts = make_experts(4, 32, 16)
     ids, w = random_routing(3, 4, 2)
@@ -214,11 +223,7 @@ def test_rows_past_live_tokens_get_no_gradient(save: bool) -> None:
     ids, w = random_routing(6, 4, 2)
     x = torch.randn(6, 32, requires_grad=True)
     wr = w.clone().requires_grad_()
-    kt_ops.autograd.set_save_gate_up(save)
-    try:
-        out = kt_ops.moe_forward(x, ids, wr, experts.packed, torch.tensor([4]))
-    finally:
-        kt_ops.autograd.set_save_gate_up(True)
+    out = forward_saving(save, x, ids, wr, experts.packed, torch.tensor([4]))
     out.sum().backward()
     assert x.grad[4:].abs().sum() == 0 and wr.grad[4:].abs().sum() == 0
     assert x.grad[:4].abs().sum() > 0
@@ -234,11 +239,7 @@ def test_a_call_that_routes_nothing_gets_zero_gradients(save: bool, tokens: int,
     x = torch.randn(tokens, 32, requires_grad=True)
     w = torch.rand(tokens, top_k, requires_grad=True)
     ids = torch.zeros(tokens, top_k, dtype=torch.int64)
-    kt_ops.autograd.set_save_gate_up(save)
-    try:
-        out = kt_ops.moe_forward(x, ids, w, experts.packed)
-    finally:
-        kt_ops.autograd.set_save_gate_up(True)
+    out = forward_saving(save, x, ids, w, experts.packed)
     out.sum().backward()
     assert x.grad.shape == x.shape and w.grad.shape == w.shape
     assert x.grad.abs().sum() == 0 and w.grad.abs().sum() == 0
@@ -269,7 +270,6 @@ def test_opcheck_moe_backward_and_forward_with_grad() -> None:
                           (x, ids, w, experts.packed.data, 32, torch.randn(5, 2, 64, requires_grad=True)))
 
 
-
 @pytest.mark.parametrize("save", [True, False])
 def test_double_backward_is_refused_not_silently_zero(save: bool) -> None:
     """A gradient penalty through the layer: the backward operators have no derivative,
@@ -279,11 +279,7 @@ def test_double_backward_is_refused_not_silently_zero(save: bool) -> None:
     ids, w = random_routing(3, 4, 2)
     x = torch.randn(3, 32, requires_grad=True)
     w = w.clone().requires_grad_()
-    kt_ops.autograd.set_save_gate_up(save)
-    try:
-        out = kt_ops.moe_forward(x, ids, w, experts.packed)
-    finally:
-        kt_ops.autograd.set_save_gate_up(True)
+    out = forward_saving(save, x, ids, w, experts.packed)
     grad_x, = torch.autograd.grad(out.sum(), x, create_graph=True)  # the first order still works
     with pytest.raises(RuntimeError, match="double backward"):
         grad_x.square().sum().backward()
@@ -291,6 +287,7 @@ def test_double_backward_is_refused_not_silently_zero(save: bool) -> None:
     grad_x, = torch.autograd.grad(lora(x, ids, w, experts.packed).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         grad_x.square().sum().backward()
+
 
 @pytest.mark.parametrize("blob", ["tensor", "PackedExperts"])
 def test_compiled_training_step_has_no_graph_break(blob: str) -> None:
