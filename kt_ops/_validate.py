@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
+import os
+import stat
+
 
 def is_int(value: object) -> bool:
     """True for a Python ``int`` that is not a ``bool`` (``True`` is an ``int`` to
@@ -9,8 +13,22 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_integral(value: object) -> bool:
+    """True for an integer, numpy's included (``numpy.int64``), that is not a ``bool``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def is_real(value: object) -> bool:
     """True for a real number (``int``, ``float``, numpy scalars) that is neither a
     ``bool`` nor a string: ``True`` as a clamp limit, or ``"7"``, is a caller's mistake."""
-    import numbers
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def regular_file_stat(path: str | os.PathLike[str], hint: str = "") -> os.stat_result:
+    """``os.stat(path)`` (after symlinks) of a regular file; ``ValueError`` naming ``path``
+    otherwise: opening a FIFO or a device to read a file's header blocks for ever.
+    ``OSError`` (a missing file) propagates."""
+    result = os.stat(path)
+    if not stat.S_ISREG(result.st_mode):
+        raise ValueError(f"{os.fspath(path)}: not a regular file (a FIFO, device or directory){hint}")
+    return result

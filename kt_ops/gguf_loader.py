@@ -18,14 +18,13 @@ import re
 from glob import escape as glob_escape
 from dataclasses import dataclass
 from pathlib import Path
-from stat import S_ISREG
 
 import gguf
 import numpy as np
 import torch
 
 from kt_ops._native import _C
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, regular_file_stat
 from kt_ops.gguf_types import gguf_type_id
 from kt_ops.packed import PackedExperts
 
@@ -94,9 +93,7 @@ def _reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """A reader of one GGUF file (metadata and tensor infos; the data stays memory-mapped),
     cached per path, size and mtime; ``ValueError`` for a damaged file."""
-    stat = path.stat()
-    if not S_ISREG(stat.st_mode):  # a FIFO would block the reader's open for ever
-        raise ValueError(f"{str(path)!r} is not a regular file (a FIFO, device or directory); GGUF models are files")
+    stat = regular_file_stat(path, "; GGUF models are files")  # a FIFO would block the reader's open for ever
     return _reader(str(path), stat.st_mtime_ns, stat.st_size)
 
 

@@ -30,13 +30,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import KeysView, Sequence
 
 import torch
 from safetensors import safe_open
+
+from kt_ops._validate import regular_file_stat
 
 FP8_BLOCK = 128  # DeepSeek block-FP8: one scale per 128 x 128 weights
 MX_BLOCK = 32  # MXFP8: one exponent per 32 weights along k
@@ -472,11 +473,9 @@ def _check_regular_file(file: Path) -> None:
     """``ValueError`` naming ``file`` unless it is a regular file (after symlinks): opening
     a FIFO or a device to read a safetensors header blocks or never ends."""
     try:
-        mode = file.stat().st_mode
+        regular_file_stat(file, "; a checkpoint's shards are files")
     except OSError as error:
         raise ValueError(f"{file}: cannot read the safetensors file ({error.strerror or error})") from None
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{file}: not a regular file (a FIFO, device or directory); a checkpoint's shards are files")
 
 
 def read_config_json(folder: str | os.PathLike[str]) -> dict:

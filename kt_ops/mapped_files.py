@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import struct
 
 import torch
 
 from kt_ops._native import _C
+from kt_ops._validate import regular_file_stat
 
 _MAX_HEADER = 100 << 20  # as safetensors itself
 
@@ -32,8 +32,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict, int]:
     Raises ``ValueError`` for a file that is not safetensors' (too short, a header length
     past the file or above 100 MiB, a header that is not a JSON object)."""
     name = os.fspath(path)
-    if not stat.S_ISREG(os.stat(name).st_mode):  # a FIFO would block the open below for ever
-        raise ValueError(f"{name!r} is not a regular file (a FIFO, device or directory)")
+    regular_file_stat(name)  # a FIFO would block the open below for ever
     size = os.path.getsize(name)
     with open(name, "rb") as file:
         head = file.read(8)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, is_integral
 
 if TYPE_CHECKING:
     from kt_ops.expert_stats import ExpertStats
@@ -43,7 +43,7 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     if activation_freq.is_floating_point() and bool(activation_freq.isnan().any()):
         # topk ranks NaN above every count: a NaN expert went to the GPU silently
         raise ValueError("activation_freq holds NaN")
-    if not isinstance(num_gpu_experts, numbers.Integral) or isinstance(num_gpu_experts, bool):
+    if not is_integral(num_gpu_experts):
         raise TypeError(f"num_gpu_experts must be an int, got {num_gpu_experts!r}")
     num_gpu_experts = int(num_gpu_experts)
     total = activation_freq.numel()
@@ -75,7 +75,7 @@ def _check_layers(num_experts: int, moe_layers: Sequence[int]) -> list[int]:
     if not is_int(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     layers = list(moe_layers)
-    if any(not isinstance(i, numbers.Integral) or isinstance(i, bool) or i < 0 for i in layers):
+    if any(not is_integral(i) or i < 0 for i in layers):
         raise ValueError(f"moe_layers must be non-negative layer indices, got {layers!r}")
     layers = [int(i) for i in layers]
     if len(set(layers)) != len(layers):
@@ -168,7 +168,7 @@ def placement_masks(
     if num_hidden_layers is not None and (not is_int(num_hidden_layers)
                                           or num_hidden_layers <= max(layers, default=-1)):
         raise ValueError(f"num_hidden_layers must be an int > every MoE layer index, got {num_hidden_layers!r}")
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):  # 1.5: RuntimeError from manual_seed
+    if not is_integral(seed):  # 1.5: RuntimeError from manual_seed
         raise ValueError(f"seed must be an int, got {seed!r}")
     E, L = num_experts, len(layers)
     total = total_gpu_experts(budget, E, L)
@@ -204,7 +204,7 @@ def parse_bytes(spec: str | int) -> int:
     """Bytes of ``spec``: an int, or a string ``"<number><unit>"`` with unit B, KB/MB/GB/TB
     (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024), case-insensitive, no unit: bytes
     (``"24GiB"``, ``"500MB"``, ``"1.5 GB"``); fractions of a byte are dropped."""
-    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool):
+    if is_integral(spec):
         value = int(spec)
     elif isinstance(spec, str):
         match = _SIZE.fullmatch(spec)
@@ -228,7 +228,7 @@ def budget_from_bytes(spec: str | int, expert_nbytes: int, num_moe_layers: int) 
         num_moe_layers: MoE layers sharing the budget.
     """
     for name, value in (("expert_nbytes", expert_nbytes), ("num_moe_layers", num_moe_layers)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        if not is_integral(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     return parse_bytes(spec) // (int(expert_nbytes) * int(num_moe_layers))
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from kt_ops import gpu_prefill, hf_experts
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, is_integral
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.wrappers.hybrid_moe import HybridMoE
 from kt_ops.wrappers.routing import Routing
@@ -152,7 +152,7 @@ def _layer_masks(
                          f"got {num_gpu_experts!r}") from None
     counts = [int(c) if isinstance(c, torch.Tensor) and c.dim() == 0 and not c.is_floating_point()
               and c.dtype != torch.bool else c for c in counts]  # an int tensor's elements
-    counts = [int(c) if isinstance(c, numbers.Integral) and not isinstance(c, bool) else c for c in counts]  # numpy ints
+    counts = [int(c) if is_integral(c) else c for c in counts]  # numpy ints
     if len(counts) != layers or any(not is_int(c) or not 0 <= c <= experts
                                     for c in counts):
         raise ValueError(f"num_gpu_experts must be an int or {layers} ints in [0, {experts}], got {num_gpu_experts!r}")
