@@ -24,6 +24,8 @@ transformers unchanged.
 
 from __future__ import annotations
 
+import numbers
+import os
 from typing import Any
 
 import torch
@@ -122,11 +124,23 @@ class KtOpsConfig(QuantizationConfigMixin):
         self.dynamic_gpu_experts = dynamic_gpu_experts
         self.gpu_prefill_token_threshold = checked_threshold(gpu_prefill_token_threshold)
         self.placement = placement
+        if isinstance(gpu_budget, numbers.Real) and not isinstance(gpu_budget, bool):
+            # numpy's int64 / float32 as Python numbers: json.dumps (repr(model.config)) raised TypeError
+            gpu_budget = int(gpu_budget) if isinstance(gpu_budget, numbers.Integral) else float(gpu_budget)
         self.gpu_budget = gpu_budget
         self.expert_stats = expert_stats
         self.progress = progress
         self.checkpoint_quantization: dict[str, Any] | None = kwargs.get("checkpoint_quantization")
         self.packed_methods: list[str] = []  # the methods the experts were packed in, once loaded
+
+    def to_dict(self) -> dict[str, Any]:
+        """transformers' dict of the config (its JSON: ``to_json_string``, ``repr(model.config)``),
+        ``expert_stats`` as its path or as a short description of the :class:`kt_ops.ExpertStats`
+        or counts tensor given (``json.dumps`` raised ``TypeError`` on those). The attribute
+        itself keeps the object."""
+        out = super().to_dict()
+        out["expert_stats"] = _describe_stats(self.expert_stats)
+        return out
 
     @property
     def native(self) -> bool:
@@ -143,6 +157,22 @@ class KtOpsConfig(QuantizationConfigMixin):
         if self.zero_point:
             args["zero_point"] = True
         return args
+
+
+def _describe_stats(stats: Any) -> str | None:
+    """``expert_stats`` as JSON can hold it: None, a path as a string, else a description
+    (``"ExpertStats counts [L, E]"``, ``"tensor torch.int64 [L, E]"``)."""
+    from kt_ops.expert_stats import ExpertStats
+
+    if stats is None or isinstance(stats, str):
+        return stats
+    if isinstance(stats, os.PathLike):
+        return os.fspath(stats)
+    if isinstance(stats, ExpertStats):
+        return f"ExpertStats counts [{stats.num_hidden_layers}, {stats.num_experts}]"
+    if isinstance(stats, torch.Tensor):
+        return f"tensor {stats.dtype} {list(stats.shape)}"
+    return repr(stats)
 
 
 class KtOpsPack(ConversionOps):

@@ -352,3 +352,25 @@ def test_ktops_config_places_gpu_experts_by_byte_budget(tmp_path):
         kt_ops.KtOpsConfig(placement="uniform")
     with pytest.raises(ValueError, match="not both"):
         kt_ops.KtOpsConfig(placement="uniform", gpu_budget=2, num_gpu_experts=1)
+
+
+def test_ktops_config_with_stats_or_numpy_budget_prints_as_json(tmp_path):
+    """A KtOpsConfig given expert_stats as an ExpertStats or a tensor (as documented), or a
+    numpy budget, is JSON for transformers (``repr(model.config)``, ``to_json_string``):
+    json.dumps raised TypeError on the ExpertStats, the tensor and numpy's int64."""
+    import json
+
+    pytest.importorskip("transformers")
+    counts = torch.arange(16).reshape(2, 8)
+    path = tmp_path / "experts.pt"
+    kt_ops.ExpertStats.from_counts(counts).save(path)
+    for stats in (kt_ops.ExpertStats.from_counts(counts), counts, path):
+        config = kt_ops.KtOpsConfig(placement="frequency", gpu_budget=np.int64(2), expert_stats=stats)
+        assert "KtOpsConfig" in repr(config)
+        stored = json.loads(config.to_json_string(use_diff=False))
+        assert stored["gpu_budget"] == 2 and type(config.gpu_budget) is int
+        assert isinstance(stored["expert_stats"], str)
+        assert config.expert_stats is stats  # the object itself is kept for the placement
+    assert kt_ops.KtOpsConfig(placement="uniform", gpu_budget=np.float32(0.5)).to_dict()["gpu_budget"] == 0.5
+    assert json.loads(kt_ops.KtOpsConfig(placement="frequency", gpu_budget=2,
+                                         expert_stats=path).to_json_string())["expert_stats"] == str(path)
