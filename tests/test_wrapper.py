@@ -491,6 +491,9 @@ def test_capture_batch_sizes():
     # accepted here, refused only by load_weights
     ({"method": "AMXINT4", "group_size": 64.0}, "group_size must be an int"),
     ({"method": "AMXINT4", "group_size": True}, "group_size must be an int"),
+    # a string kept the source tensors (cpu_save="no", "False"): every non-empty one is truthy
+    ({"cpu_save": "no"}, "cpu_save must be a bool"),
+    ({"cpu_save": None}, "cpu_save must be a bool"),
 ])
 def test_bad_constructor_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

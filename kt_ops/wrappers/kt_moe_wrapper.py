@@ -218,6 +218,8 @@ class KTMoEWrapper:
         for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
             if not is_real(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value!r}")
+        if not isinstance(cpu_save, bool):  # "no" or "False" kept the source tensors: a string is truthy
+            raise ValueError(f"cpu_save must be a bool, got {cpu_save!r}")
         self.layer_idx = layer_idx
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
