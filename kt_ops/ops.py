@@ -123,10 +123,14 @@ def check_pack_arguments(
 ) -> str:
     """The packed format of ``method`` (:func:`kt_ops.formats.format_for_method`);
     ``ValueError`` where the other :func:`pack_experts` arguments do not apply to it (a
-    ``gguf_type`` outside LLAMAFILE, a ``group_size`` for a method without k-groups, ...).
+    ``gguf_type`` outside LLAMAFILE, a ``group_size`` for a method without k-groups, a
+    ``zero_point`` or ``scale_search`` that is not a bool, ...).
     Needs no tensor: ``KtOpsConfig`` checks its arguments with it before a model loads."""
     if group_size is not None and not is_int(group_size):  # 64.0 or True reached the operator's schema check
         raise ValueError(f"group_size must be an int (32, 64 or 128) or None, got {group_size!r}")
+    for name, value in (("zero_point", zero_point), ("scale_search", scale_search)):
+        if not isinstance(value, bool):  # zero_point="no" selected int4_asym silently (a string is truthy)
+            raise ValueError(f"{name} must be a bool, got {value!r}")
     fmt = format_for_method(method, zero_point)
     if fmt == "mxfp4":
         # e2m1 codes + power-of-two scales per 32 k in the INT4 lines (docs/formats.md); the

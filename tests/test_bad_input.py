@@ -163,3 +163,12 @@ def test_pack_accepts_any_float_dtype_and_strides(experts) -> None:
         experts.gate.transpose(1, 2).contiguous().transpose(1, 2), experts.up, experts.down
     )
     assert torch.equal(fp32.data, reference) and torch.equal(strided.data, reference)
+
+
+@pytest.mark.parametrize("option", ["zero_point", "scale_search"])
+@pytest.mark.parametrize("value", ["no", None, 1])
+def test_a_pack_option_that_is_not_a_bool_is_a_value_error(experts, option, value) -> None:
+    """zero_point="no" packed asymmetric INT4 silently (a string is truthy); scale_search="no"
+    was a RuntimeError from the operator's schema."""
+    with pytest.raises(ValueError, match=f"{option} must be a bool"):
+        kt_ops.pack_experts(experts.gate, experts.up, experts.down, method="AMXINT4", **{option: value})
