@@ -83,6 +83,13 @@ def test_bad_updates_are_refused():
     assert dyn.gpu_experts.tolist() == [0, 1]  # unchanged by the refusals
 
 
+def test_a_dynamic_that_is_not_a_bool_is_refused():
+    """HybridMoE(dynamic="no") packed every expert and kept host copies (bool("no") is True)."""
+    router, gate, up, down = weights()
+    with pytest.raises(ValueError, match="dynamic must be a bool"):
+        kt_ops.HybridMoE(router, gate, up, down, kt_ops.Routing(K), dynamic="no")
+
+
 @pytest.mark.parametrize("kwargs", [{"top_k": True}, {"top_k": 1.5}, {"top_k": 2, "num_groups": 2.0},
                                     {"top_k": 2, "routed_scaling_factor": float("nan")}])
 def test_bad_routing_is_refused(kwargs):

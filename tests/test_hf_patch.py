@@ -217,6 +217,16 @@ def test_bad_masks_are_rejected() -> None:
         kt_ops.patch_model(copy.deepcopy(model), num_gpu_experts=object())
 
 
+@pytest.mark.parametrize("option", ["dynamic_gpu_experts", "experts_interface"])
+def test_a_switch_that_is_not_a_bool_is_refused(option) -> None:
+    """dynamic_gpu_experts="no" packed every expert and kept host copies of them, and
+    experts_interface="no" took the experts-interface path: a string is truthy."""
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match=f"{option} must be a bool"):
+        kt_ops.patch_model(model, num_gpu_experts=1, **{option: "no"})
+    assert not any(isinstance(m, kt_ops.HybridMoE) for m in model.modules())  # refused before anything changed
+
+
 def test_transformers_v4_expert_lists() -> None:
     """Per-expert nn.Linear lists (transformers v4 layout, Mixtral's w1/w3/w2) are read too."""
     from kt_ops.wrappers.patch import _expert_tensors

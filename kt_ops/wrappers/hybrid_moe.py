@@ -117,7 +117,9 @@ class HybridMoE(nn.Module):
         self.shared_experts = shared_experts
         self.shared_expert_gate = shared_expert_gate
 
-        self.dynamic = bool(dynamic)
+        if not isinstance(dynamic, bool):  # "no" is truthy: every expert packed, host copies kept
+            raise ValueError(f"dynamic must be a bool, got {dynamic!r}")
+        self.dynamic = dynamic
         cpu_experts = torch.arange(experts) if self.dynamic else torch.nonzero(~mask).reshape(-1)
         gpu_experts = torch.nonzero(mask).reshape(-1)
         cpu_index = torch.full((experts,), -1, dtype=torch.int32)

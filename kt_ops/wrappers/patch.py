@@ -232,6 +232,9 @@ def patch_model(
             no MoE block found, a non-SiLU activation, or a bad mask.
     """
     gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
+    for name, value in (("dynamic_gpu_experts", dynamic_gpu_experts), ("experts_interface", experts_interface)):
+        if not isinstance(value, bool):  # "no" is truthy: it turned the switch on silently
+            raise ValueError(f"{name} must be a bool, got {value!r}")
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _BLOCKS or experts_interface:
