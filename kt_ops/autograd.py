@@ -62,9 +62,11 @@ def set_save_gate_up(save: bool) -> None:
     """Whether :func:`moe_forward` saves ``g`` and ``u`` for the backward when a gradient is
     needed (default ``True``: the backward ~1.65x faster for an S1 layer at 512 tokens on Zen 3,
     ``8 I`` bytes per (token, slot) held until the backward) or recomputes them there (the
-    forward holds only its inputs)."""
+    forward holds only its inputs). ``ValueError`` for anything but a bool."""
     global _save_gate_up
-    _save_gate_up = bool(save)
+    if not isinstance(save, bool):  # bool("False") is True: saving stayed on silently
+        raise ValueError(f"save must be a bool, got {save!r}")
+    _save_gate_up = save
 
 
 def saves_gate_up(hidden_states: torch.Tensor, topk_weights: torch.Tensor) -> bool:

@@ -158,6 +158,14 @@ def test_forward_train_rejects_bad_arguments() -> None:
         torch.ops.kt.moe_train_backward(x, x, ids, w, experts.packed.data, torch.zeros(3, 2, 16))
 
 
+@pytest.mark.parametrize("value", ["False", 0, None])
+def test_set_save_gate_up_refuses_what_is_not_a_bool(value) -> None:
+    """set_save_gate_up("False") turned saving on (bool("False") is True), silently."""
+    with pytest.raises(ValueError, match="save must be a bool"):
+        kt_ops.autograd.set_save_gate_up(value)
+    assert kt_ops.autograd._save_gate_up is True  # unchanged
+
+
 def forward_saving(save: bool, *args: object) -> torch.Tensor:
     """``kt_ops.moe_forward(*args)`` with gate/up saved for backward (True) or recomputed."""
     kt_ops.autograd.set_save_gate_up(save)
