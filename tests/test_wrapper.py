@@ -536,6 +536,9 @@ def test_bad_weights(tmp_path, checkpoint, weights):
         deferring.forward(x, ids + 2 * E, w)
     with pytest.raises(ValueError, match="hidden_states"):
         wr.forward(x[:, :32], ids, w)
+    for k in (K - 1, K + 1):  # K other than num_experts_per_tok: deferral and graph buffers are sized by it
+        with pytest.raises(ValueError, match=f"num_experts_per_tok = {K}"):
+            wr.forward(x, torch.zeros(x.shape[0], k, dtype=ids.dtype), torch.full((x.shape[0], k), 0.5))
 
 
 MEMORY_PROBE = r"""

@@ -751,7 +751,7 @@ class KTMoEWrapper:
     ) -> None:
         """Starts this layer's CPU experts and returns at once; :meth:`sync_forward`
         collects them. ``hidden_states [T, H]``, ``topk_ids [T, K]`` (physical slots, -1
-        skips), ``topk_weights [T, K]``, all on one device.
+        skips; K = ``num_experts_per_tok``), ``topk_weights [T, K]``, all on one device.
 
         CPU inputs: the work runs on a background thread that releases the GIL. CUDA
         inputs (builds with the CUDA key): the work is queued on ``cuda_stream`` (a
@@ -786,6 +786,9 @@ class KTMoEWrapper:
         if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
             raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
                              f"[T={hidden_states.shape[0]}, K]")
+        if topk_ids.shape[1] != self.num_experts_per_tok:  # deferral and the CUDA-graph buffers are sized by it
+            raise ValueError(f"topk_ids {tuple(topk_ids.shape)} must have K = num_experts_per_tok = "
+                             f"{self.num_experts_per_tok} columns (-1 marks a slot to skip)")
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
         if topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
