@@ -117,8 +117,9 @@ class KtOpsConfig(QuantizationConfigMixin):
             if gpu_budget is None:
                 raise ValueError(f"placement={placement!r} needs gpu_budget: GPU experts per MoE layer (int), a ratio "
                                  "of all routed experts (float in (0, 1]) or GPU bytes ('24GiB')")
-        if not isinstance(dynamic_gpu_experts, bool):
-            raise ValueError(f"dynamic_gpu_experts must be a bool, got {dynamic_gpu_experts!r}")
+        for name, value in (("dynamic_gpu_experts", dynamic_gpu_experts), ("progress", progress)):
+            if not isinstance(value, bool):  # "no" is truthy
+                raise ValueError(f"{name} must be a bool, got {value!r}")
         if dynamic_gpu_experts and not num_gpu_experts and placement is None:
             raise ValueError("dynamic_gpu_experts needs GPU experts to move: give num_gpu_experts or placement")
         self.dynamic_gpu_experts = dynamic_gpu_experts

@@ -352,6 +352,8 @@ def test_ktops_config_places_gpu_experts_by_byte_budget(tmp_path):
         kt_ops.KtOpsConfig(placement="uniform")
     with pytest.raises(ValueError, match="not both"):
         kt_ops.KtOpsConfig(placement="uniform", gpu_budget=2, num_gpu_experts=1)
+    with pytest.raises(ValueError, match="progress must be a bool"):  # "no" is truthy: the bars stayed on
+        kt_ops.KtOpsConfig(progress="no")
 
 
 def test_ktops_config_with_stats_or_numpy_budget_prints_as_json(tmp_path):
