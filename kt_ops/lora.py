@@ -45,6 +45,10 @@ def moe_lora_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_w
     return out
 
 
+# Parameter dtypes LoraExperts takes (their products run in fp32).
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 class LoraExperts(nn.Module):
     """Trainable LoRA matrices for the ``E`` routed experts of one packed layer.
 
@@ -72,6 +76,8 @@ class LoraExperts(nn.Module):
             raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
         if not is_real(dropout) or not 0.0 <= dropout < 1.0:  # "0.1": TypeError from the comparison
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if dtype not in _PARAM_DTYPES:  # int32: torch's "Only Tensors of floating point ..."; float8: no init
+            raise ValueError(f"dtype must be one of {', '.join(map(str, _PARAM_DTYPES))}, got {dtype!r}")
         E, H, I, r = num_experts, hidden_size, intermediate_size, rank
         self.rank, self.alpha, self.dropout = r, float(alpha), float(dropout)
         shapes = {"gate_a": (E, r, H), "gate_b": (E, I, r), "up_a": (E, r, H), "up_b": (E, I, r),

@@ -129,6 +129,9 @@ def test_dropout_masks_input_features_while_training() -> None:
         kt_ops.LoraExperts(E, H, I, dropout="0.1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="alpha"):
         kt_ops.LoraExperts(E, H, I, alpha=True)  # was scaling 1 / rank, silently
+    for dtype in (torch.int32, torch.float8_e4m3fn):  # were torch's RuntimeError / NotImplementedError
+        with pytest.raises(ValueError, match="dtype must be one of"):
+            kt_ops.LoraExperts(E, H, I, dtype=dtype)
 
 
 def test_bad_lora_shapes_name_the_tensor() -> None:
