@@ -180,6 +180,20 @@ def test_bad_activation_input() -> None:
         kt_ops.set_activation(packed, torch.tensor(True))
 
 
+@pytest.mark.parametrize("limit,alpha", [(0.0, 1e-300), (1e-300, 0.0), (1e-46, 1.702)])
+def test_a_nonzero_activation_number_that_is_zero_in_fp32_is_refused(limit: float, alpha: float) -> None:
+    """The header holds fp32: a positive swiglu_alpha or swiglu_limit below fp32's range
+    was stored as 0, silently switching alpha-SwiGLU to plain SiLU (or the clamp off) —
+    0.88 relative error against the reference with the asked activation."""
+    gate, up, down, _ = layer(64, 48, seed=1)
+    packed = kt_ops.pack_experts(gate, up, down, method="BF16")
+    with pytest.raises(ValueError, match="swiglu_limit and swiglu_alpha"):
+        kt_ops.set_activation(packed, limit, alpha)
+    with pytest.raises(ValueError, match="swiglu_limit and swiglu_alpha"):
+        kt_ops.pack_experts(gate, up, down, method="BF16", swiglu_limit=limit, swiglu_alpha=alpha)
+    assert kt_ops.set_activation(packed, 0.0, 1e-40).swiglu_alpha > 0  # subnormal in fp32: still held
+
+
 def test_headers_whose_version_disagrees_with_the_activation_are_refused() -> None:
     gate, up, down, biases = layer(64, 48, seed=1)
     active = kt_ops.set_activation(kt_ops.pack_experts(gate, up, down, method="BF16"), 1.0, 0.0, biases)
