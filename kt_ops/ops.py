@@ -235,10 +235,12 @@ def set_activation(
         if not isinstance(biases, (tuple, list)) or len(biases) != 3:
             raise ValueError("biases must be a (gate_bias, up_bias, down_bias) tuple; any entry may be None")
         for name, bias in zip(("gate_bias", "up_bias", "down_bias"), biases):
-            # as pack_experts refuses non-finite weights: a NaN bias made every output of its expert NaN
+            # as pack_experts refuses non-finite weights: a NaN bias made every output of its expert NaN;
+            # checked as stored (fp32): a float64 bias beyond fp32's range became inf
             if isinstance(bias, torch.Tensor) and bias.is_floating_point() and not bias.is_meta \
-                    and not bool(torch.isfinite(bias).all()):
-                raise ValueError(f"{name} holds non-finite values (NaN or infinity are refused, as in the weights)")
+                    and not bool(torch.isfinite(bias.to(torch.float32) if bias.dtype == torch.float64 else bias).all()):
+                raise ValueError(f"{name} holds non-finite values (NaN or infinity are refused, as in the weights; biases are "
+                                 "stored as float32, so a float64 value beyond its range counts as infinite)")
         if all(b is None for b in biases):
             biases = None
     if swiglu_limit == 0 and swiglu_alpha == 0 and biases is None and not packed.has_biases \

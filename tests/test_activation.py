@@ -194,6 +194,18 @@ def test_a_nonzero_activation_number_that_is_zero_in_fp32_is_refused(limit: floa
     assert kt_ops.set_activation(packed, 0.0, 1e-40).swiglu_alpha > 0  # subnormal in fp32: still held
 
 
+def test_a_float64_bias_beyond_fp32_range_is_refused() -> None:
+    """Biases are stored as fp32: a finite float64 bias of 1e300 was stored as inf, every
+    output of its expert infinite, though non-finite biases are refused."""
+    gate, up, down, (gb, ub, db) = layer(64, 48, seed=1)
+    big = gb.double()
+    big[1, 3] = 1e300
+    with pytest.raises(ValueError, match="non-finite"):
+        kt_ops.pack_experts(gate, up, down, method="BF16", biases=(big, None, None))
+    held = kt_ops.set_activation(kt_ops.pack_experts(gate, up, down, method="BF16"), biases=(gb.double(), None, None))
+    assert torch.equal(reference.activation_of(held.data)["biases"][0], gb)  # in range: kept
+
+
 def test_headers_whose_version_disagrees_with_the_activation_are_refused() -> None:
     gate, up, down, biases = layer(64, 48, seed=1)
     active = kt_ops.set_activation(kt_ops.pack_experts(gate, up, down, method="BF16"), 1.0, 0.0, biases)
