@@ -76,35 +76,65 @@ def pack_experts(
         A :class:`PackedExperts` whose ``data`` is a new uint8 CPU tensor.
 
     Raises:
-        ValueError: a bad argument, a weight on the meta device, and a NaN or infinite
-            weight (naming the matrix, expert and row). The operators themselves
+        ValueError: a bad argument, a weight on the meta device, a NaN or infinite
+            weight (naming the matrix, expert and row), and a finite weight the format
+            would store as infinity or NaN (naming the matrix and expert: e.g. above
+            65504 in GGUF F16, or a GGUF block whose fp16 scale overflows). The operators themselves
             (``torch.ops.kt.pack_experts`` and the others) pack non-finite weights as
             given (NaN where the format holds one).
     """
+    largest: dict[str, list[float]] = {}
     for name, weight in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
         if isinstance(weight, torch.Tensor) and weight.is_meta:
             raise ValueError(f"{name} is on the meta device (a shape without values): pack_experts quantizes the "
                              "weights' values; load them first (from_pretrained, or to_empty() + load_state_dict)")
-        check_finite(name, weight)
+        largest[name] = check_finite(name, weight)
     packed = _pack(gate_proj, up_proj, down_proj, method, group_size, zero_point, scale_search, gguf_type)
+    check_stored_finite(packed, largest, method)
     return set_activation(packed, swiglu_limit, swiglu_alpha, biases)
+
+
+# Every format stores weights with |w| <= 65504 as finite values (the GGUF types' fp16 block
+# scales and minimums, and F16, are the narrowest); only experts beyond it are checked.
+_ALWAYS_HELD = 65504.0
+
+
+def check_stored_finite(packed: PackedExperts, largest: dict[str, list[float]], method: str) -> None:
+    """``ValueError`` naming the matrix and expert whose finite weights ``packed`` holds as
+    infinity or NaN (a weight beyond the format's range: bf16 or F16 overflow, a GGUF block
+    scale or minimum beyond fp16, an int4 range ``max - min`` beyond fp32). ``largest``:
+    each matrix's largest ``|w|`` per expert (:func:`check_finite`); the experts above
+    65504 are dequantized one at a time and checked."""
+    experts = sorted({e for values in largest.values() for e, value in enumerate(values) if value > _ALWAYS_HELD})
+    for expert in experts:
+        stored = torch.ops.kt.dequantize_experts(packed.data, torch.tensor([expert], dtype=torch.int64),
+                                                 torch.float32)
+        for name, matrix in zip(("gate_proj", "up_proj", "down_proj"), stored):
+            if not bool(torch.isfinite(matrix).all()):
+                value = largest[name][expert] if expert < len(largest.get(name, [])) else float("nan")
+                raise ValueError(f"{name}: expert {expert} holds weights up to {value:g} in magnitude, beyond what "
+                                 f"method {method!r} (format {packed.format}) can store: they would be packed as "
+                                 "infinity or NaN (scale the weights down, or pick a format of wider range)")
 
 
 _MINMAX_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def check_finite(name: str, weight: torch.Tensor) -> None:
+def check_finite(name: str, weight: torch.Tensor) -> list[float]:
     """``ValueError`` naming the matrix, expert and row of the first NaN or infinity in
     ``weight [E, N, K]`` (a float tensor; other tensors are left to the operator's checks).
     One expert at a time, so the check needs no copy of the layer: a NaN-propagating
     ``aminmax`` (one pass, no mask; 15x faster than ``isfinite`` on bf16 here), and the
-    element mask only for an expert that fails it."""
+    element mask only for an expert that fails it. Returns each expert's largest ``|w|``
+    (infinity where it was not measured; empty for a tensor left to the operator)."""
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 3:
-        return
+        return []
+    largest: list[float] = []
     for expert in range(weight.shape[0]):
         if weight.dtype in _MINMAX_DTYPES and weight[expert].numel() > 0:
             low, high = torch.aminmax(weight[expert])
             if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+                largest.append(max(-float(low), float(high)))
                 continue
         finite = torch.isfinite(weight[expert])
         if not bool(finite.all()):
@@ -112,6 +142,8 @@ def check_finite(name: str, weight: torch.Tensor) -> None:
             bad = weight[expert, row][~finite[row]][0].item()
             raise ValueError(f"{name}: expert {expert}, row {row} holds {bad} (non-finite weights are refused; "
                              "a NaN or infinite weight is a corrupted checkpoint)")
+        largest.append(0.0 if weight[expert].numel() == 0 else float("inf"))
+    return largest
 
 
 def check_pack_arguments(

@@ -190,6 +190,33 @@ def test_pack_experts_refuses_non_finite_weights(method: str, value: float) -> N
         kt_ops.pack_experts(weights[0], weights[1].to("meta"), weights[2], method=method, **extra)
 
 
+@pytest.mark.parametrize("method,extra,low,high", [
+    ("LLAMAFILE", {"gguf_type": "F16"}, -1.0, 7e4),  # F16 stores 65504 at most
+    ("LLAMAFILE", {"gguf_type": "Q8_0"}, -1.0, 1e7),  # its fp16 block scale max/127 overflows
+    ("LLAMAFILE", {"gguf_type": "Q4_1"}, -1e5, 0.5),  # its fp16 block minimum overflows
+    ("LLAMAFILE", {"gguf_type": "Q4_K"}, -3e38, 3e38),
+    ("BF16", {}, -1.0, 3.4e38),  # rounds to bf16 infinity
+    ("AMXINT4", {"group_size": 32, "zero_point": True}, -3e38, 3e38),  # max - min overflows fp32
+])
+def test_pack_experts_refuses_finite_weights_its_format_cannot_hold(method: str, extra: dict, low: float,
+                                                                   high: float) -> None:
+    """A finite weight beyond the format's range was packed as infinity or NaN (GGUF: the
+    whole block NaN), so every token routed to that expert got NaN outputs; now a
+    ValueError naming the matrix and expert, as for non-finite weights. |w| <= 65504 packs
+    finite in every format."""
+    import kt_ops
+
+    E, H, I = 3, 256, 256
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g)]
+    weights[2][1, 17, 4], weights[2][1, 17, 5] = high, low
+    with pytest.raises(ValueError, match="down_proj: expert 1 holds weights up to"):
+        kt_ops.pack_experts(*weights, method=method, **extra)
+    weights[2][1, 17, 4], weights[2][1, 17, 5] = 65504.0, -65504.0
+    packed = kt_ops.pack_experts(*weights, method=method, **extra)
+    assert all(bool(torch.isfinite(m).all()) for m in kt_ops.dequantize_experts(packed))
+
+
 # ---- memory (issue 23, case 9) -----------------------------------------------------------
 
 
