@@ -192,6 +192,13 @@ def test_a_nonzero_activation_number_that_is_zero_in_fp32_is_refused(limit: floa
     with pytest.raises(ValueError, match="swiglu_limit and swiglu_alpha"):
         kt_ops.pack_experts(gate, up, down, method="BF16", swiglu_limit=limit, swiglu_alpha=alpha)
     assert kt_ops.set_activation(packed, 0.0, 1e-40).swiglu_alpha > 0  # subnormal in fp32: still held
+    # KTMoEWrapper: without biases its parts were kept as they were (plain SiLU), the value
+    # compared as fp32 0 with the header's 0
+    for name, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if value == 0 or np.float32(value) != 0:
+            continue
+        with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+            kt_ops.KTMoEWrapper(0, E, TOP_K, 64, 48, method="BF16", swiglu_limit=limit, swiglu_alpha=alpha)
 
 
 def test_a_float64_bias_beyond_fp32_range_is_refused() -> None:

@@ -216,8 +216,11 @@ class KTMoEWrapper:
         if group_size is not None and not is_int(group_size):  # 64.0 or True: refused only at load_weights
             raise ValueError(f"group_size must be an int (32, 64 or 128) or None, got {group_size!r}")
         for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
-            if not is_real(value) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value!r}")
+            # (the packed layer's header holds fp32: a positive value that is 0 there would be "off")
+            if not is_real(value) or not math.isfinite(value) or value < 0 or (value > 0 and not float(
+                    torch.tensor(float(value), dtype=torch.float32))):
+                raise ValueError(f"{name} must be a finite number >= 0 (0: off) and, if positive, nonzero in "
+                                 f"float32; got {value!r}")
         if not isinstance(cpu_save, bool):  # "no" or "False" kept the source tensors: a string is truthy
             raise ValueError(f"cpu_save must be a bool, got {cpu_save!r}")
         self.layer_idx = layer_idx
