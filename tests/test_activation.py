@@ -191,6 +191,8 @@ def test_a_nonzero_activation_number_that_is_zero_in_fp32_is_refused(limit: floa
         kt_ops.set_activation(packed, limit, alpha)
     with pytest.raises(ValueError, match="swiglu_limit and swiglu_alpha"):
         kt_ops.pack_experts(gate, up, down, method="BF16", swiglu_limit=limit, swiglu_alpha=alpha)
+    with pytest.raises(ValueError, match="nonzero in float32"):  # the operator itself, for direct callers
+        kt_ops._C.set_activation(packed.data, limit, alpha)
     assert kt_ops.set_activation(packed, 0.0, 1e-40).swiglu_alpha > 0  # subnormal in fp32: still held
     # KTMoEWrapper: without biases its parts were kept as they were (plain SiLU), the value
     # compared as fp32 0 with the header's 0

@@ -46,6 +46,11 @@ at::Tensor set_activation(const at::Tensor& packed, double swiglu_limit, double 
                         swiglu_alpha >= 0.0 && swiglu_limit < 3.0e38 && swiglu_alpha < 3.0e38,
                     "swiglu_limit and swiglu_alpha must be finite and >= 0 (0: off); got ", swiglu_limit, " and ",
                     swiglu_alpha);
+  // The header holds fp32: a positive value that rounds to 0 there would read as "off".
+  TORCH_CHECK_VALUE((swiglu_limit == 0.0) == (static_cast<float>(swiglu_limit) == 0.0f) &&
+                        (swiglu_alpha == 0.0) == (static_cast<float>(swiglu_alpha) == 0.0f),
+                    "swiglu_limit and swiglu_alpha must be 0 (off) or nonzero in float32 (the layer's header holds "
+                    "float32); got ", swiglu_limit, " and ", swiglu_alpha);
   cpu::PackedShape shape = old.shape;
   shape.glu.swiglu_limit = static_cast<float>(swiglu_limit);
   shape.glu.swiglu_alpha = static_cast<float>(swiglu_alpha);
