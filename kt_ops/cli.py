@@ -26,8 +26,8 @@ COMMANDS = {
               "threads, kernels per format",
     "bench": "time the MoE kernels against the machine's limits (python -m kt_ops.bench; "
              "'kt-ops bench --help' lists its options)",
-    "convert": "convert a Hugging Face checkpoint's routed experts to packed INT8/INT4 CPU weights "
-               "(python -m kt_ops.convert; 'kt-ops convert --help' lists its options)",
+    "convert": "convert a Hugging Face checkpoint's routed experts to packed INT8/INT4/FP8/MXFP4 CPU weights "
+               "(python -m kt_ops.convert; its --help lists the options)",
     "inspect": "what a packed file, converted directory, GGUF file/directory or Hugging Face checkpoint holds",
     "generate": "load a Hugging Face model with its experts packed by kt_ops (or a GGUF file), stream a continuation "
                 "of --prompt and print prefill/decode tokens/s (python -m kt_ops.generate; 'kt-ops generate --help')",
