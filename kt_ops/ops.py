@@ -53,7 +53,8 @@ def pack_experts(
             (:mod:`kt_ops.hf_int4`, ``KTMoEWrapper(weight_path=...)``).
         group_size: INT4 k-group, 32, 64 or 128; None: the method's default (128;
             RAWINT4 32). It must divide H and I (``ValueError`` otherwise). MXFP4 takes
-            32 or none (its groups are fixed at 32). Other methods take none.
+            32 or none (its groups are fixed at 32). Other methods take none; 128, the
+            default that ``HybridMoE`` and ``patch_model`` pass along, is ignored there.
         zero_point: INT4 only: asymmetric groups (``w = scale * q + minimum``).
         scale_search: quantized methods: per row/group, try candidate scales (with a
             least-squares refit) and keep the one with the smallest squared error,
