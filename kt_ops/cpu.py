@@ -23,7 +23,8 @@ def set_cpu_variant(name: str) -> None:
     """Makes ``name`` the active variant for every later call in this process.
 
     Raises ``ValueError`` for an unknown name and ``RuntimeError`` naming the missing
-    CPU/OS features for an unsupported one. ``KT_OPS_CPU_VARIANT`` does the same at import.
+    CPU/OS features for an unsupported one. ``KT_OPS_CPU_VARIANT`` does the same at import,
+    where either is a ``RuntimeError`` naming the variable.
     """
     if name not in CPU_VARIANTS:
         raise ValueError(f"unknown CPU variant {name!r}; expected one of {', '.join(CPU_VARIANTS)}")
