@@ -3,9 +3,10 @@
 The routed experts of an MoE layer are packed once (:func:`pack_experts`) and run by
 ``torch.ops.kt.moe_forward`` (:func:`moe_forward`), which eager PyTorch and
 ``torch.compile(fullgraph=True)`` call directly. Kernels exist for every CPU variant
-(AVX2, AVX-512, AVX512_BF16, AMX); the best one the CPU supports is chosen at import
-(:func:`cpu_variant`) unless ``KT_OPS_CPU_VARIANT`` forces another. The kernels run on
-torch's intra-op threads (:func:`thread_source`).
+(:data:`CPU_VARIANTS`: AVX2, AVX-VNNI, AVX-512, AVX512_VNNI, AVX512_BF16, AMX); the best
+one the CPU supports is chosen at import (:func:`cpu_variant`) unless
+``KT_OPS_CPU_VARIANT`` forces another. The kernels run on torch's intra-op threads
+(:func:`thread_source`).
 """
 
 from kt_ops import autograd, hf_experts, reference  # noqa: F401  (autograd: kt::moe_forward's backward)
