@@ -81,8 +81,10 @@ constexpr FormatRow kRows[] = {
      RowRule::kGgmlBlock, 1, 0, nullptr, 0, 0, false,
      pack_gguf_experts, "pack_gguf_experts", dequantize_gguf_rows, "dequantize_gguf_rows",
      ActivationQuant::kGgmlBlocks, kOracle,
-     {{gguf_moe_avx2, "gguf/avx2 (vpmaddubsw + vpmaddwd on decoded blocks)"},
-      {gguf_moe_avx_vnni, "gguf/avx_vnni (256-bit vpdpbusd on decoded blocks)"},
+     {{gguf_moe_avx2,
+       "gguf/avx2 (vpmaddubsw + vpmaddwd; in-place types dotted from their bytes, the others decoded once per job)"},
+      {gguf_moe_avx_vnni,
+       "gguf/avx_vnni (256-bit vpdpbusd; in-place types dotted from their bytes, the others decoded once per job)"},
       {gguf_moe_avx512,
        "gguf/avx512 (vpmaddubsw + vpmaddwd; in-place types dotted from their bytes, the others "
        "decoded once per job)"},
