@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kt_ops._validate import regular_file_stat
 from kt_ops.converted import INDEX, layer_file, layer_key
 
 METADATA = {"producer": "kt_ops"}
@@ -64,7 +65,10 @@ def write_index(out: Path, files: dict[str, str], nbytes: int) -> None:
 
 
 def _has_keys(path: Path, keys: list[str]) -> bool:
+    """Whether ``path`` is a safetensors file holding ``keys``; a FIFO or device there
+    (which opening would wait on for ever) holds nothing."""
     try:
+        regular_file_stat(path)
         with safe_open(os.fspath(path), framework="pt") as handle:
             return set(keys) <= set(handle.keys())
     except Exception:  # noqa: BLE001 - an unreadable or partial file holds nothing

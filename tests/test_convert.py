@@ -426,3 +426,22 @@ def test_a_damaged_config_json_exits_2_naming_it(tmp_path, weights, capsys, text
     assert run("--input-path", source, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 2
     assert re.search(message, capsys.readouterr().err.strip().splitlines()[-1])
     assert not out.exists()
+
+
+
+def test_a_fifo_named_by_the_index_is_not_waited_on(tmp_path, checkpoint):
+    """A FIFO where the index names a shard: --resume-layer's probe of the layers kept
+    opened it to read its header and blocked for ever. It holds nothing: the layer is
+    missing (exit 2). Run in a subprocess with a timeout, so that a hang fails."""
+    out = tmp_path / "out"
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+            "--layers", "1-2"]
+    assert run(*base) == 0
+    shard = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["blk.1.part0.packed"]
+    (out / shard).unlink()
+    os.mkfifo(out / shard)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-m", "kt_ops.convert", *map(str, base), "--resume-layer", "2"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "layers 1 are in no layer file or shard" in done.stderr.splitlines()[-1]
