@@ -21,7 +21,9 @@ and is renamed, so a crash at any point loses at most the layer being written
 (kt_ops/convert_merge.py). ``--resume-layer L`` keeps the layers below L (in layer files
 or merged shards) and continues from L; a new conversion that fails before its first layer
 is done removes what it wrote (its manifest, the output directory if it made it), so a
-rerun starts afresh. The output may not be, contain or lie inside the input directory. See kt_ops/converted.py for the
+rerun starts afresh. A run holds an exclusive lock on the output directory (``flock``, released
+by the OS when the run ends, killed or not): a second run on the same ``--output`` meanwhile
+is refused (exit 2) instead of interleaving its writes with the first's. The output may not be, contain or lie inside the input directory. See kt_ops/converted.py for the
 format. Exit status 2 for a bad argument or path (found before anything is written: the
 input is not a checkpoint, ``--layers`` matches no layer, ``--input-type`` is not what the
 tensors hold, ``--threadpool-count`` does not split I into parts the format takes, the
@@ -32,9 +34,12 @@ conversion step fails or a file cannot be read or written; the last stderr line 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -203,7 +208,42 @@ def foreign_model_files(out: Path) -> list[str]:
                   if p.is_file() and (p.name in ("config.json", INDEX) or p.suffix == ".safetensors"))
 
 
+@contextlib.contextmanager
+def output_lock(out: Path) -> Iterator[bool]:
+    """Creates ``out`` (and its parents) if need be and holds an exclusive ``flock`` on it
+    until the block ends; yields whether this call created it, which is removed again, if
+    empty, when the block raises a :class:`UsageError`. ``UsageError`` naming ``out`` when
+    another run holds the lock. The OS releases a lock when its process ends, so a killed
+    run never leaves one behind. A filesystem without ``flock`` (some network mounts) runs
+    unlocked, with a note on stderr."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"--output {out} is being written by another conversion run (it holds the directory's "
+                             "lock); wait for it to finish or choose another --output") from None
+        except OSError as error:
+            print(f"note: --output {out}: cannot lock it ({error.strerror or error}); make sure no other "
+                  "conversion writes there at the same time", file=sys.stderr)
+        try:
+            yield created
+        except UsageError:
+            if created and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            raise
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def convert(args: argparse.Namespace) -> Path:
+    with contextlib.ExitStack() as stack:
+        return _convert(args, stack)
+
+
+def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
     source = Path(args.input_path)
     out = Path(args.output)
     method = METHODS[args.quant_method]
@@ -313,6 +353,8 @@ def convert(args: argparse.Namespace) -> Path:
                         tuple(layers), E, H, I, args.threadpool_count, False,
                         {"path": os.fspath(source.resolve()), "input_type": args.input_type,
                          "model_type": config.get("model_type")})
+    # From here to the end no other run may look at or write the directory.
+    created = stack.enter_context(output_lock(out))
     if (out / MANIFEST).is_file():
         old = Manifest.read(out)
         if args.resume_layer is None:
@@ -346,8 +388,7 @@ def convert(args: argparse.Namespace) -> Path:
     if missing:
         raise UsageError(f"--resume-layer {args.resume_layer}: layers {', '.join(map(str, missing))} are in no "
                          f"layer file or shard of {out}")
-    fresh, created = not (out / MANIFEST).is_file(), not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    fresh = not (out / MANIFEST).is_file()
     manifest.write(out)
     done: list[int] = []
     try:

@@ -445,3 +445,35 @@ def test_a_fifo_named_by_the_index_is_not_waited_on(tmp_path, checkpoint):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "layers 1 are in no layer file or shard" in done.stderr.splitlines()[-1]
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_runs(tmp_path, checkpoint, capsys):
+    """Two runs writing one --output at once interleaved their writes to one manifest and
+    one set of layer files and shards. A run holds an exclusive flock on the directory:
+    another run meanwhile exits 2, naming it, and writes nothing; a killed run's lock is
+    released by the OS."""
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+            "--layers", "1"]
+    other = os.open(out, os.O_RDONLY)  # the first run, in the middle of its conversion
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert run(*base) == 2
+    finally:
+        os.close(other)
+    assert f"--output {out} is being written by another conversion run" in capsys.readouterr().err
+    assert not any(out.iterdir())
+    holder = subprocess.Popen([sys.executable, "-c", f"import fcntl, os, time; fd = os.open({str(out)!r}, os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert run(*base) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run(*base) == 0  # the killed run's lock went with it
+    assert Manifest.read(out).complete
