@@ -452,6 +452,35 @@ def test_an_expert_tensor_of_a_non_float_dtype_is_refused(tmp_path: Path) -> Non
         HfCheckpoint(path).load_experts(0, range(4), 32, 16)
 
 
+@pytest.mark.parametrize("odd", [torch.float32, torch.float16])
+def test_one_expert_tensor_of_another_float_dtype_is_refused(tmp_path: Path, odd: torch.dtype, capsys) -> None:
+    """One expert's weight stored as F32 (or F16) among BF16 ones: load_experts promises
+    the stored dtype, but copied it into the layer's bf16 matrix, rounding it, and the
+    converter (--input-type bf16 checks the first gate only) packed it so. A ValueError
+    naming both tensors and dtypes; the converter exits 2 before writing anything."""
+    from checkpoint_helpers import make_weights, write_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from kt_ops import convert
+    from kt_ops.hf_checkpoint import HfCheckpoint
+
+    path = write_checkpoint(tmp_path / "model", make_weights([0], 4, 32, 16))
+    shard = path / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    key = "model.layers.0.mlp.experts.2.down_proj.weight"
+    tensors[key] = (tensors[key].float() + 1e-3).to(odd)
+    save_file(tensors, shard)
+    name = {torch.float32: "F32", torch.float16: "F16"}[odd]
+    with pytest.raises(ValueError, match=f"layer 0 mixes dtypes.*gate_proj.weight' is BF16.*{key}' is {name}"):
+        HfCheckpoint(path).load_experts(0, range(4), 32, 16)
+    with pytest.raises(ValueError, match=f"{key}' is {name}"):
+        HfCheckpoint(path).dtype(0)
+    out = tmp_path / "out"
+    assert convert.main(["--input-path", str(path), "--input-type", "bf16", "--output", str(out),
+                         "--quant-method", "int8"]) == 2
+    assert f"{key}' is {name}" in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.parametrize("damage", ["manifest-not-json", "manifest-a-list", "manifest-no-method",
                                     "manifest-no-parts", "index-empty",
                                     "index-missing", "shard-truncated", "index-names-another-file"])
