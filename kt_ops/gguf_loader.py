@@ -83,7 +83,9 @@ def gguf_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+def _reader(path: str, mtime_ns: int, size: int, identity: tuple[int, int, int]) -> gguf.GGUFReader:
+    """``identity``: (st_dev, st_ino, st_ctime_ns), which tell a replaced or rewritten file
+    from the cached one where mtime and size do not (coarse timestamps, ``cp -p``)."""
     try:
         return gguf.GGUFReader(path)
     except Exception as error:  # numpy/struct errors on a damaged file
@@ -92,9 +94,10 @@ def _reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """A reader of one GGUF file (metadata and tensor infos; the data stays memory-mapped),
-    cached per path, size and mtime; ``ValueError`` for a damaged file."""
+    cached per path, size, mtime, inode and ctime (a file replaced or rewritten keeping its
+    size and mtime is read again); ``ValueError`` for a damaged file."""
     stat = regular_file_stat(path, "; GGUF models are files")  # a FIFO would block the reader's open for ever
-    return _reader(str(path), stat.st_mtime_ns, stat.st_size)
+    return _reader(str(path), stat.st_mtime_ns, stat.st_size, (stat.st_dev, stat.st_ino, stat.st_ctime_ns))
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> object | None:

@@ -252,6 +252,25 @@ def test_mapped_weights_outlive_the_file_and_reader(tmp_path) -> None:
     packed.data[300] = 1  # copy-on-write: writable, the (deleted) file is untouched
 
 
+def test_a_file_replaced_with_the_same_size_and_mtime_is_reread(tmp_path) -> None:
+    """The reader cache was keyed by (path, mtime_ns, size): a GGUF replaced by another of
+    the same size whose mtime matches (a coarse-clock filesystem, or a copy that keeps
+    times: cp -p, rsync -t) served the old file's tensors. The inode and ctime (which no
+    copy can set) are in the key too."""
+    E, H, I = 8, 256, 256
+    path = tmp_path / "m.gguf"
+    old = model_layers(("Q4_K", "Q4_K", "Q6_K"), 1, E, H, I, seed=11)
+    new = model_layers(("Q6_K", "Q4_K", "Q4_K"), 1, E, H, I, seed=12)  # same size, other offsets
+    write_model(path, old, E, H, I)
+    check_layer_from_file(kt_ops.load_gguf_experts(path, 0), old[0], E, H, I)
+    before = os.stat(path)
+    write_model(tmp_path / "new.gguf", new, E, H, I)
+    os.replace(tmp_path / "new.gguf", path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    check_layer_from_file(kt_ops.load_gguf_experts(path, 0), new[0], E, H, I)
+
+
 # --- bad input -------------------------------------------------------------------------
 
 
