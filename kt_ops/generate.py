@@ -167,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
             suggestion = _GGUF_SUGGESTION.search(str(error))
             hint = f" (on the command line: --gguf-type {','.join(suggestion.groups())})" if suggestion else ""
             raise UsageError(f"{args.model}: {error}{hint}") from None
+        except RuntimeError as error:  # transformers: tensors whose sizes do not fit the config
+            raise UsageError(f"{args.model}: cannot load the weights: {_load_problems(error, args.model)}") from None
     loaded = time.perf_counter()
     chat = args.chat and bool(getattr(tokenizer, "chat_template", None))
     if args.chat and not chat:
@@ -200,6 +202,46 @@ def run(args: argparse.Namespace) -> int:
           f"decode {decode:.2f} tokens/s; {torch.get_num_threads()} threads, CPU variant {kt_ops.cpu_variant()}",
           file=sys.stderr)
     return 0
+
+
+def _load_problems(error: RuntimeError, model: str) -> str:
+    """What ``from_pretrained``'s ``RuntimeError`` was about: each tensor whose size does not
+    fit the model that config.json describes, with both sizes, from transformers' loading
+    report (found in the traceback); else the error's own text."""
+    info, frame = None, error.__traceback__
+    while frame is not None:
+        info = frame.tb_frame.f_locals.get("loading_info", info)
+        frame = frame.tb_next
+    problems = [f"{key} is {list(ckpt)} in the checkpoint but {list(model)} in the model its config.json describes"
+                for key, ckpt, model in sorted(getattr(info, "mismatched_keys", None) or ())]
+    for key, text in sorted((getattr(info, "conversion_errors", None) or {}).items()):
+        said = [line for line in str(text).splitlines()  # a traceback (its frames indented), then what it said
+                if line.strip() and not line[0].isspace() and not line.startswith("Traceback")]
+        problems.append(f"{key}: " + " ".join(dict.fromkeys(said)))
+    if getattr(info, "conversion_errors", None):
+        problems += _odd_expert_shapes(model)
+    return "; ".join(problems) if problems else " ".join(str(error).split())
+
+
+def _odd_expert_shapes(model: str) -> list[str]:
+    """Each routed-expert tensor of the checkpoint in ``model`` whose shape differs from
+    expert 0's of the same matrix and layer (read from the safetensors headers only)."""
+    try:
+        from kt_ops.hf_checkpoint import HfCheckpoint
+
+        checkpoint = HfCheckpoint(model)
+        odd = []
+        for layer in sorted(checkpoint.moe_layers()):
+            where = checkpoint.layer(layer)
+            if where.convention == "fused":
+                continue
+            for m in range(3):
+                first = checkpoint._shape(where.key(m, 0))
+                odd += [f"{where.key(m, e)} is {list(checkpoint._shape(where.key(m, e)))}, expert 0's {list(first)}"
+                        for e in range(1, where.num_experts) if checkpoint._shape(where.key(m, e)) != first]
+        return odd
+    except Exception:  # noqa: BLE001 - only a hint: transformers' own message stands
+        return []
 
 
 class UsageError(Exception):

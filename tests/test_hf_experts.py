@@ -483,3 +483,30 @@ def test_import_kt_ops_does_not_import_transformers() -> None:
 
 if __name__ == "__main__":
     sys.exit(globals()[sys.argv[1]](*sys.argv[2:]))
+
+
+@pytest.mark.parametrize("key,cut", [("model.layers.0.self_attn.q_proj.weight",
+                                      "model.layers.0.self_attn.q_proj.weight is [64, 62] in the checkpoint but "
+                                      "[64, 64] in the model its config.json describes"),
+                                     ("model.layers.0.mlp.experts.1.down_proj.weight",
+                                      "model.layers.0.mlp.experts.1.down_proj.weight is [64, 30], expert 0's "
+                                      "[64, 32]")])
+def test_kt_ops_generate_of_tensors_that_do_not_fit_the_config_names_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, cut: str) -> None:
+    """A checkpoint whose tensor sizes do not fit its config.json: kt-ops generate showed
+    transformers' RuntimeError traceback. Exit 2, the last line naming the tensor and sizes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kt_ops import generate
+
+    source = tmp_path / "model"
+    tiny_model("qwen3_moe", dtype=torch.bfloat16).float().save_pretrained(source)
+    save_tokenizer(source)
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors[key] = tensors[key][:, :-2].contiguous()
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    assert generate.main([str(source), "--prompt", "w1 w2", "--max-new-tokens", "1"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"python -m kt_ops.generate: error: {source}: cannot load the weights: ") and cut in last
