@@ -498,10 +498,12 @@ def _check_regular_file(file: Path) -> None:
 
 def read_config_json(folder: str | os.PathLike[str]) -> dict:
     """``folder/config.json`` as a dict (``{}`` where there is none); ``ValueError`` naming
-    the file when it is not a JSON object."""
+    the file when it is not a JSON object or not a regular file (a FIFO or device there
+    was read as no config at all)."""
     file = Path(folder) / "config.json"
-    if not file.is_file():
+    if not file.exists():
         return {}
+    regular_file_stat(file)
     try:
         config = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -634,7 +634,12 @@ g = root / "g"
 g.mkdir()
 os.mkfifo(g / "model.gguf")
 refused(lambda: inspect_weights(g), "not a regular file")
+c = write_checkpoint(root / "c", make_weights([0], 4, 32, 16))
+(c / "config.json").unlink()
+os.mkfifo(c / "config.json")  # was read as no config at all
+from kt_ops.hf_checkpoint import read_config_json
+refused(lambda: read_config_json(c), "not a regular file")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=HERE.parent)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["refused"] * 5
+    assert result.stdout.split() == ["refused"] * 6
