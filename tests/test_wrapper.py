@@ -414,6 +414,44 @@ print(os.waitstatus_to_exitcode(status))
     assert result.stdout.strip() == "0", "forked child hung (-14: killed by its alarm) or computed a different result"
 
 
+def test_forked_child_fails_work_in_flight_at_fork_clearly() -> None:
+    """Work on the parent's worker thread when fork() runs is never finished in the child
+    (that thread is not there): sync_forward there must raise, not wait forever; the
+    wrapper stays usable in the child and the parent gets its result."""
+    code = """
+import os, signal, threading, torch
+from kt_ops import KTMoEWrapper
+E, H, I = 4, 64, 32
+wr = KTMoEWrapper(0, E, 2, H, I, method="BF16")
+wr.load_weights_from_tensors(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I))
+x, ids, w = torch.randn(2, H), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+expected = wr.forward(x, ids, w)
+release, compute = threading.Event(), wr._compute
+wr._compute = lambda *args: (release.wait(30), compute(*args))[1]
+wr.submit_forward(x, ids, w)  # in flight on the worker thread until released
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)
+    try:
+        wr.sync_forward(x)
+        os._exit(3)
+    except RuntimeError as error:
+        if "fork" not in str(error):
+            os._exit(4)
+    wr._compute = compute
+    wr.submit_forward(x, ids, w)
+    os._exit(0 if torch.equal(wr.sync_forward(x), expected) else 5)
+release.set()
+assert torch.equal(wr.sync_forward(x), expected)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0", "forked child hung (-14: killed by its alarm) or did not raise"
+
+
 def test_output_is_fresh_in_input_dtype_and_chunked(weights):
     x, ids, w = inputs(9)
     wr = wrapper(chunked_prefill_size=4)

@@ -17,7 +17,8 @@ import threading
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures._base import FINISHED as _FINISHED
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Sequence
 
@@ -166,6 +167,7 @@ class KTMoEWrapper:
     _executor: ClassVar[ThreadPoolExecutor | None] = None
     _executor_lock: ClassVar[threading.Lock] = threading.Lock()
     _pool_tasks: ClassVar[int] = 0  # tasks submitted to _executor and not finished
+    _worker_futures: ClassVar[set[Future]] = set()  # their futures (failed in a fork()ed child)
 
     def __init__(
         self,
@@ -689,21 +691,53 @@ class KTMoEWrapper:
         except BaseException:
             cls._task_done(None)
             raise
+        with cls._executor_lock:
+            cls._worker_futures.add(future)
         future.add_done_callback(cls._task_done)
         return future
 
     @classmethod
-    def _task_done(cls, _future: Future | None) -> None:
+    def _task_done(cls, future: Future | None) -> None:
         with cls._executor_lock:
             cls._pool_tasks -= 1
+            cls._worker_futures.discard(future)
 
     @classmethod
     def _forget_worker_after_fork(cls) -> None:
         """In a fork()ed child the parent's worker thread is gone (its executor would queue
-        tasks that never run): the next task starts a new one."""
+        tasks that never run): the next task starts a new one. Work that thread had not
+        finished never finishes here: its futures (forwards in flight, deferred experts,
+        staging writes) are replaced by failed ones, so their syncs raise instead of
+        waiting forever."""
+        lost = {f for f in cls._worker_futures if f._state != _FINISHED}  # no lock: it may be held by the gone thread
         cls._executor_lock = threading.Lock()
         cls._executor = None
         cls._pool_tasks = 0
+        cls._worker_futures = set()
+        if not lost:
+            return
+        failed: dict[Future, Future] = {}
+
+        def fail(future: object) -> object:
+            if not isinstance(future, Future) or future not in lost:
+                return future
+            if future not in failed:
+                failed[future] = Future()
+                failed[future].set_exception(RuntimeError(
+                    "this work was running on kt_ops' worker thread when the process fork()ed; the thread does "
+                    "not exist in the child, so it never finishes here: submit it again"))
+            return failed[future]
+
+        def fail_pending(entry: tuple | None) -> tuple | None:
+            return None if entry is None else (fail(entry[0]), *entry[1:])
+
+        for key, entry in list(cls._pending.items()):
+            cls._pending[key] = fail_pending(entry)
+        for wrapper in list(cls._instances):
+            if wrapper._inflight is not None:
+                wrapper._inflight = replace(wrapper._inflight, result=fail(wrapper._inflight.result),
+                                            previous=fail_pending(wrapper._inflight.previous))
+            wrapper._staging = fail(wrapper._staging)
 
     def submit_write_weight_scale_to_buffer(
         self,
