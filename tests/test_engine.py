@@ -150,6 +150,21 @@ def test_num_threads_environment_variable() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="csrc/cpu/engine/engine.cpp env_int: strtoll's value is cast to int "
+                   "unchecked, so 2**32 + 2 reads as 2 (and 2**31 as negative); needs a C++ range check")
+def test_environment_integers_out_of_range_are_refused() -> None:
+    """A count beyond int is an error naming the variable, not its value modulo 2**32:
+    KT_OPS_NUMA_SIMULATE=4294967298 simulated 2 nodes and KT_OPS_NUM_THREADS=4294967298
+    ran 2 threads, silently; 2147483648 failed in torch's set_num_threads ("Expected
+    positive number of threads"), naming neither the variable nor the value."""
+    code = "import kt_ops; print(kt_ops.get_num_threads(), len(kt_ops.numa.topology().nodes))"
+    for name in ("KT_OPS_NUMA_SIMULATE", "KT_OPS_NUM_THREADS"):
+        for value in ("4294967298", "2147483648", "99999999999999999999"):
+            result = run_python(code, **{name: value})
+            assert result.returncode != 0 and name in result.stderr, (name, value, result.stdout, result.stderr[-500:])
+
+
+@pytest.mark.slow
 def test_thread_pool_environment_variable() -> None:
     result = run_python("import kt_ops", KT_OPS_THREAD_POOL="mine")
     assert result.returncode != 0 and "KT_OPS_THREAD_POOL must be 'torch'" in result.stderr
