@@ -348,6 +348,30 @@ def test_forward_computes_cpu_inputs_on_the_calling_thread(weights, monkeypatch)
     assert torch.equal(wr.forward(x, ids, w), inline) and threads[4] is threading.current_thread()
 
 
+def test_submit_forward_runs_on_the_submitters_thread_count(weights, monkeypatch):
+    """The worker thread runs submit_forward's kernels on as many threads as the caller
+    set (kt_ops.set_num_threads, cpuinfer_threads): torch's count is per thread and was
+    read once, on the worker's first torch call, so a later change was ignored there."""
+    previous = kt_ops.get_num_threads()
+    wr = wrapper()
+    wr.load_weights_from_tensors(*weights[1])
+    seen = []
+    compute = wr._compute
+    monkeypatch.setattr(wr, "_compute", lambda *args: (seen.append(kt_ops.get_num_threads()), compute(*args))[1])
+    x, ids, w = inputs()
+    try:
+        for n in (2, 1, 3):
+            kt_ops.set_num_threads(n)
+            wr.submit_forward(x, ids, w)
+            wr.sync_forward(x)
+        KTMoEWrapper(2, E, K, H, I, method="BF16", cpuinfer_threads=1)
+        wr.submit_forward(x, ids, w)
+        wr.sync_forward(x)
+    finally:
+        kt_ops.set_num_threads(previous)
+    assert seen == [2, 1, 3, 1]
+
+
 @pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4", "FP8", "MXFP4"])
 def test_direct_forward_matches_the_general_path_bit_for_bit(weights, method):
     """forward()'s one-operator path (_direct_cpu_forward: inputs in their own dtype, one

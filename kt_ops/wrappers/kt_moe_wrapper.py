@@ -65,6 +65,13 @@ class _Inflight:
     stream: torch.cuda.Stream | None = None
 
 
+def _with_threads(threads: int, fn: Callable[..., object], *args: object) -> object:
+    """``fn(*args)`` with the kernels' thread count of this thread set to ``threads``."""
+    if get_num_threads() != threads:
+        set_num_threads(threads)
+    return fn(*args)
+
+
 def _env_flag(name: str) -> bool:
     """An environment switch: unset, "" or "0" off, "1" on; anything else a ValueError."""
     value = os.environ.get(name, "").strip()
@@ -682,12 +689,15 @@ class KTMoEWrapper:
     @classmethod
     def _run_on_worker(cls, fn: Callable[..., object], *args: object) -> Future:
         """``fn(*args)`` on the wrapper's worker thread (one for every wrapper: tasks run in
-        submission order), counted in ``_pool_tasks`` until it finishes."""
+        submission order), counted in ``_pool_tasks`` until it finishes, on the caller's
+        thread count (torch's count is per thread: the worker's own was read once, on its
+        first torch call, and missed every later ``set_num_threads``)."""
         pool = cls._pool()
+        threads = get_num_threads()
         with cls._executor_lock:
             cls._pool_tasks += 1
         try:
-            future = pool.submit(fn, *args)
+            future = pool.submit(_with_threads, threads, fn, *args)
         except BaseException:
             cls._task_done(None)
             raise
