@@ -268,6 +268,20 @@ def _staging_thread() -> ThreadPoolExecutor:
         return _STAGING_THREAD[1]
 
 
+def _forget_staging_after_fork() -> None:
+    """A fork()ed child has none of the parent's threads: a chunk the parent's staging
+    thread had not finished never finishes there (taking it waited forever), and a lock a
+    parent thread held stays held. The child drops the chunks staged ahead (its calls
+    stage them again) and starts its own thread and locks."""
+    global _PREFETCH_LOCK, _STAGING_LOCK, _STAGING_THREAD
+    _PREFETCH_LOCK, _STAGING_LOCK, _STAGING_THREAD = threading.Lock(), threading.Lock(), None
+    _PREFETCHED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_staging_after_fork)
+
+
 def _chunk_experts(packed: PackedExperts, chunk_bytes: int) -> int:
     """Experts per chunk: about ``chunk_bytes`` of packed weights, at least one."""
     per_expert = max(1, packed.nbytes // max(packed.num_experts, 1))

@@ -19,6 +19,10 @@ HybridMoE / a transformers model switching at the threshold.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -439,6 +443,41 @@ def test_a_forked_child_stages_on_its_own_thread() -> None:
         child.kill()
         pytest.fail("the child's GPU-prefill call never finished (its staging queue had no thread)")
     assert child.exitcode == 0 and queue.get(timeout=5) == 5
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_staging() -> None:
+    """The next layer's first chunk still being staged on the parent's thread when the
+    process forks is never finished in the child (that thread is not there): the child's
+    call on that layer stages it again instead of waiting forever for it."""
+    code = """
+import os, signal, sys, threading, torch
+sys.path.insert(0, %r)
+from conftest import make_experts, random_routing
+from kt_ops import gpu_prefill
+torch.set_num_threads(1)  # torch's own OpenMP regions hang in a forked child (GNU OpenMP)
+first, second = make_experts(6, 64, 48), make_experts(6, 64, 48, seed=1)
+x = torch.randn(8, 64)
+ids, w = random_routing(8, 6, 2)
+want = gpu_prefill.moe_forward_on_device(x, ids, w, second.packed)
+release, real = threading.Event(), gpu_prefill._host_chunk
+def held_back(packed, *args, **kwargs):
+    if packed is second.packed:
+        release.wait(30)
+    return real(packed, *args, **kwargs)
+gpu_prefill._host_chunk = held_back
+gpu_prefill.moe_forward_on_device(x, ids, w, first.packed, next_layer=second.packed)  # second's chunk in flight
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)
+    gpu_prefill._host_chunk = real
+    os._exit(0 if torch.equal(gpu_prefill.moe_forward_on_device(x, ids, w, second.packed), want) else 3)
+release.set()
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+""" % os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "0", "the forked child hung (-14: killed by its alarm) or computed other bits"
 
 
 # ---- the next layer's first chunk, staged ahead ---------------------------------------
