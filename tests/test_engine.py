@@ -198,6 +198,37 @@ def test_own_pools_on_request() -> None:
     assert " passed" in result.stdout and "failed" not in result.stdout
 
 
+OWN_POOL_BACKWARD = """
+import torch, kt_ops
+kt_ops.set_num_threads(2)
+g = torch.Generator().manual_seed(0)
+gate, up, down = (torch.randn(8, 64, 64, generator=g).bfloat16() for _ in range(3))
+packed = kt_ops.pack_experts(gate, up, down)
+for _ in range(3):
+    x = torch.randn(7, 64, generator=g, requires_grad=True)
+    w = torch.rand(7, 2, generator=g, requires_grad=True)
+    kt_ops.moe_forward(x, torch.randint(0, 8, (7, 2), generator=g), w, packed).sum().backward()
+print("done")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="csrc/cpu/engine: own-pool helper threads run jobs without "
+                   "inside_parallel_region set, so the backward's nested parallel_for (dequantize_expert_rows "
+                   "in its expert jobs) locks Engine::mutex_, which the outer parallel_for holds: deadlock")
+def test_own_pools_run_the_backward() -> None:
+    """KT_OPS_THREAD_POOL=own: the backward's expert jobs decode weight rows with a nested
+    parallel_for, which must run inline on whichever thread runs the job (as on torch's
+    team); on a helper it waited for the engine's lock, held by the outer parallel_for
+    waiting for that helper (hung in every run)."""
+    try:
+        result = subprocess.run([sys.executable, "-c", OWN_POOL_BACKWARD], env={**os.environ, "KT_OPS_THREAD_POOL": "own"},
+                                capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the backward hung on kt_ops' own pools")
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-2000:]
+
+
 def test_forked_child_can_run_kernels() -> None:
     """After fork() only the forking thread exists: the engine must not wait forever for
     threads the child does not have (its own helpers, or torch's OpenMP threads, whose next
