@@ -372,6 +372,26 @@ def test_submit_forward_runs_on_the_submitters_thread_count(weights, monkeypatch
     assert seen == [2, 1, 3, 1]
 
 
+def test_submit_forward_runs_in_the_submitters_grad_mode(weights):
+    """The worker thread computes under the caller's autograd mode: under no_grad (and
+    inference_mode) a submitted forward of rows that require grad returned a result that
+    required grad, computed by the training operator (which also saves every slot's gate
+    and up), as the worker thread's own mode is grad enabled."""
+    wr = wrapper()
+    wr.load_weights_from_tensors(*weights[1])
+    x, ids, w = inputs()
+    x.requires_grad_()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            inline = wr.forward(x, ids, w)
+            wr.submit_forward(x, ids, w)
+            out = wr.sync_forward(x)
+        assert not out.requires_grad and out.grad_fn is None, mode
+        assert torch.equal(out, inline)
+    wr.submit_forward(x, ids, w)
+    assert wr.sync_forward(x).requires_grad  # with grad enabled the graph is kept, as forward keeps it
+
+
 @pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4", "FP8", "MXFP4"])
 def test_direct_forward_matches_the_general_path_bit_for_bit(weights, method):
     """forward()'s one-operator path (_direct_cpu_forward: inputs in their own dtype, one

@@ -65,11 +65,13 @@ class _Inflight:
     stream: torch.cuda.Stream | None = None
 
 
-def _with_threads(threads: int, fn: Callable[..., object], *args: object) -> object:
-    """``fn(*args)`` with the kernels' thread count of this thread set to ``threads``."""
+def _as_caller(threads: int, grad: bool, inference: bool, fn: Callable[..., object], *args: object) -> object:
+    """``fn(*args)`` with the kernels' thread count of this thread set to ``threads``,
+    under the caller's autograd mode (grad enabled, inference mode): both are per thread."""
     if get_num_threads() != threads:
         set_num_threads(threads)
-    return fn(*args)
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        return fn(*args)
 
 
 def _env_flag(name: str) -> bool:
@@ -690,14 +692,15 @@ class KTMoEWrapper:
     def _run_on_worker(cls, fn: Callable[..., object], *args: object) -> Future:
         """``fn(*args)`` on the wrapper's worker thread (one for every wrapper: tasks run in
         submission order), counted in ``_pool_tasks`` until it finishes, on the caller's
-        thread count (torch's count is per thread: the worker's own was read once, on its
-        first torch call, and missed every later ``set_num_threads``)."""
+        thread count and in its autograd mode (torch keeps both per thread: the worker's
+        count was read once, on its first torch call, and missed every later
+        ``set_num_threads``; its grad mode ignored the caller's ``no_grad``)."""
         pool = cls._pool()
-        threads = get_num_threads()
+        caller = (get_num_threads(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         with cls._executor_lock:
             cls._pool_tasks += 1
         try:
-            future = pool.submit(_with_threads, threads, fn, *args)
+            future = pool.submit(_as_caller, *caller, fn, *args)
         except BaseException:
             cls._task_done(None)
             raise
