@@ -150,12 +150,10 @@ def test_num_threads_environment_variable() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="csrc/cpu/engine/engine.cpp env_int: strtoll's value is cast to int "
-                   "unchecked, so 2**32 + 2 reads as 2 (and 2**31 as negative); needs a C++ range check")
 def test_environment_integers_out_of_range_are_refused() -> None:
     """A count beyond int is an error naming the variable, not its value modulo 2**32:
     KT_OPS_NUMA_SIMULATE=4294967298 simulated 2 nodes and KT_OPS_NUM_THREADS=4294967298
-    ran 2 threads, silently; 2147483648 failed in torch's set_num_threads ("Expected
+    ran 2 threads, silently (counts above 65536 and spins above 10 s are refused); 2147483648 failed in torch's set_num_threads ("Expected
     positive number of threads"), naming neither the variable nor the value."""
     code = "import kt_ops; print(kt_ops.get_num_threads(), len(kt_ops.numa.topology().nodes))"
     for name in ("KT_OPS_NUMA_SIMULATE", "KT_OPS_NUM_THREADS"):
@@ -213,9 +211,6 @@ print("done")
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="csrc/cpu/engine: own-pool helper threads run jobs without "
-                   "inside_parallel_region set, so the backward's nested parallel_for (dequantize_expert_rows "
-                   "in its expert jobs) locks Engine::mutex_, which the outer parallel_for holds: deadlock")
 def test_own_pools_run_the_backward() -> None:
     """KT_OPS_THREAD_POOL=own: the backward's expert jobs decode weight rows with a nested
     parallel_for, which must run inline on whichever thread runs the job (as on torch's

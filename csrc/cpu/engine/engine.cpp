@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <exception>
 #include <new>
@@ -33,20 +34,26 @@ class ScopedValue {
   T previous_;
 };
 
-int64_t env_int(const char* name, int64_t fallback) {
+// A positive integer up to `max` from the environment (fallback where unset). A larger value
+// is refused, not truncated: an int cast of 2^32 + 2 ran 2 threads silently.
+int64_t env_int(const char* name, int64_t fallback, int64_t max) {
   const char* text = std::getenv(name);
   if (text == nullptr || *text == '\0') return fallback;
   char* end = nullptr;
+  errno = 0;
   const long long value = std::strtoll(text, &end, 10);
-  if (end == text || *end != '\0' || value < 1)
-    throw std::invalid_argument(std::string(name) + " must be a positive integer, got '" + text +
-                                "'");
+  if (end == text || *end != '\0' || value < 1 || errno == ERANGE || value > max)
+    throw std::invalid_argument(std::string(name) + " must be a positive integer up to " + std::to_string(max) +
+                                ", got '" + text + "'");
   return value;
 }
 
+constexpr int64_t kMaxEnvCount = 1 << 16;          // threads, simulated nodes
+constexpr int64_t kMaxSpinUs = 10 * 1000 * 1000;  // 10 s
+
 // The machine's nodes, or KT_OPS_NUMA_SIMULATE=N simulated ones.
 Topology engine_topology() {
-  const int64_t simulated = env_int("KT_OPS_NUMA_SIMULATE", 0);
+  const int64_t simulated = env_int("KT_OPS_NUMA_SIMULATE", 0, kMaxEnvCount);
   Topology real = read_topology();
   return simulated == 0 ? real : simulate_nodes(real, static_cast<int>(simulated));
 }
@@ -69,8 +76,8 @@ Engine& Engine::instance() {
 // The own pools are built on first use, so a process that installs a team (the
 // extension does, at load) never starts their threads unless it runs NUMA parts.
 Engine::Engine()
-    : topology_(engine_topology()), spin_ns_(env_int("KT_OPS_SPIN_US", 200) * 1000) {
-  num_threads_ = static_cast<int>(env_int("KT_OPS_NUM_THREADS", topology_.num_physical_cores()));
+    : topology_(engine_topology()), spin_ns_(env_int("KT_OPS_SPIN_US", 200, kMaxSpinUs) * 1000) {
+  num_threads_ = static_cast<int>(env_int("KT_OPS_NUM_THREADS", topology_.num_physical_cores(), kMaxEnvCount));
   rebuild_pools_ = true;
   pthread_atfork([] { instance().remember_threads_before_fork(); }, nullptr,
                  [] { instance().forget_threads_after_fork(); });
@@ -106,6 +113,9 @@ void Engine::forget_threads_after_fork() {
 int Engine::num_threads() const {
   if (current_node != nullptr) return current_node->num_threads();
   if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return team->num_threads();
+  // Inside an own-pool region the caller holds mutex_ (and a helper would wait on it for
+  // ever); nested regions run inline there: one thread.
+  if (inside_parallel_region) return 1;
   std::lock_guard<std::mutex> lock(mutex_);
   return num_threads_;
 }
@@ -161,9 +171,17 @@ void Engine::parallel_for(int64_t n, FunctionRef<void(int64_t)> fn) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
+  // Every thread of an own pool runs its jobs inside the region, helpers too, so a nested
+  // parallel_for (the backward's dequantization) runs inline: on a helper it locked
+  // mutex_, which the region's caller holds, and waited for ever.
+  auto in_region = [&fn](int64_t i) {
+    const ScopedValue<bool> region(inside_parallel_region, true);
+    fn(i);
+  };
+  const FunctionRef<void(int64_t)> job_fn(in_region);
   if (NodePool* node = current_node) {
     const ScopedValue<bool> region(inside_parallel_region, true);
-    return node->parallel_for(n, fn);
+    return node->parallel_for(n, job_fn);
   }
   if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return parallel_for_team(team, n, fn);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -171,7 +189,7 @@ void Engine::parallel_for(int64_t n, FunctionRef<void(int64_t)> fn) {
   const ScopedValue<bool> region(inside_parallel_region, true);
   uint32_t helpers = 0;
   for (const auto& pool : pools_) helpers += pool->num_own_threads();
-  job_.reset(n, &fn, helpers);
+  job_.reset(n, &job_fn, helpers);
   for (const auto& pool : pools_) pool->start(&job_);
   job_.work();
   job_.wait_for_helpers(spin_ns_);
