@@ -234,7 +234,10 @@ def _moe_lora_backward_fake(
     _check_meta("hidden_states", hidden_states, gate_a=gate_a, gate_b=gate_b, up_a=up_a,
                 up_b=up_b, down_a=down_a, down_b=down_b, gate_up=gate_up)
     grads = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)
-    return (*grads, *(torch.empty_like(t, memory_format=torch.contiguous_format)
+    # The kernel's LoRA gradients are zeros_like(m.to(float32)).to(m.dtype): they take each
+    # matrix's strides (a transposed adapter's are not contiguous). The same chain here, so
+    # the fake's strides are the kernel's for every layout.
+    return (*grads, *(torch.empty_like(t.to(torch.float32)).to(t.dtype)
                       for t in (gate_a, gate_b, up_a, up_b, down_a, down_b)))
 
 

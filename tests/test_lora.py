@@ -176,6 +176,21 @@ def test_opcheck_lora_operators() -> None:
                           (torch.randn(5, H), x.detach(), ids, w, packed, *mats, 2.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_backward_fake_has_the_kernels_strides_for_strided_lora_matrices(dtype: torch.dtype) -> None:
+    """The kernel's LoRA gradients take their matrices' strides (zeros_like of each, in fp32,
+    cast back); the fake returned contiguous ones, so opcheck's fake-vs-real check failed
+    for transposed (e.g. ``B^T`` stored) adapters and compiled code assumed wrong strides."""
+    packed = pack("BF16")
+    lora = random_lora()
+    ids, w = random_routing(5, E, 2)
+    mats = [getattr(lora, n).detach().to(dtype).transpose(1, 2).contiguous().transpose(1, 2) for n in LORA_NAMES]
+    mats[0] = getattr(lora, LORA_NAMES[0]).detach().to(dtype).repeat(1, 1, 2)[:, :, ::2]  # not dense
+    torch.library.opcheck(torch.ops.kt.moe_lora_backward.default,
+                          (torch.randn(5, H), torch.randn(5, H), ids, w, packed, *mats, 2.0),
+                          test_utils=("test_faketensor",))
+
+
 def test_compiled_lora_training_step() -> None:
     packed = pack("AMXINT8")
     lora = random_lora()
