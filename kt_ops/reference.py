@@ -98,6 +98,7 @@ def activation_of(packed: torch.Tensor) -> dict:
     from kt_ops._native import _C
 
     info = _C.packed_info(packed)
+    packed = _aligned(packed)
     result = {"swiglu_limit": info["swiglu_limit"], "swiglu_alpha": info["swiglu_alpha"], "biases": None}
     if info["biases"]:
         E, H, I = info["num_experts"], info["hidden_size"], info["intermediate_size"]
@@ -109,6 +110,13 @@ def activation_of(packed: torch.Tensor) -> dict:
         down = floats[2 * E * I16:].view(E, H16)[:, :H]
         result["biases"] = (gate.clone(), up.clone(), down.clone())
     return result
+
+
+def _aligned(packed: torch.Tensor) -> torch.Tensor:
+    """``packed``, or a copy of it where its storage offset is not a multiple of 8 bytes: the
+    decoders view byte ranges as bf16/fp32, which torch refuses at an odd offset, while the
+    kernels take a blob at any offset (a slice of a larger buffer)."""
+    return packed.clone() if packed.storage_offset() % 8 else packed
 
 
 def fake_quantize_activations(x: torch.Tensor, block_size: int = 0) -> torch.Tensor:
@@ -359,6 +367,7 @@ def dequantize(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     from kt_ops._native import _C
 
     info = _C.packed_info(packed)
+    packed = _aligned(packed)
     if info["format"] == "gguf":
         return _gguf_dequantize(packed, info)
     fmt, E, H, I, G = (info[key] for key in ("format", "num_experts", "hidden_size", "intermediate_size", "group_size"))

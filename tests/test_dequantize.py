@@ -164,6 +164,21 @@ def test_python_wrapper() -> None:
     assert [tuple(t.shape) for t in empty] == [(0, 24, 40), (0, 24, 40), (0, 40, 24)]
 
 
+def test_the_oracle_reads_a_blob_at_any_storage_offset() -> None:
+    """A blob that is a view at an odd byte offset (a slice of a larger buffer) is a valid
+    blob to the kernels; reference.dequantize (bf16 layers) and reference.activation_of (the
+    bias region) failed on it with torch's "storage_offset() must be divisible by 2 to view
+    Byte as BFloat16"."""
+    experts = make_experts(E, 40, 24)
+    blob = kt_ops.set_activation(experts.packed, 7.0, 1.702, (torch.randn(E, 24), None, torch.randn(E, 40))).data
+    shifted = torch.cat([torch.zeros(1, dtype=torch.uint8), blob])[1:]
+    for a, b in zip(reference.dequantize(shifted), reference.dequantize(blob)):
+        assert torch.equal(a, b)
+    assert torch.equal(reference.dequantize(shifted)[0], experts.gate.float())
+    biases, expected = reference.activation_of(shifted)["biases"], reference.activation_of(blob)["biases"]
+    assert all(torch.equal(a, b) for a, b in zip(biases, expected))
+
+
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("bad", [-1, E, 2**31 - 1])
 def test_expert_id_out_of_range(ids_dtype: torch.dtype, bad: int) -> None:
