@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -414,7 +415,15 @@ def moe_forward_parts(
         ``[T, H]`` in the dtype of ``hidden_states`` (a new tensor).
     """
     blobs = [part.data if isinstance(part, PackedExperts) else part for part in parts]
-    return torch.ops.kt.moe_forward_parts(hidden_states, topk_ids, topk_weights, blobs, [int(n) for n in nodes])
+    ids = []
+    for node in nodes:  # int(n) ran 0.7 on node 0 and "1" or True on node 1
+        try:
+            if isinstance(node, bool):
+                raise TypeError
+            ids.append(operator.index(node))
+        except TypeError:
+            raise TypeError(f"nodes must hold int node ids, got {node!r}") from None
+    return torch.ops.kt.moe_forward_parts(hidden_states, topk_ids, topk_weights, blobs, ids)
 
 
 def dequantize_experts(

@@ -156,6 +156,17 @@ def test_bad_arguments() -> None:
         kt_ops.KTMoEWrapper(0, E, K, H, I, threadpool_count=1, method="BF16", numa_nodes=["0"])
 
 
+@pytest.mark.parametrize("node", [0.7, "0", True], ids=["float", "str", "bool"])
+def test_a_node_id_that_is_not_an_int_is_refused(node) -> None:
+    """kt_ops.moe_forward_parts passed int(n) of each node to the operator: 0.7 ran on node
+    0, "1" on node 1 and True on node 1, where the operator's int[] refuses a float (and
+    KTMoEWrapper's numa_nodes refuses all three)."""
+    parts = pack_parts(*layer(), "BF16", 2)
+    x, ids, w = inputs(3)
+    with pytest.raises(TypeError, match="nodes must hold int node ids"):
+        kt_ops.ops.moe_forward_parts(x, ids, w, parts, [N0, node])
+
+
 def test_default_nodes_are_the_nodes_in_turn() -> None:
     ids = TOPOLOGY.ids
     assert numa.resolve_nodes(None, 4) == [ids[i % len(ids)] for i in range(4)]
