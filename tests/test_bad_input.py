@@ -188,8 +188,6 @@ def backward_calls(experts, live_tokens: torch.Tensor) -> dict:
     }
 
 
-@pytest.mark.xfail(strict=True, reason="the backward operators clamp live_tokens silently (csrc/ops/moe_train_cpu.cpp "
-                   "live_rows): they need check_live_tokens and clamp_live_tokens' error, as moe_forward")
 @pytest.mark.parametrize("op", ["moe_backward", "moe_train_backward", "moe_lora_backward"])
 @pytest.mark.parametrize("live,error", [(torch.tensor([-1]), ValueError), (torch.tensor([4]), ValueError),
                                         (torch.tensor([1.5]), TypeError), (torch.tensor([1, 2]), ValueError)],

@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -222,10 +223,17 @@ Glu glu(at::Tensor g, at::Tensor u, float limit, float alpha) {
   return out;
 }
 
+// The rows computed: live_tokens checked as the forwards check it (a -1, a count past T, a
+// float or two values are a ValueError; they were clamped or truncated silently here).
 int64_t live_rows(const std::optional<at::Tensor>& live_tokens, int64_t T) {
+  check_live_tokens(live_tokens);
   if (!live_tokens.has_value()) return T;
-  const int64_t n = live_tokens->reshape({-1})[0].item<int64_t>();
-  return n < 0 ? 0 : (n > T ? T : n);
+  TORCH_CHECK_VALUE(live_tokens->device().is_cpu(), "live_tokens must be on the CPU with CPU inputs; got ",
+                    live_tokens->device());
+  std::string error;
+  const int64_t n = clamp_live_tokens(live_tokens->item<int64_t>(), T, &error);
+  TORCH_CHECK_VALUE(error.empty(), error);
+  return n;
 }
 
 at::Tensor index_tensor(const std::vector<int64_t>& v) {
