@@ -227,6 +227,17 @@ def test_a_switch_that_is_not_a_bool_is_refused(option) -> None:
     assert not any(isinstance(m, kt_ops.HybridMoE) for m in model.modules())  # refused before anything changed
 
 
+def test_dynamic_gpu_experts_without_gpu_experts_is_refused() -> None:
+    """dynamic_gpu_experts=True with no GPU expert: the HybridMoE path packed every expert and
+    kept their host copies for nothing to move (the experts-interface path and KtOpsConfig
+    refused it already)."""
+    model = tiny_model("qwen3_moe")
+    for kwargs in ({}, {"num_gpu_experts": 0}):
+        with pytest.raises(ValueError, match="dynamic_gpu_experts needs GPU experts"):
+            kt_ops.patch_model(model, dynamic_gpu_experts=True, **kwargs)
+    assert not any(isinstance(m, kt_ops.HybridMoE) for m in model.modules())
+
+
 def test_transformers_v4_expert_lists() -> None:
     """Per-expert nn.Linear lists (transformers v4 layout, Mixtral's w1/w3/w2) are read too."""
     from kt_ops.wrappers.patch import _expert_tensors

@@ -276,6 +276,7 @@ def patch_model(
         gpu_experts_mask = _placement_mask(model, [name for name, _ in blocks], num_experts, nbytes, placement,
                                            gpu_budget, expert_stats, (gpu_experts_mask, num_gpu_experts))
     masks = _layer_masks(len(blocks), num_experts, gpu_experts_mask, num_gpu_experts)
+    _check_dynamic(dynamic_gpu_experts, masks)  # HybridMoE(dynamic=True) without GPU experts kept host copies for nothing
     released = packed_bytes = gpu_bytes = 0
     for index, ((name, block), mask) in enumerate(zip(blocks, masks)):
         gate, up, down = _expert_tensors(block.experts, hidden)
@@ -303,6 +304,14 @@ def patch_model(
     return model
 
 
+def _check_dynamic(dynamic: bool, masks: list[torch.Tensor | None]) -> None:
+    """``ValueError`` for ``dynamic_gpu_experts`` with no GPU expert in any layer's mask:
+    nothing to move, while every expert's host weights would be kept."""
+    if dynamic and all(mask is None or not bool(mask.any()) for mask in masks):
+        raise ValueError("dynamic_gpu_experts needs GPU experts to move: give num_gpu_experts, gpu_experts_mask or "
+                         "placement")
+
+
 def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], masks: list[torch.Tensor | None],
                    method: str, group_size: int, gguf_type: object,
                    progress: Callable[[int, int], None] | None, dynamic: bool = False) -> nn.Module:
@@ -319,9 +328,7 @@ def _patch_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], masks
         pack_args["gguf_type"] = gguf_type
     for _, module in experts:  # refuse before anything changes
         hf_experts.check_supported(module)
-    if dynamic and all(mask is None for mask in masks):
-        raise ValueError("dynamic_gpu_experts needs GPU experts to move: give num_gpu_experts, gpu_experts_mask or "
-                         "placement")
+    _check_dynamic(dynamic, masks)
     hf_experts.set_layer_ids(model)  # kt_ops.ExpertStats rows (and rebalance_gpu_experts) by layer id
     released = packed_bytes = gpu_bytes = 0
     for index, ((_, module), mask) in enumerate(zip(experts, masks)):
