@@ -174,10 +174,10 @@ def test_a_pack_option_that_is_not_a_bool_is_a_value_error(experts, option, valu
         kt_ops.pack_experts(experts.gate, experts.up, experts.down, method="AMXINT4", **{option: value})
 
 
-def backward_calls(experts, live_tokens: torch.Tensor) -> dict:
+def backward_calls(experts, live_tokens: torch.Tensor | None, grad_dtype: torch.dtype | None = None) -> dict:
     args = good_args(experts)
     x, ids, w, packed = args["hidden_states"], args["topk_ids"], args["topk_weights"], args["packed"]
-    grad = torch.randn_like(x)
+    grad = torch.randn_like(x) if grad_dtype is None else torch.ones(x.shape, dtype=grad_dtype)
     gate_up = torch.ops.kt.moe_forward_train(x, ids, w, packed, I)[1]
     lora = [torch.zeros(E, 2, H), torch.zeros(E, I, 2), torch.zeros(E, 2, H), torch.zeros(E, I, 2),
             torch.zeros(E, 2, I), torch.zeros(E, H, 2)]
@@ -198,3 +198,12 @@ def test_backward_operators_refuse_the_live_tokens_the_forward_refuses(experts, 
     gradients zero), 4 as T = 3, 1.5 as 1 and [1, 2] as 1, with no word."""
     with pytest.raises(error, match="live_tokens"):
         backward_calls(experts, live)[op]()
+
+
+@pytest.mark.parametrize("op", ["moe_backward", "moe_train_backward", "moe_lora_backward"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
+def test_backward_operators_refuse_a_grad_output_of_another_dtype(experts, op: str, dtype) -> None:
+    """grad_output is the forward output's gradient: float32, bfloat16 or float16; an int32
+    or float64 one was converted to fp32 without a word."""
+    with pytest.raises(ValueError, match="grad_output must be float32, bfloat16 or float16"):
+        backward_calls(experts, None, dtype)[op]()

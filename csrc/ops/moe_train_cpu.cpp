@@ -471,6 +471,9 @@ Grads backward(const at::Tensor& grad_output, const at::Tensor& hidden_states, c
                const std::optional<at::Tensor>& live_tokens, const at::Tensor& gate_up = {}) {
   TORCH_CHECK_VALUE(grad_output.sizes() == hidden_states.sizes(), "grad_output must have hidden_states' shape ",
                     hidden_states.sizes(), ", got ", grad_output.sizes());
+  const at::ScalarType grad_type = grad_output.scalar_type();  // an int32 or float64 one was converted silently
+  TORCH_CHECK_VALUE(grad_type == at::kFloat || grad_type == at::kBFloat16 || grad_type == at::kHalf,
+                    "grad_output must be float32, bfloat16 or float16 (as the forward's output); got ", grad_type);
   const at::Tensor x = hidden_states.to(at::kFloat).contiguous();
   const at::Tensor grad = grad_output.to(at::kFloat).contiguous();
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous().view({-1});
