@@ -446,13 +446,16 @@ def dequantize_experts(
     Returns:
         ``gate [n, I, H]``, ``up [n, I, H]``, ``down [n, H, I]`` of ``dtype`` (new CPU
         tensors; padding removed, biases not included). ``ValueError`` for an id out of
-        range, ``TypeError`` for another ``dtype`` or id dtype.
+        range or a blob on the meta device, ``TypeError`` for another ``dtype`` or id dtype.
 
     Under ``torch.compile`` I and H come from the blob's header, so the traced sizes are
     data-dependent; given a :class:`PackedExperts` (whose header is read eagerly) they are
     pinned to its sizes.
     """
     data = packed.data if isinstance(packed, PackedExperts) else packed
+    if isinstance(data, torch.Tensor) and data.is_meta:  # the operator's meta kernel said "data-dependent output"
+        raise ValueError("packed is on the meta device (a shape without values): dequantize_experts reads the blob's "
+                         "bytes; load the packed layer first")
     if expert_ids is None:
         info = packed if isinstance(packed, PackedExperts) else PackedExperts(data)
         expert_ids = torch.arange(info.num_experts, dtype=torch.int64)

@@ -200,6 +200,8 @@ def test_bad_arguments() -> None:
         torch.ops.kt.dequantize_experts(data.view(torch.int8), ids)
     with pytest.raises(ValueError, match="truncated or padded"):
         torch.ops.kt.dequantize_experts(data[:-1], ids)
+    with pytest.raises(ValueError, match="packed is on the meta device"):  # was "data-dependent output"
+        kt_ops.dequantize_experts(data.to("meta"), ids)
 
 
 def test_every_format_row_names_its_dequantizer() -> None:
