@@ -237,18 +237,17 @@ class HfCheckpoint:
         where = self._float_layer(layer)
         key = where.key(0)
         name = self._header(key)[0]
-        if name not in _DTYPES:
-            raise ValueError(f"tensor {key!r} is {name}; expert weights must be BF16, F16, F32 or F8_E4M3")
-        keys = ({where.key(m) for m in range(3)} if where.convention == "fused" else
+        keys = ([where.key(m) for m in range(3)] if where.convention == "fused" else
                 [where.key(m, e) for e in range(where.num_experts) for m in range(3)])
         for other in keys:
-            if other in self.key_file and self._header(other)[0] != name:
-                self._mixed(layer, key, name, other, self._header(other)[0])
+            other_name = self._header(other)[0] if other in self.key_file else name
+            if other_name not in _DTYPES:
+                raise ValueError(f"tensor {other!r} is {other_name}; expert weights must be BF16, F16, F32 or F8_E4M3")
+            if other_name != name:
+                raise ValueError(f"{self.path}: layer {layer} mixes dtypes: {key!r} is {name}, {other!r} is "
+                                 f"{other_name}; one dtype per layer (a tensor read into another dtype's matrix "
+                                 "would be rounded)")
         return _DTYPES[name]
-
-    def _mixed(self, layer: int, key: str, name: str, other: str, other_name: str) -> None:
-        raise ValueError(f"{self.path}: layer {layer} mixes dtypes: {key!r} is {name}, {other!r} is {other_name}; "
-                         "one dtype per layer (a tensor read into another dtype's matrix would be rounded)")
 
     def _float_layer(self, layer: int) -> LayerExperts:
         """:meth:`layer`, or ``ValueError`` when its experts are INT4 (``weight_packed`` /
@@ -382,11 +381,12 @@ class HfCheckpoint:
         fp32 temporaries when dequantizing). Raises ``KeyError`` for a missing layer or
         expert tensor and ``ValueError`` for a shape that disagrees with ``hidden_size`` /
         ``intermediate_size``, a bad FP8 scale, an unreadable file or experts of different
-        dtypes in one layer (e.g. one F32 tensor among BF16 ones; FP8 ones count as the bf16
-        they are read as), naming the key.
+        dtypes in one layer (e.g. one F32 tensor among BF16 ones, or FP8 beside BF16:
+        :meth:`dtype`), naming the key.
         """
         where = self._float_layer(layer)
         self._check_experts(where, experts)
+        self.dtype(layer)  # one dtype per layer, from the headers: a tensor copied into another's would round
         H, I, n = hidden_size, intermediate_size, len(experts)
         if where.convention == "fused":
             stored, scale, kind = self._read_stored(where.key(0), (where.num_experts, 2 * I, H))
@@ -403,16 +403,10 @@ class HfCheckpoint:
                 down[i].copy_(stored[e] if kind is None else dequantize_fp8(stored[e], scale[e], kind))
             return gate, up, down
         out: list[torch.Tensor] = []
-        first: tuple[str, torch.dtype] | None = None  # one dtype per layer: a copy into another would round
         for m, shape in enumerate(((I, H), (I, H), (H, I))):
             matrix: torch.Tensor | None = None
             for i, e in enumerate(experts):
                 tensor = self._read(where.key(m, e), shape)
-                if first is None:
-                    first = (where.key(m, e), tensor.dtype)
-                elif tensor.dtype != first[1]:
-                    self._mixed(layer, first[0], self._header(first[0])[0], where.key(m, e),
-                                self._header(where.key(m, e))[0])
                 if matrix is None:
                     matrix = torch.empty((n, *shape), dtype=tensor.dtype)
                 matrix[i].copy_(tensor)
