@@ -431,16 +431,29 @@ def test_direct_forward_matches_the_general_path_bit_for_bit(weights, method):
     assert built(chunked_prefill_size=7)._direct_cpu_forward(x, ids, w) is not None
 
 
-def test_forked_child_gets_its_own_worker_thread() -> None:
-    """A fork()ed child has none of the parent's threads: submit_forward there must start a
-    worker of its own, not queue on the parent's (which never runs: the child hung)."""
-    code = """
+# A wrapper of 4 experts with weights and one call's inputs, for the fork() tests' scripts.
+FORK_PRELUDE = """
 import os, signal, torch
 from kt_ops import KTMoEWrapper
 E, H, I = 4, 64, 32
 wr = KTMoEWrapper(0, E, 2, H, I, method="BF16")
 wr.load_weights_from_tensors(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I))
 x, ids, w = torch.randn(2, H), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+"""
+
+
+def run_fork_script(code: str) -> subprocess.CompletedProcess:
+    """Runs a fork() test's script (one OpenMP thread, 120 s at most); asserts it exited 0."""
+    result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_forked_child_gets_its_own_worker_thread() -> None:
+    """A fork()ed child has none of the parent's threads: submit_forward there must start a
+    worker of its own, not queue on the parent's (which never runs: the child hung)."""
+    code = FORK_PRELUDE + """
 wr.submit_forward(x, ids, w)
 expected = wr.sync_forward(x)  # the parent's worker thread exists now
 pid = os.fork()
@@ -452,9 +465,7 @@ if pid == 0:
 _, status = os.waitpid(pid, 0)
 print(os.waitstatus_to_exitcode(status))
 """
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    result = run_fork_script(code)
     assert result.stdout.strip() == "0", "forked child hung (-14: killed by its alarm) or computed a different result"
 
 
@@ -462,13 +473,8 @@ def test_forked_child_fails_work_in_flight_at_fork_clearly() -> None:
     """Work on the parent's worker thread when fork() runs is never finished in the child
     (that thread is not there): sync_forward there must raise, not wait forever; the
     wrapper stays usable in the child and the parent gets its result."""
-    code = """
-import os, signal, threading, torch
-from kt_ops import KTMoEWrapper
-E, H, I = 4, 64, 32
-wr = KTMoEWrapper(0, E, 2, H, I, method="BF16")
-wr.load_weights_from_tensors(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I))
-x, ids, w = torch.randn(2, H), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+    code = FORK_PRELUDE + """
+import threading
 expected = wr.forward(x, ids, w)
 release, compute = threading.Event(), wr._compute
 wr._compute = lambda *args: (release.wait(30), compute(*args))[1]
@@ -490,9 +496,7 @@ assert torch.equal(wr.sync_forward(x), expected)
 _, status = os.waitpid(pid, 0)
 print(os.waitstatus_to_exitcode(status))
 """
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    result = run_fork_script(code)
     assert result.stdout.strip() == "0", "forked child hung (-14: killed by its alarm) or did not raise"
 
 
