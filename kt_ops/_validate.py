@@ -18,6 +18,14 @@ def is_integral(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def require_bools(**values: object) -> None:
+    """``ValueError`` naming the first of ``values`` that is not a ``bool``: a switch given
+    "no", "False" or None (a non-empty string is truthy) turned on silently."""
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
 def is_real(value: object) -> bool:
     """True for a real number (``int``, ``float``, numpy scalars) that is neither a
     ``bool`` nor a string: ``True`` as a clamp limit, or ``"7"``, is a caller's mistake."""

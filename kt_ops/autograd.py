@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from kt_ops._native import _C  # also registers the kt:: operators
+from kt_ops._validate import require_bools
 
 
 # kt::moe_forward's overload, looked up once: ``torch.ops.kt.moe_forward(...)`` walks the
@@ -64,8 +65,7 @@ def set_save_gate_up(save: bool) -> None:
     ``8 I`` bytes per (token, slot) held until the backward) or recomputes them there (the
     forward holds only its inputs). ``ValueError`` for anything but a bool."""
     global _save_gate_up
-    if not isinstance(save, bool):  # bool("False") is True: saving stayed on silently
-        raise ValueError(f"save must be a bool, got {save!r}")
+    require_bools(save=save)  # bool("False") is True: saving stayed on silently
     _save_gate_up = save
 
 

@@ -36,7 +36,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from kt_ops import hf_experts
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, require_bools
 from kt_ops.mapped_files import release_file_pages
 
 QUANT_METHOD = "kt_ops"
@@ -117,9 +117,7 @@ class KtOpsConfig(QuantizationConfigMixin):
             if gpu_budget is None:
                 raise ValueError(f"placement={placement!r} needs gpu_budget: GPU experts per MoE layer (int), a ratio "
                                  "of all routed experts (float in (0, 1]) or GPU bytes ('24GiB')")
-        for name, value in (("dynamic_gpu_experts", dynamic_gpu_experts), ("progress", progress)):
-            if not isinstance(value, bool):  # "no" is truthy
-                raise ValueError(f"{name} must be a bool, got {value!r}")
+        require_bools(dynamic_gpu_experts=dynamic_gpu_experts, progress=progress)
         if dynamic_gpu_experts and not num_gpu_experts and placement is None:
             raise ValueError("dynamic_gpu_experts needs GPU experts to move: give num_gpu_experts or placement")
         self.dynamic_gpu_experts = dynamic_gpu_experts

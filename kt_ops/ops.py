@@ -9,7 +9,7 @@ import torch
 
 from kt_ops import autograd, fakes  # noqa: F401  (fakes: registers the fake implementations)
 from kt_ops._native import _C
-from kt_ops._validate import is_int, is_real
+from kt_ops._validate import is_int, is_real, require_bools
 from kt_ops.formats import CHECKPOINT_METHODS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, default_group_size, format_for_method
 from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
 from kt_ops.packed import PackedExperts
@@ -162,9 +162,7 @@ def check_pack_arguments(
     Needs no tensor: ``KtOpsConfig`` checks its arguments with it before a model loads."""
     if group_size is not None and not is_int(group_size):  # 64.0 or True reached the operator's schema check
         raise ValueError(f"group_size must be an int (32, 64 or 128) or None, got {group_size!r}")
-    for name, value in (("zero_point", zero_point), ("scale_search", scale_search)):
-        if not isinstance(value, bool):  # zero_point="no" selected int4_asym silently (a string is truthy)
-            raise ValueError(f"{name} must be a bool, got {value!r}")
+    require_bools(zero_point=zero_point, scale_search=scale_search)  # zero_point="no" selected int4_asym silently
     fmt = format_for_method(method, zero_point)
     if fmt == "mxfp4":
         # e2m1 codes + power-of-two scales per 32 k in the INT4 lines (docs/formats.md); the

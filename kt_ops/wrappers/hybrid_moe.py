@@ -17,7 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kt_ops import autograd, expert_stats, gpu_prefill
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, require_bools
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
@@ -117,8 +117,7 @@ class HybridMoE(nn.Module):
         self.shared_experts = shared_experts
         self.shared_expert_gate = shared_expert_gate
 
-        if not isinstance(dynamic, bool):  # "no" is truthy: every expert packed, host copies kept
-            raise ValueError(f"dynamic must be a bool, got {dynamic!r}")
+        require_bools(dynamic=dynamic)  # "no" is truthy: every expert packed, host copies kept
         self.dynamic = dynamic
         cpu_experts = torch.arange(experts) if self.dynamic else torch.nonzero(~mask).reshape(-1)
         gpu_experts = torch.nonzero(mask).reshape(-1)

@@ -26,7 +26,7 @@ import torch
 
 import kt_ops.cuda
 from kt_ops import expert_stats, gpu_prefill
-from kt_ops._validate import is_int, is_real
+from kt_ops._validate import is_int, is_real, require_bools
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.dynamic_experts import host_copy
@@ -238,8 +238,7 @@ class KTMoEWrapper:
                     torch.tensor(float(value), dtype=torch.float32))):
                 raise ValueError(f"{name} must be a finite number >= 0 (0: off) and, if positive, nonzero in "
                                  f"float32; got {value!r}")
-        if not isinstance(cpu_save, bool):  # "no" or "False" kept the source tensors: a string is truthy
-            raise ValueError(f"cpu_save must be a bool, got {cpu_save!r}")
+        require_bools(cpu_save=cpu_save)  # "no" or "False" kept the source tensors
         self.layer_idx = layer_idx
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
@@ -247,8 +246,7 @@ class KTMoEWrapper:
         self.moe_intermediate_size = moe_intermediate_size
         if dynamic_gpu_experts is None:
             dynamic_gpu_experts = _env_flag("KT_OPS_DYNAMIC_GPU_EXPERTS")
-        if not isinstance(dynamic_gpu_experts, bool):
-            raise ValueError(f"dynamic_gpu_experts must be a bool, got {dynamic_gpu_experts!r}")
+        require_bools(dynamic_gpu_experts=dynamic_gpu_experts)
         self.dynamic_gpu_experts = dynamic_gpu_experts
         if gpu_prefill_token_threshold is None:
             text = os.environ.get("KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD", "").strip() or "0"

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from kt_ops import gpu_prefill, hf_experts
-from kt_ops._validate import is_int, is_integral
+from kt_ops._validate import is_int, is_integral, require_bools
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.wrappers.hybrid_moe import HybridMoE
 from kt_ops.wrappers.routing import Routing
@@ -232,9 +232,7 @@ def patch_model(
             no MoE block found, a non-SiLU activation, or a bad mask.
     """
     gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
-    for name, value in (("dynamic_gpu_experts", dynamic_gpu_experts), ("experts_interface", experts_interface)):
-        if not isinstance(value, bool):  # "no" is truthy: it turned the switch on silently
-            raise ValueError(f"{name} must be a bool, got {value!r}")
+    require_bools(dynamic_gpu_experts=dynamic_gpu_experts, experts_interface=experts_interface)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _BLOCKS or experts_interface:
