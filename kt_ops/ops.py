@@ -258,11 +258,6 @@ def set_activation(
             and not value.is_complex()  # a 0-d tensor, as float() took it before
         if not is_real(value) and not scalar:  # True or "7" passed float() silently
             raise ValueError(f"swiglu_limit and swiglu_alpha must be finite and >= 0 (0: off); {name} is {value!r}")
-        # the header holds fp32: a positive number below its range would be stored as 0 (off),
-        # switching alpha-SwiGLU to plain SiLU or the clamp off without a word
-        if float(value) > 0 and torch.tensor(float(value), dtype=torch.float32).item() == 0:
-            raise ValueError(f"swiglu_limit and swiglu_alpha must be finite and >= 0 (0: off); {name} is {value!r}, "
-                             "which is 0 in float32 (the layer's header holds float32)")
     if biases is not None:
         if not isinstance(biases, (tuple, list)) or len(biases) != 3:
             raise ValueError("biases must be a (gate_bias, up_bias, down_bias) tuple; any entry may be None")
