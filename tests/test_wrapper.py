@@ -348,6 +348,55 @@ def test_forward_computes_cpu_inputs_on_the_calling_thread(weights, monkeypatch)
     assert torch.equal(wr.forward(x, ids, w), inline) and threads[4] is threading.current_thread()
 
 
+def test_one_wrapper_serves_one_caller_at_a_time(weights, monkeypatch):
+    """While one thread's forward is in progress on a wrapper (inside forward, or between
+    its submit_forward and sync_forward), another thread's forward, submit_forward or
+    sync_forward is a RuntimeError saying so: the direct path ran both at once on the
+    wrapper's state, the general path failed as "submit_forward called twice". The first
+    caller's result is unchanged and the wrapper serves the next caller."""
+    wr = wrapper()
+    wr.load_weights_from_tensors(*weights[1])
+    x, ids, w = inputs()
+    alone = wr.forward(x, ids, w)
+    module = sys.modules[KTMoEWrapper.__module__]
+    entered, release = threading.Event(), threading.Event()
+    operator = module.moe_forward
+
+    def gated(*args):
+        if threading.current_thread() is not threading.main_thread():  # the first caller's call waits
+            entered.set()
+            assert release.wait(10)
+        return operator(*args)
+
+    monkeypatch.setattr(module, "moe_forward", gated)  # the direct path's one operator call
+    results = []
+    first = threading.Thread(target=lambda: results.append(wr.forward(x, ids, w)))
+    first.start()
+    try:
+        assert entered.wait(10)
+        for call in (lambda: wr.forward(x, ids, w), lambda: wr.submit_forward(x, ids, w), wr.sync_forward):
+            with pytest.raises(RuntimeError, match="one caller at a time"):
+                call()
+    finally:
+        release.set()
+        first.join(10)
+    assert len(results) == 1 and torch.equal(results[0], alone)
+    monkeypatch.setattr(module, "moe_forward", operator)
+
+    submitted = threading.Thread(target=wr.submit_forward, args=(x, ids, w))  # the general path
+    submitted.start()
+    submitted.join(10)
+    for call in (lambda: wr.forward(x, ids, w), lambda: wr.submit_forward(x, ids, w)):
+        with pytest.raises(RuntimeError, match="one caller at a time"):
+            call()
+    assert torch.equal(wr.sync_forward(x), alone)  # collected by any thread once submitted
+    assert torch.equal(wr.forward(x, ids, w), alone)
+    wr.submit_forward(x, ids, w)
+    with pytest.raises(RuntimeError, match="submit_forward called twice"):  # the same thread: its own message
+        wr.forward(x, ids, w)
+    assert torch.equal(wr.sync_forward(x), alone)
+
+
 def test_submit_forward_runs_on_the_submitters_thread_count(weights, monkeypatch):
     """The worker thread runs submit_forward's kernels on as many threads as the caller
     set (kt_ops.set_num_threads, cpuinfer_threads): torch's count is per thread and was

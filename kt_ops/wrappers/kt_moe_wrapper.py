@@ -168,6 +168,14 @@ class KTMoEWrapper:
             never. None (default): ``KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD`` (an int), else 0.
             A plain attribute: change it freely.
 
+    A wrapper serves one caller at a time: from the start of :meth:`forward` or
+    :meth:`submit_forward` to the end of :meth:`forward` or :meth:`sync_forward` (on any
+    thread: a forward submitted on one thread may be collected on another) a forward,
+    submit_forward or sync_forward of another thread is a ``RuntimeError`` saying so,
+    raised at once (no wait, so no deadlock): the forward's state (the submitted work,
+    the previous layer's deferred output it collects) is the wrapper's. Threads that run
+    forwards at the same time need wrappers of their own.
+
     Raises:
         ValueError: an invalid argument, with the reason.
     """
@@ -281,6 +289,12 @@ class KTMoEWrapper:
         self._reserved: set[tuple[int, tuple[int, ...]]] = set()  # (device, call sizes) with pinned staging
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # deferred experts, eager CUDA calls
         self._inflight: _Inflight | None = None
+        # Who holds the wrapper (one caller at a time, _claim): None (free), "running" (inside
+        # forward, submit_forward or sync_forward on thread _busy_thread) or "submitted"
+        # (submit_forward returned, sync_forward not yet called); changed under _state_lock.
+        self._state_lock = threading.Lock()
+        self._busy: str | None = None
+        self._busy_thread: int | None = None
         self._staging: Future | None = None  # submit_write_weight_scale_to_buffer's write
         if cpuinfer_threads is not None and cpuinfer_threads != get_num_threads():
             set_num_threads(cpuinfer_threads)
@@ -669,6 +683,29 @@ class KTMoEWrapper:
             self._check_ids(topk_ids)  # an id out of range: the general path's message (num_experts)
             raise
 
+    def _claim(self, collect: bool = False) -> None:
+        """Takes the wrapper for the calling thread (a forward or submit_forward; ``collect``:
+        a sync_forward, which takes a submitted forward) or raises at once: a wrapper
+        serves one caller at a time (the class docstring)."""
+        me = threading.get_ident()
+        with self._state_lock:
+            state, owner = self._busy, self._busy_thread
+            if state == ("submitted" if collect else None):
+                self._busy, self._busy_thread = "running", me
+                return
+        if collect and state is None:
+            raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
+        if state == "submitted" and owner == me:
+            raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
+        raise RuntimeError(f"layer {self.layer_idx}: this KTMoEWrapper is in use by another thread (a forward "
+                           f"{'submitted' if state == 'submitted' else 'running'} on thread {owner}); a wrapper "
+                           "serves one caller at a time (its forward state is per wrapper): finish that forward "
+                           "first (forward, or submit_forward then sync_forward), or give each thread its own wrappers")
+
+    def _release(self, submitted: bool = False) -> None:
+        with self._state_lock:
+            self._busy = "submitted" if submitted else None
+
     def _check_ids(self, ids: torch.Tensor) -> None:
         """``ValueError`` naming the values when a physical slot of ``ids`` is outside
         ``[-1, num_experts)`` (synchronises the host on a GPU)."""
@@ -725,12 +762,17 @@ class KTMoEWrapper:
         tasks that never run): the next task starts a new one. Work that thread had not
         finished never finishes here: its futures (forwards in flight, deferred experts,
         staging writes) are replaced by failed ones, so their syncs raise instead of
-        waiting forever."""
+        waiting forever. A wrapper held by a forward running on another thread (gone here)
+        is free again; one submitted stays submitted (its sync raises as above)."""
         lost = {f for f in cls._worker_futures if f._state != _FINISHED}  # no lock: it may be held by the gone thread
         cls._executor_lock = threading.Lock()
         cls._executor = None
         cls._pool_tasks = 0
         cls._worker_futures = set()
+        for wrapper in list(cls._instances):
+            wrapper._state_lock = threading.Lock()  # (the same: a gone thread may hold it)
+            if wrapper._busy == "running":  # the forking thread is not inside a forward of its own
+                wrapper._busy, wrapper._inflight = None, None
         if not lost:
             return
         failed: dict[Future, Future] = {}
@@ -820,8 +862,15 @@ class KTMoEWrapper:
         float32/bfloat16/float16, as :func:`kt_ops.moe_forward` requires (``ValueError``
         otherwise; on the CUDA path an id out of range is reported by the next call).
         Inside a :class:`kt_ops.ExpertStats` block the ids are counted as given (before
-        deferral), under row ``layer_idx``."""
-        self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, inline=False)
+        deferral), under row ``layer_idx``.
+
+        ``RuntimeError`` while another thread's forward holds the wrapper (one caller at a
+        time: the class docstring), or while a forward submitted here is not collected."""
+        self._claim()
+        try:
+            self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, inline=False)
+        finally:
+            self._release(submitted=self._inflight is not None)
 
     def _submit(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 cuda_stream: object | None, inline: bool) -> torch.Tensor | None:
@@ -833,8 +882,6 @@ class KTMoEWrapper:
         if not self._parts and bool((~self.gpu_experts_mask).any()):
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
         self._check_mask()
-        if self._inflight is not None:
-            raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}")
         if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
@@ -953,10 +1000,20 @@ class KTMoEWrapper:
         path: waits for the background thread. CUDA path: does not wait; the result is
         ordered on the stream the work was submitted to (a host-function failure, such as
         an expert id out of range, is raised by the next call or
-        :func:`kt_ops.cuda.raise_pending_error`)."""
-        if self._inflight is None:
-            raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
+        :func:`kt_ops.cuda.raise_pending_error`). Any thread may collect a submitted
+        forward; ``RuntimeError`` while another thread's forward is running (one caller at
+        a time: the class docstring)."""
+        self._claim(collect=True)
+        try:
+            return self._collect()
+        finally:
+            self._release()
+
+    def _collect(self) -> torch.Tensor:
+        """:meth:`sync_forward`'s work, the wrapper held by the caller."""
         inflight, self._inflight = self._inflight, None
+        if inflight is None:  # (a submit that failed leaves the wrapper free, not submitted)
+            raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
         if isinstance(inflight.result, torch.Tensor):
             with torch.cuda.stream(inflight.stream):
                 return self._add_deferred(inflight.result, inflight.previous).to(inflight.dtype)
@@ -990,9 +1047,14 @@ class KTMoEWrapper:
     ) -> torch.Tensor:
         """:meth:`submit_forward` then :meth:`sync_forward`. CPU inputs are computed on the
         calling thread (on torch's intra-op threads, with no hand-off) unless the worker
-        thread is busy or experts are deferred."""
-        out = self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, inline=True)
-        return out if out is not None else self.sync_forward(hidden_states, cuda_stream)
+        thread is busy or experts are deferred. ``RuntimeError`` while another thread's
+        forward holds the wrapper (one caller at a time: the class docstring)."""
+        self._claim()
+        try:
+            out = self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, inline=True)
+            return out if out is not None else self._collect()
+        finally:
+            self._release()
 
     # ---- kt-kernel's buffer API ----------------------------------------------------------
 
