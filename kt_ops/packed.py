@@ -24,6 +24,11 @@ class PackedExperts:
     blocks. It is the only state, so it can be registered as an ``nn.Module`` buffer and
     saved with safetensors. Construction validates the header; the other attributes are
     read from it.
+
+    :meth:`save` / :meth:`load` are the file format (safetensors, memory-mapped). A
+    PackedExperts written with ``torch.save`` (alone or inside a dict) also loads with
+    ``torch.load(path, weights_only=True)`` once ``kt_ops`` is imported: it is pickled as
+    its ``data`` tensor and rebuilt by the constructor (the header validated again).
     """
 
     data: torch.Tensor
@@ -37,6 +42,11 @@ class PackedExperts:
 
     def __hash__(self) -> int:
         return hash(id(self.data))
+
+    def __reduce__(self) -> tuple[object, tuple[torch.Tensor]]:
+        # Pickled as the blob and a constructor torch's weights-only unpickler allows (below):
+        # the default reduce named the class itself, refused by torch.load(weights_only=True).
+        return _rebuild_packed_experts, (self.data,)
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, torch.Tensor):
@@ -157,3 +167,14 @@ class PackedExperts:
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
             f"nbytes={self.nbytes})"
         )
+
+
+def _rebuild_packed_experts(data: torch.Tensor) -> PackedExperts:
+    """Unpickles a PackedExperts (:meth:`PackedExperts.__reduce__`): the constructor, which
+    validates the blob. Allowed in ``torch.load(weights_only=True)``; the class itself is
+    not (the unpickler could then make one with ``__new__`` and set its attributes, the
+    header never validated)."""
+    return PackedExperts(data)
+
+
+torch.serialization.add_safe_globals([_rebuild_packed_experts])

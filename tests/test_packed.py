@@ -50,6 +50,29 @@ def test_save_load_is_memory_mapped_and_runs(tmp_path, experts) -> None:
     )
 
 
+def test_torch_save_load_weights_only(tmp_path, experts) -> None:
+    """torch.save of a PackedExperts (alone or inside a dict) loads with
+    torch.load(weights_only=True), torch's default since 2.6: it was an UnpicklingError
+    (kt_ops.packed.PackedExperts not an allowed global). Same blob, same outputs bit for
+    bit; PackedExperts.save / load (the documented path) unchanged."""
+    path = tmp_path / "layer0.pt"
+    torch.save({"layer0": experts.packed}, path)
+    loaded = torch.load(path, weights_only=True)["layer0"]
+    assert isinstance(loaded, kt_ops.PackedExperts) and torch.equal(loaded.data, experts.packed.data)
+    documented = tmp_path / "layer0.safetensors"
+    experts.packed.save(documented)
+    ids, weights = random_routing(4, 5, 2)
+    x = torch.randn(4, 40, dtype=torch.bfloat16)
+    out = kt_ops.moe_forward(x, ids, weights, experts.packed)
+    for other in (loaded, kt_ops.PackedExperts.load(documented)):
+        assert torch.equal(kt_ops.moe_forward(x, ids, weights, other), out)
+    corrupt = kt_ops.PackedExperts(experts.packed.data.clone())
+    corrupt.data[:4] = 0  # changed after construction: torch.load validates the blob again
+    torch.save(corrupt, tmp_path / "bad.pt")
+    with pytest.raises(Exception, match="bad magic"):
+        torch.load(tmp_path / "bad.pt", weights_only=True)
+
+
 def test_save_names_a_bad_path(tmp_path, experts) -> None:
     """save() to a directory or into a missing one: the path named, nothing written."""
     with pytest.raises(IsADirectoryError, match="is a directory; PackedExperts.save writes one file"):
