@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kt_ops._validate import regular_file_stat
-from kt_ops.converted import INDEX, layer_file, layer_key
+from kt_ops.converted import INDEX, entry_path, layer_file, layer_key
 
 METADATA = {"producer": "kt_ops"}
 
@@ -78,7 +78,9 @@ def _has_keys(path: Path, keys: list[str]) -> bool:
 def layer_sources(out: Path, layers: list[int], parts: int) -> dict[int, Path]:
     """Where each of ``layers`` is stored in ``out``: its layer file, else the shard the
     index names for it (each only if it holds all of the layer's parts). Layers found
-    nowhere are left out."""
+    nowhere are left out. ``ValueError`` naming the entry where the index names a file
+    outside ``out`` for one of them (:func:`kt_ops.converted.entry_path`): it was read,
+    and then deleted as a stale shard."""
     weight_map: dict[str, str] = {}
     if (out / INDEX).is_file():
         try:
@@ -91,8 +93,8 @@ def layer_sources(out: Path, layers: list[int], parts: int) -> dict[int, Path]:
         own = out / layer_file(layer)
         if own.is_file() and _has_keys(own, keys):
             sources[layer] = own
-        elif keys[0] in weight_map and _has_keys(out / weight_map[keys[0]], keys):
-            sources[layer] = out / weight_map[keys[0]]
+        elif keys[0] in weight_map and _has_keys(shard := entry_path(out, weight_map[keys[0]]), keys):
+            sources[layer] = shard
     return sources
 
 

@@ -5,7 +5,8 @@ packed experts as safetensors: per layer ``L`` and intermediate part ``p`` (of
 ``threadpool_count``) one uint8 tensor ``blk.{L}.part{p}.packed`` — a
 :class:`~kt_ops.PackedExperts` blob. Either one file per layer (``layer-00003.safetensors``,
 ``--no-merge-safetensor``) or shards ``model-0000i-of-0000N.safetensors``; in both cases
-``model.safetensors.index.json`` maps each key to its file. Blobs are memory-mapped when
+``model.safetensors.index.json`` maps each key to its file (a file of the directory: an
+entry resolving outside it is refused, :func:`entry_path`). Blobs are memory-mapped when
 loaded, not copied.
 """
 
@@ -107,13 +108,31 @@ def read_weight_map(path: str | os.PathLike[str]) -> dict[str, str]:
     return _read_weight_map(index)
 
 
+def entry_path(root: Path, name: object) -> Path:
+    """``root / name`` for a file name of the index (``weight_map``): ``ValueError`` naming
+    the entry when it is not a file name inside ``root`` once resolved (symlinks
+    followed): an absolute path, ``..`` out of the directory, or a symlink to a file
+    elsewhere. The index names files of the directory; any other file would be read (and
+    the converter's resume deleted it as a stale shard)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{root / INDEX}: entry {name!r} is not a file name of the converted directory")
+    path = root / name
+    real_root = root.resolve()
+    real = path.resolve()
+    if real == real_root or not real.is_relative_to(real_root):
+        raise ValueError(f"{root / INDEX}: entry {name!r} points outside the converted directory {root} (to {real}); "
+                         "the index names files of the directory only")
+    return path
+
+
 def load_converted_layer(path: str | os.PathLike[str], layer: int,
                          copy: bool = False) -> tuple[Manifest, list[PackedExperts]]:
     """The manifest and layer ``layer``'s packed parts: memory-mapped and watched for
     changes on disk (:mod:`kt_ops.mapped_files`), or read into RAM with ``copy=True``.
 
-    Raises ``ValueError`` for an incomplete conversion or a blob that is not what the
-    manifest says (format, group size, sizes: a file of another conversion), and ``KeyError`` naming the key
+    Raises ``ValueError`` for an incomplete conversion, an index entry outside the
+    directory (:func:`entry_path`) or a blob that is not what the manifest says (format,
+    group size, sizes: a file of another conversion), and ``KeyError`` naming the key
     of a layer that was not converted or whose tensor is missing.
     """
     root = Path(path)
@@ -130,8 +149,9 @@ def load_converted_layer(path: str | os.PathLike[str], layer: int,
         key = layer_key(layer, part)
         if key not in weight_map:
             raise KeyError(f"{root}: tensor {key!r} is missing from {INDEX}")
-        packed = PackedExperts(load_uint8_tensor(root / weight_map[key], key, copy=copy))
-        _check_part(root / weight_map[key], key, packed, manifest)
+        file = entry_path(root, weight_map[key])  # ValueError outside the directory
+        packed = PackedExperts(load_uint8_tensor(file, key, copy=copy))
+        _check_part(file, key, packed, manifest)
         parts.append(packed)
     return manifest, parts
 

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kt_ops._native import _C
-from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key, read_weight_map
+from kt_ops.converted import INDEX, MANIFEST, Manifest, entry_path, layer_file, layer_key, read_weight_map
 from kt_ops.cpu import cpu_variant
 from kt_ops.diagnostics import methods_label
 from kt_ops.formats import FORMATS, format_info
@@ -304,9 +304,10 @@ def _inspect_converted(root: Path) -> Inspection:
         by_file[name].append(key)
     key_bytes: dict[str, int] = {}
     for name in _progress(sorted(by_file), "reading headers"):
-        if not (root / name).is_file():
+        file = entry_path(root, name)  # ValueError naming an entry outside the directory
+        if not file.is_file():
             continue
-        with _read_safetensors(root / name) as handle:
+        with _read_safetensors(file) as handle:
             for key in by_file[name]:
                 key_bytes[key] = int(handle.get_slice(key).get_shape()[0])  # 1-D uint8 blob
     E, H, I = manifest.num_experts, manifest.hidden_size, manifest.intermediate_size

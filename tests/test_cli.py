@@ -264,6 +264,25 @@ def test_inspect_converted_directory(converted, capsys) -> None:
     assert [(x.layer, x.intermediate_size, x.nbytes) for x in layers] == [(L, I, 2 * part) for L in (1, 2, 3)]
 
 
+def test_inspect_refuses_an_index_entry_outside_the_directory(converted, tmp_path, capsys) -> None:
+    """An index naming a file outside the converted directory: inspect read that file's
+    header (kt_ops.converted.entry_path). Now an error naming the entry."""
+    import json
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(converted, root)
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    shard = next(iter(index["weight_map"].values()))
+    shutil.copy(root / shard, tmp_path / "elsewhere.safetensors")
+    index["weight_map"] = {k: ("../elsewhere.safetensors" if v == shard else v) for k, v in index["weight_map"].items()}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="'../elsewhere.safetensors' points outside"):
+        inspect_weights(root)
+    status, _, err = run(capsys, "inspect", root)
+    assert status != 0 and "'../elsewhere.safetensors' points outside" in err
+
+
 def test_inspect_gguf_file(gguf_file, capsys) -> None:
     status, out, _ = run(capsys, "inspect", gguf_file)
     assert status == 0 and out.startswith(f"{gguf_file}: GGUF file\n")

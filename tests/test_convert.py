@@ -447,6 +447,45 @@ def test_a_fifo_named_by_the_index_is_not_waited_on(tmp_path, checkpoint):
     assert "layers 1 are in no layer file or shard" in done.stderr.splitlines()[-1]
 
 
+@pytest.mark.parametrize("where", ["relative", "absolute", "symlink"])
+def test_index_entries_outside_the_directory_are_refused(tmp_path, checkpoint, capsys, where):
+    """An index entry naming a file outside the converted directory ("../x", an absolute
+    path, or a file of the directory that is a symlink to one outside) was followed: the
+    wrapper loaded that file, --resume-layer read it (layer_sources) and then deleted it
+    as a stale shard. Now a ValueError naming the entry, the file untouched; entries
+    inside the directory (also through "..") keep working."""
+    from kt_ops.convert_merge import layer_sources
+
+    out = tmp_path / "out"
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+            "--layers", "1-2"]
+    assert run(*base) == 0
+    expected = outputs(out, 1, "AMXINT8")
+    index_file = out / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = index["weight_map"]["blk.1.part0.packed"]
+    outside = tmp_path / "elsewhere" / shard
+    outside.parent.mkdir()
+    outside.write_bytes((out / shard).read_bytes())
+    entry = {"relative": f"../elsewhere/{shard}", "absolute": str(outside), "symlink": "link.safetensors"}[where]
+    if where == "symlink":
+        (out / entry).symlink_to(outside)
+    index["weight_map"] = {k: (entry if v == shard else v) for k, v in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=re.escape(repr(entry))):
+        outputs(out, 1, "AMXINT8")
+    with pytest.raises(ValueError, match=re.escape(repr(entry))):
+        layer_sources(out, [1], 1)
+    capsys.readouterr()
+    assert run(*base, "--resume-layer", 2) == 1
+    assert repr(entry) in capsys.readouterr().err
+    assert outside.is_file()
+    index["weight_map"] = {k: (f"sub/../{shard}" if v == entry else v) for k, v in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+    (out / "sub").mkdir()
+    assert torch.equal(outputs(out, 1, "AMXINT8"), expected) and 1 in layer_sources(out, [1], 1)
+
+
 def test_a_second_run_on_the_same_output_is_refused_while_the_first_runs(tmp_path, checkpoint, capsys):
     """Two runs writing one --output at once interleaved their writes to one manifest and
     one set of layer files and shards. A run holds an exclusive flock on the directory:
