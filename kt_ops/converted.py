@@ -110,19 +110,20 @@ def read_weight_map(path: str | os.PathLike[str]) -> dict[str, str]:
 
 def entry_path(root: Path, name: object) -> Path:
     """``root / name`` for a file name of the index (``weight_map``): ``ValueError`` naming
-    the entry when it is not a file name inside ``root`` once resolved (symlinks
-    followed): an absolute path, ``..`` out of the directory, or a symlink to a file
-    elsewhere. The index names files of the directory; any other file would be read (and
-    the converter's resume deleted it as a stale shard)."""
+    the entry when it does not name a file inside ``root`` — an absolute path, or one whose
+    ``..`` leads out of the directory (``sub/../shard`` is fine). The index names files of
+    the directory; any other file would be read (and the converter's resume deleted it as a
+    stale shard). A file of the directory that is a symlink is followed, as
+    :class:`~kt_ops.hf_checkpoint.HfCheckpoint` follows them: a directory downloaded into the
+    Hugging Face cache is symlinks to its ``blobs/`` (deleting a stale shard removes the link,
+    never its target)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"{root / INDEX}: entry {name!r} is not a file name of the converted directory")
-    path = root / name
-    real_root = root.resolve()
-    real = path.resolve()
-    if real == real_root or not real.is_relative_to(real_root):
-        raise ValueError(f"{root / INDEX}: entry {name!r} points outside the converted directory {root} (to {real}); "
+    relative = Path(os.path.normpath(name))
+    if relative.is_absolute() or relative.parts[:1] in (("..",), (".",)):
+        raise ValueError(f"{root / INDEX}: entry {name!r} points outside the converted directory {root}; "
                          "the index names files of the directory only")
-    return path
+    return root / name
 
 
 def load_converted_layer(path: str | os.PathLike[str], layer: int,
