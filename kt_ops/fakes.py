@@ -8,6 +8,41 @@ only, so ``torch.compile`` and FakeTensor tracing never touch the data.
 import torch
 
 from kt_ops._native import _C
+from kt_ops.formats import GROUP_SIZES, format_info
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_DIM = 1 << 31  # the kernels' bound on E, I and H
+
+
+def _check_tensor(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple | int,
+                  dtype_error: type[Exception] = TypeError) -> None:
+    """The kernels' dtype and shape checks (``csrc/ops/checks.cpp``): ``dtype_error``
+    (the kernel's: ``TypeError`` from check_dtype) naming ``name`` for a dtype outside
+    ``dtypes``, ``ValueError`` for a shape other than ``shape`` (an int: a rank)."""
+    if t.dtype not in dtypes:
+        raise dtype_error(f"{name} must have dtype {', '.join(map(str, dtypes))}; got {t.dtype}")
+    if isinstance(shape, int) and t.dim() != shape:
+        raise ValueError(f"{name} must be {shape}-D; got shape {list(t.shape)}")
+    if not isinstance(shape, int) and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {list(shape)}; got {list(t.shape)}")
+
+
+def _check_sizes(gate_proj: torch.Tensor, E: int, I: int, H: int) -> None:
+    if not all(0 < n < _MAX_DIM for n in (E, I, H)):
+        raise ValueError(f"expert weights need E, I, H in [1, 2^31); got gate_proj {list(gate_proj.shape)}")
+
+
+def _check_expert_weights(gate_proj: torch.Tensor, up_proj: torch.Tensor,
+                          down_proj: torch.Tensor) -> tuple[int, int, int]:
+    """(E, I, H) of float gate_proj, up_proj [E, I, H] and down_proj [E, H, I]: the
+    kernel's check_expert_weights (pack_experts_cpu.cpp), the same errors."""
+    for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+        _check_tensor(t, name, _FLOATS, 3)
+    E, I, H = (int(n) for n in gate_proj.shape)
+    _check_tensor(up_proj, "up_proj", _FLOATS, (E, I, H))
+    _check_tensor(down_proj, "down_proj", _FLOATS, (E, H, I))
+    _check_sizes(gate_proj, E, I, H)
+    return E, I, H
 
 
 def _check_meta(source_name: str, source: torch.Tensor, **others: torch.Tensor | list[torch.Tensor] | None) -> None:
@@ -74,8 +109,15 @@ def _pack_experts_fake(
     scale_search: bool = False,
 ) -> torch.Tensor:
     _check_meta("gate_proj", gate_proj, up_proj=up_proj, down_proj=down_proj)
-    experts, intermediate, hidden = gate_proj.shape
-    nbytes = _C.packed_nbytes(format, int(experts), int(hidden), int(intermediate), int(group_size))
+    info = format_info(format)
+    if info.k_rule == "ggml_block":
+        raise ValueError(f"format {format} needs a ggml type per matrix: use kt::pack_gguf_experts")
+    experts, intermediate, hidden = _check_expert_weights(gate_proj, up_proj, down_proj)
+    if group_size not in (0, *GROUP_SIZES):
+        raise ValueError(f"group_size must be 0 (none) or one of {GROUP_SIZES}; got {group_size}")
+    if scale_search and not info.scale_search:
+        raise ValueError(f"scale_search applies to quantized formats, not {format}")
+    nbytes = _C.packed_nbytes(format, experts, hidden, intermediate, int(group_size))
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 
@@ -87,8 +129,8 @@ def _pack_gguf_experts_fake(
     gguf_types: list[int],
 ) -> torch.Tensor:
     _check_meta("gate_proj", gate_proj, up_proj=up_proj, down_proj=down_proj)
-    experts, intermediate, hidden = gate_proj.shape
-    nbytes = _C.gguf_packed_nbytes(list(gguf_types), int(experts), int(hidden), int(intermediate))
+    experts, intermediate, hidden = _check_expert_weights(gate_proj, up_proj, down_proj)
+    nbytes = _C.gguf_packed_nbytes(list(gguf_types), experts, hidden, intermediate)
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 

@@ -115,3 +115,60 @@ def test_opcheck_dequantize_experts(method: str, kwargs: dict) -> None:
     for args in [(packed, torch.tensor([3, 0, 3], dtype=torch.int32)), (packed, torch.tensor([1]), torch.bfloat16),
                  (packed, torch.zeros(0, dtype=torch.int64), torch.float32)]:
         torch.library.opcheck(torch.ops.kt.dequantize_experts.default, args)
+
+
+def fake_and_meta_refuse_like_real(op, args: tuple, match: str) -> None:
+    """The real CPU kernel refuses ``args`` with an error matching ``match`` (naming the
+    argument); the fake, under FakeTensorMode and on meta tensors, raises the same type
+    matching the same pattern instead of returning a size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map_only
+
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match) as real:
+        op(*args)
+    expected = type(real.value)
+    with FakeTensorMode() as mode:
+        fake_args = tree_map_only(torch.Tensor, mode.from_tensor, args)
+        with pytest.raises(expected, match=match) as fake:
+            op(*fake_args)
+    assert type(fake.value) is expected, f"fake raised {type(fake.value).__name__}, the kernel {expected.__name__}"
+    with pytest.raises(expected, match=match) as meta:
+        op(*tree_map_only(torch.Tensor, lambda t: t.to("meta"), args))
+    assert type(meta.value) is expected, f"meta raised {type(meta.value).__name__}, the kernel {expected.__name__}"
+
+
+def _float_experts(E: int = 2, I: int = 64, H: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I)
+
+
+PACK_EXPERTS_REFUSALS = {
+    "up_shape": (lambda g, u, d: (g, torch.randn(2, 64, 160), d, "bf16", 0, False), "up_proj"),
+    "down_shape": (lambda g, u, d: (g, u, torch.randn(2, 128, 96), "bf16", 0, False), "down_proj"),
+    "gate_2d": (lambda g, u, d: (g[0], u, d, "bf16", 0, False), "gate_proj"),
+    "int_gate": (lambda g, u, d: (g.to(torch.int32), u, d, "bf16", 0, False), "gate_proj"),
+    "int_up": (lambda g, u, d: (g, u.to(torch.int64), d, "int8", 0, False), "up_proj"),
+    "float64_down": (lambda g, u, d: (g, u, d.double(), "bf16", 0, False), "down_proj"),
+    "gguf_format": (lambda g, u, d: (g, u, d, "gguf", 0, False), "pack_gguf_experts"),
+    "scale_search_bf16": (lambda g, u, d: (g, u, d, "bf16", 0, True), "scale_search"),
+    "no_experts": (lambda g, u, d: (g[:0], u[:0], d[:0], "bf16", 0, False), "gate_proj"),
+    "group_2_32": (lambda g, u, d: (g, u, d, "int4", 2**32 + 32, False), "group_size"),
+}
+
+
+@pytest.mark.parametrize("case", PACK_EXPERTS_REFUSALS)
+def test_pack_experts_fake_refuses_what_the_kernel_refuses(case: str) -> None:
+    """The fake returned a blob size for weights the kernel refuses (gate and up of
+    different shapes, integer weights, format "gguf", scale_search for bf16, ...)."""
+    build, match = PACK_EXPERTS_REFUSALS[case]
+    fake_and_meta_refuse_like_real(torch.ops.kt.pack_experts.default, build(*_float_experts()), match)
+
+
+@pytest.mark.parametrize("case", ["up_shape", "int_gate", "gate_2d"])
+def test_pack_gguf_experts_fake_refuses_what_the_kernel_refuses(case: str) -> None:
+    g, u, d = _float_experts(2, 256, 256)
+    args, match = {
+        "up_shape": ((g, torch.randn(2, 256, 512), d), "up_proj"),
+        "int_gate": ((g.to(torch.int32), u, d), "gate_proj"),
+        "gate_2d": ((g[0], u, d), "gate_proj"),
+    }[case]
+    fake_and_meta_refuse_like_real(torch.ops.kt.pack_gguf_experts.default, (*args, [12, 12, 14]), match)
