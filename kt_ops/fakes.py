@@ -166,9 +166,26 @@ def _pack_int4_experts_fake(
 ) -> torch.Tensor:
     _check_meta("gate_proj", gate_proj, up_proj=up_proj, down_proj=down_proj, gate_scale=gate_scale,
                 up_scale=up_scale, down_scale=down_scale, gate_min=gate_min, up_min=up_min, down_min=down_min)
-    experts, intermediate, half_hidden = gate_proj.shape
-    fmt = "int4" if gate_min is None else "int4_asym"
-    nbytes = _C.packed_nbytes(fmt, int(experts), 2 * int(half_hidden), int(intermediate), int(group_size))
+    minimums = (gate_min, up_min, down_min)
+    given = sum(m is not None for m in minimums)
+    if given not in (0, 3):
+        raise ValueError(f"give all three of gate_min, up_min, down_min (int4_asym) or none (int4); got {given}")
+    for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+        _check_tensor(t, name, (torch.uint8,), 3)
+    E, I, H = int(gate_proj.shape[0]), int(gate_proj.shape[1]), 2 * int(gate_proj.shape[2])
+    _check_sizes(gate_proj, E, I, H)
+    if tuple(down_proj.shape[:2]) != (E, H) or 2 * int(down_proj.shape[2]) != I:
+        raise ValueError(f"down_proj must be [E, H, I / 2] = [{E}, {H}, {I / 2:g}] to match gate_proj "
+                         f"{list(gate_proj.shape)}; got {list(down_proj.shape)}")
+    _check_tensor(up_proj, "up_proj", (torch.uint8,), tuple(gate_proj.shape))
+    if not 0 < group_size < _MAX_DIM:
+        raise ValueError(f"group_size must be positive; got {group_size}")
+    nbytes = _C.packed_nbytes("int4_asym" if given else "int4", E, H, I, int(group_size))
+    for m, (N, K) in enumerate(((I, H), (I, H), (H, I))):
+        for names, tensor in ((("gate_scale", "up_scale", "down_scale"), (gate_scale, up_scale, down_scale)[m]),
+                              (("gate_min", "up_min", "down_min"), minimums[m])):
+            if tensor is not None:
+                _check_tensor(tensor, names[m], _FLOATS, (E, N, K // group_size))
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 

@@ -172,3 +172,39 @@ def test_pack_gguf_experts_fake_refuses_what_the_kernel_refuses(case: str) -> No
         "gate_2d": ((g[0], u, d), "gate_proj"),
     }[case]
     fake_and_meta_refuse_like_real(torch.ops.kt.pack_gguf_experts.default, (*args, [12, 12, 14]), match)
+
+
+def _int4_args(mins: bool = False, **replace) -> tuple:
+    E, I, H, G = 2, 64, 128, 32
+    levels = lambda n, k: torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8)  # noqa: E731
+    groups = lambda n, k: torch.rand(E, n, k // G)  # noqa: E731
+    args = {"gate_proj": levels(I, H), "up_proj": levels(I, H), "down_proj": levels(H, I),
+            "gate_scale": groups(I, H), "up_scale": groups(I, H), "down_scale": groups(H, I),
+            "gate_min": groups(I, H) if mins else None, "up_min": groups(I, H) if mins else None,
+            "down_min": groups(H, I) if mins else None, "group_size": G}
+    args.update(replace)
+    return tuple(args.values())
+
+
+PACK_INT4_REFUSALS = {
+    "one_min": (lambda: _int4_args(gate_min=torch.rand(2, 64, 4)), "gate_min, up_min, down_min"),
+    "float_levels": (lambda: _int4_args(gate_proj=torch.rand(2, 64, 64)), "gate_proj"),
+    "gate_2d": (lambda: _int4_args(gate_proj=torch.zeros(64, 64, dtype=torch.uint8)), "gate_proj"),
+    "up_shape": (lambda: _int4_args(up_proj=torch.zeros(2, 64, 80, dtype=torch.uint8)), "up_proj"),
+    "down_rows": (lambda: _int4_args(down_proj=torch.zeros(2, 96, 32, dtype=torch.uint8)), "down_proj"),
+    "down_levels": (lambda: _int4_args(down_proj=torch.zeros(2, 128, 48, dtype=torch.uint8)), "down_proj"),
+    "scale_shape": (lambda: _int4_args(gate_scale=torch.rand(2, 64, 5)), "gate_scale"),
+    "int_scale": (lambda: _int4_args(up_scale=torch.ones(2, 64, 4, dtype=torch.int32)), "up_scale"),
+    "min_shape": (lambda: _int4_args(True, down_min=torch.rand(2, 128, 3)), "down_min"),
+    "int_min": (lambda: _int4_args(True, up_min=torch.ones(2, 64, 4, dtype=torch.int32)), "up_min"),
+    "group_0": (lambda: _int4_args(group_size=0), "group_size"),
+}
+
+
+@pytest.mark.parametrize("case", PACK_INT4_REFUSALS)
+def test_pack_int4_experts_fake_refuses_what_the_kernel_refuses(case: str) -> None:
+    """The fake returned a blob size for one minimum of three, float levels, mismatched
+    shapes and wrong scales (it read gate_proj's shape and gate_min's presence only)."""
+    build, match = PACK_INT4_REFUSALS[case]
+    fake_and_meta_refuse_like_real(torch.ops.kt.pack_int4_experts.default, build(), match)
+
