@@ -146,8 +146,32 @@ def _pack_fp8_experts_fake(
 ) -> torch.Tensor:
     _check_meta("gate_proj", gate_proj, up_proj=up_proj, down_proj=down_proj, gate_scale=gate_scale,
                 up_scale=up_scale, down_scale=down_scale)
-    experts, intermediate, hidden = gate_proj.shape
-    nbytes = _C.packed_nbytes(format, int(experts), int(hidden), int(intermediate), 0)
+    info = format_info(format)
+    if info.packer != "pack_fp8_experts":
+        raise ValueError(f"kt::pack_fp8_experts packs the FP8 formats (fp8, fp8_perchannel, mxfp8), not {format}: "
+                         "use kt::pack_experts")
+    if gate_proj.dim() != 3:
+        raise ValueError(f"gate_proj must be [E, I, H]; got {list(gate_proj.shape)}")
+    E, I, H = (int(n) for n in gate_proj.shape)
+    _check_sizes(gate_proj, E, I, H)
+    for m, (N, K) in enumerate(((I, H), (I, H), (H, I))):
+        name, scale_name = ("gate_proj", "up_proj", "down_proj")[m], ("gate_scale", "up_scale", "down_scale")[m]
+        weight, scale = (gate_proj, up_proj, down_proj)[m], (gate_scale, up_scale, down_scale)[m]
+        _check_tensor(weight, name, (torch.float8_e4m3fn, torch.uint8), (E, N, K), ValueError)
+        groups = -(-K // info.scale_group_k) if info.scale_group_k else 1
+        if format == "mxfp8":
+            _check_tensor(scale, scale_name, (torch.uint8, torch.float8_e8m0fnu), (E, N, groups), ValueError)
+            continue
+        if not scale.dtype.is_floating_point or scale.dtype in (torch.float8_e4m3fn, torch.float8_e5m2,
+                                                                torch.float8_e8m0fnu):
+            raise ValueError(f"{scale_name} of format {format} must be a float tensor (float32, bfloat16 or "
+                             f"float16); got {scale.dtype}")
+        # fp8: [E, ceil(N / 128), G] blocks or [E, N, G] rows; fp8_perchannel: [E, N] or [E, N, 1].
+        shapes = [(E, -(-N // info.scale_group_k), groups), (E, N, groups)] if format == "fp8" else [(E, N), (E, N, 1)]
+        if tuple(scale.shape) not in shapes:
+            raise ValueError(f"{scale_name} of format {format} must be one of {' or '.join(map(str, shapes))} for "
+                             f"{name} [{E}, {N}, {K}]; got {list(scale.shape)}")
+    nbytes = _C.packed_nbytes(format, E, H, I, 0)
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 

@@ -208,3 +208,44 @@ def test_pack_int4_experts_fake_refuses_what_the_kernel_refuses(case: str) -> No
     build, match = PACK_INT4_REFUSALS[case]
     fake_and_meta_refuse_like_real(torch.ops.kt.pack_int4_experts.default, build(), match)
 
+
+
+def _fp8_args(fmt: str = "fp8", **replace) -> tuple:
+    E, I, H = 2, 72, 160
+    codes = lambda n, k: torch.randint(0, 120, (E, n, k), dtype=torch.uint8)  # noqa: E731
+
+    def scale(n: int, k: int) -> torch.Tensor:
+        if fmt == "fp8_perchannel":
+            return torch.rand(E, n)
+        if fmt == "mxfp8":
+            return torch.full((E, n, -(-k // 32)), 127, dtype=torch.uint8)
+        return torch.rand(E, -(-n // 128), -(-k // 128))
+
+    args = {"gate_proj": codes(I, H), "up_proj": codes(I, H), "down_proj": codes(H, I), "gate_scale": scale(I, H),
+            "up_scale": scale(I, H), "down_scale": scale(H, I), "format": fmt}
+    args.update(replace)
+    return tuple(args.values())
+
+
+PACK_FP8_REFUSALS = {
+    "format_bf16": (lambda: _fp8_args(format="bf16"), "bf16"),
+    "float_codes": (lambda: _fp8_args(gate_proj=torch.rand(2, 72, 160)), "gate_proj"),
+    "gate_2d": (lambda: _fp8_args(gate_proj=torch.zeros(72, 160, dtype=torch.uint8)), "gate_proj"),
+    "up_shape": (lambda: _fp8_args(up_proj=torch.zeros(2, 72, 161, dtype=torch.uint8)), "up_proj"),
+    "down_shape": (lambda: _fp8_args(down_proj=torch.zeros(2, 160, 73, dtype=torch.uint8)), "down_proj"),
+    "scale_shape": (lambda: _fp8_args(gate_scale=torch.rand(2, 1, 3)), "gate_scale"),
+    "int_scale": (lambda: _fp8_args(down_scale=torch.ones(2, 2, 1, dtype=torch.int32)), "down_scale"),
+    "e4m3_scale": (lambda: _fp8_args(up_scale=torch.rand(2, 1, 2).to(torch.float8_e4m3fn)), "up_scale"),
+    "perchannel_shape": (lambda: _fp8_args("fp8_perchannel", up_scale=torch.rand(2, 72, 2)), "up_scale"),
+    "mxfp8_float_scale": (lambda: _fp8_args("mxfp8", gate_scale=torch.rand(2, 72, 5)), "gate_scale"),
+    "mxfp8_scale_shape": (lambda: _fp8_args("mxfp8", down_scale=torch.zeros(2, 160, 2, dtype=torch.uint8)),
+                          "down_scale"),
+}
+
+
+@pytest.mark.parametrize("case", PACK_FP8_REFUSALS)
+def test_pack_fp8_experts_fake_refuses_what_the_kernel_refuses(case: str) -> None:
+    """The fake returned a blob size for a non-FP8 format, float weights, mismatched
+    shapes and scales of the wrong dtype or shape (it read gate_proj's shape only)."""
+    build, match = PACK_FP8_REFUSALS[case]
+    fake_and_meta_refuse_like_real(torch.ops.kt.pack_fp8_experts.default, build(), match)
