@@ -61,6 +61,16 @@ def _check_meta(source_name: str, source: torch.Tensor, **others: torch.Tensor |
                                  "load_state_dict)")
 
 
+def _check_slot_rows(t: torch.Tensor, name: str, topk_ids: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """The kernel's check_slot_rows (moe_call.cpp): ``t`` of ``dtypes`` (``TypeError``)
+    and ``[T, K, 2 * I]`` (``ValueError``), both naming ``name``. I is in the blob's
+    header, which a fake cannot read: the last size must be even and positive."""
+    _check_tensor(t, name, dtypes, 3)
+    T, K, two_i = topk_ids.shape[0], topk_ids.shape[1], t.shape[2]
+    for ok in (t.shape[0] == T, t.shape[1] == K, two_i % 2 == 0, two_i > 0):
+        torch._check_value(ok, lambda: f"{name} must be [T, K, 2 * I] = [{T}, {K}, 2 * I]; got {list(t.shape)}")
+
+
 @torch.library.register_fake("kt::moe_forward")
 def _moe_forward_fake(
     hidden_states: torch.Tensor,
@@ -262,7 +272,7 @@ def _moe_train_backward_fake(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_meta("hidden_states", hidden_states, gate_up=gate_up)
     grad_x, grad_w = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)
-    torch._check(gate_up.dim() == 3, lambda: f"gate_up must be [T, K, 2I], got {gate_up.shape}")
+    _check_slot_rows(gate_up, "gate_up", topk_ids, (torch.float32,))
     return grad_x, grad_w, torch.empty_like(gate_up, memory_format=torch.contiguous_format)
 
 
@@ -317,6 +327,8 @@ def _moe_lora_backward_fake(
     _check_meta("hidden_states", hidden_states, gate_a=gate_a, gate_b=gate_b, up_a=up_a,
                 up_b=up_b, down_a=down_a, down_b=down_b, gate_up=gate_up)
     grads = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    if gate_up is not None:
+        _check_slot_rows(gate_up, "gate_up", topk_ids, (torch.float32,))
     # The kernel's LoRA gradients are zeros_like(m.to(float32)).to(m.dtype): they take each
     # matrix's strides (a transposed adapter's are not contiguous). The same chain here, so
     # the fake's strides are the kernel's for every layout.

@@ -249,3 +249,31 @@ def test_pack_fp8_experts_fake_refuses_what_the_kernel_refuses(case: str) -> Non
     shapes and scales of the wrong dtype or shape (it read gate_proj's shape only)."""
     build, match = PACK_FP8_REFUSALS[case]
     fake_and_meta_refuse_like_real(torch.ops.kt.pack_fp8_experts.default, build(), match)
+
+
+GATE_UP_REFUSALS = {
+    "bf16": (lambda T, K, I: torch.zeros(T, K, 2 * I, dtype=torch.bfloat16), "gate_up"),
+    "rows": (lambda T, K, I: torch.zeros(T + 1, K, 2 * I), "gate_up"),
+    "slots": (lambda T, K, I: torch.zeros(T, K + 1, 2 * I), "gate_up"),
+    "flat": (lambda T, K, I: torch.zeros(T * K, 2 * I), "gate_up"),
+    "odd": (lambda T, K, I: torch.zeros(T, K, 2 * I + 1), "gate_up"),
+}
+
+
+@pytest.mark.parametrize("op", ["moe_train_backward", "moe_lora_backward"])
+@pytest.mark.parametrize("case", GATE_UP_REFUSALS)
+def test_backward_fakes_check_gate_up_like_the_kernel(op: str, case: str) -> None:
+    """The fakes did not check gate_up (a 3-D one of any dtype and shape passed, the
+    lora fake took any) where the kernel wants float32 [T, K, 2 * I]."""
+    E, H, I, T, K, r = 4, 32, 16, 3, 2, 2
+    experts = make_experts(E, H, I)
+    ids, w = random_routing(T, E, K)
+    x = torch.randn(T, H)
+    gate_up = GATE_UP_REFUSALS[case][0](T, K, I)
+    if op == "moe_train_backward":
+        args = (x, x, ids, w, experts.packed.data, gate_up)
+    else:
+        lora = [torch.zeros(E, r, H), torch.zeros(E, I, r), torch.zeros(E, r, H), torch.zeros(E, I, r),
+                torch.zeros(E, r, I), torch.zeros(E, H, r)]
+        args = (x, x, ids, w, experts.packed.data, *lora, 1.0, None, gate_up)
+    fake_and_meta_refuse_like_real(getattr(torch.ops.kt, op).default, args, GATE_UP_REFUSALS[case][1])
