@@ -336,6 +336,14 @@ def _moe_lora_backward_fake(
                       for t in (gate_a, gate_b, up_a, up_b, down_a, down_b)))
 
 
+def refuse_meta_blob(packed: torch.Tensor) -> None:
+    """``ValueError`` for a blob on the meta device: dequantize_experts' I and H are in its
+    bytes (FakeTensors, never ``is_meta``, get new sizes instead)."""
+    if isinstance(packed, torch.Tensor) and packed.is_meta:
+        raise ValueError("packed is on the meta device (a shape without values): dequantize_experts reads the blob's "
+                         "bytes; load the packed layer first")
+
+
 @torch.library.register_fake("kt::dequantize_experts")
 def _dequantize_experts_fake(
     packed: torch.Tensor,
@@ -347,6 +355,7 @@ def _dequantize_experts_fake(
     # kt_ops.dequantize_experts pins them with torch._check when it is given a
     # PackedExperts (whose header was read eagerly), so compiled code sees them as constants.
     _check_meta("packed", packed, expert_ids=expert_ids)
+    refuse_meta_blob(packed)  # else the meta kernel's get_ctx() says "data-dependent output"
     torch._check(expert_ids.dim() == 1, lambda: f"expert_ids must be 1-D, got {expert_ids.shape}")
     out = torch.float32 if dtype is None else dtype
     torch._check(out in (torch.float32, torch.bfloat16), lambda: f"dtype must be float32 or bfloat16; got {out}")

@@ -446,9 +446,7 @@ def dequantize_experts(
     pinned to its sizes.
     """
     data = packed.data if isinstance(packed, PackedExperts) else packed
-    if isinstance(data, torch.Tensor) and data.is_meta:  # the operator's meta kernel said "data-dependent output"
-        raise ValueError("packed is on the meta device (a shape without values): dequantize_experts reads the blob's "
-                         "bytes; load the packed layer first")
+    fakes.refuse_meta_blob(data)  # before PackedExperts(data) reads a header it has not got
     if expert_ids is None:
         info = packed if isinstance(packed, PackedExperts) else PackedExperts(data)
         expert_ids = torch.arange(info.num_experts, dtype=torch.int64)

@@ -277,3 +277,13 @@ def test_backward_fakes_check_gate_up_like_the_kernel(op: str, case: str) -> Non
                 torch.zeros(E, r, I), torch.zeros(E, H, r)]
         args = (x, x, ids, w, experts.packed.data, *lora, 1.0, None, gate_up)
     fake_and_meta_refuse_like_real(getattr(torch.ops.kt, op).default, args, GATE_UP_REFUSALS[case][1])
+
+
+def test_dequantize_experts_op_names_a_meta_blob() -> None:
+    """torch.ops.kt.dequantize_experts on a meta blob said torch's generic "data-dependent
+    output" (I and H are in the blob's bytes); it names packed and the meta device, as
+    kt_ops.dequantize_experts does."""
+    packed = make_experts(2, 64, 32).packed.data.to("meta")
+    for ids in (torch.tensor([0, 1]).to("meta"), torch.tensor([0, 1])):
+        with pytest.raises(ValueError, match="packed is on the meta device"):
+            torch.ops.kt.dequantize_experts(packed, ids)
