@@ -386,9 +386,17 @@ struct QuantGemm {
   // arrives, so 4 streams 32 lines ahead kept too few lines in flight. Forced to avx2 it read
   // 0.96-1.04 (AMXINT4 slower, AMXINT8 faster): AVX2 keeps L1. Zen 5 and the Intel Xeons were
   // not measured with it.
+  // As inline assembly: GCC 12.2 dropped the `_mm_prefetch` here from most tile instances
+  // (the 1- and 2-block one-token tiles, INT8's 2-4 row decode tiles, int4_asym's 2-4 row
+  // ones: no prefetch instruction, t.prefetch never read; only the 1 x 4 tile kept it).
+  // Paired A/B against the intrinsic (2-core Zen 4, avx512_bf16, 2026-12-05, scripts/ab_pair.py
+  // --a <previous build>, 2 rounds of 10-12 calls; bandwidth ~36 GB/s, the same bits): 8 tokens
+  // on one thread S1 AMXINT8 0.90-0.97 of the time, AMXINT4 0.99; two threads, 1 / 8 tokens,
+  // S1 AMXINT4, S1 AMXINT8 (8) and S2 GPTQ_INT4 0.96-1.01; 64 / 512 tokens (the k-blocked
+  // GEMM's first row tile lost it too) S1 AMXINT8 0.97 / 1.01-1.02, AMXINT4 0.93-0.98 / 0.98.
   static void prefetch_ahead(const uint8_t* line) {
-    if constexpr (R == 1) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
-    else _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    if constexpr (R == 1) asm volatile("prefetcht1 %0" : : "m"(*line));
+    else asm volatile("prefetcht0 %0" : : "m"(*line));
   }
 
   static const uint8_t* prefetch_line(const QuantTileArgs& t, int64_t l, int64_t n_lines) {
