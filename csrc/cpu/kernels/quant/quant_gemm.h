@@ -45,6 +45,7 @@
 
 #include "../../formats/int_layout.h"
 #include "mxfp4_span.h"
+#include "../../isa/prefetch.h"
 
 namespace kt::cpu {
 namespace {  // ISA header: each variant translation unit owns its copy
@@ -256,8 +257,8 @@ struct QuantGemm {
             t.minimums != nullptr ? reinterpret_cast<const uint8_t*>(t.minimums) - t.w + group_at : -1;
         for (int b = 0; b < t.stream_blocks; ++b) {
           const char* block = reinterpret_cast<const char*>(t.stream + b * t.block_stride);
-          if (Kind != QuantKind::kInt8 || g == 0) _mm_prefetch(block + scales_at, _MM_HINT_T1);
-          if (minimums_at >= 0) _mm_prefetch(block + minimums_at, _MM_HINT_T1);
+          if (Kind != QuantKind::kInt8 || g == 0) prefetch_l2(block + scales_at);
+          if (minimums_at >= 0) prefetch_l2(block + minimums_at);
         }
       }
       // Each row's activation sum over the group. The sums start at -kBias * a_sum, so the
@@ -292,7 +293,7 @@ struct QuantGemm {
         const uint8_t* pf_line = prefetch_line(t, l, n_lines);
         if (t.stream != nullptr)
           for (int b = 0; b < t.stream_blocks; ++b)
-            _mm_prefetch(reinterpret_cast<const char*>(t.stream + b * t.block_stride + l * 64), _MM_HINT_T1);
+            prefetch_l2(t.stream + b * t.block_stride + l * 64);
         if constexpr (kInt4) {
           const uint8_t* line0 = t.w + l * 64;
           // AVX2's one-row decode tile dots each block as soon as it is unpacked: 8 sums,
@@ -386,7 +387,7 @@ struct QuantGemm {
   // arrives, so 4 streams 32 lines ahead kept too few lines in flight. Forced to avx2 it read
   // 0.96-1.04 (AMXINT4 slower, AMXINT8 faster): AVX2 keeps L1. Zen 5 and the Intel Xeons were
   // not measured with it.
-  // As inline assembly: GCC 12.2 dropped the `_mm_prefetch` here from most tile instances
+  // As inline assembly (isa/prefetch.h): GCC 12.2 dropped the `_mm_prefetch` here from most tile instances
   // (the 1- and 2-block one-token tiles, INT8's 2-4 row decode tiles, int4_asym's 2-4 row
   // ones: no prefetch instruction, t.prefetch never read; only the 1 x 4 tile kept it).
   // Paired A/B against the intrinsic (2-core Zen 4, avx512_bf16, 2026-12-05, scripts/ab_pair.py
@@ -395,8 +396,8 @@ struct QuantGemm {
   // S1 AMXINT4, S1 AMXINT8 (8) and S2 GPTQ_INT4 0.96-1.01; 64 / 512 tokens (the k-blocked
   // GEMM's first row tile lost it too) S1 AMXINT8 0.97 / 1.01-1.02, AMXINT4 0.93-0.98 / 0.98.
   static void prefetch_ahead(const uint8_t* line) {
-    if constexpr (R == 1) asm volatile("prefetcht1 %0" : : "m"(*line));
-    else asm volatile("prefetcht0 %0" : : "m"(*line));
+    if constexpr (R == 1) prefetch_l2(line);
+    else prefetch_l1(line);
   }
 
   static const uint8_t* prefetch_line(const QuantTileArgs& t, int64_t l, int64_t n_lines) {

@@ -17,6 +17,7 @@
 #include "../../formats/bf16_layout.h"
 #include "../../formats/gguf_types.h"
 #include "../../formats/int_layout.h"
+#include "../../isa/prefetch.h"
 #include "../../isa/scalar_convert.h"
 #include "../moe_args.h"
 #include "../moe_plan.h"
