@@ -209,7 +209,6 @@ def test_pack_int4_experts_fake_refuses_what_the_kernel_refuses(case: str) -> No
     fake_and_meta_refuse_like_real(torch.ops.kt.pack_int4_experts.default, build(), match)
 
 
-
 def _fp8_args(fmt: str = "fp8", **replace) -> tuple:
     E, I, H = 2, 72, 160
     codes = lambda n, k: torch.randint(0, 120, (E, n, k), dtype=torch.uint8)  # noqa: E731
