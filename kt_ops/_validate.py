@@ -18,6 +18,17 @@ def is_integral(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def names_file_inside(name: object) -> bool:
+    """Whether ``name``, a file name from an index (``weight_map``), stays inside the
+    directory it is relative to: a non-empty string, not absolute, whose ``..`` (after
+    normalising, so ``sub/../shard`` is fine) does not lead out. Symlinks are not
+    resolved: the Hugging Face cache's snapshots are symlinks to ``../../blobs``."""
+    if not isinstance(name, str) or not name:
+        return False
+    relative = os.path.normpath(name)
+    return not os.path.isabs(relative) and relative != "." and relative.split(os.sep)[0] != ".."
+
+
 def require_bools(**values: object) -> None:
     """``ValueError`` naming the first of ``values`` that is not a ``bool``: a switch given
     "no", "False" or None (a non-empty string is truthy) turned on silently."""

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kt_ops._validate import names_file_inside
 from kt_ops.mapped_files import load_uint8_tensor
 from kt_ops.packed import PackedExperts
 
@@ -117,10 +118,7 @@ def entry_path(root: Path, name: object) -> Path:
     :class:`~kt_ops.hf_checkpoint.HfCheckpoint` follows them: a directory downloaded into the
     Hugging Face cache is symlinks to its ``blobs/`` (deleting a stale shard removes the link,
     never its target)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{root / INDEX}: entry {name!r} is not a file name of the converted directory")
-    relative = Path(os.path.normpath(name))
-    if relative.is_absolute() or relative.parts[:1] in (("..",), (".",)):
+    if not names_file_inside(name):
         raise ValueError(f"{root / INDEX}: entry {name!r} points outside the converted directory {root}; "
                          "the index names files of the directory only")
     return root / name

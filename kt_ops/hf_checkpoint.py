@@ -37,7 +37,7 @@ from typing import KeysView, Sequence
 import torch
 from safetensors import safe_open
 
-from kt_ops._validate import regular_file_stat
+from kt_ops._validate import names_file_inside, regular_file_stat
 
 FP8_BLOCK = 128  # DeepSeek block-FP8: one scale per 128 x 128 weights
 MX_BLOCK = 32  # MXFP8: one exponent per 32 weights along k
@@ -113,7 +113,7 @@ class HfCheckpoint:
         self._headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
         if index.is_file():
             weight_map = _read_weight_map(index)
-            outside = [name for name in weight_map.values() if Path(name).is_absolute() or ".." in Path(name).parts]
+            outside = [name for name in weight_map.values() if not names_file_inside(name)]
             if outside:  # e.g. /dev/stdin or a FIFO: reading it would hang
                 raise ValueError(f"{index}: shard {outside[0]!r} is not a file of the checkpoint directory (the index "
                                  "names shards relative to it)")
