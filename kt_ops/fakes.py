@@ -11,19 +11,21 @@ from kt_ops._native import _C
 from kt_ops.formats import GROUP_SIZES, format_info
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_IDS = (torch.int32, torch.int64)
 _MAX_DIM = 1 << 31  # the kernels' bound on E, I and H
 
 
-def _check_tensor(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple | int,
+def _check_tensor(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple | int | None,
                   dtype_error: type[Exception] = TypeError) -> None:
     """The kernels' dtype and shape checks (``csrc/ops/checks.cpp``): ``dtype_error``
     (the kernel's: ``TypeError`` from check_dtype) naming ``name`` for a dtype outside
-    ``dtypes``, ``ValueError`` for a shape other than ``shape`` (an int: a rank)."""
+    ``dtypes``, ``ValueError`` for a shape other than ``shape`` (an int: a rank; None:
+    any shape)."""
     if t.dtype not in dtypes:
         raise dtype_error(f"{name} must have dtype {', '.join(map(str, dtypes))}; got {t.dtype}")
     if isinstance(shape, int) and t.dim() != shape:
         raise ValueError(f"{name} must be {shape}-D; got shape {list(t.shape)}")
-    if not isinstance(shape, int) and tuple(t.shape) != tuple(shape):
+    if isinstance(shape, tuple) and tuple(t.shape) != shape:
         raise ValueError(f"{name} must be {list(shape)}; got {list(t.shape)}")
 
 
@@ -61,14 +63,61 @@ def _check_meta(source_name: str, source: torch.Tensor, **others: torch.Tensor |
                                  "load_state_dict)")
 
 
-def _check_slot_rows(t: torch.Tensor, name: str, topk_ids: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+def _check_slot_rows(t: torch.Tensor, name: str, topk_ids: torch.Tensor, dtypes: tuple[torch.dtype, ...],
+                     intermediate_size: int | torch.SymInt | None = None) -> None:
     """The kernel's check_slot_rows (moe_call.cpp): ``t`` of ``dtypes`` (``TypeError``)
-    and ``[T, K, 2 * I]`` (``ValueError``), both naming ``name``. I is in the blob's
-    header, which a fake cannot read: the last size must be even and positive."""
+    and ``[T, K, 2 * I]`` (``ValueError``), both naming ``name``. I is
+    ``intermediate_size`` where the caller knows it (an argument, a LoRA matrix's size);
+    else it is in the blob's header, which a fake cannot read: the last size must be even
+    and positive."""
     _check_tensor(t, name, dtypes, 3)
     T, K, two_i = topk_ids.shape[0], topk_ids.shape[1], t.shape[2]
-    for ok in (t.shape[0] == T, t.shape[1] == K, two_i % 2 == 0, two_i > 0):
-        torch._check_value(ok, lambda: f"{name} must be [T, K, 2 * I] = [{T}, {K}, 2 * I]; got {list(t.shape)}")
+    want = "2 * I" if intermediate_size is None else 2 * intermediate_size
+    checks = [t.shape[0] == T, t.shape[1] == K, two_i % 2 == 0, two_i > 0]
+    if intermediate_size is not None:
+        checks.append(two_i == 2 * intermediate_size)
+    for ok in checks:
+        torch._check_value(ok, lambda: f"{name} must be [T, K, 2 * I] = [{T}, {K}, {want}]; got {list(t.shape)}")
+
+
+def _check_same_shape(t: torch.Tensor, name: str, like: torch.Tensor, like_name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``t`` has ``like``'s shape, one size at a time
+    (each a symbolic-friendly ``torch._check_value``)."""
+    message = lambda: f"{name} must have the shape of {like_name} {list(like.shape)}; got {list(t.shape)}"  # noqa: E731
+    torch._check_value(t.dim() == like.dim(), message)
+    for a, b in zip(t.shape, like.shape):
+        torch._check_value(a == b, message)
+
+
+def _check_moe_call(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    packed: torch.Tensor, packed_name: str = "packed") -> None:
+    """The kernel's check_moe_call (moe_call.cpp) as far as shapes and dtypes go, in its
+    order: the dtypes (``TypeError``), the ranks, topk_weights' shape and the token count
+    (``ValueError``), then read_packed's uint8 (``TypeError``) and 1-D (``ValueError``)
+    ``packed_name``. H, E and the ids' values are in the blob, which a fake cannot read."""
+    _check_tensor(hidden_states, "hidden_states", _FLOATS, None)
+    _check_tensor(topk_ids, "topk_ids", _IDS, None)
+    _check_tensor(topk_weights, "topk_weights", _FLOATS, None)
+    _check_tensor(hidden_states, "hidden_states", _FLOATS, 2)
+    _check_tensor(topk_ids, "topk_ids", _IDS, 2)
+    _check_same_shape(topk_weights, "topk_weights", topk_ids, "topk_ids")
+    torch._check_value(
+        topk_ids.shape[0] == hidden_states.shape[0],
+        lambda: f"topk_ids has {topk_ids.shape[0]} rows but hidden_states has {hidden_states.shape[0]} tokens",
+    )
+    _check_tensor(packed, packed_name, (torch.uint8,), 1)
+
+
+def _check_live_tokens(live_tokens: torch.Tensor | None) -> None:
+    """The kernel's check_live_tokens (moe_call.cpp): int32 or int64 (``TypeError``), one
+    value (``ValueError``). Its value is data, checked by the kernel only."""
+    if live_tokens is None:
+        return
+    _check_tensor(live_tokens, "live_tokens", _IDS, None)
+    torch._check_value(
+        live_tokens.numel() == 1,
+        lambda: f"live_tokens must hold one value (the live batch size); got shape {list(live_tokens.shape)}",
+    )
 
 
 @torch.library.register_fake("kt::moe_forward")
@@ -81,16 +130,8 @@ def _moe_forward_fake(
 ) -> torch.Tensor:
     _check_meta("hidden_states", hidden_states, topk_ids=topk_ids, topk_weights=topk_weights, packed=packed,
                 live_tokens=live_tokens)
-    torch._check(hidden_states.dim() == 2, lambda: f"hidden_states must be 2-D, got {hidden_states.shape}")
-    torch._check(topk_ids.dim() == 2, lambda: f"topk_ids must be 2-D, got {topk_ids.shape}")
-    torch._check(
-        topk_ids.shape[0] == hidden_states.shape[0],
-        lambda: f"topk_ids has {topk_ids.shape[0]} rows but hidden_states has {hidden_states.shape[0]} tokens",
-    )
-    torch._check(
-        topk_weights.shape == topk_ids.shape,
-        lambda: f"topk_weights must have the shape of topk_ids {topk_ids.shape}, got {topk_weights.shape}",
-    )
+    _check_moe_call(hidden_states, topk_ids, topk_weights, packed)
+    _check_live_tokens(live_tokens)
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
@@ -102,11 +143,17 @@ def _moe_forward_parts_fake(
     parts: list[torch.Tensor],
     nodes: list[int],
 ) -> torch.Tensor:
-    _check_meta("hidden_states", hidden_states, parts=list(parts))
-    torch._check(len(parts) >= 1, lambda: "parts must hold at least one packed blob")
-    torch._check(len(nodes) == len(parts),
-                 lambda: f"nodes has {len(nodes)} entries but parts has {len(parts)} (one NUMA node id per part)")
-    return _moe_forward_fake(hidden_states, topk_ids, topk_weights, parts[0])
+    _check_meta("hidden_states", hidden_states, topk_ids=topk_ids, topk_weights=topk_weights, parts=list(parts))
+    # The kernel's check_moe_parts (moe_call.cpp), the same ValueErrors and TypeErrors.
+    if len(parts) < 1:
+        raise ValueError("parts must hold at least one packed blob")
+    if len(nodes) != len(parts):
+        raise ValueError(f"nodes has {len(nodes)} entries but parts has {len(parts)} (one NUMA node id per part)")
+    for p, (part, node) in enumerate(zip(parts, nodes)):
+        _check_moe_call(hidden_states, topk_ids, topk_weights, part, f"parts[{p}]")
+        if not 0 <= node < (1 << 30):
+            raise ValueError(f"nodes[{p}] = {node} is not a NUMA node id")
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("kt::pack_experts")
@@ -233,9 +280,10 @@ def _moe_backward_fake(
     live_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_meta("hidden_states", hidden_states, grad_output=grad_output)
-    torch._check(grad_output.shape == hidden_states.shape,
-                 lambda: f"grad_output {grad_output.shape} must have hidden_states' shape {hidden_states.shape}")
     _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    # The kernel's backward() (moe_train_cpu.cpp): a ValueError for both.
+    _check_same_shape(grad_output, "grad_output", hidden_states, "hidden_states")
+    _check_tensor(grad_output, "grad_output", _FLOATS, None, ValueError)
     return (torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
             torch.empty_like(topk_weights, memory_format=torch.contiguous_format))
 
@@ -252,11 +300,11 @@ def _moe_forward_train_fake(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_meta("hidden_states", hidden_states, gate_up_delta=gate_up_delta)
     out = _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
-    torch._check(intermediate_size >= 1, lambda: f"intermediate_size must be >= 1, got {intermediate_size}")
+    # The kernel compares intermediate_size with the blob's I (a ValueError); a fake has no I.
+    torch._check_value(intermediate_size >= 1, lambda: f"intermediate_size must be >= 1, got {intermediate_size}")
     shape = (hidden_states.shape[0], topk_ids.shape[1], 2 * intermediate_size)
     if gate_up_delta is not None:
-        torch._check(tuple(gate_up_delta.shape) == shape,
-                     lambda: f"gate_up_delta must be [T, K, 2 * I] = {shape}; got {tuple(gate_up_delta.shape)}")
+        _check_slot_rows(gate_up_delta, "gate_up_delta", topk_ids, _FLOATS, intermediate_size)
     return out, hidden_states.new_empty(shape, dtype=torch.float32)
 
 
@@ -276,11 +324,25 @@ def _moe_train_backward_fake(
     return grad_x, grad_w, torch.empty_like(gate_up, memory_format=torch.contiguous_format)
 
 
-def _check_lora_fake(gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor, up_b: torch.Tensor,
-                     down_a: torch.Tensor, down_b: torch.Tensor) -> None:
-    for name, t in (("gate_a", gate_a), ("gate_b", gate_b), ("up_a", up_a), ("up_b", up_b), ("down_a", down_a),
-                    ("down_b", down_b)):
-        torch._check(t.dim() == 3, lambda name=name, t=t: f"{name} must be 3-D [E, ., .], got {t.shape}")
+def _check_lora_fake(hidden_states: torch.Tensor, gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor,
+                     up_b: torch.Tensor, down_a: torch.Tensor, down_b: torch.Tensor) -> None:
+    """The kernel's lora_of and check_lora (moe_train_cpu.cpp): six 3-D matrices, then
+    gate_a, up_a [E, r, H], gate_b, up_b [E, I, r], down_a [E, r, I], down_b [E, H, r], a
+    ``ValueError`` naming the matrix. E and I are the blob's, which a fake cannot read: E,
+    r and I are taken from gate_a and gate_b, H from hidden_states (which the kernel
+    checks against the blob first)."""
+    named = (("gate_a", gate_a), ("gate_b", gate_b), ("up_a", up_a), ("up_b", up_b), ("down_a", down_a),
+             ("down_b", down_b))
+    for name, t in named:
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D; got shape {list(t.shape)}")
+    E, r, H, I = gate_a.shape[0], gate_a.shape[1], hidden_states.shape[1], gate_b.shape[1]
+    want = {"gate_a": (E, r, H), "gate_b": (E, I, r), "up_a": (E, r, H), "up_b": (E, I, r), "down_a": (E, r, I),
+            "down_b": (E, H, r)}
+    for name, t in named:
+        for a, b in zip(t.shape, want[name]):
+            torch._check_value(a == b, lambda name=name, t=t: f"{name} must be {list(want[name])} (E, H, I of the "
+                               f"packed layer, rank {r}); got {list(t.shape)}")
 
 
 @torch.library.register_fake("kt::moe_lora_forward")
@@ -298,10 +360,10 @@ def _moe_lora_forward_fake(
     scaling: float,
     live_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_lora_fake(gate_a, gate_b, up_a, up_b, down_a, down_b)
     _check_meta("hidden_states", hidden_states, gate_a=gate_a, gate_b=gate_b, up_a=up_a,
                 up_b=up_b, down_a=down_a, down_b=down_b)
     out = _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    _check_lora_fake(hidden_states, gate_a, gate_b, up_a, up_b, down_a, down_b)
     shape = (hidden_states.shape[0], topk_ids.shape[1], 2 * gate_b.shape[1])
     return out, hidden_states.new_empty(shape, dtype=torch.float32)
 
@@ -323,12 +385,13 @@ def _moe_lora_backward_fake(
     live_tokens: torch.Tensor | None = None,
     gate_up: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    _check_lora_fake(gate_a, gate_b, up_a, up_b, down_a, down_b)
     _check_meta("hidden_states", hidden_states, gate_a=gate_a, gate_b=gate_b, up_a=up_a,
                 up_b=up_b, down_a=down_a, down_b=down_b, gate_up=gate_up)
-    grads = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    _check_lora_fake(hidden_states, gate_a, gate_b, up_a, up_b, down_a, down_b)
     if gate_up is not None:
-        _check_slot_rows(gate_up, "gate_up", topk_ids, (torch.float32,))
+        _check_slot_rows(gate_up, "gate_up", topk_ids, (torch.float32,), gate_b.shape[1])
+    grads = _moe_backward_fake(grad_output, hidden_states, topk_ids, topk_weights, packed, live_tokens)
     # The kernel's LoRA gradients are zeros_like(m.to(float32)).to(m.dtype): they take each
     # matrix's strides (a transposed adapter's are not contiguous). The same chain here, so
     # the fake's strides are the kernel's for every layout.
@@ -356,9 +419,12 @@ def _dequantize_experts_fake(
     # PackedExperts (whose header was read eagerly), so compiled code sees them as constants.
     _check_meta("packed", packed, expert_ids=expert_ids)
     refuse_meta_blob(packed)  # else the meta kernel's get_ctx() says "data-dependent output"
-    torch._check(expert_ids.dim() == 1, lambda: f"expert_ids must be 1-D, got {expert_ids.shape}")
+    # The kernel's checks (dequantize_experts_cpu.cpp), the same TypeErrors and ValueErrors.
+    _check_tensor(packed, "packed", (torch.uint8,), 1)
+    _check_tensor(expert_ids, "expert_ids", _IDS, 1)
     out = torch.float32 if dtype is None else dtype
-    torch._check(out in (torch.float32, torch.bfloat16), lambda: f"dtype must be float32 or bfloat16; got {out}")
+    torch._check_type(out in (torch.float32, torch.bfloat16),
+                      lambda: f"dtype must be float32 or bfloat16 (or None: float32); got {out}")
     ctx = torch.library.get_ctx()
     intermediate, hidden = ctx.new_dynamic_size(min=1), ctx.new_dynamic_size(min=1)
     n = expert_ids.shape[0]
