@@ -117,10 +117,10 @@ def test_opcheck_dequantize_experts(method: str, kwargs: dict) -> None:
         torch.library.opcheck(torch.ops.kt.dequantize_experts.default, args)
 
 
-def fake_and_meta_refuse_like_real(op, args: tuple, match: str) -> None:
+def fake_and_meta_refuse_like_real(op, args: tuple, match: str, meta: bool = True) -> None:
     """The real CPU kernel refuses ``args`` with an error matching ``match`` (naming the
-    argument); the fake, under FakeTensorMode and on meta tensors, raises the same type
-    matching the same pattern instead of returning a size."""
+    argument); the fake, under FakeTensorMode and (``meta``) on meta tensors, raises the
+    same type matching the same pattern instead of returning a size."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map_only
 
@@ -132,9 +132,12 @@ def fake_and_meta_refuse_like_real(op, args: tuple, match: str) -> None:
         with pytest.raises(expected, match=match) as fake:
             op(*fake_args)
     assert type(fake.value) is expected, f"fake raised {type(fake.value).__name__}, the kernel {expected.__name__}"
-    with pytest.raises(expected, match=match) as meta:
+    if not meta:
+        return
+    with pytest.raises(expected, match=match) as on_meta:
         op(*tree_map_only(torch.Tensor, lambda t: t.to("meta"), args))
-    assert type(meta.value) is expected, f"meta raised {type(meta.value).__name__}, the kernel {expected.__name__}"
+    got = type(on_meta.value)
+    assert got is expected, f"meta raised {got.__name__}, the kernel {expected.__name__}"
 
 
 def _float_experts(E: int = 2, I: int = 64, H: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -276,6 +279,156 @@ def test_backward_fakes_check_gate_up_like_the_kernel(op: str, case: str) -> Non
                 torch.zeros(E, r, I), torch.zeros(E, H, r)]
         args = (x, x, ids, w, experts.packed.data, *lora, 1.0, None, gate_up)
     fake_and_meta_refuse_like_real(getattr(torch.ops.kt, op).default, args, GATE_UP_REFUSALS[case][1])
+
+
+def _moe_args() -> dict:
+    """Good arguments of every MoE operator (E, H, I = 4, 32, 16; 3 tokens, top-2, rank-2
+    LoRA), by argument name."""
+    E, H, I, T, K, r = 4, 32, 16, 3, 2, 2
+    ids, w = random_routing(T, E, K)
+    x = torch.randn(T, H)
+    return {"grad_output": x, "hidden_states": x, "topk_ids": ids, "topk_weights": w,
+            "packed": make_experts(E, H, I).packed.data, "intermediate_size": I, "gate_up_delta": None,
+            "gate_a": torch.zeros(E, r, H), "gate_b": torch.zeros(E, I, r), "up_a": torch.zeros(E, r, H),
+            "up_b": torch.zeros(E, I, r), "down_a": torch.zeros(E, r, I), "down_b": torch.zeros(E, H, r),
+            "scaling": 1.0, "live_tokens": None, "gate_up": torch.zeros(T, K, 2 * I)}
+
+
+_ARGUMENTS = {
+    "moe_forward": ("hidden_states", "topk_ids", "topk_weights", "packed", "live_tokens"),
+    "moe_forward_train": ("hidden_states", "topk_ids", "topk_weights", "packed", "intermediate_size",
+                          "gate_up_delta", "live_tokens"),
+    "moe_backward": ("grad_output", "hidden_states", "topk_ids", "topk_weights", "packed", "live_tokens"),
+    "moe_train_backward": ("grad_output", "hidden_states", "topk_ids", "topk_weights", "packed", "gate_up",
+                           "live_tokens"),
+    "moe_lora_forward": ("hidden_states", "topk_ids", "topk_weights", "packed", "gate_a", "gate_b", "up_a", "up_b",
+                         "down_a", "down_b", "scaling", "live_tokens"),
+    "moe_lora_backward": ("grad_output", "hidden_states", "topk_ids", "topk_weights", "packed", "gate_a", "gate_b",
+                          "up_a", "up_b", "down_a", "down_b", "scaling", "live_tokens", "gate_up"),
+}
+
+# name: (what to change, the pattern both errors match); the kernel's error type is the
+# expected one (fake_and_meta_refuse_like_real).
+MOE_CALL_REFUSALS = {
+    "hidden_f64": (lambda a: {"hidden_states": a["hidden_states"].double()}, "hidden_states must have dtype"),
+    "ids_float": (lambda a: {"topk_ids": a["topk_ids"].float()}, "topk_ids must have dtype"),
+    "weights_f64": (lambda a: {"topk_weights": a["topk_weights"].double()}, "topk_weights must have dtype"),
+    "hidden_3d": (lambda a: {"hidden_states": a["hidden_states"][None], "grad_output": a["grad_output"][None]},
+                  "hidden_states must be 2-D"),
+    "ids_1d": (lambda a: {"topk_ids": a["topk_ids"].flatten()}, "topk_ids must be 2-D"),
+    "weights_shape": (lambda a: {"topk_weights": a["topk_weights"][:, :1].contiguous()},
+                      "topk_weights must have the shape of topk_ids"),
+    "rows": (lambda a: {"topk_ids": a["topk_ids"][:2], "topk_weights": a["topk_weights"][:2]},
+             "topk_ids has 2 rows but hidden_states has 3 tokens"),
+    "packed_f32": (lambda a: {"packed": a["packed"].float()}, "packed must have dtype"),
+    "packed_2d": (lambda a: {"packed": a["packed"][None]}, "packed must be 1-D"),
+    "live_float": (lambda a: {"live_tokens": torch.tensor([1.5])}, "live_tokens must have dtype"),
+    "live_two": (lambda a: {"live_tokens": torch.tensor([1, 2])}, "live_tokens must hold one value"),
+}
+
+
+def _call(op: str, **replace) -> tuple:
+    args = _moe_args()
+    args.update(replace)
+    return getattr(torch.ops.kt, op).default, tuple(args[name] for name in _ARGUMENTS[op])
+
+
+@pytest.mark.parametrize("op", list(_ARGUMENTS))
+@pytest.mark.parametrize("case", MOE_CALL_REFUSALS)
+def test_moe_fakes_refuse_the_calls_the_kernels_refuse(op: str, case: str) -> None:
+    """The fakes took activations, ids and weights of any dtype, a float32 or 2-D packed
+    and a float or two-valued live_tokens (all refused by the kernels), and refused bad
+    ranks and row counts with torch._check's RuntimeError where the kernels raise a
+    ValueError."""
+    change, match = MOE_CALL_REFUSALS[case]
+    fn, args = _call(op, **change(_moe_args()))
+    fake_and_meta_refuse_like_real(fn, args, match)
+
+
+OP_REFUSALS = {
+    "moe_forward_train I 0": ("moe_forward_train", lambda a: {"intermediate_size": 0}, "intermediate_size"),
+    "moe_forward_train delta int32": ("moe_forward_train", lambda a: {
+        "gate_up_delta": torch.zeros(3, 2, 32, dtype=torch.int32)}, "gate_up_delta must have dtype"),
+    "moe_forward_train delta f64": ("moe_forward_train", lambda a: {
+        "gate_up_delta": torch.zeros(3, 2, 32, dtype=torch.float64)}, "gate_up_delta must have dtype"),
+    "moe_forward_train delta 2I + 2": ("moe_forward_train", lambda a: {"gate_up_delta": torch.zeros(3, 2, 34)},
+                                       r"gate_up_delta must be \[T, K, 2 \* I\]"),
+    "moe_backward grad rows": ("moe_backward", lambda a: {"grad_output": a["grad_output"][:2]},
+                               "grad_output must have"),
+    "moe_backward grad int": ("moe_backward", lambda a: {"grad_output": a["grad_output"].int()},
+                              "grad_output must"),
+    "moe_train_backward grad f64": ("moe_train_backward", lambda a: {"grad_output": a["grad_output"].double()},
+                                    "grad_output must"),
+    "moe_lora_backward grad int": ("moe_lora_backward", lambda a: {"grad_output": a["grad_output"].int()},
+                                   "grad_output must"),
+    "moe_lora_forward gate_a 2-D": ("moe_lora_forward", lambda a: {"gate_a": a["gate_a"][0]}, "gate_a must be 3-D"),
+    "moe_lora_backward down_a 2-D": ("moe_lora_backward", lambda a: {"down_a": a["down_a"][0]},
+                                     "down_a must be 3-D"),
+    "moe_lora_forward up_b I + 1": ("moe_lora_forward", lambda a: {"up_b": torch.zeros(4, 17, 2)}, "up_b must be"),
+    "moe_lora_forward gate_b rank 3": ("moe_lora_forward", lambda a: {"gate_b": torch.zeros(4, 16, 3)},
+                                       "gate_b must be"),
+    "moe_lora_forward gate_a H + 1": ("moe_lora_forward", lambda a: {"gate_a": torch.zeros(4, 2, 33)},
+                                      "gate_a must be"),
+    "moe_lora_backward down_b H + 1": ("moe_lora_backward", lambda a: {"down_b": torch.zeros(4, 33, 2)},
+                                       "down_b must be"),
+    "moe_lora_backward down_a E - 1": ("moe_lora_backward", lambda a: {"down_a": torch.zeros(3, 2, 16)},
+                                       "down_a must be"),
+    "moe_lora_backward gate_up 2I + 2": ("moe_lora_backward", lambda a: {"gate_up": torch.zeros(3, 2, 34)},
+                                         r"gate_up must be \[T, K, 2 \* I\]"),
+}
+
+
+@pytest.mark.parametrize("case", OP_REFUSALS)
+def test_training_fakes_refuse_what_the_kernels_refuse(case: str) -> None:
+    """The training fakes passed a gate_up_delta of any dtype, a grad_output of any dtype,
+    LoRA matrices of mismatched shapes and a LoRA gate_up of the wrong even width, and
+    raised torch._check's RuntimeError for the bad intermediate_size, gate_up_delta and
+    grad_output shapes and 2-D LoRA matrices where the kernels raise a ValueError."""
+    op, change, match = OP_REFUSALS[case]
+    fn, args = _call(op, **change(_moe_args()))
+    fake_and_meta_refuse_like_real(fn, args, match)
+
+
+PARTS_REFUSALS = {
+    "no_parts": (lambda x, ids, w, p: (x, ids, w, [], []), "parts must hold at least one packed blob"),
+    "nodes_len": (lambda x, ids, w, p: (x, ids, w, [p], [0, 1]), "nodes has 2 entries but parts has 1"),
+    "node_negative": (lambda x, ids, w, p: (x, ids, w, [p], [-1]), r"nodes\[0\] = -1 is not a NUMA node id"),
+    "node_2_30": (lambda x, ids, w, p: (x, ids, w, [p, p], [0, 1 << 30]), r"nodes\[1\] = 1073741824"),
+    "ids_float": (lambda x, ids, w, p: (x, ids.float(), w, [p], [0]), "topk_ids must have dtype"),
+    "rows": (lambda x, ids, w, p: (x[:2], ids, w, [p], [0]), "topk_ids has 3 rows"),
+    "part_f32": (lambda x, ids, w, p: (x, ids, w, [p, p.float()], [0, 0]), r"parts\[1\] must have dtype"),
+}
+
+
+@pytest.mark.parametrize("case", PARTS_REFUSALS)
+def test_moe_forward_parts_fake_refuses_what_the_kernel_refuses(case: str) -> None:
+    """The parts fake raised torch._check's RuntimeError for no parts and a nodes list of
+    another length (the kernel: ValueError), took any node id, and checked part 0 only,
+    without the dtypes."""
+    a = _moe_args()
+    build, match = PARTS_REFUSALS[case]
+    args = build(a["hidden_states"], a["topk_ids"], a["topk_weights"], a["packed"])
+    fake_and_meta_refuse_like_real(torch.ops.kt.moe_forward_parts.default, args, match)
+
+
+DEQUANTIZE_REFUSALS = {
+    "ids_2d": (lambda p: (p, torch.tensor([[0, 1]])), "expert_ids must be 1-D"),
+    "ids_float": (lambda p: (p, torch.tensor([0.0, 1.0])), "expert_ids must have dtype"),
+    "dtype_f16": (lambda p: (p, torch.tensor([0, 1]), torch.float16), "dtype must be float32 or bfloat16"),
+    "packed_f32": (lambda p: (p.float(), torch.tensor([0, 1])), "packed must have dtype"),
+    "packed_2d": (lambda p: (p[None], torch.tensor([0, 1])), "packed must be 1-D"),
+}
+
+
+@pytest.mark.parametrize("case", DEQUANTIZE_REFUSALS)
+def test_dequantize_experts_fake_refuses_what_the_kernel_refuses(case: str) -> None:
+    """The fake raised torch._check's RuntimeError for 2-D expert_ids (the kernel:
+    ValueError) and a float16 dtype (TypeError), and went on to a data-dependent size for
+    float ids and a float blob. Under FakeTensorMode only: a meta blob is refused first
+    (test_dequantize_experts_op_names_a_meta_blob)."""
+    build, match = DEQUANTIZE_REFUSALS[case]
+    fake_and_meta_refuse_like_real(torch.ops.kt.dequantize_experts.default, build(make_experts(2, 64, 32).packed.data),
+                                   match, meta=False)
 
 
 def test_dequantize_experts_op_names_a_meta_blob() -> None:
