@@ -326,9 +326,9 @@ def _moe_train_backward_fake(
 
 def _check_lora_fake(hidden_states: torch.Tensor, gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor,
                      up_b: torch.Tensor, down_a: torch.Tensor, down_b: torch.Tensor) -> None:
-    """The kernel's lora_of and check_lora (moe_train_cpu.cpp): six 3-D matrices, then
-    gate_a, up_a [E, r, H], gate_b, up_b [E, I, r], down_a [E, r, I], down_b [E, H, r], a
-    ``ValueError`` naming the matrix. E and I are the blob's, which a fake cannot read: E,
+    """The kernel's lora_of and check_lora (moe_train_cpu.cpp): six 3-D (``ValueError``)
+    matrices of a float dtype (``TypeError``), then gate_a, up_a [E, r, H], gate_b, up_b
+    [E, I, r], down_a [E, r, I], down_b [E, H, r], a ``ValueError`` naming the matrix. E and I are the blob's, which a fake cannot read: E,
     r and I are taken from gate_a and gate_b, H from hidden_states (which the kernel
     checks against the blob first)."""
     named = (("gate_a", gate_a), ("gate_b", gate_b), ("up_a", up_a), ("up_b", up_b), ("down_a", down_a),
@@ -336,6 +336,7 @@ def _check_lora_fake(hidden_states: torch.Tensor, gate_a: torch.Tensor, gate_b: 
     for name, t in named:
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D; got shape {list(t.shape)}")
+        _check_tensor(t, name, _FLOATS, None)
     E, r, H, I = gate_a.shape[0], gate_a.shape[1], hidden_states.shape[1], gate_b.shape[1]
     want = {"gate_a": (E, r, H), "gate_b": (E, I, r), "up_a": (E, r, H), "up_b": (E, I, r), "down_a": (E, r, I),
             "down_b": (E, H, r)}

@@ -375,6 +375,11 @@ OP_REFUSALS = {
                                        "down_a must be"),
     "moe_lora_backward gate_up 2I + 2": ("moe_lora_backward", lambda a: {"gate_up": torch.zeros(3, 2, 34)},
                                          r"gate_up must be \[T, K, 2 \* I\]"),
+    # The kernel checked the adapters' fp32 copies (an int32 one passed, its gradient int32).
+    "moe_lora_forward gate_a int32": ("moe_lora_forward", lambda a: {"gate_a": a["gate_a"].int()},
+                                      "gate_a must have dtype"),
+    "moe_lora_backward down_b int64": ("moe_lora_backward", lambda a: {"down_b": a["down_b"].long()},
+                                       "down_b must have dtype"),
 }
 
 

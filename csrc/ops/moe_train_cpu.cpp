@@ -256,7 +256,6 @@ void check_lora(const Lora& lora, int64_t E, int64_t H, int64_t I) {
     TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef(shape), name, " must be ", at::IntArrayRef(shape),
                       " (E, H, I of the packed layer, rank ", r, "); got ", t->sizes());
     TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be on the CPU; got ", t->device());
-    check_dtype(*t, name, {at::kFloat, at::kBFloat16, at::kHalf});
   }
 }
 
@@ -316,7 +315,10 @@ Lora lora_of(const at::Tensor& gate_a, const at::Tensor& gate_b, const at::Tenso
              const at::Tensor& down_a, const at::Tensor& down_b, double scaling, const cpu::PackedLayout& layout) {
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&gate_a, "gate_a"}, {&gate_b, "gate_b"},
                                 {&up_a, "up_a"}, {&up_b, "up_b"}, {&down_a, "down_a"}, {&down_b, "down_b"}}) {
+    // Before the fp32 copies below: check_lora sees only those (an int32 adapter was
+    // accepted, its gradient handed back truncated to int32).
     check_dim(*t, name, 3);
+    check_dtype(*t, name, {at::kFloat, at::kBFloat16, at::kHalf});
   }
   Lora lora{gate_a.to(at::kFloat), gate_b.to(at::kFloat), up_a.to(at::kFloat),
             up_b.to(at::kFloat),   down_a.to(at::kFloat), down_b.to(at::kFloat), scaling};
