@@ -219,10 +219,9 @@ def _pack_fp8_experts_fake(
         if format == "mxfp8":
             _check_tensor(scale, scale_name, (torch.uint8, torch.float8_e8m0fnu), (E, N, groups), ValueError)
             continue
-        if not scale.dtype.is_floating_point or scale.dtype in (torch.float8_e4m3fn, torch.float8_e5m2,
-                                                                torch.float8_e8m0fnu):
-            raise ValueError(f"{scale_name} of format {format} must be a float tensor (float32, bfloat16 or "
-                             f"float16); got {scale.dtype}")
+        if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"{scale_name} of format {format} must be a float tensor (float32, bfloat16, float16 "
+                             f"or float64); got {scale.dtype}")
         # fp8: [E, ceil(N / 128), G] blocks or [E, N, G] rows; fp8_perchannel: [E, N] or [E, N, 1].
         shapes = [(E, -(-N // info.scale_group_k), groups), (E, N, groups)] if format == "fp8" else [(E, N), (E, N, 1)]
         if tuple(scale.shape) not in shapes:
