@@ -85,7 +85,9 @@ def layer_sources(out: Path, layers: list[int], parts: int) -> dict[int, Path]:
     if (out / INDEX).is_file():
         try:
             weight_map = json.loads((out / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, TypeError):  # not JSON, no weight_map, not an object
+            weight_map = {}
+        if not isinstance(weight_map, dict):
             weight_map = {}
     sources: dict[int, Path] = {}
     for layer in layers:

@@ -518,3 +518,14 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_runs(tmp_pat
         holder.wait()
     assert run(*base) == 0  # the killed run's lock went with it
     assert Manifest.read(out).complete
+
+
+@pytest.mark.parametrize("index", ["[]", '"x"', "3", '{"weight_map": []}', '{"weight_map": "shard"}', "{"])
+def test_layer_sources_treats_a_malformed_index_as_none(tmp_path, index):
+    """An index that is JSON but not an object (or whose weight_map is not one) raised a
+    TypeError out of layer_sources (--resume-layer); like an index that is not JSON at
+    all, it names no shard: the layers are looked for in their own files only."""
+    from kt_ops.convert_merge import INDEX, layer_sources
+
+    (tmp_path / INDEX).write_text(index)
+    assert layer_sources(tmp_path, [0, 1], 2) == {}
