@@ -397,6 +397,100 @@ def test_one_wrapper_serves_one_caller_at_a_time(weights, monkeypatch):
     assert torch.equal(wr.sync_forward(x), alone)
 
 
+def run_on_threads(jobs, timeout: float = 60.0) -> list:
+    """Runs each job on its own thread, all at once; returns their results (raising the first error)."""
+    results: list = [None] * len(jobs)
+    errors: list = []
+    start = threading.Barrier(len(jobs))
+
+    def run(i, job):
+        try:
+            start.wait(10)
+            results[i] = job()
+        except BaseException as error:  # noqa: BLE001 (re-raised on the test's thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish (deadlock?)"
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("mode", ["forward", "submit_sync"])
+def test_two_layers_of_one_model_on_two_threads(weights, mode):
+    """Layer 1 (deferring one expert per token) and layer 2 of one model (one deferral
+    group), each used alone on its own thread, many times at once: each output is the one
+    the layer gives alone, bit for bit. With one map of deferred outputs for all threads,
+    layer 2 took layer 1's deferred experts whenever they were there, at random."""
+    layer1, layer2 = wrapper(layer=1, max_deferred_experts_per_token=1), wrapper(layer=2)
+    assert layer1.deferral_group is layer2.deferral_group
+    layer1.load_weights_from_tensors(*weights[1])
+    layer2.load_weights_from_tensors(*weights[2])
+    batches = [inputs(5, seed=s) for s in range(4)]
+
+    def call(wr, batch):
+        if mode == "forward":
+            return wr.forward(*batch)
+        wr.submit_forward(*batch)
+        return wr.sync_forward(batch[0])
+
+    rounds = 60
+    alone = {}
+    for wr in (layer1, layer2):
+        alone[wr] = [call(wr, batches[i % 4]) for i in range(rounds)]
+        KTMoEWrapper.clear_buffer_cache()
+    got = run_on_threads([lambda wr=wr: [call(wr, batches[i % 4]) for i in range(rounds)] for wr in (layer1, layer2)])
+    for wr, outs in zip((layer1, layer2), got):
+        for i, out in enumerate(outs):
+            assert torch.equal(out, alone[wr][i]), (wr.layer_idx, i)
+
+
+def test_two_models_on_two_threads(weights):
+    """Two models (layer 1 deferring one expert per token, then layer 2), constructed on
+    two threads at once and each run on its thread many times: each thread's outputs are
+    those of its model run alone, bit for bit. The default deferral group followed the
+    last wrapper constructed on any thread, so interleaved construction joined one
+    model's layer 2 to the other's group (its deferred experts lost or stolen)."""
+    built = threading.Barrier(2)
+
+    def build():
+        layers = []
+        for L in (1, 2):
+            built.wait(10)  # the two threads construct layer L, then layer L + 1, together
+            layers.append(wrapper(layer=L, max_deferred_experts_per_token=1 if L == 1 else 0))
+            built.wait(10)
+        for wr, L in zip(layers, (1, 2)):
+            wr.load_weights_from_tensors(*weights[L])
+        return layers
+
+    models = run_on_threads([build, build])
+    for a, b in models:
+        assert a.deferral_group is b.deferral_group
+    assert models[0][0].deferral_group is not models[1][0].deferral_group
+    batches = [inputs(5, seed=s) for s in range(4)]
+
+    def run_model(layers, rounds=40, offset=0):
+        outs = []
+        for i in range(rounds):
+            x, ids, w = batches[(i + offset) % 4]
+            for wr in layers:
+                x = wr.forward(x, ids, w)
+            outs.append(x)
+        return outs
+
+    alone = [run_model(m, offset=k) for k, m in enumerate(models)]
+    KTMoEWrapper.clear_buffer_cache()
+    got = run_on_threads([lambda k=k, m=m: run_model(m, offset=k) for k, m in enumerate(models)])
+    for k in range(2):
+        for i in range(len(got[k])):
+            assert torch.equal(got[k][i], alone[k][i]), (k, i)
+
+
 def test_submit_forward_runs_on_the_submitters_thread_count(weights, monkeypatch):
     """The worker thread runs submit_forward's kernels on as many threads as the caller
     set (kt_ops.set_num_threads, cpuinfer_threads): torch's count is per thread and was

@@ -215,7 +215,7 @@ def test_cuda_deferred_experts_and_stream_handles(weights) -> None:
     xc, idc, wc = x.cuda(), ids.cuda(), w.cuda()
     stream.wait_stream(torch.cuda.current_stream())
     first = gpu[0].forward(xc, idc, wc, stream)  # a torch.cuda.Stream
-    queued_on = KTMoEWrapper._pending[(gpu[0].deferral_group, 2)][2]  # layer 1's deferred experts, for layer 2
+    queued_on = KTMoEWrapper._thread_pending()[(gpu[0].deferral_group, 2)][2]  # layer 1's deferred experts, for layer 2
     assert queued_on is not None and queued_on.cuda_stream != stream.cuda_stream  # eager: on the side stream
     second = gpu[1].forward(xc, idc, wc, stream.cuda_stream)  # a raw cudaStream_t
     torch.cuda.current_stream().wait_stream(stream)

@@ -6,7 +6,8 @@ logical (checkpoint) expert ``physical_to_logical_map[p]``; slots set in
 ``gpu_experts_mask`` belong to the GPU and are skipped here. With
 ``max_deferred_experts_per_token = d > 0`` the experts :meth:`select_deferred_experts`
 defers run after this layer's result is returned, and their output is added to the
-output of the layer with ``layer_idx + 1`` (construct the last layer with ``d = 0``).
+output of the layer with ``layer_idx + 1`` whose next forward is submitted on the same
+thread (construct the last layer with ``d = 0``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ class _Inflight:
     device: torch.device
     dtype: torch.dtype
     stream: torch.cuda.Stream | None = None
+
+
+class _PendingMap(dict):
+    """One thread's deferred outputs, (deferral group, layer) -> (output, tokens, stream):
+    a dict that a WeakSet can hold (:meth:`KTMoEWrapper._thread_pending`): hashed and
+    compared by identity (two threads' empty maps are two maps)."""
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__  # type: ignore[assignment]
 
 
 def _as_caller(threads: int, grad: bool, inference: bool, fn: Callable[..., object], *args: object) -> object:
@@ -141,9 +151,13 @@ class KTMoEWrapper:
         group_size: INT4 k-group for online quantization (None: 128; RAWINT4: 32).
         deferral_group: the model this layer belongs to, for deferred experts: layer L's
             deferred output is added to layer L + 1 of the same group only. Default: the
-            previous wrapper's group while layer indices increase, a new group otherwise
-            (so two models built one after the other never exchange results); pass one
-            object to every layer of a model to group them explicitly.
+            previous wrapper's group (the previous one constructed on this thread) while
+            layer indices increase, a new group otherwise (so two models built one after
+            the other, or on two threads at once, never exchange results); pass one
+            object to every layer of a model to group them explicitly. Deferred output
+            passes between forwards of one thread only: layer L's goes to the next
+            forward of layer L + 1 submitted on the thread that submitted layer L's, so
+            two threads running layers of one group never take each other's.
         swiglu_limit, swiglu_alpha: the layer's activation, as kt-kernel's keywords
             (:func:`kt_ops.set_activation`): ``silu(g) * u`` by default, clamped at
             ``swiglu_limit`` (DeepSeek-V4: 10), alpha-SwiGLU with ``swiglu_alpha``
@@ -181,10 +195,14 @@ class KTMoEWrapper:
     """
 
     _capture_batch_sizes: ClassVar[list[int]] = []
-    # (deferral group, layer) -> (deferred output, tokens, the CUDA stream it was queued on or None)
-    _pending: ClassVar[dict[tuple[object, int], tuple[Future | torch.Tensor, int, torch.cuda.Stream | None]]] = {}
-    _last_group: ClassVar[object] = None     # the group of the last wrapper constructed ...
-    _last_layer: ClassVar[int] = -1          # ... and its layer_idx
+    # Per thread (_thread_state): "pending", the deferred outputs that thread's forwards left
+    # for the next layer, (deferral group, layer) -> (deferred output, tokens, the CUDA
+    # stream it was queued on or None); "group"/"layer", the deferral group and layer_idx
+    # of the last wrapper that thread constructed (_group). One map for all threads let
+    # one thread's layer L + 1 take (or overwrite) another thread's layer-L output, and
+    # two models constructed on two threads at once joined each other's groups.
+    _local: ClassVar[threading.local] = threading.local()
+    _pending_maps: ClassVar[weakref.WeakSet[_PendingMap]] = weakref.WeakSet()  # every live thread's map
     _instances: ClassVar[weakref.WeakSet[KTMoEWrapper]] = weakref.WeakSet()
     _warned_no_cuda_key: ClassVar[bool] = False
     _executor: ClassVar[ThreadPoolExecutor | None] = None
@@ -302,13 +320,33 @@ class KTMoEWrapper:
         self._reserve_capture_buffers()
 
     @classmethod
+    def _thread_state(cls) -> threading.local:
+        """The calling thread's deferral state (``pending``, ``group``, ``layer``: see
+        ``_local``), created on first use; dropped with the thread."""
+        local = cls._local
+        if not hasattr(local, "pending"):
+            local.pending, local.group, local.layer = _PendingMap(), None, -1
+            with cls._executor_lock:
+                cls._pending_maps.add(local.pending)
+        return local
+
+    @classmethod
+    def _thread_pending(cls) -> _PendingMap:
+        """The deferred outputs the calling thread's forwards left for their next layers:
+        layer L's deferred experts are added by layer L + 1's next forward *submitted on
+        the same thread* (a model's layers run in sequence on one thread, as kt-kernel's
+        callers run them); another thread's forwards neither see nor replace them."""
+        return cls._thread_state().pending
+
+    @classmethod
     def _group(cls, group: object | None, layer_idx: int) -> object:
-        """The deferral group: ``group`` if given; else the previous wrapper's while layers
-        are constructed in increasing order (one model), a new one when a layer index does
-        not increase (the next model)."""
+        """The deferral group: ``group`` if given; else the previous wrapper's (constructed
+        on this thread) while layers are constructed in increasing order (one model), a new
+        one when a layer index does not increase (the next model)."""
+        state = cls._thread_state()
         if group is None:
-            group = cls._last_group if cls._last_group is not None and layer_idx > cls._last_layer else object()
-        cls._last_group, cls._last_layer = group, layer_idx
+            group = state.group if state.group is not None and layer_idx > state.layer else object()
+        state.group, state.layer = group, layer_idx
         return group
 
     def _mask(self, mask: torch.Tensor | Sequence[bool] | None, num_gpu: int | None) -> torch.Tensor:
@@ -673,7 +711,7 @@ class KTMoEWrapper:
         chunk = self.chunked_prefill_size
         if (len(self._parts) != 1 or self._part_nodes is not None or self.max_deferred_experts_per_token > 0
                 or KTMoEWrapper._pool_tasks != 0 or (chunk and hidden_states.shape[0] > chunk)
-                or (self.deferral_group, self.layer_idx) in KTMoEWrapper._pending
+                or (self.deferral_group, self.layer_idx) in KTMoEWrapper._thread_pending()
                 or not self._has_identity_route() or self._parts[0].num_experts != self.num_experts):
             return None
         try:
@@ -790,8 +828,9 @@ class KTMoEWrapper:
         def fail_pending(entry: tuple | None) -> tuple | None:
             return None if entry is None else (fail(entry[0]), *entry[1:])
 
-        for key, entry in list(cls._pending.items()):
-            cls._pending[key] = fail_pending(entry)
+        for pending in list(cls._pending_maps):
+            for key, entry in list(pending.items()):
+                pending[key] = fail_pending(entry)
         for wrapper in list(cls._instances):
             if wrapper._inflight is not None:
                 wrapper._inflight = replace(wrapper._inflight, result=fail(wrapper._inflight.result),
@@ -929,9 +968,9 @@ class KTMoEWrapper:
                 future.set_exception(error)
         else:
             future = self._run_on_worker(self._compute, x, ids, weights)
-        previous = KTMoEWrapper._pending.pop((self.deferral_group, self.layer_idx), None)
+        previous = KTMoEWrapper._thread_pending().pop((self.deferral_group, self.layer_idx), None)
         if deferred is not None:
-            KTMoEWrapper._pending[(self.deferral_group, self.layer_idx + 1)] = (
+            KTMoEWrapper._thread_pending()[(self.deferral_group, self.layer_idx + 1)] = (
                 self._run_on_worker(self._compute, x, deferred, weights), x.shape[0], None)
         self._inflight = _Inflight(future, previous, device, dtype)
 
@@ -953,7 +992,7 @@ class KTMoEWrapper:
                 ids, deferred = self.select_deferred_experts(ids, weights, self.num_experts_per_tok - d)
             chunk = self.chunked_prefill_size
             out = experts_on_device(self._parts, hidden_states, ids, weights, table, chunk, self._part_nodes)
-            previous = KTMoEWrapper._pending.pop((self.deferral_group, self.layer_idx), None)
+            previous = KTMoEWrapper._thread_pending().pop((self.deferral_group, self.layer_idx), None)
         if deferred is not None:
             queue = stream if capturing else self._deferred_stream(device)
             if queue is not stream:  # eager: on a side stream, overlapping the next layer's GPU work
@@ -965,7 +1004,7 @@ class KTMoEWrapper:
             with torch.cuda.stream(queue):
                 later = experts_on_device(self._parts, hidden_states, deferred, weights, table, chunk,
                                           self._part_nodes)
-            KTMoEWrapper._pending[(self.deferral_group, self.layer_idx + 1)] = (later, hidden_states.shape[0], queue)
+            KTMoEWrapper._thread_pending()[(self.deferral_group, self.layer_idx + 1)] = (later, hidden_states.shape[0], queue)
         self._inflight = _Inflight(out, previous, device, hidden_states.dtype, stream)
 
     def _submit_prefill(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -985,7 +1024,7 @@ class KTMoEWrapper:
             for part in self._parts:
                 out = out + gpu_prefill.moe_forward_on_device(hidden_states, ids, weights, part,
                                                               out_dtype=torch.float32)
-            previous = KTMoEWrapper._pending.pop((self.deferral_group, self.layer_idx), None)
+            previous = KTMoEWrapper._thread_pending().pop((self.deferral_group, self.layer_idx), None)
         self._inflight = _Inflight(out, previous, device, hidden_states.dtype, stream)
 
     def _deferred_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -1087,9 +1126,11 @@ class KTMoEWrapper:
 
     @staticmethod
     def clear_buffer_cache() -> None:
-        """Drops deferred results not yet collected by the next layer. The pinned staging
-        of captured batch sizes is kept: captured CUDA graphs point into it."""
-        KTMoEWrapper._pending.clear()
+        """Drops deferred results not yet collected by the next layer (every thread's).
+        The pinned staging of captured batch sizes is kept: captured CUDA graphs point
+        into it."""
+        for pending in list(KTMoEWrapper._pending_maps):
+            pending.clear()
 
 
 if hasattr(os, "register_at_fork"):
