@@ -491,6 +491,75 @@ def test_two_models_on_two_threads(weights):
             assert torch.equal(got[k][i], alone[k][i]), (k, i)
 
 
+def test_weights_are_not_replaced_under_a_forward(weights, checkpoint, monkeypatch):
+    """load_weights and load_weights_from_tensors refuse at once (RuntimeError naming what
+    is in flight) while a forward is submitted and not collected (on this thread too: the
+    worker reads the weights when it runs it, so the forward got the new weights) or
+    running on another thread; a forward on another thread while weights load is refused
+    likewise. Afterwards the wrapper loads and computes as before."""
+    wr = wrapper(checkpoint, 1)
+    wr.load_weights_from_tensors(*weights[1])
+    x, ids, w = inputs()
+    alone = wr.forward(x, ids, w)
+    module = sys.modules[KTMoEWrapper.__module__]
+    release = threading.Event()
+    compute = wr._compute
+    monkeypatch.setattr(wr, "_compute", lambda *args: (release.wait(10), compute(*args))[1])
+    wr.submit_forward(x, ids, w)  # queued on the worker, waiting for `release`
+    for load in (lambda: wr.load_weights_from_tensors(*weights[2]), wr.load_weights):
+        with pytest.raises(RuntimeError, match="forward submitted"):
+            load()
+    release.set()
+    assert torch.equal(wr.sync_forward(x), alone)  # computed with the weights it was submitted with
+
+    entered, release = threading.Event(), threading.Event()
+    operator = module.moe_forward
+
+    def gated(*args):
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            assert release.wait(10)
+        return operator(*args)
+
+    monkeypatch.setattr(module, "moe_forward", gated)  # the direct path's one operator call
+    results = []
+    first = threading.Thread(target=lambda: results.append(wr.forward(x, ids, w)))
+    first.start()
+    try:
+        assert entered.wait(10)
+        with pytest.raises(RuntimeError, match="forward running"):
+            wr.load_weights_from_tensors(*weights[2])
+    finally:
+        release.set()
+        first.join(10)
+    assert len(results) == 1 and torch.equal(results[0], alone)
+    monkeypatch.setattr(module, "moe_forward", operator)
+
+    loading, release = threading.Event(), threading.Event()
+    pack = wr._pack_cpu_experts
+
+    def slow_pack(*args):
+        loading.set()
+        assert release.wait(10)
+        return pack(*args)
+
+    monkeypatch.setattr(wr, "_pack_cpu_experts", slow_pack)
+    loader = threading.Thread(target=wr.load_weights_from_tensors, args=weights[2])
+    loader.start()
+    try:
+        assert loading.wait(10)
+        for call in (lambda: wr.forward(x, ids, w), lambda: wr.submit_forward(x, ids, w),
+                     lambda: wr.load_weights_from_tensors(*weights[2])):
+            with pytest.raises(RuntimeError, match="being loaded|a load of its weights"):
+                call()
+    finally:
+        release.set()
+        loader.join(10)
+    assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[2])) <= 1e-2
+    wr.load_weights()  # the checkpoint's layer 1 again: free after the refused calls
+    assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[1])) <= 1e-2
+
+
 def test_submit_forward_runs_on_the_submitters_thread_count(weights, monkeypatch):
     """The worker thread runs submit_forward's kernels on as many threads as the caller
     set (kt_ops.set_num_threads, cpuinfer_threads): torch's count is per thread and was

@@ -21,7 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures._base import FINISHED as _FINISHED
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, ClassVar, Sequence
+from contextlib import contextmanager
+from typing import Callable, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -188,7 +189,9 @@ class KTMoEWrapper:
     submit_forward or sync_forward of another thread is a ``RuntimeError`` saying so,
     raised at once (no wait, so no deadlock): the forward's state (the submitted work,
     the previous layer's deferred output it collects) is the wrapper's. Threads that run
-    forwards at the same time need wrappers of their own.
+    forwards at the same time need wrappers of their own. ``load_weights`` and
+    ``load_weights_from_tensors`` refuse likewise while a forward is in flight (submitted
+    and not collected, on any thread), and forwards refuse while weights load.
 
     Raises:
         ValueError: an invalid argument, with the reason.
@@ -308,7 +311,8 @@ class KTMoEWrapper:
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # deferred experts, eager CUDA calls
         self._inflight: _Inflight | None = None
         # Who holds the wrapper (one caller at a time, _claim): None (free), "running" (inside
-        # forward, submit_forward or sync_forward on thread _busy_thread) or "submitted"
+        # forward, submit_forward or sync_forward on thread _busy_thread), "loading" (inside
+        # load_weights or load_weights_from_tensors: _hold_for_loading) or "submitted"
         # (submit_forward returned, sync_forward not yet called); changed under _state_lock.
         self._state_lock = threading.Lock()
         self._busy: str | None = None
@@ -449,7 +453,16 @@ class KTMoEWrapper:
         """Packs (quantizes, for INT8/INT4) logical-order ``gate_proj [E', I, H]``,
         ``up_proj [E', I, H]``, ``down_proj [E', H, I]`` (bf16/fp16/fp32) for the CPU slots.
         ``biases``: optional logical-order ``(gate_bias [E', I], up_bias [E', I],
-        down_bias [E', H])``, entries may be None (:func:`kt_ops.set_activation`)."""
+        down_bias [E', H])``, entries may be None (:func:`kt_ops.set_activation`).
+        ``RuntimeError`` while a forward is in flight (submitted and not collected, or
+        running on another thread): the weights would change under it."""
+        with self._hold_for_loading("load_weights_from_tensors"):
+            self._load_from_tensors(gate_proj, up_proj, down_proj, physical_to_logical_map, biases)
+
+    def _load_from_tensors(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
+                           physical_to_logical_map: torch.Tensor | Sequence[int] | None,
+                           biases: Biases | None) -> None:
+        """:meth:`load_weights_from_tensors`' work, the wrapper held."""
         expected = ((self.moe_intermediate_size, self.hidden_size),) * 2 + ((self.hidden_size, self.moe_intermediate_size),)
         for name, tensor, shape in zip(("gate_proj", "up_proj", "down_proj"), (gate_proj, up_proj, down_proj), expected):
             if tensor.dim() != 3 or tuple(tensor.shape[1:]) != shape:
@@ -475,7 +488,14 @@ class KTMoEWrapper:
     def load_weights(self, physical_to_logical_map: torch.Tensor | Sequence[int] | None = None) -> None:
         """Loads this layer from ``weight_path``: a converted directory (memory-mapped), a
         GGUF file/directory (``LLAMAFILE``, memory-mapped) or a Hugging Face safetensors
-        directory (read one layer at a time and packed into ``method``)."""
+        directory (read one layer at a time and packed into ``method``). ``RuntimeError``
+        while a forward is in flight (submitted and not collected, or running on another
+        thread): the weights would change under it."""
+        with self._hold_for_loading("load_weights"):
+            return self._load_weights(physical_to_logical_map)
+
+    def _load_weights(self, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
+        """:meth:`load_weights`' work, the wrapper held."""
         if self.weight_path is None:
             raise ValueError("weight_path is None; give it to the constructor or use load_weights_from_tensors")
         path = self.weight_path
@@ -733,12 +753,36 @@ class KTMoEWrapper:
                 return
         if collect and state is None:
             raise RuntimeError(f"layer {self.layer_idx}: sync_forward without submit_forward")
+        if state == "loading":
+            raise RuntimeError(f"layer {self.layer_idx}: this KTMoEWrapper's weights are being loaded by thread "
+                               f"{owner}; a wrapper serves one caller at a time: forward once load_weights returns")
         if state == "submitted" and owner == me:
             raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
         raise RuntimeError(f"layer {self.layer_idx}: this KTMoEWrapper is in use by another thread (a forward "
                            f"{'submitted' if state == 'submitted' else 'running'} on thread {owner}); a wrapper "
                            "serves one caller at a time (its forward state is per wrapper): finish that forward "
                            "first (forward, or submit_forward then sync_forward), or give each thread its own wrappers")
+
+    @contextmanager
+    def _hold_for_loading(self, action: str) -> Iterator[None]:
+        """Holds the wrapper while ``action`` replaces its weights, or raises at once
+        (``RuntimeError`` naming the forward in flight): a forward submitted and not yet
+        collected reads the weights when the worker thread runs it, so new weights would
+        be swapped under it (on any thread, this one included)."""
+        me = threading.get_ident()
+        with self._state_lock:
+            state, owner = self._busy, self._busy_thread
+            if state is None:
+                self._busy, self._busy_thread = "loading", me
+        if state is not None:
+            what = {"submitted": "a forward submitted (collect it with sync_forward first)",
+                    "loading": "a load of its weights", "running": "a forward running"}[state]
+            raise RuntimeError(f"layer {self.layer_idx}: {action} while {what} on thread {owner}: the weights "
+                               "would change under that forward; a wrapper serves one caller at a time")
+        try:
+            yield
+        finally:
+            self._release()
 
     def _release(self, submitted: bool = False) -> None:
         with self._state_lock:
@@ -809,7 +853,7 @@ class KTMoEWrapper:
         cls._worker_futures = set()
         for wrapper in list(cls._instances):
             wrapper._state_lock = threading.Lock()  # (the same: a gone thread may hold it)
-            if wrapper._busy == "running":  # the forking thread is not inside a forward of its own
+            if wrapper._busy in ("running", "loading"):  # the forking thread is not inside a call of its own
                 wrapper._busy, wrapper._inflight = None, None
         if not lost:
             return
