@@ -19,9 +19,9 @@ import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures._base import FINISHED as _FINISHED
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from contextlib import contextmanager
 from typing import Callable, ClassVar, Iterator, Sequence
 
 import torch
