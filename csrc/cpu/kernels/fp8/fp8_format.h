@@ -472,7 +472,11 @@ class Fp8Format {
   // wait on memory there (with the longer decode jobs, S1 1 and 8 tokens 0.95-0.96x the
   // time in a paired run on Zen 5). Only in group_rows<false>: in the prefill instance,
   // inlined or called, even never run, it changed the code enough to take 512-token S1
-  // fp8 to 1.19x the time.
+  // fp8 to 1.19x the time. GCC 12.2 compiles it to nothing today (no symbol, no prefetch:
+  // isa/prefetch.h). As assembly (prefetch_l1), paired against this (2-core Zen 4,
+  // avx512_bf16, 2 rounds of 10-12 calls, 2026-12-05), 1 / 8 tokens: two threads S1 FP8
+  // 1.01 / 1.02, MXFP8 1.00 / 0.98, S2 FP8 1.03 / 1.05; one thread S1 FP8 1.01 / 1.02,
+  // MXFP8 1.00 / 0.91 (0.83-1.00): not taken up.
   __attribute__((noinline)) static void prefetch_scales(const uint8_t* w, int blocks,
                                                         const fp8_layout::MatrixDims& dims, int64_t q) {
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes()), group_pairs = dims.group / 2;
