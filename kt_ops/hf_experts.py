@@ -56,6 +56,7 @@ _DERIVED = (_ROUTE, _LOCAL, _LOCAL_ON, _ROUTE_ON, _SOURCE)  # what packing sets 
 _LAYER_ID = "_kt_ops_layer"  # (layer index in the model, E): the module's row in kt_ops.ExpertStats
 _SHAPES = "_kt_ops_shapes"  # {"gate_up_proj": shape, "down_proj": shape} as stored before packing
 _PACKED_WITH = "_kt_ops_packed_with"  # pack_module_experts' arguments, to repack after load_state_dict
+_VERSIONS = "_kt_ops_versions"  # {expert tensor: (data_ptr, _version)} as packed from (_repack_if_edited)
 _LORA = "_kt_ops_lora"  # {parameter name: PEFT LoRA factors} while a PEFT adapter is active (kt_ops.hf_peft)
 _PEFT_MODULE = "peft.tuners.lora.layer"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -74,6 +75,9 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                                "kt_ops.hf_experts.pack_model_experts(model) (or run the model once) before "
                                "torch.compile")
         blob = pack_module_experts(self)
+    elif not torch.compiler.is_compiling():
+        _repack_if_edited(self)
+        blob = getattr(self, _BLOB)
     layer_id, experts = getattr(self, _LAYER_ID, None) or (None, 0)
     expert_stats.record(layer_id, top_k_index, experts)  # kt_ops.ExpertStats (a no-op outside one)
     local = getattr(self, _LOCAL, None)
@@ -355,6 +359,7 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
                 if weights["biases"] is not None:
                     weights["biases"] = tuple(None if b is None else b[cpu] for b in weights["biases"])
     _repack_on_load(module, dict(method=method, gpu_experts_mask=gpu_experts_mask, dynamic=dynamic, **pack_args))
+    module.__dict__[_VERSIONS] = _tensor_versions(module) if tensors is None else {}
     if gate.shape[0] == 0:  # every expert kept in torch: nothing for the CPU (an empty blob)
         setattr(module, _BLOB, torch.empty(0, dtype=torch.uint8))
         return getattr(module, _BLOB)
@@ -371,6 +376,41 @@ def _repack_on_load(module: nn.Module, arguments: dict[str, Any]) -> None:
     if not module.__dict__.get("_kt_ops_load_hook"):
         module.register_load_state_dict_post_hook(_repack_after_load)
         module.__dict__["_kt_ops_load_hook"] = True
+
+
+def _tensor_versions(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """``(data_ptr, _version)`` of each of the module's expert tensors (:data:`EXPERT_TENSORS`)."""
+    versions = {}
+    for name in EXPERT_TENSORS:
+        t = getattr(module, name, None)
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            versions[name] = (t.data_ptr(), t._version)
+    return versions
+
+
+def _repack_if_edited(module: nn.Module) -> None:
+    """Packs the module again (with :func:`pack_module_experts`' arguments) when an expert
+    tensor it was packed from has been changed in place since: the same storage, its version
+    counter moved (``with torch.no_grad(): experts.down_proj.mul_(0.5)``, ``.copy_(...)``,
+    an optimizer's step). The blob is a copy: without this the layer kept computing the
+    old weights, silently. A tensor replaced (moved to another device, converted, released)
+    is recorded anew, not packed again: its values are those packed. Edits through ``.data``
+    have a version counter of their own and are not seen. Eager calls only."""
+    recorded = module.__dict__.get(_VERSIONS)
+    if not recorded:
+        return
+    edited = False
+    for name, was in list(recorded.items()):
+        t = getattr(module, name, None)
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        now = (t.data_ptr(), t._version)
+        if now != was:
+            edited |= now[0] == was[0]
+            recorded[name] = now
+    arguments = module.__dict__.get(_PACKED_WITH)
+    if edited and arguments is not None:
+        pack_module_experts(module, **arguments)
 
 
 def _repack_after_load(module: nn.Module, incompatible_keys: Any) -> None:

@@ -168,6 +168,34 @@ def test_load_state_dict_after_packing_packs_the_loaded_experts(pack: str) -> No
     if pack != "first call":
         assert all(kt_ops.PackedExperts(hf_experts.packed_blob(m)).format == "int8" for m in experts_modules(ours))
 
+@pytest.mark.parametrize("pack", ["first call", "BF16"])
+def test_experts_edited_in_place_after_packing_are_packed_again(pack: str) -> None:
+    """The blob is a copy: after an in-place edit of the experts (``no_grad`` then
+    ``mul_`` / ``copy_``, as weight surgery or an optimizer step does) the model kept
+    computing the old experts, silently. Now the next eager call packs them again; an
+    expert tensor replaced by another (the same values) is recorded, not packed again."""
+    ours = tiny_model("qwen3_moe", dtype=torch.float32, seed=0).eval()
+    plain = tiny_model("qwen3_moe", dtype=torch.float32, seed=0).eval()
+    ours.set_experts_implementation(hf_experts.IMPLEMENTATION)
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        if pack == "first call":
+            ours(ids)
+        else:
+            hf_experts.pack_model_experts(ours, pack)
+        for model in (ours, plain):
+            experts = experts_modules(model)[0]
+            experts.down_proj.mul_(-2.0)
+            experts.gate_up_proj.copy_(experts.gate_up_proj.flip(0))
+        want = plain(ids).logits
+        got = ours(ids).logits
+        assert ((got - want).norm() / want.norm()) <= logits_bound()
+        first = experts_modules(ours)[0]
+        blob = hf_experts.packed_blob(first)
+        first.down_proj = torch.nn.Parameter(first.down_proj.detach().clone(), requires_grad=False)
+        assert torch.equal(ours(ids).logits, got) and hf_experts.packed_blob(first) is blob
+
+
 def test_activations_are_read_from_the_class(saved: dict[str, Path]) -> None:
     gpt_oss = experts_modules(load(saved["gpt_oss"], "kt_ops"))[0]
     assert hf_experts.activation_of(gpt_oss, 32) == (7.0, 1.702)
