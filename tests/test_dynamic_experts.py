@@ -300,3 +300,14 @@ def test_quantization_config_loads_dynamic_experts(tmp_path):
     assert close(hf_logits(model), hf_logits(hf_model("gpt_oss", [[3, 6], [3, 6]])), 1e-6)
     with pytest.raises(ValueError, match="dynamic_gpu_experts needs GPU experts"):
         kt_ops.KtOpsConfig(dynamic_gpu_experts=True)
+
+
+def test_hidden_states_of_another_hidden_size_are_refused():
+    """hidden_states [..., H'] with H' != H was reshaped to [-1, H] whenever its size divided
+    by H ([4, 32] or [4, 48] for H = 64): tokens of the wrong width computed, silently."""
+    moe = layer([0, 1])
+    for shape in ((4, H // 2), (4, 3 * H // 4), (2, 3, 2 * H)):
+        with pytest.raises(ValueError, match=f"hidden size {H}"):
+            moe(torch.randn(*shape))
+    assert moe(torch.randn(2, 3, H)).shape == (2, 3, H)
+    assert moe(torch.zeros(0, H)).shape == (0, H)

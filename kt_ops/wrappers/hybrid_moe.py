@@ -205,8 +205,13 @@ class HybridMoE(nn.Module):
         """``hidden_states [..., H]`` -> ``[..., H]``. ``live_tokens`` (int32/int64 ``[1]`` on
         the same device, optional): only the first ``live_tokens`` tokens are real, the CPU
         experts skip the padding rows (a CUDA graph captured at T replays for fewer
-        tokens); padding rows hold only the GPU and shared experts' output."""
+        tokens); padding rows hold only the GPU and shared experts' output. A last dimension
+        other than the layer's hidden size is a ``ValueError``."""
         shape = hidden_states.shape
+        if hidden_states.dim() == 0 or shape[-1] != self.hidden_size:
+            # reshape(-1, H) took [4, H/2] as [2, H]: rows of the wrong width computed, silently
+            raise ValueError(f"hidden_states must be [..., {self.hidden_size}] (the layer's hidden size "
+                             f"{self.hidden_size}), got {tuple(shape)}")
         x = hidden_states.reshape(-1, self.hidden_size)
         weights, ids = self.route(x)
         expert_stats.record(self.layer_idx, ids, self.num_experts)  # kt_ops.ExpertStats: logical ids, x's device
