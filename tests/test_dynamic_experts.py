@@ -311,3 +311,14 @@ def test_hidden_states_of_another_hidden_size_are_refused():
             moe(torch.randn(*shape))
     assert moe(torch.randn(2, 3, H)).shape == (2, 3, H)
     assert moe(torch.zeros(0, H)).shape == (0, H)
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, E), (E + 1,), (E, 1)])
+def test_a_correction_bias_of_another_shape_is_refused(shape):
+    """e_score_correction_bias [1] or [1, E] broadcast over the experts (every expert biased
+    alike, or rows of the wrong layer's bias), silently; [E + 1] was a RuntimeError from the
+    first forward's addition."""
+    router, gate, up, down = weights()
+    with pytest.raises(ValueError, match=rf"e_score_correction_bias must be \[{E}\]"):
+        kt_ops.HybridMoE(router, gate, up, down, kt_ops.Routing(K, scoring="sigmoid"),
+                         e_score_correction_bias=torch.zeros(shape))

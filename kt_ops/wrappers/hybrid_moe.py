@@ -102,6 +102,10 @@ class HybridMoE(nn.Module):
         if mask.dtype != torch.bool or mask.shape != (experts,):
             raise ValueError(f"gpu_experts_mask must be a bool tensor of shape [{experts}], got {mask.dtype} "
                              f"{tuple(mask.shape)}")
+        if e_score_correction_bias is not None and tuple(e_score_correction_bias.shape) != (experts,):
+            # [1] or [1, E] broadcast in Routing.select (one bias for all, silently); [E + 1] failed there
+            raise ValueError(f"e_score_correction_bias must be [{experts}] (one per expert), got "
+                             f"{tuple(e_score_correction_bias.shape)}")
         if layer_idx is not None and (not is_int(layer_idx) or layer_idx < 0):
             raise ValueError(f"layer_idx must be a non-negative int or None, got {layer_idx!r}")
         self.layer_idx = layer_idx
