@@ -133,6 +133,7 @@ class HybridMoE(nn.Module):
             self._source = tuple(host_copy(w) for w in (gate_proj, up_proj, down_proj))  # type: ignore[assignment]
         self.register_buffer("cpu_index", cpu_index)  # expert -> packed slot, -1: a GPU expert
         self.register_buffer("gpu_experts", gpu_experts)  # [G] expert ids computed in torch
+        self._packed_experts = int(cpu_experts.numel())  # experts in the packed blob (its top-k limit)
         packed = torch.empty(0, dtype=torch.uint8)
         if cpu_experts.numel():
             sel = cpu_experts.to(gate_proj.device)
@@ -255,6 +256,11 @@ class HybridMoE(nn.Module):
             return torch.zeros_like(x)
         # take, not indexing: fake CUDA tensors index only where torch has CUDA
         cpu_ids = torch.take(self.cpu_index.to(x.device), ids)
+        if cpu_ids.shape[1] > self._packed_experts:
+            # top-k above the packed experts (the operator refuses it): a token's k distinct experts
+            # hold at most that many CPU ones, so its largest packed ids keep them all (-1s dropped)
+            cpu_ids, kept = torch.topk(cpu_ids, self._packed_experts, dim=1)
+            weights = weights.gather(1, kept)
         if gpu_prefill.should_run_on_device(x, self.gpu_prefill_token_threshold):
             return gpu_prefill.moe_forward_on_device(x, cpu_ids, weights, PackedExperts(self.packed), live_tokens,
                                                      next_layer=gpu_prefill.next_layer(self))
