@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
-from kt_ops._validate import is_int, is_integral
+from kt_ops._validate import is_integral
 
 if TYPE_CHECKING:
     from kt_ops.expert_stats import ExpertStats
@@ -72,7 +72,7 @@ def total_gpu_experts(budget: int | float, num_experts: int, num_moe_layers: int
 
 
 def _check_layers(num_experts: int, moe_layers: Sequence[int]) -> list[int]:
-    if not is_int(num_experts) or num_experts < 1:
+    if not is_integral(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     layers = list(moe_layers)
     if any(not is_integral(i) or i < 0 for i in layers):
@@ -165,12 +165,15 @@ def placement_masks(
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown placement strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     layers = _check_layers(num_experts, moe_layers)
-    if num_hidden_layers is not None and (not is_int(num_hidden_layers)
+    if num_hidden_layers is not None and (not is_integral(num_hidden_layers)
                                           or num_hidden_layers <= max(layers, default=-1)):
         raise ValueError(f"num_hidden_layers must be an int > every MoE layer index, got {num_hidden_layers!r}")
     if not is_integral(seed):  # 1.5: RuntimeError from manual_seed
         raise ValueError(f"seed must be an int, got {seed!r}")
-    E, L = num_experts, len(layers)
+    # numpy ints (a config's, an array's) as Python ints: manual_seed refuses numpy.int64
+    num_hidden_layers = None if num_hidden_layers is None else int(num_hidden_layers)
+    seed = int(seed)
+    E, L = int(num_experts), len(layers)
     total = total_gpu_experts(budget, E, L)
     if strategy == "frequency":
         full = generate_gpu_experts_masks(_frequency(stats, E, layers, num_hidden_layers), total)

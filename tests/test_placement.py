@@ -225,6 +225,19 @@ def test_generate_gpu_experts_masks_refuses_nan_and_takes_numpy_counts():
     assert kt_ops.generate_gpu_experts_masks(freq.nan_to_num(), np.int64(2)).tolist() == \
         [[False, False, True], [False, True, False]]
 
+def test_numpy_integer_arguments():
+    """The arguments a config or a numpy array gives as numpy ints: seed passed the check and
+    failed in Generator.manual_seed (TypeError "an integer is required"); num_experts and
+    num_hidden_layers were refused although moe_layers, budget and seed take numpy ints."""
+    moe = np.array([1, 3])
+    for strategy in kt_ops.placement.STRATEGIES:
+        expected = kt_ops.placement_masks(strategy, 8, [1, 3], 3, seed=7, num_hidden_layers=5
+                                          if strategy == "frequency" else None)
+        actual = kt_ops.placement_masks(strategy, np.int64(8), moe, np.int64(3), seed=np.int64(7),
+                                        num_hidden_layers=np.int32(5) if strategy == "frequency" else None)
+        assert torch.equal(actual, expected), strategy
+
+
 def test_empty_moe_layers():
     for strategy in ("uniform", "front-loading", "random", "frequency"):
         assert kt_ops.placement_masks(strategy, 8, [], 4).shape == (0, 8)
