@@ -171,25 +171,29 @@ class ExpertStats:
         self._accumulator(device, self._layers, self._experts)
 
     def _grow(self, layer_id: int, num_experts: int) -> tuple[int, int]:
+        """The sizes after a call of ``layer_id`` with ``num_experts``; both checked before
+        either is grown (a refused call grows nothing)."""
         if not is_int(layer_id) or layer_id < 0:
             raise ValueError(f"layer_id must be a non-negative int, got {layer_id!r}")
         if not is_int(num_experts) or num_experts < 1:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-        if layer_id >= self._layers:
+        layers, experts = self._layers, self._experts
+        if layer_id >= layers:
             if self._fixed_layers:
-                raise ValueError(f"layer id {layer_id} is outside ExpertStats(num_hidden_layers={self._layers})")
+                raise ValueError(f"layer id {layer_id} is outside ExpertStats(num_hidden_layers={layers})")
             if layer_id >= _MAX_GROWN:  # 10**9 allocated a [10**9, E + 1] int64 accumulator (out of memory)
                 raise ValueError(f"layer id {layer_id} is not a layer index (ExpertStats grows to {_MAX_GROWN} layers; "
                                  "give num_hidden_layers for more)")
-            self._layers = layer_id + 1
-        if num_experts > self._experts:
+            layers = layer_id + 1
+        if num_experts > experts:
             if self._fixed_experts:
-                raise ValueError(f"a layer with {num_experts} experts ran inside ExpertStats(num_experts={self._experts})")
+                raise ValueError(f"a layer with {num_experts} experts ran inside ExpertStats(num_experts={experts})")
             if num_experts > _MAX_GROWN:
                 raise ValueError(f"num_experts {num_experts} is above the {_MAX_GROWN} ExpertStats grows to "
                                  "(give num_experts for more)")
-            self._experts = num_experts
-        return self._layers, self._experts
+            experts = num_experts
+        self._layers, self._experts = layers, experts
+        return layers, experts
 
     def _accumulator(self, device: torch.device, layers: int, experts: int) -> torch.Tensor:
         """int64 ``[>= layers, >= experts + 1]`` on ``device``; (re)allocated outside capture."""

@@ -192,6 +192,22 @@ def test_fixed_sizes_are_enforced():
             kt_ops.ExpertStats(**bad)
 
 
+def test_a_refused_call_grows_nothing():
+    """A call refused for its expert count had already grown the rows to its layer id: the
+    counts (and the file save writes for SGLang) gained rows of a layer that never counted."""
+    with kt_ops.ExpertStats(num_experts=8) as stats:
+        expert_stats.record(1, torch.tensor([[1]]), 8)
+        with pytest.raises(ValueError, match="16 experts"):
+            expert_stats.record(5, torch.tensor([[1]]), 16)
+        with pytest.raises(ValueError, match="num_experts"):
+            expert_stats.record(9, torch.tensor([[1]]), 0)
+    assert stats.num_hidden_layers == 2 and stats.counts.shape == (2, 8) and int(stats.counts.sum()) == 1
+    with kt_ops.ExpertStats(num_hidden_layers=3) as stats:
+        with pytest.raises(ValueError, match="outside"):
+            expert_stats.record(3, torch.tensor([[1]]), 8)
+    assert stats.num_experts == 0 and stats.counts.shape == (3, 0)
+
+
 def test_growing_sizes_stop_at_what_no_model_has():
     """Without sizes a collector grows to the ids it sees, but not to a layer id of 10**9
     (a [10**9, E + 1] int64 accumulator: out of memory) or a billion experts."""
