@@ -26,7 +26,7 @@ def checked_expert_ids(expert_ids: torch.Tensor | Sequence[int], count: int, num
     """``expert_ids`` as ``count`` distinct int64 ids in ``[0, num_experts)``, ascending (slot
     ``i`` holds the ``i``-th smallest id, as SGLang); ``ValueError`` otherwise."""
     ids = torch.as_tensor(expert_ids).to("cpu")
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.dim() != 1 or ids.numel() != count:
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex() or ids.dim() != 1 or ids.numel() != count:
         raise ValueError(f"expert_ids must be {count} integer expert ids (the layer's GPU expert count), got "
                          f"{ids.dtype} {tuple(ids.shape)}")
     ids = torch.sort(ids.long()).values
@@ -36,11 +36,13 @@ def checked_expert_ids(expert_ids: torch.Tensor | Sequence[int], count: int, num
 
 
 def most_activated(counts: torch.Tensor, count: int, num_experts: int) -> torch.Tensor:
-    """The ``count`` most activated experts of ``counts [num_experts]`` as SGLang picks them
-    (``topk`` of the counts), ascending."""
+    """The ``count`` most activated experts of ``counts [num_experts]`` (real, no NaN) as
+    SGLang picks them (``topk`` of the counts), ascending; ``ValueError`` otherwise."""
     counts = torch.as_tensor(counts).to("cpu")
     if counts.shape != (num_experts,):
         raise ValueError(f"counts must be [{num_experts}], got {tuple(counts.shape)}")
+    if counts.is_complex():  # .double() dropped the imaginary part (a UserWarning), ranking the rest
+        raise ValueError(f"counts must be real, got {counts.dtype}")
     if counts.is_floating_point() and bool(counts.isnan().any()):  # topk ranks NaN first: a NaN expert went to the GPU
         raise ValueError(f"counts hold NaN: {counts.tolist()}")
     return torch.sort(torch.topk(counts.double(), count, sorted=True).indices).values

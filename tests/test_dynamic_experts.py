@@ -78,6 +78,11 @@ def test_bad_updates_are_refused():
             dyn.update_gpu_experts(ids)
     with pytest.raises(ValueError, match=r"counts must be \[8\]"):
         dyn.rebalance(torch.ones(7))
+    # complex ids and counts: the imaginary part was dropped (a UserWarning), the rest taken
+    with pytest.raises(ValueError, match="integer"):
+        dyn.update_gpu_experts(torch.tensor([2, 3]) + 0.5j)
+    with pytest.raises(ValueError, match="real"):
+        dyn.rebalance(torch.arange(8) * 1j)
     with pytest.raises(ValueError, match="NaN"):  # topk ranked NaN first: expert 0 went to the GPU silently
         dyn.rebalance(torch.tensor([float("nan"), 0, 9, 1, 9, 3, 2, 8]))
     assert dyn.gpu_experts.tolist() == [0, 1]  # unchanged by the refusals
