@@ -282,6 +282,8 @@ class ExpertStats:
         if counts.is_floating_point():
             if not bool(torch.isfinite(counts).all()) or not bool((counts == counts.round()).all()):
                 raise ValueError("expert counts must be whole numbers (a float tensor holds fractions, inf or nan)")
+            if bool((counts.abs() >= 2.0**63).any()):  # the int64 cast gave -2**63: "must be non-negative"
+                raise ValueError("expert counts must fit int64 (a float tensor holds counts of 2**63 or more)")
         counts = counts.to(torch.int64)
         if counts.dim() == 3:
             counts = counts.sum(dim=0)

@@ -292,6 +292,7 @@ def test_load_sglang_dumps_and_raw_tensors(tmp_path):
     (-torch.ones(2, E, dtype=torch.int64), "non-negative"),
     (torch.full((2, E), 0.5), "whole numbers"),
     (torch.full((2, E), float("nan")), "whole numbers"),
+    (torch.full((2, E), 1e30), "int64"),  # cast to int64's minimum: was "must be non-negative"
     (torch.zeros(2, E, dtype=torch.bool), "integers"),
     ([1, 2, 3], "expected a tensor"),
 ])
