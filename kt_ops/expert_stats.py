@@ -59,6 +59,7 @@ def record(layer_id: int | None, topk_ids: torch.Tensor, num_experts: int) -> No
         num_experts: the layer's expert count E.
 
     Queues an ``index_add_`` on ``topk_ids``' device (current stream), no host sync.
+    ``topk_ids`` of another dtype is a ``ValueError`` (while a collector is active).
     Fake and meta tensors (shape propagation) are not counted.
     """
     if not _ACTIVE:
@@ -71,6 +72,8 @@ def record(layer_id: int | None, topk_ids: torch.Tensor, num_experts: int) -> No
                           "context and is not counted (HybridMoE(layer_idx=None), or transformers experts packed "
                           "on their first call: run kt_ops.hf_experts.pack_model_experts(model) first)", stacklevel=3)
         return
+    if topk_ids.dtype not in (torch.int32, torch.int64):  # float ids were truncated, bools counted as 0 / 1
+        raise ValueError(f"topk_ids must be int32 or int64 expert ids, got {topk_ids.dtype}")
     if topk_ids.device.type == "meta" or isinstance(topk_ids, FakeTensor):
         return
     for stats in _ACTIVE:

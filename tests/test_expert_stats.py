@@ -133,6 +133,18 @@ def test_record_ignores_skipped_and_out_of_range_ids():
     assert int(stats.counts.sum()) == 8
 
 
+def test_record_refuses_ids_that_are_not_integers():
+    """Float ids were truncated (1.7 counted as expert 1) and bool ids counted as experts 0
+    and 1, silently; KTMoEWrapper records before its operator refuses such ids, so the failed
+    call was counted."""
+    with kt_ops.ExpertStats() as stats:
+        for ids in (torch.tensor([[1.7, 2.0]]), torch.tensor([[True, False]])):
+            with pytest.raises(ValueError, match="topk_ids must be int32 or int64"):
+                expert_stats.record(0, ids, 8)
+        expert_stats.record(0, torch.tensor([[1, 2]], dtype=torch.int32), 8)
+    assert stats.counts.tolist() == [[0, 1, 1, 0, 0, 0, 0, 0]]
+
+
 def test_sizes_grow_and_keep_their_counts():
     with kt_ops.ExpertStats() as stats:
         assert stats.counts.shape == (0, 0)
