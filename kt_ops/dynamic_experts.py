@@ -5,6 +5,7 @@ activated ones as SGLang does, host copies to refill GPU slots from — and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -58,8 +59,8 @@ def cpu_route(gpu_ids: torch.Tensor, num_experts: int, dtype: torch.dtype) -> to
 
 def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
     """Moves each dynamic MoE layer's GPU experts to its most activated ones from ``stats``:
-    counts ``[num_hidden_layers, E]`` indexed by layer id, a :class:`kt_ops.ExpertStats` or
-    a dump path. Dynamic layers are :class:`kt_ops.HybridMoE` ones built with ``dynamic=True``
+    a real tensor of counts ``[num_hidden_layers, E]`` indexed by layer id, a
+    :class:`kt_ops.ExpertStats` or a dump path (anything else: ``ValueError``). Dynamic layers are :class:`kt_ops.HybridMoE` ones built with ``dynamic=True``
     (:meth:`kt_ops.HybridMoE.rebalance`) and experts modules of the transformers path packed with
     ``dynamic=True`` (:func:`kt_ops.hf_experts.rebalance_local_experts`). Returns how many
     layers were rebalanced (changed or not); layers without a layer id or a row in
@@ -73,8 +74,17 @@ def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
         counts = stats.counts
     elif isinstance(stats, torch.Tensor):
         counts = stats.detach().to("cpu")
-    else:
-        counts = ExpertStats.load(stats).counts  # type: ignore[arg-type]
+        # [buffer, L, E] took its one row as layer 0's and rebalanced nothing; [E] failed per layer
+        if counts.dim() != 2:
+            raise ValueError(f"stats must be counts [num_hidden_layers, E] indexed by layer id, got shape "
+                             f"{tuple(counts.shape)}")
+        if counts.dtype == torch.bool or counts.is_complex():
+            raise ValueError(f"stats must hold real counts, got {counts.dtype}")
+    elif isinstance(stats, (str, os.PathLike)):
+        counts = ExpertStats.load(stats).counts
+    else:  # a numpy array was read as a path: "... is not a torch.save file"
+        raise ValueError(f"stats must be counts [num_hidden_layers, E] (a tensor), an ExpertStats or a dump path, "
+                         f"got {type(stats).__name__}")
     done = 0
     for module in model.modules():
         if (isinstance(module, HybridMoE) and module.dynamic and module.num_gpu_experts

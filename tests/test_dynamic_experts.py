@@ -158,6 +158,22 @@ def test_patched_model_rebalances_from_statistics():
     del transformers
 
 
+def test_rebalance_gpu_experts_checks_its_counts():
+    """A [buffer, L, E] tensor (SGLang's logical_count as dumped) rebalanced nothing and
+    returned 0, silently (its one row was taken as layer 0's); a numpy array was read as a
+    file path ("... is not a torch.save file"); a [E] row failed in most_activated ("got ()")."""
+    moe = layer([0, 1], dynamic=True)
+    moe.layer_idx = 1
+    model = torch.nn.ModuleList([moe])
+    counts = torch.tensor([[0] * E, [0, 0, 0, 0, 0, 0, 5, 9]])
+    for bad, match in ((counts[None], r"\[num_hidden_layers, E\]"), (counts[1], r"\[num_hidden_layers, E\]"),
+                       (counts.numpy(), "ndarray"), (counts.bool(), "real")):
+        with pytest.raises(ValueError, match=match):
+            kt_ops.rebalance_gpu_experts(model, bad)
+    assert moe.gpu_experts.tolist() == [0, 1]
+    assert kt_ops.rebalance_gpu_experts(model, counts) == 1 and moe.gpu_experts.tolist() == [6, 7]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_update_under_a_captured_cuda_graph():
     x = tokens(device="cuda")
