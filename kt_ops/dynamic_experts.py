@@ -60,7 +60,8 @@ def cpu_route(gpu_ids: torch.Tensor, num_experts: int, dtype: torch.dtype) -> to
 def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
     """Moves each dynamic MoE layer's GPU experts to its most activated ones from ``stats``:
     a real tensor of counts ``[num_hidden_layers, E]`` indexed by layer id, a
-    :class:`kt_ops.ExpertStats` or a dump path (anything else: ``ValueError``). Dynamic layers are :class:`kt_ops.HybridMoE` ones built with ``dynamic=True``
+    :class:`kt_ops.ExpertStats` or a dump path (anything else: ``ValueError``). Dynamic
+    layers are :class:`kt_ops.HybridMoE` ones built with ``dynamic=True``
     (:meth:`kt_ops.HybridMoE.rebalance`) and experts modules of the transformers path packed with
     ``dynamic=True`` (:func:`kt_ops.hf_experts.rebalance_local_experts`). Returns how many
     layers were rebalanced (changed or not); layers without a layer id or a row in

@@ -327,9 +327,9 @@ def _check_lora_fake(hidden_states: torch.Tensor, gate_a: torch.Tensor, gate_b: 
                      up_b: torch.Tensor, down_a: torch.Tensor, down_b: torch.Tensor) -> None:
     """The kernel's lora_of and check_lora (moe_train_cpu.cpp): six 3-D (``ValueError``)
     matrices of a float dtype (``TypeError``), then gate_a, up_a [E, r, H], gate_b, up_b
-    [E, I, r], down_a [E, r, I], down_b [E, H, r], a ``ValueError`` naming the matrix. E and I are the blob's, which a fake cannot read: E,
-    r and I are taken from gate_a and gate_b, H from hidden_states (which the kernel
-    checks against the blob first)."""
+    [E, I, r], down_a [E, r, I], down_b [E, H, r], a ``ValueError`` naming the matrix. E
+    and I are the blob's, which a fake cannot read: E, r and I are taken from gate_a and
+    gate_b, H from hidden_states (which the kernel checks against the blob first)."""
     named = (("gate_a", gate_a), ("gate_b", gate_b), ("up_a", up_a), ("up_b", up_b), ("down_a", down_a),
              ("down_b", down_b))
     for name, t in named:

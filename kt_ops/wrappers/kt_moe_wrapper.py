@@ -1048,7 +1048,8 @@ class KTMoEWrapper:
             with torch.cuda.stream(queue):
                 later = experts_on_device(self._parts, hidden_states, deferred, weights, table, chunk,
                                           self._part_nodes)
-            KTMoEWrapper._thread_pending()[(self.deferral_group, self.layer_idx + 1)] = (later, hidden_states.shape[0], queue)
+            KTMoEWrapper._thread_pending()[(self.deferral_group, self.layer_idx + 1)] = (
+                later, hidden_states.shape[0], queue)
         self._inflight = _Inflight(out, previous, device, hidden_states.dtype, stream)
 
     def _submit_prefill(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
