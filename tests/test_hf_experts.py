@@ -174,8 +174,8 @@ def test_experts_edited_in_place_after_packing_are_packed_again(pack: str) -> No
     ``mul_`` / ``copy_``, as weight surgery or an optimizer step does) the model kept
     computing the old experts, silently. Now the next eager call packs them again; an
     expert tensor replaced by another (the same values) is recorded, not packed again."""
-    ours = tiny_model("qwen3_moe", dtype=torch.float32, seed=0).eval()
-    plain = tiny_model("qwen3_moe", dtype=torch.float32, seed=0).eval()
+    # bf16 weights in fp32 (BF16 packs them exactly), as the load_state_dict test above
+    ours, plain = (tiny_model("qwen3_moe", seed=0).float().eval() for _ in range(2))
     ours.set_experts_implementation(hf_experts.IMPLEMENTATION)
     ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
