@@ -40,7 +40,7 @@ from torch import nn
 
 from kt_ops import autograd, expert_stats, gpu_prefill
 from kt_ops._validate import is_int
-from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
+from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated, packed_slots
 from kt_ops.packed import PackedExperts
 
 IMPLEMENTATION = "kt_ops"
@@ -94,11 +94,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     ids = top_k_index if route is None else _packed_ids(_on(self, _ROUTE_ON, route, top_k_index.device), top_k_index)
     weights = top_k_weights
     packed_count = self.__dict__.get(_PACKED_COUNT)
-    if packed_count is not None and ids.shape[1] > packed_count:
-        # top-k above the packed experts (the operator refuses it): a token's k distinct experts
-        # hold at most that many packed ones, so its largest packed ids keep them all (-1s dropped)
-        ids, kept = torch.topk(ids, packed_count, dim=1)
-        weights = weights.gather(1, kept)
+    if packed_count is not None:  # experts kept in torch: top-k may be above the packed ones
+        ids, weights = packed_slots(ids, weights, packed_count)
     x, weights = hidden_states.contiguous(), weights.contiguous()
     prefill = gpu_prefill.should_run_on_device(x, self.__dict__.get(gpu_prefill.PREFILL_ATTRIBUTE, 0))
     if prefill:

@@ -8,6 +8,7 @@ rewritten independently in the test (physical -> logical, GPU slots dropped).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -348,6 +349,34 @@ def test_forward_computes_cpu_inputs_on_the_calling_thread(weights, monkeypatch)
     assert torch.equal(wr.forward(x, ids, w), inline) and threads[4] is threading.current_thread()
 
 
+@contextlib.contextmanager
+def forward_running_on_another_thread(wr, monkeypatch, x, ids, w):
+    """Runs ``wr.forward(x, ids, w)`` on a second thread, held inside its one operator call
+    (the direct path's ``moe_forward``) while the block runs; then lets it finish and
+    yields the list its result is appended to."""
+    module = sys.modules[KTMoEWrapper.__module__]
+    entered, release = threading.Event(), threading.Event()
+    operator = module.moe_forward
+
+    def gated(*args):
+        if threading.current_thread() is not threading.main_thread():  # the other caller's call waits
+            entered.set()
+            assert release.wait(10)
+        return operator(*args)
+
+    monkeypatch.setattr(module, "moe_forward", gated)
+    results: list = []
+    first = threading.Thread(target=lambda: results.append(wr.forward(x, ids, w)))
+    first.start()
+    try:
+        assert entered.wait(10)
+        yield results
+    finally:
+        release.set()
+        first.join(10)
+        monkeypatch.setattr(module, "moe_forward", operator)
+
+
 def test_one_wrapper_serves_one_caller_at_a_time(weights, monkeypatch):
     """While one thread's forward is in progress on a wrapper (inside forward, or between
     its submit_forward and sync_forward), another thread's forward, submit_forward or
@@ -358,30 +387,11 @@ def test_one_wrapper_serves_one_caller_at_a_time(weights, monkeypatch):
     wr.load_weights_from_tensors(*weights[1])
     x, ids, w = inputs()
     alone = wr.forward(x, ids, w)
-    module = sys.modules[KTMoEWrapper.__module__]
-    entered, release = threading.Event(), threading.Event()
-    operator = module.moe_forward
-
-    def gated(*args):
-        if threading.current_thread() is not threading.main_thread():  # the first caller's call waits
-            entered.set()
-            assert release.wait(10)
-        return operator(*args)
-
-    monkeypatch.setattr(module, "moe_forward", gated)  # the direct path's one operator call
-    results = []
-    first = threading.Thread(target=lambda: results.append(wr.forward(x, ids, w)))
-    first.start()
-    try:
-        assert entered.wait(10)
+    with forward_running_on_another_thread(wr, monkeypatch, x, ids, w) as results:
         for call in (lambda: wr.forward(x, ids, w), lambda: wr.submit_forward(x, ids, w), wr.sync_forward):
             with pytest.raises(RuntimeError, match="one caller at a time"):
                 call()
-    finally:
-        release.set()
-        first.join(10)
     assert len(results) == 1 and torch.equal(results[0], alone)
-    monkeypatch.setattr(module, "moe_forward", operator)
 
     submitted = threading.Thread(target=wr.submit_forward, args=(x, ids, w))  # the general path
     submitted.start()
@@ -501,7 +511,6 @@ def test_weights_are_not_replaced_under_a_forward(weights, checkpoint, monkeypat
     wr.load_weights_from_tensors(*weights[1])
     x, ids, w = inputs()
     alone = wr.forward(x, ids, w)
-    module = sys.modules[KTMoEWrapper.__module__]
     release = threading.Event()
     compute = wr._compute
     monkeypatch.setattr(wr, "_compute", lambda *args: (release.wait(10), compute(*args))[1])
@@ -512,28 +521,10 @@ def test_weights_are_not_replaced_under_a_forward(weights, checkpoint, monkeypat
     release.set()
     assert torch.equal(wr.sync_forward(x), alone)  # computed with the weights it was submitted with
 
-    entered, release = threading.Event(), threading.Event()
-    operator = module.moe_forward
-
-    def gated(*args):
-        if threading.current_thread() is not threading.main_thread():
-            entered.set()
-            assert release.wait(10)
-        return operator(*args)
-
-    monkeypatch.setattr(module, "moe_forward", gated)  # the direct path's one operator call
-    results = []
-    first = threading.Thread(target=lambda: results.append(wr.forward(x, ids, w)))
-    first.start()
-    try:
-        assert entered.wait(10)
+    with forward_running_on_another_thread(wr, monkeypatch, x, ids, w) as results:
         with pytest.raises(RuntimeError, match="forward running"):
             wr.load_weights_from_tensors(*weights[2])
-    finally:
-        release.set()
-        first.join(10)
     assert len(results) == 1 and torch.equal(results[0], alone)
-    monkeypatch.setattr(module, "moe_forward", operator)
 
     loading, release = threading.Event(), threading.Event()
     pack = wr._pack_cpu_experts

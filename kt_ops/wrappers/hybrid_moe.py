@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from kt_ops import autograd, expert_stats, gpu_prefill
 from kt_ops._validate import is_int, require_bools
-from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
+from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated, packed_slots
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.ops import pack_experts
@@ -256,11 +256,7 @@ class HybridMoE(nn.Module):
             return torch.zeros_like(x)
         # take, not indexing: fake CUDA tensors index only where torch has CUDA
         cpu_ids = torch.take(self.cpu_index.to(x.device), ids)
-        if cpu_ids.shape[1] > self._packed_experts:
-            # top-k above the packed experts (the operator refuses it): a token's k distinct experts
-            # hold at most that many CPU ones, so its largest packed ids keep them all (-1s dropped)
-            cpu_ids, kept = torch.topk(cpu_ids, self._packed_experts, dim=1)
-            weights = weights.gather(1, kept)
+        cpu_ids, weights = packed_slots(cpu_ids, weights, self._packed_experts)  # top-k above the CPU experts
         if gpu_prefill.should_run_on_device(x, self.gpu_prefill_token_threshold):
             return gpu_prefill.moe_forward_on_device(x, cpu_ids, weights, PackedExperts(self.packed), live_tokens,
                                                      next_layer=gpu_prefill.next_layer(self))
