@@ -49,17 +49,6 @@ def most_activated(counts: torch.Tensor, count: int, num_experts: int) -> torch.
     return torch.sort(torch.topk(counts.double(), count, sorted=True).indices).values
 
 
-def packed_slots(ids: torch.Tensor, weights: torch.Tensor, packed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed ids ``[T, K]`` (-1: an expert computed elsewhere) and their weights, narrowed to
-    ``packed`` columns when K is above it (the operator refuses top-k > its experts): a
-    row's distinct experts hold at most ``packed`` packed ones, so its largest ids keep them
-    all and only -1s are dropped. Shape-static (``torch.compile``); as given when K <= packed."""
-    if ids.shape[1] <= packed:
-        return ids, weights
-    ids, kept = torch.topk(ids, packed, dim=1)
-    return ids, weights.gather(1, kept)
-
-
 def cpu_route(gpu_ids: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
     """Expert -> packed slot when every expert is packed: the expert's own id, -1 for the
     experts on the GPU (``gpu_ids``)."""

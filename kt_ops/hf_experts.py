@@ -40,7 +40,7 @@ from torch import nn
 
 from kt_ops import autograd, expert_stats, gpu_prefill
 from kt_ops._validate import is_int
-from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated, packed_slots
+from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.packed import PackedExperts
 
 IMPLEMENTATION = "kt_ops"
@@ -52,8 +52,7 @@ _LOCAL = "_kt_ops_local"  # the experts kept in torch: (ids [G], gate_up, gate_u
 _LOCAL_ON = "_kt_ops_local_on"  # {device: _LOCAL's tensors there}, for inputs on another device
 _ROUTE_ON = "_kt_ops_route_on"  # {device: _ROUTE there}
 _SOURCE = "_kt_ops_source"  # dynamic: every expert's (gate_up, gate_up_bias, down, down_bias) in host memory
-_PACKED_COUNT = "_kt_ops_packed_count"  # experts in the blob when some are kept in torch (its top-k limit)
-_DERIVED = (_ROUTE, _LOCAL, _LOCAL_ON, _ROUTE_ON, _SOURCE, _PACKED_COUNT)  # what packing sets besides the blob
+_DERIVED = (_ROUTE, _LOCAL, _LOCAL_ON, _ROUTE_ON, _SOURCE)  # what packing sets besides the blob
 _LAYER_ID = "_kt_ops_layer"  # (layer index in the model, E): the module's row in kt_ops.ExpertStats
 _SHAPES = "_kt_ops_shapes"  # {"gate_up_proj": shape, "down_proj": shape} as stored before packing
 _PACKED_WITH = "_kt_ops_packed_with"  # pack_module_experts' arguments, to repack after load_state_dict
@@ -92,11 +91,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         return _local_experts(self, local, hidden_states, top_k_index, top_k_weights)
     route = getattr(self, _ROUTE, None)
     ids = top_k_index if route is None else _packed_ids(_on(self, _ROUTE_ON, route, top_k_index.device), top_k_index)
-    weights = top_k_weights
-    packed_count = self.__dict__.get(_PACKED_COUNT)
-    if packed_count is not None:  # experts kept in torch: top-k may be above the packed ones
-        ids, weights = packed_slots(ids, weights, packed_count)
-    x, weights = hidden_states.contiguous(), weights.contiguous()
+    x, weights = hidden_states.contiguous(), top_k_weights.contiguous()
     prefill = gpu_prefill.should_run_on_device(x, self.__dict__.get(gpu_prefill.PREFILL_ATTRIBUTE, 0))
     if prefill:
         out = gpu_prefill.moe_forward_on_device(x, ids, weights, PackedExperts(blob),
@@ -360,7 +355,6 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
                 route = torch.full((E,), -1, dtype=torch.long)
                 route[cpu] = torch.arange(int(cpu.sum()))
                 setattr(module, _ROUTE, route)
-                module.__dict__[_PACKED_COUNT] = int(cpu.sum())
                 gate, up, down = gate[cpu], up[cpu], down[cpu]
                 if weights["biases"] is not None:
                     weights["biases"] = tuple(None if b is None else b[cpu] for b in weights["biases"])

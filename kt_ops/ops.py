@@ -355,7 +355,7 @@ def moe_forward(
 
     Args:
         hidden_states: ``[T, H]`` bf16, fp16 or fp32, contiguous, CPU.
-        topk_ids: ``[T, K]`` int32 or int64, values in ``[-1, E)``.
+        topk_ids: ``[T, K]`` int32 or int64, values in ``[-1, E)`` (any K, also above E: an id may repeat, ``-1`` pads).
         topk_weights: ``[T, K]`` fp32, bf16 or fp16.
         packed: a :class:`PackedExperts` or its ``data`` tensor (host memory).
         live_tokens: optional int32/int64 one-element tensor on the inputs' device: only

@@ -39,7 +39,6 @@ CASES = [
     ("hidden size", lambda a: a.update(hidden_states=torch.randn(3, H + 2).bfloat16()), ValueError, "hidden size 34"),
     ("id too large", lambda a: a["topk_ids"].__setitem__((1, 0), E), ValueError, r"topk_ids\[1, 0\] = 4 is outside \[-1, 4\)"),
     ("id below -1", lambda a: a["topk_ids"].__setitem__((2, 1), -2), ValueError, r"topk_ids\[2, 1\] = -2"),
-    ("top-k > E", lambda a: a.update(topk_ids=torch.zeros(3, E + 1, dtype=torch.int32), topk_weights=torch.ones(3, E + 1)), ValueError, "exceeds the number of experts"),
     ("hidden not contiguous", lambda a: a.update(hidden_states=torch.randn(H, 3).bfloat16().t()), ValueError, "hidden_states must be contiguous"),
     ("ids not contiguous", lambda a: a.update(topk_ids=a["topk_ids"].t().contiguous().t()), ValueError, "topk_ids must be contiguous"),
     ("weights not contiguous", lambda a: a.update(topk_weights=a["topk_weights"].t().contiguous().t()), ValueError, "topk_weights must be contiguous"),

@@ -348,8 +348,7 @@ def test_a_correction_bias_of_another_shape_is_refused(shape):
 @pytest.mark.parametrize("top_k, on_gpu", [(E, [0, 1]), (4, [0, 1, 2, 4, 5, 7]), (2, [0, 1, 2, 3, 4, 5, 6])])
 def test_top_k_above_the_cpu_experts_count(top_k: int, on_gpu: list[int]):
     """top_k (<= E) above the experts left on the CPU was a ValueError at every forward (the
-    operator refuses top-k > its packed experts), although at most that many of a token's
-    experts are CPU ones. Compared with the layer computing every expert in torch (fp32; the
+    operator refused top-k > its packed experts until it took -1 slots beyond them). Compared with the layer computing every expert in torch (fp32; the
     CPU experts round activations to bf16: 3e-3 measured)."""
     router, gate, up, down = weights()
     x = tokens()

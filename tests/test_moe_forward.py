@@ -93,6 +93,27 @@ def test_skip_slots_and_repeated_experts(variant: str) -> None:
     check(out, ref, tolerance(variant, torch.bfloat16))
 
 
+def test_top_k_above_the_expert_count(variant: str) -> None:
+    """top-k may exceed E: the slots beyond a row's experts are -1 (an expert computed
+    elsewhere) or repeat one. The operator refused such calls ("top-k exceeds the number
+    of experts"), which layers with most experts on the GPU made (one packed expert, top-k
+    2). A row equals the same row computed alone with its -1 slots removed, bit for bit."""
+    E, H, I, T = 2, 48, 40, 5  # at most 6 tokens per expert: no AMX tiles (see test_invariants)
+    experts = make_experts(E, H, I, seed=11)
+    ids = torch.tensor([[1, -1, -1, -1, 0], [0, 1, 1, -1, -1], [-1] * 5] + [[-1, 0, -1, 1, -1]] * (T - 3))
+    ids = ids.to(torch.int32)
+    weights = torch.rand(T, 5, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out = kt_ops.moe_forward(x, ids, weights, experts.packed)
+    ref = kt_ops.reference.moe_forward(x, ids, weights, experts.gate, experts.up, experts.down)
+    assert torch.equal(out[2], torch.zeros(H, dtype=out.dtype))
+    check(out, ref, tolerance(variant, torch.bfloat16))
+    for t in (0, 1, 3):
+        kept = ids[t] >= 0
+        alone = kt_ops.moe_forward(x[t:t + 1], ids[t:t + 1, kept], weights[t:t + 1, kept], experts.packed)
+        assert torch.equal(out[t:t + 1], alone), t
+
+
 def test_all_slots_skipped_gives_zeros(variant: str) -> None:
     experts = make_experts(4, 32, 16)
     ids = torch.full((3, 2), -1, dtype=torch.int32)

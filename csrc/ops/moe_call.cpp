@@ -72,8 +72,6 @@ cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& t
   TORCH_CHECK_VALUE(hidden_states.size(1) == layout.shape.hidden_size, "hidden_states has hidden size ",
                     hidden_states.size(1), " but ", packed_name, " (the packed experts) has H = ",
                     layout.shape.hidden_size);
-  TORCH_CHECK_VALUE(topk_ids.size(1) <= experts, "top-k = ", topk_ids.size(1),
-                    " exceeds the number of experts E = ", experts);
   TORCH_CHECK_VALUE(topk_ids.numel() < std::numeric_limits<int32_t>::max(), "tokens x top-k = ",
                     topk_ids.numel(), " (token, slot) pairs is more than one call handles (2^31 - 1);"
                     " split the batch");

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from kt_ops import autograd, expert_stats, gpu_prefill
 from kt_ops._validate import is_int, require_bools
-from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated, packed_slots
+from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.ops import pack_experts
@@ -133,7 +133,6 @@ class HybridMoE(nn.Module):
             self._source = tuple(host_copy(w) for w in (gate_proj, up_proj, down_proj))  # type: ignore[assignment]
         self.register_buffer("cpu_index", cpu_index)  # expert -> packed slot, -1: a GPU expert
         self.register_buffer("gpu_experts", gpu_experts)  # [G] expert ids computed in torch
-        self._packed_experts = int(cpu_experts.numel())  # experts in the packed blob (its top-k limit)
         packed = torch.empty(0, dtype=torch.uint8)
         if cpu_experts.numel():
             sel = cpu_experts.to(gate_proj.device)
@@ -256,7 +255,6 @@ class HybridMoE(nn.Module):
             return torch.zeros_like(x)
         # take, not indexing: fake CUDA tensors index only where torch has CUDA
         cpu_ids = torch.take(self.cpu_index.to(x.device), ids)
-        cpu_ids, weights = packed_slots(cpu_ids, weights, self._packed_experts)  # top-k above the CPU experts
         if gpu_prefill.should_run_on_device(x, self.gpu_prefill_token_threshold):
             return gpu_prefill.moe_forward_on_device(x, cpu_ids, weights, PackedExperts(self.packed), live_tokens,
                                                      next_layer=gpu_prefill.next_layer(self))
