@@ -11,6 +11,7 @@ operator's CUDA key (bit-equal to its CPU key, its parts run at once, opcheck, e
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -65,6 +66,23 @@ def test_live_tokens_layer_matches_forward_on_the_live_rows() -> None:
         local = layer._local_experts(x, ids, weights)
     torch.testing.assert_close(padded[:4], full[:4], rtol=0, atol=0)
     torch.testing.assert_close(padded[4:], local[4:], rtol=0, atol=0)
+
+
+def test_live_tokens_given_as_an_int() -> None:
+    """HybridMoE(x, live_tokens=4) with a Python or numpy int reached the operator's schema: a
+    RuntimeError "Expected a value of type 'Optional[Tensor]'". An int is now taken as the
+    int64 tensor [1] on the input's device; a float or a bool is a TypeError naming it."""
+    layer = hybrid_layer()
+    x = torch.randn(6, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x, torch.tensor([4]))
+        for live in (4, np.int64(4), np.int32(4)):
+            torch.testing.assert_close(layer(x, live), expected, rtol=0, atol=0)
+        for bad in (4.0, True, "4"):
+            with pytest.raises(TypeError, match="live_tokens"):
+                layer(x, bad)
+        with pytest.raises(ValueError, match=r"live_tokens = 7 is outside \[0, 6\]"):  # the operator's range check
+            layer(x, 7)
 
 
 def test_fake_cuda_trace_of_the_hybrid_layer() -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kt_ops import autograd, expert_stats, gpu_prefill
-from kt_ops._validate import is_int, require_bools
+from kt_ops._validate import is_int, is_integral, require_bools
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
@@ -205,18 +205,26 @@ class HybridMoE(nn.Module):
         logits = self.routing.logits(hidden_states, self.router_weight)
         return self.routing.select(logits, self.e_score_correction_bias)
 
-    def forward(self, hidden_states: torch.Tensor, live_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, live_tokens: torch.Tensor | int | None = None) -> torch.Tensor:
         """``hidden_states [..., H]`` -> ``[..., H]``. ``live_tokens`` (int32/int64 ``[1]`` on
         the same device, optional): only the first ``live_tokens`` tokens are real, the CPU
         experts skip the padding rows (a CUDA graph captured at T replays for fewer
-        tokens); padding rows hold only the GPU and shared experts' output. A last dimension
-        other than the layer's hidden size is a ``ValueError``."""
+        tokens); padding rows hold only the GPU and shared experts' output. An int (numpy's
+        too) is taken as an int64 ``[1]`` on the input's device, for eager calls (a CUDA
+        graph replays the tensor it captured: pass one and refill it); anything else that is
+        not a tensor is a ``TypeError``. A last dimension other than the layer's hidden size
+        is a ``ValueError``."""
         shape = hidden_states.shape
         if hidden_states.dim() == 0 or shape[-1] != self.hidden_size:
             # reshape(-1, H) took [4, H/2] as [2, H]: rows of the wrong width computed, silently
             raise ValueError(f"hidden_states must be [..., {self.hidden_size}] (the layer's hidden size "
                              f"{self.hidden_size}), got {tuple(shape)}")
         x = hidden_states.reshape(-1, self.hidden_size)
+        if live_tokens is not None and not isinstance(live_tokens, torch.Tensor):
+            # an int reached the operator's schema: RuntimeError "Expected a value of type 'Optional[Tensor]'"
+            if not is_integral(live_tokens):
+                raise TypeError(f"live_tokens must be an int or an int32/int64 tensor [1], got {live_tokens!r}")
+            live_tokens = torch.tensor([int(live_tokens)], dtype=torch.int64, device=x.device)
         weights, ids = self.route(x)
         expert_stats.record(self.layer_idx, ids, self.num_experts)  # kt_ops.ExpertStats: logical ids, x's device
         side = self._side_stream(x)
