@@ -6,6 +6,8 @@ import numbers
 import os
 import stat
 
+import torch
+
 
 def is_int(value: object) -> bool:
     """True for a Python ``int`` that is not a ``bool`` (``True`` is an ``int`` to
@@ -51,3 +53,13 @@ def regular_file_stat(path: str | os.PathLike[str], hint: str = "") -> os.stat_r
     if not stat.S_ISREG(result.st_mode):
         raise ValueError(f"{os.fspath(path)}: not a regular file (a FIFO, device or directory){hint}")
     return result
+
+
+def bad_count(counts: torch.Tensor) -> str | None:
+    """Where the real tensor ``counts`` first holds something that is not an activation count
+    (finite and non-negative), as ``"-1.0 at [1, 3]"``; None when every value is one."""
+    bad = torch.nonzero(~torch.isfinite(counts.double()) | (counts.double() < 0))
+    if not bad.shape[0]:
+        return None
+    at = bad[0].tolist()
+    return f"{counts[tuple(at)].item()} at {at}"

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kt_ops._validate import bad_count
+
 
 def host_copy(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` in host memory, pinned where CUDA is available (GPU slots fill from it)."""
@@ -37,7 +39,7 @@ def checked_expert_ids(expert_ids: torch.Tensor | Sequence[int], count: int, num
 
 
 def most_activated(counts: torch.Tensor, count: int, num_experts: int) -> torch.Tensor:
-    """The ``count`` most activated experts of ``counts [num_experts]`` (real, no NaN) as
+    """The ``count`` most activated experts of ``counts [num_experts]`` (real, finite, >= 0) as
     SGLang picks them (``topk`` of the counts), ascending; ``ValueError`` otherwise."""
     counts = torch.as_tensor(counts).to("cpu")
     if counts.shape != (num_experts,):
@@ -46,6 +48,9 @@ def most_activated(counts: torch.Tensor, count: int, num_experts: int) -> torch.
         raise ValueError(f"counts must be real, got {counts.dtype}")
     if counts.is_floating_point() and bool(counts.isnan().any()):  # topk ranks NaN first: a NaN expert went to the GPU
         raise ValueError(f"counts hold NaN: {counts.tolist()}")
+    bad = bad_count(counts)
+    if bad is not None:  # a negative count ranked below the idle experts, an inf above all: silently
+        raise ValueError(f"counts must be finite and non-negative, got {bad}")
     return torch.sort(torch.topk(counts.double(), count, sorted=True).indices).values
 
 

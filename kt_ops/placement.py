@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
-from kt_ops._validate import is_integral
+from kt_ops._validate import bad_count, is_integral
 
 if TYPE_CHECKING:
     from kt_ops.expert_stats import ExpertStats
@@ -33,7 +33,8 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     CPU mask (True: on the GPU). As kt-kernel's, the choice is global: a layer may get
     more GPU experts than another, or none. As kt-kernel's, ``num_gpu_experts`` is clamped
     to ``[0, num_layers * num_experts]``: more than that puts every expert on the GPU, a
-    negative count none. A count that is not an int (or a bool) is a ``TypeError``."""
+    negative count none. A count that is not an int (or a bool) is a ``TypeError``;
+    ``activation_freq`` holding NaN, inf or a negative count a ``ValueError``."""
     if not isinstance(activation_freq, torch.Tensor):
         raise TypeError(f"activation_freq must be a tensor [num_layers, num_experts], got {type(activation_freq).__name__}")
     if activation_freq.dim() != 2:
@@ -43,6 +44,9 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     if activation_freq.is_floating_point() and bool(activation_freq.isnan().any()):
         # topk ranks NaN above every count: a NaN expert went to the GPU silently
         raise ValueError("activation_freq holds NaN")
+    bad = bad_count(activation_freq.detach())
+    if bad is not None:  # an inf expert went to the GPU, a negative one ranked below the idle ones
+        raise ValueError(f"activation_freq must hold finite and non-negative counts, got {bad}")
     if not is_integral(num_gpu_experts):
         raise TypeError(f"num_gpu_experts must be an int, got {num_gpu_experts!r}")
     num_gpu_experts = int(num_gpu_experts)
@@ -96,8 +100,11 @@ def _frequency(stats: StatsLike | None, num_experts: int, layers: list[int], num
             counts = stats.counts
         elif isinstance(stats, torch.Tensor):
             counts = stats.detach().to("cpu")
-            if counts.dtype == torch.bool or counts.is_complex() or not bool(torch.isfinite(counts.double()).all()):
+            if counts.dtype == torch.bool or counts.is_complex():
                 raise ValueError(f"stats must hold finite real counts, got {counts.dtype}")
+            bad = bad_count(counts)
+            if bad is not None:  # a negative count ranked its expert below the idle ones, silently
+                raise ValueError(f"stats must hold finite and non-negative counts, got {bad}")
         else:
             raise ValueError(f"stats must be a counts tensor [num_hidden_layers, E], an ExpertStats or a path, "
                              f"got {type(stats).__name__}")
@@ -160,7 +167,8 @@ def placement_masks(
         bool CPU ``[len(moe_layers), E]``: True where the expert runs on the GPU.
 
     Raises:
-        ValueError: an unknown strategy, a bad budget, layer list or stats shape.
+        ValueError: an unknown strategy, a bad budget, layer list or stats shape, stats holding
+            NaN, inf or a negative count.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown placement strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")

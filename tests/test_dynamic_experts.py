@@ -88,6 +88,21 @@ def test_bad_updates_are_refused():
     assert dyn.gpu_experts.tolist() == [0, 1]  # unchanged by the refusals
 
 
+@pytest.mark.parametrize("bad", [-1, -0.5, float("inf"), float("-inf")])
+def test_negative_or_infinite_counts_are_refused(bad):
+    """Activation counts are finite and non-negative: a negative count (a stats row gone
+    wrong) ranked its expert below the idle ones and an infinite one above every other,
+    silently; most_activated refused only NaN and complex counts."""
+    dyn = layer([0, 1], dynamic=True)
+    counts = torch.tensor([bad, 0, 9, 1, 9, 3, 2, 8], dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"counts must be finite and non-negative.*{bad}"):
+        dyn.rebalance(counts)
+    if isinstance(bad, int):
+        with pytest.raises(ValueError, match="non-negative"):
+            dyn.rebalance(counts.long())
+    assert dyn.gpu_experts.tolist() == [0, 1]  # unchanged by the refusals
+
+
 def test_a_dynamic_that_is_not_a_bool_is_refused():
     """HybridMoE(dynamic="no") packed every expert and kept host copies (bool("no") is True)."""
     router, gate, up, down = weights()

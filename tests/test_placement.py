@@ -225,6 +225,24 @@ def test_generate_gpu_experts_masks_refuses_nan_and_takes_numpy_counts():
     assert kt_ops.generate_gpu_experts_masks(freq.nan_to_num(), np.int64(2)).tolist() == \
         [[False, False, True], [False, True, False]]
 
+@pytest.mark.parametrize("bad", [-1.0, math.inf, -math.inf])
+def test_negative_or_infinite_activation_counts_are_refused(bad):
+    """Activation counts are finite and non-negative: placement_masks' stats refused NaN and
+    inf but took a negative count (its expert ranked below the idle ones, silently), and
+    generate_gpu_experts_masks refused only NaN (an inf expert went to the GPU)."""
+    counts = torch.zeros(4, 8)
+    counts[1, 3] = bad
+    with pytest.raises(ValueError, match=rf"finite and non-negative.*{bad}"):
+        kt_ops.placement_masks("frequency", 8, [1, 2], 2, stats=counts)
+    with pytest.raises(ValueError, match=rf"finite and non-negative.*{bad}"):
+        kt_ops.generate_gpu_experts_masks(counts, 2)
+    with pytest.raises(ValueError, match="finite and non-negative"):  # a row outside moe_layers too
+        kt_ops.placement_masks("frequency", 8, [2, 3], 2, stats=counts)
+    if bad == -1.0:
+        with pytest.raises(ValueError, match="non-negative"):
+            kt_ops.placement_masks("frequency", 8, [1, 2], 2, stats=counts.long())
+
+
 def test_numpy_integer_arguments():
     """The arguments a config or a numpy array gives as numpy ints: seed passed the check and
     failed in Generator.manual_seed (TypeError "an integer is required"); num_experts and
