@@ -8,6 +8,8 @@ torch on the CPU device; the CUDA graph tests run where a GPU is present."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -358,6 +360,21 @@ def test_a_correction_bias_of_another_shape_is_refused(shape):
     with pytest.raises(ValueError, match=rf"e_score_correction_bias must be \[{E}\]"):
         kt_ops.HybridMoE(router, gate, up, down, kt_ops.Routing(K, scoring="sigmoid"),
                          e_score_correction_bias=torch.zeros(shape))
+
+
+@pytest.mark.parametrize("name", ["gate_proj", "up_proj", "down_proj"])
+@pytest.mark.parametrize("rank", [2, 4])
+def test_expert_weights_of_another_rank_are_refused(name: str, rank: int):
+    """A 2-D gate_proj (one expert's weight) was "not enough values to unpack (expected 3,
+    got 2)", a 4-D one "too many values to unpack", and an up/down of the wrong rank a
+    message about the other tensors' shapes: now a ValueError naming the tensor, its
+    expected layout and its shape."""
+    router, gate, up, down = weights()
+    tensors = {"gate_proj": gate, "up_proj": up, "down_proj": down}
+    tensors[name] = tensors[name][0] if rank == 2 else tensors[name][None]
+    layout = "[E, H, I]" if name == "down_proj" else "[E, I, H]"
+    with pytest.raises(ValueError, match=rf"{name} must be 3-D {re.escape(layout)}.*got shape"):
+        kt_ops.HybridMoE(router, tensors["gate_proj"], tensors["up_proj"], tensors["down_proj"], kt_ops.Routing(K))
 
 
 @pytest.mark.parametrize("top_k, on_gpu", [(E, [0, 1]), (4, [0, 1, 2, 4, 5, 7]), (2, [0, 1, 2, 3, 4, 5, 6])])

@@ -34,7 +34,8 @@ class HybridMoE(nn.Module):
     Args:
         router_weight: ``[E, H]`` router (``gate``) weight.
         gate_proj: ``[E, I, H]``; up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]`` — the
-            routed experts in Hugging Face layout, any float dtype, any device.
+            routed experts in Hugging Face layout, any float dtype, any device (another rank
+            or shape is a ``ValueError`` naming the tensor).
         routing: how experts are chosen (:class:`Routing`).
         method: packing method of the CPU experts (``BF16``, ``AMXINT8``, ``AMXINT4``,
             ``LLAMAFILE`` … as :func:`kt_ops.pack_experts`).
@@ -89,12 +90,21 @@ class HybridMoE(nn.Module):
         gpu_prefill_token_threshold: int = 0,
     ) -> None:
         super().__init__()
+        for name, weight, layout in (("gate_proj", gate_proj, "[E, I, H]"), ("up_proj", up_proj, "[E, I, H]"),
+                                     ("down_proj", down_proj, "[E, H, I]")):
+            # a 2-D gate_proj was "not enough values to unpack (expected 3, got 2)"
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+                got = f"shape {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+                raise ValueError(f"{name} must be 3-D {layout} (E experts, I intermediate, H hidden), got {got}")
         experts, intermediate, hidden = gate_proj.shape
         if router_weight.shape != (experts, hidden):
             raise ValueError(f"router_weight must be [E={experts}, H={hidden}], got {tuple(router_weight.shape)}")
-        if up_proj.shape != gate_proj.shape or down_proj.shape != (experts, hidden, intermediate):
-            raise ValueError(f"up_proj must be {tuple(gate_proj.shape)} and down_proj [{experts}, {hidden}, "
-                             f"{intermediate}]; got {tuple(up_proj.shape)} and {tuple(down_proj.shape)}")
+        if up_proj.shape != gate_proj.shape:
+            raise ValueError(f"up_proj must be [E, I, H] = [{experts}, {intermediate}, {hidden}] as gate_proj, got "
+                             f"shape {tuple(up_proj.shape)}")
+        if down_proj.shape != (experts, hidden, intermediate):
+            raise ValueError(f"down_proj must be [E, H, I] = [{experts}, {hidden}, {intermediate}], got shape "
+                             f"{tuple(down_proj.shape)}")
         if routing.top_k > experts:
             raise ValueError(f"top_k ({routing.top_k}) exceeds the number of experts ({experts})")
         mask = torch.zeros(experts, dtype=torch.bool) if gpu_experts_mask is None else \
