@@ -125,6 +125,27 @@ def test_bad_routing_is_refused(kwargs):
 
 
 
+@pytest.mark.parametrize("routing, match", [
+    (dict(top_k=2, num_groups=3, topk_groups=1), "8 experts do not split into 3 groups"),
+    (dict(top_k=2, scoring="sigmoid", num_groups=8, topk_groups=2), "at least 2 experts per group"),
+    (dict(top_k=3, num_groups=4, topk_groups=1), r"top_k \(3\) exceeds the 2 experts of the 1 kept group"),
+    (dict(top_k=5, scoring="sigmoid", num_groups=4, topk_groups=2), r"top_k \(5\) exceeds the 4 experts"),
+])
+def test_bad_groups_are_refused_when_the_layer_is_built(routing: dict, match: str):
+    """Groups that do not split the experts were refused only at the first forward, and a
+    top_k above the experts the kept groups hold never: the rest were taken from dropped
+    groups (weight 0 with softmax, the unbiased score with a bias), silently. Both are a
+    ValueError from the HybridMoE constructor (E known) and still from Routing.select."""
+    router, gate, up, down = weights()
+    bias = torch.zeros(E) if routing.get("scoring") == "sigmoid" else None
+    with pytest.raises(ValueError, match=match):
+        kt_ops.HybridMoE(router, gate, up, down, kt_ops.Routing(**routing), e_score_correction_bias=bias)
+    with pytest.raises(ValueError, match=match):
+        kt_ops.Routing(**routing).select(torch.randn(3, E), bias)
+    good = kt_ops.Routing(**{**routing, "top_k": 2, "num_groups": 4, "topk_groups": 2})  # 4 kept experts
+    assert kt_ops.HybridMoE(router, gate, up, down, good, e_score_correction_bias=bias)(tokens()).shape == (9, H)
+
+
 def test_update_after_loading_other_experts_is_refused():
     """The host copies GPU slots are refilled from are the constructor's weights, not in the
     state dict: after load_state_dict of other experts an update computed the old experts

@@ -36,7 +36,8 @@ class HybridMoE(nn.Module):
         gate_proj: ``[E, I, H]``; up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]`` — the
             routed experts in Hugging Face layout, any float dtype, any device (another rank
             or shape is a ``ValueError`` naming the tensor).
-        routing: how experts are chosen (:class:`Routing`).
+        routing: how experts are chosen (:class:`Routing`); one that cannot choose among E
+            experts (:meth:`Routing.check_experts`) is a ``ValueError``.
         method: packing method of the CPU experts (``BF16``, ``AMXINT8``, ``AMXINT4``,
             ``LLAMAFILE`` … as :func:`kt_ops.pack_experts`).
         gpu_experts_mask: bool ``[E]``; True: the expert runs in torch on the input's
@@ -105,8 +106,7 @@ class HybridMoE(nn.Module):
         if down_proj.shape != (experts, hidden, intermediate):
             raise ValueError(f"down_proj must be [E, H, I] = [{experts}, {hidden}, {intermediate}], got shape "
                              f"{tuple(down_proj.shape)}")
-        if routing.top_k > experts:
-            raise ValueError(f"top_k ({routing.top_k}) exceeds the number of experts ({experts})")
+        routing.check_experts(int(experts))  # top_k, groups: refused here, not at the first forward
         mask = torch.zeros(experts, dtype=torch.bool) if gpu_experts_mask is None else \
             torch.as_tensor(gpu_experts_mask).to("cpu")
         if mask.dtype != torch.bool or mask.shape != (experts,):

@@ -74,6 +74,27 @@ class Routing:
         if self.num_groups < 1 or not 1 <= self.topk_groups <= self.num_groups:
             raise ValueError(f"need 1 <= topk_groups ({self.topk_groups}) <= num_groups ({self.num_groups})")
 
+    def check_experts(self, experts: int) -> None:
+        """``ValueError`` when this routing cannot choose among ``experts`` experts: ``top_k``
+        above them; groups that do not split them evenly, ``"top2_sum"`` groups of one
+        expert, or a ``top_k`` above the experts of the ``topk_groups`` kept groups (the rest
+        were taken from dropped groups, silently). :class:`kt_ops.HybridMoE` calls it when
+        built, :meth:`select` at every call (Python on shapes: nothing traced)."""
+        if self.top_k > experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds the number of experts ({experts})")
+        if self.num_groups == 1:
+            return
+        if experts % self.num_groups:
+            raise ValueError(f"{experts} experts do not split into {self.num_groups} groups")
+        per_group = experts // self.num_groups
+        if self.group_score == "top2_sum" and per_group < 2:  # topk(2) of one: RuntimeError
+            raise ValueError(f"group_score 'top2_sum' needs at least 2 experts per group; {experts} experts in "
+                             f"{self.num_groups} groups")
+        if self.top_k > self.topk_groups * per_group:
+            raise ValueError(f"top_k ({self.top_k}) exceeds the {self.topk_groups * per_group} experts of the "
+                             f"{self.topk_groups} kept group(s) ({experts} experts in {self.num_groups} groups of "
+                             f"{per_group}, topk_groups={self.topk_groups})")
+
     def logits(self, hidden_states: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
         """``hidden_states [T, H]``, ``router_weight [E, H]`` -> logits ``[T, E]``."""
         if self.logits_fp32:
@@ -89,9 +110,7 @@ class Routing:
         choice, not the weights. Weights are fp32, or the logits' dtype when
         ``weights_in_logits_dtype``.
         """
-        experts = logits.shape[-1]
-        if self.top_k > experts:
-            raise ValueError(f"top_k ({self.top_k}) exceeds the number of experts ({experts})")
+        self.check_experts(logits.shape[-1])
         if self.scoring == "softmax":
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         else:
@@ -115,12 +134,7 @@ class Routing:
         return weights, ids
 
     def _mask_groups(self, choice: torch.Tensor, fill: float) -> torch.Tensor:
-        tokens, experts = choice.shape
-        if experts % self.num_groups:
-            raise ValueError(f"{experts} experts do not split into {self.num_groups} groups")
-        if self.group_score == "top2_sum" and experts // self.num_groups < 2:  # topk(2) of one: RuntimeError
-            raise ValueError(f"group_score 'top2_sum' needs at least 2 experts per group; {experts} experts in "
-                             f"{self.num_groups} groups")
+        tokens, experts = choice.shape  # checked by select (check_experts)
         grouped = choice.view(tokens, self.num_groups, experts // self.num_groups)
         if self.group_score == "max":
             group_scores = grouped.max(dim=-1).values
