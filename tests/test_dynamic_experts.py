@@ -124,7 +124,6 @@ def test_bad_routing_is_refused(kwargs):
         routing.select(torch.randn(3, 8))
 
 
-
 @pytest.mark.parametrize("routing, match", [
     (dict(top_k=2, num_groups=3, topk_groups=1), "8 experts do not split into 3 groups"),
     (dict(top_k=2, scoring="sigmoid", num_groups=8, topk_groups=2), "at least 2 experts per group"),
@@ -401,8 +400,9 @@ def test_expert_weights_of_another_rank_are_refused(name: str, rank: int):
 @pytest.mark.parametrize("top_k, on_gpu", [(E, [0, 1]), (4, [0, 1, 2, 4, 5, 7]), (2, [0, 1, 2, 3, 4, 5, 6])])
 def test_top_k_above_the_cpu_experts_count(top_k: int, on_gpu: list[int]):
     """top_k (<= E) above the experts left on the CPU was a ValueError at every forward (the
-    operator refused top-k > its packed experts until it took -1 slots beyond them). Compared with the layer computing every expert in torch (fp32; the
-    CPU experts round activations to bf16: 3e-3 measured)."""
+    operator refused top-k > its packed experts until it took -1 slots beyond them).
+    Compared with the layer computing every expert in torch (fp32; the CPU experts round
+    activations to bf16: 3e-3 measured)."""
     router, gate, up, down = weights()
     x = tokens()
     in_torch = kt_ops.HybridMoE(router, gate, up, down, kt_ops.Routing(top_k), gpu_experts_mask=[True] * E)

@@ -225,6 +225,7 @@ def test_generate_gpu_experts_masks_refuses_nan_and_takes_numpy_counts():
     assert kt_ops.generate_gpu_experts_masks(freq.nan_to_num(), np.int64(2)).tolist() == \
         [[False, False, True], [False, True, False]]
 
+
 @pytest.mark.parametrize("bad", [-1.0, math.inf, -math.inf])
 def test_negative_or_infinite_activation_counts_are_refused(bad):
     """Activation counts are finite and non-negative: placement_masks' stats refused NaN and
