@@ -57,9 +57,13 @@ def regular_file_stat(path: str | os.PathLike[str], hint: str = "") -> os.stat_r
 
 def bad_count(counts: torch.Tensor) -> str | None:
     """Where the real tensor ``counts`` first holds something that is not an activation count
-    (finite and non-negative), as ``"-1.0 at [1, 3]"``; None when every value is one."""
-    bad = torch.nonzero(~torch.isfinite(counts.double()) | (counts.double() < 0))
+    (finite and non-negative), as ``"-1.0 at [1, 3]"`` or ``"NaN at [0]"``; None when every
+    value is one (``topk`` ranks NaN and inf above every count, a negative one below the idle
+    experts)."""
+    values = counts.double()
+    bad = torch.nonzero(~torch.isfinite(values) | (values < 0))
     if not bad.shape[0]:
         return None
     at = bad[0].tolist()
-    return f"{counts[tuple(at)].item()} at {at}"
+    value = values[tuple(at)].item()
+    return f"{'NaN' if value != value else counts[tuple(at)].item()} at {at}"

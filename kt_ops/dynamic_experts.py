@@ -46,10 +46,8 @@ def most_activated(counts: torch.Tensor, count: int, num_experts: int) -> torch.
         raise ValueError(f"counts must be [{num_experts}], got {tuple(counts.shape)}")
     if counts.is_complex():  # .double() dropped the imaginary part (a UserWarning), ranking the rest
         raise ValueError(f"counts must be real, got {counts.dtype}")
-    if counts.is_floating_point() and bool(counts.isnan().any()):  # topk ranks NaN first: a NaN expert went to the GPU
-        raise ValueError(f"counts hold NaN: {counts.tolist()}")
     bad = bad_count(counts)
-    if bad is not None:  # a negative count ranked below the idle experts, an inf above all: silently
+    if bad is not None:  # NaN or inf went to the GPU, a negative count ranked below the idle experts: silently
         raise ValueError(f"counts must be finite and non-negative, got {bad}")
     return torch.sort(torch.topk(counts.double(), count, sorted=True).indices).values
 

@@ -41,11 +41,8 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
         raise ValueError(f"activation_freq must be [num_layers, num_experts], got shape {tuple(activation_freq.shape)}")
     if activation_freq.dtype == torch.bool or activation_freq.is_complex():
         raise ValueError(f"activation_freq must hold real counts, got {activation_freq.dtype}")
-    if activation_freq.is_floating_point() and bool(activation_freq.isnan().any()):
-        # topk ranks NaN above every count: a NaN expert went to the GPU silently
-        raise ValueError("activation_freq holds NaN")
     bad = bad_count(activation_freq.detach())
-    if bad is not None:  # an inf expert went to the GPU, a negative one ranked below the idle ones
+    if bad is not None:  # a NaN or inf expert went to the GPU, a negative one ranked below the idle ones
         raise ValueError(f"activation_freq must hold finite and non-negative counts, got {bad}")
     if not is_integral(num_gpu_experts):
         raise TypeError(f"num_gpu_experts must be an int, got {num_gpu_experts!r}")
