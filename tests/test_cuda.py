@@ -85,6 +85,20 @@ def test_live_tokens_given_as_an_int() -> None:
             layer(x, 7)
 
 
+@pytest.mark.parametrize("gpu_experts", [2, E])
+def test_int_live_tokens_out_of_range(gpu_experts: int) -> None:
+    """An int live_tokens outside [0, T] is a ValueError naming it, also when every expert is on
+    the GPU: no operator runs there, and -1 or 7 went through silently."""
+    layer = hybrid_layer(gpu_experts=gpu_experts)
+    x = torch.randn(6, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for bad in (-1, 7, np.int64(7)):
+            with pytest.raises(ValueError, match=rf"live_tokens = {int(bad)} is outside \[0, 6\]"):
+                layer(x, bad)
+        torch.testing.assert_close(layer(x, 6), layer(x), rtol=0, atol=0)
+        layer(x, 0)
+
+
 def test_fake_cuda_trace_of_the_hybrid_layer() -> None:
     """make_fx over fake CUDA tensors: routing, GPU and shared experts on CUDA, one
     kt.moe_forward taking CUDA activations and the host-resident packed experts."""

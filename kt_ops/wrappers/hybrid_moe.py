@@ -222,8 +222,8 @@ class HybridMoE(nn.Module):
         tokens); padding rows hold only the GPU and shared experts' output. An int (numpy's
         too) is taken as an int64 ``[1]`` on the input's device, for eager calls (a CUDA
         graph replays the tensor it captured: pass one and refill it); anything else that is
-        not a tensor is a ``TypeError``. A last dimension other than the layer's hidden size
-        is a ``ValueError``."""
+        not a tensor is a ``TypeError``; an int outside ``[0, T]`` and a last dimension other
+        than the layer's hidden size are ``ValueError``s."""
         shape = hidden_states.shape
         if hidden_states.dim() == 0 or shape[-1] != self.hidden_size:
             # reshape(-1, H) took [4, H/2] as [2, H]: rows of the wrong width computed, silently
@@ -234,6 +234,9 @@ class HybridMoE(nn.Module):
             # an int reached the operator's schema: RuntimeError "Expected a value of type 'Optional[Tensor]'"
             if not is_integral(live_tokens):
                 raise TypeError(f"live_tokens must be an int or an int32/int64 tensor [1], got {live_tokens!r}")
+            if not 0 <= int(live_tokens) <= x.shape[0]:  # checked here too: no operator runs without CPU experts
+                raise ValueError(f"live_tokens = {int(live_tokens)} is outside [0, {x.shape[0]}] (the batch holds "
+                                 f"{x.shape[0]} tokens)")
             live_tokens = torch.tensor([int(live_tokens)], dtype=torch.int64, device=x.device)
         weights, ids = self.route(x)
         expert_stats.record(self.layer_idx, ids, self.num_experts)  # kt_ops.ExpertStats: logical ids, x's device
