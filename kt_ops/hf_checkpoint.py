@@ -21,7 +21,8 @@ each weight (``X.weight_scale_inv`` or ``X.weight_scale``; fused: ``key + "_scal
 :meth:`HfCheckpoint.load_experts` dequantizes FP8 to bf16; :meth:`HfCheckpoint.load_fp8_experts`
 returns the e4m3 bytes and scales as stored, for :func:`kt_ops.pack_fp8_experts`. The
 checkpoint is a directory of ``*.safetensors`` files, with or without
-``model.safetensors.index.json``; a file that cannot be read (truncated, corrupt) is a
+``model.safetensors.index.json``; a file that cannot be read (truncated, corrupt), or a
+missing ``*-0000i-of-0000N.safetensors`` shard of a directory without the index, is a
 ``ValueError`` naming it.
 """
 
@@ -51,6 +52,7 @@ _PATTERNS = {
     "fused": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.mlp\.experts\.(?P<m>gate_up_proj|down_proj)$"),
 }
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
+_SHARD = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.safetensors$")
 _NAMES = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "w123": ("w1", "w3", "w2")}
 
 
@@ -122,6 +124,7 @@ class HfCheckpoint:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"{self.path}: no *.safetensors files")
+            _check_shards_complete(self.path, files)
             for file in files:
                 for key in self._file_headers(file):
                     if key in self.key_file:  # which copy is the model's? without an index nothing says
@@ -479,6 +482,24 @@ class HfCheckpoint:
         kind = next(iter(kinds.values()))
         e4m3 = [w.view(torch.float8_e4m3fn) for w in weights]
         return Fp8Experts(kind, e4m3[0], e4m3[1], e4m3[2], scales[0], scales[1], scales[2])
+
+
+def _check_shards_complete(path: Path, files: list[Path]) -> None:
+    """``ValueError`` naming the missing files when ``files`` (a directory without an index)
+    hold shards ``{stem}-0000i-of-0000N.safetensors`` of which some are absent: the
+    tensors of a missing shard (whole layers) would otherwise just not be there."""
+    present: dict[tuple[str, int], set[int]] = {}
+    for file in files:
+        match = _SHARD.match(file.name)
+        if match:
+            present.setdefault((match["stem"], int(match["count"])), set()).add(int(match["index"]))
+    for (stem, count), indices in sorted(present.items()):
+        missing = sorted(set(range(1, count + 1)) - indices)
+        if missing:
+            names = ", ".join(f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in missing[:3])
+            names += f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ValueError(f"{path}: sharded checkpoint is incomplete: missing {names} (and there is no "
+                             "model.safetensors.index.json); download the missing shards")
 
 
 def _check_regular_file(file: Path) -> None:

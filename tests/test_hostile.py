@@ -560,6 +560,33 @@ def test_a_tensor_in_two_files_without_an_index_is_refused(tmp_path: Path) -> No
         HfCheckpoint(path)
 
 
+def test_a_missing_shard_without_an_index_is_refused(tmp_path: Path, capsys) -> None:
+    """A checkpoint directory without an index, one of whose ``model-0000i-of-0000N``
+    shards is missing (a download cut short): the layers in that shard were silently not
+    there, and the converter converted the others and exited 0. Now a ValueError naming
+    the missing shard; the converter exits 2."""
+    from checkpoint_helpers import make_weights, write_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from kt_ops import convert
+    from kt_ops.hf_checkpoint import HfCheckpoint
+
+    path = write_checkpoint(tmp_path / "model", make_weights([0, 1], 4, 32, 16), index=False)
+    tensors = load_file(path / "model-00001-of-00001.safetensors")
+    (path / "model-00001-of-00001.safetensors").unlink()
+    for i in (0, 1):  # one shard per layer, as Hugging Face shards consecutive layers
+        save_file({k: v for k, v in tensors.items() if f"layers.{i}." in k or (i == 0 and "layers." not in k)},
+                  str(path / f"model-0000{i + 1}-of-00002.safetensors"))
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="incomplete: missing model-00002-of-00002.safetensors"):
+        HfCheckpoint(path)
+    out = tmp_path / "out"
+    code = convert.main(["--input-path", str(path), "--input-type", "bf16", "--output", str(out),
+                         "--quant-method", "int8"])
+    assert code == 2 and "model-00002-of-00002.safetensors" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_packed_save_over_a_file_keeps_it_whole_on_failure_and_for_its_readers(tmp_path: Path, monkeypatch) -> None:
     """PackedExperts.save over an existing file writes a temporary file and renames it: a
     write that fails half way leaves the old file whole (it was truncated in place), and
