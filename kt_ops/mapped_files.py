@@ -65,7 +65,8 @@ def safetensors_range(path: str | os.PathLike[str], key: str,
     entry = entries[key]
     if not isinstance(entry, dict):
         raise ValueError(f"{name!r}: tensor {key!r} has no valid entry ({entry!r})")
-    begin, end = entry.get("data_offsets", (None, None))
+    offsets = entry.get("data_offsets")
+    begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
     shape = entry.get("shape")
     if (entry.get("dtype") != "U8" or not isinstance(shape, list) or len(shape) != 1
             or not isinstance(begin, int) or not isinstance(end, int) or not 0 <= begin <= end

@@ -529,6 +529,25 @@ def test_a_damaged_converted_directory_is_a_clear_error(tmp_path: Path, damage: 
             inspect_weights(tmp_path)
 
 
+@pytest.mark.parametrize("offsets", [None, 5, [0], [0, 4, 8], ["0", "4"]])
+def test_a_converted_shard_with_malformed_data_offsets_is_a_clear_error(tmp_path: Path, offsets: object) -> None:
+    """A converted shard whose header gives a tensor's ``data_offsets`` as null, a number,
+    one value or three: safetensors_range unpacked it as is (TypeError 'cannot unpack
+    non-iterable NoneType object', or ValueError 'not enough values to unpack' naming
+    nothing). Now a ValueError naming the file and the tensor."""
+    import struct
+
+    from kt_ops.mapped_files import load_uint8_tensor, safetensors_range
+
+    header = json.dumps({"blk.0.part0.packed": {"dtype": "U8", "shape": [4], "data_offsets": offsets}}).encode()
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    shard.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(ValueError, match="model-00001-of-00001.safetensors.*blk.0.part0.packed.*not a 1-D uint8"):
+        safetensors_range(shard, "blk.0.part0.packed")
+    with pytest.raises(ValueError, match="model-00001-of-00001.safetensors.*blk.0.part0.packed.*not a 1-D uint8"):
+        load_uint8_tensor(shard, "blk.0.part0.packed", copy=True)
+
+
 def test_inspect_of_a_checkpoint_with_a_truncated_shard_names_it(tmp_path: Path) -> None:
     """A Hugging Face checkpoint (with its index) whose shard was cut short: inspect raises
     ValueError naming the shard (it was safetensors' SafetensorError: a traceback)."""
