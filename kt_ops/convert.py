@@ -313,6 +313,13 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
     try:
         config = read_config_json(source)
         E, H, I = mxfp4_sizes(config) if mxfp4_input else model_sizes(checkpoint, config, layers[0])
+        num_layers = config.get("num_hidden_layers")  # null: not given, as for the sizes
+        try:
+            num_layers = moe_layers[-1] + 1 if num_layers is None else int(num_layers)
+        except (TypeError, ValueError):
+            num_layers = -1
+        if num_layers < 0:
+            raise ValueError(f"{config_file}: num_hidden_layers {config['num_hidden_layers']!r} is not a layer count")
     except (TypeError, ValueError) as error:  # not JSON, or a size that is not a number
         raise UsageError(f"--input-path: {error}" if str(config_file) in str(error) else
                          f"--input-path: {config_file}: {error}") from None
@@ -349,7 +356,7 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
         from kt_ops.cpu import set_num_threads
 
         set_num_threads(args.cpuinfer_threads)
-    manifest = Manifest(args.quant_method, fmt, group, int(config.get("num_hidden_layers", moe_layers[-1] + 1)),
+    manifest = Manifest(args.quant_method, fmt, group, num_layers,
                         tuple(layers), E, H, I, args.threadpool_count, False,
                         {"path": os.fspath(source.resolve()), "input_type": args.input_type,
                          "model_type": config.get("model_type")})

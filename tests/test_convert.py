@@ -429,6 +429,26 @@ def test_a_damaged_config_json_exits_2_naming_it(tmp_path, weights, capsys, text
 
 
 
+@pytest.mark.parametrize("value", [None, "x", -1])
+def test_num_hidden_layers_of_config_json(tmp_path: Path, weights, capsys, value: object) -> None:
+    """config.json's num_hidden_layers null, not a number or negative: a TypeError
+    traceback (null), exit 1 with a bare "invalid literal for int()" naming no file
+    ("x"), or a finished conversion whose manifest reads back as damaged (-1). Now null
+    counts as absent, as the sizes' nulls do (the layers seen: 4), and the others exit 2
+    naming config.json, with nothing written."""
+    source = write_checkpoint(tmp_path / "model", weights, shards=2, dense_layers=(0,))
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": value}))
+    out = tmp_path / "out"
+    code = run("--input-path", source, "--input-type", "bf16", "--output", out, "--quant-method", "int8")
+    if value is None:
+        assert code == 0 and Manifest.read(out).num_layers == 4
+        return
+    assert code == 2
+    assert re.search("config.json: .*num_hidden_layers", capsys.readouterr().err.strip().splitlines()[-1])
+    assert not out.exists()
+
+
 def test_a_fifo_named_by_the_index_is_not_waited_on(tmp_path, checkpoint):
     """A FIFO where the index names a shard: --resume-layer's probe of the layers kept
     opened it to read its header and blocked for ever. It holds nothing: the layer is
