@@ -5,7 +5,8 @@ Per-expert tensors (``{stem}`` = ``{base}.mlp.experts.{e}.{gate,up,down}_proj`` 
 
 - ``RAWINT4`` (compressed-tensors ``pack-quantized``, Kimi-K2-Thinking / K2.5):
   ``{stem}.weight_packed`` int32 ``[N, K/8]`` (or uint8 ``[N, K/2]``), ``{stem}.weight_scale``
-  ``[N, K/gs]``, optional ``{stem}.weight_shape`` ``[N, K]``; ``W = (nibble - 8) * scale``.
+  ``[N, K/gs]``, optional ``{stem}.weight_shape`` ``[N, K]``; ``W = (nibble - 8) * scale``
+  (a ``weight_zero_point`` other than 0 or an act-order ``weight_g_idx`` is refused).
 - ``GPTQ_INT4``: ``{stem}.qweight`` int32 ``[K/8, N]``, ``{stem}.scales`` ``[K/gs, N]``,
   ``{stem}.qzeros`` int32 ``[K/gs, N/8]``; ``W = (q - (z + 1)) * scale`` (the published v1
   convention; ``checkpoint_format: gptq_v2``: ``q - z``). Symmetric and asymmetric (``sym:
@@ -150,6 +151,31 @@ def _unpack_columns(words: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     return out.reshape(words.shape[0], -1)
 
 
+def _check_rawint4_symmetric(checkpoint: HfCheckpoint, stem: str, N: int, K: int, gs: int) -> None:
+    """``ValueError`` naming the tensor when a RAWINT4 matrix has a ``weight_zero_point``
+    other than 0 (asymmetric compressed-tensors: packed 8 per int32 along N with 8 added,
+    ``[ceil(N/8), K/gs]``, or unpacked ``[N, K/gs]``) or a ``weight_g_idx`` that is not
+    ``k // gs`` (act-order): reading the nibbles as symmetric, in k order, would be wrong."""
+    key = f"{stem}.weight_zero_point"
+    if key in checkpoint.keys():
+        dtype, shape = checkpoint.tensor_info(key)
+        zeros = checkpoint.read_tensor(key)
+        packed = dtype == "I32" and tuple(shape) == (-(-N // 8), K // gs)
+        symmetric = (not zeros.is_floating_point() and tuple(shape) in ((N, K // gs), (-(-N // 8), K // gs))
+                     and bool((zeros == (-0x77777778 if packed else 0)).all()))
+        if not symmetric:
+            raise ValueError(f"{checkpoint.path}: {key} ({dtype} {list(shape)}) holds zero points other than 0: an "
+                             "asymmetric compressed-tensors checkpoint, which kt_ops does not read (its nibbles "
+                             "would be taken as symmetric); quantize symmetrically, or load the float model")
+    key = f"{stem}.weight_g_idx"
+    if key in checkpoint.keys():
+        g_idx = checkpoint.read_tensor(key).reshape(-1).long()
+        if g_idx.numel() != K or not torch.equal(g_idx, torch.arange(K) // gs):
+            raise ValueError(f"{checkpoint.path}: {key} is an act-order permutation; kt_ops reads compressed-tensors "
+                             "checkpoints quantized without act-order only. Quantize with actorder=None, or load "
+                             "the float model with method AMXINT4")
+
+
 def _read_matrix(checkpoint: HfCheckpoint, method: str, stem: str, N: int, K: int, zero_offset: int,
                  sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """(nibbles [N, K/2], scales [N, K/gs] fp32, zeros [N, K/gs] int64 or None, gs) of one matrix."""
@@ -167,6 +193,7 @@ def _read_matrix(checkpoint: HfCheckpoint, method: str, stem: str, N: int, K: in
                 raise ValueError(f"{checkpoint.path}: {stem}.weight_shape is {declared}; the layer needs [{N}, {K}]")
         gs = _groups(checkpoint, f"{stem}.weight_scale", K)
         scales = _float(checkpoint, f"{stem}.weight_scale", (N, K // gs))
+        _check_rawint4_symmetric(checkpoint, stem, N, K, gs)
         nibbles = checkpoint.read_tensor(key).contiguous().view(torch.uint8).reshape(N, K // 2)
         return nibbles, scales, None, gs
     if N % 8:
@@ -216,7 +243,7 @@ def load_int4_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[in
     ``method`` (default: :func:`int4_method`) must match what the layer holds. Raises
     ``ValueError`` naming the tensor for a wrong shape or dtype, a group size that does not
     divide K or is not a multiple of 32, a missing ``qzeros`` for ``sym: false``, an
-    act-order ``g_idx``, a non-finite scale, or a method the layer does not hold;
+    act-order ``g_idx``, a RAWINT4 zero point other than 0, a non-finite scale, or a method the layer does not hold;
     ``KeyError`` for a missing layer or expert.
     """
     found = int4_method(checkpoint, layer)

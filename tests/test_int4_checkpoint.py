@@ -267,6 +267,48 @@ def test_bad_files_name_the_tensor(tmp_path: Path, case: str, edit, match: str) 
         wrapper.load_weights()
 
 
+def _add_rawint4(suffix: str, value):
+    """Adds ``{stem}.{suffix}`` = ``value(N, K)`` beside every RAWINT4 ``weight_packed``."""
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith(".weight_packed")]:
+            N, K = (int(v) for v in tensors[key.replace("weight_packed", "weight_shape")])
+            tensors[key.replace("weight_packed", suffix)] = value(N, K)
+    return edit
+
+
+@pytest.mark.parametrize("edit,match", [
+    # asymmetric compressed-tensors: zero points packed 8 per int32 along N, a nibble 9 is zero point 1
+    (_add_rawint4("weight_zero_point", lambda N, K: torch.full((N // 8, K // 32), 0x99999999 - 2**32,
+                                                               dtype=torch.int32)), "weight_zero_point"),
+    (_add_rawint4("weight_zero_point", lambda N, K: torch.ones((N, K // 32), dtype=torch.int8)), "weight_zero_point"),
+    (_add_rawint4("weight_g_idx", lambda N, K: (torch.arange(K, dtype=torch.int32) // 32).flip(0)), "act-order"),
+])
+def test_rawint4_zero_points_and_act_order_are_refused(tmp_path: Path, edit, match: str) -> None:
+    """A compressed-tensors pack-quantized checkpoint quantized asymmetrically (a
+    ``weight_zero_point`` beside ``weight_packed``) or with act-order (``weight_g_idx``):
+    both tensors were ignored, the nibbles read as symmetric in k order — silently wrong
+    weights. Now a ValueError naming the tensor."""
+    path, _ = write_int4_checkpoint(tmp_path, "RAWINT4", edit=edit)
+    with pytest.raises(ValueError, match=match):
+        load_int4_experts(HfCheckpoint(path), LAYER, [0, 2], H, I)
+
+
+@pytest.mark.parametrize("edit", [
+    _add_rawint4("weight_zero_point", lambda N, K: torch.full((N // 8, K // 32), 0x88888888 - 2**32,
+                                                              dtype=torch.int32)),
+    _add_rawint4("weight_zero_point", lambda N, K: torch.zeros((N, K // 32), dtype=torch.int8)),
+    _add_rawint4("weight_g_idx", lambda N, K: torch.arange(K, dtype=torch.int32) // 32),
+])
+def test_rawint4_symmetric_zero_points_and_plain_g_idx_are_read(tmp_path: Path, edit) -> None:
+    """A stored zero point of 0 (packed: nibbles 8) and a g_idx in k order change nothing."""
+    path, expected = write_int4_checkpoint(tmp_path, "RAWINT4", edit=edit)
+    experts = load_int4_experts(HfCheckpoint(path), LAYER, [0, 2], H, I)
+    packed = kt_ops.pack_int4_experts(experts.gate, experts.up, experts.down, experts.scales, experts.minimums,
+                                      experts.group_size)
+    for got, want in zip(reference.dequantize(packed.data), expected):
+        torch.testing.assert_close(got, want[[0, 2]], rtol=0, atol=0)
+
+
 def test_a_method_the_file_does_not_hold_is_refused(tmp_path: Path) -> None:
     path, _ = write_int4_checkpoint(tmp_path, "AWQ_INT4")
     for method in ("GPTQ_INT4", "AMXINT4", "BF16", "FP8"):
