@@ -9,6 +9,9 @@ Three naming conventions are detected per layer (``{base}`` is whatever precedes
 - ``fused`` (transformers v5, Qwen3.5): ``{base}.mlp.experts.gate_up_proj`` ``[E, 2I, H]``
   (gate rows first) and ``{base}.mlp.experts.down_proj`` ``[E, H, I]``
 
+A multi-token-prediction head's experts (``mtp.layers.{L}...``, Qwen3-Next / Qwen3.5) are not
+a decoder layer and are left out.
+
 Tensors are bf16, fp16, fp32 or FP8 (``float8_e4m3fn``) with a scale tensor beside
 each weight (``X.weight_scale_inv`` or ``X.weight_scale``; fused: ``key + "_scale_inv"`` /
 ``"_scale"``), of one of three kinds told apart by the scale's dtype and shape:
@@ -52,6 +55,9 @@ _PATTERNS = {
     "fused": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.mlp\.experts\.(?P<m>gate_up_proj|down_proj)$"),
 }
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
+# A multi-token-prediction head's layers (Qwen3-Next/Qwen3.5 ``mtp.layers.0``, ``model.mtp_layers.0``): not
+# decoder layers, and numbered from 0 again.
+_MTP = re.compile(r"(?:^|\.)mtp[._]")
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.safetensors$")
 _NAMES = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "w123": ("w1", "w3", "w2")}
 
@@ -141,7 +147,7 @@ class HfCheckpoint:
             for key in self.key_file:
                 for convention, pattern in _PATTERNS.items():
                     match = pattern.match(key)
-                    if match:
+                    if match and not _MTP.search(match["base"]):
                         groups = match.groupdict()
                         ident = (int(match["layer"]), convention, match["base"], groups.get("suffix") or "weight")
                         expert = int(match["e"]) + 1 if groups.get("e") else 0

@@ -606,6 +606,29 @@ def test_a_missing_shard_without_an_index_is_refused(tmp_path: Path, capsys) -> 
     assert not out.exists()
 
 
+def test_the_mtp_heads_experts_do_not_clash_with_the_decoder_layers(tmp_path: Path) -> None:
+    """Qwen3-Next and Qwen3.5 checkpoints hold the multi-token-prediction head's MoE as
+    ``mtp.layers.0.mlp.experts.{e}.*`` beside the decoder's ``model.layers.0.mlp.experts``:
+    HfCheckpoint refused the whole checkpoint ("layer 0 has experts under two names"), so
+    no layer could be loaded or converted. The MTP head's experts are not a decoder layer:
+    layer 0 is the decoder's."""
+    from checkpoint_helpers import make_weights, write_checkpoint
+    from safetensors.torch import save_file
+
+    from kt_ops.hf_checkpoint import HfCheckpoint
+
+    weights = make_weights([0, 1], 4, 32, 16)
+    path = write_checkpoint(tmp_path / "model", weights, index=False)
+    mtp = {f"mtp.layers.0.mlp.experts.{e}.{name}.weight": torch.zeros(shape, dtype=torch.bfloat16)
+           for e in range(4) for name, shape in (("gate_proj", (16, 32)), ("up_proj", (16, 32)), ("down_proj", (32, 16)))}
+    save_file(mtp, str(path / "model-mtp.safetensors"))
+    checkpoint = HfCheckpoint(path)
+    assert sorted(checkpoint.moe_layers()) == [0, 1] and checkpoint.layer(0).base == "model.layers.0"
+    gate, up, down = checkpoint.load_experts(0, range(4), 32, 16)
+    for got, want in zip((gate, up, down), weights[0]):
+        torch.testing.assert_close(got, want.bfloat16(), rtol=0, atol=0)
+
+
 def test_packed_save_over_a_file_keeps_it_whole_on_failure_and_for_its_readers(tmp_path: Path, monkeypatch) -> None:
     """PackedExperts.save over an existing file writes a temporary file and renames it: a
     write that fails half way leaves the old file whole (it was truncated in place), and
