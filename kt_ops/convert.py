@@ -165,6 +165,13 @@ def verify_layer(path: Path, layer: int, parts: list[PackedExperts], gate: torch
                               f"(bound {bound}); the written weights are wrong")
 
 
+def with_text_config(config: dict) -> dict:
+    """``config`` with the keys of its ``text_config`` (a multimodal model's language model:
+    Qwen3-VL, Qwen3.5) where the top level has none of its own."""
+    text = config.get("text_config")
+    return {**text, **config} if isinstance(text, dict) else config
+
+
 def mxfp4_sizes(config: dict) -> tuple[int, int, int]:
     """(E, H, I) of an MXFP4 checkpoint from config.json (gpt-oss: num_local_experts,
     hidden_size, intermediate_size; DeepSeek-V4: n_routed_experts, moe_intermediate_size)."""
@@ -311,7 +318,7 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
                          f"to their own method (--quant-method {held.lower()})")
     config_file = source / "config.json"
     try:
-        config = read_config_json(source)
+        config = with_text_config(read_config_json(source))
         E, H, I = mxfp4_sizes(config) if mxfp4_input else model_sizes(checkpoint, config, layers[0])
         num_layers = config.get("num_hidden_layers")  # null: not given, as for the sizes
         try:

@@ -320,6 +320,26 @@ def test_a_method_the_file_does_not_hold_is_refused(tmp_path: Path) -> None:
         int4_method(HfCheckpoint(tmp_path), LAYER)
 
 
+def test_converter_reads_the_sizes_of_a_nested_text_config(tmp_path: Path) -> None:
+    """A multimodal model's config.json (Qwen3-VL, Qwen3.5) nests the language model's
+    sizes in ``text_config``: the converter said "config.json must give hidden_size and
+    moe_intermediate_size for an INT4 checkpoint" (exit 2) though it does. Now the nested
+    values are read where the top level has none."""
+    from kt_ops import convert
+    from kt_ops.converted import Manifest
+
+    path, _ = write_int4_checkpoint(tmp_path / "src", "AWQ_INT4")
+    config = json.loads((path / "config.json").read_text())
+    text = {"hidden_size": config.pop("hidden_size"), "moe_intermediate_size": config.pop("moe_intermediate_size"),
+            "num_experts": E, "num_hidden_layers": 5}
+    (path / "config.json").write_text(json.dumps({**config, "text_config": text}))
+    out = tmp_path / "out"
+    assert convert.main(["--input-path", str(path), "--input-type", "int4", "--output", str(out),
+                         "--quant-method", "awq_int4"]) == 0
+    manifest = Manifest.read(out)
+    assert (manifest.num_experts, manifest.hidden_size, manifest.intermediate_size, manifest.num_layers) == (E, H, I, 5)
+
+
 @pytest.mark.parametrize("case", ["AWQ_INT4", "RAWINT4"])
 def test_converter_keeps_the_nibbles(tmp_path: Path, case: str, capsys) -> None:
     """kt_ops.convert --input-type int4 --quant-method <own method>: the converted layer
