@@ -154,18 +154,30 @@ def _bias(checkpoint: HfCheckpoint, key: str, shape: tuple[int, ...]) -> torch.T
     return bias.float()
 
 
+def _config_number(checkpoint: HfCheckpoint, config: dict, key: str, default: float) -> float:
+    """config.json's ``key`` as a float (``default`` where absent or null); ``ValueError``
+    naming the file and the key when it is not a number."""
+    value = config.get(key)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{checkpoint.path / 'config.json'}: {key} {value!r} is not a number") from None
+
+
 def _gpt_oss_activation(checkpoint: HfCheckpoint) -> tuple[float, float]:
     """(swiglu_limit, swiglu_alpha) from config.json (gpt-oss's 7 and 1.702 where absent)."""
     config = read_config_json(checkpoint.path)
-    return (float(config.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT)),
-            float(config.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)))
+    return (_config_number(checkpoint, config, "swiglu_limit", GPT_OSS_SWIGLU_LIMIT),
+            _config_number(checkpoint, config, "swiglu_alpha", GPT_OSS_SWIGLU_ALPHA))
 
 
 def _deepseek_v4_limit(checkpoint: HfCheckpoint) -> float:
     """DeepSeek-V4's clamped SwiGLU limit: config.json's ``swiglu_limit`` (10, transformers'
     DeepseekV4Config default, where absent)."""
     config = read_config_json(checkpoint.path)
-    return float(config.get("swiglu_limit", DEEPSEEK_V4_SWIGLU_LIMIT))
+    return _config_number(checkpoint, config, "swiglu_limit", DEEPSEEK_V4_SWIGLU_LIMIT)
 
 
 def load_mxfp4_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[int], hidden: int,

@@ -116,6 +116,22 @@ def test_gpt_oss_activation_keeps_user_values_and_reads_config(tmp_path: Path) -
     assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (1.5, 5.0)  # the user's alpha, config.json's limit
 
 
+@pytest.mark.parametrize("value", [None, "abc", [7.0]])
+def test_gpt_oss_activation_of_a_damaged_config(tmp_path: Path, value: object) -> None:
+    """config.json's swiglu_limit null, not a number or a list: a TypeError from float()
+    deep in the loader (the converter's traceback). Now null counts as absent (gpt-oss's
+    7), anything else that is not a number is a ValueError naming config.json."""
+    from kt_ops.hf_mxfp4 import load_mxfp4_experts
+
+    write_gpt_oss(tmp_path, torch.Generator().manual_seed(2), config={"model_type": "gpt_oss", "swiglu_limit": value})
+    if value is None:
+        experts = load_mxfp4_experts(HfCheckpoint(tmp_path), 1, [0], H, I)
+        assert (experts.swiglu_limit, experts.swiglu_alpha) == (7.0, pytest.approx(1.702))
+        return
+    with pytest.raises(ValueError, match="config.json: swiglu_limit"):
+        load_mxfp4_experts(HfCheckpoint(tmp_path), 1, [0], H, I)
+
+
 def test_gpt_oss_without_biases(tmp_path: Path) -> None:
     (gate, up, down), _, _ = write_gpt_oss(tmp_path, torch.Generator().manual_seed(6), bias=False)
     wrapper, x, ids, weights, out = run_wrapper(tmp_path, 1)
