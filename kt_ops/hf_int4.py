@@ -74,6 +74,12 @@ def int4_method(checkpoint: HfCheckpoint, layer: int) -> str | None:
     they are not. ``ValueError`` when the config and the shapes disagree."""
     where = checkpoint.layer(layer)
     if where.suffix == "weight_packed":
+        scale_key = f"{where.stem(0, 0)}.weight_scale"
+        dtype = checkpoint.tensor_info(scale_key)[0] if scale_key in checkpoint.keys() else None
+        fp4 = {"F8_E4M3": "NVFP4", "U8": "MXFP4", "F8_E8M0": "MXFP4"}.get(dtype or "")
+        if fp4 is not None:  # compressed-tensors' FP4 formats name their tensors as pack-quantized INT4 does
+            raise ValueError(f"{checkpoint.path}: {scale_key} is {dtype}: layer {layer} holds {fp4} experts "
+                             "(compressed-tensors), not RAWINT4; kt_ops does not read this checkpoint format")
         return "RAWINT4"
     if where.suffix != "qweight":
         return None

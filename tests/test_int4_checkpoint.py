@@ -309,6 +309,32 @@ def test_rawint4_symmetric_zero_points_and_plain_g_idx_are_read(tmp_path: Path, 
         torch.testing.assert_close(got, want[[0, 2]], rtol=0, atol=0)
 
 
+def _fp4_scales(dtype: torch.dtype, per: int, global_scale: bool):
+    """Turns a RAWINT4 checkpoint into compressed-tensors' NVFP4 / MXFP4 naming: U8 codes
+    ``[N, K/2]``, scales of ``dtype`` one per ``per`` weights (NVFP4: a global scale too)."""
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith(".weight_packed")]:
+            stem = key[: -len(".weight_packed")]
+            N, K = (int(v) for v in tensors[f"{stem}.weight_shape"])
+            tensors[key] = tensors[key].view(torch.uint8).reshape(N, K // 2).contiguous()
+            tensors[f"{stem}.weight_scale"] = torch.full((N, K // per), 120, dtype=torch.uint8).view(dtype)
+            if global_scale:
+                tensors[f"{stem}.weight_global_scale"] = torch.ones(1)
+    return edit
+
+
+@pytest.mark.parametrize("edit,name", [(_fp4_scales(torch.float8_e4m3fn, 16, True), "NVFP4"),
+                                       (_fp4_scales(torch.uint8, 32, False), "MXFP4")])
+def test_compressed_tensors_fp4_is_not_taken_for_rawint4(tmp_path: Path, edit, name: str) -> None:
+    """compressed-tensors' NVFP4 and MXFP4 checkpoints name their tensors as RAWINT4 does
+    (``weight_packed``, ``weight_scale``): int4_method said RAWINT4, and the errors that
+    followed spoke of a group size or a scale dtype (the converter: "layer 1's tensors are
+    RAWINT4"). Now a ValueError naming the scale and the FP4 format."""
+    path, _ = write_int4_checkpoint(tmp_path, "RAWINT4", edit=edit)
+    with pytest.raises(ValueError, match=f"weight_scale.*{name}"):
+        int4_method(HfCheckpoint(path), LAYER)
+
+
 def test_a_method_the_file_does_not_hold_is_refused(tmp_path: Path) -> None:
     path, _ = write_int4_checkpoint(tmp_path, "AWQ_INT4")
     for method in ("GPTQ_INT4", "AMXINT4", "BF16", "FP8"):
