@@ -95,8 +95,12 @@ def int4_method(checkpoint: HfCheckpoint, layer: int) -> str | None:
             by_shape = "GPTQ_INT4"  # qweight [K/8, N]
         elif scales[1] == 8 * qweight[1]:
             by_shape = "AWQ_INT4"  # qweight [K, N/8]
-    named = {"gptq": "GPTQ_INT4", "awq": "AWQ_INT4"}.get(str(quantization_config(checkpoint.path)
-                                                             .get("quant_method", "")).lower())
+    config = quantization_config(checkpoint.path)
+    named = {"gptq": "GPTQ_INT4", "awq": "AWQ_INT4"}.get(str(config.get("quant_method", "")).lower())
+    bits = config.get("bits", config.get("w_bit"))
+    if named is not None and bits is not None and str(bits) != "4":
+        raise ValueError(f"{checkpoint.path}: config.json's quantization_config says bits {bits!r}; kt_ops reads "
+                         f"4-bit {named.split('_')[0]} checkpoints only ({stem}.qweight {list(qweight)})")
     if by_shape is None:
         raise ValueError(f"{checkpoint.path}: {stem}.qweight {list(qweight)} and {scales_key} {list(scales)} fit "
                          "neither GPTQ (qweight [K/8, N], scales [K/gs, N]) nor AWQ (qweight [K, N/8])")

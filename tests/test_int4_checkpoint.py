@@ -335,6 +335,24 @@ def test_compressed_tensors_fp4_is_not_taken_for_rawint4(tmp_path: Path, edit, n
         int4_method(HfCheckpoint(path), LAYER)
 
 
+@pytest.mark.parametrize("bits", [8, 3, 2])
+def test_a_gptq_checkpoint_of_other_bits_is_refused_naming_them(tmp_path: Path, bits: int) -> None:
+    """A GPTQ checkpoint quantized to 8 (3, 2) bits: qweight ``[K * bits / 32, N]`` is laid out
+    as GPTQ, and the error spoke of qweight's shape only ("expected I32 [K/8, N]"). Now a
+    ValueError naming config.json's bits."""
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith(".qweight")]:
+            K = tensors[key].shape[0] * 8
+            tensors[key] = torch.zeros(K * bits // 32, tensors[key].shape[1], dtype=torch.int32)
+
+    path, _ = write_int4_checkpoint(tmp_path, "GPTQ_INT4", edit=edit)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["bits"] = bits
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"bits {bits}"):
+        load_int4_experts(HfCheckpoint(path), LAYER, [0], H, I)
+
+
 def test_a_method_the_file_does_not_hold_is_refused(tmp_path: Path) -> None:
     path, _ = write_int4_checkpoint(tmp_path, "AWQ_INT4")
     for method in ("GPTQ_INT4", "AMXINT4", "BF16", "FP8"):
