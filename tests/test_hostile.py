@@ -619,8 +619,9 @@ def test_the_mtp_heads_experts_do_not_clash_with_the_decoder_layers(tmp_path: Pa
 
     weights = make_weights([0, 1], 4, 32, 16)
     path = write_checkpoint(tmp_path / "model", weights, index=False)
+    shapes = (("gate_proj", (16, 32)), ("up_proj", (16, 32)), ("down_proj", (32, 16)))
     mtp = {f"mtp.layers.0.mlp.experts.{e}.{name}.weight": torch.zeros(shape, dtype=torch.bfloat16)
-           for e in range(4) for name, shape in (("gate_proj", (16, 32)), ("up_proj", (16, 32)), ("down_proj", (32, 16)))}
+           for e in range(4) for name, shape in shapes}
     save_file(mtp, str(path / "model-mtp.safetensors"))
     checkpoint = HfCheckpoint(path)
     assert sorted(checkpoint.moe_layers()) == [0, 1] and checkpoint.layer(0).base == "model.layers.0"
