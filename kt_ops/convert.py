@@ -130,8 +130,10 @@ def model_sizes(checkpoint: HfCheckpoint, config: dict, first: int) -> tuple[int
         raise UsageError(f"{checkpoint.path}/config.json must give hidden_size and moe_intermediate_size for an "
                          "INT4 checkpoint (its packed tensors do not show them)")
     if hidden is None or inter is None:
-        with safe_open(os.fspath(checkpoint.key_file[where.key(2)]), framework="pt") as handle:
-            shape = handle.get_slice(where.key(2)).get_shape()
+        try:
+            shape = checkpoint.tensor_info(where.key(2))[1]
+        except KeyError as error:  # the sizes come from this tensor: a usage error, naming it
+            raise UsageError(f"--input-path: {error.args[0]}") from None
         hidden, inter = shape[-2], shape[-1]
     return experts, int(hidden), int(inter)
 

@@ -449,6 +449,21 @@ def test_num_hidden_layers_of_config_json(tmp_path: Path, weights, capsys, value
     assert not out.exists()
 
 
+def test_sizes_from_a_missing_down_tensor_name_it(tmp_path: Path, weights, capsys) -> None:
+    """A config.json without hidden_size, the first layer's expert-0 down tensor missing:
+    the sizes read from it were a bare KeyError, printed as the key alone (exit 1). Now
+    exit 2, the tensor named as missing, nothing written."""
+    key = "model.layers.1.mlp.experts.0.down_proj.weight"
+    source = write_checkpoint(tmp_path / "model", weights, skip=(key,))
+    config = json.loads((source / "config.json").read_text())
+    del config["hidden_size"]
+    (source / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert run("--input-path", source, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 2
+    assert re.search(f"{re.escape(key)}.* is missing", capsys.readouterr().err.strip().splitlines()[-1])
+    assert not out.exists()
+
+
 def test_a_fifo_named_by_the_index_is_not_waited_on(tmp_path, checkpoint):
     """A FIFO where the index names a shard: --resume-layer's probe of the layers kept
     opened it to read its header and blocked for ever. It holds nothing: the layer is
