@@ -830,6 +830,17 @@ def test_bad_weights(tmp_path, checkpoint, weights):
             wr.forward(x, torch.zeros(x.shape[0], k, dtype=ids.dtype), torch.full((x.shape[0], k), 0.5))
 
 
+
+@pytest.mark.parametrize("which", [1, 2])
+def test_weights_of_unequal_expert_counts_are_named(weights, which: int) -> None:
+    """gate_proj, up_proj and down_proj holding different expert counts is a ValueError naming
+    them (was an IndexError from indexing the shorter one by the slots of gate_proj's)."""
+    tensors = list(weights[1])
+    tensors[which] = tensors[which][: E // 2]
+    with pytest.raises(ValueError, match="gate_proj, up_proj and down_proj must hold the same number of experts"):
+        wrapper().load_weights_from_tensors(*tensors)
+
+
 MEMORY_PROBE = r"""
 import sys, torch, kt_ops
 def rss(field):

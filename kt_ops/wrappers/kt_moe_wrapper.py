@@ -470,6 +470,9 @@ class KTMoEWrapper:
             if tensor.is_meta:  # as kt_ops.pack_experts says it (.cpu() below would raise NotImplementedError)
                 raise ValueError(f"{name} is on the meta device (a shape without values): the weights are packed "
                                  "from their values; load them first (from_pretrained, or to_empty() + load_state_dict)")
+        counts = (int(gate_proj.shape[0]), int(up_proj.shape[0]), int(down_proj.shape[0]))
+        if len(set(counts)) != 1:  # the shorter one was indexed by the others' slots (IndexError)
+            raise ValueError(f"gate_proj, up_proj and down_proj must hold the same number of experts, got {counts}")
         mapping = self._physical_map(physical_to_logical_map, int(gate_proj.shape[0]))
         cpu = mapping[self._packed_slots()]
         if biases is not None:
