@@ -758,6 +758,21 @@ def test_capture_batch_sizes():
     KTMoEWrapper.set_capture_batch_sizes([])
 
 
+@pytest.mark.parametrize("sizes", [[2.5], [True], ["4"], [8, 1.0]])
+def test_capture_batch_sizes_must_be_ints(sizes: list) -> None:
+    """A batch size that is not an int is a ValueError naming it (2.5 was reserved as 2, True as 1 and "4" as 4,
+    silently: graphs captured at the size the caller meant found no staging); the sizes kept are unchanged."""
+    KTMoEWrapper.set_capture_batch_sizes([4])
+    try:
+        with pytest.raises(ValueError, match="batch sizes must be positive ints"):
+            KTMoEWrapper.set_capture_batch_sizes(sizes)
+        assert KTMoEWrapper.get_capture_batch_sizes() == [4]
+        KTMoEWrapper.set_capture_batch_sizes([np.int64(2), torch.tensor(3)])  # integer scalars are ints
+        assert KTMoEWrapper.get_capture_batch_sizes() == [2, 3]
+    finally:
+        KTMoEWrapper.set_capture_batch_sizes([])
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"top_k": 9}, "exceeds num_experts"),
     ({"gpu_experts_mask": torch.zeros(7, dtype=torch.bool)}, "shape \\[8\\]"),

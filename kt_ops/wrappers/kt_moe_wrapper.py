@@ -13,6 +13,7 @@ thread (construct the last layer with ``d = 0``).
 from __future__ import annotations
 
 import math
+import operator
 import os
 import threading
 import warnings
@@ -1152,10 +1153,17 @@ class KTMoEWrapper:
         current CUDA device (and on the device of its first CUDA forward), before
         capture, once (shared by layers of the same hidden size and top-k, never
         reallocated). With no GPU or no CUDA key the sizes are only recorded."""
-        sizes = sorted({int(b) for b in batch_sizes})
-        if any(b < 1 for b in sizes):
-            raise ValueError(f"batch sizes must be positive, got {list(batch_sizes)}")
-        KTMoEWrapper._capture_batch_sizes = sizes
+        given = list(batch_sizes)
+        sizes: set[int] = set()
+        for b in given:  # ints and integer scalars (numpy, 0-d tensors); int() took 2.5 as 2, True as 1, "4" as 4
+            try:
+                size = None if isinstance(b, bool) else operator.index(b)
+            except TypeError:
+                size = None
+            if size is None or size < 1:
+                raise ValueError(f"batch sizes must be positive ints, got {given}")
+            sizes.add(size)
+        KTMoEWrapper._capture_batch_sizes = sorted(sizes)
         for wrapper in list(KTMoEWrapper._instances):
             wrapper._reserve_capture_buffers()
 
