@@ -172,6 +172,14 @@ def test_num_gpu_experts_and_all_on_gpu(weights):
     assert torch.count_nonzero(everything.forward(x, ids, w)) == 0
 
 
+@pytest.mark.parametrize("call", ["forward", "submit_forward"])
+def test_forward_before_load_weights_with_every_slot_on_the_gpu(call: str) -> None:
+    """Every slot on the GPU and no weights loaded: the forward says to load them, as with CPU slots (was a
+    RuntimeError from the empty routing table: "The size of tensor a (8) must match ...")."""
+    with pytest.raises(RuntimeError, match="call load_weights first"):
+        getattr(wrapper(num_gpu_experts=E), call)(*inputs())
+
+
 def test_redundant_physical_slots(weights):
     """EPLB-style maps: more physical slots than logical experts, replicas of one expert."""
     mapping = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 2, 5])
