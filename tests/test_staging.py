@@ -330,3 +330,16 @@ def test_what_has_no_staging_layout_is_refused(tmp_path: Path) -> None:
     wrapper.submit_write_weight_scale_to_buffer(1, cpu_slot, [0], [None], [0], [None])
     with pytest.raises(ValueError, match="host address"):
         wrapper.sync_write_weight_scale_to_buffer()
+
+
+def test_a_gpu_slot_of_a_layer_with_every_slot_on_the_gpu_is_named(tmp_path: Path) -> None:
+    """Every slot on the GPU, weights loaded: staging a slot is the GPU-expert ValueError (was a RuntimeError saying
+    to call load_weights, which had been called)."""
+    E, H, I = 3, 64, 32
+    wrapper = KTMoEWrapper(layer_idx=1, num_experts=E, num_experts_per_tok=2, hidden_size=H, moe_intermediate_size=I,
+                           method="BF16", num_gpu_experts=E)
+    with pytest.raises(RuntimeError, match="load_weights first"):
+        wrapper.submit_write_weight_scale_to_buffer(1, 0, [0], [0], [0], [0])
+    wrapper.load_weights_from_tensors(*make_weights([1], E, H, I)[1])
+    with pytest.raises(ValueError, match="expert_id 0 is a GPU expert"):
+        wrapper.submit_write_weight_scale_to_buffer(1, 0, [0], [0], [0], [0])

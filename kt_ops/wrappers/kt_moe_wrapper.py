@@ -905,7 +905,7 @@ class KTMoEWrapper:
         :meth:`load_weights`. From the sync: ``ValueError`` for a format with no staging
         layout, a ``gpu_tp_count`` that does not divide I into whole scale groups, or a
         destination of the wrong size."""
-        if not self._parts:
+        if not self._route_all.numel():  # (not _parts: empty too for a loaded layer of GPU slots only)
             raise RuntimeError(f"layer {self.layer_idx}: load_weights first; no CPU experts are packed")
         if not is_int(expert_id) or not 0 <= expert_id < self.num_experts:  # 1.5: IndexError, True: RuntimeError
             raise ValueError(f"expert_id {expert_id!r} is not a slot of this layer's {self.num_experts}")
