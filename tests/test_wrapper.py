@@ -180,6 +180,24 @@ def test_forward_before_load_weights_with_every_slot_on_the_gpu(call: str) -> No
         getattr(wrapper(num_gpu_experts=E), call)(*inputs())
 
 
+def test_arguments_that_are_not_tensors_are_named(weights) -> None:
+    """A numpy array or a list where a tensor belongs is a TypeError naming the argument (was an AttributeError:
+    "'numpy.ndarray' object has no attribute 'dim'")."""
+    with pytest.raises(TypeError, match="up_proj must be a torch.Tensor, got ndarray"):
+        wrapper().load_weights_from_tensors(weights[1][0], weights[1][1].numpy(), weights[1][2])
+    wr = wrapper()
+    wr.load_weights_from_tensors(*weights[1])
+    x, ids, w = inputs()
+    for call in (wr.forward, wr.submit_forward):
+        with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor, got list"):
+            call(x.tolist(), ids, w)
+        with pytest.raises(TypeError, match="topk_ids must be a torch.Tensor, got ndarray"):
+            call(x, ids.numpy(), w)
+        with pytest.raises(TypeError, match="topk_weights must be a torch.Tensor, got list"):
+            call(x, ids, w.tolist())
+    assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[1])) <= 1e-2  # the wrapper is free again
+
+
 def test_redundant_physical_slots(weights):
     """EPLB-style maps: more physical slots than logical experts, replicas of one expert."""
     mapping = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 2, 5])

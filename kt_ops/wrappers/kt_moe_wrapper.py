@@ -466,6 +466,8 @@ class KTMoEWrapper:
         """:meth:`load_weights_from_tensors`' work, the wrapper held."""
         expected = ((self.moe_intermediate_size, self.hidden_size),) * 2 + ((self.hidden_size, self.moe_intermediate_size),)
         for name, tensor, shape in zip(("gate_proj", "up_proj", "down_proj"), (gate_proj, up_proj, down_proj), expected):
+            if not isinstance(tensor, torch.Tensor):  # a numpy array failed on .dim() (AttributeError)
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
             if tensor.dim() != 3 or tuple(tensor.shape[1:]) != shape:
                 raise ValueError(f"{name} must be [E, {shape[0]}, {shape[1]}], got {tuple(tensor.shape)}")
             if tensor.is_meta:  # as kt_ops.pack_experts says it (.cpu() below would raise NotImplementedError)
@@ -970,6 +972,9 @@ class KTMoEWrapper:
             # (every slot on the GPU and nothing loaded: the empty routing table failed in torch.where)
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
         self._check_mask()
+        for name, tensor in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if not isinstance(tensor, torch.Tensor):  # a list or numpy array failed on .dim() (AttributeError)
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}")
         if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
