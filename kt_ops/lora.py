@@ -100,8 +100,10 @@ class LoraExperts(nn.Module):
             getattr(self, name).zero_()
 
     def matrices(self) -> tuple[torch.Tensor, ...]:
-        """The six LoRA tensors as the operator takes them (``A`` masked by dropout while training)."""
+        """The six LoRA tensors as the operator takes them (``A`` masked by dropout while training;
+        fp64 parameters as fp32, the dtype their products run in: the operator takes no fp64)."""
         tensors = [getattr(self, name) for name in LORA_NAMES]
+        tensors = [t.float() if t.dtype == torch.float64 else t for t in tensors]  # differentiable: fp64 gradients
         if self.training and self.dropout > 0:
             keep = 1.0 - self.dropout
             for index in (0, 2, 4):  # the A of gate, up, down: one mask per (expert, input feature)

@@ -134,6 +134,24 @@ def test_dropout_masks_input_features_while_training() -> None:
             kt_ops.LoraExperts(E, H, I, dtype=dtype)
 
 
+def test_fp64_lora_parameters_run_as_fp32() -> None:
+    """LoraExperts(dtype=torch.float64), which the constructor takes, runs (its products in fp32, as every dtype's):
+    the fp32 layer's output, and fp64 gradients equal to the fp32 layer's (its forward was the kernel's TypeError
+    "gate_a must have dtype Float, BFloat16, Half; got Double")."""
+    packed = pack("BF16")
+    lora32 = random_lora()
+    lora64 = random_lora(torch.float64)
+    ids, w = random_routing(6, E, 2)
+    x = torch.randn(6, H)
+    out32, out64 = lora32(x, ids, w, packed), lora64(x, ids, w, packed)
+    assert out64.dtype == torch.float32 and torch.equal(out64, out32)
+    out32.sum().backward()
+    out64.sum().backward()
+    for name in LORA_NAMES:
+        grad = getattr(lora64, name).grad
+        assert grad.dtype == torch.float64 and torch.equal(grad.float(), getattr(lora32, name).grad), name
+
+
 def test_bad_lora_shapes_name_the_tensor() -> None:
     packed = pack("BF16")
     lora = random_lora()
