@@ -448,7 +448,7 @@ def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask:
                 not all(0 <= num_gpu_experts <= e for e in experts):
             raise ValueError(f"num_gpu_experts must be an int in [0, {min(experts, default=0)}], got {num_gpu_experts!r}")
         masks = [torch.arange(e) < num_gpu_experts for e in experts]
-    if dynamic and masks[0] is None:
+    if dynamic and masks and masks[0] is None:  # (no experts module: nothing to pack, as without dynamic)
         raise ValueError("dynamic=True needs gpu_experts_mask or num_gpu_experts (the first GPU experts)")
     for module, mask in zip(modules, masks):
         pack_module_experts(module, method, gpu_experts_mask=mask, dynamic=dynamic, **pack_args)

@@ -432,6 +432,13 @@ def test_patch_model_twice_says_so() -> None:
         kt_ops.patch_model(model, method="BF16")
 
 
+@pytest.mark.parametrize("kwargs", [{"dynamic": True}, {"num_gpu_experts": 1, "dynamic": True}])
+def test_pack_model_experts_of_a_model_without_experts_packs_none(kwargs: dict) -> None:
+    """A model with no experts module packs none with dynamic=True too, as without it (was an IndexError from the
+    first layer's mask)."""
+    assert hf_experts.pack_model_experts(torch.nn.Linear(4, 4), **kwargs) == 0
+
+
 def save_tokenizer(path: Path, vocab_size: int = 96) -> None:
     """A word-level tokenizer over "w0" ... "w94" (and [UNK]) for the tiny models."""
     from tokenizers import Tokenizer, models, pre_tokenizers
