@@ -227,6 +227,18 @@ def test_a_switch_that_is_not_a_bool_is_refused(option) -> None:
     assert not any(isinstance(m, kt_ops.HybridMoE) for m in model.modules())  # refused before anything changed
 
 
+@pytest.mark.parametrize("experts_interface", [False, True])
+def test_a_progress_that_is_not_callable_is_refused_before_anything_changes(experts_interface: bool) -> None:
+    """progress=True (or any non-callable) is a TypeError naming it, raised before any layer is patched (was
+    "'bool' object is not callable" after the first MoE block had been replaced: a half-patched model)."""
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(TypeError, match="progress must be a callable"):
+        kt_ops.patch_model(model, progress=True, experts_interface=experts_interface)  # type: ignore[arg-type]
+    assert not any(isinstance(m, kt_ops.HybridMoE) for m in model.modules())
+    assert not any(kt_ops.hf_experts.packed_blob(m) is not None for m in model.modules()
+                   if kt_ops.hf_experts.is_experts_module(m))
+
+
 def test_dynamic_gpu_experts_without_gpu_experts_is_refused() -> None:
     """dynamic_gpu_experts=True with no GPU expert: the HybridMoE path packed every expert and
     kept their host copies for nothing to move (the experts-interface path and KtOpsConfig

@@ -233,6 +233,8 @@ def patch_model(
     """
     gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
     require_bools(dynamic_gpu_experts=dynamic_gpu_experts, experts_interface=experts_interface)
+    if progress is not None and not callable(progress):  # was raised after the first layer had been patched
+        raise TypeError(f"progress must be a callable progress(done, total) or None, got {progress!r}")
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _BLOCKS or experts_interface:
