@@ -830,6 +830,14 @@ def test_bad_constructor_arguments(kwargs, match):
         wrapper(**kwargs)
 
 
+@pytest.mark.parametrize("mask", ["01010101", [[True], [False, True]], torch.zeros(E, dtype=torch.bool, device="meta")])
+def test_a_gpu_experts_mask_torch_cannot_read_is_named(mask: object) -> None:
+    """A gpu_experts_mask torch cannot make a tensor of (a string, ragged lists) or read (meta) is a ValueError naming
+    it (was torch's TypeError "new(): invalid data type 'str'", ValueError or NotImplementedError)."""
+    with pytest.raises(ValueError, match=r"gpu_experts_mask must be a bool tensor of shape \[8\]"):
+        wrapper(gpu_experts_mask=mask)
+
+
 def test_numa_nodes_that_is_not_a_sequence_is_named():
     with pytest.raises(TypeError, match="numa_nodes must be a sequence"):  # was "'int' object is not iterable"
         wrapper(numa_nodes=0)

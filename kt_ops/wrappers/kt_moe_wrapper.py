@@ -364,10 +364,17 @@ class KTMoEWrapper:
             return torch.arange(E) < num_gpu
         if mask is None:
             return torch.zeros(E, dtype=torch.bool)
-        mask = torch.as_tensor(mask).to("cpu")
+        try:
+            mask = torch.as_tensor(mask)
+        except (TypeError, ValueError, RuntimeError) as error:  # a string, ragged lists: torch's own message
+            raise ValueError(f"gpu_experts_mask must be a bool tensor of shape [{E}], got {type(mask).__name__} "
+                             f"({error})") from None
         if mask.dtype != torch.bool or mask.shape != (E,):
             raise ValueError(f"gpu_experts_mask must be a bool tensor of shape [{E}], got {mask.dtype} {tuple(mask.shape)}")
-        return mask.clone()
+        if mask.is_meta:  # .to("cpu") raised NotImplementedError
+            raise ValueError(f"gpu_experts_mask must be a bool tensor of shape [{E}] with values, got one on the meta "
+                             "device")
+        return mask.to("cpu").clone()
 
     # ---- weights ----------------------------------------------------------------------
 
