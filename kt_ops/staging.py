@@ -300,6 +300,9 @@ def write_weight_scale_to_buffer(
     lists = {"w13_weight_ptrs": w13_weight_ptrs, "w13_scale_ptrs": w13_scale_ptrs,
              "w2_weight_ptrs": w2_weight_ptrs, "w2_scale_ptrs": w2_scale_ptrs}
     for name, values in lists.items():
+        if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):  # None: "has no len()"
+            raise ValueError(f"{name} must be a list or tuple of {gpu_tp_count} destination(s), one per GPU TP rank "
+                             f"(a host address or a tensor), got {type(values).__name__}")
         if len(values) != gpu_tp_count:
             raise ValueError(f"{name} has {len(values)} entries for gpu_tp_count {gpu_tp_count}")
     for r, s in enumerate(staged):

@@ -343,3 +343,14 @@ def test_a_gpu_slot_of_a_layer_with_every_slot_on_the_gpu_is_named(tmp_path: Pat
     wrapper.load_weights_from_tensors(*make_weights([1], E, H, I)[1])
     with pytest.raises(ValueError, match="expert_id 0 is a GPU expert"):
         wrapper.submit_write_weight_scale_to_buffer(1, 0, [0], [0], [0], [0])
+
+
+@pytest.mark.parametrize("bad", [None, 0, torch.empty(0)])
+def test_destinations_that_are_not_lists_are_named(bad: object) -> None:
+    """A destination list that is not a list (None, one address, a bare tensor) is a ValueError naming it (was a
+    TypeError "object of type 'NoneType' has no len()", or a tensor's elements taken as destinations)."""
+    E, H, I = 2, 64, 32
+    packed = kt_ops.pack_experts(*make_weights([1], E, H, I)[1], method="BF16")
+    staged = stage_expert(packed, 0)[0]
+    with pytest.raises(ValueError, match="w2_weight_ptrs must be a list or tuple of 1 destination"):
+        write_weight_scale_to_buffer(packed, 0, 1, [torch.empty_like(staged.w13_weight)], [None], bad, [None])
