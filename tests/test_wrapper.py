@@ -250,6 +250,15 @@ def test_deferred_experts_go_to_the_next_layer(checkpoint, weights):
     assert rel_err(out1 + out2, expected(x, ids, w, weights[1]) + expected(x2, ids, w, weights[2])) <= 1e-2
 
 
+@pytest.mark.parametrize("offset", [E, -2 - E])
+def test_select_deferred_experts_names_ids_out_of_range(offset: int) -> None:
+    """select_deferred_experts (public, as kt-kernel's) on CPU ids outside [-1, num_experts) is the forward's
+    ValueError (was a RuntimeError from its scatter, "index 13 is out of bounds for dimension 0 with size 9")."""
+    _, ids, w = inputs()
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[-1, num_experts = 8\)"):
+        wrapper(max_deferred_experts_per_token=1).select_deferred_experts(ids + offset, w, K - 1)
+
+
 def test_deferred_results_stay_in_their_model(checkpoint, weights):
     """Two models built one after the other, run interleaved: model A's layer-1 deferred
     experts go to A's layer 2 only, never to B's (issue 23, case 6)."""

@@ -639,7 +639,10 @@ class KTMoEWrapper:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """kt-kernel's rule: an expert among any token's ``protected_k`` highest-scored
         experts is protected for the whole batch; ``(immediate_ids, deferred_ids)`` are
-        ``expert_ids`` with the unprotected (resp. protected) slots set to -1."""
+        ``expert_ids`` with the unprotected (resp. protected) slots set to -1. CPU ids outside
+        ``[-1, num_experts)`` are a ``ValueError`` (the CUDA path is not checked: no host sync)."""
+        if expert_ids.device.type == "cpu":  # one above E failed in the scatter, one below -1 was skipped silently
+            self._check_ids(expert_ids)
         topk = expert_ids.shape[-1]
         protected_k = max(0, min(int(protected_k), topk))
         if protected_k == 0:
