@@ -344,3 +344,18 @@ def test_inspect_reads_an_mxfp4_checkpoint(tmp_path: Path, layout: str) -> None:
     assert ("expert tensors", f"MXFP4 {layout} naming") in report.facts
     text = format_inspection(report)
     assert f"method MXFP4 (read in place): {format_info('mxfp4').kernels[kt_ops.cpu_variant()]}" in text, text
+
+
+def test_weights_loaded_after_a_gpt_oss_checkpoint_get_the_constructors_activation(tmp_path: Path) -> None:
+    """A wrapper loaded from gpt-oss (alpha-SwiGLU taken from the checkpoint), then given other weights with
+    load_weights_from_tensors, computes the constructor's activation on them (it kept alpha 1.702 and limit 7: a
+    SiLU layer computed as gpt-oss's, silently)."""
+    write_gpt_oss(tmp_path, torch.Generator().manual_seed(1))
+    wrapper, x, ids, weights, _ = run_wrapper(tmp_path, 1)
+    g = torch.Generator().manual_seed(4)
+    gate, up = (torch.randn(E, I, H, generator=g) * 0.05 for _ in range(2))
+    down = torch.randn(E, H, I, generator=g) * 0.05
+    wrapper.load_weights_from_tensors(gate, up, down)
+    assert (wrapper.swiglu_alpha, wrapper.swiglu_limit) == (0.0, 0.0) and not wrapper._parts[0].has_biases
+    held = reference.dequantize(wrapper._parts[0].data)
+    assert rel_err(wrapper.forward(x, ids.long(), weights), reference.moe_forward(x, ids, weights, *held)) <= 3e-2

@@ -300,6 +300,7 @@ class KTMoEWrapper:
         self.group_size = default_group_size(self.method) if group_size is None else group_size
         self.swiglu_limit = float(swiglu_limit)
         self.swiglu_alpha = float(swiglu_alpha)
+        self._given_activation = (self.swiglu_limit, self.swiglu_alpha)  # each load starts from it (_hold_for_loading)
         self.deferral_group = self._group(deferral_group, layer_idx)
         self.source_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._parts: list[PackedExperts] = []
@@ -795,8 +796,15 @@ class KTMoEWrapper:
                     "loading": "a load of its weights", "running": "a forward running"}[state]
             raise RuntimeError(f"layer {self.layer_idx}: {action} while {what} on thread {owner}: the weights "
                                "would change under that forward; a wrapper serves one caller at a time")
+        # A checkpoint's own activation (gpt-oss, DeepSeek-V4, converted) replaces the defaults
+        # for its weights only: weights loaded next start from the constructor's values again
+        # (a load that fails keeps the weights it would have replaced, and their activation).
+        held, (self.swiglu_limit, self.swiglu_alpha) = (self.swiglu_limit, self.swiglu_alpha), self._given_activation
         try:
             yield
+        except BaseException:
+            self.swiglu_limit, self.swiglu_alpha = held
+            raise
         finally:
             self._release()
 
