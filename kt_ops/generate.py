@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     # --gguf-type alone means the GGUF method (the default, native, takes no type).
-    method = "LLAMAFILE" if args.gguf_type is not None and args.method == "native" else args.method
+    native = args.method.lower() == "native"  # as _load_gguf and KtOpsConfig read it: "Native" too
+    method = "LLAMAFILE" if args.gguf_type is not None and native else args.method
     pack: dict[str, Any] = {"method": method}
     if args.group_size is not None:
         pack["group_size"] = args.group_size

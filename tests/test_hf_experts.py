@@ -511,6 +511,19 @@ def test_kt_ops_generate_gguf_types(saved: dict[str, Path], capsys: pytest.Captu
     assert "kt_ops BF16: loaded" in capsys.readouterr().err
 
 
+def test_kt_ops_generate_reads_the_native_method_in_any_case(saved: dict[str, Path],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--method Native --gguf-type Q8_0 means LLAMAFILE as --method native does (the GGUF path and KtOpsConfig read
+    the method in any case; this one compared it case-sensitively: exit status 2, "gguf_type cannot apply")."""
+    from kt_ops import generate
+
+    path = saved["qwen3_moe"]
+    save_tokenizer(path)
+    args = [str(path), "--prompt", "w5 w17", "--max-new-tokens", "1", "--dtype", "float32", "--gguf-type", "Q8_0"]
+    assert generate.main(args + ["--method", "Native"]) == 0
+    assert "kt_ops LLAMAFILE: loaded" in capsys.readouterr().err
+
+
 def test_import_kt_ops_does_not_import_transformers() -> None:
     code = ("import sys, kt_ops; assert 'transformers' not in sys.modules; "
             "import transformers.integrations.moe as m; assert 'kt_ops' in m.ALL_EXPERTS_FUNCTIONS; print('ok')")
