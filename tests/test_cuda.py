@@ -99,6 +99,16 @@ def test_int_live_tokens_out_of_range(gpu_experts: int) -> None:
         layer(x, 0)
 
 
+def test_hidden_states_that_are_not_a_tensor_are_named() -> None:
+    """HybridMoE(x) with x a list or numpy array is a TypeError naming hidden_states (was an AttributeError:
+    "'list' object has no attribute 'shape'")."""
+    layer = hybrid_layer()
+    x = torch.randn(6, H)
+    for bad in (x.tolist(), x.numpy()):
+        with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor"):
+            layer(bad)
+
+
 def test_fake_cuda_trace_of_the_hybrid_layer() -> None:
     """make_fx over fake CUDA tensors: routing, GPU and shared experts on CUDA, one
     kt.moe_forward taking CUDA activations and the host-resident packed experts."""

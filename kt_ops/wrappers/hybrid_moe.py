@@ -224,6 +224,9 @@ class HybridMoE(nn.Module):
         graph replays the tensor it captured: pass one and refill it); anything else that is
         not a tensor is a ``TypeError``; an int outside ``[0, T]`` and a last dimension other
         than the layer's hidden size are ``ValueError``s."""
+        if not isinstance(hidden_states, torch.Tensor):  # a list or numpy array: AttributeError from .shape
+            raise TypeError(f"hidden_states must be a torch.Tensor [..., {self.hidden_size}], got "
+                            f"{type(hidden_states).__name__}")
         shape = hidden_states.shape
         if hidden_states.dim() == 0 or shape[-1] != self.hidden_size:
             # reshape(-1, H) took [4, H/2] as [2, H]: rows of the wrong width computed, silently
