@@ -2,7 +2,8 @@
 // vector micro-tile. The packed layout is already AMX's B layout: 16 consecutive
 // 64-byte lines of a block (16 k-pairs x 16 columns x 2) are one B tile, loaded with a
 // 64-byte stride. A tiles are 16 rows x 32 bf16 of the expert's activation rows.
-// Tiles: C0..C3 = tmm0..3 (32 rows x 32 columns, fp32), A = tmm4..5, B = tmm6..7.
+// Tiles: C0..C3 = tmm0..3 (32 rows x 32 columns, fp32), A = tmm4..5, B = tmm6..7 (passes of
+// up to 16 rows: C0, C1, and tmm2..3 as the B tiles of a second k step).
 // What tiles do not cover — the decode path, a k tail of fewer than 16 pairs, an odd
 // last block — the driver runs with the AVX512_BF16 micro-kernel this struct inherits.
 // The tile configuration is loaded on every call (other AMX users on the thread, such
@@ -92,6 +93,15 @@ struct Bf16GemmAmx : Bf16GemmAvx512Bf16 {
   }
 
   // 32 (or 16) rows x 2 blocks over tile_pairs k-pairs, stored to c[0, tile_rows).
+  // A pass of up to 16 rows leaves C2 and C3 free and loads the next k step's tiles into
+  // them (B) and A5 before the first step's multiplies, so its loads need not wait for
+  // those multiplies to release their tiles. Same products, same order: bit-identical.
+  // Paired against one step per iteration (scripts/ab_pair.py, run-time switch, 8 calls x
+  // 2 rounds; Intel Xeon VM with AMX, family 6 model 167, 2026-12-06): in a slow phase of
+  // that VM (S1 BF16 512 tokens 117-149 ms) S1 BF16 128 / 512 tokens 0.85x / 0.73x the
+  // time, S2 0.95x / 0.92x, S1 FP8 0.95x / 0.87x; in a fast one (65-85 ms) 0.96-1.01x,
+  // FP8 and MXFP8 0.97-1.02x. Running 17-32 rows as two such passes instead took 1.14x /
+  // 1.19x (S1 / S2 BF16, 512 tokens).
   static void tile_pass(const uint16_t* a, int64_t lda, int64_t tile_rows, const uint16_t* w,
                         int64_t block_stride, int64_t tile_pairs, const uint16_t* next, float* c,
                         int64_t ldc) {
@@ -103,7 +113,24 @@ struct Bf16GemmAmx : Bf16GemmAvx512Bf16 {
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t p = 0; p < tile_pairs; p += kTilePairs) {
+    int64_t p0 = 0;
+    if (!two_row_tiles)  // C2, C3 unused: two k steps per iteration, the second into A5, B2, B3
+      for (; p0 + 2 * kTilePairs <= tile_pairs; p0 += 2 * kTilePairs) {
+        const int64_t p = p0, q = p0 + kTilePairs;
+        prefetch_b_tiles(w, next, block_stride, p, tile_pairs);
+        prefetch_b_tiles(w, next, block_stride, q, tile_pairs);
+        _tile_loadd(4, a + 2 * p, a_stride);
+        _tile_loadd(6, w + p * 32, 64);
+        _tile_loadd(7, w1 + p * 32, 64);
+        _tile_loadd(5, a + 2 * q, a_stride);
+        _tile_loadd(2, w + q * 32, 64);
+        _tile_loadd(3, w1 + q * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(0, 5, 2);
+        _tile_dpbf16ps(1, 5, 3);
+      }
+    for (int64_t p = p0; p < tile_pairs; p += kTilePairs) {
       prefetch_b_tiles(w, next, block_stride, p, tile_pairs);
       _tile_loadd(4, a + 2 * p, a_stride);
       _tile_loadd(6, w + p * 32, 64);

@@ -12,7 +12,8 @@
 // the vector path). tdpbf16ps sums in its own order, so these rows match the vector path
 // (decode) to ~1e-6 relative in fp32, not bit for bit: the amx exception of
 // docs/formats.md "Batch invariance", as BF16's tiles.
-// Tiles: C = tmm0..3 (2 row tiles x 2 blocks), A = tmm4..5, B = tmm6..7.
+// Tiles: C = tmm0..3 (2 row tiles x 2 blocks), A = tmm4..5, B = tmm6..7; a pass of up to
+// 16 rows uses C0, C1 and loads a second k step into A5 and B2, B3 (bf16_gemm_amx.h).
 #pragma once
 
 #include <immintrin.h>
@@ -71,7 +72,26 @@ struct Fp8TilesAmx {
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int64_t p = g0; p < g1; p += kTilePairs) {
+      int64_t p0 = g0;
+      if (!two_row_tiles)  // as Bf16GemmAmx::tile_pass: two k steps per iteration, the second into A5, B2, B3
+        for (; p0 + 2 * kTilePairs <= g1; p0 += 2 * kTilePairs) {
+          const int64_t p = p0, q = p0 + kTilePairs;
+          decode(0, p);
+          if (two_blocks) decode(1, p);
+          decode(0, q);
+          if (two_blocks) decode(1, q);
+          _tile_loadd(4, a + 2 * p, a_stride);
+          _tile_loadd(6, lines + p * 32, 64);
+          if (two_blocks) _tile_loadd(7, w1 + p * 32, 64);
+          _tile_loadd(5, a + 2 * q, a_stride);
+          _tile_loadd(2, lines + q * 32, 64);
+          if (two_blocks) _tile_loadd(3, w1 + q * 32, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two_blocks) _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(0, 5, 2);
+          if (two_blocks) _tile_dpbf16ps(1, 5, 3);
+        }
+      for (int64_t p = p0; p < g1; p += kTilePairs) {
         decode(0, p);
         if (two_blocks) decode(1, p);
         _tile_loadd(4, a + 2 * p, a_stride);
