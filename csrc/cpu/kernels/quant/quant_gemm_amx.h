@@ -493,7 +493,9 @@ struct QuantGemmAmx : QuantGemm<IntOpsAvx512Vnni, Kind> {
       };
       for (int64_t k = g0; k < g0 + group_k; k += k_step) {
         prefetch(k);
-        if (!two_row_tiles && k + 2 * k_step <= g0 + group_k) {  // two steps at once: dot_two_steps
+        // Two steps at once (dot_two_steps) where tmm2 / tmm3, configured as C tiles (16 x 64
+        // bytes), fit as B tiles: steps of 64 k (groups of 128 k and more).
+        if (!two_row_tiles && k_step == 64 && k + 2 * k_step <= g0 + group_k) {
           prefetch(k + k_step);
           const int64_t q = k + k_step;
           if constexpr (kInt4) {
