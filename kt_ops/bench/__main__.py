@@ -30,7 +30,7 @@ Q5_1, Q6_K -> Q8_0; Q2_K and Q3_K, whose fallback there is IQ4_NL, are refused o
 their kernels multiply in bf16 / fp32, so their torch column is the bf16 layer).
 
 --quick: S1 only, tokens 1 and 64, one layer per method, 5 timed calls per row (at least
-0.25 s): 21-72 s on the 2-core machines measured so far (the README lists each run).
+0.25 s): 21-92 s on the 2-core machines measured so far (the README lists each run).
 
 --model-step times the op inside a model step instead: torch work (an attention-sized
 block) alone, the op alone, and the two alternating, interleaved; see
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="S1 only, tokens 1 and 64, 1 layer per method, 5 timed calls (at least 0.25 s) per row: 21-72 s on 2 cores (README)",
+        help="S1 only, tokens 1 and 64, 1 layer per method, 5 timed calls (at least 0.25 s) per row: 21-92 s on 2 cores (README)",
     )
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None)
     parser.add_argument(
