@@ -39,6 +39,14 @@ def require_bools(**values: object) -> None:
             raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
+def require_tensors(**values: object) -> None:
+    """``TypeError`` naming the first of ``values`` that is not a ``torch.Tensor``: a list or
+    numpy array failed later on ``.dim()`` / ``.shape`` with an ``AttributeError``."""
+    for name, value in values.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
 def is_real(value: object) -> bool:
     """True for a real number (``int``, ``float``, numpy scalars) that is neither a
     ``bool`` nor a string: ``True`` as a clamp limit, or ``"7"``, is a caller's mistake."""

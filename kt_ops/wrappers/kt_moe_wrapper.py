@@ -29,7 +29,7 @@ import torch
 
 import kt_ops.cuda
 from kt_ops import expert_stats, gpu_prefill
-from kt_ops._validate import is_int, is_real, require_bools
+from kt_ops._validate import is_int, is_real, require_bools, require_tensors
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.dynamic_experts import host_copy
@@ -473,9 +473,8 @@ class KTMoEWrapper:
                            biases: Biases | None) -> None:
         """:meth:`load_weights_from_tensors`' work, the wrapper held."""
         expected = ((self.moe_intermediate_size, self.hidden_size),) * 2 + ((self.hidden_size, self.moe_intermediate_size),)
+        require_tensors(gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
         for name, tensor, shape in zip(("gate_proj", "up_proj", "down_proj"), (gate_proj, up_proj, down_proj), expected):
-            if not isinstance(tensor, torch.Tensor):  # a numpy array failed on .dim() (AttributeError)
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
             if tensor.dim() != 3 or tuple(tensor.shape[1:]) != shape:
                 raise ValueError(f"{name} must be [E, {shape[0]}, {shape[1]}], got {tuple(tensor.shape)}")
             if tensor.is_meta:  # as kt_ops.pack_experts says it (.cpu() below would raise NotImplementedError)
@@ -990,9 +989,7 @@ class KTMoEWrapper:
             # (every slot on the GPU and nothing loaded: the empty routing table failed in torch.where)
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
         self._check_mask()
-        for name, tensor in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if not isinstance(tensor, torch.Tensor):  # a list or numpy array failed on .dim() (AttributeError)
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        require_tensors(hidden_states=hidden_states, topk_ids=topk_ids, topk_weights=topk_weights)
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}")
         if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
