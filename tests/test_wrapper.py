@@ -156,6 +156,29 @@ def test_physical_map_must_hold_integers(checkpoint, weights, mapping):
     assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[1], torch.tensor(whole).long())) <= 1e-2
 
 
+def test_physical_map_must_be_one_dimensional(checkpoint, weights):
+    """A [2, E / 2] table was flattened and loaded as a map of E slots."""
+    table = torch.arange(E).reshape(2, -1)
+    with pytest.raises(ValueError, match=r"must be 1-D \[num_experts = 8\], got shape \[2, 4\]"):
+        wrapper(checkpoint, 1).load_weights(table)
+    with pytest.raises(ValueError, match="physical_to_logical_map must be 1-D"):
+        wrapper(None, 1).load_weights_from_tensors(*weights[1], physical_to_logical_map=table)
+
+
+@pytest.mark.parametrize("name", ["hidden_states", "topk_ids", "topk_weights"])
+@pytest.mark.parametrize("call", ["forward", "submit_forward"])
+def test_meta_inputs_to_forward_are_named(weights, name, call):
+    """A meta input was NotImplementedError "Cannot copy out of meta tensor" or a RuntimeError from .item()."""
+    wr = wrapper()
+    wr.load_weights_from_tensors(*weights[1])
+    args = dict(zip(("hidden_states", "topk_ids", "topk_weights"), inputs()))
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} is on the meta device"):
+        getattr(wr, call)(**args)
+    x, ids, w = inputs()
+    assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[1])) <= 1e-2  # the wrapper still serves
+
+
 @pytest.mark.parametrize("count", [1.5, True, -1, E + 1])
 def test_num_gpu_experts_must_be_an_int_in_range(count):
     with pytest.raises(ValueError, match=rf"num_gpu_experts must be an int in \[0, {E}\], got {count!r}"):
@@ -437,7 +460,7 @@ def test_one_wrapper_serves_one_caller_at_a_time(weights, monkeypatch):
     assert torch.equal(wr.sync_forward(x), alone)  # collected by any thread once submitted
     assert torch.equal(wr.forward(x, ids, w), alone)
     wr.submit_forward(x, ids, w)
-    with pytest.raises(RuntimeError, match="submit_forward called twice"):  # the same thread: its own message
+    with pytest.raises(RuntimeError, match="submit_forward is not collected yet: call sync_forward"):  # its own message
         wr.forward(x, ids, w)
     assert torch.equal(wr.sync_forward(x), alone)
 

@@ -386,9 +386,12 @@ class KTMoEWrapper:
                 raise ValueError(f"the weights hold {logical} experts; num_experts is {E}")
             return torch.arange(E)
         try:
-            raw = torch.as_tensor(physical_to_logical_map).to("cpu").reshape(-1)
+            raw = torch.as_tensor(physical_to_logical_map).to("cpu")
         except (TypeError, ValueError, RuntimeError) as error:
             raise ValueError(f"physical_to_logical_map must be integer expert indices: {error}") from None
+        if raw.dim() != 1:  # [2, E / 2] was flattened: a table of another layout read as this one
+            raise ValueError(f"physical_to_logical_map must be 1-D [num_experts = {self.num_experts}], got shape "
+                             f"{list(raw.shape)}")
         if raw.dtype == torch.bool or raw.is_complex() or (
                 raw.is_floating_point() and not bool(torch.equal(raw, raw.round()))):  # NaN and 1.5 alike
             values = ", ".join(str(v) for v in raw[:4].tolist())
@@ -773,7 +776,8 @@ class KTMoEWrapper:
             raise RuntimeError(f"layer {self.layer_idx}: this KTMoEWrapper's weights are being loaded by thread "
                                f"{owner}; a wrapper serves one caller at a time: forward once load_weights returns")
         if state == "submitted" and owner == me:
-            raise RuntimeError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
+            raise RuntimeError(f"layer {self.layer_idx}: this thread's submit_forward is not collected yet: call "
+                               "sync_forward before the next forward or submit_forward")
         raise RuntimeError(f"layer {self.layer_idx}: this KTMoEWrapper is in use by another thread (a forward "
                            f"{'submitted' if state == 'submitted' else 'running'} on thread {owner}); a wrapper "
                            "serves one caller at a time (its forward state is per wrapper): finish that forward "
@@ -1004,6 +1008,9 @@ class KTMoEWrapper:
             raise ValueError(f"topk_weights must be float32, bfloat16 or float16, got {topk_weights.dtype}")
         if hidden_states.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"hidden_states must be float32, bfloat16 or float16, got {hidden_states.dtype}")
+        for name, tensor in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tensor.is_meta:  # else NotImplementedError "Cannot copy out of meta tensor" from a copy, or .item()
+                raise ValueError(f"{name} is on the meta device (a shape without values): the layer needs its values")
         device, dtype = hidden_states.device, hidden_states.dtype
         if gpu_prefill.should_run_on_device(hidden_states, self.gpu_prefill_token_threshold):
             return self._submit_prefill(hidden_states, topk_ids, topk_weights, cuda_stream)
