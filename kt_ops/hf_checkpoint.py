@@ -162,7 +162,12 @@ class HfCheckpoint:
                         f"[{convention}]); cannot tell which to load"
                     )
                 if convention == "fused":
-                    count = self._shape(LayerExperts(layer, convention, base, 0).key(0))[0]
+                    key = LayerExperts(layer, convention, base, 0).key(0)
+                    shape = self._shape(key)
+                    if len(shape) != 3:  # a 0-dim tensor was IndexError here; others failed later, less clearly
+                        raise ValueError(f"{self.path}: {key!r} has shape {list(shape)}; a fused gate_up_proj is "
+                                         "[E, 2I, H]")
+                    count = shape[0]
                 layers[layer] = LayerExperts(layer, convention, base, count, suffix)
             self._layers = layers
         return self._layers

@@ -433,6 +433,21 @@ def test_a_bf16_gpt_oss_checkpoint_is_refused_with_the_reason(tmp_path: Path) ->
     assert (layer.hidden_size, layer.intermediate_size) == (H, I)
 
 
+@pytest.mark.parametrize("shape", [(), (8,), (2, 64, 32, 1)])
+def test_a_fused_gate_up_proj_of_another_rank_is_named(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """A fused ``gate_up_proj`` that is not [E, 2I, H]: a 0-dim one was an IndexError while
+    the checkpoint's layers were listed (inspect, convert, KTMoEWrapper alike)."""
+    from safetensors.torch import save_file
+
+    from kt_ops.hf_checkpoint import HfCheckpoint
+
+    base = "model.layers.0.mlp.experts."
+    save_file({base + "gate_up_proj": torch.zeros(shape, dtype=torch.bfloat16),
+               base + "down_proj": torch.zeros(2, 32, 16, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"gate_up_proj' has shape \[{', '.join(map(str, shape))}\]; a fused"):
+        HfCheckpoint(tmp_path).moe_layers()
+
+
 def test_an_expert_tensor_of_a_non_float_dtype_is_refused(tmp_path: Path) -> None:
     """One expert's weight stored as integers (the layer's first gate is bf16): a
     ValueError naming the tensor, not its integer values silently read as weights (the
