@@ -124,6 +124,9 @@ def model_sizes(checkpoint: HfCheckpoint, config: dict, first: int) -> tuple[int
     where = checkpoint.layer(first)
     experts = int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
                   or where.num_experts)
+    if experts < where.num_experts:  # converted as config.json says, but not silently: a router of the file's size
+        print(f"note: config.json gives {experts} routed experts but layer {first} of the checkpoint holds "
+              f"{where.num_experts}; converting experts 0-{experts - 1} only", file=sys.stderr)
     hidden = config.get("hidden_size")
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
     if (hidden is None or inter is None) and where.suffix != "weight":

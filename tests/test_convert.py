@@ -428,7 +428,6 @@ def test_a_damaged_config_json_exits_2_naming_it(tmp_path, weights, capsys, text
     assert not out.exists()
 
 
-
 @pytest.mark.parametrize("value", [None, "x", -1])
 def test_num_hidden_layers_of_config_json(tmp_path: Path, weights, capsys, value: object) -> None:
     """config.json's num_hidden_layers null, not a number or negative: a TypeError
@@ -447,6 +446,18 @@ def test_num_hidden_layers_of_config_json(tmp_path: Path, weights, capsys, value
     assert code == 2
     assert re.search("config.json: .*num_hidden_layers", capsys.readouterr().err.strip().splitlines()[-1])
     assert not out.exists()
+
+
+def test_fewer_experts_in_config_json_than_in_the_checkpoint_are_noted(tmp_path: Path, weights, capsys) -> None:
+    """config.json's expert count (the model's router) below the layers' tensors: the
+    converter follows config.json, as before, but says so on stderr (it was silent)."""
+    source = write_checkpoint(tmp_path / "model", weights, shards=2, dense_layers=(0,))
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "num_experts": E - 2}))
+    out = tmp_path / "out"
+    assert run("--input-path", source, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 0
+    assert f"config.json gives {E - 2} routed experts but layer 1 of the checkpoint holds {E}" in capsys.readouterr().err
+    assert Manifest.read(out).num_experts == E - 2
 
 
 def test_sizes_from_a_missing_down_tensor_name_it(tmp_path: Path, weights, capsys) -> None:
