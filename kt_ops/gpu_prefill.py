@@ -405,7 +405,8 @@ def moe_forward_on_device(
     Returns:
         ``[T, H]`` in ``out_dtype`` (default ``hidden_states``' dtype). Syncs the host
         once (the expert counts); not for CUDA-graph capture or ``torch.compile``.
-        ``ValueError`` for an expert id outside ``[-1, E)``.
+        ``ValueError`` for an expert id outside ``[-1, E)`` or ``live_tokens`` outside
+        ``[0, T]``.
     """
     x = hidden_states
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
@@ -418,9 +419,17 @@ def moe_forward_on_device(
         raise ValueError(f"hidden_states has H = {H}, the packed layer {packed.hidden_size}")
     device, dtype = x.device, _compute_dtype(x)
     ids = topk_ids.to(device=device, dtype=torch.int64)
-    if live_tokens is not None:
-        dead = torch.arange(T, device=device) >= live_tokens.to(device).reshape(-1)[:1]
-        ids = ids.masked_fill(dead.unsqueeze(1), -1)
+    if live_tokens is not None:  # kt::moe_forward's checks (moe_call.cpp), the same errors
+        if not isinstance(live_tokens, torch.Tensor) or live_tokens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"live_tokens must be an int32 or int64 tensor, got "
+                            f"{getattr(live_tokens, 'dtype', type(live_tokens).__name__)}")
+        if live_tokens.numel() != 1:
+            raise ValueError(f"live_tokens must hold one value (the live batch size); got shape "
+                             f"{list(live_tokens.shape)}")
+        live = int(live_tokens.reshape(()))  # one more sync on a call that syncs anyway (the counts)
+        if not 0 <= live <= T:  # was clamped silently: -1 dropped every row, T + 1 kept them all
+            raise ValueError(f"live_tokens = {live} is outside [0, {T}] (the batch holds {T} tokens)")
+        ids = ids.masked_fill((torch.arange(T, device=device) >= live).unsqueeze(1), -1)
     flat = ids.reshape(-1)
     if flat.numel():
         low, high = (int(v) for v in torch.aminmax(flat))

@@ -166,6 +166,16 @@ def test_bad_input_is_refused() -> None:
             gpu_prefill.checked_threshold(threshold)
     with pytest.raises(ValueError, match="no kt_ops MoE layer"):
         kt_ops.set_gpu_prefill_token_threshold(torch.nn.Linear(2, 2), 8)
+    # live_tokens as the operator checks it: -1 dropped every row and 6 kept all five, silently
+    for live, error, match in ((torch.tensor([-1]), ValueError, r"live_tokens = -1 is outside \[0, 5\]"),
+                               (torch.tensor([6]), ValueError, r"live_tokens = 6 is outside \[0, 5\]"),
+                               (torch.tensor([2, 3]), ValueError, "one value"),
+                               (torch.tensor([2.0]), TypeError, "int32 or int64")):
+        with pytest.raises(error, match=match):
+            gpu_prefill.moe_forward_on_device(x, ids, weights, experts.packed, live)
+        if error is ValueError and live.numel() == 1:
+            with pytest.raises(ValueError, match=match):  # the operator's own message
+                kt_ops.moe_forward(x, ids, weights, experts.packed, live)
     empty = gpu_prefill.moe_forward_on_device(x[:0], ids[:0], weights[:0], experts.packed)
     assert empty.shape == (0, 64)
     none = gpu_prefill.moe_forward_on_device(x, ids[:, :0], weights[:, :0], experts.packed)  # top-k 0: zeros,
