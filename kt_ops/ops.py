@@ -57,7 +57,8 @@ def pack_experts(
             32 or none (its groups are fixed at 32). Other methods take none; 128, the
             default that ``HybridMoE`` and ``patch_model`` pass along, is ignored there.
         zero_point: INT4 only: asymmetric groups (``w = scale * q + minimum``).
-        scale_search: quantized methods: per row/group, try candidate scales (with a
+        scale_search: INT8/INT4 methods only (``ValueError`` for BF16, LLAMAFILE, the FP8
+            methods and MXFP4): per row/group, try candidate scales (with a
             least-squares refit) and keep the one with the smallest squared error,
             instead of round-to-nearest from the extreme value. Slower to pack.
         gguf_type: ``LLAMAFILE`` only (and required there): a ``gguf.GGMLQuantizationType``,
