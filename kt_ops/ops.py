@@ -10,7 +10,8 @@ import torch
 from kt_ops import autograd, fakes  # noqa: F401  (fakes: registers the fake implementations)
 from kt_ops._native import _C
 from kt_ops._validate import is_int, is_real, require_bools
-from kt_ops.formats import CHECKPOINT_METHODS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, default_group_size, format_for_method
+from kt_ops.formats import (CHECKPOINT_METHODS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, default_group_size,
+                            format_for_method, format_info)
 from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
 from kt_ops.packed import PackedExperts
 
@@ -185,6 +186,9 @@ def check_pack_arguments(
             raise ValueError(f"gguf_type applies to method 'LLAMAFILE', not {method!r}")
         if fmt not in GROUPED_FORMATS and group_size not in (None, DEFAULT_GROUP_SIZE):
             raise ValueError(f"method {method!r} has no k-groups; group_size applies to the INT4 methods")
+        if scale_search and not format_info(fmt).scale_search:  # else KtOpsConfig let it through to the first tensor
+            raise ValueError(f"scale_search applies to quantized formats with a scale search (INT8, INT4), not {fmt} "
+                             f"(method {method!r})")
     return fmt
 
 
