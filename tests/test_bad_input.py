@@ -173,7 +173,6 @@ def test_a_pack_option_that_is_not_a_bool_is_a_value_error(experts, option, valu
         kt_ops.pack_experts(experts.gate, experts.up, experts.down, method="AMXINT4", **{option: value})
 
 
-
 @pytest.mark.parametrize("method", ["BF16", "FP8", "FP8_PERCHANNEL", "MXFP8"])
 def test_scale_search_with_a_method_without_one_is_refused_before_any_tensor(method) -> None:
     """KtOpsConfig(method="BF16", scale_search=True) was accepted when built and failed only
@@ -183,6 +182,7 @@ def test_scale_search_with_a_method_without_one_is_refused_before_any_tensor(met
     with pytest.raises(ValueError, match="scale_search applies to quantized formats"):
         kt_ops.KtOpsConfig(method=method, scale_search=True)
     kt_ops.ops.check_pack_arguments("AMXINT8", None, False, True, None)  # INT8/INT4 take it
+
 
 def backward_calls(experts, live_tokens: torch.Tensor | None, grad_dtype: torch.dtype | None = None) -> dict:
     args = good_args(experts)
