@@ -76,6 +76,13 @@ class PackedExperts:
         """INT4 k-group size; 0 for formats without groups."""
         return self._info["group_size"]
 
+    @property
+    def gguf_types(self) -> tuple[str, str, str] | None:
+        """Format ``gguf``: the ggml type names of gate, up and down (e.g. ``("Q4_K",
+        "Q4_K", "Q6_K")`` for a Q4_K_M layer); None for the other formats."""
+        types = self._info.get("gguf_types")
+        return None if types is None else tuple(types)
+
     def require_format(self, *formats: str) -> None:
         """Raises ``ValueError`` unless this blob's format is one of ``formats`` (e.g.
         a wrapper built for ``AMXINT8`` given INT4 weights)."""

@@ -188,6 +188,8 @@ def test_gguf_type_forms_and_dtypes() -> None:
         assert torch.equal(ours.data, ref.data)
     info = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE", gguf_type=("Q4_K", "Q4_K", "Q6_K"))
     assert info.format == "gguf" and _C.packed_info(info.data)["gguf_types"] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert info.gguf_types == ("Q4_K", "Q4_K", "Q6_K")  # the public name for it
+    assert kt_ops.pack_experts(gate, up, down, method="BF16").gguf_types is None
 
 
 # --- files -----------------------------------------------------------------------------
