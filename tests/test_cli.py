@@ -164,6 +164,17 @@ def test_doctor_reports_variant_and_reason_amx_numa_hugepages_threads(capsys) ->
     assert out.rstrip("\n") == kt_ops.doctor()
 
 
+def test_importing_the_doctor_module_prints_nothing_and_keeps_kt_ops_doctor_callable() -> None:
+    """``import kt_ops.doctor`` printed the report and put the module where the function
+    ``kt_ops.doctor`` was (``kt_ops.doctor()``: "'module' object is not callable")."""
+    code = ("import kt_ops; report = kt_ops.doctor(); import kt_ops.doctor; "
+            "assert kt_ops.doctor() == report; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
+    main = subprocess.run([sys.executable, "-m", "kt_ops.doctor"], capture_output=True, text=True, timeout=120)
+    assert main.returncode == 0 and main.stdout.rstrip("\n") == kt_ops.doctor()
+
+
 def test_variant_reason() -> None:
     supported = ["avx2", "avx512", "avx512_bf16"]
     assert diagnostics.variant_reason("avx512_bf16", supported, "") == "the best this CPU supports"
