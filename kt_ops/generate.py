@@ -150,6 +150,12 @@ def run(args: argparse.Namespace) -> int:
                          "KTMoEWrapper(weight_path=...)); generate loads the model's Hugging Face checkpoint or a "
                          "GGUF file")
     gguf_path = gguf_model(args.model)
+    if gguf_path is None and local.is_file():  # else transformers: "the config file ... is not a valid JSON file"
+        raise UsageError(f"{args.model}: not a .gguf file; generate loads a GGUF file or a model directory "
+                         "(config.json and its weights)")
+    if gguf_path is None and local.is_dir() and not (local / "config.json").is_file():  # else a tokenizer error
+        raise UsageError(f"{args.model}: a directory without config.json or *.gguf files; generate loads a GGUF file "
+                         "or a model directory (config.json and its weights)")
     if gguf_path is not None:
         method = "LLAMAFILE"
         started = time.perf_counter()  # the tokenizer comes from the same file: timed with it

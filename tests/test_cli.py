@@ -106,6 +106,20 @@ def test_generate_of_a_missing_path_says_so(capsys, model) -> None:
     assert status == 2 and last_line(err) == f"kt-ops generate: error: {model}: no such file or directory"
 
 
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_generate_of_a_path_that_is_no_model_says_so(capsys, tmp_path, kind) -> None:
+    """A file that is not .gguf, a directory without config.json or GGUF files: transformers
+    answered "the config file ... is not a valid JSON file" or a tokenizer error."""
+    model = tmp_path / "notes.txt"
+    if kind == "file":
+        model.write_text("hi")
+    else:
+        model.mkdir()
+    status, _, err = run(capsys, "generate", model, "--prompt", "hi")
+    want = "not a .gguf file" if kind == "file" else "a directory without config.json or \\*.gguf files"
+    assert status == 2 and re.fullmatch(f"kt-ops generate: error: {re.escape(str(model))}: {want}; .*", last_line(err))
+
+
 def test_generate_of_a_converted_directory_says_what_it_is(capsys, converted) -> None:
     """A kt-ops convert output holds packed experts only: generate says so (transformers
     complained about missing expert tensors)."""
