@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Sequence
 
@@ -310,11 +311,24 @@ def pack_fp8_experts(
 
     Raises ``ValueError`` naming the tensor for a wrong dtype or shape, and for mxfp8
     exponents the kernels do not take (above 2^119, or below 2^-117 on nonzero weights).
+    A NaN or infinite float scale makes its rows' outputs NaN (infinite scales are stored as
+    NaN: ``0 * inf`` weights are NaN).
     """
     if method.upper() not in FP8_METHODS:
         raise ValueError(f"pack_fp8_experts packs methods {', '.join(FP8_METHODS)}; got {method!r}")
+    gate_scale, up_scale, down_scale = (_infinite_scales_as_nan(s) for s in (gate_scale, up_scale, down_scale))
     return PackedExperts(torch.ops.kt.pack_fp8_experts(gate_proj, up_proj, down_proj, gate_scale, up_scale, down_scale,
                                                        FP8_METHODS[method.upper()]))
+
+
+def _infinite_scales_as_nan(scale: torch.Tensor) -> torch.Tensor:
+    """A float checkpoint scale with +-inf entries as NaN there: an infinite scale makes its
+    weights +-inf and its zero codes NaN (0 * inf), so the oracle's rows are NaN; the kernels,
+    which multiply their sums by the scale, gave +-inf. A NaN scale is the packer's NaN row."""
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.dtype.itemsize < 2 \
+            or scale.is_meta or not bool(torch.isinf(scale).any()):
+        return scale
+    return scale.masked_fill(torch.isinf(scale), math.nan)
 
 
 def pack_int4_experts(

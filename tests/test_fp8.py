@@ -489,3 +489,28 @@ def test_tiny_finite_weights_are_not_packed_as_nan(method: str) -> None:
     assert torch.isfinite(reference.dequantize(packed.data)[0]).all()
     out = kt_ops.moe_forward(torch.ones(1, H), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1), packed)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("method", ["FP8", "FP8_PERCHANNEL"])
+def test_infinite_checkpoint_scale_gives_the_oracles_nan(method: str) -> None:
+    """A checkpoint scale of +-inf makes its weights +-inf, and its zero codes NaN (0 * inf):
+    the oracle's rows are NaN, as a NaN scale's. The kernels multiplied their sums by the
+    infinite scale and gave +-inf where the oracle has NaN."""
+    E, H, I = 1, 64, 32
+    g = torch.Generator().manual_seed(31)
+    codes = [torch.randint(0, 0x7e, shape, dtype=torch.uint8, generator=g)
+             for shape in ((E, I, H), (E, I, H), (E, H, I))]
+    codes[2][0, 3, :4] = 0  # zero codes in the row: 0 * inf is NaN
+    if method == "FP8":
+        scales = [torch.full((E, 1, 1), 1e-3) for _ in range(3)]
+        scales[2][0, 0, 0] = -math.inf
+    else:
+        scales = [torch.full((E, n), 1e-3) for n in (I, I, H)]
+        scales[2][0, 3] = math.inf
+    packed = kt_ops.pack_fp8_experts(*codes, *scales, method)
+    x = torch.randn(3, H, generator=g)
+    ids, weights = torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
+    ref = reference.moe_forward(x, ids, weights, *reference.dequantize(packed.data))
+    out = kt_ops.moe_forward(x, ids, weights, packed)
+    assert torch.isnan(ref[:, 3]).all()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.equal(torch.isinf(out), torch.isinf(ref))
