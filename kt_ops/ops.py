@@ -321,10 +321,10 @@ def pack_fp8_experts(
                                                        FP8_METHODS[method.upper()]))
 
 
-def _infinite_scales_as_nan(scale: torch.Tensor) -> torch.Tensor:
-    """A float checkpoint scale with +-inf entries as NaN there: an infinite scale makes its
-    weights +-inf and its zero codes NaN (0 * inf), so the oracle's rows are NaN; the kernels,
-    which multiply their sums by the scale, gave +-inf. A NaN scale is the packer's NaN row."""
+def _infinite_scales_as_nan(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """A float checkpoint scale (or int4 minimum) with +-inf entries as NaN there: an infinite
+    scale makes its weights +-inf and its zero levels NaN (0 * inf), so the oracle's rows are
+    NaN; the kernels, which multiply their sums by the scale, gave +-inf. NaN gives NaN rows."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.dtype.itemsize < 2 \
             or scale.is_meta or not bool(torch.isinf(scale).any()):
         return scale
@@ -353,8 +353,13 @@ def pack_int4_experts(
         group_size: 32, 64 or 128, dividing H and I.
 
     Raises ``ValueError`` naming the tensor for a wrong dtype or shape or a bad group size.
+    A NaN or infinite scale or minimum makes its rows' outputs NaN (infinite ones are stored
+    as NaN: ``0 * inf`` weights are NaN).
     """
     gate_min, up_min, down_min = minimums if minimums is not None else (None, None, None)
+    if isinstance(scales, (tuple, list)):
+        scales = tuple(_infinite_scales_as_nan(s) for s in scales)
+    gate_min, up_min, down_min = (_infinite_scales_as_nan(m) for m in (gate_min, up_min, down_min))
     return PackedExperts(torch.ops.kt.pack_int4_experts(gate_proj, up_proj, down_proj, *scales, gate_min, up_min,
                                                         down_min, group_size))
 

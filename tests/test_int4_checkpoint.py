@@ -7,6 +7,7 @@ files are ValueErrors naming the tensor."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -448,3 +449,30 @@ def test_inspect_names_a_missing_int4_tensor(tmp_path: Path) -> None:
     path, _ = write_int4_checkpoint(tmp_path, "RAWINT4", edit=lambda tensors: tensors.pop(key))
     report = inspect_weights(path)
     assert report.layers == () and f"layer {LAYER}: 1 expert tensor(s) missing, e.g. {key!r}" in report.notes
+
+
+@pytest.mark.parametrize("field", ["scale", "minimum"])
+@pytest.mark.parametrize("asym", [False, True], ids=["int4", "int4_asym"])
+def test_infinite_scale_or_minimum_gives_the_oracles_nan(asym: bool, field: str) -> None:
+    """kt_ops.pack_int4_experts with an infinite scale (or minimum) in one group of a down
+    row: the oracle's weights there are +-inf and NaN (0 * inf at level 8), so the row's
+    outputs are NaN; the kernels multiplied their sums by the infinite scale and gave +-inf."""
+    if field == "minimum" and not asym:
+        pytest.skip("int4 has no minimums")
+    n, h, i, group = 1, 64, 32, 32
+    g = torch.Generator().manual_seed(32)
+    nibbles, scales, minimums = [], [], []
+    for rows, k in ((i, h), (i, h), (h, i)):
+        levels = torch.randint(0, 16, (n, rows, k), dtype=torch.uint8, generator=g)
+        levels[0, 3, :4] = 8
+        nibbles.append((levels[..., 0::2] | (levels[..., 1::2] << 4)).contiguous())
+        scales.append(torch.rand(n, rows, k // group, generator=g) * 0.01 + 1e-3)
+        minimums.append(-8 * scales[-1])
+    (scales if field == "scale" else minimums)[2][0, 3, 0] = -math.inf if asym else math.inf
+    packed = kt_ops.pack_int4_experts(*nibbles, tuple(scales), tuple(minimums) if asym else None, group)
+    x = torch.randn(3, h, generator=g)
+    ids, weights = torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
+    ref = reference.moe_forward(x, ids, weights, *reference.dequantize(packed.data), quantize_activations=True)
+    out = kt_ops.moe_forward(x, ids, weights, packed)
+    assert torch.isnan(ref[:, 3]).all()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.equal(torch.isinf(out), torch.isinf(ref))
