@@ -497,3 +497,36 @@ def test_prefill_rows_match_decode_rows(variant: str, types: tuple[str, str, str
     E = 5
     blob, gate, up, down = packed_from_blocks(types, E, H, I, seed=29)
     assert_prefill_matches_decode(blob, gate, up, down, E, H)
+
+
+@pytest.mark.xfail(strict=True, reason="the AVX-512 and AMX GGUF Q8_0/Q4_0 kernels multiply a block's sum by its "
+                   "fp16 d = inf and give +-inf where the oracle (and avx2) give NaN (0 * inf weights)")
+@pytest.mark.parametrize("name", ["avx512", "amx"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
+def test_infinite_block_scale_gives_the_oracles_nan(name: str, type_name: str) -> None:
+    """A GGUF block (read in place: nothing refuses it) whose fp16 d is +inf, some of its
+    quants zero: the oracle's weights there are NaN (0 * inf), so the row's outputs are NaN
+    for every token, as on avx2."""
+    if kt_ops.missing_features(name):
+        pytest.skip(f"{name} unsupported here")
+    E, H, I = 1, 64, 32
+    g = torch.Generator().manual_seed(33)
+    weights = [torch.randn(E, n, k, generator=g) / 8 for n, k in ((I, H), (I, H), (H, I))]
+    blob = kt_ops.pack_experts(*weights, method="LLAMAFILE", gguf_type=type_name).data.clone()
+    block_bytes = 34 if type_name == "Q8_0" else 18
+    first = _C.packed_info(blob)["matrix_offsets"][2] + 3 * (I // 32) * block_bytes  # down row 3, block 0
+    blob[first : first + 2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # fp16 +inf
+    blob[first + 2 : first + 6] = 0 if type_name == "Q8_0" else 0x88  # some quants of value 0, the others not
+    x = torch.randn(9, H, generator=g)
+    ids, topk_weights = torch.zeros(9, 1, dtype=torch.int32), torch.ones(9, 1)
+    ref = reference.moe_forward(x, ids, topk_weights, *reference.dequantize(blob),
+                                quantize_activations=reference.gguf_activation_blocks(blob))
+    assert torch.isnan(ref[:, 3]).all()
+    previous = kt_ops.cpu_variant()
+    kt_ops.set_cpu_variant(name)
+    try:
+        for tokens in (1, 9):
+            out = kt_ops.moe_forward(x[:tokens], ids[:tokens], topk_weights[:tokens], blob)
+            assert torch.equal(torch.isnan(out), torch.isnan(ref[:tokens])), f"{tokens} tokens"
+    finally:
+        kt_ops.set_cpu_variant(previous)
