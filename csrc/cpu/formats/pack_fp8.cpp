@@ -22,6 +22,18 @@ const char* matrix_name(int m) { return m == 0 ? "gate" : m == 1 ? "up" : "down"
 
 bool is_nan_code(uint8_t code) { return (code & 0x7f) == 0x7f; }
 
+// The fp32 scale of a block or row whose largest magnitude is `amax` (> 0, finite):
+// amax / 448, so amax takes e4m3's largest code. Below FLT_MIN that quotient rounds
+// coarsely (to 0 under ~6e-43, where every weight became the NaN code): there it is taken
+// in double and rounded up, so no weight / scale exceeds 448 and tiny rows stay finite.
+float block_scale(float amax) {
+  const float s = amax / 448.0f;
+  if (s >= std::numeric_limits<float>::min()) return s;  // (normal: unchanged bits)
+  const double exact = static_cast<double>(amax) / 448.0;
+  const float rounded = static_cast<float>(exact);
+  return rounded < exact ? std::nextafter(rounded, std::numeric_limits<float>::infinity()) : rounded;
+}
+
 // Block `block` of matrix `m` of one expert: rows [row0, row0 + 16) of codes [rows, K]
 // and scales [rows, groups] -> `out` (fp8_layout.h).
 void retile_block(const uint8_t* codes, const uint8_t* scales, const MatrixDims& dims, int64_t row0,
@@ -186,7 +198,7 @@ void pack_fp8_experts(const void* gate, const void* up, const void* down, Elemen
             out_codes[r * K + k] = encode(w[(r - r0) * K + k] * inverse);
         } else {
           const float a = block_scales ? block_max : amax(r, r + 1, 0, K);
-          const float s = a > 0.0f && std::isfinite(a) ? a / 448.0f : 1.0f;
+          const float s = a > 0.0f && std::isfinite(a) ? block_scale(a) : 1.0f;
           std::memcpy(out_scales + (r * G + g) * 4, &s, 4);
           for (int64_t k = k0; k < k1; ++k) out_codes[r * K + k] = encode(w[(r - r0) * K + k] / s);
         }
