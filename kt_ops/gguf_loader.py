@@ -114,11 +114,19 @@ def read_gguf_config(path: str | os.PathLike[str]) -> GgufModelInfo:
     if not isinstance(arch, str):
         raise ValueError(f"{str(files[0])!r} has no general.architecture")
 
+    def count(key: str, value: object) -> int:
+        # GGUF stores these as unsigned ints: a string, float, bool or array is a damaged or
+        # hand-made file (int() took "4" and 4.7 -> 4 silently, and named no key for "x")
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{str(files[0])!r} ({arch}): {arch}.{key} must be a positive integer, "
+                             f"got {type(value).__name__} {value!r}")
+        return value
+
     def need(key: str) -> int:
         value = _field(reader, f"{arch}.{key}")
         if value is None:
             raise ValueError(f"{str(files[0])!r} ({arch}) has no {arch}.{key}: not an MoE model?")
-        return int(value)
+        return count(key, value)
 
     inter = _field(reader, f"{arch}.expert_feed_forward_length")
     experts, used = need("expert_count"), need("expert_used_count")
@@ -131,7 +139,7 @@ def read_gguf_config(path: str | os.PathLike[str]) -> GgufModelInfo:
         num_experts=experts,
         num_experts_per_tok=used,
         hidden_size=need("embedding_length"),
-        moe_intermediate_size=None if inter is None else int(inter),
+        moe_intermediate_size=None if inter is None else count("expert_feed_forward_length", inter),
         files=files,
     )
 

@@ -391,6 +391,44 @@ def test_gguf_expert_used_count_above_expert_count_is_refused(tmp_path: Path) ->
         kt_ops.read_gguf_config(path)
 
 
+@pytest.mark.parametrize("key,value,vtype", [
+    ("expert_count", "4", "STRING"), ("expert_count", "abc", "STRING"), ("expert_count", 4.7, "FLOAT32"),
+    ("expert_count", [4, 4], "ARRAY"), ("expert_used_count", True, "BOOL"), ("expert_count", -4, "INT32"),
+    ("embedding_length", "64", "STRING"), ("expert_feed_forward_length", 64.5, "FLOAT32"),
+    ("expert_feed_forward_length", 0, "UINT32"), ("block_count", 1.9, "FLOAT32"),
+])
+def test_gguf_metadata_of_the_wrong_type_is_refused_naming_the_key(tmp_path: Path, key: str, value: object,
+                                                                   vtype: str) -> None:
+    """A size key that is not a positive integer (a string, float, bool, array, 0): int() took "4"
+    and 4.7 -> 4 silently, and raised for "abc" or [4, 4] without naming the key."""
+    import gguf
+    import numpy as np
+    from gguf_helpers import T, random_blocks
+
+    import kt_ops
+
+    E, H, I = 4, 64, 64
+    sizes = {"block_count": 1, "expert_count": E, "expert_used_count": 2, "embedding_length": H,
+             "expert_feed_forward_length": I}
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
+    for name, size in sizes.items():
+        if name == key:
+            kind = gguf.GGUFValueType[vtype]
+            writer.add_key_value(f"qwen3moe.{name}", value, kind,
+                                 sub_type=gguf.GGUFValueType.INT32 if kind == gguf.GGUFValueType.ARRAY else None)
+        else:
+            writer.add_uint32(f"qwen3moe.{name}", size)
+    rng = np.random.default_rng(0)
+    for name, rows in (("ffn_gate_exps", I), ("ffn_up_exps", I), ("ffn_down_exps", H)):
+        raw = random_blocks("Q8_0", E * rows, 64, rng).reshape(E, rows, -1)
+        writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=T.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=rf"qwen3moe\.{key} must be a positive integer"):
+        kt_ops.load_gguf_experts(tmp_path / "m.gguf", 0)
+
 
 @pytest.mark.parametrize("text", ["{}", "not json", "[]", '{"weight_map": ["a"]}'],
                          ids=["no-weight-map", "not-json", "a-list", "weight-map-a-list"])
