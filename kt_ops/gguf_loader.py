@@ -237,6 +237,15 @@ def load_gguf_expert_biases(
     """
     info, names, found = _layer_tensors(path, layer_idx, "bias")
     E, H = info.num_experts, info.hidden_size
+    # I: the metadata's, else the experts' (their gate's ggml shape [H, I, E]), else the first
+    # gate/up bias's; one width for both (a file without the key gave gate [E, 7] and up [E, 9])
+    I = info.moe_intermediate_size
+    if I is None:
+        weight = _layer_tensors(path, layer_idx, "weight")[2].get(f"blk.{layer_idx}.ffn_gate_exps.weight")
+        if weight is not None and len(weight[1].shape) == 3:
+            I = int(weight[1].shape[1])
+        else:
+            I = next((int(found[n][1].shape[0]) for n in names[:2] if n in found and len(found[n][1].shape)), None)
     out: list[torch.Tensor | None] = []
     for name in names:
         if name not in found:
@@ -246,9 +255,9 @@ def load_gguf_expert_biases(
         if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
             raise ValueError(f"{name} in {file.name} is {tensor.tensor_type.name}; expert biases must be F32")
         shape = tuple(int(d) for d in tensor.shape)  # ggml order: [width, E]
-        width = H if name.endswith("ffn_down_exps.bias") else (info.moe_intermediate_size or shape[0])
+        width = H if name.endswith("ffn_down_exps.bias") else I
         if shape != (width, E):
             raise ValueError(f"{name} in {file.name} has ggml shape {list(shape)} but the metadata (E={E}, "
-                             f"H={H}) needs {[width, E]}")
+                             f"H={H}, I={I}) needs {[width, E]}")
         out.append(torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(E, width)))
     return out[0], out[1], out[2]

@@ -256,6 +256,34 @@ def test_gpt_oss_gguf(tmp_path: Path) -> None:
     assert not torch.equal(outs["LLAMAFILE", 1], outs["MXFP4", 1])  # 8-bit activation blocks vs rows
 
 
+@pytest.mark.parametrize("with_weights", [True, False])
+def test_gguf_biases_without_the_intermediate_size_key_are_checked_against_the_experts(tmp_path: Path,
+                                                                                   with_weights: bool) -> None:
+    """No {arch}.expert_feed_forward_length: each gate/up bias was taken at its own width, so a
+    gate bias [E, 7] and an up bias [E, 9] beside experts of I = 64 came back without an error."""
+    from gguf_helpers import random_blocks
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(os.fspath(path), "gpt-oss")
+    writer.add_block_count(1)
+    writer.add_expert_count(E)
+    writer.add_expert_used_count(2)
+    writer.add_embedding_length(H)
+    rng = np.random.default_rng(0)
+    if with_weights:
+        for name, rows, k in (("ffn_gate_exps", I, H), ("ffn_up_exps", I, H), ("ffn_down_exps", H, I)):
+            raw = random_blocks("Q8_0", E * rows, k, rng).reshape(E, rows, -1)
+            writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.ffn_gate_exps.bias", np.zeros((E, I if with_weights else 7), np.float32))
+    writer.add_tensor("blk.0.ffn_up_exps.bias", np.zeros((E, 9), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"ffn_up_exps\.bias in m\.gguf has ggml shape \[9, "):
+        kt_ops.load_gguf_expert_biases(path, 0)
+
+
 def test_mxfp4_method_refuses_other_gguf_types(tmp_path: Path) -> None:
     from gguf_helpers import random_blocks, write_model
 
