@@ -350,14 +350,21 @@ def _inspect_gguf(path: Path) -> Inspection:
                 type_name = gguf.GGMLQuantizationType(int(tensor.tensor_type)).name
                 shape = tuple(int(d) for d in tensor.shape)
                 found[int(match["layer"])][match["m"]] = (type_name, shape, int(tensor.n_bytes))
-    layers, notes, incomplete = [], [], []
+    layers, notes, incomplete, misshapen = [], [], [], []
     not_computed: dict[str, list[int]] = defaultdict(list)
     for L in sorted(found):
         matrices = found[L]
         if set(matrices) != set(MATRICES):
             incomplete.append(L)
             continue
-        H, I, E = matrices["gate"][1]  # ggml shape of gate: [H, I, E]
+        # ggml shapes [H, I, E] (gate, up) and [I, H, E] (down), as load_gguf_experts checks them
+        # (a gate of another rank failed here with "not enough values to unpack")
+        gate_shape = matrices["gate"][1]
+        E, H = info.num_experts, info.hidden_size
+        I = info.moe_intermediate_size or (gate_shape[1] if len(gate_shape) > 1 else 0)
+        if [matrices[m][1] for m in MATRICES] != [(H, I, E), (H, I, E), (I, H, E)]:
+            misshapen.append(L)
+            continue
         infos = []
         for name in MATRICES:
             type_name, _, nbytes = matrices[name]
@@ -370,6 +377,9 @@ def _inspect_gguf(path: Path) -> Inspection:
         notes.append(f"kt_ops does not compute {type_name} (layers {_ranges(where)}): loading those layers raises")
     if incomplete:
         notes.append(f"layers {_ranges(incomplete)} lack one of ffn_gate_exps/ffn_up_exps/ffn_down_exps")
+    if misshapen:
+        notes.append(f"layers {_ranges(misshapen)}: ffn_*_exps shapes disagree with the metadata (E={info.num_experts}, "
+                     f"H={info.hidden_size}, I={info.moe_intermediate_size}): loading those layers raises")
     read_words = {"in place": "dotted straight from the file's bytes", "decoded": "decoded once per job"}
     used = {m.read for layer in layers for m in layer.matrices}
     notes.extend(f"{word}: {meaning}" for word, meaning in read_words.items() if word in used)

@@ -335,6 +335,24 @@ def test_inspect_gguf_names_types_kt_ops_does_not_compute(tmp_path) -> None:
     assert "kt_ops does not compute IQ4_NL (layers 0): loading those layers raises" in result.notes
 
 
+@pytest.mark.parametrize("damage", ["gate-2d", "experts-16"])
+def test_inspect_gguf_notes_experts_whose_shapes_disagree_with_the_metadata(tmp_path, capsys, damage: str) -> None:
+    """A gate of rank 2 failed inspect with "not enough values to unpack (expected 3, got 2)";
+    experts of another count than {arch}.expert_count were listed as a loadable layer."""
+    layer = gguf_layer(("Q8_0", "Q8_0", "Q8_0"), np.random.default_rng(3))
+    if damage == "gate-2d":
+        kind, raw = layer["ffn_gate_exps"]
+        layer["ffn_gate_exps"] = (kind, raw.reshape(GE * GI, -1))
+    write_model(tmp_path / "m.gguf", [layer, gguf_layer(("Q8_0",) * 3, np.random.default_rng(4))], GE, GH, GI,
+                metadata_experts=16 if damage == "experts-16" else None)
+    status, out, _ = run(capsys, "inspect", tmp_path / "m.gguf")
+    assert status == 0
+    result = inspect_weights(tmp_path / "m.gguf")
+    bad = "0" if damage == "gate-2d" else "0-1"
+    assert [info.layer for info in result.layers] == ([1] if damage == "gate-2d" else [])
+    assert any(note.startswith(f"layers {bad}: ffn_*_exps shapes disagree with the metadata") for note in result.notes)
+
+
 def test_inspect_split_gguf_directory(tmp_path, capsys) -> None:
     layer = gguf_layer(("Q4_K", "Q4_K", "Q6_K"), np.random.default_rng(2))
     write_model(tmp_path / "m.gguf", [layer, layer], GE, GH, GI, split_max_tensors=2)
