@@ -163,6 +163,26 @@ def _layer_tensors(path: str | os.PathLike[str], layer_idx: int, suffix: str
     return info, names, found
 
 
+def _check_stored_size(file: Path, name: str, tensor: gguf.gguf_reader.ReaderTensor) -> None:
+    """``ValueError`` when the bytes a tensor's declared type and shape need do not end where
+    the file's next tensor starts (after the alignment padding), as llama.cpp's reader
+    requires: a type field that disagrees with the bytes stored (Q8_0 over Q4_K blocks read
+    the next tensor's bytes; Q4_K over Q6_K blocks decoded them wrongly) loaded silently."""
+    reader = open_gguf(file)
+    start, end = int(tensor.data_offset), int(tensor.data_offset) + int(tensor.n_bytes)
+    following = [int(t.data_offset) for t in reader.tensors if int(t.data_offset) > start]
+    if not following:  # the file's last tensor: the reader checked that it ends inside the file
+        return
+    base, align = int(reader.data_offset), int(reader.alignment)
+    expected = base + -(-(end - base) // align) * align
+    if min(following) != expected:
+        raise ValueError(
+            f"{name} in {file.name} is declared {tensor.tensor_type.name} of ggml shape "
+            f"{[int(d) for d in tensor.shape]} ({int(tensor.n_bytes)} bytes from offset {start}), but the file's next "
+            f"tensor starts at {min(following)}, not {expected}: its type disagrees with the bytes stored (damaged file?)"
+        )
+
+
 def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool = False) -> PackedExperts:
     """The routed experts of layer ``layer_idx`` of a GGUF model, memory-mapped.
 
@@ -205,6 +225,7 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool =
             types.append(gguf_type_id(tensor.tensor_type))
         except ValueError as error:
             raise ValueError(f"{name} in {file.name}: {error}") from None
+        _check_stored_size(file, name, tensor)
         files.append(str(file))
         offsets.append(int(tensor.data_offset))
     data = _C.map_gguf_experts(files, offsets, types, E, H, I)

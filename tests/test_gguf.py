@@ -327,6 +327,27 @@ def test_bad_files(tmp_path) -> None:
         kt_ops.load_gguf_experts(split, 0)
 
 
+@pytest.mark.parametrize("matrix,declared", [("ffn_gate_exps", "Q8_0"), ("ffn_up_exps", "Q5_K"),
+                                             ("ffn_down_exps", "Q4_K"), ("ffn_gate_exps", "Q2_K")])
+def test_a_type_field_that_disagrees_with_the_stored_bytes_is_refused(tmp_path, matrix: str, declared: str) -> None:
+    """A tensor info's type changed in place (Q4_K/Q6_K blocks declared as another type): the
+    layer loaded silently, reading the next tensor's bytes or decoding the blocks as the wrong
+    type; llama.cpp refuses such a file (its next tensor's offset is not where it expects it)."""
+    import struct
+
+    E, H, I = 4, 256, 256
+    write_model(tmp_path / "m.gguf", [model_layers(("Q4_K", "Q4_K", "Q6_K"), 1, E, H, I, seed=6)[0], None], E, H, I)
+    data = bytearray((tmp_path / "m.gguf").read_bytes())
+    name = f"blk.0.{matrix}.weight".encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)  # n_dims, dims, type, offset
+    struct.pack_into("<I", data, at + 4 + 8 * struct.unpack_from("<I", data, at)[0], int(T[declared]))
+    (tmp_path / "bad.gguf").write_bytes(data)
+    kt_ops.load_gguf_experts(tmp_path / "m.gguf", 0)  # intact
+    with pytest.raises(ValueError, match=rf"blk\.0\.{matrix}\.weight in bad\.gguf is declared {declared}.*"
+                                         "disagrees with the bytes stored"):
+        kt_ops.load_gguf_experts(tmp_path / "bad.gguf", 0)
+
+
 def test_llama_cpp_types() -> None:
     """llama.cpp's types for a layer: each K-quant whose rows its 256-weight blocks do not
     fit replaced by the fallback (gate and up by H, down by I); None where that fallback is
