@@ -275,6 +275,7 @@ def load_gguf_expert_biases(
         file, tensor = found[name]
         if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
             raise ValueError(f"{name} in {file.name} is {tensor.tensor_type.name}; expert biases must be F32")
+        _check_stored_size(file, name, tensor)
         shape = tuple(int(d) for d in tensor.shape)  # ggml order: [width, E]
         width = H if name.endswith("ffn_down_exps.bias") else I
         if shape != (width, E):

@@ -284,6 +284,32 @@ def test_gguf_biases_without_the_intermediate_size_key_are_checked_against_the_e
         kt_ops.load_gguf_expert_biases(path, 0)
 
 
+def test_a_gguf_bias_declared_f32_over_f16_values_is_refused(tmp_path: Path) -> None:
+    """An F16 bias whose type field was changed to F32 read the next tensor's bytes as its second half."""
+    import struct
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(os.fspath(path), "gpt-oss")
+    writer.add_block_count(1)
+    writer.add_expert_count(E)
+    writer.add_expert_used_count(2)
+    writer.add_embedding_length(H)
+    writer.add_expert_feed_forward_length(I)
+    writer.add_tensor("blk.0.ffn_gate_exps.bias", np.ones((E, I // 2), np.float32).view(np.float16).reshape(E, I))
+    writer.add_tensor("blk.0.ffn_up_exps.bias", np.zeros((E, I), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_gate_exps.bias"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    struct.pack_into("<I", data, at + 4 + 8 * struct.unpack_from("<I", data, at)[0], int(gguf.GGMLQuantizationType.F32))
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=r"ffn_gate_exps\.bias in m\.gguf is declared F32.*disagrees with the bytes"):
+        kt_ops.load_gguf_expert_biases(path, 0)
+
+
 def test_mxfp4_method_refuses_other_gguf_types(tmp_path: Path) -> None:
     from gguf_helpers import random_blocks, write_model
 
