@@ -159,6 +159,9 @@ def _layer_tensors(path: str | os.PathLike[str], layer_idx: int, suffix: str
     for file in info.files:
         for tensor in open_gguf(file).tensors:
             if tensor.name in names:
+                if tensor.name in found:  # llama.cpp refuses a tensor in two parts too; the last one won silently
+                    raise ValueError(f"GGUF model {str(path)!r}: {tensor.name} is in both {found[tensor.name][0].name} "
+                                     f"and {file.name}")
                 found[tensor.name] = (file, tensor)
     return info, names, found
 

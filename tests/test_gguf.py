@@ -348,6 +348,24 @@ def test_a_type_field_that_disagrees_with_the_stored_bytes_is_refused(tmp_path, 
         kt_ops.load_gguf_experts(tmp_path / "bad.gguf", 0)
 
 
+def test_an_expert_tensor_in_two_parts_of_a_split_model_is_refused(tmp_path) -> None:
+    """Both parts held blk.0.ffn_gate_exps.weight (different blocks): the last part's copy was used silently."""
+    import gguf
+
+    E, H, I = 4, 256, 256
+    first, second = model_layers(("Q8_0",) * 3, 2, E, H, I, seed=7)
+    write_model(tmp_path / "m-00001-of-00002.gguf", [first], E, H, I)
+    writer = gguf.GGUFWriter(os.fspath(tmp_path / "m-00002-of-00002.gguf"), "qwen3moe")
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", second["ffn_gate_exps"][1], raw_dtype=T.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_exps\.weight is in both m-00001-of-00002\.gguf and "
+                                         r"m-00002-of-00002\.gguf"):
+        kt_ops.load_gguf_experts(tmp_path, 0)
+
+
 def test_llama_cpp_types() -> None:
     """llama.cpp's types for a layer: each K-quant whose rows its 256-weight blocks do not
     fit replaced by the fallback (gate and up by H, down by I); None where that fallback is
