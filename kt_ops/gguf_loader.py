@@ -213,7 +213,8 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool =
             "in the stacked ffn_*_exps form (a dense layer, or a layout kt_ops does not read)"
         )
     E, H = info.num_experts, info.hidden_size
-    I = info.moe_intermediate_size or int(found[names[0]][1].shape[1])
+    gate_shape = found[names[0]][1].shape  # ggml [H, I, E]; any other rank fails the shape check below
+    I = info.moe_intermediate_size or (int(gate_shape[1]) if len(gate_shape) > 1 else 0)
     expected = ((H, I, E), (H, I, E), (I, H, E))
     files, offsets, types = [], [], []
     for name, want in zip(names, expected):

@@ -366,6 +366,28 @@ def test_an_expert_tensor_in_two_parts_of_a_split_model_is_refused(tmp_path) -> 
         kt_ops.load_gguf_experts(tmp_path, 0)
 
 
+def test_a_one_dimensional_gate_without_the_intermediate_size_key_is_a_value_error(tmp_path) -> None:
+    """No {arch}.expert_feed_forward_length and a 1-D ffn_gate_exps: I was read from its shape[1], an IndexError."""
+    import gguf
+
+    E, H, I = 4, 256, 256
+    layer = model_layers(("Q8_0",) * 3, 1, E, H, I, seed=8)[0]
+    writer = gguf.GGUFWriter(os.fspath(tmp_path / "m.gguf"), "qwen3moe")
+    writer.add_block_count(1)
+    writer.add_expert_count(E)
+    writer.add_expert_used_count(2)
+    writer.add_embedding_length(H)
+    for name, (type_name, raw) in layer.items():
+        writer.add_tensor(f"blk.0.{name}.weight", raw.reshape(-1) if name == "ffn_gate_exps" else raw,
+                          raw_dtype=T[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_exps\.weight in m\.gguf has ggml shape \[262144\]"):
+        kt_ops.load_gguf_experts(tmp_path / "m.gguf", 0)
+
+
 def test_llama_cpp_types() -> None:
     """llama.cpp's types for a layer: each K-quant whose rows its 256-weight blocks do not
     fit replaced by the fallback (gate and up by H, down by I); None where that fallback is
