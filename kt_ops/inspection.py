@@ -38,6 +38,7 @@ from kt_ops.gguf_types import GGML_TYPES
 from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, _check_regular_file, read_config_json
 from kt_ops.hf_int4 import int4_method, quantization_config
 from kt_ops.hf_mxfp4 import Mxfp4Layer, find_mxfp4_layer, mxfp4_layers
+from kt_ops.mapped_files import read_safetensors_header, safetensors_range
 from kt_ops.parts import FP8_KIND_METHODS
 
 MATRICES = ("gate", "up", "down")
@@ -240,7 +241,8 @@ def _packed_keys(path: Path) -> dict[str, tuple[int | None, int]] | None:
         with safe_open(os.fspath(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
             keys = list(handle.keys())
-    except Exception:  # not safetensors: safetensors raises its own error types
+    except Exception as error:  # not safetensors (its own error types), or a damaged file of ours
+        _refuse_damaged_packed_file(path, error)
         return None
     if metadata.get("producer") != "kt_ops" or not keys:
         return None
@@ -251,6 +253,22 @@ def _packed_keys(path: Path) -> dict[str, tuple[int | None, int]] | None:
             return None
         found[key] = (None, 0) if match["layer"] is None else (int(match["layer"]), int(match["part"]))
     return found
+
+
+def _refuse_damaged_packed_file(path: Path, error: Exception) -> None:
+    """``ValueError`` naming the damage when ``path``, which safetensors cannot open, is a
+    kt_ops packed file by its own header (a truncated one was "not a packed file")."""
+    try:
+        header = read_safetensors_header(path)
+    except ValueError:
+        return
+    metadata = header[0].get("__metadata__")
+    if not isinstance(metadata, dict) or metadata.get("producer") != "kt_ops":
+        return
+    for key in header[0]:
+        if key != "__metadata__":
+            safetensors_range(path, key, header)  # ValueError: truncated, or not a 1-D uint8 tensor
+    raise ValueError(f"{path}: a kt_ops packed-experts file that safetensors cannot open ({error})")
 
 
 def _packed_layer(layer: int | None, infos: list[dict], variant: str) -> LayerInfo:

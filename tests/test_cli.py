@@ -335,6 +335,19 @@ def test_inspect_gguf_names_types_kt_ops_does_not_compute(tmp_path) -> None:
     assert "kt_ops does not compute IQ4_NL (layers 0): loading those layers raises" in result.notes
 
 
+def test_inspect_of_a_truncated_packed_file_says_it_is_truncated(tmp_path, capsys) -> None:
+    """A PackedExperts.save file cut short was "not a packed file, converted directory, GGUF ..." (safetensors
+    cannot open it); PackedExperts.load names the truncation, and so does inspect now."""
+    g = torch.Generator().manual_seed(0)
+    packed = kt_ops.pack_experts(torch.randn(2, 32, 64, generator=g), torch.randn(2, 32, 64, generator=g),
+                                 torch.randn(2, 64, 32, generator=g), method="BF16")
+    packed.save(tmp_path / "experts.safetensors")
+    data = (tmp_path / "experts.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])
+    status, _, err = run(capsys, "inspect", tmp_path / "cut.safetensors")
+    assert status == 2 and "cut.safetensors' is truncated: tensor 'packed' needs bytes" in last_line(err)
+
+
 @pytest.mark.parametrize("damage", ["gate-2d", "experts-16"])
 def test_inspect_gguf_notes_experts_whose_shapes_disagree_with_the_metadata(tmp_path, capsys, damage: str) -> None:
     """A gate of rank 2 failed inspect with "not enough values to unpack (expected 3, got 2)";
