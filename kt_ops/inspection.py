@@ -361,10 +361,13 @@ def _inspect_gguf(path: Path) -> Inspection:
     info = read_gguf_config(path)  # ValueError: not an MoE model, damaged, several models
     files = gguf_files(path)
     found: dict[int, dict[str, tuple[str, tuple[int, ...], int]]] = defaultdict(dict)
+    duplicated: set[int] = set()  # a tensor in two parts of a split model: load_gguf_experts refuses it
     for file in _progress(files, "reading GGUF tensor infos"):
         for tensor in open_gguf(file).tensors:
             match = _GGUF_TENSOR.match(tensor.name)
             if match:
+                if match["m"] in found[int(match["layer"])]:
+                    duplicated.add(int(match["layer"]))
                 type_name = gguf.GGMLQuantizationType(int(tensor.tensor_type)).name
                 shape = tuple(int(d) for d in tensor.shape)
                 found[int(match["layer"])][match["m"]] = (type_name, shape, int(tensor.n_bytes))
@@ -374,6 +377,8 @@ def _inspect_gguf(path: Path) -> Inspection:
         matrices = found[L]
         if set(matrices) != set(MATRICES):
             incomplete.append(L)
+            continue
+        if L in duplicated:
             continue
         # ggml shapes [H, I, E] (gate, up) and [I, H, E] (down), as load_gguf_experts checks them
         # (a gate of another rank failed here with "not enough values to unpack")
@@ -395,6 +400,9 @@ def _inspect_gguf(path: Path) -> Inspection:
         notes.append(f"kt_ops does not compute {type_name} (layers {_ranges(where)}): loading those layers raises")
     if incomplete:
         notes.append(f"layers {_ranges(incomplete)} lack one of ffn_gate_exps/ffn_up_exps/ffn_down_exps")
+    if duplicated:
+        notes.append(f"layers {_ranges(sorted(duplicated))}: an ffn_*_exps tensor is in two files of the model: "
+                     "loading those layers raises")
     if misshapen:
         notes.append(f"layers {_ranges(misshapen)}: ffn_*_exps shapes disagree with the metadata (E={info.num_experts}, "
                      f"H={info.hidden_size}, I={info.moe_intermediate_size}): loading those layers raises")

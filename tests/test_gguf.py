@@ -352,6 +352,8 @@ def test_an_expert_tensor_in_two_parts_of_a_split_model_is_refused(tmp_path) -> 
     """Both parts held blk.0.ffn_gate_exps.weight (different blocks): the last part's copy was used silently."""
     import gguf
 
+    from kt_ops.inspection import inspect_weights
+
     E, H, I = 4, 256, 256
     first, second = model_layers(("Q8_0",) * 3, 2, E, H, I, seed=7)
     write_model(tmp_path / "m-00001-of-00002.gguf", [first], E, H, I)
@@ -364,6 +366,8 @@ def test_an_expert_tensor_in_two_parts_of_a_split_model_is_refused(tmp_path) -> 
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_exps\.weight is in both m-00001-of-00002\.gguf and "
                                          r"m-00002-of-00002\.gguf"):
         kt_ops.load_gguf_experts(tmp_path, 0)
+    result = inspect_weights(tmp_path)  # listed it as a loadable layer
+    assert result.layers == () and any(n.startswith("layers 0: an ffn_*_exps tensor is in two files") for n in result.notes)
 
 
 def test_a_one_dimensional_gate_without_the_intermediate_size_key_is_a_value_error(tmp_path) -> None:
