@@ -182,7 +182,8 @@ def _check_stored_size(file: Path, name: str, tensor: gguf.gguf_reader.ReaderTen
         raise ValueError(
             f"{name} in {file.name} is declared {tensor.tensor_type.name} of ggml shape "
             f"{[int(d) for d in tensor.shape]} ({int(tensor.n_bytes)} bytes from offset {start}), but the file's next "
-            f"tensor starts at {min(following)}, not {expected}: its type disagrees with the bytes stored (damaged file?)"
+            f"tensor starts at {min(following)}, not {expected}: its type disagrees with the bytes stored "
+            "(damaged file?)"
         )
 
 

@@ -33,7 +33,7 @@ from kt_ops.converted import INDEX, MANIFEST, Manifest, entry_path, layer_file, 
 from kt_ops.cpu import cpu_variant
 from kt_ops.diagnostics import methods_label
 from kt_ops.formats import FORMATS, format_info
-from kt_ops.gguf_loader import gguf_files, open_gguf, read_gguf_config
+from kt_ops.gguf_loader import _check_stored_size, gguf_files, open_gguf, read_gguf_config
 from kt_ops.gguf_types import GGML_TYPES
 from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, _check_regular_file, read_config_json
 from kt_ops.hf_int4 import int4_method, quantization_config
@@ -362,6 +362,7 @@ def _inspect_gguf(path: Path) -> Inspection:
     files = gguf_files(path)
     found: dict[int, dict[str, tuple[str, tuple[int, ...], int]]] = defaultdict(dict)
     duplicated: set[int] = set()  # a tensor in two parts of a split model: load_gguf_experts refuses it
+    mistyped: set[int] = set()  # a type that disagrees with the bytes stored: load_gguf_experts refuses it
     for file in _progress(files, "reading GGUF tensor infos"):
         for tensor in open_gguf(file).tensors:
             match = _GGUF_TENSOR.match(tensor.name)
@@ -371,6 +372,10 @@ def _inspect_gguf(path: Path) -> Inspection:
                 type_name = gguf.GGMLQuantizationType(int(tensor.tensor_type)).name
                 shape = tuple(int(d) for d in tensor.shape)
                 found[int(match["layer"])][match["m"]] = (type_name, shape, int(tensor.n_bytes))
+                try:
+                    _check_stored_size(file, tensor.name, tensor)
+                except ValueError:
+                    mistyped.add(int(match["layer"]))
     layers, notes, incomplete, misshapen = [], [], [], []
     not_computed: dict[str, list[int]] = defaultdict(list)
     for L in sorted(found):
@@ -378,7 +383,7 @@ def _inspect_gguf(path: Path) -> Inspection:
         if set(matrices) != set(MATRICES):
             incomplete.append(L)
             continue
-        if L in duplicated:
+        if L in duplicated or L in mistyped:
             continue
         # ggml shapes [H, I, E] (gate, up) and [I, H, E] (down), as load_gguf_experts checks them
         # (a gate of another rank failed here with "not enough values to unpack")
@@ -403,9 +408,13 @@ def _inspect_gguf(path: Path) -> Inspection:
     if duplicated:
         notes.append(f"layers {_ranges(sorted(duplicated))}: an ffn_*_exps tensor is in two files of the model: "
                      "loading those layers raises")
+    if mistyped - duplicated:
+        notes.append(f"layers {_ranges(sorted(mistyped - duplicated))}: an ffn_*_exps tensor's type disagrees with "
+                     "the bytes stored (damaged file?): loading those layers raises")
     if misshapen:
-        notes.append(f"layers {_ranges(misshapen)}: ffn_*_exps shapes disagree with the metadata (E={info.num_experts}, "
-                     f"H={info.hidden_size}, I={info.moe_intermediate_size}): loading those layers raises")
+        notes.append(f"layers {_ranges(misshapen)}: ffn_*_exps shapes disagree with the metadata "
+                     f"(E={info.num_experts}, H={info.hidden_size}, I={info.moe_intermediate_size}): "
+                     "loading those layers raises")
     read_words = {"in place": "dotted straight from the file's bytes", "decoded": "decoded once per job"}
     used = {m.read for layer in layers for m in layer.matrices}
     notes.extend(f"{word}: {meaning}" for word, meaning in read_words.items() if word in used)

@@ -335,6 +335,8 @@ def test_a_type_field_that_disagrees_with_the_stored_bytes_is_refused(tmp_path, 
     type; llama.cpp refuses such a file (its next tensor's offset is not where it expects it)."""
     import struct
 
+    from kt_ops.inspection import inspect_weights
+
     E, H, I = 4, 256, 256
     write_model(tmp_path / "m.gguf", [model_layers(("Q4_K", "Q4_K", "Q6_K"), 1, E, H, I, seed=6)[0], None], E, H, I)
     data = bytearray((tmp_path / "m.gguf").read_bytes())
@@ -346,6 +348,9 @@ def test_a_type_field_that_disagrees_with_the_stored_bytes_is_refused(tmp_path, 
     with pytest.raises(ValueError, match=rf"blk\.0\.{matrix}\.weight in bad\.gguf is declared {declared}.*"
                                          "disagrees with the bytes stored"):
         kt_ops.load_gguf_experts(tmp_path / "bad.gguf", 0)
+    result = inspect_weights(tmp_path / "bad.gguf")  # listed it as a loadable layer
+    assert result.layers == ()
+    assert any(n.startswith("layers 0: an ffn_*_exps tensor's type disagrees") for n in result.notes)
 
 
 def test_an_expert_tensor_in_two_parts_of_a_split_model_is_refused(tmp_path) -> None:
@@ -367,7 +372,8 @@ def test_an_expert_tensor_in_two_parts_of_a_split_model_is_refused(tmp_path) -> 
                                          r"m-00002-of-00002\.gguf"):
         kt_ops.load_gguf_experts(tmp_path, 0)
     result = inspect_weights(tmp_path)  # listed it as a loadable layer
-    assert result.layers == () and any(n.startswith("layers 0: an ffn_*_exps tensor is in two files") for n in result.notes)
+    assert result.layers == ()
+    assert any(n.startswith("layers 0: an ffn_*_exps tensor is in two files") for n in result.notes)
 
 
 def test_a_one_dimensional_gate_without_the_intermediate_size_key_is_a_value_error(tmp_path) -> None:
