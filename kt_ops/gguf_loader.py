@@ -61,6 +61,8 @@ def gguf_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
         if not files:
             raise ValueError(f"no .gguf files in directory {str(root)!r}")
     else:
+        if root.exists():  # a FIFO or a device: "does not exist" named the wrong problem
+            regular_file_stat(root, "; GGUF models are files")
         raise FileNotFoundError(f"GGUF path {str(root)!r} does not exist")
     splits = [m for m in (_SPLIT.match(f.name) for f in files) if m]
     if not splits and len(files) > 1:

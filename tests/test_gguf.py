@@ -376,6 +376,13 @@ def test_an_expert_tensor_in_two_parts_of_a_split_model_is_refused(tmp_path) -> 
     assert any(n.startswith("layers 0: an ffn_*_exps tensor is in two files") for n in result.notes)
 
 
+def test_a_fifo_named_as_a_gguf_file_is_not_said_to_be_missing(tmp_path) -> None:
+    """load_gguf_experts of a FIFO raised FileNotFoundError 'does not exist'."""
+    os.mkfifo(tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="m.gguf: not a regular file"):
+        kt_ops.load_gguf_experts(tmp_path / "m.gguf", 0)
+
+
 def test_a_one_dimensional_gate_without_the_intermediate_size_key_is_a_value_error(tmp_path) -> None:
     """No {arch}.expert_feed_forward_length and a 1-D ffn_gate_exps: I was read from its shape[1], an IndexError."""
     import gguf
