@@ -189,6 +189,11 @@ def _check_stored_size(file: Path, name: str, tensor: gguf.gguf_reader.ReaderTen
         )
 
 
+# Architectures whose routed experts llama.cpp computes with another activation than
+# SwiGLU (its build_moe_ffn's op per architecture): refused rather than computed wrongly.
+OTHER_ACTIVATIONS = {"grok": "GELU-gated (GeGLU) experts"}
+
+
 def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool = False) -> PackedExperts:
     """The routed experts of layer ``layer_idx`` of a GGUF model, memory-mapped.
 
@@ -205,10 +210,15 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool =
 
     Raises:
         ValueError: no expert tensors for the layer, an unsupported GGUF type (named),
-            shapes that disagree with the metadata, a truncated file.
+            shapes that disagree with the metadata, a truncated file, an architecture
+            whose experts are not SwiGLU (``OTHER_ACTIVATIONS``: grok).
         TypeError: ``layer_idx`` is not an int.
     """
     info, names, found = _layer_tensors(path, layer_idx, "weight")
+    if info.architecture in OTHER_ACTIVATIONS:  # the kernels would compute SwiGLU on them: silently wrong
+        raise ValueError(f"GGUF model {str(path)!r} ({info.architecture}): its experts use "
+                         f"{OTHER_ACTIVATIONS[info.architecture]}, which kt_ops does not compute (SwiGLU, gpt-oss's "
+                         "alpha-SwiGLU)")
     missing = [n for n in names if n not in found]
     if missing:
         raise ValueError(

@@ -33,7 +33,8 @@ from kt_ops.converted import INDEX, MANIFEST, Manifest, entry_path, layer_file, 
 from kt_ops.cpu import cpu_variant
 from kt_ops.diagnostics import methods_label
 from kt_ops.formats import FORMATS, format_info
-from kt_ops.gguf_loader import _check_stored_size, gguf_files, open_gguf, read_gguf_config
+from kt_ops.gguf_loader import (OTHER_ACTIVATIONS, _check_stored_size, gguf_files, open_gguf,
+                               read_gguf_config)
 from kt_ops.gguf_types import GGML_TYPES
 from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, _check_regular_file, read_config_json
 from kt_ops.hf_int4 import int4_method, quantization_config
@@ -415,6 +416,10 @@ def _inspect_gguf(path: Path) -> Inspection:
         notes.append(f"layers {_ranges(misshapen)}: ffn_*_exps shapes disagree with the metadata "
                      f"(E={info.num_experts}, H={info.hidden_size}, I={info.moe_intermediate_size}): "
                      "loading those layers raises")
+    if info.architecture in OTHER_ACTIVATIONS:
+        notes.append(f"{info.architecture}'s experts use {OTHER_ACTIVATIONS[info.architecture]}, which kt_ops does not "
+                     "compute: loading any layer raises")
+        layers = []
     read_words = {"in place": "dotted straight from the file's bytes", "decoded": "decoded once per job"}
     used = {m.read for layer in layers for m in layer.matrices}
     notes.extend(f"{word}: {meaning}" for word, meaning in read_words.items() if word in used)

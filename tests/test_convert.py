@@ -456,7 +456,8 @@ def test_fewer_experts_in_config_json_than_in_the_checkpoint_are_noted(tmp_path:
     (source / "config.json").write_text(json.dumps({**config, "num_experts": E - 2}))
     out = tmp_path / "out"
     assert run("--input-path", source, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 0
-    assert f"config.json gives {E - 2} routed experts but layer 1 of the checkpoint holds {E}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"config.json gives {E - 2} routed experts but layer 1 of the checkpoint holds {E}" in err
     assert Manifest.read(out).num_experts == E - 2
 
 

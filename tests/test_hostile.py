@@ -443,9 +443,6 @@ def test_a_damaged_safetensors_index_is_a_value_error_naming_it(tmp_path: Path, 
     with pytest.raises(ValueError, match="model.safetensors.index.json: not a safetensors index"):
         HfCheckpoint(path)
 
-if __name__ == "__main__":
-    sys.exit(globals()[sys.argv[1]]())
-
 
 def test_a_bf16_gpt_oss_checkpoint_is_refused_with_the_reason(tmp_path: Path) -> None:
     """gpt-oss's fused experts (transposed, gate/up rows interleaved, biases): the float
@@ -766,3 +763,7 @@ refused(lambda: read_config_json(c), "not a regular file")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=HERE.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["refused"] * 6
+
+
+if __name__ == "__main__":
+    sys.exit(globals()[sys.argv[1]]())

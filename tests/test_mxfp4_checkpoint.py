@@ -25,6 +25,7 @@ from kt_ops import KTMoEWrapper, reference
 from kt_ops._native import _C
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_mxfp4 import load_mxfp4_experts
+from kt_ops.inspection import inspect_weights
 
 E, H, I = 4, 96, 64
 
@@ -254,6 +255,20 @@ def test_gpt_oss_gguf(tmp_path: Path) -> None:
         assert rel_err(out, ref) <= 3e-2
         outs[method, parts] = out
     assert not torch.equal(outs["LLAMAFILE", 1], outs["MXFP4", 1])  # 8-bit activation blocks vs rows
+
+
+def test_a_gguf_of_gelu_experts_is_refused(tmp_path: Path) -> None:
+    """grok's experts are GELU-gated (llama.cpp's build_moe_ffn with LLM_FFN_GELU): they
+    loaded as any GGUF and ran SwiGLU, silently wrong. Every loader names the activation."""
+    path = tmp_path / "grok.gguf"
+    write_gpt_oss_gguf(path, torch.Generator().manual_seed(9), arch="grok")
+    with pytest.raises(ValueError, match=r"\(grok\): its experts use GELU-gated"):
+        kt_ops.load_gguf_experts(path, 0)
+    for method in ("LLAMAFILE", "MXFP4"):
+        with pytest.raises(ValueError, match="GELU-gated"):
+            KTMoEWrapper(0, E, 2, H, I, weight_path=path, method=method).load_weights()
+    report = inspect_weights(path)
+    assert report.layers == () and any("grok's experts use GELU-gated" in note for note in report.notes)
 
 
 @pytest.mark.parametrize("with_weights", [True, False])

@@ -334,7 +334,7 @@ def test_submit_sync_interleaved_across_layers(checkpoint, weights):
     with pytest.raises(RuntimeError, match="without submit_forward"):
         layers[0].sync_forward(batches[0][0])
     layers[0].submit_forward(*batches[0])
-    with pytest.raises(RuntimeError, match="twice"):
+    with pytest.raises(RuntimeError, match="submit_forward is not collected yet"):
         layers[0].submit_forward(*batches[0])
     layers[0].sync_forward()
 
@@ -909,7 +909,6 @@ def test_bad_weights(tmp_path, checkpoint, weights):
     for k in (K - 1, K + 1):  # K other than num_experts_per_tok: deferral and graph buffers are sized by it
         with pytest.raises(ValueError, match=f"num_experts_per_tok = {K}"):
             wr.forward(x, torch.zeros(x.shape[0], k, dtype=ids.dtype), torch.full((x.shape[0], k), 0.5))
-
 
 
 @pytest.mark.parametrize("which", [1, 2])

@@ -44,8 +44,8 @@ at::Tensor set_activation(const at::Tensor& packed, double swiglu_limit, double 
   const cpu::PackedLayout old = read_packed(packed, "packed");
   TORCH_CHECK_VALUE(std::isfinite(swiglu_limit) && swiglu_limit >= 0.0 && std::isfinite(swiglu_alpha) &&
                         swiglu_alpha >= 0.0 && swiglu_limit < 3.0e38 && swiglu_alpha < 3.0e38,
-                    "swiglu_limit and swiglu_alpha must be finite and >= 0 (0: off); got ", swiglu_limit, " and ",
-                    swiglu_alpha);
+                    "swiglu_limit and swiglu_alpha must be finite and >= 0 (0: off), below 3e38; got ", swiglu_limit,
+                    " and ", swiglu_alpha);
   // The header holds fp32: a positive value that rounds to 0 there would read as "off".
   TORCH_CHECK_VALUE((swiglu_limit == 0.0) == (static_cast<float>(swiglu_limit) == 0.0f) &&
                         (swiglu_alpha == 0.0) == (static_cast<float>(swiglu_alpha) == 0.0f),
