@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kt_ops._validate import names_file_inside
+from kt_ops._validate import is_int, names_file_inside
 from kt_ops.mapped_files import load_uint8_tensor
 from kt_ops.packed import PackedExperts
 
@@ -68,15 +68,25 @@ class Manifest:
             raise ValueError(f"{file}: not a kt_ops manifest (expected a JSON object, got {type(data).__name__})")
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{file}: format_version {data.get('format_version')!r}, this kt_ops reads {FORMAT_VERSION}")
-        try:
-            manifest = cls(str(data["method"]), str(data["format"]), int(data["group_size"]), int(data["num_layers"]),
-                       tuple(int(v) for v in data["layers"]), int(data["num_experts"]), int(data["hidden_size"]),
-                       int(data["intermediate_size"]), int(data["threadpool_count"]), bool(data["complete"]),
-                       dict(data.get("source", {})))
-        except KeyError as error:
-            raise ValueError(f"{file}: damaged kt_ops manifest (no {error.args[0]!r})") from None
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{file}: damaged kt_ops manifest ({error})") from None
+        missing = next((key for key in _MANIFEST_TYPES if key not in data), None)
+        if missing is not None:
+            raise ValueError(f"{file}: damaged kt_ops manifest (no {missing!r})")
+        # Each value of its JSON type: str(), int() and bool() took "complete": "false" as
+        # complete, layer 0.7 as 0, intermediate_size 32.9 as 32 and method 5 as "5".
+        for key, kind in _MANIFEST_TYPES.items():
+            value = data[key]
+            good = is_int(value) if kind is int else isinstance(value, kind)
+            if key == "layers" and good:
+                good = all(is_int(v) for v in value)
+            if not good:
+                raise ValueError(f"{file}: damaged kt_ops manifest ({key} is {value!r}, not "
+                                 f"{'a list of ints' if key == 'layers' else kind.__name__})")
+        source = data.get("source", {})
+        if not isinstance(source, dict):
+            raise ValueError(f"{file}: damaged kt_ops manifest (source is {source!r}, not an object)")
+        manifest = cls(data["method"], data["format"], data["group_size"], data["num_layers"], tuple(data["layers"]),
+                       data["num_experts"], data["hidden_size"], data["intermediate_size"], data["threadpool_count"],
+                       data["complete"], dict(source))
         counts = {"num_experts": 1, "hidden_size": 1, "intermediate_size": 1, "threadpool_count": 1, "group_size": 0,
                   "num_layers": 0}
         bad = [f"{name} {getattr(manifest, name)}" for name, low in counts.items() if getattr(manifest, name) < low]
@@ -91,6 +101,13 @@ class Manifest:
         from kt_ops.convert_merge import write_text_durably  # it imports this module
 
         write_text_durably(Path(path) / MANIFEST, json.dumps(self.to_json(), indent=2) + "\n")
+
+
+# The manifest's keys and JSON types, in the order Manifest takes them.
+_MANIFEST_TYPES: dict[str, type] = {
+    "method": str, "format": str, "group_size": int, "num_layers": int, "layers": list, "num_experts": int,
+    "hidden_size": int, "intermediate_size": int, "threadpool_count": int, "complete": bool,
+}
 
 
 def is_converted(path: str | os.PathLike[str]) -> bool:

@@ -579,6 +579,23 @@ def test_a_damaged_converted_directory_is_a_clear_error(tmp_path: Path, damage: 
             inspect_weights(tmp_path)
 
 
+@pytest.mark.parametrize("key,value", [("complete", "false"), ("layers", [0.7]), ("layers", "12"),
+                                       ("intermediate_size", 32.9), ("method", 5), ("num_experts", True),
+                                       ("source", "x")])
+def test_a_manifest_value_of_the_wrong_type_is_named(tmp_path: Path, key: str, value: object) -> None:
+    """Hand-edited manifest values were coerced: "complete": "false" read as complete, layer
+    0.7 as 0, intermediate_size 32.9 as 32, method 5 as "5", "12" as layers 1 and 2."""
+    import json
+
+    from kt_ops.converted import MANIFEST, Manifest
+
+    Manifest("bf16", "bf16", 0, 1, (0,), 2, 64, 32, 1, True, {}).write(tmp_path)
+    data = json.loads((tmp_path / MANIFEST).read_text())
+    (tmp_path / MANIFEST).write_text(json.dumps({**data, key: value}))
+    with pytest.raises(ValueError, match=rf"{MANIFEST}: damaged kt_ops manifest \({key} is "):
+        Manifest.read(tmp_path)
+
+
 @pytest.mark.parametrize("offsets", [None, 5, [0], [0, 4, 8], ["0", "4"]])
 def test_a_converted_shard_with_malformed_data_offsets_is_a_clear_error(tmp_path: Path, offsets: object) -> None:
     """A converted shard whose header gives a tensor's ``data_offsets`` as null, a number,
