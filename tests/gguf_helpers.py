@@ -55,6 +55,32 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)).reshape(shape)
 
 
+def moe_writer(path: str | os.PathLike[str], arch: str = "qwen3moe", experts: int | None = None,
+               hidden: int | None = None, intermediate: int | None = None, top_k: int = 2,
+               blocks: int = 1) -> gguf.GGUFWriter:
+    """A GGUFWriter for ``path`` with an MoE model's sizes in its metadata: the block count,
+    and each of the expert count (with ``top_k`` used per token), embedding length and
+    expert feed-forward length that is not None."""
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    writer.add_block_count(blocks)
+    if experts is not None:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(top_k)
+    if hidden is not None:
+        writer.add_embedding_length(hidden)
+    if intermediate is not None:
+        writer.add_expert_feed_forward_length(intermediate)
+    return writer
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    """Writes ``writer``'s header, metadata and tensors, and closes the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_model(
     path: str | os.PathLike[str],
     layers: list[dict[str, tuple[str, np.ndarray]] | None],
@@ -80,7 +106,4 @@ def write_model(
             continue
         for name, (type_name, raw) in layer.items():
             writer.add_tensor(f"blk.{index}.{name}.weight", raw, raw_dtype=T[type_name])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)

@@ -26,7 +26,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from gguf_helpers import FLOAT_TYPES, T, dequantize, random_blocks, write_model
+from gguf_helpers import FLOAT_TYPES, T, dequantize, finish, moe_writer, random_blocks, write_model
 
 import gguf
 import kt_ops
@@ -364,10 +364,7 @@ def test_an_expert_tensor_in_two_parts_of_a_split_model_is_refused(tmp_path) -> 
     write_model(tmp_path / "m-00001-of-00002.gguf", [first], E, H, I)
     writer = gguf.GGUFWriter(os.fspath(tmp_path / "m-00002-of-00002.gguf"), "qwen3moe")
     writer.add_tensor("blk.0.ffn_gate_exps.weight", second["ffn_gate_exps"][1], raw_dtype=T.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_exps\.weight is in both m-00001-of-00002\.gguf and "
                                          r"m-00002-of-00002\.gguf"):
         kt_ops.load_gguf_experts(tmp_path, 0)
@@ -389,18 +386,11 @@ def test_a_one_dimensional_gate_without_the_intermediate_size_key_is_a_value_err
 
     E, H, I = 4, 256, 256
     layer = model_layers(("Q8_0",) * 3, 1, E, H, I, seed=8)[0]
-    writer = gguf.GGUFWriter(os.fspath(tmp_path / "m.gguf"), "qwen3moe")
-    writer.add_block_count(1)
-    writer.add_expert_count(E)
-    writer.add_expert_used_count(2)
-    writer.add_embedding_length(H)
+    writer = moe_writer(tmp_path / "m.gguf", experts=E, hidden=H)
     for name, (type_name, raw) in layer.items():
         writer.add_tensor(f"blk.0.{name}.weight", raw.reshape(-1) if name == "ffn_gate_exps" else raw,
                           raw_dtype=T[type_name])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_exps\.weight in m\.gguf has ggml shape \[262144\]"):
         kt_ops.load_gguf_experts(tmp_path / "m.gguf", 0)
 

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import kt_ops  # noqa: E402
+from gguf_helpers import finish  # noqa: E402
 from hf_models import tiny_model  # noqa: E402
 from kt_ops import hf_experts  # noqa: E402
 
@@ -77,10 +78,7 @@ def write_qwen3moe_gguf(model: torch.nn.Module, path: Path, expert_type: str,
         else:
             base, suffix = key.rsplit(".", 1)
             writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(tensor.numpy()))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     model.load_state_dict(state, strict=False)
     return model
 

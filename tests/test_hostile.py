@@ -403,7 +403,7 @@ def test_gguf_metadata_of_the_wrong_type_is_refused_naming_the_key(tmp_path: Pat
     and 4.7 -> 4 silently, and raised for "abc" or [4, 4] without naming the key."""
     import gguf
     import numpy as np
-    from gguf_helpers import T, random_blocks
+    from gguf_helpers import T, finish, random_blocks
 
     import kt_ops
 
@@ -422,10 +422,7 @@ def test_gguf_metadata_of_the_wrong_type_is_refused_naming_the_key(tmp_path: Pat
     for name, rows in (("ffn_gate_exps", I), ("ffn_up_exps", I), ("ffn_down_exps", H)):
         raw = random_blocks("Q8_0", E * rows, 64, rng).reshape(E, rows, -1)
         writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=T.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ValueError, match=rf"qwen3moe\.{key} must be a positive integer"):
         kt_ops.load_gguf_experts(tmp_path / "m.gguf", 0)
 

@@ -21,6 +21,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import kt_ops
 from conftest import random_routing, rel_err
+from gguf_helpers import finish, moe_writer
 from kt_ops import KTMoEWrapper, reference
 from kt_ops._native import _C
 from kt_ops.hf_checkpoint import HfCheckpoint
@@ -213,12 +214,7 @@ def test_bad_checkpoints(tmp_path: Path) -> None:
 def write_gpt_oss_gguf(path: Path, g: torch.Generator, arch: str = "gpt-oss"):
     """A one-layer GGUF with MXFP4 experts (ggml block order) and F32 expert biases."""
     rng = np.random.default_rng(int(torch.randint(0, 1000, (1,), generator=g)))
-    writer = gguf.GGUFWriter(os.fspath(path), arch)
-    writer.add_block_count(1)
-    writer.add_expert_count(E)
-    writer.add_expert_used_count(2)
-    writer.add_embedding_length(H)
-    writer.add_expert_feed_forward_length(I)
+    writer = moe_writer(path, arch, E, H, I)
     weights, biases = [], []
     for name, (rows, k) in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), ((I, H), (I, H), (H, I))):
         raw = rng.integers(0, 256, size=(E, rows, k // 32, 17), dtype=np.uint8)
@@ -229,10 +225,7 @@ def write_gpt_oss_gguf(path: Path, g: torch.Generator, arch: str = "gpt-oss"):
         weights.append(torch.from_numpy(gguf.quants.dequantize(raw.reshape(E * rows, -1), gguf.GGMLQuantizationType.MXFP4))
                        .reshape(E, rows, k))
         biases.append(torch.from_numpy(bias))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return tuple(weights), tuple(biases)
 
 
@@ -279,11 +272,7 @@ def test_gguf_biases_without_the_intermediate_size_key_are_checked_against_the_e
     from gguf_helpers import random_blocks
 
     path = tmp_path / "m.gguf"
-    writer = gguf.GGUFWriter(os.fspath(path), "gpt-oss")
-    writer.add_block_count(1)
-    writer.add_expert_count(E)
-    writer.add_expert_used_count(2)
-    writer.add_embedding_length(H)
+    writer = moe_writer(path, "gpt-oss", E, H)
     rng = np.random.default_rng(0)
     if with_weights:
         for name, rows, k in (("ffn_gate_exps", I, H), ("ffn_up_exps", I, H), ("ffn_down_exps", H, I)):
@@ -291,10 +280,7 @@ def test_gguf_biases_without_the_intermediate_size_key_are_checked_against_the_e
             writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     writer.add_tensor("blk.0.ffn_gate_exps.bias", np.zeros((E, I if with_weights else 7), np.float32))
     writer.add_tensor("blk.0.ffn_up_exps.bias", np.zeros((E, 9), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ValueError, match=r"ffn_up_exps\.bias in m\.gguf has ggml shape \[9, "):
         kt_ops.load_gguf_expert_biases(path, 0)
 
@@ -304,18 +290,10 @@ def test_a_gguf_bias_declared_f32_over_f16_values_is_refused(tmp_path: Path) -> 
     import struct
 
     path = tmp_path / "m.gguf"
-    writer = gguf.GGUFWriter(os.fspath(path), "gpt-oss")
-    writer.add_block_count(1)
-    writer.add_expert_count(E)
-    writer.add_expert_used_count(2)
-    writer.add_embedding_length(H)
-    writer.add_expert_feed_forward_length(I)
+    writer = moe_writer(path, "gpt-oss", E, H, I)
     writer.add_tensor("blk.0.ffn_gate_exps.bias", np.ones((E, I // 2), np.float32).view(np.float16).reshape(E, I))
     writer.add_tensor("blk.0.ffn_up_exps.bias", np.zeros((E, I), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     data = bytearray(path.read_bytes())
     name = b"blk.0.ffn_gate_exps.bias"
     at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
