@@ -237,14 +237,17 @@ def activation_of(module: nn.Module, intermediate: int) -> tuple[float, float]:
     config; ``ValueError`` naming the class when none matches."""
     from kt_ops import reference
 
+    limits = [0.0, *_numbers(module, ("limit", "swiglu_limit"))]
+    alphas = [0.0, *_numbers(module, ("alpha", "swiglu_alpha"))]
+    # probes past every candidate limit: a probe inside [-12, 12] never reached a clamp at 12 or
+    # above, so the unclamped candidate matched first and such a limit was dropped, silently
+    reach = max(12.0, 2.0 * max(limits))
     g = torch.Generator().manual_seed(0)
-    probe = torch.rand(32, 2 * intermediate, generator=g) * 24 - 12
+    probe = torch.rand(32, 2 * intermediate, generator=g) * (2 * reach) - reach
     with torch.no_grad():
         got = module._apply_gate(probe).float()
     gate, up = _split(probe.unsqueeze(-1), module.is_concatenated)
     gate, up = gate.squeeze(-1), up.squeeze(-1)
-    limits = [0.0, *_numbers(module, ("limit", "swiglu_limit"))]
-    alphas = [0.0, *_numbers(module, ("alpha", "swiglu_alpha"))]
     for alpha in alphas:
         for limit in limits:
             want = reference.glu(gate, up, limit, alpha)

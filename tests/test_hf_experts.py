@@ -210,6 +210,26 @@ def test_activations_are_read_from_the_class(saved: dict[str, Path]) -> None:
     assert kt_ops.PackedExperts(blob).has_biases
 
 
+@pytest.mark.parametrize("arch, limit, alpha", [("deepseek_v4", 12.0, 0.0), ("deepseek_v4", 20.0, 0.0),
+                                                  ("gpt_oss", 30.0, 1.702)])
+def test_a_limit_past_the_probe_range_is_kept(arch: str, limit: float, alpha: float) -> None:
+    """A SwiGLU limit of 12 or more: the probe used to stay inside [-12, 12], so the clamp
+    was never reached, the unclamped candidate matched first and the limit was dropped."""
+    config = EXPERTS_CONFIGS[arch]()
+    config.swiglu_limit = limit
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    experts = experts_modules(model)[0]
+    assert hf_experts.activation_of(experts, 32) == (limit, alpha)
+    with torch.no_grad():
+        x, ids, w = torch.randn(5, 64) * 30, torch.randint(0, 8, (5, 2)), torch.rand(5, 2)
+        experts.config._experts_implementation = "eager"
+        expected = experts(x, ids, w)
+        experts.config._experts_implementation = "kt_ops"
+        actual = experts(x, ids, w)
+    assert float((expected - actual).norm() / expected.norm()) <= 5e-2
+
+
 def _custom_experts(act: str = "gelu", **flags: bool) -> torch.nn.Module:
     from transformers.activations import ACT2FN
     from transformers.integrations.moe import use_experts_implementation
