@@ -202,7 +202,7 @@ def is_experts_module(module: nn.Module) -> bool:
 
 def check_supported(module: nn.Module) -> None:
     """``ValueError`` naming the class for experts kt_ops cannot compute (no gate, a
-    post-expert norm, expert parallelism)."""
+    post-expert norm, expert parallelism, an activation :func:`activation_of` does not find)."""
     name = type(module).__name__
     if not module.has_gate:
         raise ValueError(f"{name} has no gate (has_gate=False: act(up) experts); kt_ops computes gated experts only")
@@ -210,6 +210,12 @@ def check_supported(module: nn.Module) -> None:
         raise ValueError(f"{name} applies a norm after each expert (has_post_expert_norm); kt_ops does not")
     if getattr(module, "_is_expert_parallel", False):
         raise ValueError(f"{name} is expert-parallel; kt_ops runs every expert of the layer in this process")
+    gate_up = getattr(module, "gate_up_proj", None)
+    if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:  # (meta is fine: only its shape is read)
+        # the activation too, before anything is read or packed: KtOpsConfig found it only while packing,
+        # once transformers had read the checkpoint, and its ValueError came out as transformers'
+        # RuntimeError about "automatic conversion of the weights"
+        activation_of(module, int(gate_up.shape[2 if module.is_transposed else 1]) // 2)
 
 
 def _split(gate_up: torch.Tensor, concatenated: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +249,7 @@ def activation_of(module: nn.Module, intermediate: int) -> tuple[float, float]:
     # above, so the unclamped candidate matched first and such a limit was dropped, silently
     reach = max(12.0, 2.0 * max(limits))
     g = torch.Generator().manual_seed(0)
-    probe = torch.rand(32, 2 * intermediate, generator=g) * (2 * reach) - reach
+    probe = torch.rand(32, 2 * intermediate, generator=g, device="cpu", dtype=torch.float32) * (2 * reach) - reach
     with torch.no_grad():
         got = module._apply_gate(probe).float()
     gate, up = _split(probe.unsqueeze(-1), module.is_concatenated)

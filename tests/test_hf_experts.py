@@ -355,6 +355,18 @@ def test_quantization_config_checks_sizes_before_loading(saved: dict[str, Path])
     assert {kt_ops.PackedExperts(hf_experts.packed_blob(m)).format for m in experts_modules(model)} == {"int4_asym"}
 
 
+def test_quantization_config_refuses_the_activation_before_loading(tmp_path: Path) -> None:
+    """Experts whose activation kt_ops does not compute (GELU here): a ValueError naming the
+    class and the activation before any tensor is read, as for sizes — not transformers'
+    RuntimeError about "automatic conversion of the weights" once the checkpoint was read."""
+    config = CONFIGS["qwen3_moe"]()
+    config.hidden_act = "gelu"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Qwen3MoeExperts._apply_gate is an activation kt_ops does not compute"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.float32, quantization_config=kt_ops.KtOpsConfig(method="BF16", progress=False))
+
+
 def write_big_checkpoint(path: str, layers: str) -> int:
     """A Qwen3-MoE checkpoint of random bf16 weights, one shard per layer, ~288 MiB of
     experts per layer (64 experts, H 1024, I 768), written tensor by tensor."""
