@@ -274,6 +274,11 @@ class KtOpsHfQuantizer(HfQuantizer):
             with torch.device("cpu"):  # transformers builds the model under a meta-device context
                 self._read_in_place(model, checkpoint, kwargs.get("device_map"))
             return
+        if not experts:  # it loaded whole in its float dtype, nothing packed, silently
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            raise ValueError(f"KtOpsConfig: {type(model).__name__} has no experts class using transformers' experts "
+                             f"interface (model_type {model_type!r}): kt_ops would pack nothing; see "
+                             "kt_ops.wrappers.supported_model_types()")
         for module in experts:  # before any tensor is read
             hf_experts.check_supported(module)
             self._check_sizes(module)

@@ -367,6 +367,18 @@ def test_quantization_config_refuses_the_activation_before_loading(tmp_path: Pat
             tmp_path, dtype=torch.float32, quantization_config=kt_ops.KtOpsConfig(method="BF16", progress=False))
 
 
+def test_quantization_config_refuses_a_model_without_an_experts_class(tmp_path: Path) -> None:
+    """JetMoE (its MoE does not use transformers' experts interface): a ValueError, not a
+    model loaded whole in its float dtype with nothing packed while kt_ops was asked for."""
+    config = transformers.JetMoeConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=32, num_local_experts=8,
+                                       num_experts_per_tok=2, kv_channels=16)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="JetMoeForCausalLM has no experts class using transformers' experts"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.float32, quantization_config=kt_ops.KtOpsConfig(method="BF16", progress=False))
+
+
 def write_big_checkpoint(path: str, layers: str) -> int:
     """A Qwen3-MoE checkpoint of random bf16 weights, one shard per layer, ~288 MiB of
     experts per layer (64 experts, H 1024, I 768), written tensor by tensor."""
