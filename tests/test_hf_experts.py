@@ -230,6 +230,21 @@ def test_a_limit_past_the_probe_range_is_kept(arch: str, limit: float, alpha: fl
     assert float((expected - actual).norm() / expected.norm()) <= 5e-2
 
 
+def test_the_activation_is_probed_in_fp32_under_a_bf16_default_dtype() -> None:
+    """torch.set_default_dtype(torch.bfloat16) (and transformers' loading, which sets the
+    model's dtype as the default): a probe drawn in bf16 matched no candidate, and SiLU
+    experts were refused as an activation kt_ops does not compute."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(EXPERTS_CONFIGS["olmoe"](), dtype=torch.float32).eval()
+    experts = experts_modules(model)[0]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        assert hf_experts.activation_of(experts, 32) == (0.0, 0.0)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _custom_experts(act: str = "gelu", **flags: bool) -> torch.nn.Module:
     from transformers.activations import ACT2FN
     from transformers.integrations.moe import use_experts_implementation
