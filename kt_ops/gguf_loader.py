@@ -12,9 +12,10 @@ in place while a layer is loaded makes the next call raise ``RuntimeError`` nami
 
 from __future__ import annotations
 
-import functools
 import os
 import re
+import threading
+from collections import OrderedDict
 from glob import escape as glob_escape
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,22 +85,60 @@ def gguf_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
     return tuple(files)
 
 
-@functools.lru_cache(maxsize=64)
-def _reader(path: str, mtime_ns: int, size: int, identity: tuple[int, int, int]) -> gguf.GGUFReader:
-    """``identity``: (st_dev, st_ino, st_ctime_ns), which tell a replaced or rewritten file
-    from the cached one where mtime and size do not (coarse timestamps, ``cp -p``)."""
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as error:  # numpy/struct errors on a damaged file
-        raise ValueError(f"cannot read GGUF file {path!r} (truncated or not GGUF?): {error}") from error
+class _ReaderCache:
+    """GGUF readers by path, at most ``size``, each kept with the file's identity (size,
+    mtime, device, inode, ctime: a file replaced or rewritten keeping its size and mtime is
+    read again, coarse timestamps and ``cp -p`` included). A reader maps its whole file and
+    holds a descriptor of it: every file read anew first drops the readers of files
+    deleted, replaced or rewritten since (a ``functools.lru_cache`` kept up to 64 of them, a
+    deleted model's disk space never given back and each rewrite adding a mapping)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._readers: OrderedDict[str, tuple[tuple[int, ...], gguf.GGUFReader]] = OrderedDict()
+
+    @staticmethod
+    def _identity(path: str) -> tuple[int, ...] | None:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return None
+        return stat.st_mtime_ns, stat.st_size, stat.st_dev, stat.st_ino, stat.st_ctime_ns
+
+    def get(self, path: str, identity: tuple[int, ...]) -> gguf.GGUFReader:
+        with self._lock:
+            entry = self._readers.get(path)
+            if entry is not None and entry[0] == identity:
+                self._readers.move_to_end(path)
+                return entry[1]
+            for name, (held, _) in list(self._readers.items()):  # a file read anew: drop the stale ones
+                if (identity if name == path else self._identity(name)) != held:
+                    del self._readers[name]
+        try:
+            reader = gguf.GGUFReader(path)
+        except Exception as error:  # numpy/struct errors on a damaged file
+            raise ValueError(f"cannot read GGUF file {path!r} (truncated or not GGUF?): {error}") from error
+        with self._lock:
+            self._readers[path] = (identity, reader)
+            while len(self._readers) > self._size:
+                self._readers.popitem(last=False)
+        return reader
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._readers.clear()
+
+
+_reader = _ReaderCache()
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """A reader of one GGUF file (metadata and tensor infos; the data stays memory-mapped),
     cached per path, size, mtime, inode and ctime (a file replaced or rewritten keeping its
-    size and mtime is read again); ``ValueError`` for a damaged file."""
+    size and mtime is read again; :class:`_ReaderCache`); ``ValueError`` for a damaged file."""
     stat = regular_file_stat(path, "; GGUF models are files")  # a FIFO would block the reader's open for ever
-    return _reader(str(path), stat.st_mtime_ns, stat.st_size, (stat.st_dev, stat.st_ino, stat.st_ctime_ns))
+    return _reader.get(str(path), (stat.st_mtime_ns, stat.st_size, stat.st_dev, stat.st_ino, stat.st_ctime_ns))
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> object | None:

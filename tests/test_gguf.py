@@ -273,6 +273,42 @@ def test_a_file_replaced_with_the_same_size_and_mtime_is_reread(tmp_path) -> Non
     check_layer_from_file(kt_ops.load_gguf_experts(path, 0), new[0], E, H, I)
 
 
+def open_in_process(directory: os.PathLike[str]) -> list[str]:
+    """This process's mappings and descriptors of files under ``directory``."""
+    root = os.fspath(directory)
+    with open("/proc/self/maps") as maps:
+        mapped = [line.split(maxsplit=5)[-1].strip() for line in maps if root in line]
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return mapped + [link for link in links if root in link]
+
+
+def test_a_deleted_or_replaced_gguf_file_is_not_kept_open(tmp_path) -> None:
+    """The reader cache kept every file it had read mapped and open (up to 64), after the
+    experts loaded from it were freed and after the file was deleted or replaced: a
+    replaced model's disk space was never given back, and each rewrite added a mapping."""
+    E, H, I = 8, 256, 256
+    layers = model_layers(("Q4_K", "Q4_K", "Q6_K"), 1, E, H, I, seed=13)
+    path = tmp_path / "m.gguf"
+    for _ in range(3):
+        write_model(path, layers, E, H, I)
+        packed = kt_ops.load_gguf_experts(path, 0)
+        check_layer_from_file(packed, layers[0], E, H, I)
+        del packed
+        gc.collect()
+        os.remove(path)
+    other = tmp_path / "other"
+    other.mkdir()
+    write_model(other / "o.gguf", layers, E, H, I)
+    packed = kt_ops.load_gguf_experts(other / "o.gguf", 0)  # a later load drops the readers of gone files
+    gc.collect()
+    assert [entry for entry in open_in_process(tmp_path) if "other" not in entry] == []
+
+
 # --- bad input -------------------------------------------------------------------------
 
 
