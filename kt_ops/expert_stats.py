@@ -76,7 +76,7 @@ def record(layer_id: int | None, topk_ids: torch.Tensor, num_experts: int) -> No
         raise ValueError(f"topk_ids must be int32 or int64 expert ids, got {topk_ids.dtype}")
     if topk_ids.device.type == "meta" or isinstance(topk_ids, FakeTensor):
         return
-    for stats in _ACTIVE:
+    for stats in tuple(_ACTIVE):  # a snapshot: a collector leaving (on another thread) shifted the live list
         stats._add(layer_id, topk_ids, num_experts)
 
 

@@ -189,6 +189,40 @@ def test_calls_from_several_threads_are_all_counted():
         assert torch.equal(twin.counts[0], stats.counts[0] + per_layer // calls)
 
 
+def test_a_collector_leaving_during_a_call_on_another_thread_skips_no_other(monkeypatch):
+    """record iterated the live list of active collectors: one that left its ``with`` block
+    (on another thread) while a call was counting shifted the list under the iteration, and
+    the next collector missed that call's ids."""
+    import threading
+
+    ids = torch.tensor([[0, 1]])
+    first, second = kt_ops.ExpertStats(), kt_ops.ExpertStats()
+    counting, left = threading.Event(), threading.Event()
+    add = kt_ops.ExpertStats._add
+
+    def slow_add(self, *args):
+        add(self, *args)
+        if self is first:
+            counting.set()
+            assert left.wait(10)
+
+    monkeypatch.setattr(kt_ops.ExpertStats, "_add", slow_add)
+
+    def leave() -> None:
+        assert counting.wait(10)
+        first.__exit__(None, None, None)
+        left.set()
+
+    first.__enter__()
+    with second:
+        thread = threading.Thread(target=leave)
+        thread.start()
+        expert_stats.record(0, ids, E)
+        thread.join()
+    assert first.counts[0, :2].tolist() == [1, 1]
+    assert second.counts.shape[0] == 1 and second.counts[0, :2].tolist() == [1, 1], "the second collector lost the call"
+
+
 def test_fixed_sizes_are_enforced():
     with kt_ops.ExpertStats(num_hidden_layers=3, num_experts=8) as stats:
         expert_stats.record(2, torch.tensor([[1]]), 4)  # fewer experts is fine
