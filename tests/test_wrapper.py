@@ -730,6 +730,31 @@ print(os.waitstatus_to_exitcode(status))
     assert result.stdout.strip() == "0", "forked child hung (-14: killed by its alarm) or computed a different result"
 
 
+def test_a_thread_outliving_the_main_thread_keeps_submitting() -> None:
+    """A (non-daemon) serving thread still running layers when the main thread returns:
+    the interpreter's exit shuts the worker thread's executor down before joining the
+    thread, and every later submit_forward raised "cannot schedule new futures after
+    shutdown". They must still compute, on the calling thread."""
+    code = FORK_PRELUDE + """
+import threading
+wr.submit_forward(x, ids, w)
+expected = wr.sync_forward(x)  # the worker thread exists
+main_done = threading.Event()
+def serve():
+    assert main_done.wait(30)
+    time.sleep(0.5)  # the main thread is in the interpreter's shutdown now
+    for _ in range(3):
+        wr.submit_forward(x, ids, w)
+        assert torch.equal(wr.sync_forward(x), expected)
+    print("served", flush=True)
+threading.Thread(target=serve).start()
+main_done.set()
+"""
+    result = subprocess.run([sys.executable, "-c", code.replace("import os", "import os, time", 1)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "served", result.stderr[-2000:]
+
+
 def test_forked_child_fails_work_in_flight_at_fork_clearly() -> None:
     """Work on the parent's worker thread when fork() runs is never finished in the child
     (that thread is not there): sync_forward there must raise, not wait forever; the

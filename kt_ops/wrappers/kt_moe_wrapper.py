@@ -19,6 +19,7 @@ import threading
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import thread as _futures_thread
 from concurrent.futures._base import FINISHED as _FINISHED
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -851,6 +852,18 @@ class KTMoEWrapper:
             cls._pool_tasks += 1
         try:
             future = pool.submit(_as_caller, *caller, fn, *args)
+        except RuntimeError:
+            cls._task_done(None)
+            if not (getattr(pool, "_shutdown", False) or getattr(_futures_thread, "_shutdown", False)):
+                raise
+            # The interpreter is exiting (its exit shut the worker's executor down before joining the
+            # threads still running): a thread outliving the main thread computes on itself.
+            future = Future()
+            try:
+                future.set_result(fn(*args))
+            except Exception as error:  # raised by sync_forward, as the worker's would be
+                future.set_exception(error)
+            return future
         except BaseException:
             cls._task_done(None)
             raise
