@@ -59,7 +59,7 @@ from typing import Union
 
 import torch
 
-from kt_ops import gguf_torch, reference
+from kt_ops import _futures, gguf_torch, reference
 from kt_ops._validate import is_int
 from kt_ops.ops import dequantize_experts
 from kt_ops.packed import PackedExperts
@@ -301,7 +301,7 @@ def prefetch_first_chunk(packed: PackedExperts, dtype: torch.dtype, device: torc
         return
     layout = transport(packed)
     with _PREFETCH_LOCK:
-        future = _staging_thread().submit(_stage, packed, experts, layout, dtype, device)
+        future = _futures.submit(_staging_thread(), _stage, packed, experts, layout, dtype, device)
         key = id(packed.data)
         _PREFETCHED[key] = (weakref.ref(packed.data, lambda _, key=key: _PREFETCHED.pop(key, None)),
                             (dtype, device, size), future)
@@ -474,7 +474,7 @@ def moe_forward_on_device(
     def stage(k: int) -> Future | None:  # chunk k's host tensors, staged on the background thread
         if k >= len(chunks) or (k == 0 and first is not None):
             return None
-        return _staging_thread().submit(_host_chunk, packed, chunks[k], layout, dtype, cuda)
+        return _futures.submit(_staging_thread(), _host_chunk, packed, chunks[k], layout, dtype, cuda)
 
     done: list[torch.cuda.Event | None] = [None, None]
     at = 0  # the chunk's first entry in ends

@@ -490,6 +490,36 @@ print(os.waitstatus_to_exitcode(status))
     assert result.stdout.strip() == "0", "the forked child hung (-14: killed by its alarm) or computed other bits"
 
 
+def test_a_thread_outliving_the_main_thread_still_stages_chunks() -> None:
+    """The staging thread's executor is shut down by the interpreter's exit before it joins
+    the threads still running: a serving thread's next call raised "cannot schedule new
+    futures after shutdown" from its chunk staging. It must still compute (on itself)."""
+    code = """
+import sys, threading, time
+sys.path.insert(0, "tests")
+import torch
+from conftest import make_experts, random_routing
+from kt_ops import gpu_prefill
+experts = make_experts(8, 64, 48)
+ids, weights = random_routing(9, 8, 2)
+x = torch.randn(9, 64)
+expected = gpu_prefill.moe_forward_on_device(x, ids, weights, experts.packed, chunk_bytes=1)
+main_done = threading.Event()
+def serve():
+    assert main_done.wait(30)
+    time.sleep(0.5)  # the main thread is in the interpreter's shutdown now
+    for _ in range(2):
+        out = gpu_prefill.moe_forward_on_device(x, ids, weights, experts.packed, chunk_bytes=1)
+        assert torch.equal(out, expected)
+    print("served", flush=True)
+threading.Thread(target=serve).start()
+main_done.set()
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0 and result.stdout.strip() == "served", result.stderr[-2000:]
+
+
 # ---- the next layer's first chunk, staged ahead ---------------------------------------
 
 @needs_gpu

@@ -19,7 +19,6 @@ import threading
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import thread as _futures_thread
 from concurrent.futures._base import FINISHED as _FINISHED
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -29,7 +28,7 @@ from typing import Callable, ClassVar, Iterator, Sequence
 import torch
 
 import kt_ops.cuda
-from kt_ops import expert_stats, gpu_prefill
+from kt_ops import _futures, expert_stats, gpu_prefill
 from kt_ops._validate import is_int, is_real, require_bools, require_tensors
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
@@ -854,16 +853,11 @@ class KTMoEWrapper:
             future = pool.submit(_as_caller, *caller, fn, *args)
         except RuntimeError:
             cls._task_done(None)
-            if not (getattr(pool, "_shutdown", False) or getattr(_futures_thread, "_shutdown", False)):
+            if not _futures.shutting_down(pool):
                 raise
             # The interpreter is exiting (its exit shut the worker's executor down before joining the
             # threads still running): a thread outliving the main thread computes on itself.
-            future = Future()
-            try:
-                future.set_result(fn(*args))
-            except Exception as error:  # raised by sync_forward, as the worker's would be
-                future.set_exception(error)
-            return future
+            return _futures.run_now(fn, *args)
         except BaseException:
             cls._task_done(None)
             raise
