@@ -108,6 +108,16 @@ def _check_moe_call(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_we
     _check_tensor(packed, packed_name, (torch.uint8,), 1)
 
 
+def _check_contiguous(**tensors: torch.Tensor) -> None:
+    """The kernels' check_cpu_contiguous (checks.cpp; the CUDA kernel's check too):
+    ``ValueError`` naming the first of ``tensors`` that is not contiguous, so a traced call
+    fails where the eager one does rather than when the compiled graph first runs."""
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous; got strides {list(t.stride())} for shape {list(t.shape)} "
+                             "(call .contiguous())")
+
+
 def _check_live_tokens(live_tokens: torch.Tensor | None) -> None:
     """The kernel's check_live_tokens (moe_call.cpp): int32 or int64 (``TypeError``), one
     value (``ValueError``). Its value is data, checked by the kernel only."""
@@ -132,6 +142,7 @@ def _moe_forward_fake(
                 live_tokens=live_tokens)
     _check_moe_call(hidden_states, topk_ids, topk_weights, packed)
     _check_live_tokens(live_tokens)
+    _check_contiguous(hidden_states=hidden_states, topk_ids=topk_ids, topk_weights=topk_weights)
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
@@ -153,6 +164,7 @@ def _moe_forward_parts_fake(
         _check_moe_call(hidden_states, topk_ids, topk_weights, part, f"parts[{p}]")
         if not 0 <= node < (1 << 30):
             raise ValueError(f"nodes[{p}] = {node} is not a NUMA node id")
+    _check_contiguous(hidden_states=hidden_states, topk_ids=topk_ids, topk_weights=topk_weights)
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 

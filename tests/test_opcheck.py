@@ -402,6 +402,7 @@ PARTS_REFUSALS = {
     "ids_float": (lambda x, ids, w, p: (x, ids.float(), w, [p], [0]), "topk_ids must have dtype"),
     "rows": (lambda x, ids, w, p: (x[:2], ids, w, [p], [0]), "topk_ids has 3 rows"),
     "part_f32": (lambda x, ids, w, p: (x, ids, w, [p, p.float()], [0, 0]), r"parts\[1\] must have dtype"),
+    "hidden_strided": (lambda x, ids, w, p: (x.t().contiguous().t(), ids, w, [p], [0]), "hidden_states must be contig"),
 }
 
 
@@ -414,6 +415,18 @@ def test_moe_forward_parts_fake_refuses_what_the_kernel_refuses(case: str) -> No
     build, match = PARTS_REFUSALS[case]
     args = build(a["hidden_states"], a["topk_ids"], a["topk_weights"], a["packed"])
     fake_and_meta_refuse_like_real(torch.ops.kt.moe_forward_parts.default, args, match)
+
+
+@pytest.mark.parametrize("name", ["hidden_states", "topk_ids", "topk_weights"])
+def test_moe_forward_fakes_refuse_strided_activations_as_the_kernels_do(name: str) -> None:
+    """The kernels refuse a non-contiguous hidden_states, topk_ids or topk_weights (checks.cpp, and the CUDA kernel);
+    the fakes accepted them, so a traced graph failed only when it first ran."""
+    a = _moe_args()
+    a[name] = a[name].t().contiguous().t()
+    args = (a["hidden_states"], a["topk_ids"], a["topk_weights"], a["packed"])
+    fake_and_meta_refuse_like_real(torch.ops.kt.moe_forward.default, args, f"{name} must be contiguous")
+    fake_and_meta_refuse_like_real(torch.ops.kt.moe_forward_train.default, (*args, a["intermediate_size"]),
+                                   f"{name} must be contiguous")
 
 
 DEQUANTIZE_REFUSALS = {
