@@ -44,6 +44,20 @@ def _packed_base(wrapper: Any) -> nn.Module | None:
     return None
 
 
+def _pack_if_kt_ops(wrapper: Any) -> None:
+    """Packs the experts module under a PEFT wrapper now when it runs kt_ops but is not packed
+    yet (``experts_implementation="kt_ops"`` without :func:`kt_ops.hf_experts.pack_model_experts`
+    packs on the first call). Packing on that call, under PEFT's parametrization, packed
+    ``W + B A``: the blob kept the adapter's delta, every later call added it again, and the
+    packing call's output had no gradient for the experts' LoRA factors."""
+    base = wrapper.get_base_layer()
+    config = getattr(base, "config", None)
+    if (hf_experts.is_experts_module(base) and hf_experts.packed_blob(base) is None
+            and getattr(config, "_experts_implementation", None) == hf_experts.IMPLEMENTATION
+            and not torch.compiler.is_compiling()):
+        hf_experts.pack_module_experts(base)
+
+
 def patch(layer_module: Any) -> None:
     """Patches ``peft.tuners.lora.layer.ParamWrapper`` (once) for packed experts modules."""
     wrapper = layer_module.ParamWrapper
@@ -65,6 +79,7 @@ def patch(layer_module: Any) -> None:
 
     @contextmanager
     def _activate_lora(self: Any, active_adapters: list[str]) -> Iterator[None]:
+        _pack_if_kt_ops(self)
         base = _packed_base(self)
         if base is None:
             with original_activate(self, active_adapters):

@@ -171,3 +171,31 @@ def test_patch_model_experts_interface_trains_under_peft(saved: dict[str, Path],
     bare.config = type("Config", (), {"model_type": "qwen3_moe"})()
     with pytest.raises(ValueError, match="experts_interface=True"):
         kt_ops.patch_model(bare, "BF16", experts_interface=True)
+
+
+def test_lora_on_experts_packed_on_their_first_call(saved: dict[str, Path], fp32_kernels: None) -> None:
+    """experts_implementation="kt_ops" without pack_model_experts packs each experts module on
+    its first call. Under an active adapter that call ran through PEFT's parametrization, so it
+    packed W + B A: the blob kept the adapter's delta and every later call added it again
+    (logits of a doubled adapter, silently), and a first training step got no expert LoRA gradients."""
+    def lazy() -> torch.nn.Module:
+        return transformers.AutoModelForCausalLM.from_pretrained(saved["qwen3_moe"], dtype=torch.float32,
+                                                                  experts_implementation="kt_ops")
+
+    ours, plain = with_lora(lazy(), seed=3), with_lora(load(saved["qwen3_moe"], kt=False), seed=3)
+    for model in (ours, plain):  # a trained adapter: B non-zero
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    assert not any(hf_experts.packed_blob(m) is not None for m in ours.modules() if hf_experts.is_experts_module(m))
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        for _ in range(2):
+            got = ours(input_ids=ids).logits
+            assert ((got - want).norm() / want.norm()) <= 1e-5, _
+    fresh = with_lora(lazy(), seed=3)
+    fresh(input_ids=ids, labels=ids).loss.backward()  # the packing call: gradients for the experts' LoRA too
+    grads = [p.grad for n, p in fresh.named_parameters() if "experts" in n and "lora_A" in n]
+    assert grads and all(g is not None for g in grads)
