@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import kt_ops
+from conftest import bf16_activations
 from hf_models import CONFIGS, tiny_model
 
 ARCHS = sorted(CONFIGS)
@@ -264,3 +265,28 @@ def test_transformers_v4_expert_lists() -> None:
         gate, up, down = _expert_tensors(experts, H)
         assert gate.shape == (E, I, H) and down.shape == (E, H, I)
         assert torch.equal(up[2], linears[2][1].weight) and torch.equal(down[3], linears[3][2].weight)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_router_trains_as_in_the_unpatched_model(arch: str) -> None:
+    """patch_model's HybridMoE froze the router (its weight detached, requires_grad=False) while the
+    unpatched model and patch_model(experts_interface=True) train it: a fine-tune of the patched model
+    left every router as loaded, silently. Its gradient now matches the unpatched model's."""
+    plain = tiny_model(arch).float()
+    patched = kt_ops.patch_model(copy.deepcopy(plain), "BF16")
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    grads = []
+    for model in (patched, plain):
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad for n, p in model.named_parameters()
+                      if n.endswith("router_weight") or n.endswith("mlp.gate.weight")])
+    assert len(grads[0]) == len(grads[1]) == 2
+    bound = 1e-2 if bf16_activations() else 1e-4  # amx: 1.8e-3
+    for got, want in zip(*grads):
+        assert got is not None and rel_error(want, got) <= bound
+    frozen = tiny_model(arch).float()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    layer = next(m for m in kt_ops.patch_model(frozen, "BF16").modules() if isinstance(m, kt_ops.HybridMoE))
+    assert not layer.router_weight.requires_grad  # a frozen router stays frozen

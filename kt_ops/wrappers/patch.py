@@ -290,6 +290,8 @@ def patch_model(
             group_size=group_size, gguf_type=gguf_type, layer_idx=hf_experts.layer_index(name),
             dynamic=dynamic_gpu_experts, gpu_prefill_token_threshold=gpu_prefill_token_threshold,
         )
+        # the router trains as in the unpatched model (HybridMoE keeps a detached copy, frozen by default)
+        layer.router_weight.requires_grad_(gate_module.weight.requires_grad)
         layer.to(gate_module.weight.device)  # the packed experts stay in host memory
         packed_bytes += layer.packed.numel()
         gpu_bytes += sum(b.numel() * b.element_size() for b in (layer.gpu_gate_up, layer.gpu_down))
