@@ -207,7 +207,16 @@ def _layer_tensors(path: str | os.PathLike[str], layer_idx: int, suffix: str
     return info, names, found
 
 
-def _check_stored_size(file: Path, name: str, tensor: gguf.gguf_reader.ReaderTensor) -> None:
+def expert_shapes(info: GgufModelInfo, gate_shape: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """The ggml shapes a layer's ``ffn_{gate,up,down}_exps`` must have: ``[H, I, E]`` twice and
+    ``[I, H, E]``, I from the metadata or else from the stored gate's shape (``gate_shape``;
+    0 for a gate of rank 1, which then fails the comparison)."""
+    E, H = info.num_experts, info.hidden_size
+    I = info.moe_intermediate_size or (int(gate_shape[1]) if len(gate_shape) > 1 else 0)
+    return (H, I, E), (H, I, E), (I, H, E)
+
+
+def check_stored_size(file: Path, name: str, tensor: gguf.gguf_reader.ReaderTensor) -> None:
     """``ValueError`` when the bytes a tensor's declared type and shape need do not end where
     the file's next tensor starts (after the alignment padding), as llama.cpp's reader
     requires: a type field that disagrees with the bytes stored (Q8_0 over Q4_K blocks read
@@ -264,10 +273,8 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool =
             f"GGUF model {str(path)!r} has no {', '.join(missing)}: layer {layer_idx} has no routed experts "
             "in the stacked ffn_*_exps form (a dense layer, or a layout kt_ops does not read)"
         )
-    E, H = info.num_experts, info.hidden_size
-    gate_shape = found[names[0]][1].shape  # ggml [H, I, E]; any other rank fails the shape check below
-    I = info.moe_intermediate_size or (int(gate_shape[1]) if len(gate_shape) > 1 else 0)
-    expected = ((H, I, E), (H, I, E), (I, H, E))
+    expected = expert_shapes(info, tuple(int(d) for d in found[names[0]][1].shape))
+    E, H, I = info.num_experts, info.hidden_size, expected[2][0]
     files, offsets, types = [], [], []
     for name, want in zip(names, expected):
         file, tensor = found[name]
@@ -281,7 +288,7 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool =
             types.append(gguf_type_id(tensor.tensor_type))
         except ValueError as error:
             raise ValueError(f"{name} in {file.name}: {error}") from None
-        _check_stored_size(file, name, tensor)
+        check_stored_size(file, name, tensor)
         files.append(str(file))
         offsets.append(int(tensor.data_offset))
     data = _C.map_gguf_experts(files, offsets, types, E, H, I)
@@ -331,7 +338,7 @@ def load_gguf_expert_biases(
         file, tensor = found[name]
         if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
             raise ValueError(f"{name} in {file.name} is {tensor.tensor_type.name}; expert biases must be F32")
-        _check_stored_size(file, name, tensor)
+        check_stored_size(file, name, tensor)
         shape = tuple(int(d) for d in tensor.shape)  # ggml order: [width, E]
         width = H if name.endswith("ffn_down_exps.bias") else I
         if shape != (width, E):

@@ -33,7 +33,7 @@ from kt_ops.converted import INDEX, MANIFEST, Manifest, entry_path, layer_file, 
 from kt_ops.cpu import cpu_variant
 from kt_ops.diagnostics import methods_label
 from kt_ops.formats import FORMATS, format_info
-from kt_ops.gguf_loader import (OTHER_ACTIVATIONS, _check_stored_size, gguf_files, open_gguf,
+from kt_ops.gguf_loader import (OTHER_ACTIVATIONS, check_stored_size, expert_shapes, gguf_files, open_gguf,
                                read_gguf_config)
 from kt_ops.gguf_types import GGML_TYPES
 from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, _check_regular_file, read_config_json
@@ -374,7 +374,7 @@ def _inspect_gguf(path: Path) -> Inspection:
                 shape = tuple(int(d) for d in tensor.shape)
                 found[int(match["layer"])][match["m"]] = (type_name, shape, int(tensor.n_bytes))
                 try:
-                    _check_stored_size(file, tensor.name, tensor)
+                    check_stored_size(file, tensor.name, tensor)
                 except ValueError:
                     mistyped.add(int(match["layer"]))
     layers, notes, incomplete, misshapen = [], [], [], []
@@ -386,14 +386,13 @@ def _inspect_gguf(path: Path) -> Inspection:
             continue
         if L in duplicated or L in mistyped:
             continue
-        # ggml shapes [H, I, E] (gate, up) and [I, H, E] (down), as load_gguf_experts checks them
-        # (a gate of another rank failed here with "not enough values to unpack")
-        gate_shape = matrices["gate"][1]
-        E, H = info.num_experts, info.hidden_size
-        I = info.moe_intermediate_size or (gate_shape[1] if len(gate_shape) > 1 else 0)
-        if [matrices[m][1] for m in MATRICES] != [(H, I, E), (H, I, E), (I, H, E)]:
+        # the shapes load_gguf_experts requires (a gate of another rank failed here with "not enough
+        # values to unpack")
+        expected = expert_shapes(info, matrices["gate"][1])
+        if tuple(matrices[m][1] for m in MATRICES) != expected:
             misshapen.append(L)
             continue
+        E, H, I = info.num_experts, info.hidden_size, expected[2][0]
         infos = []
         for name in MATRICES:
             type_name, _, nbytes = matrices[name]
