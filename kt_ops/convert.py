@@ -13,7 +13,8 @@ own method, its nibbles copied (:mod:`kt_ops.hf_int4`), and an MXFP4 checkpoint 
 gpt-oss or DeepSeek-V4-Flash) only to ``--quant-method mxfp4``, its codes kept and its
 activation and biases in the packed headers (:mod:`kt_ops.hf_mxfp4`), written to ``layer-{L:05d}.safetensors`` (atomically) and
 verified — the file re-read and compared byte for byte, and one expert's output through
-the kernel compared with the fp32 reference on the source weights. At the end the layer
+the kernel compared with the fp32 reference on the source weights (a layer that fails is
+deleted, so neither a rerun nor ``--resume-layer`` takes it for written). At the end the layer
 files are merged into ``model-0000i-of-0000N.safetensors`` shards (unless
 ``--no-merge-safetensor``), ``model.safetensors.index.json``, ``kt_ops_manifest.json``
 and the source ``config.json`` are written; every file goes to disk under a temporary name
@@ -440,7 +441,7 @@ def _convert_layers(args: argparse.Namespace, checkpoint: HfCheckpoint, out: Pat
                     E: int, H: int, I: int, method: str, fmt: str, group: int, in_place: bool, mxfp4_input: bool,
                     pack_args: dict, done: list[int]) -> None:
     """Converts, writes and verifies each layer of ``todo`` (one layer file each), appending
-    each finished layer to ``done``."""
+    each finished layer to ``done``; a layer file that fails verification is deleted."""
     with progress_bar(len(todo)) as progress:
         for layer in todo:
             progress.set_description_str(f"layer {layer}")
@@ -469,7 +470,11 @@ def _convert_layers(args: argparse.Namespace, checkpoint: HfCheckpoint, out: Pat
             path = out / layer_file(layer)
             tensors = {layer_key(layer, p): packed.data for p, packed in enumerate(parts)}
             save_durably(tensors, path)
-            verify_layer(path, layer, parts, gate, up, down, bound, *activation)
+            try:
+                verify_layer(path, layer, parts, gate, up, down, bound, *activation)
+            except BaseException:  # not written: a rerun's hint and --resume-layer would keep the wrong file
+                path.unlink(missing_ok=True)
+                raise
             del gate, up, down, parts, tensors
             done.append(layer)
             progress.update()

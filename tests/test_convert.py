@@ -394,6 +394,30 @@ def test_verification_catches_wrong_weights(tmp_path, checkpoint, monkeypatch, c
     assert "from the reference" in capsys.readouterr().err
 
 
+def test_a_layer_failing_verification_is_not_kept_for_resume(tmp_path, checkpoint, monkeypatch, capsys) -> None:
+    """A layer whose verification failed after earlier layers were done stayed on disk as
+    ``layer-00002.safetensors``: the rerun said "continue with --resume-layer 3" and that
+    run finished the directory with layer 2's wrong weights. Now the file is deleted."""
+    real_pack, calls = convert.pack_parts, []
+
+    def second_layer_swapped(g, u, d, *a, **k):
+        calls.append(1)
+        return real_pack(u, g, d, *a, **k) if len(calls) == 2 else real_pack(g, u, d, *a, **k)  # gate <-> up
+
+    monkeypatch.setattr(convert, "pack_parts", second_layer_swapped)
+    out = tmp_path / "out"
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8"]
+    assert run(*base) == 1
+    assert "layer 2: expert 2 through the kernel" in capsys.readouterr().err
+    assert (out / layer_file(1)).is_file() and not (out / layer_file(2)).exists()
+    monkeypatch.setattr(convert, "pack_parts", real_pack)
+    assert run(*base) == 2
+    assert "continue with --resume-layer 2)" in capsys.readouterr().err
+    assert run(*base, "--resume-layer", 3) == 2  # layer 2 is in no file: not silently kept
+    assert run(*base, "--resume-layer", 2) == 0
+    assert torch.equal(outputs(out, 2, "AMXINT8"), outputs(checkpoint, 2, "AMXINT8"))
+
+
 @pytest.mark.slow
 def test_command_line_entry_points(tmp_path, checkpoint):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
