@@ -382,7 +382,9 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
             todo_first = next((L for L in layers if L not in on_disk), None)
             state = ("a finished conversion" if old.complete else "an unfinished conversion") + (
                 f" (layers before {todo_first} written: continue with --resume-layer {todo_first})"
-                if todo_first is not None and todo_first != layers[0] else "")
+                if todo_first is not None and todo_first != layers[0] else
+                f" (every layer written: finish it with --resume-layer {layers[-1] + 1})"
+                if todo_first is None and not old.complete else "")
             raise UsageError(f"--output {out} already holds {state}; use --resume-layer L or another --output")
         settings = ("format", "group_size", "num_experts", "hidden_size", "intermediate_size", "threadpool_count")
         changed = [s for s in settings if getattr(old, s) != getattr(manifest, s)]

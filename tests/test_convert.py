@@ -206,9 +206,10 @@ def test_resume_from_another_checkpoint_is_refused(tmp_path, checkpoint, weights
 
 
 @pytest.mark.parametrize("crash_at", ["shard_write", "shard_rename", "index", "layer_delete"])
-def test_a_crash_in_the_merge_resumes(tmp_path, checkpoint, monkeypatch, crash_at):
+def test_a_crash_in_the_merge_resumes(tmp_path, checkpoint, monkeypatch, capsys, crash_at):
     """A crash at each step of the merge leaves a directory --resume-layer completes, with
-    the same weights as an uninterrupted run (issue 23, case 8)."""
+    the same weights as an uninterrupted run (issue 23, case 8); the rerun without
+    --resume-layer names the layer to give (it named none: every layer was written)."""
     from kt_ops import convert_merge
 
     out = tmp_path / "out"
@@ -233,6 +234,9 @@ def test_a_crash_in_the_merge_resumes(tmp_path, checkpoint, monkeypatch, crash_a
     monkeypatch.setattr(*target, crash(getattr(*target)))
     assert run(*base) == 1
     monkeypatch.undo()
+    capsys.readouterr()
+    assert run(*base) == 2  # the rerun says how to finish (it gave no layer: every layer is written)
+    assert "unfinished conversion (every layer written: finish it with --resume-layer 4)" in capsys.readouterr().err
     assert run(*base, "--resume-layer", 3) == 0
     for L in (1, 2, 3):
         assert torch.equal(outputs(out, L, "AMXINT8"), outputs(checkpoint, L, "AMXINT8"))
