@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kt_ops._validate import regular_file_stat
@@ -41,10 +41,19 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file`` with kt_ops' metadata; a failed write (a full disk) is an ``OSError``
+    naming ``path``, not safetensors' own exception (which names no file)."""
+    try:
+        save_file(tensors, os.fspath(path), metadata=METADATA)
+    except SafetensorError as error:
+        raise OSError(f"{path}: cannot write it: {error}") from None
+
+
 def save_durably(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """``save_file`` under ``path.tmp``, fsync, rename to ``path``, fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, os.fspath(tmp), metadata=METADATA)
+    save_tensors(tensors, tmp)
     fsync_path(tmp)
     os.replace(tmp, path)
     fsync_path(path.parent)
@@ -131,7 +140,7 @@ def merge_layers(out: Path, layers: list[int], parts: int, max_shard_bytes: int)
         tensors: dict[str, torch.Tensor] = {}
         for layer in group:
             tensors.update(_tensors(out / layer_file(layer), layer, parts))
-        save_file(tensors, os.fspath(out / (name + ".tmp")), metadata=METADATA)
+        save_tensors(tensors, out / (name + ".tmp"))
         fsync_path(out / (name + ".tmp"))
         weight_map.update({key: name for key in tensors})
         names.append(name)

@@ -390,6 +390,31 @@ def test_a_failure_after_a_finished_layer_keeps_it_for_resume(tmp_path, checkpoi
                "--resume-layer", 2) == 0
 
 
+@pytest.mark.parametrize("where", ["layer", "shard"])
+def test_a_full_disk_is_one_error_line_naming_the_file(tmp_path, checkpoint, monkeypatch, capsys, where) -> None:
+    """safetensors reports a failed write (a full disk) as its own ``SafetensorError``, which
+    main did not catch: a traceback, naming no file. Now exit 1, one line naming the file."""
+    from safetensors import SafetensorError
+
+    from kt_ops import convert_merge
+
+    real_save = convert_merge.save_file
+
+    def full_disk(tensors, path, metadata=None):
+        if ("model-" if where == "shard" else "layer-") in os.fspath(path):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(convert_merge, "save_file", full_disk)
+    out = tmp_path / "out"
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 1
+    err = capsys.readouterr().err
+    name = "model-00001-of-00001" if where == "shard" else "layer-00001"
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"python -m kt_ops.convert: error: {out / name}.safetensors.tmp: cannot write")
+    assert "No space left on device" in err
+
+
 def test_verification_catches_wrong_weights(tmp_path, checkpoint, monkeypatch, capsys):
     real_pack = convert.pack_parts
     monkeypatch.setattr(convert, "pack_parts", lambda g, u, d, *a, **k: real_pack(u, g, d, *a, **k))  # gate <-> up
