@@ -48,7 +48,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kt_ops import reference
-from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, save_durably
+from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, missing_layers, save_durably
 from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint, read_config_json
@@ -408,8 +408,7 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
     found = layer_sources(out, kept, args.threadpool_count) if kept else {}
     missing = [L for L in kept if L not in found]
     if missing:
-        raise UsageError(f"--resume-layer {args.resume_layer}: layers {', '.join(map(str, missing))} are in no "
-                         f"layer file or shard of {out}")
+        raise UsageError(f"--resume-layer {args.resume_layer}: {missing_layers(out, missing)}")
     fresh = not (out / MANIFEST).is_file()
     manifest.write(out)
     done: list[int] = []

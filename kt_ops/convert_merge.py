@@ -84,20 +84,24 @@ def _has_keys(path: Path, keys: list[str]) -> bool:
         return False
 
 
+def _weight_map(out: Path) -> dict[str, str]:
+    """``out``'s index: tensor key -> file name (empty where there is no readable index)."""
+    weight_map: object = {}
+    if (out / INDEX).is_file():
+        try:
+            weight_map = json.loads((out / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):  # not JSON, no weight_map, not an object
+            weight_map = {}
+    return weight_map if isinstance(weight_map, dict) else {}
+
+
 def layer_sources(out: Path, layers: list[int], parts: int) -> dict[int, Path]:
     """Where each of ``layers`` is stored in ``out``: its layer file, else the shard the
     index names for it (each only if it holds all of the layer's parts). Layers found
     nowhere are left out. ``ValueError`` naming the entry where the index names a file
     outside ``out`` for one of them (:func:`kt_ops.converted.entry_path`): it was read,
     and then deleted as a stale shard."""
-    weight_map: dict[str, str] = {}
-    if (out / INDEX).is_file():
-        try:
-            weight_map = json.loads((out / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):  # not JSON, no weight_map, not an object
-            weight_map = {}
-        if not isinstance(weight_map, dict):
-            weight_map = {}
+    weight_map = _weight_map(out)
     sources: dict[int, Path] = {}
     for layer in layers:
         keys = [layer_key(layer, p) for p in range(parts)]
@@ -107,6 +111,17 @@ def layer_sources(out: Path, layers: list[int], parts: int) -> dict[int, Path]:
         elif keys[0] in weight_map and _has_keys(shard := entry_path(out, weight_map[keys[0]]), keys):
             sources[layer] = shard
     return sources
+
+
+def missing_layers(out: Path, missing: list[int]) -> str:
+    """Says that ``missing`` (sorted) are in no layer file or shard of ``out``: which shard
+    the index names for them where it names one (it could not be read, or lacks them), and
+    the ``--resume-layer`` that converts them again."""
+    named = _weight_map(out)
+    shards = sorted({str(named[key]) for key in (layer_key(layer, 0) for layer in missing) if key in named})
+    damaged = f" (the index names {', '.join(shards)} for them: unreadable, truncated or without them)" if shards else ""
+    return (f"layers {', '.join(map(str, missing))} are in no layer file or shard of {out}{damaged}; convert them "
+            f"again: --resume-layer {missing[0]}")
 
 
 def layer_file_name(path: Path) -> str:
@@ -171,7 +186,7 @@ def _unmerge(out: Path, layers: list[int], parts: int) -> set[Path]:
     sources = layer_sources(out, layers, parts)
     missing = [layer for layer in layers if layer not in sources]
     if missing:
-        raise FileNotFoundError(f"{out}: layers {', '.join(map(str, missing))} are in no layer file or shard")
+        raise FileNotFoundError(missing_layers(out, missing))
     for layer in layers:
         if sources[layer].name != layer_file(layer):
             save_durably(_tensors(sources[layer], layer, parts), out / layer_file(layer))

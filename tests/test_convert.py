@@ -547,6 +547,26 @@ def test_a_fifo_named_by_the_index_is_not_waited_on(tmp_path, checkpoint):
     assert "layers 1 are in no layer file or shard" in done.stderr.splitlines()[-1]
 
 
+def test_resuming_over_a_truncated_shard_names_it(tmp_path, checkpoint, capsys):
+    """A merged shard cut short, then --resume-layer past its layers: the message said only
+    that the layers were "in no layer file or shard" although the index names a shard for
+    them. Now it names that shard as unreadable and the --resume-layer that converts them
+    again (exit 2, nothing written)."""
+    out = tmp_path / "out"
+    base = ["--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+            "--layers", "1-2"]
+    assert run(*base) == 0
+    shard = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["blk.1.part0.packed"]
+    size = (out / shard).stat().st_size
+    with open(out / shard, "r+b") as handle:
+        handle.truncate(size - 1000)
+    capsys.readouterr()
+    assert run(*base, "--resume-layer", "2") == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"the index names {shard} for them: unreadable" in last and "--resume-layer 1" in last, last
+    assert (out / shard).stat().st_size == size - 1000
+
+
 @pytest.mark.parametrize("where", ["relative", "absolute"])
 def test_index_entries_outside_the_directory_are_refused(tmp_path, checkpoint, capsys, where):
     """An index entry naming a file outside the converted directory ("../x" or an absolute
