@@ -451,6 +451,8 @@ def test_model_step_table_stays_aligned_for_long_method_names() -> None:
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--json", "/nonexistent/kt_ops_dir/rows.json"], "cannot write into /nonexistent/kt_ops_dir (no such directory)"),
     (["--json", "."], "--json . is a directory"),
+    # a torch allocation error (819 GB) after the weights were drawn
+    (["--tokens", "1", "100000000", "--shape", "S2"], "--tokens 100000000: a S2 call's activations"),
 ])
 def test_bad_arguments_are_refused_before_any_timing(argv: list[str], message: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,6 +84,7 @@ from kt_ops.bench.runner import (
     METHODS,
     SHAPES,
     Row,
+    Shape,
     gguf_types_for,
     make_layers,
     measure_baseline,
@@ -168,6 +169,12 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
     args.min_seconds = 0.25 if args.quick else 1.0
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens must be >= 1")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for shape in args.shape:  # a torch allocation error after the weights were drawn, otherwise
+        need = activation_bytes(SHAPES[shape], max(args.tokens))
+        if need > ram:
+            parser.error(f"--tokens {max(args.tokens)}: a {shape} call's activations and intermediates take about "
+                         f"{need / 2**30:.0f} GiB, more than this machine's {ram / 2**30:.0f} GiB of RAM")
     for shape in args.shape:
         for method in args.method:
             if method in GGUF_METHODS:
@@ -306,6 +313,13 @@ def peer_main(args: argparse.Namespace, prog: str) -> int:
             json.dump({"cpu_variant": kt_ops.cpu_variant(), "threads": kt_ops.get_num_threads(), "peer": peer.description,
                        "output_errors": errors, "peer_rows": [r.as_dict() for r in rows]}, f, indent=2)
     return 1 if mismatched else 0
+
+
+def activation_bytes(shape: Shape, tokens: int) -> int:
+    """The bytes a ``tokens``-token call of ``shape`` holds besides the weights, at least: fp32
+    input and output rows ``[T, H]`` and the plain layer's fp32 gate, up and activation rows
+    for each (token, slot), ``[T, K, 3I]``."""
+    return tokens * 4 * (2 * shape.hidden + shape.top_k * 3 * shape.intermediate)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m kt_ops.bench") -> int:
