@@ -818,6 +818,23 @@ def test_gguf_directory_with_map_and_mask(tmp_path):
         KTMoEWrapper(1, E, 2, Hg, Ig, weight_path=tmp_path, method="AMXINT8").load_weights()
 
 
+def test_cpu_save_keeps_the_weights_of_the_last_load(tmp_path, checkpoint, weights):
+    """cpu_save's source_weights are those of the weights loaded last: a load of packed
+    weights (a converted directory) left the tensors of the load before it there."""
+    from kt_ops import convert
+
+    out = tmp_path / "int8"
+    assert convert.main([str(a) for a in ("--input-path", checkpoint, "--input-type", "bf16", "--output", out,
+                                          "--quant-method", "int8")]) == 0
+    wr = KTMoEWrapper(1, E, K, H, I, method="AMXINT8", cpu_save=True, weight_path=out, num_gpu_experts=2)
+    wr.load_weights_from_tensors(*weights[2])
+    assert wr.source_weights is not None and torch.equal(wr.source_weights[0], weights[2][0][2:])
+    wr.load_weights()
+    assert wr.source_weights is None
+    wr.load_weights_from_tensors(*weights[1])
+    assert torch.equal(wr.source_weights[2], weights[1][2][2:])
+
+
 def test_generate_gpu_experts_masks_is_global():
     freq = torch.tensor([[0.1, 0.5, 0.3, 0.8], [0.2, 0.4, 0.9, 0.1]])
     masks = generate_gpu_experts_masks(freq, 3)

@@ -131,7 +131,9 @@ class KTMoEWrapper:
             (Hugging Face: config.json's values), each applied only where the constructor's
             value is the default 0.
         chunked_prefill_size: at most this many tokens per kernel call (None: no limit).
-        cpu_save: keep the unpacked source tensors (``source_weights``) after packing.
+        cpu_save: keep the source tensors (``source_weights``: gate, up and down of the packed
+            slots as read, before packing) after packing; each load replaces them, and a load
+            of weights that come packed (a converted directory, GGUF) or of no slot leaves None.
         max_deferred_experts_per_token: d, see the module docstring.
         method: ``BF16``, ``AMXINT8``/``MOE_INT8``, ``AMXINT4``/``MOE_INT4``, ``LLAMAFILE``,
             ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``, ``MXFP4`` (format
@@ -404,9 +406,13 @@ class KTMoEWrapper:
             raise ValueError(f"physical_to_logical_map values must be in [0, {logical}) (the experts the weights hold)")
         return mapping
 
-    def _set_packed(self, parts: list[PackedExperts], route: torch.Tensor, biases: Biases | None = None) -> None:
+    def _set_packed(self, parts: list[PackedExperts], route: torch.Tensor, biases: Biases | None = None,
+                    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """Installs the CPU experts' parts (``route``: physical slot -> packed expert), with
-        the wrapper's activation and ``biases`` (packed expert order) applied to them."""
+        the wrapper's activation and ``biases`` (packed expert order) applied to them, and
+        ``source`` (the unpacked weights, None for weights read packed) as ``source_weights``
+        with ``cpu_save``: a load that kept the previous load's left weights that are not
+        the packed ones."""
         for packed in parts:
             if (packed.hidden_size, packed.intermediate_size * len(parts)) != (self.hidden_size, self.moe_intermediate_size):
                 raise ValueError(f"layer {self.layer_idx}: weights are H={packed.hidden_size}, "
@@ -420,6 +426,7 @@ class KTMoEWrapper:
         self._mask_at_load = self.gpu_experts_mask.clone()
         self._tables = {}
         self._identity_route = None
+        self.source_weights = source if self.cpu_save else None
 
     @property
     def _route(self) -> torch.Tensor:
@@ -450,8 +457,7 @@ class KTMoEWrapper:
         pack_args = {"group_size": self.group_size} if self.format in ("int4", "int4_asym") else {}
         route = self._cpu_route()
         parts = pack_parts(gate, up, down, self.method, self.threadpool_count, **pack_args) if gate.shape[0] else []
-        self._set_packed(parts, route, biases)
-        self.source_weights = (gate, up, down) if self.cpu_save else None
+        self._set_packed(parts, route, biases, (gate, up, down))
 
     def load_weights_from_tensors(
         self,
@@ -551,22 +557,24 @@ class KTMoEWrapper:
         """The CPU slots' experts of an FP8 checkpoint, packed without widening."""
         route = self._cpu_route()
         parts: list[PackedExperts] = []
+        source = None
         if cpu:
             experts = checkpoint.load_fp8_experts(self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
             parts = pack_fp8_parts(experts, self.threadpool_count)
-            self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
-        self._set_packed(parts, route)
+            source = (experts.gate, experts.up, experts.down)
+        self._set_packed(parts, route, source=source)
 
     def _load_int4(self, checkpoint: HfCheckpoint, cpu: list[int]) -> None:
         """The CPU slots' experts of an INT4 checkpoint, packed without re-quantizing."""
         route = self._cpu_route()
         parts: list[PackedExperts] = []
+        source = None
         if cpu:
             experts = load_int4_experts(checkpoint, self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size,
                                         self.method)
             parts = pack_int4_parts(experts, self.threadpool_count)
-            self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
-        self._set_packed(parts, route)
+            source = (experts.gate, experts.up, experts.down)
+        self._set_packed(parts, route, source=source)
 
     def _load_mxfp4(self, checkpoint: HfCheckpoint, mapping: torch.Tensor) -> None:
         """The CPU slots' experts of an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash),
@@ -576,13 +584,14 @@ class KTMoEWrapper:
         route = self._cpu_route()
         parts: list[PackedExperts] = []
         biases = None
+        source = None
         if cpu:
             experts = load_mxfp4_experts(checkpoint, self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
             self._use_checkpoint_activation(experts.swiglu_limit, experts.swiglu_alpha)
             parts = pack_mxfp4_parts(experts, self.threadpool_count)
             biases = experts.biases
-            self.source_weights = (experts.gate, experts.up, experts.down) if self.cpu_save else None
-        self._set_packed(parts, route, biases)
+            source = (experts.gate, experts.up, experts.down)
+        self._set_packed(parts, route, biases, source)
 
     def _load_converted(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
         manifest, parts = load_converted_layer(path, self.layer_idx)
