@@ -35,17 +35,22 @@ def pack_parts(
     gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, method: str, parts: int, **pack_args: object
 ) -> list[PackedExperts]:
     """``gate [E, I, H]``, ``up [E, I, H]``, ``down [E, H, I]`` packed as ``parts`` parts
-    with :func:`kt_ops.pack_experts` (``pack_args``: group_size, gguf_type, ...)."""
+    with :func:`kt_ops.pack_experts` (``pack_args``: group_size, gguf_type, ...). A part the
+    method cannot pack (an INT4 group wider than a part) is a ``ValueError`` naming the split."""
     if parts == 1:
         return [pack_experts(gate, up, down, method=method, **pack_args)]
     bounds = part_bounds(int(gate.shape[1]), parts)
     if isinstance(method, str) and method.upper() == "MXFP4" and any(a % 32 or b % 32 for a, b in bounds):
         raise ValueError(f"threadpool_count {parts} splits moe_intermediate_size {int(gate.shape[1])} into parts of "
                          f"{bounds[0][1]}; MXFP4 needs each part's bounds to be multiples of 32")
-    return [
-        pack_experts(gate[:, a:b], up[:, a:b], down[:, :, a:b].contiguous(), method=method, **pack_args)
-        for a, b in bounds
-    ]
+    try:
+        return [
+            pack_experts(gate[:, a:b], up[:, a:b], down[:, :, a:b].contiguous(), method=method, **pack_args)
+            for a, b in bounds
+        ]
+    except ValueError as error:  # it named the part's width as the layer's I ("intermediate_size I = 64")
+        raise ValueError(f"threadpool_count {parts} splits moe_intermediate_size {int(gate.shape[1])} into parts of "
+                         f"{bounds[0][1]}, each packed as a layer of that intermediate size: {error}") from None
 
 
 def activate_parts(

@@ -156,6 +156,14 @@ def test_bad_arguments() -> None:
         kt_ops.KTMoEWrapper(0, E, K, H, I, threadpool_count=1, method="BF16", numa_nodes=["0"])
 
 
+def test_a_part_the_method_cannot_pack_names_the_split() -> None:
+    """An INT4 group wider than a part: the error named the part's width as the layer's I
+    ("intermediate_size I = 128" for a layer of I = 512), not threadpool_count."""
+    wr = kt_ops.KTMoEWrapper(0, E, K, H, I, threadpool_count=4, method="AMXINT4", group_size=256)
+    with pytest.raises(ValueError, match=r"threadpool_count 4 splits moe_intermediate_size 512 into parts of 128"):
+        wr.load_weights_from_tensors(*layer())
+
+
 @pytest.mark.parametrize("node", [0.7, "0", True], ids=["float", "str", "bool"])
 def test_a_node_id_that_is_not_an_int_is_refused(node) -> None:
     """kt_ops.moe_forward_parts passed int(n) of each node to the operator: 0.7 ran on node
