@@ -15,9 +15,19 @@ from kt_ops._validate import bad_count
 
 
 def host_copy(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` in host memory, pinned where CUDA is available (GPU slots fill from it)."""
-    host = weight.detach().to("cpu").contiguous()
-    if torch.cuda.is_available():
+    """A copy of ``weight`` in host memory, pinned where CUDA is available (GPU slots fill
+    from it). Never ``weight``'s own storage: a host tensor was returned as it was (without
+    CUDA), so a caller reusing it (the next layer's weights read into the same buffer)
+    changed the experts later moved to GPU slots, silently."""
+    host = _pinned(weight.detach().to("cpu").contiguous())
+    if host.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        host = _pinned(host.clone())
+    return host
+
+
+def _pinned(host: torch.Tensor) -> torch.Tensor:
+    """``host`` in pinned memory where CUDA is available (a copy unless it is pinned already)."""
+    if torch.cuda.is_available() and not host.is_pinned():
         try:
             return host.pin_memory()
         except RuntimeError:  # pinning can fail (limits); pageable copies still work

@@ -145,6 +145,20 @@ def test_bad_groups_are_refused_when_the_layer_is_built(routing: dict, match: st
     assert kt_ops.HybridMoE(router, gate, up, down, good, e_score_correction_bias=bias)(tokens()).shape == (9, H)
 
 
+def test_update_fills_slots_from_the_weights_the_layer_was_built_with():
+    """The host weights GPU slots are refilled from are a copy: without CUDA they were the
+    caller's tensors themselves, so a caller reusing them (the next layer's weights read
+    into the same buffers) changed what an update moved to the GPU slots, silently."""
+    x = tokens()
+    router, gate, up, down = weights()
+    dyn = kt_ops.HybridMoE(router, gate, up, down, kt_ops.Routing(K), gpu_experts_mask=torch.arange(E) < 2,
+                           dynamic=True, layer_idx=0)
+    for tensor in (gate, up, down):
+        tensor.mul_(-3.0)  # the caller's buffers, reused
+    dyn.update_gpu_experts([3, 6])
+    assert close(dyn(x), layer([3, 6])(x))
+
+
 def test_update_after_loading_other_experts_is_refused():
     """The host copies GPU slots are refilled from are the constructor's weights, not in the
     state dict: after load_state_dict of other experts an update computed the old experts
