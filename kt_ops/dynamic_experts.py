@@ -5,8 +5,9 @@ activated ones as SGLang does, host copies to refill GPU slots from — and
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -79,7 +80,8 @@ def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
     ``dynamic=True`` (:func:`kt_ops.hf_experts.rebalance_local_experts`). Returns how many
     layers were rebalanced (changed or not); layers without a layer id or a row in
     ``stats`` are left alone. Call between forwards (e.g. every N decode steps, then
-    ``stats.reset()``)."""
+    ``stats.reset()``). Every layer's counts are checked before any layer moves: a bad row
+    is a ``ValueError`` that leaves every layer as it was."""
     from kt_ops import hf_experts
     from kt_ops.expert_stats import ExpertStats
     from kt_ops.wrappers.hybrid_moe import HybridMoE
@@ -99,16 +101,21 @@ def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
     else:  # a numpy array was read as a path: "... is not a torch.save file"
         raise ValueError(f"stats must be counts [num_hidden_layers, E] (a tensor), an ExpertStats or a dump path, "
                          f"got {type(stats).__name__}")
-    done = 0
+    # Every layer's choice first (most_activated checks its row), then the moves: a bad row
+    # (a negative count, another expert count) raised after the layers before it had moved.
+    moves: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] = []
     for module in model.modules():
         if (isinstance(module, HybridMoE) and module.dynamic and module.num_gpu_experts
                 and module.layer_idx is not None and module.layer_idx < counts.shape[0]):
-            module.rebalance(counts[module.layer_idx])
-            done += 1
+            chosen = most_activated(counts[module.layer_idx], module.num_gpu_experts, module.num_experts)
+            moves.append((module.update_gpu_experts, chosen))
         elif hf_experts.is_experts_module(module) and hf_experts.is_dynamic(module):
             layer = hf_experts.layer_id(module)
             local = hf_experts.local_experts(module)
             if layer is not None and layer < counts.shape[0] and local is not None and local[0].numel():
-                hf_experts.rebalance_local_experts(module, counts[layer])
-                done += 1
-    return done
+                experts = int(module.__dict__[hf_experts._SOURCE][0].shape[0])  # as rebalance_local_experts
+                chosen = most_activated(counts[layer], int(local[0].numel()), experts)
+                moves.append((functools.partial(hf_experts.update_local_experts, module), chosen))
+    for move, chosen in moves:
+        move(chosen)
+    return len(moves)

@@ -225,6 +225,21 @@ def test_rebalance_gpu_experts_checks_its_counts():
     assert kt_ops.rebalance_gpu_experts(model, counts) == 1 and moe.gpu_experts.tolist() == [6, 7]
 
 
+def test_a_bad_row_moves_no_layer():
+    """Counts whose row of a later layer is bad (a negative count, another expert count)
+    raised after the layers before it had moved: half a model rebalanced."""
+    first, second = layer([0, 1], dynamic=True), layer([0, 1], dynamic=True)
+    first.layer_idx, second.layer_idx = 0, 1
+    model = torch.nn.ModuleList([first, second])
+    for row in (torch.tensor([0, 0, 0, 0, 0, -1, 0, 0]), torch.tensor([1, 2])):
+        counts = torch.zeros(2, row.numel(), dtype=torch.long)
+        counts[0, -2:] = 9
+        counts[1] = row
+        with pytest.raises(ValueError, match="counts must"):
+            kt_ops.rebalance_gpu_experts(model, counts)
+        assert first.gpu_experts.tolist() == [0, 1] and second.gpu_experts.tolist() == [0, 1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_update_under_a_captured_cuda_graph():
     x = tokens(device="cuda")
