@@ -98,6 +98,11 @@ def test_a_replaced_mask_of_another_type_is_named(weights, dynamic: bool):
         wr.gpu_experts_mask = bad
         with pytest.raises(ValueError, match=rf"gpu_experts_mask must be a bool tensor of shape \[{E}\]"):
             wr.forward(x, ids, w)
+    # every slot on the GPU, none packed: the list failed in ~mask before the check (TypeError)
+    every = wrapper(weights, list(range(E)), dynamic=dynamic)
+    every.gpu_experts_mask = mask(list(range(E))).tolist()
+    with pytest.raises(ValueError, match=rf"gpu_experts_mask must be a bool tensor of shape \[{E}\]"):
+        every.forward(x, ids, w)
 
 def test_a_dynamic_gpu_slot_can_be_staged(weights):
     """kt-kernel stages any slot (every expert is in host memory): so does a dynamic wrapper."""

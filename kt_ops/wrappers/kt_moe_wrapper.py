@@ -1005,10 +1005,12 @@ class KTMoEWrapper:
         expert is deferred — returned at once where one operator call is the whole layer
         (:meth:`_direct_cpu_forward`), else the result (or error) left for
         :meth:`sync_forward` as the worker's would be. None when nothing is returned."""
-        if not self._route_all.numel() or (not self._parts and bool((~self.gpu_experts_mask).any())):
+        if not self._route_all.numel():
+            raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
+        self._check_mask()  # (before ~mask below: a replaced list failed there with a TypeError)
+        if not self._parts and bool((~self.gpu_experts_mask).any()):
             # (every slot on the GPU and nothing loaded: the empty routing table failed in torch.where)
             raise RuntimeError(f"layer {self.layer_idx}: no weights loaded (call load_weights first)")
-        self._check_mask()
         require_tensors(hidden_states=hidden_states, topk_ids=topk_ids, topk_weights=topk_weights)
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}")
