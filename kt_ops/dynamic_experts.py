@@ -107,15 +107,13 @@ def rebalance_gpu_experts(model: nn.Module, stats: object) -> int:
     for module in model.modules():
         if (isinstance(module, HybridMoE) and module.dynamic and module.num_gpu_experts
                 and module.layer_idx is not None and module.layer_idx < counts.shape[0]):
-            chosen = most_activated(counts[module.layer_idx], module.num_gpu_experts, module.num_experts)
-            moves.append((module.update_gpu_experts, chosen))
+            moves.append((module.update_gpu_experts, module.most_activated(counts[module.layer_idx])))
         elif hf_experts.is_experts_module(module) and hf_experts.is_dynamic(module):
             layer = hf_experts.layer_id(module)
             local = hf_experts.local_experts(module)
             if layer is not None and layer < counts.shape[0] and local is not None and local[0].numel():
-                experts = int(module.__dict__[hf_experts._SOURCE][0].shape[0])  # as rebalance_local_experts
-                chosen = most_activated(counts[layer], int(local[0].numel()), experts)
-                moves.append((functools.partial(hf_experts.update_local_experts, module), chosen))
+                moves.append((functools.partial(hf_experts.update_local_experts, module),
+                               hf_experts.most_activated_local(module, counts[layer])))
     for move, chosen in moves:
         move(chosen)
     return len(moves)

@@ -518,14 +518,20 @@ def update_local_experts(module: nn.Module, expert_ids: torch.Tensor | Sequence[
 def rebalance_local_experts(module: nn.Module, counts: torch.Tensor) -> torch.Tensor:
     """Moves the module's experts in torch to its most activated (``counts [E]``, a row of
     :attr:`kt_ops.ExpertStats.counts`), as SGLang picks them; returns the new ids."""
+    chosen = most_activated_local(module, counts)
+    update_local_experts(module, chosen)
+    return chosen
+
+
+def most_activated_local(module: nn.Module, counts: torch.Tensor) -> torch.Tensor:
+    """The ids :func:`rebalance_local_experts` moves the module's experts in torch to (``counts``
+    checked; nothing moved)."""
     if not is_dynamic(module):
         raise RuntimeError(f"{type(module).__name__}: rebalance_local_experts needs the experts packed with "
                            "dynamic=True")
     local = local_experts(module)
     experts = int(module.__dict__[_SOURCE][0].shape[0])
-    chosen = most_activated(counts, 0 if local is None else int(local[0].numel()), experts)
-    update_local_experts(module, chosen)
-    return chosen
+    return most_activated(counts, 0 if local is None else int(local[0].numel()), experts)
 
 
 def move_local_experts(module: nn.Module, device: torch.device) -> None:

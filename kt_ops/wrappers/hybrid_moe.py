@@ -324,9 +324,13 @@ class HybridMoE(nn.Module):
         """Moves the layer's ``num_gpu_experts`` most activated experts (``counts [E]``, e.g.
         a row of :attr:`kt_ops.ExpertStats.counts`) to the GPU, as SGLang picks them
         (``topk`` of the counts, then ascending ids); returns the new GPU expert ids."""
-        chosen = most_activated(counts, self.num_gpu_experts, self.num_experts)
+        chosen = self.most_activated(counts)
         self.update_gpu_experts(chosen)
         return chosen
+
+    def most_activated(self, counts: torch.Tensor) -> torch.Tensor:
+        """The ids :meth:`rebalance` moves to the GPU for ``counts [E]`` (checked; nothing moved)."""
+        return most_activated(counts, self.num_gpu_experts, self.num_experts)
 
     def _gpu_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The GPU experts, dense over the tokens: ``[T, H]`` in x's dtype."""
