@@ -42,6 +42,7 @@ from kt_ops._validate import is_int
 
 # The collectors inside whose ``with`` block we are, innermost last; all of them count.
 _ACTIVE: list[ExpertStats] = []
+_ACTIVE_LOCK = threading.Lock()  # entering and leaving (recording reads a snapshot, unlocked)
 _warned_no_layer_id = False
 # How far a collector without num_hidden_layers / num_experts grows: far above any model's
 # layers and experts, far below a layer id that would allocate gigabytes of counts.
@@ -135,16 +136,20 @@ class ExpertStats:
     # ---- context ----------------------------------------------------------------------
 
     def __enter__(self) -> ExpertStats:
-        if any(s is self for s in _ACTIVE):
-            raise RuntimeError("this ExpertStats is already active")
-        _ACTIVE.append(self)
+        with _ACTIVE_LOCK:
+            if any(s is self for s in _ACTIVE):
+                raise RuntimeError("this ExpertStats is already active")
+            _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for i in range(len(_ACTIVE) - 1, -1, -1):
-            if _ACTIVE[i] is self:
-                del _ACTIVE[i]
-                break
+        # Under the lock: a collector leaving on another thread between finding this one's
+        # index and deleting it shifted the list, and the del removed that other collector.
+        with _ACTIVE_LOCK:
+            for i in range(len(_ACTIVE) - 1, -1, -1):
+                if _ACTIVE[i] is self:
+                    del _ACTIVE[i]
+                    break
 
     @property
     def active(self) -> bool:

@@ -223,6 +223,34 @@ def test_a_collector_leaving_during_a_call_on_another_thread_skips_no_other(monk
     assert second.counts.shape[0] == 1 and second.counts[0, :2].tolist() == [1, 1], "the second collector lost the call"
 
 
+def test_collectors_leaving_on_two_threads_at_once_each_remove_themselves(monkeypatch):
+    """__exit__ found its collector's index in the active list, then deleted by index: a
+    collector leaving on another thread in between shifted the list, and the del removed the
+    wrong collector (which then kept counting, and the one that left stayed active)."""
+    import threading
+
+    first, second, third = kt_ops.ExpertStats(), kt_ops.ExpertStats(), kt_ops.ExpertStats()
+
+    class Interleaving(list):
+        def __getitem__(self, i):
+            item = super().__getitem__(i)
+            if item is third and not started:  # third found; first leaves before the del
+                started.append(True)
+                thread.start()
+                thread.join(0.5)  # with the lock: first waits until third is removed
+            return item
+
+    started: list[bool] = []
+    thread = threading.Thread(target=first.__exit__, args=(None, None, None))
+    monkeypatch.setattr(expert_stats, "_ACTIVE", Interleaving())
+    for stats in (first, second, third):
+        stats.__enter__()
+    third.__exit__(None, None, None)
+    thread.join(10)
+    assert not first.active and not third.active and second.active
+    second.__exit__(None, None, None)
+
+
 def test_fixed_sizes_are_enforced():
     with kt_ops.ExpertStats(num_hidden_layers=3, num_experts=8) as stats:
         expert_stats.record(2, torch.tensor([[1]]), 4)  # fewer experts is fine
