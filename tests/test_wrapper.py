@@ -195,6 +195,23 @@ def test_num_gpu_experts_and_all_on_gpu(weights):
     assert torch.count_nonzero(everything.forward(x, ids, w)) == 0
 
 
+def test_numpy_integers_are_taken_as_ints(weights):
+    """Sizes as numpy integers (read from an array): "num_gpu_experts must be an int in [0, 8],
+    got np.int64(3)" and the like, where kt-kernel takes them; now the same layer as with ints
+    (bools and floats stay refused above)."""
+    x, ids, w = inputs()
+    wr = KTMoEWrapper(np.int64(1), np.int32(E), np.int64(K), np.int64(H), np.int64(I), method="AMXINT4",
+                      group_size=np.int64(32), num_gpu_experts=np.int64(3), threadpool_count=np.int64(2),
+                      chunked_prefill_size=np.int64(4), max_deferred_experts_per_token=np.int64(1),
+                      cpuinfer_threads=np.int64(2))
+    wr.load_weights_from_tensors(*weights[1])
+    plain = wrapper(method="AMXINT4", num_gpu_experts=3, threadpool_count=2, chunked_prefill_size=4,
+                    max_deferred_experts_per_token=1, cpuinfer_threads=2)
+    plain.load_weights_from_tensors(*weights[1])
+    assert type(wr.num_experts) is int and type(wr.threadpool_count) is int
+    assert torch.equal(wr.forward(x, ids, w), plain.forward(x, ids, w))
+
+
 @pytest.mark.parametrize("call", ["forward", "submit_forward"])
 def test_forward_before_load_weights_with_every_slot_on_the_gpu(call: str) -> None:
     """Every slot on the GPU and no weights loaded: the forward says to load them, as with CPU slots (was a

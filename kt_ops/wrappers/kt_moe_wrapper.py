@@ -29,7 +29,7 @@ import torch
 
 import kt_ops.cuda
 from kt_ops import _futures, expert_stats, gpu_prefill
-from kt_ops._validate import is_int, is_real, require_bools, require_tensors
+from kt_ops._validate import is_int, is_integral, is_real, require_bools, require_tensors
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, set_num_threads
 from kt_ops.dynamic_experts import host_copy
@@ -98,6 +98,11 @@ def _env_flag(name: str) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def _plain_int(value: object) -> object:
+    """``value`` as a Python ``int`` when it is another integer type (numpy's), else as given."""
+    return int(value) if is_integral(value) and not isinstance(value, int) else value
 
 
 class KTMoEWrapper:
@@ -241,6 +246,13 @@ class KTMoEWrapper:
         dynamic_gpu_experts: bool | None = None,
         gpu_prefill_token_threshold: int | None = None,
     ) -> None:
+        # numpy's integers (sizes read from an array or a config parsed with numpy) as ints,
+        # as kt-kernel takes them; bools, floats and strings stay refused below.
+        layer_idx, num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size = map(
+            _plain_int, (layer_idx, num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size))
+        cpuinfer_threads, threadpool_count, chunked_prefill_size, max_deferred_experts_per_token = map(
+            _plain_int, (cpuinfer_threads, threadpool_count, chunked_prefill_size, max_deferred_experts_per_token))
+        num_gpu_experts, group_size = _plain_int(num_gpu_experts), _plain_int(group_size)
         for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),
                             ("num_experts_per_tok", num_experts_per_tok), ("hidden_size", hidden_size),
                             ("moe_intermediate_size", moe_intermediate_size), ("threadpool_count", threadpool_count)):
