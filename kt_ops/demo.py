@@ -73,17 +73,65 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, kinds: t
     return out, sum(spent), total
 
 
+def method_arguments(method: str, hidden: int, intermediate: int) -> tuple[str, str | None]:
+    """``(method, gguf_type)`` for ``patch_model``: a GGUF type name (``Q4_K``) selects
+    ``LLAMAFILE`` with that type. ``ValueError`` naming the choices for an unknown method,
+    or where the method does not pack experts of these sizes (a one-expert trial pack)."""
+    from kt_ops.formats import CHECKPOINT_METHODS, METHOD_FORMATS
+    from kt_ops.gguf_types import SUPPORTED_TYPES
+
+    name = method.upper()
+    gguf_type = None
+    if name not in METHOD_FORMATS and name not in CHECKPOINT_METHODS and name in SUPPORTED_TYPES:
+        name, gguf_type = "LLAMAFILE", name
+    elif name == "LLAMAFILE":
+        raise ValueError(f"LLAMAFILE needs a GGUF type: pass the type as the method "
+                         f"(one of {', '.join(SUPPORTED_TYPES)})")
+    elif name not in METHOD_FORMATS and name not in CHECKPOINT_METHODS:
+        methods = [m for m in (*METHOD_FORMATS, *CHECKPOINT_METHODS) if m != "LLAMAFILE"]
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(methods)} "
+                         f"or a GGUF type ({', '.join(SUPPORTED_TYPES)})")
+    gate = torch.zeros(1, intermediate, hidden, dtype=torch.bfloat16)
+    down = torch.zeros(1, hidden, intermediate, dtype=torch.bfloat16)
+    kt_ops.pack_experts(gate, gate.clone(), down, name, group_size=128, gguf_type=gguf_type)  # as patch_model packs
+    return name, gguf_type
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, str | None]:
+    """Usage errors (exit 2) for sizes the demo cannot build or run, before any model is
+    built; returns :func:`method_arguments`."""
+    for flag, value in (("--layers", args.layers), ("--experts", args.experts), ("--tokens", args.tokens)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if not 1 <= args.top_k <= args.experts:
+        parser.error(f"--top-k must be between 1 and --experts ({args.experts}), got {args.top_k}")
+    if args.hidden < 16 or args.hidden % 16:
+        parser.error(f"--hidden must be a positive multiple of 16 (8 attention heads of an even size), "
+                     f"got {args.hidden}")
+    if args.intermediate < 8 or args.intermediate % 8:
+        parser.error(f"--intermediate must be a positive multiple of 8 (bf16 rows of 16-byte multiples), "
+                     f"got {args.intermediate}")
+    try:
+        return method_arguments(args.method, args.hidden, args.intermediate)
+    except ValueError as error:
+        parser.error(f"--method {args.method}: {error}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kt_ops.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", default="BF16", help="packing method of the CPU experts (default BF16)")
+    parser.add_argument("--method", default="BF16",
+                        help="packing method of the CPU experts (default BF16), or a GGUF type such as Q4_K "
+                             "(method LLAMAFILE with that type)")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size, a multiple of 16 (default 1024)")
     parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--top-k", type=int, default=8, help="experts per token, at most --experts (default 8)")
+    parser.add_argument("--intermediate", type=int, default=512,
+                        help="expert intermediate size, a multiple of 8 (default 512)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens to generate")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    method, gguf_type = check_arguments(parser, args)
 
     model = build_model(args.layers, args.hidden, args.experts, args.top_k, args.intermediate, args.seed)
     block = type(model.model.layers[0].mlp)
@@ -93,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tiny Qwen3-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.top_k}, "
           f"intermediate {args.intermediate}, bf16, random weights")
     reference, hf_moe, hf_total = generate(model, prompt, args.tokens, (block,))
-    patched = kt_ops.patch_model(copy.deepcopy(model), method=args.method)
+    patched = kt_ops.patch_model(copy.deepcopy(model), method=method, gguf_type=gguf_type)
     print(patched.kt_ops_patch_report)
     ours, kt_moe, kt_total = generate(patched, prompt, args.tokens, (kt_ops.HybridMoE,))
     new = slice(prompt.shape[1], None)
