@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                            return_tensors="pt")
+                                            return_tensors="pt", return_dict=True)["input_ids"]  # v5: a dict anyway
     else:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0 and not args.prompt.strip():

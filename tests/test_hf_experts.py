@@ -6,6 +6,7 @@ SiLU); torch.compile after packing; registration without importing transformers.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -581,6 +582,26 @@ def test_kt_ops_generate_reads_the_native_method_in_any_case(saved: dict[str, Pa
     args = [str(path), "--prompt", "w5 w17", "--max-new-tokens", "1", "--dtype", "float32", "--gguf-type", "Q8_0"]
     assert generate.main(args + ["--method", "Native"]) == 0
     assert "kt_ops LLAMAFILE: loaded" in capsys.readouterr().err
+
+
+def test_kt_ops_generate_chat_wraps_the_prompt_in_the_template(saved: dict[str, Path], tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--chat with a tokenizer that has a chat template: the templated prompt's tokens (transformers v5's
+    apply_chat_template returns a dict: this was an AttributeError traceback from ids.shape)."""
+    import shutil
+
+    from kt_ops import generate
+
+    path = tmp_path / "chat"
+    shutil.copytree(saved["qwen3_moe"], path)
+    save_tokenizer(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+                               "{% if add_generation_prompt %}w3{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    args = [str(path), "--prompt", "w5 w17", "--max-new-tokens", "1", "--dtype", "float32", "--chat"]
+    assert generate.main(args) == 0
+    assert "prompt 5 tokens" in capsys.readouterr().err  # w1 w5 w17 w2 w3
 
 
 def test_import_kt_ops_does_not_import_transformers() -> None:
