@@ -143,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
     if not local.exists() and (local.is_absolute() or args.model.startswith((".", "~"))):
         # a path, not a hub id: transformers would answer "Repo id must use alphanumeric chars"
         raise UsageError(f"{args.model}: no such file or directory")
+    if args.tokenizer is not None:
+        tokenizer_path = Path(args.tokenizer).expanduser()
+        if not tokenizer_path.exists() and (tokenizer_path.is_absolute() or args.tokenizer.startswith((".", "~"))):
+            raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")  # else "Repo id must use ..."
     from kt_ops.converted import is_converted
 
     if local.is_dir() and is_converted(local):  # else: transformers' error about missing expert tensors

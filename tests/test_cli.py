@@ -106,6 +106,13 @@ def test_generate_of_a_missing_path_says_so(capsys, model) -> None:
     assert status == 2 and last_line(err) == f"kt-ops generate: error: {model}: no such file or directory"
 
 
+def test_generate_with_a_missing_tokenizer_path_says_so(capsys, hf_checkpoint) -> None:
+    """--tokenizer naming a local path that does not exist: said so, before the model loads (it was transformers'
+    'Repo id must use alphanumeric chars')."""
+    status, _, err = run(capsys, "generate", hf_checkpoint, "--prompt", "hi", "--tokenizer", "/nonexistent/tok")
+    assert status == 2 and last_line(err) == "kt-ops generate: error: --tokenizer /nonexistent/tok: no such directory"
+
+
 @pytest.mark.parametrize("kind", ["file", "directory"])
 def test_generate_of_a_path_that_is_no_model_says_so(capsys, tmp_path, kind) -> None:
     """A file that is not .gguf, a directory without config.json or GGUF files: transformers
