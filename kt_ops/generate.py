@@ -205,12 +205,13 @@ def run(args: argparse.Namespace) -> int:
     new = int(out.shape[1] - ids.shape[1])
     times = streamer.times
     prefill = (times[0] - begin) if times else float("nan")
-    decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+    decode = (f"decode {(len(times) - 1) / (times[-1] - times[0]):.2f} tokens/s" if len(times) > 1
+              else "no decode step to time")  # one new token: prefill only (was "decode nan tokens/s")
     print(file=sys.stderr)
     methods = getattr(getattr(model.config, "quantization_config", None), "packed_methods", None) or [method]
     print(f"kt_ops {'/'.join(methods)}: loaded in {loaded - started:.1f} s; prompt {ids.shape[1]} tokens, prefill "
           f"{ids.shape[1] / prefill:.1f} tokens/s ({prefill * 1e3:.0f} ms to the first token); {new} new tokens, "
-          f"decode {decode:.2f} tokens/s; {torch.get_num_threads()} threads, CPU variant {kt_ops.cpu_variant()}",
+          f"{decode}; {torch.get_num_threads()} threads, CPU variant {kt_ops.cpu_variant()}",
           file=sys.stderr)
     return 0
 

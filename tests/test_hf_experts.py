@@ -604,6 +604,18 @@ def test_kt_ops_generate_chat_wraps_the_prompt_in_the_template(saved: dict[str, 
     assert "prompt 5 tokens" in capsys.readouterr().err  # w1 w5 w17 w2 w3
 
 
+def test_kt_ops_generate_of_one_token_times_no_decode(saved: dict[str, Path],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-new-tokens 1: the prefill only, said so (it printed "decode nan tokens/s")."""
+    from kt_ops import generate
+
+    path = saved["qwen3_moe"]
+    save_tokenizer(path)
+    assert generate.main([str(path), "--prompt", "w5 w17", "--max-new-tokens", "1", "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err
+    assert "no decode step to time" in err and "nan" not in err
+
+
 def test_import_kt_ops_does_not_import_transformers() -> None:
     code = ("import sys, kt_ops; assert 'transformers' not in sys.modules; "
             "import transformers.integrations.moe as m; assert 'kt_ops' in m.ALL_EXPERTS_FUNCTIONS; print('ok')")
