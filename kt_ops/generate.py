@@ -78,13 +78,14 @@ def _load_gguf(args: argparse.Namespace, path: Path, dtype: Any) -> tuple[Any, A
     import transformers
 
     import kt_ops
-    from kt_ops.gguf_loader import gguf_files
+    from kt_ops.gguf_loader import gguf_files, read_gguf_config
 
     if args.method.lower() not in ("native", "llamafile") or args.gguf_type is not None or args.group_size is not None:
         raise UsageError("a GGUF model's experts run as the file stores them (method LLAMAFILE): --method, "
                          "--gguf-type and --group-size do not apply")
     try:
         file = gguf_files(path)[0]
+        read_gguf_config(path)  # a file that is no GGUF MoE model says so (not "no tokenizer ... pass --tokenizer")
         if args.tokenizer is not None:
             tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
         else:

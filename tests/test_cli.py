@@ -127,6 +127,27 @@ def test_generate_of_a_path_that_is_no_model_says_so(capsys, tmp_path, kind) -> 
     assert status == 2 and re.fullmatch(f"kt-ops generate: error: {re.escape(str(model))}: {want}; .*", last_line(err))
 
 
+@pytest.mark.parametrize("kind", ["garbage", "dense"])
+def test_generate_of_a_gguf_that_is_no_moe_model_says_so(capsys, tmp_path, kind) -> None:
+    """A .gguf that is not GGUF, or a GGUF without experts: said so (it was "no tokenizer transformers can read in
+    this GGUF ...; pass --tokenizer DIR", and --tokenizer did not help)."""
+    import gguf
+
+    model = tmp_path / "model.gguf"
+    if kind == "garbage":
+        model.write_bytes(b"GGUFgarbage")
+    else:
+        writer = gguf.GGUFWriter(str(model), "llama")
+        writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    status, _, err = run(capsys, "generate", model, "--prompt", "hi")
+    want = "truncated or not GGUF?" if kind == "garbage" else "not an MoE model?"
+    assert status == 2 and want in last_line(err) and "--tokenizer" not in last_line(err), err
+
+
 def test_generate_of_a_converted_directory_says_what_it_is(capsys, converted) -> None:
     """A kt-ops convert output holds packed experts only: generate says so (transformers
     complained about missing expert tensors)."""
