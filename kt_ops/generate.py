@@ -128,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.group_size is not None and args.group_size < 1:  # 0 read as 128, -32 as 4294967264 further down
+        raise UsageError(f"--group-size must be 32, 64 or 128, got {args.group_size}")
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")

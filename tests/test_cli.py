@@ -113,6 +113,14 @@ def test_generate_with_a_missing_tokenizer_path_says_so(capsys, hf_checkpoint) -
     assert status == 2 and last_line(err) == "kt-ops generate: error: --tokenizer /nonexistent/tok: no such directory"
 
 
+@pytest.mark.parametrize("size", ["0", "-32"])
+def test_generate_refuses_a_group_size_below_1(capsys, hf_checkpoint, size) -> None:
+    """--group-size 0 was reported as 'group_size 128 must divide ...', -32 as 'got 4294967264'."""
+    status, _, err = run(capsys, "generate", hf_checkpoint, "--prompt", "hi", "--method", "AMXINT4",
+                         "--group-size", size)
+    assert status == 2 and last_line(err) == f"kt-ops generate: error: --group-size must be 32, 64 or 128, got {size}"
+
+
 @pytest.mark.parametrize("kind", ["file", "directory"])
 def test_generate_of_a_path_that_is_no_model_says_so(capsys, tmp_path, kind) -> None:
     """A file that is not .gguf, a directory without config.json or GGUF files: transformers
