@@ -150,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         tokenizer_path = Path(args.tokenizer).expanduser()
         if not tokenizer_path.exists() and (tokenizer_path.is_absolute() or args.tokenizer.startswith((".", "~"))):
             raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")  # else "Repo id must use ..."
+        if tokenizer_path.exists() and not tokenizer_path.is_dir():  # else "Repo id must be in the form ..."
+            raise UsageError(f"--tokenizer {args.tokenizer}: not a directory (a Hugging Face tokenizer directory)")
     from kt_ops.converted import is_converted
 
     if local.is_dir() and is_converted(local):  # else: transformers' error about missing expert tensors

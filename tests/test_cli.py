@@ -107,10 +107,14 @@ def test_generate_of_a_missing_path_says_so(capsys, model) -> None:
 
 
 def test_generate_with_a_missing_tokenizer_path_says_so(capsys, hf_checkpoint) -> None:
-    """--tokenizer naming a local path that does not exist: said so, before the model loads (it was transformers'
-    'Repo id must use alphanumeric chars')."""
+    """--tokenizer naming a local path that does not exist, or a file: said so, before the model loads (it was
+    transformers' 'Repo id must use alphanumeric chars' / 'must be in the form ...')."""
     status, _, err = run(capsys, "generate", hf_checkpoint, "--prompt", "hi", "--tokenizer", "/nonexistent/tok")
     assert status == 2 and last_line(err) == "kt-ops generate: error: --tokenizer /nonexistent/tok: no such directory"
+    file = hf_checkpoint / "config.json"  # a file: transformers said "Repo id must be in the form ..."
+    status, _, err = run(capsys, "generate", hf_checkpoint, "--prompt", "hi", "--tokenizer", file)
+    assert status == 2 and last_line(err) == f"kt-ops generate: error: --tokenizer {file}: not a directory (a " \
+        "Hugging Face tokenizer directory)"
 
 
 @pytest.mark.parametrize("size", ["0", "-32"])
