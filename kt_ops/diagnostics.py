@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
 
-from kt_ops import host, numa
+from kt_ops import _native, host, numa
 from kt_ops.cpu import (
     CPU_VARIANTS,
     cpu_variant,
@@ -146,7 +145,8 @@ def doctor() -> str:
     every row of the format table the kernel it runs under the active variant (for gguf
     also the ggml types that variant reads in place)."""
     active = cpu_variant()
-    reason = variant_reason(active, supported_cpu_variants(), os.environ.get("KT_OPS_CPU_VARIANT", "").strip())
+    # The variable as kt_ops read it at import (a later os.environ change forces nothing).
+    reason = variant_reason(active, supported_cpu_variants(), _native._requested)
     lines = [f"torch {torch.__version__}", f"active CPU variant: {active} ({reason})"]
     for variant in CPU_VARIANTS:
         missing = missing_features(variant)

@@ -218,6 +218,17 @@ def test_doctor_reports_variant_and_reason_amx_numa_hugepages_threads(capsys) ->
     assert out.rstrip("\n") == kt_ops.doctor()
 
 
+def test_doctor_reads_kt_ops_cpu_variant_as_it_was_at_import(monkeypatch) -> None:
+    """KT_OPS_CPU_VARIANT set after import forces nothing: the doctor said "set by kt_ops.set_cpu_variant() after
+    KT_OPS_CPU_VARIANT=... at import" of a variable it read when it ran."""
+    from kt_ops import _native
+
+    before = kt_ops.doctor()
+    other = next(v for v in kt_ops.CPU_VARIANTS if v not in (kt_ops.cpu_variant(), _native._requested))
+    monkeypatch.setenv("KT_OPS_CPU_VARIANT", other)
+    assert kt_ops.doctor() == before and f"KT_OPS_CPU_VARIANT={other}" not in before
+
+
 def test_importing_the_doctor_module_prints_nothing_and_keeps_kt_ops_doctor_callable() -> None:
     """``import kt_ops.doctor`` printed the report and put the module where the function
     ``kt_ops.doctor`` was (``kt_ops.doctor()``: "'module' object is not callable")."""
