@@ -187,6 +187,11 @@ def check_pack_arguments(
             raise ValueError(f"gguf_type applies to method 'LLAMAFILE', not {method!r}")
         if fmt not in GROUPED_FORMATS and group_size not in (None, DEFAULT_GROUP_SIZE):
             raise ValueError(f"method {method!r} has no k-groups; group_size applies to the INT4 methods")
+        sizes = format_info(fmt).group_sizes
+        if fmt in GROUPED_FORMATS and group_size is not None and group_size not in sizes:
+            # (KtOpsConfig read 0 as the default 128 and passed -32 on as 4294967264)
+            choices = " or ".join(filter(None, (", ".join(map(str, sizes[:-1])), str(sizes[-1]))))
+            raise ValueError(f"method {method!r} needs group_size {choices} (or None), got {group_size}")
         if scale_search and not format_info(fmt).scale_search:  # else KtOpsConfig let it through to the first tensor
             raise ValueError(f"scale_search applies to quantized formats with a scale search (INT8, INT4), not {fmt} "
                              f"(method {method!r})")

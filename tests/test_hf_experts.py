@@ -338,6 +338,9 @@ def test_quantization_config_packs_while_loading(saved: dict[str, Path], arch: s
         kt_ops.KtOpsConfig(method="BF16", group_size=64)
     with pytest.raises(ValueError, match="unknown GGUF type 'Q9_9'"):
         kt_ops.KtOpsConfig(method="LLAMAFILE", gguf_type="Q9_9")
+    for group in (0, -32, 48, 256):  # 0 was read as 128 and -32 named as 4294967264, when the model loaded
+        with pytest.raises(ValueError, match=f"'AMXINT4' needs group_size 32, 64 or 128 \\(or None\\), got {group}"):
+            kt_ops.KtOpsConfig(method="AMXINT4", group_size=group)
 
 
 def test_quantization_config_keeps_gpu_experts_in_torch(saved: dict[str, Path]) -> None:
