@@ -71,6 +71,13 @@ def gguf_model(model: str) -> Path | None:
     return None
 
 
+def _has_tokenizer_files(directory: Path) -> bool:
+    """Whether ``directory`` holds any file a Hugging Face tokenizer is read from (its
+    configuration, vocabulary or model)."""
+    return any(entry.name.startswith(("tokenizer", "vocab", "spiece", "merges")) or entry.suffix == ".tiktoken"
+               for entry in directory.iterdir())
+
+
 def _load_gguf(args: argparse.Namespace, path: Path, dtype: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a GGUF model: kt_ops.from_gguf, and the tokenizer the file
     carries (or ``--tokenizer``'s). UsageError for options that do not apply, or a file
@@ -170,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()  # the tokenizer comes from the same file: timed with it
         model, tokenizer = _load_gguf(args, gguf_path, getattr(torch, args.dtype))
     else:
+        source = Path(args.tokenizer or args.model).expanduser()
+        if source.is_dir() and not _has_tokenizer_files(source):  # else "You need to have sentencepiece or ..."
+            raise UsageError(f"{source}: no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model, "
+                             "vocab.json ...); pass --tokenizer DIR (a Hugging Face tokenizer directory)")
         try:
             config = kt_ops.KtOpsConfig(**pack)
             tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)

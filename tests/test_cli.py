@@ -117,6 +117,15 @@ def test_generate_with_a_missing_tokenizer_path_says_so(capsys, hf_checkpoint) -
         "Hugging Face tokenizer directory)"
 
 
+def test_generate_with_a_tokenizer_directory_without_tokenizer_files_says_so(capsys, hf_checkpoint, tmp_path) -> None:
+    """A --tokenizer directory (or a model directory) holding no tokenizer files: transformers said "You need to
+    have sentencepiece or tiktoken installed", which is not the cause."""
+    empty = tmp_path / "tok"
+    empty.mkdir()
+    status, _, err = run(capsys, "generate", hf_checkpoint, "--prompt", "hi", "--tokenizer", empty)
+    assert status == 2 and last_line(err).startswith(f"kt-ops generate: error: {empty}: no tokenizer files ("), err
+
+
 @pytest.mark.parametrize("size", ["0", "-32"])
 def test_generate_refuses_a_group_size_below_1(capsys, hf_checkpoint, size) -> None:
     """--group-size 0 was reported as 'group_size 128 must divide ...', -32 as 'got 4294967264'."""
