@@ -71,6 +71,11 @@ def gguf_model(model: str) -> Path | None:
     return None
 
 
+def _count(n: int, noun: str) -> str:
+    """``"1 thread"``, ``"2 threads"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _has_tokenizer_files(directory: Path) -> bool:
     """Whether ``directory`` holds any file a Hugging Face tokenizer is read from (its
     configuration, vocabulary or model)."""
@@ -224,11 +229,11 @@ def run(args: argparse.Namespace) -> int:
     decode = (f"decode {(len(times) - 1) / (times[-1] - times[0]):.2f} tokens/s" if len(times) > 1
               else "no decode step to time")  # one new token: prefill only (was "decode nan tokens/s")
     print(file=sys.stderr)
-    methods = getattr(getattr(model.config, "quantization_config", None), "packed_methods", None) or [method]
-    print(f"kt_ops {'/'.join(methods)}: loaded in {loaded - started:.1f} s; prompt {ids.shape[1]} tokens, prefill "
-          f"{ids.shape[1] / prefill:.1f} tokens/s ({prefill * 1e3:.0f} ms to the first token); {new} new tokens, "
-          f"{decode}; {torch.get_num_threads()} threads, CPU variant {kt_ops.cpu_variant()}",
-          file=sys.stderr)
+    methods = getattr(getattr(model.config, "quantization_config", None), "packed_methods", None) or [method.upper()]
+    print(f"kt_ops {'/'.join(methods)}: loaded in {loaded - started:.1f} s; prompt {_count(ids.shape[1], 'token')}, "
+          f"prefill {ids.shape[1] / prefill:.1f} tokens/s ({prefill * 1e3:.0f} ms to the first token); "
+          f"{_count(new, 'new token')}, {decode}; {_count(torch.get_num_threads(), 'thread')}, CPU variant "
+          f"{kt_ops.cpu_variant()}", file=sys.stderr)
     return 0
 
 
