@@ -26,7 +26,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from gguf_helpers import FLOAT_TYPES, T, dequantize, finish, moe_writer, random_blocks, write_model
+from gguf_helpers import F16_FIELDS, FLOAT_TYPES, T, dequantize, finish, moe_writer, random_blocks, write_model
 
 import gguf
 import kt_ops
@@ -634,3 +634,42 @@ def test_an_infinite_block_scale_gives_non_finite_rows_on_every_variant(type_nam
                 assert torch.isfinite(out[:, torch.arange(H) != 3]).all(), (name, tokens)  # the other rows unharmed
     finally:
         kt_ops.set_cpu_variant(previous)
+
+
+def extreme_scale_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator, mode: str) -> np.ndarray:
+    """:func:`random_blocks` whose fp16 scale fields (d, and dmin where the type has one) are
+    each negated, zeroed, made 2^10 larger or 2^12 smaller (fp16 subnormals or zero) at random
+    (``mode="mixed"``), or all random fp16 subnormals in [2^-15, 2^-14) (``mode="subnormal"``)."""
+    raw = random_blocks(type_name, rows, k, rng)
+    block, type_bytes = gguf.GGML_QUANT_SIZES[T[type_name]]
+    blocks = raw.reshape(rows, k // block, type_bytes)
+    for offset in F16_FIELDS[type_name][0]:
+        field = blocks[:, :, offset : offset + 2]
+        values = field.copy().view(np.float16).astype(np.float32)
+        if mode == "mixed":
+            factors = rng.choice(np.array([-1.0, 0.0, 2.0**10, 2.0**-12, 1.0]), size=values.shape)
+            field[...] = (values * factors).astype(np.float16).view(np.uint8).reshape(field.shape)
+        else:  # subnormals 2^-15 .. 2^-14 (mantissa 0x200 .. 0x3FF), the stored sign kept
+            bits = rng.integers(0x200, 0x400, size=values.shape, dtype=np.uint16) | (np.signbit(values) << 15)
+            field[...] = bits.astype(np.uint16).view(np.uint8).reshape(field.shape)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", QUANT_32 + QUANT_256)
+def test_negative_zero_huge_and_subnormal_block_scales_match_gguf(variant: str, type_name: str) -> None:
+    """Block scales no quantizer writes but a GGUF file may hold (negative or zero d and dmin,
+    fp16 subnormals, values 2^10 larger): the kernels agree with gguf.quants' weights."""
+    E, H, I = 4, 512, 256
+    for mode in ("mixed", "subnormal"):
+        rng = np.random.default_rng(40)
+        raws = [extreme_scale_blocks(type_name, E * rows, k, rng, mode) for rows, k in ((I, H), (I, H), (H, I))]
+        blob = _C.gguf_experts_from_blocks(*(torch.from_numpy(r.reshape(-1).copy()) for r in raws),
+                                           [int(T[type_name])] * 3, E, H, I)
+        weights = [dequantize(r, type_name, (E, rows, k)) for r, (rows, k) in zip(raws, ((I, H), (I, H), (H, I)))]
+        x = torch.randn(9, H, generator=torch.Generator().manual_seed(41))
+        ids, topk_weights = random_routing(9, E, 2, seed=42)
+        out = kt_ops.moe_forward(x, ids, topk_weights, blob)
+        tight = reference.moe_forward(x, ids, topk_weights, *weights,
+                                      quantize_activations=reference.gguf_activation_blocks(blob))
+        assert tight.abs().max() > 0, mode  # the subnormal scales did not all flush to zero
+        assert rel_err(out, tight) <= 1e-3, (mode, rel_err(out, tight))
