@@ -310,9 +310,6 @@ def input_grads(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, packed: kt_
     return x.grad, w.grad
 
 
-@pytest.mark.xfail(strict=True, reason="csrc/ops/moe_train_cpu.cpp routes() lists a call's experts in order of first "
-                   "appearance (its comment says ascending), and add_rows_in_expert_order sums a token's expert rows "
-                   "of grad_x in that order: a token's gradient depends on the rows before it")
 def test_backward_row_does_not_depend_on_the_expert_order_of_earlier_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Token 1 (experts 0, 1, 2) alone and after a token routed to 2, 0, 1: the same gradient bits
     (saved gate and up; the panel GEMM, row-independent, forced: only the order of the expert sum is left)."""

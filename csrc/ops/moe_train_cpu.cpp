@@ -78,18 +78,29 @@ Routes routes(const at::Tensor& topk_ids, int64_t live, int64_t num_experts) {
   const int64_t* p = ids.const_data_ptr<int64_t>();
   std::vector<int64_t> slot_of(static_cast<size_t>(num_experts), -1);
   Routes r;
+  // Which experts are routed to, then their slots in ascending expert order: a token's
+  // rows are summed in that order (add_rows_in_expert_order), so it must not depend on
+  // the order in which the earlier rows of the call name the experts.
   for (int64_t t = 0; t < live; ++t) {
     for (int64_t j = 0; j < K; ++j) {
       const int64_t e = p[t * K + j];
       if (e < 0) continue;
       TORCH_CHECK_VALUE(e < num_experts, "topk_ids[", t, ", ", j, "] = ", e, " is out of range: the packed layer has ",
                         num_experts, " experts");
-      if (slot_of[e] < 0) {
-        slot_of[e] = static_cast<int64_t>(r.experts.size());
-        r.experts.push_back(e);
-        r.tokens.emplace_back();
-        r.flat.emplace_back();
-      }
+      slot_of[e] = 0;
+    }
+  }
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (slot_of[e] < 0) continue;
+    slot_of[e] = static_cast<int64_t>(r.experts.size());
+    r.experts.push_back(e);
+  }
+  r.tokens.resize(r.experts.size());
+  r.flat.resize(r.experts.size());
+  for (int64_t t = 0; t < live; ++t) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = p[t * K + j];
+      if (e < 0) continue;
       r.tokens[slot_of[e]].push_back(t);
       r.flat[slot_of[e]].push_back(t * K + j);
     }
