@@ -281,6 +281,30 @@ def _pack_int4_experts_fake(
     return gate_proj.new_empty((nbytes,), dtype=torch.uint8)
 
 
+@torch.library.register_fake("kt::pack_int8_experts")
+def _pack_int8_experts_fake(
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+) -> torch.Tensor:
+    _check_meta("gate_proj", gate_proj, up_proj=up_proj, down_proj=down_proj, gate_scale=gate_scale,
+                up_scale=up_scale, down_scale=down_scale)
+    for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+        _check_tensor(t, name, (torch.int8,), 3)
+    E, I, H = (int(n) for n in gate_proj.shape)
+    _check_sizes(gate_proj, E, I, H)
+    _check_tensor(up_proj, "up_proj", (torch.int8,), tuple(gate_proj.shape))
+    if tuple(down_proj.shape) != (E, H, I):
+        raise ValueError(f"down_proj must be [E, H, I] = [{E}, {H}, {I}] to match gate_proj {list(gate_proj.shape)}; "
+                         f"got {list(down_proj.shape)}")
+    for name, scale, rows in (("gate_scale", gate_scale, I), ("up_scale", up_scale, I), ("down_scale", down_scale, H)):
+        _check_tensor(scale, name, _FLOATS, (E, rows))
+    return gate_proj.new_empty((_C.packed_nbytes("int8", E, H, I, 0),), dtype=torch.uint8)
+
+
 @torch.library.register_fake("kt::moe_backward")
 def _moe_backward_fake(
     grad_output: torch.Tensor,

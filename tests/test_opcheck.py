@@ -106,6 +106,53 @@ def test_opcheck_pack_int4_experts(asym: bool) -> None:
     torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(7, H), ids, weights, packed))
 
 
+def _int8_args(**replace: torch.Tensor) -> tuple:
+    """pack_int8_experts' arguments (E 2, I 64, H 96), ``replace`` overriding some by name."""
+    g = torch.Generator().manual_seed(5)
+    E, I, H = 2, 64, 96
+    args = {"gate_proj": torch.randint(-127, 128, (E, I, H), generator=g, dtype=torch.int8),
+            "up_proj": torch.randint(-127, 128, (E, I, H), generator=g, dtype=torch.int8),
+            "down_proj": torch.randint(-127, 128, (E, H, I), generator=g, dtype=torch.int8),
+            "gate_scale": torch.rand(E, I, generator=g), "up_scale": torch.rand(E, I, generator=g),
+            "down_scale": torch.rand(E, H, generator=g)}
+    return tuple({**args, **replace}.values())
+
+
+def test_opcheck_pack_int8_experts() -> None:
+    """The INT8 levels packer (kt-kernel's converted AMXINT8 weights), then the kernel: the
+    blob holds w = scale * q exactly."""
+    args = _int8_args()
+    torch.library.opcheck(torch.ops.kt.pack_int8_experts.default, args)
+    packed = kt_ops.PackedExperts(torch.ops.kt.pack_int8_experts(*args))
+    for got, levels, scale in zip(kt_ops.dequantize_experts(packed), args[:3], args[3:]):
+        assert torch.equal(got.float(), levels.float() * scale[..., None])
+    ids, weights = random_routing(7, 2, 2)
+    torch.library.opcheck(torch.ops.kt.moe_forward.default, (torch.randn(7, 96), ids, weights, packed.data))
+
+
+PACK_INT8_REFUSALS = {
+    "uint8_levels": (lambda: _int8_args(gate_proj=torch.zeros(2, 64, 96, dtype=torch.uint8)), "gate_proj"),
+    "up_shape": (lambda: _int8_args(up_proj=torch.zeros(2, 64, 80, dtype=torch.int8)), "up_proj"),
+    "down_shape": (lambda: _int8_args(down_proj=torch.zeros(2, 96, 32, dtype=torch.int8)), "down_proj"),
+    "scale_shape": (lambda: _int8_args(gate_scale=torch.rand(2, 64, 1)), "gate_scale"),
+    "int_scale": (lambda: _int8_args(down_scale=torch.ones(2, 96, dtype=torch.int32)), "down_scale"),
+}
+
+
+@pytest.mark.parametrize("case", PACK_INT8_REFUSALS)
+def test_pack_int8_experts_fake_refuses_what_the_kernel_refuses(case: str) -> None:
+    build, match = PACK_INT8_REFUSALS[case]
+    fake_and_meta_refuse_like_real(torch.ops.kt.pack_int8_experts.default, build(), match)
+
+
+def test_pack_int8_experts_refuses_the_level_minus_128() -> None:
+    """-128 is no symmetric level (the kernels' |q| <= 127): a corrupt file, refused."""
+    gate = _int8_args()[0].clone()
+    gate[1, 2, 3] = -128
+    with pytest.raises(ValueError, match="gate_proj holds the level -128"):
+        torch.ops.kt.pack_int8_experts(*_int8_args(gate_proj=gate))
+
+
 @pytest.mark.parametrize("method,kwargs", [("BF16", {}), ("AMXINT4", {"group_size": 32, "zero_point": True}),
                                            ("MXFP8", {}), ("LLAMAFILE", {"gguf_type": ("Q4_K", "Q4_K", "Q6_K")})])
 def test_opcheck_dequantize_experts(method: str, kwargs: dict) -> None:

@@ -34,7 +34,8 @@ kt::moe_train_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids
 kt::pack_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, str format, int group_size=0, bool scale_search=False) -> Tensor
 kt::pack_fp8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale, Tensor up_scale, Tensor down_scale, str format) -> Tensor
 kt::pack_gguf_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, int[] gguf_types) -> Tensor
-kt::pack_int4_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale, Tensor up_scale, Tensor down_scale, Tensor? gate_min, Tensor? up_min, Tensor? down_min, int group_size) -> Tensor""",
+kt::pack_int4_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale, Tensor up_scale, Tensor down_scale, Tensor? gate_min, Tensor? up_min, Tensor? down_min, int group_size) -> Tensor
+kt::pack_int8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale, Tensor up_scale, Tensor down_scale) -> Tensor""",
         )
 
 

@@ -46,6 +46,12 @@ TORCH_LIBRARY(kt, m) {
       "pack_int4_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale,"
       " Tensor up_scale, Tensor down_scale, Tensor? gate_min, Tensor? up_min, Tensor? down_min,"
       " int group_size) -> Tensor");
+  // kt-kernel's converted AMXINT8 weights -> packed int8 blob, copied, never re-quantized:
+  // levels int8 gate_proj, up_proj [E, I, H], down_proj [E, H, I] in [-127, 127]; scales
+  // float [E, N] (one per row): w = scale * q.
+  m.def(
+      "pack_int8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale,"
+      " Tensor up_scale, Tensor down_scale) -> Tensor");
   m.def(
       "pack_fp8_experts(Tensor gate_proj, Tensor up_proj, Tensor down_proj, Tensor gate_scale,"
       " Tensor up_scale, Tensor down_scale, str format) -> Tensor");

@@ -138,6 +138,26 @@ void copy_int4_block(const Int4Source& source, const MatrixDims& dims, int64_t r
   write_lines(levels.data(), true, dims, out);
 }
 
+// Rows [row0, row0 + 16) of one expert's already-quantized int8 matrix (`source` pointers
+// at that expert) into one block at `out`. Rows past the matrix, and k past K, are zero.
+void copy_int8_block(const Int8Source& source, const MatrixDims& dims, int64_t row0, uint8_t* out) {
+  const int64_t K = dims.k, Kp = dims.padded_k;
+  thread_local std::vector<uint8_t> levels;
+  levels.resize(kBlockRows * Kp);
+  float* scales = reinterpret_cast<float*>(out + dims.scales_offset());  // one group: [16]
+  for (int r = 0; r < kBlockRows; ++r) {
+    uint8_t* q = levels.data() + r * Kp;
+    std::fill(q, q + Kp, static_cast<uint8_t>(int_layout::kInt8Zero));
+    const int64_t row = row0 + r;
+    scales[r] = 0.0f;
+    if (row >= dims.rows) continue;
+    const int8_t* src = source.levels + row * K;
+    for (int64_t k = 0; k < K; ++k) q[k] = static_cast<uint8_t>(src[k] + int_layout::kInt8Zero);
+    scales[r] = source.scales[row];
+  }
+  write_lines(levels.data(), false, dims, out);
+}
+
 }  // namespace
 
 namespace {
@@ -261,6 +281,15 @@ void pack_int4_sources(const Int4Source sources[3], const PackedLayout& layout, 
     copy_int4_block(source, matrix, row0, out);
   });
   mark_integer_zeros(layout, blob);
+}
+
+void pack_int8_sources(const Int8Source sources[3], const PackedLayout& layout, uint8_t* blob) {
+  for_each_block(layout, blob, [&](int m, int64_t expert, const MatrixDims& matrix, int64_t row0, uint8_t* out) {
+    Int8Source source = sources[m];
+    source.levels += expert * matrix.rows * matrix.k;
+    source.scales += expert * matrix.rows;
+    copy_int8_block(source, matrix, row0, out);
+  });
 }
 
 }  // namespace kt::cpu

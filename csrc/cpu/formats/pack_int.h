@@ -42,6 +42,18 @@ struct Int4Source {
 // re-quantized. One job per (matrix, expert, 16-row block) on the Engine.
 void pack_int4_sources(const Int4Source sources[3], const PackedLayout& layout, uint8_t* blob);
 
+// One already-quantized INT8 matrix [E, N, K] (kt-kernel's converted AMXINT8 weights):
+// levels int8 in [-127, 127] [E, N, K], scales fp32 [E, N], w = scale * q.
+struct Int8Source {
+  const int8_t* levels = nullptr;
+  const float* scales = nullptr;
+};
+
+// gate, up, down (sources[0..2], N = I, I, H; K = H, H, I) into `layout` (format int8):
+// the levels and scales are copied, nothing is re-quantized. One job per (matrix, expert,
+// 16-row block) on the Engine.
+void pack_int8_sources(const Int8Source sources[3], const PackedLayout& layout, uint8_t* blob);
+
 // An int4_asym blob packed from `layout`: if every minimum is -z * scale for an integer z
 // in [0, kMaxIntegerZero] (exactly; a zero scale with a zero minimum), rewrites the header
 // with PackedShape::integer_zeros set and returns true. The packers call it last.
