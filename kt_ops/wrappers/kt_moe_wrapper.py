@@ -46,6 +46,8 @@ from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import int4_method, load_int4_experts
 from kt_ops.hf_mxfp4 import find_mxfp4_layer, gguf_mxfp4_experts, load_mxfp4_experts, pack_mxfp4_parts
 from kt_ops.hf_native import native_method
+from kt_ops.kt_kernel_weights import KtKernelDir, is_kt_kernel_dir
+from kt_ops.kt_kernel_weights import load_layer as load_kt_kernel_layer
 from kt_ops.numa import place_parts, resolve_nodes
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases, moe_forward
@@ -521,8 +523,10 @@ class KTMoEWrapper:
 
     def load_weights(self, physical_to_logical_map: torch.Tensor | Sequence[int] | None = None) -> None:
         """Loads this layer from ``weight_path``: a converted directory (memory-mapped), a
-        GGUF file/directory (``LLAMAFILE``, memory-mapped) or a Hugging Face safetensors
-        directory (read one layer at a time and packed into ``method``). ``RuntimeError``
+        directory written by kt-kernel's converter (``AMXINT4`` / ``AMXINT8``, its levels
+        and scales copied: :mod:`kt_ops.kt_kernel_weights`), a GGUF file/directory
+        (``LLAMAFILE``, memory-mapped) or a Hugging Face safetensors directory (read one
+        layer at a time and packed into ``method``). ``RuntimeError``
         while a forward is in flight (submitted and not collected, or running on another
         thread): the weights would change under it."""
         with self._hold_for_loading("load_weights"):
@@ -539,6 +543,8 @@ class KTMoEWrapper:
             return self._load_converted(path, physical_to_logical_map)
         if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
             return self._load_gguf(path, physical_to_logical_map)
+        if is_kt_kernel_dir(path):
+            return self._load_kt_kernel(path, physical_to_logical_map)
         checkpoint = HfCheckpoint(path)
         mxfp4 = find_mxfp4_layer(checkpoint, self.layer_idx)
         if mxfp4 is not None:
@@ -564,6 +570,24 @@ class KTMoEWrapper:
                 return self._load_fp8(checkpoint, cpu)
         gate, up, down = checkpoint.load_experts(self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
         self._pack_cpu_experts(gate, up, down)
+
+    def _load_kt_kernel(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
+        """The CPU slots' experts of a directory written by kt-kernel's converter (AMXINT4 /
+        AMXINT8), un-tiled into the same levels and scales (:mod:`kt_ops.kt_kernel_weights`),
+        one part per kt-kernel NUMA part."""
+        method = {"int8": "AMXINT8", "int4": "AMXINT4"}.get(self.format)
+        if method is None:
+            raise ValueError(f"{path} holds kt-kernel's converted AMX weights (AMXINT4 or AMXINT8); method "
+                             f"{self.method} cannot read them")
+        logical, parts = KtKernelDir(path).layer_shape(self.layer_idx)
+        if parts != self.threadpool_count:
+            raise ValueError(f"{path} was converted by kt-kernel for {parts} NUMA part(s); construct the wrapper with "
+                             f"threadpool_count={parts}")
+        mapping = self._physical_map(physical_to_logical_map, logical)
+        cpu = mapping[self._packed_slots()].tolist()
+        route = self._cpu_route()
+        packed = load_kt_kernel_layer(path, self.layer_idx, method, cpu, self.hidden_size, self.moe_intermediate_size)
+        self._set_packed(packed, route)
 
     def _load_fp8(self, checkpoint: HfCheckpoint, cpu: list[int]) -> None:
         """The CPU slots' experts of an FP8 checkpoint, packed without widening."""
@@ -1259,6 +1283,9 @@ def detect_method(path: Path, layer_idx: int) -> str:
         raise FileNotFoundError(f"weight_path {path} does not exist")
     if is_converted(path):
         raise ValueError(f"{path} was written by kt_ops.convert; pass the method it was converted with")
+    if is_kt_kernel_dir(path):
+        raise ValueError(f"{path} holds kt-kernel's converted AMX weights; pass the method it was converted with "
+                         "('AMXINT4' or 'AMXINT8')")
     if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
         return "LLAMAFILE"
     return native_method(HfCheckpoint(path), layer_idx)

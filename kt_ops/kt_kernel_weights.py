@@ -1,0 +1,249 @@
+"""kt-kernel's converted CPU weights (``AMXINT4`` / ``AMXINT8``), read as kt_ops layers.
+
+kt-kernel's converter (``scripts/convert_cpu_weights.py``, ``kt quant``) stores each MoE
+layer's experts as its AMX kernels hold them in memory, one tensor pair per expert,
+projection and NUMA part (``threadpool_count`` parts of the intermediate dimension)::
+
+    blk.{L}.ffn_{up,gate,down}_exps.{e}.numa.{p}.weight   uint8: the AMX B buffer's bytes
+    blk.{L}.ffn_{up,gate,down}_exps.{e}.numa.{p}.scale    fp32: one scale per output row
+
+(``kt-kernel/python/utils/loader.py`` ``SafeTensorLoader.load_experts``). A part holds gate
+and up rows ``[p I/T, (p+1) I/T)`` and the same columns of down. The B buffer
+(``kt-kernel/operators/amx/la/amx_kernels.hpp`` ``GemmKernel224Int8::BufferB``,
+``amx_buffers.hpp`` ``BufferBInt4Impl``) of an ``[N, K]`` matrix is blocked by ``N_BLOCK``
+rows (64 for INT8, 128 for INT4), then ``K_BLOCK`` = 3584 columns, then 32 rows by
+``K_STEP`` columns (64 for INT8, 128 for INT4); each 32-row step is two 16-row tiles of 16
+32-bit words per row, stored transposed (word-major, VNNI). INT8 levels are
+``round(w / d)`` with ``d = max|w| / 127`` per row (``w = q d``); an INT4 byte holds
+column ``j`` of a 128-column step in its low nibble and column ``j + 64`` in its high
+nibble, signed (-7 ... 7), with ``w = q 16 d`` (``d = max|w| / 112``).
+
+:func:`load_layer` un-tiles them into kt_ops' ``int8`` and ``int4`` layouts (INT4: the row
+scale ``16 d`` repeated over groups of 128) — the same levels and scales, never
+re-quantized — one kt_ops part per kt-kernel part, so the layer computes what the file
+holds. ``KTMoEWrapper(method="AMXINT4" | "AMXINT8", weight_path=DIR, threadpool_count=T)``
+reads such a directory (T must be the directory's part count).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kt_ops._native import _C  # noqa: F401  (registers kt::pack_int8_experts / pack_int4_experts)
+from kt_ops.packed import PackedExperts
+
+PROJECTIONS = ("gate", "up", "down")
+_DTYPE_BYTES = {"I8": 1, "U8": 1, "BOOL": 1, "F16": 2, "BF16": 2, "I16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
+_KEY = re.compile(r"^blk\.(\d+)\.ffn_(up|gate|down)_exps\.(\d+)\.numa\.(\d+)\.(weight|scale)$")
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """A kt-kernel AMX B buffer's blocking (``GemmKernel224Int8`` / ``GemmKernel224Int4``)."""
+
+    bits: int
+    n_block: int
+    k_block: int = 3584
+    n_step: int = 32
+    k_step: int = 64
+
+    def row_bytes(self, k: int) -> int:
+        return k * self.bits // 8
+
+
+LAYOUTS = {"AMXINT8": BufferLayout(bits=8, n_block=64), "AMXINT4": BufferLayout(bits=4, n_block=128, k_step=128)}
+
+
+def is_kt_kernel_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory of safetensors files holding kt-kernel's converted
+    AMX weights (a ``blk.{L}.ffn_up_exps.{e}.numa.{p}.weight`` key)."""
+    if not path.is_dir():
+        return False
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(os.fspath(file), framework="pt") as handle:
+                if any(_KEY.match(key) for key in handle.keys()):
+                    return True
+        except Exception:  # noqa: BLE001 - an unreadable file is no such directory's
+            continue
+    return False
+
+
+class KtKernelDir:
+    """The layers of a kt-kernel converted directory: which file holds each key."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.files: dict[str, Path] = {}
+        self.experts: dict[int, set[int]] = {}
+        self.parts: dict[int, set[int]] = {}
+        self._handles: dict[Path, object] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(os.fspath(file), framework="pt") as handle:
+                for key in handle.keys():
+                    match = _KEY.match(key)
+                    if match is None:
+                        continue
+                    layer = int(match.group(1))
+                    self.files[key] = file
+                    self.experts.setdefault(layer, set()).add(int(match.group(3)))
+                    self.parts.setdefault(layer, set()).add(int(match.group(4)))
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """``(num_experts, parts)`` of ``layer``; ``ValueError`` when the directory lacks it
+        or its expert / part numbers have gaps."""
+        if layer not in self.experts:
+            held = ", ".join(map(str, sorted(self.experts))) or "none"
+            raise ValueError(f"{self.path} holds no kt-kernel experts of layer {layer} (layers: {held})")
+        experts, parts = sorted(self.experts[layer]), sorted(self.parts[layer])
+        if experts != list(range(len(experts))) or parts != list(range(len(parts))):
+            raise ValueError(f"{self.path} layer {layer}: expert ids {experts[0]}..{experts[-1]} or NUMA parts {parts} "
+                             "have gaps (a partly written conversion?)")
+        return len(experts), len(parts)
+
+    def tensor(self, layer: int, projection: str, expert: int, part: int, kind: str) -> torch.Tensor:
+        """One stored tensor (its file opened once, kept open until :meth:`close`)."""
+        key = f"blk.{layer}.ffn_{projection}_exps.{expert}.numa.{part}.{kind}"
+        file = self.files.get(key)
+        if file is None:
+            raise ValueError(f"{self.path}: {key} is missing")
+        if file not in self._handles:
+            self._handles[file] = safe_open(os.fspath(file), framework="pt")
+        return self._handles[file].get_tensor(key)
+
+    def stored_bytes(self, layer: int, projection: str, expert: int, part: int, kind: str) -> int:
+        """Bytes of one stored tensor, from its file's header (nothing read)."""
+        key = f"blk.{layer}.ffn_{projection}_exps.{expert}.numa.{part}.{kind}"
+        file = self.files.get(key)
+        if file is None:
+            raise ValueError(f"{self.path}: {key} is missing")
+        if file not in self._handles:
+            self._handles[file] = safe_open(os.fspath(file), framework="pt")
+        view = self._handles[file].get_slice(key)
+        count = 1
+        for n in view.get_shape():
+            count *= int(n)
+        return count * _DTYPE_BYTES.get(view.get_dtype(), 1)
+
+    def method(self, layer: int) -> str:
+        """``AMXINT8`` or ``AMXINT4``, from the sizes of expert 0's gate and down tensors in
+        part 0: gate holds ``I/T x H`` levels of 1 byte (INT8) or half a byte (INT4), one
+        scale per gate row, and down one scale per row of H."""
+        gate = self.stored_bytes(layer, "gate", 0, 0, "weight")
+        rows = self.stored_bytes(layer, "gate", 0, 0, "scale") // 4
+        hidden = self.stored_bytes(layer, "down", 0, 0, "scale") // 4
+        if gate == rows * hidden:
+            return "AMXINT8"
+        if 2 * gate == rows * hidden:
+            return "AMXINT4"
+        raise ValueError(f"{self.path} layer {layer}: gate holds {gate} bytes for {rows} x {hidden} weights, neither "
+                         "AMXINT8 (1 byte each) nor AMXINT4 (half a byte)")
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def untile(buffer: torch.Tensor, n: int, k: int, layout: BufferLayout) -> torch.Tensor:
+    """The levels ``int8 [n, k]`` of one kt-kernel B buffer's weight bytes (``uint8``,
+    ``n k bits / 8`` of them; the layout of the module docstring)."""
+    data = buffer.reshape(-1).view(torch.uint8)
+    out = torch.empty(n, k, dtype=torch.int8)
+    step = layout.k_step
+    for n0 in range(0, n, layout.n_block):
+        nb = min(layout.n_block, n - n0)
+        for k0 in range(0, k, layout.k_block):
+            kb = min(layout.k_block, k - k0)
+            start = layout.row_bytes(n0 * k + k0 * nb)
+            region = data[start:start + layout.row_bytes(nb * kb)]
+            # [row steps, k steps, 2 tiles, 16 words, 16 rows, 4 bytes]: words stored transposed
+            tiles = region.view(nb // layout.n_step, kb // step, 2, 16, 16, 4).permute(0, 2, 4, 1, 3, 5)
+            rows = tiles.reshape(nb, kb // step, 64)  # each row's 64 bytes per k step
+            if layout.bits == 8:
+                out[n0:n0 + nb, k0:k0 + kb] = rows.reshape(nb, kb).view(torch.int8)
+            else:
+                low = (rows & 0x0F).to(torch.int8)
+                high = (rows >> 4).to(torch.int8)
+                nibbles = torch.stack((low, high), dim=2)  # [nb, steps, 2 (columns j, j + 64), 64]
+                out[n0:n0 + nb, k0:k0 + kb] = ((nibbles ^ 8) - 8).reshape(nb, kb)
+    return out
+
+
+def _checked_sizes(n: int, k: int, layout: BufferLayout, name: str) -> None:
+    if n % layout.n_step or k % layout.k_step:
+        raise ValueError(f"{name}: kt-kernel's AMX buffers need rows in multiples of {layout.n_step} and columns in "
+                         f"multiples of {layout.k_step}; this matrix is [{n}, {k}]")
+
+
+def load_layer(path: Path, layer: int, method: str, experts: list[int], hidden_size: int,
+               intermediate_size: int) -> list[PackedExperts]:
+    """Experts ``experts`` (logical ids, in that order) of ``layer`` of the kt-kernel
+    directory ``path`` as kt_ops parts (one per kt-kernel NUMA part; ``[]`` for no
+    experts): ``int8`` for ``AMXINT8``, ``int4`` (groups of 128) for ``AMXINT4``.
+    ``ValueError`` naming the tensor for a size that does not fit ``hidden_size`` /
+    ``intermediate_size`` or the method (an AMXINT4 directory read as AMXINT8 ...)."""
+    layout = LAYOUTS[method]
+    directory = KtKernelDir(path)
+    count, parts = directory.layer_shape(layer)
+    if intermediate_size % parts:
+        raise ValueError(f"{path} layer {layer} has {parts} NUMA parts, which do not divide moe_intermediate_size "
+                         f"{intermediate_size}")
+    if not experts:
+        return []
+    if max(experts) >= count:
+        raise ValueError(f"{path} layer {layer} holds {count} experts; expert {max(experts)} was asked for")
+    try:
+        return _load_parts(directory, layer, method, experts, hidden_size, intermediate_size // parts, parts)
+    finally:
+        directory.close()
+
+
+def _load_parts(directory: KtKernelDir, layer: int, method: str, experts: list[int], H: int, width: int,
+                parts: int) -> list[PackedExperts]:
+    layout = LAYOUTS[method]
+    shapes = {"gate": (width, H), "up": (width, H), "down": (H, width)}
+    out = []
+    for part in range(parts):
+        levels: dict[str, list[torch.Tensor]] = {name: [] for name in PROJECTIONS}
+        scales: dict[str, list[torch.Tensor]] = {name: [] for name in PROJECTIONS}
+        for expert in experts:
+            for name in PROJECTIONS:
+                n, k = shapes[name]
+                key = f"blk.{layer}.ffn_{name}_exps.{expert}.numa.{part}"
+                _checked_sizes(n, k, layout, key)
+                weight = directory.tensor(layer, name, expert, part, "weight").reshape(-1)
+                scale = directory.tensor(layer, name, expert, part, "scale").reshape(-1)
+                nbytes = weight.numel() * weight.element_size()
+                if nbytes != layout.row_bytes(n * k):
+                    other = next((m for m, lay in LAYOUTS.items() if nbytes == lay.row_bytes(n * k)), None)
+                    hint = f" (the size of {other} weights: use method='{other}')" if other else ""
+                    raise ValueError(f"{key}.weight holds {nbytes} bytes; {method} [{n}, {k}] needs "
+                                     f"{layout.row_bytes(n * k)}{hint}")
+                scale = scale.view(torch.float32) if scale.dtype == torch.uint8 else scale.float()
+                if scale.numel() != n:
+                    raise ValueError(f"{key}.scale holds {scale.numel()} values; one per row needs {n}")
+                if not bool(torch.isfinite(scale).all()):
+                    raise ValueError(f"{key}.scale holds a non-finite scale")
+                levels[name].append(untile(weight, n, k, layout))
+                scales[name].append(scale)
+        out.append(_pack(method, levels, scales))
+    return out
+
+
+def _pack(method: str, levels: dict[str, list[torch.Tensor]], scales: dict[str, list[torch.Tensor]]) -> PackedExperts:
+    q = [torch.stack(levels[name]) for name in PROJECTIONS]  # int8 [E, N, K]
+    d = [torch.stack(scales[name]) for name in PROJECTIONS]  # fp32 [E, N]
+    if method == "AMXINT8":
+        return PackedExperts(torch.ops.kt.pack_int8_experts(*q, *d))
+    group = 128  # the row's scale over each group of 128 (K is a multiple of 128)
+    nibbles = []
+    for matrix in q:
+        biased = (matrix.to(torch.int16) + 8).to(torch.uint8)  # -7 ... 7 -> 1 ... 15 (w = 16 d (q - 8))
+        nibbles.append(biased[..., 0::2] | (biased[..., 1::2] << 4))
+    group_scales = [(16 * s).unsqueeze(-1).expand(-1, -1, m.shape[-1] // group).contiguous() for s, m in zip(d, q)]
+    return PackedExperts(torch.ops.kt.pack_int4_experts(*nibbles, *group_scales, None, None, None, group))

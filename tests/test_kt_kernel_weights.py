@@ -1,0 +1,248 @@
+"""Directories written by kt-kernel's converter (AMXINT4 / AMXINT8) read by KTMoEWrapper.
+
+The writer here follows kt-kernel's ``BufferB::_pack_block`` loop by loop (offsets, then
+the two 16 x 16 32-bit transposes of each 32-row step; INT4: low nibble column j, high
+nibble j + 64 of a 128-column step), and its quantization (INT8 ``d = max|w| / 127``,
+INT4 ``d = max|w| / 112`` then rounded to multiples of 16); the reader
+(``kt_ops.kt_kernel_weights.untile``) is written from the layout's description instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel_err
+from safetensors.torch import save_file
+
+import kt_ops
+from kt_ops import KTMoEWrapper, reference
+from kt_ops.kt_kernel_weights import LAYOUTS, is_kt_kernel_dir, untile
+
+N_STEP = 32
+
+
+def quantize(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kt-kernel's levels ``int8 [N, K]``, stored scale ``d`` fp32 [N] and dequantized weights."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    if method == "AMXINT8":
+        d = amax * torch.tensor(1 / 127, dtype=torch.float32)  # kt-kernel 0.7.2's bits (not amax / 127)
+        inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = torch.round(w * inverse[:, None]).clamp(-128, 127).to(torch.int8)
+        return q, d, q.float() * d[:, None]
+    d = amax / 112.0
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q8 = torch.round(w * inverse[:, None]).clamp(-128, 127).to(torch.int32)
+    q = (torch.sign(q8) * (((q8.abs() + 8) & 0xF0) // 16)).to(torch.int8)  # round_4bit_s8, then / 16
+    return q, d, q.float() * 16 * d[:, None]
+
+
+def tile(q: torch.Tensor, method: str) -> torch.Tensor:
+    """``_pack_block``'s bytes of levels ``q [n, k]`` (uint8, ``n k bits / 8``)."""
+    layout = LAYOUTS[method]
+    n, k = q.shape
+    int4 = layout.bits == 4
+    step = 128 if int4 else 64
+    out = torch.zeros(n * k * layout.bits // 8, dtype=torch.uint8)
+    for nbb in range(0, n, layout.n_block):
+        nbs = min(layout.n_block, n - nbb)
+        for kbb in range(0, k, layout.k_block):
+            kbs = min(layout.k_block, k - kbb)
+            for n_begin in range(0, nbs, N_STEP):
+                for k_begin in range(0, kbs, step):
+                    at = (nbb * k + kbb * nbs + n_begin * kbs + k_begin * N_STEP) * layout.bits // 8
+                    for i in range(N_STEP):
+                        row = q[nbb + n_begin + i, kbb + k_begin: kbb + k_begin + step]
+                        if int4:
+                            u = row.to(torch.int32) & 0xF
+                            data = (u[:64] | (u[64:] << 4)).to(torch.uint8)
+                        else:
+                            data = row.view(torch.uint8)
+                        out[at + i * 64: at + (i + 1) * 64] = data
+                    for half in range(2):  # transpose_16x16_32bit of each 16-row tile
+                        start = at + half * 1024
+                        out[start:start + 1024] = out[start:start + 1024].view(16, 16, 4).transpose(0, 1).reshape(-1)
+    return out
+
+
+def write_dir(path: Path, layer: int, weights: tuple[torch.Tensor, ...], method: str, parts: int) -> list:
+    """kt-kernel's converted layer in ``path`` (one safetensors file); returns the dequantized
+    weights per part ``[(gate, up, down) ...]`` as kt-kernel's kernels see them."""
+    gate, up, down = weights
+    E, I, H = gate.shape
+    width = I // parts
+    tensors, dequantized = {}, []
+    for p in range(parts):
+        cols = slice(p * width, (p + 1) * width)
+        part = {"gate": gate[:, cols], "up": up[:, cols], "down": down[:, :, cols]}
+        seen = {}
+        for name, matrix in part.items():
+            rows = []
+            for e in range(E):
+                q, d, w = quantize(matrix[e], method)
+                key = f"blk.{layer}.ffn_{name}_exps.{e}.numa.{p}"
+                tensors[f"{key}.weight"] = tile(q, method)
+                tensors[f"{key}.scale"] = d
+                rows.append(w)
+            seen[name] = torch.stack(rows)
+        dequantized.append((seen["gate"], seen["up"], seen["down"]))
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model-00001-of-00001.safetensors"))
+    return dequantized
+
+
+def expected(x, ids, w, parts_weights, mask=None, quantized: bool = False) -> torch.Tensor:
+    """The fp32 reference on the file's weights, summed over its parts; ``mask``: slots on the GPU."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for gate, up, down in parts_weights:
+        ids_cpu = ids if mask is None else torch.where(mask[ids.clamp(min=0)], -1, ids)
+        out += reference.moe_forward(x, ids_cpu, w, gate, up, down, quantize_activations=quantized)
+    return out
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+@pytest.mark.parametrize("n,k", [(32, 128), (160, 256), (64, 3584 + 256)])
+def test_untile_reads_what_kt_kernel_tiles(method: str, n: int, k: int) -> None:
+    """Several row blocks (64 / 128 rows), a partial one, and a second k block past 3584."""
+    g = torch.Generator().manual_seed(n + k)
+    low, high = (-127, 128) if method == "AMXINT8" else (-7, 8)
+    q = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
+    assert torch.equal(untile(tile(q, method), n, k, LAYOUTS[method]), q)
+
+
+def weights(E: int, H: int, I: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, I, H, generator=g) / H ** 0.5, torch.randn(E, I, H, generator=g) / H ** 0.5,
+            torch.randn(E, H, I, generator=g) / I ** 0.5)
+
+
+def inputs(T: int, E: int, K: int, H: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return x, ids, torch.rand(T, K, generator=g)
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+@pytest.mark.parametrize("parts,tokens", [(1, 7), (2, 7), (1, 40)])
+def test_wrapper_reads_a_kt_kernel_directory(tmp_path: Path, method: str, parts: int, tokens: int) -> None:
+    """KTMoEWrapper(method, weight_path=kt-kernel's output, threadpool_count=its parts):
+    the layer computes the file's weights (the fp32 reference on them, summed over the
+    parts as kt-kernel sums them), with a GPU mask and a physical-to-logical map."""
+    E, K, H, I = 6, 2, 256, 256
+    per_part = write_dir(tmp_path, 3, weights(E, H, I), method, parts)
+    assert is_kt_kernel_dir(tmp_path)
+    x, ids, w = inputs(tokens, E, K, H)
+    wrapper = KTMoEWrapper(3, E, K, H, I, method=method, weight_path=tmp_path, threadpool_count=parts)
+    wrapper.load_weights()
+    assert [p.format for p in wrapper._parts] == [{"AMXINT8": "int8", "AMXINT4": "int4"}[method]] * parts
+    for packed, file_weights in zip(wrapper._parts, per_part):  # the file's weights, bit for bit
+        for got_matrix, want in zip(kt_ops.dequantize_experts(packed), file_weights):
+            assert torch.equal(got_matrix.float(), want)
+    got = wrapper.forward(x, ids, w)
+    # The kernels' only rounding is their int8 activations (the reference's quantize_activations).
+    assert rel_err(got, expected(x, ids, w, per_part, quantized=True)) <= 1e-5
+    assert rel_err(got, expected(x, ids, w, per_part)) <= 3e-2
+    mapping = torch.tensor([5, 4, 3, 2, 1, 0])
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[1] = True
+    mapped = KTMoEWrapper(3, E, K, H, I, gpu_experts_mask=mask, method=method, weight_path=tmp_path,
+                          threadpool_count=parts)
+    mapped.load_weights(mapping)
+    logical = [(g[mapping], u[mapping], d[mapping]) for g, u, d in per_part]
+    assert rel_err(mapped.forward(x, ids, w), expected(x, ids, w, logical, mask, quantized=True)) <= 1e-5
+
+
+def test_the_wrong_method_or_part_count_is_named(tmp_path: Path) -> None:
+    E, K, H, I = 4, 2, 128, 128
+    write_dir(tmp_path, 0, weights(E, H, I), "AMXINT8", 1)
+    with pytest.raises(ValueError, match="use method='AMXINT8'"):
+        KTMoEWrapper(0, E, K, H, I, method="AMXINT4", weight_path=tmp_path).load_weights()
+    with pytest.raises(ValueError, match="threadpool_count=1"):
+        KTMoEWrapper(0, E, K, H, I, method="AMXINT8", weight_path=tmp_path, threadpool_count=2).load_weights()
+    with pytest.raises(ValueError, match="cannot read them"):
+        KTMoEWrapper(0, E, K, H, I, method="BF16", weight_path=tmp_path).load_weights()
+    with pytest.raises(ValueError, match="no kt-kernel experts of layer 5"):
+        KTMoEWrapper(5, E, K, H, I, method="AMXINT8", weight_path=tmp_path).load_weights()
+    with pytest.raises(ValueError, match="pass the method it was converted with"):
+        KTMoEWrapper(0, E, K, H, I, method=None, weight_path=tmp_path)
+    with pytest.raises(ValueError, match="holds 16384 bytes; AMXINT8 \\[256, 128\\] needs 32768"):
+        KTMoEWrapper(0, E, K, H, 2 * I, method="AMXINT8", weight_path=tmp_path).load_weights()
+
+
+DATA = Path(__file__).parent / "data" / "kt_kernel"
+# Written by kt-kernel 0.7.2 (its converter's AMX path, tests/data/kt_kernel/README.md):
+# layer 1, E = 2, top-2, H = 128, two NUMA parts; (method, I).
+KT_KERNEL_CASES = {"int4_numa2": ("AMXINT4", 256), "int8_numa2": ("AMXINT8", 128)}
+
+
+def kt_kernel_source(E: int, H: int, I: int) -> tuple[torch.Tensor, ...]:
+    """The bf16 weights the fixtures were converted from, drawn again as their script drew
+    them (torch.manual_seed(0); gate, up [E, I, H] / sqrt(H), down [E, H, I] / sqrt(I))."""
+    torch.manual_seed(0)
+    gate = (torch.randn(E, I, H) / H**0.5).bfloat16()
+    up = (torch.randn(E, I, H) / H**0.5).bfloat16()
+    down = (torch.randn(E, H, I) / I**0.5).bfloat16()
+    return gate, up, down
+
+
+@pytest.mark.parametrize("case", sorted(KT_KERNEL_CASES))
+def test_files_written_by_kt_kernel(case: str) -> None:
+    """kt-kernel's own output: the un-tiled levels and scales are kt-kernel's quantization of
+    the source weights bit for bit (both parts, every matrix), and the wrapper's output is
+    kt-kernel's forward on the same inputs within their different roundings (kt-kernel rounds
+    g, u, h and each expert's output to bf16; we keep fp32 and quantize activations per row)."""
+    from safetensors.torch import load_file
+
+    method, I = KT_KERNEL_CASES[case]
+    E, K, H, parts = 2, 2, 128, 2
+    path = DATA / case
+    stored = load_file(str(path / "model.safetensors"))
+    source = kt_kernel_source(E, H, I)
+    width = I // parts
+    per_part = []
+    for p in range(parts):
+        cols = slice(p * width, (p + 1) * width)
+        matrices = {"gate": source[0][:, cols], "up": source[1][:, cols], "down": source[2][:, :, cols]}
+        dequantized = {}
+        for name, matrix in matrices.items():
+            rows = []
+            for e in range(E):
+                q, d, w = quantize(matrix[e], method)
+                key = f"blk.1.ffn_{name}_exps.{e}.numa.{p}"
+                assert torch.equal(untile(stored[f"{key}.weight"], *q.shape, LAYOUTS[method]), q), key
+                assert torch.equal(stored[f"{key}.scale"], d), key
+                rows.append(w)
+            dequantized[name] = torch.stack(rows)
+        per_part.append((dequantized["gate"], dequantized["up"], dequantized["down"]))
+    io = load_file(str(path / "io.safetensors"))
+    x, ids, w = io["x"], io["topk_ids"], io["topk_weights"]
+    wrapper = KTMoEWrapper(1, E, K, H, I, method=method, weight_path=path, threadpool_count=parts)
+    wrapper.load_weights()
+    for packed, file_weights in zip(wrapper._parts, per_part):  # what the kernels multiply: the file's weights
+        for got_matrix, want in zip(kt_ops.dequantize_experts(packed), file_weights):
+            assert torch.equal(got_matrix.float(), want)
+    # fp32 rows out: only the int8 activations round. Not 1e-5: at these inputs an intermediate
+    # value of the int4 case sits near a rounding tie of its int8 level, and the reference's
+    # fp32 sums (another order) round it the other way (3e-3; 1e-7 with x perturbed by 1e-6).
+    exact = wrapper.forward(x.float(), ids, w)
+    assert rel_err(exact, expected(x, ids, w, per_part, quantized=True)) <= 6e-3
+    got = wrapper.forward(x, ids, w).float()  # bf16 in and out, as kt-kernel ran
+    assert rel_err(got, io["y"].float()) <= 2e-2  # 0.8-0.9 % measured (Xeon with AMX, 2026-12-06)
+
+
+def test_inspect_names_a_kt_kernel_directory() -> None:
+    """kt-ops inspect said "no routed-expert tensors" for kt-kernel's converted directories."""
+    from kt_ops.inspection import inspect_weights
+
+    for case, (method, I) in KT_KERNEL_CASES.items():
+        result = inspect_weights(DATA / case)
+        assert result.kind == "kt-kernel converted directory"
+        stated = dict(result.facts)["method"]
+        assert stated.startswith(f"{method} (") and "threadpool_count=2" in stated
+        (layer,) = result.layers
+        assert (layer.layer, layer.num_experts, layer.hidden_size, layer.intermediate_size) == (1, 2, 128, I)
+        file = (DATA / case / "model.safetensors").read_bytes()
+        assert layer.nbytes == len(file) - 8 - int.from_bytes(file[:8], "little")  # every tensor's bytes
