@@ -39,6 +39,7 @@ from kt_ops.gguf_types import GGML_TYPES
 from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, _check_regular_file, read_config_json
 from kt_ops.hf_int4 import int4_method, quantization_config
 from kt_ops.hf_mxfp4 import Mxfp4Layer, find_mxfp4_layer, mxfp4_layers
+from kt_ops.kt_kernel_weights import KtKernelDir, is_kt_kernel_dir
 from kt_ops.mapped_files import read_safetensors_header, safetensors_range
 from kt_ops.parts import FP8_KIND_METHODS
 
@@ -100,8 +101,8 @@ class Inspection:
 
     path: str
     kind: str
-    """``"packed-experts file"``, ``"converted directory"``, ``"GGUF file"``, ``"GGUF directory"``
-    or ``"Hugging Face checkpoint"``."""
+    """``"packed-experts file"``, ``"converted directory"``, ``"kt-kernel converted directory"``,
+    ``"GGUF file"``, ``"GGUF directory"`` or ``"Hugging Face checkpoint"``."""
     variant: str
     """The CPU variant the kernels are named for (:func:`kt_ops.cpu_variant`)."""
     facts: tuple[tuple[str, str], ...]
@@ -139,7 +140,8 @@ class Inspection:
 
 def inspect_weights(path: str | os.PathLike[str]) -> Inspection:
     """What ``path`` holds: a packed-experts file, converted directory, GGUF file or
-    directory, or Hugging Face checkpoint (tried in that order), from metadata only.
+    directory, directory written by kt-kernel's converter, or Hugging Face checkpoint
+    (tried in that order), from metadata only.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -162,6 +164,8 @@ def inspect_weights(path: str | os.PathLike[str]) -> Inspection:
             return _inspect_converted(root)
         if any(root.glob("*.gguf")):
             return _inspect_gguf(root)
+        if is_kt_kernel_dir(root):
+            return _inspect_kt_kernel(root)
         if any(root.glob("*.safetensors")):
             return _inspect_hf(root)
     raise ValueError(f"{root} {NOT_RECOGNISED}{_directory_hint(root)}")
@@ -352,6 +356,42 @@ def _inspect_converted(root: Path) -> Inspection:
     )
     return Inspection(os.fspath(root), "converted directory", variant, facts, manifest.num_layers, tuple(layers),
                       _kernel(manifest.format, variant), tuple(notes))
+
+
+def _inspect_kt_kernel(root: Path) -> Inspection:
+    """A directory written by kt-kernel's converter (:mod:`kt_ops.kt_kernel_weights`)."""
+    variant = cpu_variant()
+    directory = KtKernelDir(root)
+    layers = []
+    methods = set()
+    parts_seen = set()
+    try:
+        for L in _progress(sorted(directory.experts), "reading headers"):
+            E, parts = directory.layer_shape(L)
+            method = directory.method(L)
+            methods.add(method)
+            parts_seen.add(parts)
+            fmt = "int8" if method == "AMXINT8" else "int4"
+            sizes = {name: sum(directory.stored_bytes(L, name, e, p, kind) for e in range(E) for p in range(parts)
+                               for kind in ("weight", "scale")) for name in MATRICES}
+            H = directory.stored_bytes(L, "down", 0, 0, "scale") // 4
+            I = parts * (directory.stored_bytes(L, "gate", 0, 0, "scale") // 4)
+            matrices = tuple(MatrixInfo(name, fmt, sizes[name], "") for name in MATRICES)
+            layers.append(LayerInfo(L, E, H, I, matrices, sum(sizes.values())))
+    finally:
+        directory.close()
+    method = "/".join(sorted(methods)) or "?"
+    parts_text = "/".join(map(str, sorted(parts_seen))) or "?"
+    fmt = "int8" if method == "AMXINT8" else "int4"
+    facts = (
+        ("method", f"{method} (kt-kernel's converted AMX weights, one scale per row; read by KTMoEWrapper(method="
+                   f"'{method}', threadpool_count={parts_text}) as format {fmt})"),
+        ("parts per layer", f"{parts_text} (kt-kernel's NUMA parts: threadpool_count)"),
+        ("files", str(len(set(directory.files.values())))),
+    )
+    kernel = _kernel(fmt, variant) if len(methods) == 1 else None
+    return Inspection(os.fspath(root), "kt-kernel converted directory", variant, facts, None, tuple(layers), kernel,
+                      ())
 
 
 # --- GGUF -----------------------------------------------------------------------------------
