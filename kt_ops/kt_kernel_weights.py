@@ -149,29 +149,51 @@ class KtKernelDir:
         self._handles.clear()
 
 
-def untile(buffer: torch.Tensor, n: int, k: int, layout: BufferLayout) -> torch.Tensor:
-    """The levels ``int8 [n, k]`` of one kt-kernel B buffer's weight bytes (``uint8``,
-    ``n k bits / 8`` of them; the layout of the module docstring)."""
-    data = buffer.reshape(-1).view(torch.uint8)
-    out = torch.empty(n, k, dtype=torch.int8)
-    step = layout.k_step
+def _rows(buffer: torch.Tensor, n: int, k: int, layout: BufferLayout) -> torch.Tensor:
+    """kt-kernel B buffers' weight bytes ``[..., n k bits / 8]`` -> each row's bytes per k step in
+    row and k order, ``uint8 [..., n, k / k_step, 64]`` (un-tiled; INT4 bytes still hold two
+    columns, ``j`` low and ``j + 64`` high)."""
+    batch = tuple(buffer.shape[:-1])
+    data = buffer.reshape(-1, buffer.shape[-1]).view(torch.uint8)
+    B, step = data.shape[0], layout.k_step
+    words = data.view(torch.int32)  # 4-byte words move whole (every offset below is a multiple of 4)
+    out = torch.empty(B, n, k // step, 16, dtype=torch.int32)
     for n0 in range(0, n, layout.n_block):
         nb = min(layout.n_block, n - n0)
         for k0 in range(0, k, layout.k_block):
             kb = min(layout.k_block, k - k0)
-            start = layout.row_bytes(n0 * k + k0 * nb)
-            region = data[start:start + layout.row_bytes(nb * kb)]
-            # [row steps, k steps, 2 tiles, 16 words, 16 rows, 4 bytes]: words stored transposed
-            tiles = region.view(nb // layout.n_step, kb // step, 2, 16, 16, 4).permute(0, 2, 4, 1, 3, 5)
-            rows = tiles.reshape(nb, kb // step, 64)  # each row's 64 bytes per k step
-            if layout.bits == 8:
-                out[n0:n0 + nb, k0:k0 + kb] = rows.reshape(nb, kb).view(torch.int8)
-            else:
-                low = (rows & 0x0F).to(torch.int8)
-                high = (rows >> 4).to(torch.int8)
-                nibbles = torch.stack((low, high), dim=2)  # [nb, steps, 2 (columns j, j + 64), 64]
-                out[n0:n0 + nb, k0:k0 + kb] = ((nibbles ^ 8) - 8).reshape(nb, kb)
-    return out
+            start = layout.row_bytes(n0 * k + k0 * nb) // 4
+            region = words[:, start:start + layout.row_bytes(nb * kb) // 4]
+            # [row steps, k steps, 2 tiles, 16 words, 16 rows]: each tile's words stored transposed
+            tiles = region.view(B, nb // layout.n_step, kb // step, 2, 16, 16).permute(0, 1, 3, 5, 2, 4)
+            out[:, n0:n0 + nb, k0 // step:(k0 + kb) // step] = tiles.reshape(B, nb, kb // step, 16)
+    return out.view(torch.uint8).reshape(*batch, n, k // step, 64)
+
+
+def untile(buffer: torch.Tensor, n: int, k: int, layout: BufferLayout) -> torch.Tensor:
+    """The levels ``int8 [..., n, k]`` of kt-kernel B buffers' weight bytes ``[..., n k bits / 8]``
+    (``uint8`` or ``int8``; the layout of the module docstring): INT8 as stored, INT4
+    sign-extended (-8 ... 7)."""
+    rows = _rows(buffer, n, k, layout)
+    if layout.bits == 8:
+        return rows.reshape(*rows.shape[:-2], k).view(torch.int8)
+    columns = torch.cat((rows & 0x0F, rows >> 4), dim=-1).view(torch.int8)  # [..., n, steps, 128] in k order
+    return ((columns ^ 8) - 8).reshape(*rows.shape[:-2], k)
+
+
+def untile_nibbles(buffer: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """kt-kernel INT4 B buffers ``[..., n k / 2]`` -> kt_ops' nibbles ``uint8 [..., n, k / 2]``:
+    level ``q + 8`` (of a two's complement nibble ``v``: ``v ^ 8``), column ``2j`` in the low
+    nibble of byte ``j``."""
+    rows = _rows(buffer, n, k, LAYOUTS["AMXINT4"])
+    # Byte pairs (2m, 2m + 1) of a step as one little-endian word w: their low nibbles are
+    # columns 2m, 2m + 1 (kt_ops' byte m), their high nibbles columns 64 + 2m, 65 + 2m (byte 32 + m).
+    w = rows.view(torch.int16)  # [..., n, steps, 32]
+    out = torch.empty(rows.shape, dtype=torch.uint8)
+    out[..., :32] = ((w & 0x000F) | ((w & 0x0F00) >> 4)).to(torch.uint8)
+    out[..., 32:] = (((w & 0x00F0) >> 4) | ((w >> 8) & 0x00F0)).to(torch.uint8)
+    out ^= 0x88  # both nibbles + 8
+    return out.reshape(*rows.shape[:-2], k // 2)
 
 
 def _checked_sizes(n: int, k: int, layout: BufferLayout, name: str) -> None:
@@ -209,11 +231,12 @@ def _load_parts(directory: KtKernelDir, layer: int, method: str, experts: list[i
     shapes = {"gate": (width, H), "up": (width, H), "down": (H, width)}
     out = []
     for part in range(parts):
-        levels: dict[str, list[torch.Tensor]] = {name: [] for name in PROJECTIONS}
-        scales: dict[str, list[torch.Tensor]] = {name: [] for name in PROJECTIONS}
-        for expert in experts:
-            for name in PROJECTIONS:
-                n, k = shapes[name]
+        levels: dict[str, torch.Tensor] = {}
+        scales: dict[str, torch.Tensor] = {}
+        for name in PROJECTIONS:
+            n, k = shapes[name]
+            weights, row_scales = [], []
+            for expert in experts:
                 key = f"blk.{layer}.ffn_{name}_exps.{expert}.numa.{part}"
                 _checked_sizes(n, k, layout, key)
                 weight = directory.tensor(layer, name, expert, part, "weight").reshape(-1)
@@ -229,21 +252,23 @@ def _load_parts(directory: KtKernelDir, layer: int, method: str, experts: list[i
                     raise ValueError(f"{key}.scale holds {scale.numel()} values; one per row needs {n}")
                 if not bool(torch.isfinite(scale).all()):
                     raise ValueError(f"{key}.scale holds a non-finite scale")
-                levels[name].append(untile(weight, n, k, layout))
-                scales[name].append(scale)
+                weights.append(weight.view(torch.uint8))
+                row_scales.append(scale)
+            stacked = torch.stack(weights)  # [E, bytes]: every expert un-tiled at once
+            del weights
+            levels[name] = untile(stacked, n, k, layout) if layout.bits == 8 else untile_nibbles(stacked, n, k)
+            scales[name] = torch.stack(row_scales)
         out.append(_pack(method, levels, scales))
     return out
 
 
-def _pack(method: str, levels: dict[str, list[torch.Tensor]], scales: dict[str, list[torch.Tensor]]) -> PackedExperts:
-    q = [torch.stack(levels[name]) for name in PROJECTIONS]  # int8 [E, N, K]
-    d = [torch.stack(scales[name]) for name in PROJECTIONS]  # fp32 [E, N]
+def _pack(method: str, levels: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> PackedExperts:
+    """int8: levels ``[E, N, K]``, w = d q; int4: nibbles ``[E, N, K / 2]``, w = 16 d (nibble - 8);
+    ``scales`` fp32 ``[E, N]``."""
+    q = [levels[name] for name in PROJECTIONS]
+    d = [scales[name] for name in PROJECTIONS]
     if method == "AMXINT8":
         return PackedExperts(torch.ops.kt.pack_int8_experts(*q, *d))
     group = 128  # the row's scale over each group of 128 (K is a multiple of 128)
-    nibbles = []
-    for matrix in q:
-        biased = (matrix.to(torch.int16) + 8).to(torch.uint8)  # -7 ... 7 -> 1 ... 15 (w = 16 d (q - 8))
-        nibbles.append(biased[..., 0::2] | (biased[..., 1::2] << 4))
-    group_scales = [(16 * s).unsqueeze(-1).expand(-1, -1, m.shape[-1] // group).contiguous() for s, m in zip(d, q)]
-    return PackedExperts(torch.ops.kt.pack_int4_experts(*nibbles, *group_scales, None, None, None, group))
+    group_scales = [(16 * s).unsqueeze(-1).expand(-1, -1, 2 * m.shape[-1] // group).contiguous() for s, m in zip(d, q)]
+    return PackedExperts(torch.ops.kt.pack_int4_experts(*q, *group_scales, None, None, None, group))
