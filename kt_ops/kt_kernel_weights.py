@@ -7,7 +7,9 @@ projection and NUMA part (``threadpool_count`` parts of the intermediate dimensi
     blk.{L}.ffn_{up,gate,down}_exps.{e}.numa.{p}.weight   uint8: the AMX B buffer's bytes
     blk.{L}.ffn_{up,gate,down}_exps.{e}.numa.{p}.scale    fp32: one scale per output row
 
-(``kt-kernel/python/utils/loader.py`` ``SafeTensorLoader.load_experts``). A part holds gate
+(``kt-kernel/python/utils/loader.py`` ``SafeTensorLoader.load_experts``), or, written with
+``--no-merge-safetensor``, the same bytes as files
+``_layer_{L}/_numa_{p}/{INT8|INT4}_{up|gate|down}_{e}_{N}Byte_{quant|scale}_.kt``. A part holds gate
 and up rows ``[p I/T, (p+1) I/T)`` and the same columns of down. The B buffer
 (``kt-kernel/operators/amx/la/amx_kernels.hpp`` ``GemmKernel224Int8::BufferB``,
 ``amx_buffers.hpp`` ``BufferBInt4Impl``) of an ``[N, K]`` matrix is blocked by ``N_BLOCK``
@@ -31,6 +33,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -41,6 +44,9 @@ from kt_ops.packed import PackedExperts
 PROJECTIONS = ("gate", "up", "down")
 _DTYPE_BYTES = {"I8": 1, "U8": 1, "BOOL": 1, "F16": 2, "BF16": 2, "I16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
 _KEY = re.compile(r"^blk\.(\d+)\.ffn_(up|gate|down)_exps\.(\d+)\.numa\.(\d+)\.(weight|scale)$")
+_KT_FILE = re.compile(r"^(INT4|INT8)_(up|gate|down)_(\d+)_(\d+)Byte_(quant|scale)_\.kt$")
+_LAYER_DIR = re.compile(r"^_layer_(\d+)$")
+_PART_DIR = re.compile(r"^_numa_(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -60,11 +66,26 @@ class BufferLayout:
 LAYOUTS = {"AMXINT8": BufferLayout(bits=8, n_block=64), "AMXINT4": BufferLayout(bits=4, n_block=128, k_step=128)}
 
 
+def _kt_files(path: Path) -> Iterator[tuple[str, Path]]:
+    """``--no-merge-safetensor``'s files, ``_layer_{L}/_numa_{p}/{INT8|INT4}_{proj}_{e}_{N}Byte_{quant|scale}_.kt``
+    (each the bytes of one ``.weight`` / ``.scale`` tensor), as (the tensor's key, file)."""
+    for file in sorted(path.glob("_layer_*/_numa_*/*.kt")):
+        layer, part = _LAYER_DIR.match(file.parent.parent.name), _PART_DIR.match(file.parent.name)
+        match = _KT_FILE.match(file.name)
+        if layer and part and match:
+            kind = "weight" if match.group(5) == "quant" else "scale"
+            yield (f"blk.{int(layer.group(1))}.ffn_{match.group(2)}_exps.{int(match.group(3))}.numa."
+                   f"{int(part.group(1))}.{kind}"), file
+
+
 def is_kt_kernel_dir(path: Path) -> bool:
-    """Whether ``path`` is a directory of safetensors files holding kt-kernel's converted
-    AMX weights (a ``blk.{L}.ffn_up_exps.{e}.numa.{p}.weight`` key)."""
+    """Whether ``path`` is a directory of kt-kernel's converted AMX weights: safetensors files
+    holding a ``blk.{L}.ffn_up_exps.{e}.numa.{p}.weight`` key, or ``--no-merge-safetensor``'s
+    ``_layer_{L}/_numa_{p}/*.kt`` files."""
     if not path.is_dir():
         return False
+    if next(_kt_files(path), None) is not None:
+        return True
     for file in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(os.fspath(file), framework="pt") as handle:
@@ -84,16 +105,18 @@ class KtKernelDir:
         self.experts: dict[int, set[int]] = {}
         self.parts: dict[int, set[int]] = {}
         self._handles: dict[Path, object] = {}
+        keys: list[tuple[str, Path]] = list(_kt_files(path))
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(os.fspath(file), framework="pt") as handle:
-                for key in handle.keys():
-                    match = _KEY.match(key)
-                    if match is None:
-                        continue
-                    layer = int(match.group(1))
-                    self.files[key] = file
-                    self.experts.setdefault(layer, set()).add(int(match.group(3)))
-                    self.parts.setdefault(layer, set()).add(int(match.group(4)))
+                keys += [(key, file) for key in handle.keys()]
+        for key, file in keys:
+            match = _KEY.match(key)
+            if match is None:
+                continue
+            layer = int(match.group(1))
+            self.files[key] = file
+            self.experts.setdefault(layer, set()).add(int(match.group(3)))
+            self.parts.setdefault(layer, set()).add(int(match.group(4)))
 
     def layer_shape(self, layer: int) -> tuple[int, int]:
         """``(num_experts, parts)`` of ``layer``; ``ValueError`` when the directory lacks it
@@ -113,9 +136,23 @@ class KtKernelDir:
         file = self.files.get(key)
         if file is None:
             raise ValueError(f"{self.path}: {key} is missing")
+        if file.suffix == ".kt":
+            size = self._kt_size(file)
+            return torch.from_file(os.fspath(file), shared=False, size=size, dtype=torch.uint8)
         if file not in self._handles:
             self._handles[file] = safe_open(os.fspath(file), framework="pt")
         return self._handles[file].get_tensor(key)
+
+    @staticmethod
+    def _kt_size(file: Path) -> int:
+        """A ``.kt`` file's size, which its name states (``..._{N}Byte_...``): ``ValueError``
+        for a file cut short or grown, as kt-kernel refuses it."""
+        size = file.stat().st_size
+        match = _KT_FILE.match(file.name)
+        if match is None or size != int(match.group(4)):
+            raise ValueError(f"{file} holds {size} bytes, its name says {match.group(4) if match else '?'} "
+                             "(truncated or not kt-kernel's?)")
+        return size
 
     def stored_bytes(self, layer: int, projection: str, expert: int, part: int, kind: str) -> int:
         """Bytes of one stored tensor, from its file's header (nothing read)."""
@@ -123,6 +160,8 @@ class KtKernelDir:
         file = self.files.get(key)
         if file is None:
             raise ValueError(f"{self.path}: {key} is missing")
+        if file.suffix == ".kt":
+            return self._kt_size(file)
         if file not in self._handles:
             self._handles[file] = safe_open(os.fspath(file), framework="pt")
         view = self._handles[file].get_slice(key)

@@ -246,3 +246,40 @@ def test_inspect_names_a_kt_kernel_directory() -> None:
         assert (layer.layer, layer.num_experts, layer.hidden_size, layer.intermediate_size) == (1, 2, 128, I)
         file = (DATA / case / "model.safetensors").read_bytes()
         assert layer.nbytes == len(file) - 8 - int.from_bytes(file[:8], "little")  # every tensor's bytes
+
+
+def write_kt_files(source: Path, out: Path, method: str) -> None:
+    """The layer folders of kt-kernel's ``--no-merge-safetensor`` from a merged fixture:
+    ``_layer_{L}/_numa_{p}/{INT4|INT8}_{proj}_{e}_{N}Byte_{quant|scale}_.kt`` holding each
+    tensor's bytes (the names kt-kernel 0.7.2 wrote for these fixtures, e.g.
+    ``_layer_1/_numa_1/INT8_gate_1_8192Byte_quant_.kt``)."""
+    from safetensors.torch import load_file
+
+    prefix = method.removeprefix("AMX")
+    for key, tensor in load_file(str(source / "model.safetensors")).items():
+        _, layer, proj, expert, _, part, kind = key.split(".")
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        folder = out / f"_layer_{layer}" / f"_numa_{part}"
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{prefix}_{proj.removeprefix('ffn_').removesuffix('_exps')}_{expert}_{len(data)}Byte_"
+        (folder / f"{name}{'quant' if kind == 'weight' else 'scale'}_.kt").write_bytes(data)
+
+
+@pytest.mark.parametrize("case", sorted(KT_KERNEL_CASES))
+def test_unmerged_kt_files_load_as_the_merged_directory(tmp_path: Path, case: str) -> None:
+    """kt-kernel's --no-merge-safetensor output (layer folders of .kt files) is read as its
+    merged safetensors; a .kt file whose size is not the one its name states is refused."""
+    method, I = KT_KERNEL_CASES[case]
+    write_kt_files(DATA / case, tmp_path, method)
+    assert is_kt_kernel_dir(tmp_path)
+    x, ids, w = inputs(6, 2, 2, 128)
+    outputs = []
+    for path in (DATA / case, tmp_path):
+        wrapper = KTMoEWrapper(1, 2, 2, 128, I, method=method, weight_path=path, threadpool_count=2)
+        wrapper.load_weights()
+        outputs.append(wrapper.forward(x, ids, w))
+    assert torch.equal(*outputs)
+    victim = next((tmp_path / "_layer_1" / "_numa_1").glob("*_down_1_*quant_.kt"))
+    victim.write_bytes(victim.read_bytes()[:-64])
+    with pytest.raises(ValueError, match="truncated or not kt-kernel's"):
+        KTMoEWrapper(1, 2, 2, 128, I, method=method, weight_path=tmp_path, threadpool_count=2).load_weights()
