@@ -16,9 +16,11 @@ and up rows ``[p I/T, (p+1) I/T)`` and the same columns of down. The B buffer
 rows (64 for INT8, 128 for INT4), then ``K_BLOCK`` = 3584 columns, then 32 rows by
 ``K_STEP`` columns (64 for INT8, 128 for INT4); each 32-row step is two 16-row tiles of 16
 32-bit words per row, stored transposed (word-major, VNNI). INT8 levels are
-``round(w / d)`` with ``d = max|w| / 127`` per row (``w = q d``); an INT4 byte holds
-column ``j`` of a 128-column step in its low nibble and column ``j + 64`` in its high
-nibble, signed (-7 ... 7), with ``w = q 16 d`` (``d = max|w| / 112``).
+``round(w / d)`` with ``d = max|w| / 127`` per row (``w = q d``; kt-kernel 0.7.2 computes
+``d`` as ``max|w| * fp32(1 / 127)``); an INT4 byte holds column ``j`` of a 128-column step in
+its low nibble and column ``j + 64`` in its high nibble, signed (-7 ... 7), with
+``w = q 16 d`` (``d = max|w| / 112``). Only the stored levels and scales matter here: they
+are taken as they are.
 
 :func:`load_layer` un-tiles them into kt_ops' ``int8`` and ``int4`` layouts (INT4: the row
 scale ``16 d`` repeated over groups of 128) — the same levels and scales, never
