@@ -288,6 +288,8 @@ def _load_parts(directory: KtKernelDir, layer: int, method: str, experts: list[i
                     hint = f" (the size of {other} weights: use method='{other}')" if other else ""
                     raise ValueError(f"{key}.weight holds {nbytes} bytes; {method} [{n}, {k}] needs "
                                      f"{layout.row_bytes(n * k)}{hint}")
+                if scale.dtype == torch.uint8 and scale.numel() % 4:  # (a .kt file): fp32 bytes
+                    raise ValueError(f"{key}.scale holds {scale.numel()} bytes, not fp32 scales (4 bytes each)")
                 scale = scale.view(torch.float32) if scale.dtype == torch.uint8 else scale.float()
                 if scale.numel() != n:
                     raise ValueError(f"{key}.scale holds {scale.numel()} values; one per row needs {n}")

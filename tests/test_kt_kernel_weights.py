@@ -283,3 +283,17 @@ def test_unmerged_kt_files_load_as_the_merged_directory(tmp_path: Path, case: st
     victim.write_bytes(victim.read_bytes()[:-64])
     with pytest.raises(ValueError, match="truncated or not kt-kernel's"):
         KTMoEWrapper(1, 2, 2, 128, I, method=method, weight_path=tmp_path, threadpool_count=2).load_weights()
+
+
+def test_scale_bytes_that_are_no_fp32_values_are_named(tmp_path: Path) -> None:
+    """A .kt scale file (or uint8 scale tensor) of a byte count that is no multiple of 4 raised
+    torch's RuntimeError ("must be divisible by 4 to view Byte as Float")."""
+    E, K, H, I = 2, 2, 128, 128
+    write_dir(tmp_path, 0, weights(E, H, I), "AMXINT8", 1)
+    (tmp_path / "model-00001-of-00001.safetensors").rename(tmp_path / "model.safetensors")
+    write_kt_files(tmp_path, tmp_path / "kt", "AMXINT8")
+    scale = next((tmp_path / "kt" / "_layer_0" / "_numa_0").glob("INT8_up_1_*scale_.kt"))
+    scale.unlink()
+    (scale.parent / "INT8_up_1_254Byte_scale_.kt").write_bytes(bytes(254))
+    with pytest.raises(ValueError, match="ffn_up_exps.1.numa.0.scale holds 254 bytes, not fp32 scales"):
+        KTMoEWrapper(0, E, K, H, I, method="AMXINT8", weight_path=tmp_path / "kt").load_weights()
