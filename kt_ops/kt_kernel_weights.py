@@ -99,15 +99,23 @@ def is_kt_kernel_dir(path: Path) -> bool:
 
 
 class KtKernelDir:
-    """The layers of a kt-kernel converted directory: which file holds each key."""
+    """The layers of a kt-kernel converted directory: which file holds each key. ``method``
+    (``AMXINT4`` / ``AMXINT8``): of a folder holding both ``INT4_...`` and ``INT8_...`` files
+    of a tensor (converted twice into one directory), the method's, as kt-kernel reads them."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, method: str | None = None) -> None:
         self.path = path
         self.files: dict[str, Path] = {}
         self.experts: dict[int, set[int]] = {}
         self.parts: dict[int, set[int]] = {}
         self._handles: dict[Path, object] = {}
-        keys: list[tuple[str, Path]] = list(_kt_files(path))
+        prefix = None if method is None else method.removeprefix("AMX")
+        keys: list[tuple[str, Path]] = []
+        for key, file in _kt_files(path):
+            held = self.files.get(key)
+            if held is None or _KT_FILE.match(held.name).group(1) != prefix:  # type: ignore[union-attr]
+                self.files[key] = file
+        keys += list(self.files.items())
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(os.fspath(file), framework="pt") as handle:
                 keys += [(key, file) for key in handle.keys()]
@@ -251,7 +259,7 @@ def load_layer(path: Path, layer: int, method: str, experts: list[int], hidden_s
     ``ValueError`` naming the tensor for a size that does not fit ``hidden_size`` /
     ``intermediate_size`` or the method (an AMXINT4 directory read as AMXINT8 ...)."""
     layout = LAYOUTS[method]
-    directory = KtKernelDir(path)
+    directory = KtKernelDir(path, method)
     count, parts = directory.layer_shape(layer)
     if intermediate_size % parts:
         raise ValueError(f"{path} layer {layer} has {parts} NUMA parts, which do not divide moe_intermediate_size "

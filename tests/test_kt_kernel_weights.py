@@ -297,3 +297,20 @@ def test_scale_bytes_that_are_no_fp32_values_are_named(tmp_path: Path) -> None:
     (scale.parent / "INT8_up_1_254Byte_scale_.kt").write_bytes(bytes(254))
     with pytest.raises(ValueError, match="ffn_up_exps.1.numa.0.scale holds 254 bytes, not fp32 scales"):
         KTMoEWrapper(0, E, K, H, I, method="AMXINT8", weight_path=tmp_path / "kt").load_weights()
+
+
+def test_int4_and_int8_kt_files_in_one_folder_are_read_by_the_method(tmp_path: Path) -> None:
+    """A directory converted twice (AMXINT4, then AMXINT8) holds INT4_... and INT8_... .kt files
+    of each tensor; kt-kernel reads the method's. AMXINT4 read the INT8 files and was refused
+    ("use method='AMXINT8'")."""
+    E, K, H, I = 2, 2, 128, 256
+    per_method = {}
+    for method in ("AMXINT4", "AMXINT8"):
+        per_method[method] = write_dir(tmp_path / method, 0, weights(E, H, I), method, 2)
+        (tmp_path / method / "model-00001-of-00001.safetensors").rename(tmp_path / method / "model.safetensors")
+        write_kt_files(tmp_path / method, tmp_path / "both", method)
+    x, ids, w = inputs(4, E, K, H)
+    for method, per_part in per_method.items():
+        wrapper = KTMoEWrapper(0, E, K, H, I, method=method, weight_path=tmp_path / "both", threadpool_count=2)
+        wrapper.load_weights()
+        assert rel_err(wrapper.forward(x, ids, w), expected(x, ids, w, per_part, quantized=True)) <= 1e-5
