@@ -68,10 +68,12 @@ class BufferLayout:
 LAYOUTS = {"AMXINT8": BufferLayout(bits=8, n_block=64), "AMXINT4": BufferLayout(bits=4, n_block=128, k_step=128)}
 
 
-def _kt_files(path: Path) -> Iterator[tuple[str, Path]]:
+def _kt_files(path: Path, layer_idx: int | None = None, ordered: bool = True) -> Iterator[tuple[str, Path]]:
     """``--no-merge-safetensor``'s files, ``_layer_{L}/_numa_{p}/{INT8|INT4}_{proj}_{e}_{N}Byte_{quant|scale}_.kt``
-    (each the bytes of one ``.weight`` / ``.scale`` tensor), as (the tensor's key, file)."""
-    for file in sorted(path.glob("_layer_*/_numa_*/*.kt")):
+    (each the bytes of one ``.weight`` / ``.scale`` tensor), as (the tensor's key, file); only
+    layer ``layer_idx``'s folder when given (a model's folders hold ~10^5 files)."""
+    files = path.glob("_layer_*/_numa_*/*.kt" if layer_idx is None else f"_layer_{layer_idx}/_numa_*/*.kt")
+    for file in sorted(files) if ordered else files:
         layer, part = _LAYER_DIR.match(file.parent.parent.name), _PART_DIR.match(file.parent.name)
         match = _KT_FILE.match(file.name)
         if layer and part and match:
@@ -86,7 +88,7 @@ def is_kt_kernel_dir(path: Path) -> bool:
     ``_layer_{L}/_numa_{p}/*.kt`` files."""
     if not path.is_dir():
         return False
-    if next(_kt_files(path), None) is not None:
+    if next(_kt_files(path, ordered=False), None) is not None:
         return True
     for file in sorted(path.glob("*.safetensors")):
         try:
@@ -101,17 +103,20 @@ def is_kt_kernel_dir(path: Path) -> bool:
 class KtKernelDir:
     """The layers of a kt-kernel converted directory: which file holds each key. ``method``
     (``AMXINT4`` / ``AMXINT8``): of a folder holding both ``INT4_...`` and ``INT8_...`` files
-    of a tensor (converted twice into one directory), the method's, as kt-kernel reads them."""
+    of a tensor (converted twice into one directory), the method's, as kt-kernel reads them.
+    ``layer_idx``: of ``_layer_{L}`` folders, only that layer's are listed."""
 
-    def __init__(self, path: Path, method: str | None = None) -> None:
+    def __init__(self, path: Path, method: str | None = None, layer_idx: int | None = None) -> None:
         self.path = path
         self.files: dict[str, Path] = {}
         self.experts: dict[int, set[int]] = {}
         self.parts: dict[int, set[int]] = {}
         self._handles: dict[Path, object] = {}
+        # the layer folders (not their files) for layer_shape's message
+        self._folders = {int(m.group(1)) for d in path.glob("_layer_*") if (m := _LAYER_DIR.match(d.name))}
         prefix = None if method is None else method.removeprefix("AMX")
         keys: list[tuple[str, Path]] = []
-        for key, file in _kt_files(path):
+        for key, file in _kt_files(path, layer_idx):
             held = self.files.get(key)
             if held is None or _KT_FILE.match(held.name).group(1) != prefix:  # type: ignore[union-attr]
                 self.files[key] = file
@@ -132,7 +137,7 @@ class KtKernelDir:
         """``(num_experts, parts)`` of ``layer``; ``ValueError`` when the directory lacks it
         or its expert / part numbers have gaps."""
         if layer not in self.experts:
-            held = ", ".join(map(str, sorted(self.experts))) or "none"
+            held = ", ".join(map(str, sorted(set(self.experts) | self._folders))) or "none"
             raise ValueError(f"{self.path} holds no kt-kernel experts of layer {layer} (layers: {held})")
         experts, parts = sorted(self.experts[layer]), sorted(self.parts[layer])
         if experts != list(range(len(experts))) or parts != list(range(len(parts))):
@@ -259,7 +264,7 @@ def load_layer(path: Path, layer: int, method: str, experts: list[int], hidden_s
     ``ValueError`` naming the tensor for a size that does not fit ``hidden_size`` /
     ``intermediate_size`` or the method (an AMXINT4 directory read as AMXINT8 ...)."""
     layout = LAYOUTS[method]
-    directory = KtKernelDir(path, method)
+    directory = KtKernelDir(path, method, layer)
     count, parts = directory.layer_shape(layer)
     if intermediate_size % parts:
         raise ValueError(f"{path} layer {layer} has {parts} NUMA parts, which do not divide moe_intermediate_size "

@@ -314,3 +314,27 @@ def test_int4_and_int8_kt_files_in_one_folder_are_read_by_the_method(tmp_path: P
         wrapper = KTMoEWrapper(0, E, K, H, I, method=method, weight_path=tmp_path / "both", threadpool_count=2)
         wrapper.load_weights()
         assert rel_err(wrapper.forward(x, ids, w), expected(x, ids, w, per_part, quantized=True)) <= 1e-5
+
+
+def test_loading_a_layer_lists_only_its_kt_folder(tmp_path: Path) -> None:
+    """Each layer's load listed every layer's .kt files (three times: ~10^5 files of a model's
+    folders per layer, O(layers^2) for the model); now its own folder's, other layers named in
+    the message for a missing one."""
+    from kt_ops.kt_kernel_weights import KtKernelDir
+
+    write_kt_files(DATA / "int8_numa2", tmp_path, "AMXINT8")
+    other = tmp_path / "_layer_7" / "_numa_0"
+    other.mkdir(parents=True)
+    (other / "INT8_up_0_4Byte_scale_.kt").write_bytes(bytes(4))
+    directory = KtKernelDir(tmp_path, "AMXINT8", 1)
+    assert directory.layer_shape(1) == (2, 2)
+    assert all(key.startswith("blk.1.") for key in directory.files)
+    with pytest.raises(ValueError, match=r"no kt-kernel experts of layer 3 \(layers: 1, 7\)"):
+        KtKernelDir(tmp_path, "AMXINT8", 3).layer_shape(3)
+    wrapper = KTMoEWrapper(1, 2, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2)
+    wrapper.load_weights()
+    x, ids, w = inputs(3, 2, 2, 128)
+    reference_wrapper = KTMoEWrapper(1, 2, 2, 128, 128, method="AMXINT8", weight_path=DATA / "int8_numa2",
+                                     threadpool_count=2)
+    reference_wrapper.load_weights()
+    assert torch.equal(wrapper.forward(x, ids, w), reference_wrapper.forward(x, ids, w))

@@ -579,7 +579,7 @@ class KTMoEWrapper:
         if method is None:
             raise ValueError(f"{path} holds kt-kernel's converted AMX weights (AMXINT4 or AMXINT8); method "
                              f"{self.method} cannot read them")
-        logical, parts = KtKernelDir(path, method).layer_shape(self.layer_idx)
+        logical, parts = KtKernelDir(path, method, self.layer_idx).layer_shape(self.layer_idx)
         if parts != self.threadpool_count:
             raise ValueError(f"{path} was converted by kt-kernel for {parts} NUMA part(s); construct the wrapper with "
                              f"threadpool_count={parts}")
