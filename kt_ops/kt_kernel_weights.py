@@ -314,7 +314,16 @@ def _load_parts(directory: KtKernelDir, layer: int, method: str, experts: list[i
             del weights
             levels[name] = untile(stacked, n, k, layout) if layout.bits == 8 else untile_nibbles(stacked, n, k)
             scales[name] = torch.stack(row_scales)
-        out.append(_pack(method, levels, scales))
+        try:
+            out.append(_pack(method, levels, scales))
+        except ValueError as error:  # the kernel's check (INT8 level -128) names no file tensor: find it
+            for name in PROJECTIONS if layout.bits == 8 else ():
+                bad = torch.nonzero((levels[name] == -128).flatten(1).any(1)).reshape(-1)
+                if bad.numel():
+                    key = f"blk.{layer}.ffn_{name}_exps.{experts[int(bad[0])]}.numa.{part}.weight"
+                    raise ValueError(f"{directory.path}: {key} holds the level -128; INT8 levels are "
+                                     "-127 ... 127") from None
+            raise ValueError(f"{directory.path} layer {layer} NUMA part {part}: {error}") from None
     return out
 
 

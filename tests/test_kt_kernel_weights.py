@@ -338,3 +338,18 @@ def test_loading_a_layer_lists_only_its_kt_folder(tmp_path: Path) -> None:
                                      threadpool_count=2)
     reference_wrapper.load_weights()
     assert torch.equal(wrapper.forward(x, ids, w), reference_wrapper.forward(x, ids, w))
+
+
+def test_an_int8_level_of_minus_128_names_the_file_tensor(tmp_path: Path) -> None:
+    """The kernel's refusal said "down_proj holds the level -128", naming no file, layer, expert or part."""
+    from safetensors.torch import load_file
+
+    write_dir(tmp_path, 0, weights(3, 128, 128), "AMXINT8", 2)
+    file = tmp_path / "model-00001-of-00001.safetensors"
+    tensors = load_file(str(file))
+    key = "blk.0.ffn_down_exps.2.numa.1.weight"
+    tensors[key] = tensors[key].clone()
+    tensors[key][100] = 0x80  # the level -128
+    save_file(tensors, str(file))
+    with pytest.raises(ValueError, match=f"{key} holds the level -128"):
+        KTMoEWrapper(0, 3, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2).load_weights()
