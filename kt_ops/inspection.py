@@ -383,9 +383,13 @@ def _inspect_kt_kernel(root: Path) -> Inspection:
     method = "/".join(sorted(methods)) or "?"
     parts_text = "/".join(map(str, sorted(parts_seen))) or "?"
     fmt = "int8" if method == "AMXINT8" else "int4"
+    if len(methods) == 1 and len(parts_seen) == 1:
+        read = f"read by KTMoEWrapper(method='{method}', threadpool_count={parts_text}) as format {fmt}"
+    else:  # a wrapper per layer: each with that layer's method and parts
+        read = ("layers differ: each read by KTMoEWrapper with its own method and threadpool_count = its parts, "
+                "AMXINT8 as format int8, AMXINT4 as int4")
     facts = (
-        ("method", f"{method} (kt-kernel's converted AMX weights, one scale per row; read by KTMoEWrapper(method="
-                   f"'{method}', threadpool_count={parts_text}) as format {fmt})"),
+        ("method", f"{method} (kt-kernel's converted AMX weights, one scale per row; {read})"),
         ("parts per layer", f"{parts_text} (kt-kernel's NUMA parts: threadpool_count)"),
         ("files", str(len(set(directory.files.values())))),
     )

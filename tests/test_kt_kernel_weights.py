@@ -353,3 +353,18 @@ def test_an_int8_level_of_minus_128_names_the_file_tensor(tmp_path: Path) -> Non
     save_file(tensors, str(file))
     with pytest.raises(ValueError, match=f"{key} holds the level -128"):
         KTMoEWrapper(0, 3, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2).load_weights()
+
+
+def test_inspect_of_layers_of_different_methods_names_no_mixed_method(tmp_path: Path) -> None:
+    """Layers of AMXINT8 (one part) and AMXINT4 (two parts) were described as read by
+    KTMoEWrapper(method='AMXINT4/AMXINT8', threadpool_count=1/2) "as format int4"."""
+    from kt_ops.inspection import inspect_weights
+
+    write_dir(tmp_path / "a", 0, weights(2, 128, 256), "AMXINT8", 1)
+    write_dir(tmp_path / "b", 1, weights(2, 128, 256), "AMXINT4", 2)
+    (tmp_path / "b" / "model-00001-of-00001.safetensors").rename(tmp_path / "a" / "model-00002-of-00002.safetensors")
+    result = inspect_weights(tmp_path / "a")
+    stated = dict(result.facts)["method"]
+    assert "method='AMXINT4/AMXINT8'" not in stated and "as format int4)" not in stated
+    assert "each read by KTMoEWrapper with its own method" in stated
+    assert [m.type for layer in result.layers for m in layer.matrices] == ["int8"] * 3 + ["int4"] * 3
