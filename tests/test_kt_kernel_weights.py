@@ -166,8 +166,7 @@ def test_the_wrong_method_or_part_count_is_named(tmp_path: Path) -> None:
         KTMoEWrapper(0, E, K, H, I, method="BF16", weight_path=tmp_path).load_weights()
     with pytest.raises(ValueError, match="no kt-kernel experts of layer 5"):
         KTMoEWrapper(5, E, K, H, I, method="AMXINT8", weight_path=tmp_path).load_weights()
-    with pytest.raises(ValueError, match="pass the method it was converted with"):
-        KTMoEWrapper(0, E, K, H, I, method=None, weight_path=tmp_path)
+    assert KTMoEWrapper(0, E, K, H, I, method=None, weight_path=tmp_path).method == "AMXINT8"  # detected
     with pytest.raises(ValueError, match="holds 16384 bytes; AMXINT8 \\[256, 128\\] needs 32768"):
         KTMoEWrapper(0, E, K, H, 2 * I, method="AMXINT8", weight_path=tmp_path).load_weights()
 
@@ -219,6 +218,7 @@ def test_files_written_by_kt_kernel(case: str) -> None:
         per_part.append((dequantized["gate"], dequantized["up"], dequantized["down"]))
     io = load_file(str(path / "io.safetensors"))
     x, ids, w = io["x"], io["topk_ids"], io["topk_weights"]
+    assert KTMoEWrapper(1, E, K, H, I, method=None, weight_path=path, threadpool_count=parts).method == method
     wrapper = KTMoEWrapper(1, E, K, H, I, method=method, weight_path=path, threadpool_count=parts)
     wrapper.load_weights()
     for packed, file_weights in zip(wrapper._parts, per_part):  # what the kernels multiply: the file's weights

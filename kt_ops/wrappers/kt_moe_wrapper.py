@@ -1277,15 +1277,21 @@ if hasattr(os, "register_at_fork"):
 
 def detect_method(path: Path, layer_idx: int) -> str:
     """The method of the weights at ``path`` for ``method=None``: ``LLAMAFILE`` for GGUF,
-    an INT4 or FP8 checkpoint's own method, ``BF16`` for float safetensors. A directory
-    written by ``kt_ops.convert`` needs its method named (``ValueError``)."""
+    ``AMXINT4`` / ``AMXINT8`` for a directory written by kt-kernel's converter (from layer
+    ``layer_idx``'s sizes), an INT4 or FP8 checkpoint's own method, ``BF16`` for float
+    safetensors. A directory written by ``kt_ops.convert`` needs its method named
+    (``ValueError``)."""
     if not path.exists():
         raise FileNotFoundError(f"weight_path {path} does not exist")
     if is_converted(path):
         raise ValueError(f"{path} was written by kt_ops.convert; pass the method it was converted with")
     if is_kt_kernel_dir(path):
-        raise ValueError(f"{path} holds kt-kernel's converted AMX weights; pass the method it was converted with "
-                         "('AMXINT4' or 'AMXINT8')")
+        directory = KtKernelDir(path, layer_idx=layer_idx)
+        try:
+            directory.layer_shape(layer_idx)  # ValueError naming the layers it holds
+            return directory.method(layer_idx)
+        finally:
+            directory.close()
     if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
         return "LLAMAFILE"
     return native_method(HfCheckpoint(path), layer_idx)
