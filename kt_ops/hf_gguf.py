@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 
 from kt_ops import hf_experts
-from kt_ops.gguf_loader import gguf_files, load_gguf_expert_biases, load_gguf_experts, read_gguf_config
+from kt_ops.gguf_loader import gguf_files, load_gguf_expert_biases, load_gguf_experts, open_gguf, read_gguf_config
 from kt_ops.ops import set_activation
 
 _EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")
@@ -67,6 +67,9 @@ def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16)
     config = transformers.AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
     if info.moe_intermediate_size is not None and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = info.moe_intermediate_size  # transformers' mapping misses it for some archs
+    shared = open_gguf(file).fields.get(f"{info.architecture}.expert_shared_feed_forward_length")
+    if shared is not None and hasattr(config, "shared_expert_intermediate_size"):
+        config.shared_expert_intermediate_size = int(shared.contents())  # unmapped: qwen2moe kept its 5632 default
     with no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts: dict[int, tuple[str, torch.nn.Module]] = {}

@@ -148,3 +148,55 @@ def test_kt_ops_generate_runs_a_gguf_file(tmp_path: Path, capsys: pytest.Capture
     assert generate.main([str(bare), "--prompt", "w5 w17", "--max-new-tokens", "2",
                           "--tokenizer", str(tmp_path / "tokenizer")]) == 0
     assert "kt_ops LLAMAFILE: loaded" in capsys.readouterr().err
+
+
+def write_qwen2moe_gguf(model: torch.nn.Module, path: Path) -> None:
+    """``model`` (a tiny Qwen2-MoE, fp32) written as an F32 GGUF of llama.cpp's names and
+    metadata keys (``expert_shared_feed_forward_length`` for the shared expert's size; the
+    shared-expert gate a vector, as llama.cpp stores it)."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen2moe")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2MOE, cfg.num_hidden_layers)
+    for key, tensor in model.state_dict().items():
+        array = tensor.float()
+        block = key.split(".")[2] if ".layers." in f".{key}" else None
+        if key.endswith("mlp.experts.gate_up_proj"):
+            half = array.shape[1] // 2
+            writer.add_tensor(f"blk.{block}.ffn_gate_exps.weight", np.ascontiguousarray(array[:, :half].numpy()))
+            writer.add_tensor(f"blk.{block}.ffn_up_exps.weight", np.ascontiguousarray(array[:, half:].numpy()))
+            continue
+        if key.endswith("mlp.experts.down_proj"):
+            writer.add_tensor(f"blk.{block}.ffn_down_exps.weight", np.ascontiguousarray(array.numpy()))
+            continue
+        if key.endswith("shared_expert_gate.weight"):
+            array = array.reshape(-1)
+        base, suffix = key.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(array.numpy()))
+    finish(writer)
+
+
+def test_from_gguf_sizes_a_qwen2moe_shared_expert_from_the_file(tmp_path: Path) -> None:
+    """transformers' GGUF mapping has no key for the shared expert's size: the model was built
+    with Qwen2MoeConfig's 5632 and loading its 48-row shared expert failed."""
+    path = tmp_path / "tiny.gguf"
+    reference = tiny_model("qwen2_moe", dtype=torch.bfloat16).float().eval()
+    write_qwen2moe_gguf(reference, path)
+    model = kt_ops.from_gguf(path, dtype=torch.float32)
+    assert model.config.shared_expert_intermediate_size == reference.config.shared_expert_intermediate_size == 48
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert ((got - want).norm() / want.norm()) <= 1e-5
