@@ -25,12 +25,18 @@ from kt_ops.gguf_loader import gguf_files, load_gguf_expert_biases, load_gguf_ex
 from kt_ops.ops import set_activation
 
 _EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")
+_SINKS = re.compile(r"^blk\.\d+\.attn_sinks\.weight$")
+# Sizes in a GGUF's metadata that transformers' mapping misses for some architectures, and
+# the config attribute each sets (where the config class has it).
+_UNMAPPED_KEYS = (("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+                  ("attention.key_length", "head_dim"), ("attention.sliding_window", "sliding_window"))
 
 
 @contextlib.contextmanager
 def _without_expert_tensors() -> Iterator[None]:
     """While active, ``gguf.GGUFReader`` lists no routed-expert tensors (transformers' GGUF
-    loader then neither dequantizes nor holds them)."""
+    loader then neither dequantizes nor holds them), and gpt-oss's ``blk.N.attn_sinks.weight``
+    (llama.cpp's name) as the ``blk.N.attn_sinks`` transformers maps to ``self_attn.sinks``."""
     import gguf
 
     original = gguf.GGUFReader
@@ -38,7 +44,8 @@ def _without_expert_tensors() -> Iterator[None]:
     class Reader(original):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.tensors = [t for t in self.tensors if not _EXPERT_TENSOR.match(t.name)]
+            self.tensors = [t._replace(name=t.name.removesuffix(".weight")) if _SINKS.match(t.name) else t
+                            for t in self.tensors if not _EXPERT_TENSOR.match(t.name)]
 
     gguf.GGUFReader = Reader
     try:
@@ -67,9 +74,10 @@ def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16)
     config = transformers.AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
     if info.moe_intermediate_size is not None and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = info.moe_intermediate_size  # transformers' mapping misses it for some archs
-    shared = open_gguf(file).fields.get(f"{info.architecture}.expert_shared_feed_forward_length")
-    if shared is not None and hasattr(config, "shared_expert_intermediate_size"):
-        config.shared_expert_intermediate_size = int(shared.contents())  # unmapped: qwen2moe kept its 5632 default
+    for key, attribute in _UNMAPPED_KEYS:  # else the config class's defaults (qwen2moe's shared expert: 5632)
+        field = open_gguf(file).fields.get(f"{info.architecture}.{key}")
+        if field is not None and hasattr(config, attribute):
+            setattr(config, attribute, int(field.contents()))
     with no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts: dict[int, tuple[str, torch.nn.Module]] = {}

@@ -200,3 +200,70 @@ def test_from_gguf_sizes_a_qwen2moe_shared_expert_from_the_file(tmp_path: Path) 
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
     assert ((got - want).norm() / want.norm()) <= 1e-5
+
+
+def write_gpt_oss_gguf(model: torch.nn.Module, path: Path) -> None:
+    """``model`` (a tiny gpt-oss, fp32) written as an F32 GGUF as llama.cpp's converter writes
+    one: gate and up de-interleaved from ``gate_up_proj``, expert matrices ``[E, out, in]``,
+    their biases, and the attention sinks as ``blk.N.attn_sinks.weight``."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    writer.add_sliding_window(cfg.sliding_window)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, cfg.num_hidden_layers)
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        writer.add_tensor(name, np.ascontiguousarray(tensor.numpy()))
+
+    for key, tensor in model.state_dict().items():
+        tensor = tensor.float()
+        block = key.split(".")[2] if ".layers." in f".{key}" else None
+        if key.endswith("experts.gate_up_proj"):
+            add(f"blk.{block}.ffn_gate_exps.weight", tensor[..., ::2].transpose(1, 2))
+            add(f"blk.{block}.ffn_up_exps.weight", tensor[..., 1::2].transpose(1, 2))
+        elif key.endswith("experts.gate_up_proj_bias"):
+            add(f"blk.{block}.ffn_gate_exps.bias", tensor[..., ::2])
+            add(f"blk.{block}.ffn_up_exps.bias", tensor[..., 1::2])
+        elif key.endswith("experts.down_proj"):
+            add(f"blk.{block}.ffn_down_exps.weight", tensor.transpose(1, 2))
+        elif key.endswith("experts.down_proj_bias"):
+            add(f"blk.{block}.ffn_down_exps.bias", tensor)
+        elif key.endswith("self_attn.sinks"):
+            add(f"blk.{block}.attn_sinks.weight", tensor)
+        else:
+            base, suffix = key.rsplit(".", 1)
+            add(f"{names.get_name(base)}.{suffix}", tensor)
+    finish(writer)
+
+
+def test_from_gguf_reads_a_gpt_oss_file_as_llama_cpp_writes_it(tmp_path: Path) -> None:
+    """The sinks (``attn_sinks.weight``: transformers looked for ``attn_sinks``), the head
+    size and the sliding window (``attention.*`` keys transformers' mapping misses: the config
+    kept GptOssConfig's 64 and 128) come from the file."""
+    from hf_models import EXPERTS_CONFIGS
+
+    config = EXPERTS_CONFIGS["gpt_oss"]()
+    config.head_dim, config.sliding_window = 8, 4
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    path = tmp_path / "tiny.gguf"
+    write_gpt_oss_gguf(reference, path)
+    model = kt_ops.from_gguf(path, dtype=torch.float32)
+    assert (model.config.head_dim, model.config.sliding_window) == (8, 4)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))  # < 32 tokens: see formats.md
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert ((got - want).norm() / want.norm()) <= 1e-5
