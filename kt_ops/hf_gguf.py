@@ -54,6 +54,27 @@ def _without_expert_tensors() -> Iterator[None]:
         gguf.GGUFReader = original
 
 
+@contextlib.contextmanager
+def _without_rope_scaling() -> Iterator[None]:
+    """While active, ``gguf.GGUFReader`` lists no ``*.rope.scaling.*`` metadata: transformers'
+    GGUF config reader takes gpt-oss's from a field's first part (its key's length, an array)
+    and raised ``TypeError`` on every gpt-oss GGUF llama.cpp writes (:func:`from_gguf` sets them)."""
+    import gguf
+
+    original = gguf.GGUFReader
+
+    class Reader(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.fields = type(self.fields)((k, v) for k, v in self.fields.items() if ".rope.scaling." not in k)
+
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """A transformers causal LM from a GGUF file (or a directory holding one) whose routed
     experts run from the mapped file through ``kt::moe_forward``.
@@ -71,11 +92,21 @@ def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16)
         raise ValueError(f"{path}: from_gguf reads single-file GGUFs; this model is split into {len(files)} files")
     file = Path(files[0])
     info = read_gguf_config(file)
-    config = transformers.AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    fields = open_gguf(file).fields
+    with _without_rope_scaling():
+        config = transformers.AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    scaling = fields.get(f"{info.architecture}.rope.scaling.type")
+    rope = getattr(config, "rope_parameters", None)
+    if scaling is not None and scaling.contents() != "none" and isinstance(rope, dict):
+        rope["rope_type"] = scaling.contents()  # the class's other YaRN defaults (gpt-oss: truncate False) stay
+        for key, name, kind in (("factor", "factor", float),
+                                ("original_context_length", "original_max_position_embeddings", int)):
+            if f"{info.architecture}.rope.scaling.{key}" in fields:
+                rope[name] = kind(fields[f"{info.architecture}.rope.scaling.{key}"].contents())
     if info.moe_intermediate_size is not None and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = info.moe_intermediate_size  # transformers' mapping misses it for some archs
     for key, attribute in _UNMAPPED_KEYS:  # else the config class's defaults (qwen2moe's shared expert: 5632)
-        field = open_gguf(file).fields.get(f"{info.architecture}.{key}")
+        field = fields.get(f"{info.architecture}.{key}")
         if field is not None and hasattr(config, attribute):
             setattr(config, attribute, int(field.contents()))
     with no_init_weights():
@@ -92,7 +123,7 @@ def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16)
             hf_experts.release_weights(module)  # never touched: released before the weights load
     if not experts:
         raise ValueError(f"{type(model).__name__} has no experts class using transformers' experts interface")
-    with _without_expert_tensors():
+    with _without_rope_scaling(), _without_expert_tensors():
         tensors = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     expert_params = {f"{name}.{t}" for name, _ in experts.values()

@@ -205,7 +205,8 @@ def test_from_gguf_sizes_a_qwen2moe_shared_expert_from_the_file(tmp_path: Path) 
 def write_gpt_oss_gguf(model: torch.nn.Module, path: Path) -> None:
     """``model`` (a tiny gpt-oss, fp32) written as an F32 GGUF as llama.cpp's converter writes
     one: gate and up de-interleaved from ``gate_up_proj``, expert matrices ``[E, out, in]``,
-    their biases, and the attention sinks as ``blk.N.attn_sinks.weight``."""
+    their biases, the attention sinks as ``blk.N.attn_sinks.weight``, and YaRN's
+    ``rope.scaling.*`` keys."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "gpt-oss")
     writer.add_context_length(cfg.max_position_embeddings)
@@ -223,6 +224,9 @@ def write_gpt_oss_gguf(model: torch.nn.Module, path: Path) -> None:
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     writer.add_expert_feed_forward_length(cfg.intermediate_size)
     writer.add_sliding_window(cfg.sliding_window)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+    writer.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, cfg.num_hidden_layers)
 
     def add(name: str, tensor: torch.Tensor) -> None:
@@ -264,6 +268,26 @@ def test_from_gguf_reads_a_gpt_oss_file_as_llama_cpp_writes_it(tmp_path: Path) -
     model = kt_ops.from_gguf(path, dtype=torch.float32)
     assert (model.config.head_dim, model.config.sliding_window) == (8, 4)
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))  # < 32 tokens: see formats.md
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert ((got - want).norm() / want.norm()) <= 1e-5
+
+
+def test_from_gguf_reads_gpt_oss_yarn_rope_scaling(tmp_path: Path) -> None:
+    """A gpt-oss GGUF with ``rope.scaling.*`` keys (every one llama.cpp writes): transformers'
+    config reader raised ``TypeError`` on them; the factor and original context come from the
+    file."""
+    from hf_models import EXPERTS_CONFIGS
+
+    config = EXPERTS_CONFIGS["gpt_oss"]()
+    config.rope_parameters.update(factor=4.0, original_max_position_embeddings=32)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    path = tmp_path / "tiny.gguf"
+    write_gpt_oss_gguf(reference, path)
+    model = kt_ops.from_gguf(path, dtype=torch.float32)
+    assert model.config.rope_parameters == reference.config.rope_parameters
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
     assert ((got - want).norm() / want.norm()) <= 1e-5
