@@ -125,7 +125,11 @@ def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16)
         raise ValueError(f"{type(model).__name__} has no experts class using transformers' experts interface")
     with _without_rope_scaling(), _without_expert_tensors():
         tensors = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as error:  # a tensor of another shape than the config gives (torch: RuntimeError)
+        raise ValueError(f"{file.name}: the GGUF does not match the {config.model_type} model transformers built: "
+                         f"{error}") from None
     expert_params = {f"{name}.{t}" for name, _ in experts.values()
                      for t in hf_experts.EXPERT_TENSORS}
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()

@@ -291,3 +291,16 @@ def test_from_gguf_reads_gpt_oss_yarn_rope_scaling(tmp_path: Path) -> None:
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
     assert ((got - want).norm() / want.norm()) <= 1e-5
+
+
+def test_from_gguf_names_a_tensor_of_another_shape_as_value_error(tmp_path: Path) -> None:
+    """A metadata size that disagrees with a tensor (a wrong head count here) is ValueError,
+    as documented, which kt-ops generate reports (torch's RuntimeError was a traceback)."""
+    path = tmp_path / "tiny.gguf"
+    write_qwen2moe_gguf(tiny_model("qwen2_moe", dtype=torch.bfloat16).float().eval(), path)
+    reader = gguf.GGUFReader(path, "r+")
+    reader.fields["qwen2moe.attention.head_count_kv"].parts[-1][0] = 1
+    del reader
+    message = "(?s)does not match the qwen2_moe model.*size mismatch for model.layers.0.self_attn.k_proj"
+    with pytest.raises(ValueError, match=message):
+        kt_ops.from_gguf(path, dtype=torch.float32)
