@@ -5,6 +5,7 @@ checked against the same weights in plain transformers."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +20,25 @@ from hf_models import tiny_model  # noqa: E402
 from kt_ops import hf_experts  # noqa: E402
 
 
+def _header(writer: gguf.GGUFWriter, cfg: Any, num_experts: int, expert_size: int, head_dim: bool = True) -> None:
+    """The metadata every writer below shares: sizes, heads, rope base, norm, vocabulary, experts."""
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    if head_dim:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(expert_size)
+
+
 def write_qwen3moe_gguf(model: torch.nn.Module, path: Path, expert_type: str,
                         tokenizer: bool = False) -> torch.nn.Module:
     """``model`` (a tiny Qwen3-MoE, fp32) written as a GGUF of llama.cpp's names, its expert
@@ -29,20 +49,7 @@ def write_qwen3moe_gguf(model: torch.nn.Module, path: Path, expert_type: str,
     cfg = model.config
     kind = gguf.GGMLQuantizationType[expert_type]
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_expert_count(cfg.num_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    _header(writer, cfg, cfg.num_experts, cfg.moe_intermediate_size)
     if tokenizer:
         tokens = [chr(c) for c in range(33, 127)] + ["Ġ", "<eos>"]
         assert len(tokens) == cfg.vocab_size
@@ -156,18 +163,7 @@ def write_qwen2moe_gguf(model: torch.nn.Module, path: Path) -> None:
     shared-expert gate a vector, as llama.cpp stores it)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "qwen2moe")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_expert_count(cfg.num_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    _header(writer, cfg, cfg.num_experts, cfg.moe_intermediate_size, head_dim=False)
     writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2MOE, cfg.num_hidden_layers)
     for key, tensor in model.state_dict().items():
@@ -209,20 +205,7 @@ def write_gpt_oss_gguf(model: torch.nn.Module, path: Path) -> None:
     ``rope.scaling.*`` keys."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_expert_count(cfg.num_local_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    _header(writer, cfg, cfg.num_local_experts, cfg.intermediate_size)
     writer.add_sliding_window(cfg.sliding_window)
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(cfg.rope_parameters["factor"])
