@@ -327,6 +327,13 @@ def test_backward_row_does_not_depend_on_the_expert_order_of_earlier_rows(monkey
     assert_same_bits(gx[1:], alone, "grad_x of token 1")
 
 
+def one_expert(H: int, I: int, method: str, g: torch.Generator) -> kt_ops.PackedExperts:
+    """One random bf16 expert (``[1, I, H]`` gate and up, ``[1, H, I]`` down) packed as ``method``."""
+    gate, up = ((torch.randn(1, I, H, generator=g) / H**0.5).bfloat16() for _ in range(2))
+    down = (torch.randn(1, H, I, generator=g) / I**0.5).bfloat16()
+    return kt_ops.pack_experts(gate, up, down, method=method)
+
+
 @pytest.mark.xfail(strict=True, reason="csrc/ops/moe_train_cpu.cpp Layer::times_transposed recomputes g and u with "
                    "at::mm over an expert's token rows, whose blocking depends on the row count: README's 'in the "
                    "panel path a row's gradients do not depend on the other rows of the call' holds only for the "
@@ -335,11 +342,9 @@ def test_recomputed_backward_row_does_not_depend_on_the_other_tokens(monkeypatch
     """kt::moe_backward (g and u recomputed), one expert, top-1: a token's grad_x alone and in a
     40-token call, the panel GEMM forced."""
     monkeypatch.setenv("KT_OPS_TRAIN_GEMM", "panel")
-    E, H, I, T = 1, 640, 640, 40
+    H, I, T = 640, 640, 40
     g = torch.Generator().manual_seed(3)
-    gate, up = ((torch.randn(E, I, H, generator=g) / H**0.5).bfloat16() for _ in range(2))
-    down = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
-    packed = kt_ops.pack_experts(gate, up, down, method="BF16")
+    packed = one_expert(H, I, "BF16", g)
     x, probe = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
     ids, w = torch.zeros(T, 1, dtype=torch.int32), torch.rand(T, 1, generator=g)
     gx, gw = input_grads(x, ids, w, packed, probe, saved=False)
@@ -357,9 +362,7 @@ def test_lora_forward_row_does_not_depend_on_the_other_tokens() -> None:
 
     E, H, I, T, rank = 1, 640, 640, 40, 8
     g = torch.Generator().manual_seed(3)
-    gate, up = ((torch.randn(E, I, H, generator=g) / H**0.5).bfloat16() for _ in range(2))
-    down = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
-    packed = kt_ops.pack_experts(gate, up, down, method="AMXINT8")
+    packed = one_expert(H, I, "AMXINT8", g)
     shapes = ((E, rank, H), (E, I, rank), (E, rank, H), (E, I, rank), (E, rank, I), (E, H, rank))
     lora = tuple(torch.randn(shape, generator=g) * 0.05 for shape in shapes)
     x, w = torch.randn(T, H, generator=g), torch.rand(T, 1, generator=g)
@@ -378,11 +381,9 @@ def test_recomputed_backward_does_not_depend_on_the_thread_count(monkeypatch: py
     """kt::moe_backward (g and u recomputed), one expert, four tokens: the same bits with 2 and 1
     threads, the panel GEMM forced."""
     monkeypatch.setenv("KT_OPS_TRAIN_GEMM", "panel")
-    E, H, I, T = 1, 601, 521, 4
+    H, I, T = 601, 521, 4
     g = torch.Generator().manual_seed(3)
-    gate, up = ((torch.randn(E, I, H, generator=g) / H**0.5).bfloat16() for _ in range(2))
-    down = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
-    packed = kt_ops.pack_experts(gate, up, down, method="BF16")
+    packed = one_expert(H, I, "BF16", g)
     x, probe = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
     ids, w = torch.zeros(T, 1, dtype=torch.int32), torch.rand(T, 1, generator=g)
     previous = kt_ops.get_num_threads()
