@@ -209,6 +209,12 @@ class KtOpsHfQuantizer(HfQuantizer):
 
     def __init__(self, quantization_config: KtOpsConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
+        # transformers calls a checkpoint pre-quantized when its config.json has any
+        # quantization_config; one of kt_ops' own (a config saved from a model loaded with
+        # KtOpsConfig) describes float weights to pack, as kt_ops never saves packed experts.
+        # Only a foreign one (checkpoint_quantization, from the merge) is stored quantized.
+        if self.pre_quantized and quantization_config.checkpoint_quantization is None:
+            self.pre_quantized = False
         self._bar: Any = None
         self._dtype: torch.dtype | None = None
         self._native: tuple | None = None  # (checkpoint, {linear: kind}, device_map) while reading in place

@@ -398,6 +398,31 @@ def test_quantization_config_refuses_a_model_without_an_experts_class(tmp_path: 
             tmp_path, dtype=torch.float32, quantization_config=kt_ops.KtOpsConfig(method="BF16", progress=False))
 
 
+
+def test_a_kt_ops_quantization_config_in_config_json_packs_the_float_weights(saved: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    """A float checkpoint whose config.json carries KtOpsConfig's dict (model.config saved from
+    a model loaded with it): transformers calls it pre-quantized, yet kt_ops never saves
+    packed experts, so its experts are packed as they load, with its GPU experts — not a
+    ValueError saying the checkpoint lacks the expert tensors it has."""
+    import shutil
+
+    shutil.copytree(saved["qwen3_moe"], tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = kt_ops.KtOpsConfig(method="AMXINT8", num_gpu_experts=2, progress=False).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for given in ({}, {"quantization_config": kt_ops.KtOpsConfig(method="AMXINT8", num_gpu_experts=2, progress=False)}):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **given).eval()
+        assert model.config.quantization_config.packed_methods == ["AMXINT8"]
+        for module in experts_modules(model):
+            assert hf_experts.local_experts(module)[0].tolist() == [0, 1]
+            assert kt_ops.PackedExperts(hf_experts.packed_blob(module)).format == "int8"
+        ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            got, want = model(ids).logits, load(saved["qwen3_moe"], "eager")(ids).logits
+        per_token = ((got - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
+        assert per_token.median() <= 1e-1
+
 def write_big_checkpoint(path: str, layers: str) -> int:
     """A Qwen3-MoE checkpoint of random bf16 weights, one shard per layer, ~288 MiB of
     experts per layer (64 experts, H 1024, I 768), written tensor by tensor."""
