@@ -200,6 +200,18 @@ class KtOpsPack(ConversionOps):
         return out
 
 
+def _loaded_device(model: torch.nn.Module, name: str) -> torch.device:
+    """The device of the first loaded (non-empty, non-meta) parameter of the modules
+    enclosing ``name``, nearest first; the CPU when there is none."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, -1, -1):
+        module = model.get_submodule(".".join(parts[:end])) if end else model
+        device = next((p.device for p in module.parameters() if p.numel() and not p.is_meta), None)
+        if device is not None:
+            return device
+    return torch.device("cpu")
+
+
 @register_quantizer(QUANT_METHOD)
 class KtOpsHfQuantizer(HfQuantizer):
     """Packs the routed experts of decorated experts classes while the checkpoint loads."""
@@ -339,7 +351,9 @@ class KtOpsHfQuantizer(HfQuantizer):
 
     def _dequantize_linears(self, model: torch.nn.Module) -> None:
         """The quantized non-expert linears (:meth:`_read_in_place`), dequantized into the
-        model's dtype on the device ``device_map`` gives them."""
+        model's dtype on the device ``device_map`` gives them (a dict), else (``"auto"``,
+        ``"cpu"``, a device: the map as given, before transformers expands it) where the
+        nearest enclosing module's loaded weights went."""
         from transformers.integrations.accelerate import get_device
 
         from kt_ops import hf_native
@@ -349,7 +363,10 @@ class KtOpsHfQuantizer(HfQuantizer):
             module = model.get_submodule(name)
             weight = hf_native.dequantize_linear(checkpoint, name, kind, module.out_features, module.in_features)
             dtype = module.bias.dtype if module.bias is not None else (self._dtype or torch.get_default_dtype())
-            device = get_device(device_map, f"{name}.weight", valid_torch_device=True) if device_map else "cpu"
+            if isinstance(device_map, dict):
+                device = get_device(device_map, f"{name}.weight", valid_torch_device=True)
+            else:  # a string map raised AttributeError in transformers' get_device
+                device = _loaded_device(model, name)
             module.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
 
     def _placement(self, model: torch.nn.Module) -> dict[int, torch.Tensor]:

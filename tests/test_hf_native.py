@@ -286,3 +286,20 @@ def test_device_map_places_the_dequantized_layers(tmp_path_factory: pytest.TempP
     assert model.model.layers[1].self_attn.o_proj.weight.device.type == "cpu"
     assert model.model.layers[1].self_attn.o_proj.weight.dtype == torch.float32
     assert compare(model, plain) <= BOUNDS["GPTQ_INT4"]
+
+
+@pytest.mark.parametrize("device_map", ["auto", "cpu", torch.device("cpu")])
+def test_a_device_map_other_than_a_dict_places_the_dequantized_layers(tmp_path_factory: pytest.TempPathFactory,
+                                                                       device_map: str | torch.device) -> None:
+    """device_map given as a string or a device (transformers hands the quantizer the map
+    as given): the dequantized attention goes where the rest of its layer went — not
+    AttributeError ("'str' object has no attribute 'keys'") from transformers' get_device."""
+    pytest.importorskip("accelerate")
+    quantized, plain = write_pair(tmp_path_factory.mktemp("device_map_str"), "qwen3_moe", "fp8", True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        quantized, dtype=torch.float32, device_map=device_map,
+        quantization_config=kt_ops.KtOpsConfig(method="native", progress=False)).eval()
+    weight = model.model.layers[1].self_attn.o_proj.weight
+    assert weight.device == model.model.layers[1].self_attn.q_norm.weight.device
+    assert weight.dtype == torch.float32 and weight.shape == (64, 64)
+    assert compare(model, plain) <= BOUNDS["fp8"]
