@@ -117,6 +117,11 @@ class KtOpsConfig(QuantizationConfigMixin):
             if gpu_budget is None:
                 raise ValueError(f"placement={placement!r} needs gpu_budget: GPU experts per MoE layer (int), a ratio "
                                  "of all routed experts (float in (0, 1]) or GPU bytes ('24GiB')")
+        else:  # both were dropped silently: a model loaded with no GPU expert
+            given = [n for n, v in (("gpu_budget", gpu_budget), ("expert_stats", expert_stats)) if v is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} apply with placement= (uniform, frequency, front-loading, "
+                                 "random); give placement, or num_gpu_experts for the first n experts of each layer")
         require_bools(dynamic_gpu_experts=dynamic_gpu_experts, progress=progress)
         if dynamic_gpu_experts and not num_gpu_experts and placement is None:
             raise ValueError("dynamic_gpu_experts needs GPU experts to move: give num_gpu_experts or placement")

@@ -384,6 +384,11 @@ def test_ktops_config_places_gpu_experts_by_byte_budget(tmp_path):
         kt_ops.KtOpsConfig(placement="uniform")
     with pytest.raises(ValueError, match="not both"):
         kt_ops.KtOpsConfig(placement="uniform", gpu_budget=2, num_gpu_experts=1)
+    # without placement both were dropped: the model loaded with no GPU expert, silently
+    with pytest.raises(ValueError, match="gpu_budget apply with placement="):
+        kt_ops.KtOpsConfig(gpu_budget=2)
+    with pytest.raises(ValueError, match="gpu_budget and expert_stats apply with placement="):
+        kt_ops.KtOpsConfig(method="AMXINT8", gpu_budget="24GiB", expert_stats=tmp_path / "experts.pt")
     with pytest.raises(ValueError, match="progress must be a bool"):  # "no" is truthy: the bars stayed on
         kt_ops.KtOpsConfig(progress="no")
 
