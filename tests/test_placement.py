@@ -365,6 +365,9 @@ def test_patch_model_placement_arguments_are_checked():
         kt_ops.patch_model(model, placement="uniform", gpu_budget=1, num_gpu_experts=2)
     with pytest.raises(ValueError, match="unknown placement strategy"):
         kt_ops.patch_model(model, placement="busiest", gpu_budget=1)
+    for kwargs in ({"gpu_budget": 2}, {"expert_stats": torch.ones(2, 8)}):  # were dropped: no GPU expert
+        with pytest.raises(ValueError, match="apply with placement="):
+            kt_ops.patch_model(model, **kwargs)
 
 
 def test_ktops_config_places_gpu_experts_by_byte_budget(tmp_path):
