@@ -607,8 +607,16 @@ def _patch_peft(module: Any) -> None:
     patch(module)
 
 
+def _register_quantizer(module: Any) -> None:
+    import kt_ops.hf_quantizer  # noqa: F401  (registers the "kt_ops" quantization method)
+
+
 def install() -> None:
     """Registers ``kt_ops`` in transformers' experts interface now if it is imported, else
-    when it is; teaches PEFT's LoRA parameter wrappers about packed experts likewise."""
+    when it is; likewise its quantizer once ``transformers.modeling_utils`` is (a config.json
+    with kt_ops' quantization_config was loaded unquantized, "Unknown quantization type",
+    unless ``kt_ops.KtOpsConfig`` had been touched first); teaches PEFT's LoRA parameter
+    wrappers about packed experts likewise."""
     on_import(_MOE_MODULE, register)
+    on_import("transformers.modeling_utils", _register_quantizer)
     on_import(_PEFT_MODULE, _patch_peft)

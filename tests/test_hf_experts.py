@@ -422,6 +422,13 @@ def test_a_kt_ops_quantization_config_in_config_json_packs_the_float_weights(sav
             got, want = model(ids).logits, load(saved["qwen3_moe"], "eager")(ids).logits
         per_token = ((got - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
         assert per_token.median() <= 1e-1
+    # a fresh process that only imported kt_ops: the quantizer registers with transformers itself
+    script = ("import sys, torch, kt_ops, transformers\n"
+              "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)\n"
+              "print(m.config.quantization_config.packed_methods)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "['AMXINT8']", done.stderr[-2000:]
+
 
 def write_big_checkpoint(path: str, layers: str) -> int:
     """A Qwen3-MoE checkpoint of random bf16 weights, one shard per layer, ~288 MiB of
