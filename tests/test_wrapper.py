@@ -915,10 +915,29 @@ def test_capture_batch_sizes_must_be_ints(sizes: list) -> None:
     # a string kept the source tensors (cpu_save="no", "False"): every non-empty one is truthy
     ({"cpu_save": "no"}, "cpu_save must be a bool"),
     ({"cpu_save": None}, "cpu_save must be a bool"),
+    ({"mode": "sft"}, "mode must be 'inference'"),
 ])
 def test_bad_constructor_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         wrapper(**kwargs)
+
+
+def test_mode_inference_is_kt_kernels_default(weights) -> None:
+    """kt-kernel 0.7.2's KTMoEWrapper takes ``mode="inference"`` (its default; keyword or the argument after
+    numa_nodes) and the same forward as without it; kt_ops raised TypeError (unexpected keyword 'mode')."""
+    gate, up, down = weights[1]
+    plain = wrapper()
+    plain.load_weights_from_tensors(gate, up, down)
+    given = wrapper(mode="inference")
+    given.load_weights_from_tensors(gate, up, down)
+    positional = KTMoEWrapper(1, E, K, H, I, None, 1, 1, None, 512, False, 0, "BF16", None, "inference")
+    positional.load_weights_from_tensors(gate, up, down)
+    x = torch.randn(3, H).bfloat16()
+    ids = torch.tensor([[0, 1, 5], [2, 3, 6], [4, -1, 7]])
+    w = torch.rand(3, K)
+    expected = plain.forward(x, ids, w, None)
+    assert torch.equal(given.forward(x, ids, w, None), expected)
+    assert torch.equal(positional.forward(x, ids, w, None), expected)
 
 
 @pytest.mark.parametrize("mask", ["01010101", [[True], [False, True]], torch.zeros(E, dtype=torch.bool, device="meta")])

@@ -169,6 +169,8 @@ class KTMoEWrapper:
             passes between forwards of one thread only: layer L's goes to the next
             forward of layer L + 1 submitted on the thread that submitted layer L's, so
             two threads running layers of one group never take each other's.
+        mode: ``"inference"``, kt-kernel's default (its ``"sft"`` is a ``ValueError`` here:
+            LoRA training is :class:`kt_ops.LoraExperts`).
         swiglu_limit, swiglu_alpha: the layer's activation, as kt-kernel's keywords
             (:func:`kt_ops.set_activation`): ``silu(g) * u`` by default, clamped at
             ``swiglu_limit`` (DeepSeek-V4: 10), alpha-SwiGLU with ``swiglu_alpha``
@@ -239,6 +241,7 @@ class KTMoEWrapper:
         max_deferred_experts_per_token: int = 0,
         method: str | None = "AMXINT4",
         numa_nodes: Sequence[int] | None = None,
+        mode: str = "inference",
         *,
         num_gpu_experts: int | None = None,
         group_size: int | None = None,
@@ -262,6 +265,9 @@ class KTMoEWrapper:
                 raise ValueError(f"{name} must be a {'non-negative' if name == 'layer_idx' else 'positive'} int, got {value!r}")
         if num_experts_per_tok > num_experts:
             raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) exceeds num_experts ({num_experts})")
+        if mode != "inference":  # kt-kernel's keyword (and 16th positional argument); "sft" picks its SFT wrappers
+            raise ValueError(f"mode must be 'inference' (kt-kernel's default), got {mode!r}: kt_ops' KTMoEWrapper is "
+                             "the inference wrapper; train LoRA on the experts with kt_ops.LoraExperts")
         if method is None:
             if weight_path is None:
                 raise ValueError("method=None detects the method from weight_path; give weight_path or a method")
