@@ -429,10 +429,9 @@ class KTMoEWrapper:
     def _set_packed(self, parts: list[PackedExperts], route: torch.Tensor, biases: Biases | None = None,
                     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """Installs the CPU experts' parts (``route``: physical slot -> packed expert), with
-        the wrapper's activation and ``biases`` (packed expert order) applied to them, and
-        ``source`` (the unpacked weights, None for weights read packed) as ``source_weights``
-        with ``cpu_save``: a load that kept the previous load's left weights that are not
-        the packed ones."""
+        the wrapper's activation and ``biases`` (packed expert order) applied to them.
+        ``source`` (the unpacked weights; None for weights read packed) becomes
+        ``source_weights`` under ``cpu_save``, replacing the previous load's."""
         for packed in parts:
             if (packed.hidden_size, packed.intermediate_size * len(parts)) != (self.hidden_size, self.moe_intermediate_size):
                 raise ValueError(f"layer {self.layer_idx}: weights are H={packed.hidden_size}, "
