@@ -91,6 +91,8 @@ def is_kt_kernel_dir(path: Path) -> bool:
     if next(_kt_files(path, ordered=False), None) is not None:
         return True
     for file in sorted(path.glob("*.safetensors")):
+        if not file.is_file():  # a FIFO or device: opening it would wait for ever
+            continue
         try:
             with safe_open(os.fspath(file), framework="pt") as handle:
                 if any(_KEY.match(key) for key in handle.keys()):
@@ -122,6 +124,8 @@ class KtKernelDir:
                 self.files[key] = file
         keys += list(self.files.items())
         for file in sorted(path.glob("*.safetensors")):
+            if not file.is_file():  # a FIFO or device: opening it would wait for ever
+                continue
             with safe_open(os.fspath(file), framework="pt") as handle:
                 keys += [(key, file) for key in handle.keys()]
         for key, file in keys:
@@ -162,6 +166,8 @@ class KtKernelDir:
     def _kt_size(file: Path) -> int:
         """A ``.kt`` file's size, which its name states (``..._{N}Byte_...``): ``ValueError``
         for a file cut short or grown, as kt-kernel refuses it."""
+        if not file.is_file():  # a FIFO or device: reading it would wait for ever
+            raise ValueError(f"{file} is not a regular file")
         size = file.stat().st_size
         match = _KT_FILE.match(file.name)
         if match is None or size != int(match.group(4)):

@@ -368,3 +368,34 @@ def test_inspect_of_layers_of_different_methods_names_no_mixed_method(tmp_path: 
     assert "method='AMXINT4/AMXINT8'" not in stated and "as format int4)" not in stated
     assert "each read by KTMoEWrapper with its own method" in stated
     assert [m.type for layer in result.layers for m in layer.matrices] == ["int8"] * 3 + ["int4"] * 3
+
+
+def test_fifos_are_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO named like a shard next to kt-kernel's files (and a FIFO .kt file): opening
+    it to read a header waited for ever (kt-ops inspect of any directory holding one hung).
+    In a subprocess with a timeout, so that a hang fails."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    merged, unmerged = tmp_path / "merged", tmp_path / "unmerged"
+    shutil.copytree(DATA / "int8_numa2", merged)
+    os.mkfifo(merged / "zz.safetensors")
+    write_kt_files(DATA / "int8_numa2", unmerged, "AMXINT8")
+    victim = next((unmerged / "_layer_1" / "_numa_0").glob("INT8_up_0_*quant_.kt"))
+    victim.unlink()
+    os.mkfifo(victim)
+    code = f"""
+from kt_ops import KTMoEWrapper
+from kt_ops.inspection import inspect_weights
+print(inspect_weights({str(merged)!r}).kind)
+KTMoEWrapper(1, 2, 2, 128, 128, method="AMXINT8", weight_path={str(merged)!r}, threadpool_count=2).load_weights()
+try:
+    KTMoEWrapper(1, 2, 2, 128, 128, method="AMXINT8", weight_path={str(unmerged)!r}, threadpool_count=2).load_weights()
+except ValueError as error:
+    print("refused" if "not a regular file" in str(error) else error)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["kt-kernel converted directory", "refused"], done.stdout
