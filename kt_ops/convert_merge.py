@@ -119,7 +119,8 @@ def missing_layers(out: Path, missing: list[int]) -> str:
     the ``--resume-layer`` that converts them again."""
     named = _weight_map(out)
     shards = sorted({str(named[key]) for key in (layer_key(layer, 0) for layer in missing) if key in named})
-    damaged = f" (the index names {', '.join(shards)} for them: unreadable, truncated or without them)" if shards else ""
+    damaged = (f" (the index names {', '.join(shards)} for them: unreadable, truncated or without them)"
+               if shards else "")
     return (f"layers {', '.join(map(str, missing))} are in no layer file or shard of {out}{damaged}; convert them "
             f"again: --resume-layer {missing[0]}")
 

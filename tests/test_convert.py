@@ -411,7 +411,8 @@ def test_a_full_disk_is_one_error_line_naming_the_file(tmp_path, checkpoint, mon
     err = capsys.readouterr().err
     name = "model-00001-of-00001" if where == "shard" else "layer-00001"
     assert "Traceback" not in err
-    assert err.splitlines()[-1].startswith(f"python -m kt_ops.convert: error: {out / name}.safetensors.tmp: cannot write")
+    last = err.splitlines()[-1]
+    assert last.startswith(f"python -m kt_ops.convert: error: {out / name}.safetensors.tmp: cannot write")
     assert "No space left on device" in err
 
 

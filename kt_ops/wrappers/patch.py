@@ -236,8 +236,8 @@ def patch_model(
     if placement is None:  # else both were dropped silently: every expert on the CPU
         given = [n for n, v in (("gpu_budget", gpu_budget), ("expert_stats", expert_stats)) if v is not None]
         if given:
-            raise ValueError(f"{' and '.join(given)} apply with placement= (uniform, frequency, front-loading, random); "
-                             "give placement, or gpu_experts_mask / num_gpu_experts")
+            raise ValueError(f"{' and '.join(given)} apply with placement= (uniform, frequency, front-loading, "
+                             "random); give placement, or gpu_experts_mask / num_gpu_experts")
     if progress is not None and not callable(progress):  # was raised after the first layer had been patched
         raise TypeError(f"progress must be a callable progress(done, total) or None, got {progress!r}")
     config = getattr(model, "config", None)
