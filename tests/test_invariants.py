@@ -334,10 +334,6 @@ def one_expert(H: int, I: int, method: str, g: torch.Generator) -> kt_ops.Packed
     return kt_ops.pack_experts(gate, up, down, method=method)
 
 
-@pytest.mark.xfail(strict=True, reason="csrc/ops/moe_train_cpu.cpp Layer::times_transposed recomputes g and u with "
-                   "at::mm over an expert's token rows, whose blocking depends on the row count: README's 'in the "
-                   "panel path a row's gradients do not depend on the other rows of the call' holds only for the "
-                   "saved gate/up, not kt::moe_backward")
 def test_recomputed_backward_row_does_not_depend_on_the_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """kt::moe_backward (g and u recomputed), one expert, top-1: a token's grad_x alone and in a
     40-token call, the panel GEMM forced."""
@@ -353,9 +349,6 @@ def test_recomputed_backward_row_does_not_depend_on_the_other_tokens(monkeypatch
     assert_same_bits(gx[:1], alone, "grad_x of token 0 (recomputed)")
 
 
-@pytest.mark.xfail(strict=True, reason="csrc/ops/moe_train_cpu.cpp moe_lora_forward computes each expert's LoRA "
-                   "branches with at::matmul over its gathered token rows (x A^T B^T, h Ad^T Bd^T), whose blocking "
-                   "depends on the row count: a token's output depends on the other tokens of the call")
 def test_lora_forward_row_does_not_depend_on_the_other_tokens() -> None:
     """kt::moe_lora_forward, one expert, top-1: a token's output alone and in a 40-token call."""
     from kt_ops.lora import moe_lora_forward
@@ -373,10 +366,31 @@ def test_lora_forward_row_does_not_depend_on_the_other_tokens() -> None:
     assert_same_bits(full[:1], alone, "LoRA forward, token 0 alone vs in 40 tokens")
 
 
-@pytest.mark.xfail(strict=True, reason="csrc/ops/moe_train_cpu.cpp Layer::times_transposed recomputes g and u with "
-                   "at::mm; a lone expert's job runs outside a parallel region, where ATen's sgemm splits the GEMM "
-                   "over the intra-op threads: other bits with 1 and 2 threads (H 601, I 521; test_autograd's thread "
-                   "test uses shapes and expert counts where it does not)")
+def test_lora_backward_row_does_not_depend_on_the_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kt::moe_lora_backward, one expert, top-1: a token's grad_x and grad_w alone and in a
+    40-token call (its LoRA products of token rows: dd Bd, (dd Bd) Ad, dg Bg, (dg Bg) Ag ...),
+    the panel GEMM forced."""
+    from kt_ops.lora import moe_lora_forward
+
+    monkeypatch.setenv("KT_OPS_TRAIN_GEMM", "panel")
+    E, H, I, T, rank = 1, 640, 640, 40, 8
+    g = torch.Generator().manual_seed(4)
+    packed = one_expert(H, I, "AMXINT8", g)  # not BF16: on amx its 40-token forward runs on AMX tiles (see above)
+    shapes = ((E, rank, H), (E, I, rank), (E, rank, H), (E, I, rank), (E, rank, I), (E, H, rank))
+    lora = tuple(torch.randn(shape, generator=g) * 0.05 for shape in shapes)
+    x, probe = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    ids, w = torch.zeros(T, 1, dtype=torch.int32), torch.rand(T, 1, generator=g)
+
+    def grads(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xr, wr = x[:rows].clone().requires_grad_(), w[:rows].clone().requires_grad_()
+        (moe_lora_forward(xr, ids[:rows], wr, packed, lora, 2.0) * probe[:rows]).sum().backward()
+        return xr.grad, wr.grad
+
+    (gx, gw), (alone, alone_w) = grads(T), grads(1)
+    assert_same_bits(gw[:1], alone_w, "LoRA grad_w of token 0")
+    assert_same_bits(gx[:1], alone, "LoRA grad_x of token 0")
+
+
 def test_recomputed_backward_does_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """kt::moe_backward (g and u recomputed), one expert, four tokens: the same bits with 2 and 1
     threads, the panel GEMM forced."""

@@ -8,12 +8,14 @@
 // and the kernel's g and u come back for the backward. The backwards are one pass over the
 // experts the live tokens route to, in C++: each expert's weights are dequantized to fp32
 // (the format table's "dequantize rows" columns, the values the inference kernels multiply),
-// its tokens gathered, and differentiated in fp32 — the products that sum over the
-// weights' rows (G Wd, dg Wg, du Wu) on the panel kernel (cpu/kernels/panel_gemm.h) on the
-// AVX2 variants and on ATen's sgemm on the AVX-512 ones (use_panel_gemm), the rest with
-// ATen — at the g and u the forward saved (moe_forward_train, moe_lora_forward), or at
-// g and u recomputed in fp32 (moe_backward, and moe_lora_backward without gate_up). The activation and biases are the
-// blob header's. For expert e of token t (slot j, weight w, input row x, output gradient G,
+// its tokens gathered, and differentiated in fp32 — the products with the weights (G Wd,
+// dg Wg, du Wu, and x Wg^T, x Wu^T where g and u are recomputed) on the panel kernel
+// (cpu/kernels/panel_gemm.h) on the AVX2 variants and on ATen's sgemm on the AVX-512 ones
+// (use_panel_gemm), the LoRA products of token rows on the panel kernel always
+// (row_products.h: a token's bits do not depend on the other tokens), the LoRA weight
+// gradients with ATen — at the g and u the forward saved (moe_forward_train,
+// moe_lora_forward), or at g and u recomputed in fp32 (moe_backward, and
+// moe_lora_backward without gate_up). The activation and biases are the blob header's. For expert e of token t (slot j, weight w, input row x, output gradient G,
 // s = LoRA scaling, A/B that expert's LoRA matrices):
 //   g = x Wg^T + bg + s (x Ag^T) Bg^T     (u likewise)       h = act(g, u)
 //   d = h Wd^T + bd + s (h Ad^T) Bd^T     out[t] += w d
@@ -45,6 +47,7 @@
 #include "moe_call.h"
 #include "moe_forward_cpu.h"
 #include "packed_blob.h"
+#include "row_products.h"
 
 namespace kt::ops {
 namespace {
@@ -133,8 +136,20 @@ struct Layer {
 
   // x W^T for matrix m of expert e: x fp32 [n, K] -> [n, N] (W [N, K]: gate and up [I, H],
   // down [H, I]).
+  // On the panel kernel where add_times runs there (a row's bits then depend on that row
+  // alone, see row_products.h), else on ATen's sgemm.
   at::Tensor times_transposed(cpu::ExpertMatrix m, int64_t e, const at::Tensor& x) const {
     at::Tensor out = at::empty({x.size(0), cpu::matrix_rows(layout, m)}, x.options());
+    if (panel_gemm) {
+      const at::Tensor rows = x.contiguous();
+      thread_local std::vector<float> panel;  // one per thread: experts run in parallel
+      for_chunks(m, e, [&](int64_t r0, const at::Tensor& w) {
+        const auto need = static_cast<size_t>(cpu::panel_floats(w.size(1), w.size(0)));
+        if (panel.size() < need) panel.resize(need);
+        rows_times_transposed_into(rows, w.const_data_ptr<float>(), w.size(0), out, r0, panel.data());
+      });
+      return out;
+    }
     for_chunks(m, e, [&](int64_t r0, const at::Tensor& w) { out.narrow(1, r0, w.size(0)).copy_(at::mm(x, w.t())); });
     return out;
   }
@@ -305,12 +320,12 @@ ExpertPass expert_forward(const Layer& layer, const Lora& lora, int64_t e, const
     p.u = layer.times_transposed(cpu::ExpertMatrix::kUp, e, x);
   }
   if (lora.on()) {
-    p.xa_g = at::matmul(x, lora.gate_a[e].t());
-    p.xa_u = at::matmul(x, lora.up_a[e].t());
+    p.xa_g = rows_times_transposed(x, lora.gate_a[e]);
+    p.xa_u = rows_times_transposed(x, lora.up_a[e]);
   }
   if (lora.on() && !saved.defined()) {
-    p.g = p.g + at::matmul(p.xa_g, lora.gate_b[e].t()) * lora.scaling;
-    p.u = p.u + at::matmul(p.xa_u, lora.up_b[e].t()) * lora.scaling;
+    p.g = p.g + rows_times_transposed(p.xa_g, lora.gate_b[e]) * lora.scaling;
+    p.u = p.u + rows_times_transposed(p.xa_u, lora.up_b[e]) * lora.scaling;
   }
   if (layer.gate_bias.defined() && !saved.defined()) {
     p.g = p.g + layer.gate_bias[e];
@@ -318,7 +333,7 @@ ExpertPass expert_forward(const Layer& layer, const Lora& lora, int64_t e, const
   }
   p.act = glu(p.g, p.u, layer.layout.shape.glu.swiglu_limit, layer.layout.shape.glu.swiglu_alpha);
   p.h = p.act.h;
-  if (lora.on()) p.ha_d = at::matmul(p.h, lora.down_a[e].t());
+  if (lora.on()) p.ha_d = rows_times_transposed(p.h, lora.down_a[e]);
   return p;
 }
 
@@ -400,8 +415,8 @@ std::tuple<at::Tensor, at::Tensor> lora_forward(const at::Tensor& hidden_states,
     parallel_aten_jobs(n, [&](int64_t i) {
       const int64_t e = r.experts[i];
       const at::Tensor xe = x.index_select(0, index_tensor(r.tokens[i]));
-      const at::Tensor dg = at::matmul(at::matmul(xe, lora.gate_a[e].t()), lora.gate_b[e].t()) * s;
-      const at::Tensor du = at::matmul(at::matmul(xe, lora.up_a[e].t()), lora.up_b[e].t()) * s;
+      const at::Tensor dg = rows_times_transposed(rows_times_transposed(xe, lora.gate_a[e]), lora.gate_b[e]) * s;
+      const at::Tensor du = rows_times_transposed(rows_times_transposed(xe, lora.up_a[e]), lora.up_b[e]) * s;
       const float* pg = dg.const_data_ptr<float>();
       const float* pu = du.const_data_ptr<float>();
       for (size_t j = 0; j < r.flat[i].size(); ++j) {  // slot rows [g, u]
@@ -423,7 +438,7 @@ std::tuple<at::Tensor, at::Tensor> lora_forward(const at::Tensor& hidden_states,
       const at::Tensor flat = index_tensor(r.flat[i]);
       const at::Tensor gu = gate_up_rows.index_select(0, flat);
       const at::Tensor h = glu(gu.narrow(1, 0, I), gu.narrow(1, I, I), limit, alpha).h;
-      const at::Tensor d = at::matmul(at::matmul(h, lora.down_a[e].t()), lora.down_b[e].t()) * s;
+      const at::Tensor d = rows_times_transposed(rows_times_transposed(h, lora.down_a[e]), lora.down_b[e]) * s;
       downs[i] = (d * weights.index_select(0, flat).unsqueeze(1)).contiguous();
     });
   });
@@ -454,12 +469,12 @@ at::Tensor expert_backward(const Layer& layer, const Lora& lora, int64_t e, cons
   if (layer.down_bias.defined()) grad_w = grad_w + (g_rows * layer.down_bias[e]).sum(1);
   at::Tensor dh = g_down * route_w;  // (w G) Wd
   if (lora.on()) {
-    const at::Tensor g_b = at::matmul(g_rows, lora.down_b[e]);  // [n, r]
+    const at::Tensor g_b = rows_times(g_rows, lora.down_b[e]);  // [n, r]
     grad_w = grad_w + (g_b * p.ha_d).sum(1) * s;
     const at::Tensor dd = g_rows * route_w, dd_b = g_b * route_w;
     out.down_b[e].add_(at::matmul(dd.t(), p.ha_d), s);
     out.down_a[e].add_(at::matmul(dd_b.t(), p.h), s);
-    dh = dh + at::matmul(dd_b, lora.down_a[e]) * s;
+    dh = dh + rows_times(dd_b, lora.down_a[e]) * s;
   }
   out.w.index_copy_(0, flat, grad_w);
   const at::Tensor dg = dh * p.act.dg, du = dh * p.act.du, dgu = at::cat({dg, du}, 1);
@@ -468,12 +483,12 @@ at::Tensor expert_backward(const Layer& layer, const Lora& lora, int64_t e, cons
   layer.add_times(cpu::ExpertMatrix::kGate, e, dg, dx);
   layer.add_times(cpu::ExpertMatrix::kUp, e, du, dx);
   if (lora.on()) {
-    const at::Tensor dg_b = at::matmul(dg, lora.gate_b[e]), du_b = at::matmul(du, lora.up_b[e]);
+    const at::Tensor dg_b = rows_times(dg, lora.gate_b[e]), du_b = rows_times(du, lora.up_b[e]);
     out.gate_b[e].add_(at::matmul(dg.t(), p.xa_g), s);
     out.up_b[e].add_(at::matmul(du.t(), p.xa_u), s);
     out.gate_a[e].add_(at::matmul(dg_b.t(), p.x), s);
     out.up_a[e].add_(at::matmul(du_b.t(), p.x), s);
-    dx = dx + (at::matmul(dg_b, lora.gate_a[e]) + at::matmul(du_b, lora.up_a[e])) * s;
+    dx = dx + (rows_times(dg_b, lora.gate_a[e]) + rows_times(du_b, lora.up_a[e])) * s;
   }
   return dx;
 }

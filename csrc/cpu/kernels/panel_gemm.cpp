@@ -79,6 +79,25 @@ __attribute__((target("avx2,fma"))) void pack_panel_rows(const float* src, int64
   }
 }
 
+void pack_panel_transposed(const float* src, int64_t ld, int64_t rows, int64_t cols, float* panel) {
+  // 16 x 16 blocks: the block's 16 source rows are read in 64-byte stretches while its
+  // panel rows are written whole.
+  const int64_t panels = (cols + kPanelColumns - 1) / kPanelColumns;
+  for (int64_t j = 0; j < panels; ++j) {
+    const int64_t width = std::min(kPanelColumns, cols - j * kPanelColumns);
+    float* out = panel + j * rows * kPanelColumns;
+    for (int64_t r0 = 0; r0 < rows; r0 += kPanelColumns) {
+      const int64_t height = std::min(kPanelColumns, rows - r0);
+      for (int64_t c = 0; c < width; ++c) {
+        const float* in = src + (j * kPanelColumns + c) * ld + r0;
+        for (int64_t r = 0; r < height; ++r) out[(r0 + r) * kPanelColumns + c] = in[r];
+      }
+      for (int64_t r = 0; r < height; ++r)
+        std::fill(out + (r0 + r) * kPanelColumns + width, out + (r0 + r + 1) * kPanelColumns, 0.0f);
+    }
+  }
+}
+
 void panel_gemm_add(const float* a, int64_t lda, int64_t m, const float* panel, int64_t n, int64_t k, float* c,
                     int64_t ldc) {
   const int64_t panels = (k + kPanelColumns - 1) / kPanelColumns;

@@ -37,6 +37,11 @@ inline int64_t panel_floats(int64_t rows, int64_t cols) {
 void pack_panel_rows(const float* src, int64_t ld, int64_t count, int64_t cols, float* panel, int64_t rows,
                      int64_t row_offset);
 
+// The transpose of a row-major fp32 `src` of `cols` rows and `rows` columns (leading
+// dimension `ld`) as a whole panel-packed matrix of `rows` rows and `cols` columns:
+// panel row r, column c = src[c * ld + r]; the last panel's columns past `cols` are zeroed.
+// For products with a matrix's transpose (x W^T: b = W^T).
+void pack_panel_transposed(const float* src, int64_t ld, int64_t rows, int64_t cols, float* panel);
 // c[i, j] += sum_{r < n} a[i, r] b[r, j] for i < m, j < k; a row-major (leading dimension
 // lda), c row-major (ldc), b panel-packed with n rows and k columns.
 void panel_gemm_add(const float* a, int64_t lda, int64_t m, const float* panel, int64_t n, int64_t k, float* c,
