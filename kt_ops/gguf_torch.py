@@ -3,7 +3,8 @@
 :func:`dequantize_rows` turns rows of ggml blocks, as a GGUF file and kt_ops' ``gguf``
 format store them, into fp32 weights with the arithmetic of ``gguf.quants`` (the values
 ``kt_ops.dequantize_experts`` and the CPU kernels use, bit for bit: each type's scale
-products are formed in fp32 in the same order). Covered: the float types, Q4_0, Q4_1,
+products are formed in fp32 in the same order; as there, MXFP4's scale exponent 255 is NaN
+where ``gguf.quants`` reads ``2^127``). Covered: the float types, Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and MXFP4 (:data:`DEVICE_TYPES`); Q2_K and Q3_K are
 left to the CPU's dequantizer. Formats: docs/formats.md, "GGUF".
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kt_ops import reference
+from kt_ops._validate import is_int
 from kt_ops.gguf_types import ggml_type_info
 
 QK_K = 256
@@ -102,15 +104,27 @@ def _blocks(kind: str, b: torch.Tensor) -> torch.Tensor:
 
 def dequantize_rows(raw: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
     """Rows of ggml blocks ``raw`` uint8 ``[..., row_bytes]`` of type ``type_id`` (row
-    length ``k``) -> fp32 ``[..., k]`` on ``raw``'s device; ``ValueError`` for a type outside
-    :data:`DEVICE_TYPES`."""
+    length ``k``, a multiple of the type's block; ``row_bytes`` its blocks' bytes) -> fp32
+    ``[..., k]`` on ``raw``'s device (any strides and storage offset); ``TypeError`` for
+    ``raw`` of another dtype, ``ValueError`` for a type outside :data:`DEVICE_TYPES`, such a
+    ``k`` or rows of another byte count."""
     info = ggml_type_info(type_id)
     if info.name not in DEVICE_TYPES:
         raise ValueError(f"GGUF type {info.name} is not decoded on the device ({', '.join(sorted(DEVICE_TYPES))} are)")
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"GGUF rows must be uint8 bytes, got {raw.dtype}")
+    if not is_int(k) or k < 0 or k % info.block_elems:
+        raise ValueError(f"GGUF type {info.name} needs a row length that is a multiple of {info.block_elems}, got {k}")
+    row_bytes = k // info.block_elems * info.block_bytes
+    if raw.dim() == 0 or raw.shape[-1] != row_bytes:
+        got = "a 0-d tensor" if raw.dim() == 0 else f"rows of {raw.shape[-1]} bytes"
+        raise ValueError(f"a {info.name} row of {k} weights takes {row_bytes} bytes, got {got}")
+    if not raw.is_contiguous() or raw.storage_offset() % 4:  # the fp16 / fp32 fields are viewed in place
+        raw = raw.clone(memory_format=torch.contiguous_format)
     lead = raw.shape[:-1]
     if info.name == "F32":
-        return raw.contiguous().view(torch.float32)[..., :k].clone()
+        return raw.view(torch.float32).clone()
     if info.name in ("F16", "BF16"):
-        return raw.contiguous().view(torch.float16 if info.name == "F16" else torch.bfloat16)[..., :k].float()
-    blocks = raw.reshape(*lead, -1, info.block_bytes)
-    return _blocks(info.name, blocks).reshape(*lead, -1)[..., :k]
+        return raw.view(torch.float16 if info.name == "F16" else torch.bfloat16).float()
+    blocks = raw.reshape(*lead, k // info.block_elems, info.block_bytes)
+    return _blocks(info.name, blocks).reshape(*lead, k)

@@ -23,6 +23,8 @@ import os
 import subprocess
 import sys
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -30,7 +32,8 @@ import kt_ops
 import kt_ops.cuda
 from conftest import logits_bound, make_experts, random_routing, rel_err
 from format_cases import format_cases
-from kt_ops import gpu_prefill, reference
+from gguf_helpers import F16_FIELDS, FLOAT_TYPES, T, dequantize
+from kt_ops import gguf_torch, gpu_prefill, reference
 from kt_ops.staging import stage_expert, stage_rows_into
 
 CASES = format_cases(min_hidden=90, min_intermediate=70)
@@ -142,6 +145,73 @@ def test_gguf_blocks_decode_on_the_device_to_the_kernels_weights(case) -> None:
     got = gpu_prefill._weights(host, found, case.hidden, case.intermediate, torch.float32)
     for name, a, b in zip(("gate", "up", "down"), got, kt_ops.dequantize_experts(packed)):
         assert torch.equal(a, b), f"{case.id} {name}"
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal bit for bit, any NaN equal to any NaN."""
+    nan = torch.isnan(got) & torch.isnan(want)
+    return bool(((got.view(torch.int32) == want.view(torch.int32)) | nan).all())
+
+
+@pytest.mark.parametrize("name", sorted(gguf_torch.DEVICE_TYPES))
+def test_gguf_torch_decodes_any_bytes_as_gguf_quants(name) -> None:
+    """Every byte pattern (inf / NaN / subnormal / -0 fp16 scales, all-zero and all-0xFF
+    blocks), odd row counts, strided rows and an odd storage offset: gguf.quants' values
+    (MXFP4: exponent 255 is NaN, docs/formats.md)."""
+    rng = np.random.default_rng(3)
+    block, type_bytes = gguf.GGML_QUANT_SIZES[T[name]]
+    k = 2 * max(block, 32)
+    row_bytes = k // block * type_bytes
+    if name in FLOAT_TYPES:
+        values = rng.standard_normal((5, k)).astype(np.float32)
+        values[0, :4] = (np.inf, -np.inf, np.nan, -0.0)
+        raw = gguf.quants.quantize(values, T[name]).view(np.uint8).reshape(5, row_bytes)
+    else:
+        raw = rng.integers(0, 256, size=(7, row_bytes), dtype=np.uint8)
+        raw[0], raw[1] = 0, 255
+        fields = (0,) if name == "MXFP4" else F16_FIELDS[name][0]
+        specials = np.array([np.inf, -np.inf, np.nan, -0.0, 6e-8], np.float16).view(np.uint8).reshape(5, 1, 2)
+        for offset in fields:
+            if name != "MXFP4":
+                raw.reshape(7, -1, type_bytes)[2:7, :, offset:offset + 2] = specials
+    with np.errstate(all="ignore"):  # inf and NaN scales
+        want = dequantize(raw, name, raw.shape[:1] + (k,))
+    if name == "MXFP4":
+        want[np.repeat(raw.reshape(raw.shape[0], -1, type_bytes)[:, :, 0] == 255, 32, axis=1)] = float("nan")
+    rows = torch.from_numpy(raw)
+    got = gguf_torch.dequantize_rows(rows, int(T[name]), k)
+    assert got.dtype == torch.float32 and got.shape == want.shape and _same_bits(got, want)
+    strided = torch.from_numpy(np.ascontiguousarray(raw.T)).t()  # same values, column-major
+    assert not strided.is_contiguous() and _same_bits(gguf_torch.dequantize_rows(strided, int(T[name]), k), want)
+    odd = torch.cat((torch.zeros(1, dtype=torch.uint8), rows[:1].flatten()))[1:].view(1, row_bytes)  # offset 1
+    assert _same_bits(gguf_torch.dequantize_rows(odd, int(T[name]), k), want[:1])
+    assert _same_bits(gguf_torch.dequantize_rows(rows[0], int(T[name]), k), want[0])
+    assert gguf_torch.dequantize_rows(rows[:0], int(T[name]), k).shape == (0, k)
+
+
+def test_gguf_torch_refuses_rows_that_do_not_fit() -> None:
+    """A row length or byte count that does not match the type was a reshape error or,
+    where the bytes still fit whole blocks, rows silently cut or short; bytes of another
+    dtype (int8 nibbles shift in their sign) were decoded."""
+    q8 = int(T.Q8_0)
+    raw = torch.randint(0, 256, (3, 68), dtype=torch.uint8)
+    for k, match in ((96, "row of 96 weights takes 102 bytes, got rows of 68"),
+                     (32, "row of 32 weights takes 34 bytes, got rows of 68"),
+                     (40, "multiple of 32, got 40"), (-1, "multiple of 32, got -1")):
+        with pytest.raises(ValueError, match=match):
+            gguf_torch.dequantize_rows(raw, q8, k)
+    with pytest.raises(ValueError, match="takes 68 bytes, got rows of 67"):
+        gguf_torch.dequantize_rows(raw[:, :67], q8, 64)
+    with pytest.raises(ValueError, match="0-d"):
+        gguf_torch.dequantize_rows(raw[0, 0], q8, 64)
+    with pytest.raises(ValueError, match="F32 row of 20 weights takes 80 bytes"):
+        gguf_torch.dequantize_rows(raw[:, :64], int(T.F32), 20)
+    with pytest.raises(TypeError, match="uint8"):
+        gguf_torch.dequantize_rows(raw.view(torch.int8), int(T.Q4_0), 128)
+    for name in ("Q2_K", "Q3_K"):
+        with pytest.raises(ValueError, match=f"GGUF type {name} is not decoded on the device"):
+            gguf_torch.dequantize_rows(torch.zeros(1, gguf.GGML_QUANT_SIZES[T[name]][1], dtype=torch.uint8),
+                                       int(T[name]), 256)
 
 
 def test_formats_without_a_staging_layout_travel_dequantized() -> None:
