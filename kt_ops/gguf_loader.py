@@ -50,11 +50,13 @@ def gguf_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
     """The GGUF files of a model: ``path`` itself, or the ``*.gguf`` of a directory (one
     model: a single file or the parts of a split model). Split models
     (``*-00001-of-0000N.gguf``) must be complete (``ValueError`` naming the missing
-    parts) and come back in part order; naming one part selects the whole model."""
+    parts) and come back in part order; naming one part selects the whole model (its parts
+    alone, beside other models' files)."""
     root = Path(path)
     part = _SPLIT.match(root.name)
     if root.is_file() and part:  # one part of a split model: the whole model
-        files = sorted(root.parent.glob(f"{glob_escape(part['stem'])}-*-of-{part['count']}.gguf"))
+        files = sorted(f for f in root.parent.glob(f"{glob_escape(part['stem'])}-*-of-{part['count']}.gguf")
+                       if (m := _SPLIT.match(f.name)) and m["stem"] == part["stem"])  # not "{stem}-v2-..."
     elif root.is_file():
         files = [root]
     elif root.is_dir():

@@ -409,6 +409,21 @@ def test_an_expert_tensor_in_two_parts_of_a_split_model_is_refused(tmp_path) -> 
     assert any(n.startswith("layers 0: an ffn_*_exps tensor is in two files") for n in result.notes)
 
 
+def test_one_part_names_its_split_model_beside_another_whose_stem_it_begins(tmp_path) -> None:
+    """m-00001-of-00002.gguf beside m-v2-0000N-of-00002.gguf: the glob m-*-of-00002.gguf
+    took m-v2's parts too, and naming the part was refused as "more than one model"."""
+    E, H, I = 8, 256, 256
+    layers = model_layers(("Q4_K", "Q4_K", "Q6_K"), 1, E, H, I, seed=5)
+    write_model(tmp_path / "m.gguf", layers, E, H, I, split_max_tensors=2)
+    write_model(tmp_path / "m-v2.gguf", layers, E, H, I, split_max_tensors=2)
+    for stem in ("m", "m-v2"):
+        parts = gguf_loader.gguf_files(tmp_path / f"{stem}-00002-of-00002.gguf")
+        assert [p.name for p in parts] == [f"{stem}-00001-of-00002.gguf", f"{stem}-00002-of-00002.gguf"]
+    check_layer_from_file(kt_ops.load_gguf_experts(tmp_path / "m-00001-of-00002.gguf", 0), layers[0], E, H, I)
+    with pytest.raises(ValueError, match="more than one model"):  # the directory stays ambiguous
+        kt_ops.load_gguf_experts(tmp_path, 0)
+
+
 def test_a_fifo_named_as_a_gguf_file_is_not_said_to_be_missing(tmp_path) -> None:
     """load_gguf_experts of a FIFO raised FileNotFoundError 'does not exist'."""
     os.mkfifo(tmp_path / "m.gguf")
