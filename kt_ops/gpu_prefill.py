@@ -67,6 +67,7 @@ from kt_ops.staging import RowLayout, stage_rows_into
 from kt_ops.staging import row_layout as staged_row_layout
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)  # the operator's activation dtypes
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -406,9 +407,14 @@ def moe_forward_on_device(
         ``[T, H]`` in ``out_dtype`` (default ``hidden_states``' dtype). Syncs the host
         once (the expert counts); not for CUDA-graph capture or ``torch.compile``.
         ``ValueError`` for an expert id outside ``[-1, E)`` or ``live_tokens`` outside
-        ``[0, T]``.
+        ``[0, T]``; ``TypeError`` for a dtype the operator refuses (float ids, fp64 or
+        integer activations or weights), with its message.
     """
     x = hidden_states
+    for name, t, dtypes in (("hidden_states", x, _FLOATS), ("topk_ids", topk_ids, (torch.int32, torch.int64)),
+                            ("topk_weights", topk_weights, _FLOATS)):
+        if t.dtype not in dtypes:  # kt::moe_forward's check_dtype: float ids were truncated to experts
+            raise TypeError(f"{name} must have dtype {', '.join(map(str, dtypes))}; got {t.dtype}")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"hidden_states [T, H], topk_ids and topk_weights [T, K] expected, got "
                          f"{tuple(x.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")

@@ -252,6 +252,24 @@ def test_bad_input_is_refused() -> None:
     assert torch.equal(none, kt_ops.moe_forward(x, ids[:, :0], weights[:, :0], experts.packed))  # as the operator
 
 
+def test_dtypes_the_operator_refuses_are_refused() -> None:
+    """Float, bool or uint8 ids were cast to int64 (1.7 computed expert 1), integer or
+    fp64 activations and integer weights computed: the operator's TypeError instead."""
+    experts = make_experts(4, 64, 48)
+    ids, weights = random_routing(5, 4, 2)
+    x = torch.randn(5, 64)
+    for args, match in (((x, ids.float() + 0.7, weights), "topk_ids must have dtype"),
+                        ((x, ids.bool(), weights), "topk_ids must have dtype"),
+                        ((x, ids.to(torch.uint8), weights), "topk_ids must have dtype"),
+                        ((x.int(), ids, weights), "hidden_states must have dtype"),
+                        ((x.double(), ids, weights), "hidden_states must have dtype"),
+                        ((x, ids, weights.int()), "topk_weights must have dtype")):
+        with pytest.raises(TypeError, match=match):
+            kt_ops.moe_forward(*args, experts.packed)
+        with pytest.raises(TypeError, match=match):
+            gpu_prefill.moe_forward_on_device(*args, experts.packed)
+
+
 def hybrid(threshold: int = 0) -> kt_ops.HybridMoE:
     experts = make_experts(8, 64, 48)
     g = torch.Generator().manual_seed(5)
