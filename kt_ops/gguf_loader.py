@@ -49,9 +49,9 @@ class GgufModelInfo:
 def gguf_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
     """The GGUF files of a model: ``path`` itself, or the ``*.gguf`` of a directory (one
     model: a single file or the parts of a split model). Split models
-    (``*-00001-of-0000N.gguf``) must be complete (``ValueError`` naming the missing
-    parts) and come back in part order; naming one part selects the whole model (its parts
-    alone, beside other models' files)."""
+    (``*-00001-of-0000N.gguf``) must be complete and hold no part outside ``1 .. N``
+    (``ValueError`` naming the missing or stray parts) and come back in part order;
+    naming one part selects the whole model (its parts alone, beside other models' files)."""
     root = Path(path)
     part = _SPLIT.match(root.name)
     if root.is_file() and part:  # one part of a split model: the whole model
@@ -79,6 +79,9 @@ def gguf_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
             raise ValueError(f"{str(root)!r} holds files of more than one model: {[f.name for f in files]}")
         count = int(splits[0]["count"])
         present = {int(m["index"]) for m in splits}
+        stray = sorted(f.name for f, m in zip(files, splits) if not 1 <= int(m["index"]) <= count)
+        if stray:  # part 0 was read as the first (its metadata), a part N + 1 as one more
+            raise ValueError(f"split GGUF model in {str(root)!r} has parts outside 1 .. {count}: {', '.join(stray)}")
         missing = sorted(set(range(1, count + 1)) - present)
         if missing:
             stem = splits[0]["stem"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -361,6 +362,14 @@ def test_bad_files(tmp_path) -> None:
     os.remove(split / "m-00002-of-00002.gguf")
     with pytest.raises(ValueError, match=r"incomplete: missing m-00002-of-00002\.gguf"):
         kt_ops.load_gguf_experts(split, 0)
+    write_model(split / "m.gguf", [layers[0]], E, H, I, split_max_tensors=2)
+    for stray in ("m-00000-of-00002.gguf", "m-00003-of-00002.gguf"):  # part 0 was read first, part 3 as one more
+        shutil.copy(split / "m-00002-of-00002.gguf", split / stray)
+        for where in (split, split / "m-00001-of-00002.gguf"):
+            with pytest.raises(ValueError, match=rf"parts outside 1 \.\. 2: {stray}"):
+                kt_ops.load_gguf_experts(where, 0)
+        os.remove(split / stray)
+    kt_ops.load_gguf_experts(split, 0)
 
 
 @pytest.mark.parametrize("matrix,declared", [("ffn_gate_exps", "Q8_0"), ("ffn_up_exps", "Q5_K"),
