@@ -421,10 +421,13 @@ def _inspect_gguf(path: Path) -> Inspection:
                     check_stored_size(file, tensor.name, tensor)
                 except ValueError:
                     mistyped.add(int(match["layer"]))
-    layers, notes, incomplete, misshapen = [], [], [], []
+    layers, notes, incomplete, misshapen, beyond = [], [], [], [], []
     not_computed: dict[str, list[int]] = defaultdict(list)
     for L in sorted(found):
         matrices = found[L]
+        if L >= info.num_layers:  # load_gguf_experts refuses a layer_idx outside block_count
+            beyond.append(L)
+            continue
         if set(matrices) != set(MATRICES):
             incomplete.append(L)
             continue
@@ -455,6 +458,9 @@ def _inspect_gguf(path: Path) -> Inspection:
     if mistyped - duplicated:
         notes.append(f"layers {_ranges(sorted(mistyped - duplicated))}: an ffn_*_exps tensor's type disagrees with "
                      "the bytes stored (damaged file?): loading those layers raises")
+    if beyond:
+        notes.append(f"layers {_ranges(beyond)}: blk.N.ffn_*_exps past the model's {info.num_layers} layers "
+                     f"({info.architecture}.block_count): loading those layers raises")
     if misshapen:
         notes.append(f"layers {_ranges(misshapen)}: ffn_*_exps shapes disagree with the metadata "
                      f"(E={info.num_experts}, H={info.hidden_size}, I={info.moe_intermediate_size}): "

@@ -18,7 +18,7 @@ import pytest
 import torch
 from checkpoint_helpers import make_weights, write_checkpoint
 from conftest import make_experts
-from gguf_helpers import random_blocks, write_model
+from gguf_helpers import T, finish, moe_writer, random_blocks, write_model
 
 import kt_ops
 from kt_ops import cli, diagnostics, host
@@ -424,6 +424,23 @@ def test_inspect_gguf_notes_experts_whose_shapes_disagree_with_the_metadata(tmp_
     bad = "0" if damage == "gate-2d" else "0-1"
     assert [info.layer for info in result.layers] == ([1] if damage == "gate-2d" else [])
     assert any(note.startswith(f"layers {bad}: ffn_*_exps shapes disagree with the metadata") for note in result.notes)
+
+
+def test_inspect_gguf_notes_expert_layers_past_the_block_count(tmp_path) -> None:
+    """Expert tensors of blk.1 in a GGUF whose block_count is 1 were listed as a loadable
+    layer ("1 in the model, 2 with routed experts (0-1)"); load_gguf_experts refuses it."""
+    layer = gguf_layer(("Q8_0",) * 3, np.random.default_rng(5))
+    writer = moe_writer(tmp_path / "m.gguf", experts=GE, hidden=GH, intermediate=GI, blocks=1)
+    for index in (0, 1):
+        for name, (kind, raw) in layer.items():
+            writer.add_tensor(f"blk.{index}.{name}.weight", raw, raw_dtype=T[kind])
+    finish(writer)
+    result = inspect_weights(tmp_path / "m.gguf")
+    assert [info.layer for info in result.layers] == [0]
+    assert "layers 1: blk.N.ffn_*_exps past the model's 1 layers (qwen3moe.block_count): loading those layers " \
+           "raises" in result.notes
+    with pytest.raises(ValueError, match="outside the model's 1 layers"):
+        kt_ops.load_gguf_experts(tmp_path / "m.gguf", 1)
 
 
 def test_inspect_split_gguf_directory(tmp_path, capsys) -> None:
