@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kt_ops import reference
-from kt_ops._validate import is_int
+from kt_ops._validate import is_integral
 from kt_ops.gguf_types import ggml_type_info
 
 QK_K = 256
@@ -113,8 +113,10 @@ def dequantize_rows(raw: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
         raise ValueError(f"GGUF type {info.name} is not decoded on the device ({', '.join(sorted(DEVICE_TYPES))} are)")
     if raw.dtype != torch.uint8:
         raise TypeError(f"GGUF rows must be uint8 bytes, got {raw.dtype}")
-    if not is_int(k) or k < 0 or k % info.block_elems:
-        raise ValueError(f"GGUF type {info.name} needs a row length that is a multiple of {info.block_elems}, got {k}")
+    if not is_integral(k) or k < 0 or k % info.block_elems:
+        raise ValueError(f"GGUF type {info.name} needs a row length that is a multiple of {info.block_elems}, "
+                         f"got {k!r}")
+    k = int(k)
     row_bytes = k // info.block_elems * info.block_bytes
     if raw.dim() == 0 or raw.shape[-1] != row_bytes:
         got = "a 0-d tensor" if raw.dim() == 0 else f"rows of {raw.shape[-1]} bytes"

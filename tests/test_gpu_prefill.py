@@ -200,6 +200,9 @@ def test_gguf_torch_refuses_rows_that_do_not_fit() -> None:
                      (40, "multiple of 32, got 40"), (-1, "multiple of 32, got -1")):
         with pytest.raises(ValueError, match=match):
             gguf_torch.dequantize_rows(raw, q8, k)
+    assert torch.equal(gguf_torch.dequantize_rows(raw, q8, np.int64(64)), gguf_torch.dequantize_rows(raw, q8, 64))
+    with pytest.raises(ValueError, match="multiple of 32, got 64.0"):
+        gguf_torch.dequantize_rows(raw, q8, 64.0)
     with pytest.raises(ValueError, match="takes 68 bytes, got rows of 67"):
         gguf_torch.dequantize_rows(raw[:, :67], q8, 64)
     with pytest.raises(ValueError, match="0-d"):
