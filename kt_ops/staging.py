@@ -35,8 +35,9 @@ scales are ``2^(e - 127)`` as bf16; where kt-kernel writes ``e << 7`` (exponent 
 NaN. FP8 block scales must be equal over each 128-row block (they are, for layers read
 from block-FP8 checkpoints and for ``pack_experts(..., method="FP8")``). Layers with no
 staging layout in kt-kernel (int8, asymmetric int4, GGUF types other than MXFP4) raise
-``ValueError``, as does a split that cuts a scale group (``I_r`` a multiple of 128 for
-FP8 blocks, of ``gs`` for INT4, of 32 for MXFP4/MXFP8).
+``ValueError``, as does a split that cuts a scale group (``I_r``, and the I slice of each
+NUMA part but the last, a multiple of 128 for FP8 blocks, of ``gs`` for INT4, of 32 for
+MXFP4/MXFP8) and FP8_PERCHANNEL parts whose down_proj scales differ (quantized per part).
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ def stage_expert(packed: PackedExperts | Sequence[PackedExperts], expert: int,
 
     Args:
         packed: the layer, or its NUMA parts (``KTMoEWrapper``'s parts: each holds a slice
-            of I, in order).
+            of I, in order, that keeps down_proj's scale groups whole).
         expert: the expert's index in the packed layer.
         gpu_tp_count: GPU tensor-parallel ranks; must divide I (and keep scale groups whole).
 
@@ -227,13 +228,21 @@ def stage_expert(packed: PackedExperts | Sequence[PackedExperts], expert: int,
     if any(s[0] != fmt or s[1] != group for s in staged):
         raise ValueError("the parts of a layer must share one format and group size")
     rows = [s[2] for s in staged]
+    unit = {"fp8": _FP8_BLOCK, "mxfp8": _MX_GROUP, "int4": group, "mxfp4": _MX_GROUP}.get(fmt, 1)
+    widths = [int(r.gate.shape[0]) for r in rows]
+    if any(w % unit for w in widths[:-1]):  # each part's down scales restart their groups at its first column
+        raise ValueError(f"the layer's parts split I = {sum(widths)} into {widths} rows, cutting down_proj's "
+                         f"{unit}-wide {fmt} scale groups, so the layer has no staging layout")
+    if fmt == "fp8_perchannel" and any(
+            not torch.equal(r.down_scale.view(torch.uint8), rows[0].down_scale.view(torch.uint8)) for r in rows[1:]):
+        raise ValueError("the layer's parts hold different fp8_perchannel down_proj scales (each part quantized its "
+                         "own columns), so the layer has no staging layout (one w2 scale per row)")
     gate, up, down = _cat(rows, "gate", 0), _cat(rows, "up", 0), _cat(rows, "down", 1)
     gate_s, up_s, down_s = _cat(rows, "gate_scale", 0), _cat(rows, "up_scale", 0), _cat(rows, "down_scale", 1)
     H, I = down.shape[0], gate.shape[0]
     if I % gpu_tp_count:
         raise ValueError(f"gpu_tp_count {gpu_tp_count} does not divide I = {I}")
     ir = I // gpu_tp_count
-    unit = {"fp8": _FP8_BLOCK, "mxfp8": _MX_GROUP, "int4": group, "mxfp4": _MX_GROUP}.get(fmt, 1)
     if gpu_tp_count > 1 and ir % unit:
         raise ValueError(f"gpu_tp_count {gpu_tp_count} splits I = {I} into {ir}-row slices, not multiples of the "
                          f"{fmt} scale group ({unit})")

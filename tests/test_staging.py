@@ -354,3 +354,36 @@ def test_destinations_that_are_not_lists_are_named(bad: object) -> None:
     staged = stage_expert(packed, 0)[0]
     with pytest.raises(ValueError, match="w2_weight_ptrs must be a list or tuple of 1 destination"):
         write_weight_scale_to_buffer(packed, 0, 1, [torch.empty_like(staged.w13_weight)], [None], bad, [None])
+
+
+@pytest.mark.parametrize("method,I", [("FP8", 192), ("MXFP8", 80), ("MXFP8", 96), ("FP8_PERCHANNEL", 128)])
+def test_parts_that_cut_a_down_scale_group_are_refused(method: str, I: int) -> None:
+    """NUMA parts (threadpool_count) whose I slices cut a down_proj scale group (FP8 blocks of 128, MXFP8 groups of
+    32), or whose per-channel down scales differ, have no staging layout: a ValueError (were staged with the first
+    part's scales over the next part's columns: silently wrong w2 weights on the GPU)."""
+    from kt_ops.parts import pack_parts
+
+    E, H = 2, 256
+    gate, up = torch.zeros(E, I, H), torch.zeros(E, I, H)
+    gate[:, :, ::32] = 1.0
+    up[:, :, ::32] = 1.0  # every gate/up block the same scale: only down's differ
+    down = torch.randn(E, H, I, generator=torch.Generator().manual_seed(0)) * 0.01
+    down[:, :, 0], down[:, :, I // 2] = 1.0, 2.0
+    parts = pack_parts(gate, up, down, method, 2)
+    with pytest.raises(ValueError, match="scale"):
+        stage_expert(parts, 0)
+
+
+def test_parts_on_whole_scale_groups_stage_as_the_whole_layer() -> None:
+    """Parts split on whole groups stage as the unsplit layer does."""
+    from kt_ops.parts import pack_parts
+
+    E, H, I = 2, 256, 256
+    g = torch.Generator().manual_seed(1)
+    gate, up, down = (torch.randn(*shape, generator=g) * 0.05 for shape in ((E, I, H), (E, I, H), (E, H, I)))
+    for method in ("FP8", "MXFP8", "MXFP4", "RAWINT4", "BF16"):
+        whole = stage_expert(kt_ops.pack_experts(gate, up, down, method=method), 1)[0]
+        split = stage_expert(pack_parts(gate, up, down, method, 2), 1)[0]
+        assert torch.equal(split.w2_weight.view(torch.uint8), whole.w2_weight.view(torch.uint8)), method
+        if whole.w2_scale is not None:
+            assert torch.equal(split.w2_scale.view(torch.uint8), whole.w2_scale.view(torch.uint8)), method
