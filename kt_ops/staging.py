@@ -53,7 +53,7 @@ from kt_ops.packed import PackedExperts
 
 Destination = Union[int, torch.Tensor]
 """A host address (what kt-kernel takes: a pinned buffer's pointer as an int) or a tensor
-of exactly the staged bytes (any dtype and device, contiguous)."""
+of exactly the staged bytes (any dtype, any device but meta, contiguous)."""
 
 _FP8_BLOCK = 128
 _MX_GROUP = 32
@@ -275,17 +275,27 @@ def stage_expert(packed: PackedExperts | Sequence[PackedExperts], expert: int,
     return out
 
 
-def _write(destination: Destination, source: torch.Tensor, name: str) -> None:
+def _check(destination: Destination, source: torch.Tensor, name: str) -> None:
+    """``ValueError`` unless ``destination`` can take ``source``'s bytes: a contiguous tensor
+    of exactly as many bytes on a real device, or a host address (an int in ``(0, 2^64)``)."""
+    nbytes = source.numel() * source.element_size()
+    if isinstance(destination, torch.Tensor):
+        if (not destination.is_contiguous() or destination.is_meta
+                or destination.numel() * destination.element_size() != nbytes):
+            raise ValueError(f"{name}: the destination must be a contiguous tensor of {nbytes} bytes "
+                             f"({source.dtype} {tuple(source.shape)}) on a device that holds data, got "
+                             f"{destination.dtype} {tuple(destination.shape)} on {destination.device}")
+        return
+    if isinstance(destination, bool) or not isinstance(destination, int) or not 0 < destination < 1 << 64:
+        raise ValueError(f"{name}: a destination is a host address (int > 0) or a tensor, got {destination!r}")
+
+
+def _write(destination: Destination, source: torch.Tensor) -> None:
+    """Copies ``source``'s bytes into a destination :func:`_check` accepted."""
     data = source.contiguous().reshape(-1).view(torch.uint8)
     if isinstance(destination, torch.Tensor):
-        if not destination.is_contiguous() or destination.numel() * destination.element_size() != data.numel():
-            raise ValueError(f"{name}: the destination must be a contiguous tensor of {data.numel()} bytes "
-                             f"({source.dtype} {tuple(source.shape)}), got {destination.dtype} "
-                             f"{tuple(destination.shape)}")
         destination.reshape(-1).view(torch.uint8).copy_(data)
         return
-    if not isinstance(destination, int) or destination <= 0:
-        raise ValueError(f"{name}: a destination is a host address (int > 0) or a tensor, got {destination!r}")
     target = torch.frombuffer((ctypes.c_uint8 * data.numel()).from_address(destination), dtype=torch.uint8)
     target.copy_(data)
 
@@ -304,7 +314,8 @@ def write_weight_scale_to_buffer(
     table). A destination is a host address (an int, as kt-kernel takes a pinned buffer's
     pointer, already at this expert's slot; the caller guarantees the bytes are writable) or
     a contiguous tensor of exactly the staged bytes. Formats without scales (BF16) ignore
-    the scale destinations (``None`` entries are fine)."""
+    the scale destinations (``None`` entries are fine). Every destination is checked
+    (``ValueError``) before any is written."""
     staged = stage_expert(packed, expert, gpu_tp_count)
     lists = {"w13_weight_ptrs": w13_weight_ptrs, "w13_scale_ptrs": w13_scale_ptrs,
              "w2_weight_ptrs": w2_weight_ptrs, "w2_scale_ptrs": w2_scale_ptrs}
@@ -314,9 +325,14 @@ def write_weight_scale_to_buffer(
                              f"(a host address or a tensor), got {type(values).__name__}")
         if len(values) != gpu_tp_count:
             raise ValueError(f"{name} has {len(values)} entries for gpu_tp_count {gpu_tp_count}")
+    writes = []
     for r, s in enumerate(staged):
-        _write(w13_weight_ptrs[r], s.w13_weight, f"w13_weight_ptrs[{r}]")
-        _write(w2_weight_ptrs[r], s.w2_weight, f"w2_weight_ptrs[{r}]")
-        if s.w13_scale is not None:
-            _write(w13_scale_ptrs[r], s.w13_scale, f"w13_scale_ptrs[{r}]")
-            _write(w2_scale_ptrs[r], s.w2_scale, f"w2_scale_ptrs[{r}]")
+        writes += [(w13_weight_ptrs[r], s.w13_weight, f"w13_weight_ptrs[{r}]"),
+                   (w2_weight_ptrs[r], s.w2_weight, f"w2_weight_ptrs[{r}]")]
+        if s.w13_scale is not None and s.w2_scale is not None:
+            writes += [(w13_scale_ptrs[r], s.w13_scale, f"w13_scale_ptrs[{r}]"),
+                       (w2_scale_ptrs[r], s.w2_scale, f"w2_scale_ptrs[{r}]")]
+    for destination, source, name in writes:  # all checked before the first byte is written
+        _check(destination, source, name)
+    for destination, source, _ in writes:
+        _write(destination, source)

@@ -387,3 +387,28 @@ def test_parts_on_whole_scale_groups_stage_as_the_whole_layer() -> None:
         assert torch.equal(split.w2_weight.view(torch.uint8), whole.w2_weight.view(torch.uint8)), method
         if whole.w2_scale is not None:
             assert torch.equal(split.w2_scale.view(torch.uint8), whole.w2_scale.view(torch.uint8)), method
+
+
+@pytest.mark.parametrize("bad", [True, 2**64, "meta"])
+def test_destinations_that_cannot_hold_the_bytes_are_refused(bad: object) -> None:
+    """A bool (was taken as host address 1: SIGSEGV), an address past 64 bits (was an OverflowError from ctypes) and a
+    meta tensor (was a silent no-op: nothing staged) are ValueErrors naming the destination."""
+    E, H, I = 2, 64, 32
+    packed = kt_ops.pack_experts(*make_weights([1], E, H, I)[1], method="BF16")
+    staged = stage_expert(packed, 0)[0]
+    dest = torch.empty_like(staged.w2_weight, device="meta") if bad == "meta" else bad
+    with pytest.raises(ValueError, match=r"w2_weight_ptrs\[0\]"):
+        write_weight_scale_to_buffer(packed, 0, 1, [torch.empty_like(staged.w13_weight)], [None], [dest], [None])
+
+
+def test_a_bad_destination_is_refused_before_anything_is_written() -> None:
+    """Every destination is checked before the first byte is written (a wrong-sized w2 buffer of rank 1 left rank 0's
+    buffers half written)."""
+    E, H, I = 2, 64, 32
+    packed = kt_ops.pack_experts(*make_weights([1], E, H, I)[1], method="BF16")
+    staged = stage_expert(packed, 0, 2)
+    w13 = [torch.zeros_like(s.w13_weight) for s in staged]
+    w2 = [torch.zeros_like(staged[0].w2_weight), torch.zeros(3)]
+    with pytest.raises(ValueError, match=r"w2_weight_ptrs\[1\]"):
+        write_weight_scale_to_buffer(packed, 0, 2, w13, [None, None], w2, [None, None])
+    assert not any(bool(t.view(torch.uint8).any()) for t in w13 + w2)
