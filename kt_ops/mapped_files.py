@@ -43,7 +43,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict, int]:
             raise ValueError(f"{name!r} is not a safetensors file (header length {length})")
         try:
             header = json.loads(file.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, a huge integer, too deep a nesting
             raise ValueError(f"{name!r} is not a safetensors file ({error})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{name!r} is not a safetensors file (its header is not a JSON object)")

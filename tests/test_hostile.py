@@ -781,3 +781,18 @@ refused(lambda: read_config_json(c), "not a regular file")
 
 if __name__ == "__main__":
     sys.exit(globals()[sys.argv[1]]())
+
+
+@pytest.mark.parametrize("body", [b"[" * 200_000 + b"]" * 200_000, b'{"x": ' + b"9" * 5000 + b"}"])
+def test_a_safetensors_header_nested_too_deep_or_with_a_huge_number_names_the_file(tmp_path: Path,
+                                                                                  body: bytes) -> None:
+    """A header of 200,000 nested arrays (was a RecursionError from json) or a 5,000-digit integer (a ValueError about
+    int string conversion that named nothing) is the ValueError that says the file is not safetensors'."""
+    import struct
+
+    from kt_ops.mapped_files import read_safetensors_header
+
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body)
+    with pytest.raises(ValueError, match="deep.safetensors.* is not a safetensors file"):
+        read_safetensors_header(path)
