@@ -48,6 +48,10 @@ _PENDING = "_kt_ops_pending"
 class KtOpsConfig(QuantizationConfigMixin):
     """How ``from_pretrained`` packs the routed experts.
 
+    Packed experts live in host memory, so a ``device_map`` that puts an experts module on
+    ``"disk"`` is a ``ValueError`` (experts read in place by ``"native"`` are memory-mapped
+    from the checkpoint and may be mapped there).
+
     Args:
         method: a kt_ops method (``BF16``, ``AMXINT8``, ``AMXINT4``, ``LLAMAFILE``, ``FP8``,
             ``RAWINT4``, ...), as :func:`kt_ops.pack_experts`, or ``"native"``: the experts as
@@ -236,11 +240,30 @@ class KtOpsHfQuantizer(HfQuantizer):
         self._dtype: torch.dtype | None = None
         self._native: tuple | None = None  # (checkpoint, {linear: kind}, device_map) while reading in place
         self._masks: dict[int, torch.Tensor] = {}  # id(experts module) -> bool [E] GPU experts (placement)
+        self._packed_names: list[str] = []  # the experts modules packed as they load (not read in place)
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         config = self.quantization_config
         if self.pre_quantized and config.native:
             self._refuse_gpu_experts()
+        self._refuse_disk(kwargs.get("device_map"))  # the inferred map of device_map="auto" comes here too
+
+    def _refuse_disk(self, device_map: Any) -> None:
+        """``ValueError`` when ``device_map`` (a dict) puts an experts module kt_ops packs on
+        ``"disk"``: the packed experts live in host memory, and accelerate's offload would
+        look for the emptied expert parameters on disk at the first forward."""
+        if not isinstance(device_map, dict) or "disk" not in device_map.values():
+            return
+
+        def placed(name: str) -> Any:
+            keys = [k for k in device_map if k == "" or name == k or name.startswith(f"{k}.")]
+            return device_map[max(keys, key=len)] if keys else None
+
+        on_disk = [name for name in self._packed_names if placed(name) == "disk"]
+        if on_disk:
+            raise ValueError(f"device_map puts {', '.join(on_disk[:4])}{' ...' if len(on_disk) > 4 else ''} on 'disk'; "
+                             "KtOpsConfig packs the routed experts into host memory, so they cannot be offloaded to "
+                             "disk: map them to 'cpu'")
 
     def _refuse_gpu_experts(self) -> None:
         config = self.quantization_config
@@ -306,6 +329,8 @@ class KtOpsHfQuantizer(HfQuantizer):
             hf_experts.check_supported(module)
             self._check_sizes(module)
             self._check_gpu_experts(module)
+        self._packed_names = [name for name, m in model.named_modules() if hf_experts.is_experts_module(m)]
+        self._refuse_disk(kwargs.get("device_map"))
         with torch.device("cpu"):  # transformers builds the model under a meta-device context
             self._masks = self._placement(model)
         model.set_experts_implementation(hf_experts.IMPLEMENTATION)

@@ -687,3 +687,26 @@ def test_kt_ops_generate_of_tensors_that_do_not_fit_the_config_names_them(
     assert generate.main([str(source), "--prompt", "w1 w2", "--max-new-tokens", "1"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"python -m kt_ops.generate: error: {source}: cannot load the weights: ") and cut in last
+
+
+@pytest.mark.parametrize("device_map", [{"model.layers.1.mlp.experts": "disk", "": "cpu"},
+                                        {"model.layers.1": "disk", "": "cpu"}])
+def test_experts_mapped_to_disk_are_refused_by_name(saved: dict[str, Path], tmp_path: Path,
+                                                    device_map: dict[str, str]) -> None:
+    """KtOpsConfig packs the experts into host memory, so a device_map putting an experts module on "disk" cannot be
+    honoured: a ValueError naming the module and what to do (was accelerate's "gate_up_proj is on the meta device, we
+    need a `value` to put in on cpu", naming neither kt_ops nor the map)."""
+    pytest.importorskip("accelerate")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts.*disk"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            saved["qwen3_moe"], dtype=torch.float32, device_map=device_map, offload_folder=str(tmp_path),
+            quantization_config=kt_ops.KtOpsConfig(method="BF16", progress=False))
+
+
+def test_experts_that_device_map_auto_sends_to_disk_are_refused(saved: dict[str, Path], tmp_path: Path) -> None:
+    """device_map="auto" with too little CPU memory infers "disk" for the experts: the same ValueError."""
+    pytest.importorskip("accelerate")
+    with pytest.raises(ValueError, match=r"mlp\.experts.*on 'disk'"):
+        transformers.AutoModelForCausalLM.from_pretrained(
+            saved["qwen3_moe"], dtype=torch.float32, device_map="auto", max_memory={"cpu": "20KB"},
+            offload_folder=str(tmp_path), quantization_config=kt_ops.KtOpsConfig(method="BF16", progress=False))
