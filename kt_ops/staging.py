@@ -49,6 +49,7 @@ from typing import Sequence, Union
 import torch
 
 from kt_ops._native import _C
+from kt_ops._validate import is_integral
 from kt_ops.packed import PackedExperts
 
 Destination = Union[int, torch.Tensor]
@@ -167,8 +168,8 @@ def stage_rows_into(packed: PackedExperts, expert: int, outs: list[torch.Tensor]
     slices of them; ``int4_fp32_scales`` as the layout's), on the engine's threads, without
     the GIL."""
     num_experts = _C.packed_info(packed.data)["num_experts"]
-    if not 0 <= expert < num_experts:
-        raise ValueError(f"expert {expert} is not in this layer's {num_experts} packed experts")
+    if not is_integral(expert) or not 0 <= expert < num_experts:  # True would be expert 1
+        raise ValueError(f"expert {expert!r} is not in this layer's {num_experts} packed experts")
     _C.stage_expert_rows(packed.data, expert, outs, int4_fp32_scales)
 
 
@@ -221,8 +222,8 @@ def stage_expert(packed: PackedExperts | Sequence[PackedExperts], expert: int,
     parts = [packed] if isinstance(packed, PackedExperts) else list(packed)
     if not parts:
         raise ValueError("stage_expert needs a packed layer")
-    if gpu_tp_count < 1:
-        raise ValueError(f"gpu_tp_count must be >= 1, got {gpu_tp_count}")
+    if not is_integral(gpu_tp_count) or gpu_tp_count < 1:  # True would be 1 rank, 2.0 a TypeError from slicing
+        raise ValueError(f"gpu_tp_count must be an int >= 1, got {gpu_tp_count!r}")
     staged = [_expert_rows(p, expert) for p in parts]
     fmt, group = staged[0][0], staged[0][1]
     if any(s[0] != fmt or s[1] != group for s in staged):

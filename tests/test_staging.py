@@ -412,3 +412,13 @@ def test_a_bad_destination_is_refused_before_anything_is_written() -> None:
     with pytest.raises(ValueError, match=r"w2_weight_ptrs\[1\]"):
         write_weight_scale_to_buffer(packed, 0, 2, w13, [None, None], w2, [None, None])
     assert not any(bool(t.view(torch.uint8).any()) for t in w13 + w2)
+
+
+@pytest.mark.parametrize("expert,tp,match", [(True, 1, "expert True"), (1.0, 1, "expert 1.0"),
+                                             (0, True, "gpu_tp_count"), (0, 2.0, "gpu_tp_count")])
+def test_an_expert_or_rank_count_that_is_not_an_int_is_refused(expert: object, tp: object, match: str) -> None:
+    """stage_expert took True as expert 1 and as gpu_tp_count 1 (the wrapper refuses both), and 1.0 / 2.0 were a
+    pybind or slicing TypeError naming nothing: ValueErrors naming the argument."""
+    packed = kt_ops.pack_experts(*make_weights([1], 2, 64, 32)[1], method="BF16")
+    with pytest.raises(ValueError, match=match):
+        stage_expert(packed, expert, tp)
