@@ -422,3 +422,28 @@ def test_an_expert_or_rank_count_that_is_not_an_int_is_refused(expert: object, t
     packed = kt_ops.pack_experts(*make_weights([1], 2, 64, 32)[1], method="BF16")
     with pytest.raises(ValueError, match=match):
         stage_expert(packed, expert, tp)
+
+
+def test_destination_lists_are_read_at_submit(tmp_path: Path) -> None:
+    """kt-kernel converts the pointer lists when submit is called; the write here ran later on the worker from the
+    caller's list objects, so a caller refilling its lists for the next expert before the sync had this expert written
+    into the next expert's buffers (and the first ones left unwritten)."""
+    import threading
+
+    E, H, I = 3, 64, 32
+    wrapper = KTMoEWrapper(layer_idx=1, num_experts=E, num_experts_per_tok=2, hidden_size=H, moe_intermediate_size=I,
+                           method="BF16", num_gpu_experts=0)
+    wrapper.load_weights_from_tensors(*make_weights([1], E, H, I)[1])
+    want = stage_expert(wrapper._parts, 0)[0]
+    first = [torch.zeros_like(want.w13_weight), torch.zeros_like(want.w2_weight)]
+    second = [torch.zeros_like(want.w13_weight), torch.zeros_like(want.w2_weight)]
+    w13, w2 = [first[0]], [first[1]]
+    gate = threading.Event()
+    blocker = KTMoEWrapper._run_on_worker(gate.wait, 10)  # the worker is busy until the lists are refilled
+    wrapper.submit_write_weight_scale_to_buffer(1, 0, w13, [None], w2, [None])
+    w13[0], w2[0] = second
+    gate.set()
+    blocker.result()
+    wrapper.sync_write_weight_scale_to_buffer()
+    assert torch.equal(first[0], want.w13_weight) and torch.equal(first[1], want.w2_weight)
+    assert not bool(second[0].any()) and not bool(second[1].any())

@@ -977,7 +977,8 @@ class KTMoEWrapper:
         """Starts writing CPU expert slot ``expert_id`` into kt-kernel's GPU staging layouts,
         one destination per GPU TP rank for each tensor (layer-wise GPU prefill; layouts and
         destinations: :mod:`kt_ops.staging`); :meth:`sync_write_weight_scale_to_buffer` waits.
-        Runs on the wrapper's worker thread, after any forward submitted before it.
+        Runs on the wrapper's worker thread, after any forward submitted before it; the
+        destination lists are read at submit (refilling them before the sync is fine).
 
         Here: ``ValueError`` for a slot outside the layer or one whose weights are not held
         here (a GPU slot of ``gpu_experts_mask``, unless the layer holds every slot:
@@ -995,8 +996,12 @@ class KTMoEWrapper:
         if packed < 0:
             raise ValueError(f"expert_id {expert_id} is a GPU expert (gpu_experts_mask): the CPU holds no weights for it")
         self.sync_write_weight_scale_to_buffer()
+        # the destinations as they are now (kt-kernel converts the lists at submit): a caller may refill its lists
+        # for the next expert before the sync
+        lists = [tuple(v) if isinstance(v, (list, tuple)) else v
+                 for v in (w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs)]
         self._staging = self._run_on_worker(write_weight_scale_to_buffer, list(self._parts), packed, gpu_tp_count,
-                                            w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs)
+                                            *lists)
 
     def sync_write_weight_scale_to_buffer(self) -> None:
         """Waits for the write :meth:`submit_write_weight_scale_to_buffer` started (and raises
