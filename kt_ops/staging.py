@@ -277,12 +277,14 @@ def stage_expert(packed: PackedExperts | Sequence[PackedExperts], expert: int,
 
 
 def _check(destination: Destination, source: torch.Tensor, name: str) -> None:
-    """``ValueError`` unless ``destination`` can take ``source``'s bytes: a contiguous tensor
-    of exactly as many bytes on a real device, or a host address (an int in ``(0, 2^64)``)."""
+    """``ValueError`` unless ``destination`` can take ``source``'s bytes: a plain contiguous
+    tensor (strided, not quantized, no conjugate or negative bit) of exactly as many bytes on
+    a real device, or a host address (an int in ``(0, 2^64)``)."""
     nbytes = source.numel() * source.element_size()
     if isinstance(destination, torch.Tensor):
-        if (not destination.is_contiguous() or destination.is_meta
-                or destination.numel() * destination.element_size() != nbytes):
+        if (destination.layout != torch.strided or destination.is_quantized or destination.is_conj()
+                or destination.is_neg() or not destination.is_contiguous() or destination.is_meta
+                or destination.numel() * destination.element_size() != nbytes):  # (none of them takes plain bytes)
             raise ValueError(f"{name}: the destination must be a contiguous tensor of {nbytes} bytes "
                              f"({source.dtype} {tuple(source.shape)}) on a device that holds data, got "
                              f"{destination.dtype} {tuple(destination.shape)} on {destination.device}")

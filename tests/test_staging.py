@@ -389,14 +389,19 @@ def test_parts_on_whole_scale_groups_stage_as_the_whole_layer() -> None:
             assert torch.equal(split.w2_scale.view(torch.uint8), whole.w2_scale.view(torch.uint8)), method
 
 
-@pytest.mark.parametrize("bad", [True, 2**64, "meta"])
+@pytest.mark.parametrize("bad", [True, 2**64, "meta", "quantized", "conj", "sparse"])
 def test_destinations_that_cannot_hold_the_bytes_are_refused(bad: object) -> None:
-    """A bool (was taken as host address 1: SIGSEGV), an address past 64 bits (was an OverflowError from ctypes) and a
-    meta tensor (was a silent no-op: nothing staged) are ValueErrors naming the destination."""
+    """A bool (was taken as host address 1: SIGSEGV), an address past 64 bits (was an OverflowError from ctypes), a
+    meta tensor (was a silent no-op: nothing staged), a quantized or conjugate-view tensor of the right size (were a
+    RuntimeError from the copy, after rank 0's w13 was written) are ValueErrors naming the destination."""
     E, H, I = 2, 64, 32
     packed = kt_ops.pack_experts(*make_weights([1], E, H, I)[1], method="BF16")
     staged = stage_expert(packed, 0)[0]
-    dest = torch.empty_like(staged.w2_weight, device="meta") if bad == "meta" else bad
+    n = staged.w2_weight.numel() * 2
+    dest = {"meta": lambda: torch.empty_like(staged.w2_weight, device="meta"),
+            "quantized": lambda: torch.quantize_per_tensor(torch.zeros(n), 1.0, 0, torch.quint8),
+            "conj": lambda: torch.zeros(n // 8, dtype=torch.complex64).conj(),
+            "sparse": lambda: torch.zeros(n, dtype=torch.uint8).to_sparse()}.get(bad, lambda: bad)()
     with pytest.raises(ValueError, match=r"w2_weight_ptrs\[0\]"):
         write_weight_scale_to_buffer(packed, 0, 1, [torch.empty_like(staged.w13_weight)], [None], [dest], [None])
 
