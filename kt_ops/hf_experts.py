@@ -301,7 +301,9 @@ def module_weights(module: nn.Module, tensors: dict[str, torch.Tensor] | None = 
     source = _stored(module, tensors)
     gate_up, down = _untransposed(module, source)
     if gate_up.is_meta or down.is_meta:
-        raise ValueError(f"{type(module).__name__}: the expert weights are on the meta device (not loaded)")
+        raise ValueError(f"{type(module).__name__}: the expert weights are on the meta device (not loaded, or "
+                         "offloaded by accelerate: device_map 'disk', cpu_offload); kt_ops packs their values, so "
+                         "load the experts into memory first")
     gate, up = _split(gate_up, module.is_concatenated)
     biases = None
     if getattr(module, "has_bias", False):

@@ -290,3 +290,16 @@ def test_router_trains_as_in_the_unpatched_model(arch: str) -> None:
         p.requires_grad_(False)
     layer = next(m for m in kt_ops.patch_model(frozen, "BF16").modules() if isinstance(m, kt_ops.HybridMoE))
     assert not layer.router_weight.requires_grad  # a frozen router stays frozen
+
+
+@pytest.mark.parametrize("experts_interface", [False, True])
+def test_an_offloaded_model_is_refused_by_name(experts_interface: bool) -> None:
+    """A model whose weights accelerate offloaded (cpu_offload, or from_pretrained's device_map "disk") holds meta
+    tensors: patch_model is a ValueError saying so (the HybridMoE path was torch's NotImplementedError "Cannot copy out
+    of meta tensor; no data!"), and the model is left as it was."""
+    accelerate = pytest.importorskip("accelerate")
+    model = tiny_model("qwen3_moe").float().eval()
+    accelerate.cpu_offload(model, execution_device="cpu")
+    with pytest.raises(ValueError, match="meta device.*offloaded"):
+        kt_ops.patch_model(model, method="BF16", experts_interface=experts_interface)
+    assert not any(isinstance(m, kt_ops.HybridMoE) for m in model.modules())

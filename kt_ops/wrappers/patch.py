@@ -229,7 +229,8 @@ def patch_model(
 
     Raises:
         ValueError: an unsupported architecture (the message lists the supported ones),
-            no MoE block found, a non-SiLU activation, or a bad mask.
+            no MoE block found, a non-SiLU activation, a bad mask, or expert weights on the
+            meta device (not loaded, or offloaded by accelerate).
     """
     gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
     require_bools(dynamic_gpu_experts=dynamic_gpu_experts, experts_interface=experts_interface)
@@ -282,6 +283,11 @@ def patch_model(
                                            gpu_budget, expert_stats, (gpu_experts_mask, num_gpu_experts))
     masks = _layer_masks(len(blocks), num_experts, gpu_experts_mask, num_gpu_experts)
     _check_dynamic(dynamic_gpu_experts, masks)  # HybridMoE(dynamic=True) without GPU experts kept host copies for nothing
+    for name, block in blocks:  # before any block is replaced (HybridMoE: NotImplementedError from .cpu())
+        if any(t.is_meta for t in (*block.experts.parameters(), block.gate.weight)):
+            raise ValueError(f"{name}: the expert or router weights are on the meta device (not loaded, or offloaded "
+                             "by accelerate: device_map 'disk', cpu_offload); patch_model packs their values, so load "
+                             "the experts into memory first")
     released = packed_bytes = gpu_bytes = 0
     for index, ((name, block), mask) in enumerate(zip(blocks, masks)):
         gate, up, down = _expert_tensors(block.experts, hidden)
