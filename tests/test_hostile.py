@@ -779,10 +779,6 @@ refused(lambda: read_config_json(c), "not a regular file")
     assert result.stdout.split() == ["refused"] * 6
 
 
-if __name__ == "__main__":
-    sys.exit(globals()[sys.argv[1]]())
-
-
 @pytest.mark.parametrize("body", [b"[" * 200_000 + b"]" * 200_000, b'{"x": ' + b"9" * 5000 + b"}"])
 def test_a_safetensors_header_nested_too_deep_or_with_a_huge_number_names_the_file(tmp_path: Path,
                                                                                   body: bytes) -> None:
@@ -796,3 +792,7 @@ def test_a_safetensors_header_nested_too_deep_or_with_a_huge_number_names_the_fi
     path.write_bytes(struct.pack("<Q", len(body)) + body)
     with pytest.raises(ValueError, match="deep.safetensors.* is not a safetensors file"):
         read_safetensors_header(path)
+
+
+if __name__ == "__main__":
+    sys.exit(globals()[sys.argv[1]]())
