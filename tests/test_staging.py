@@ -452,3 +452,30 @@ def test_destination_lists_are_read_at_submit(tmp_path: Path) -> None:
     wrapper.sync_write_weight_scale_to_buffer()
     assert torch.equal(first[0], want.w13_weight) and torch.equal(first[1], want.w2_weight)
     assert not bool(second[0].any()) and not bool(second[1].any())
+
+
+@pytest.mark.parametrize("size", [0, 4096])
+def test_staging_a_mapped_layer_whose_file_was_truncated_names_the_file(tmp_path: Path, size: int) -> None:
+    """A layer memory-mapped by PackedExperts.load whose file was cut short afterwards: staging it (stage_expert, the
+    wrapper's write, GPU prefill's rows) is the RuntimeError naming the file that moe_forward raises (it was SIGBUS:
+    the process killed). Run in a subprocess so a crash fails the test only."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, torch, kt_ops
+from kt_ops.staging import stage_expert
+E, H, I = 4, 512, 256
+packed = kt_ops.pack_experts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I), method="BF16")
+path = {str(tmp_path / "layer.safetensors")!r}
+packed.save(path)
+mapped = kt_ops.PackedExperts.load(path)
+os.truncate(path, {size})
+try:
+    stage_expert(mapped, 3)
+except RuntimeError as error:
+    assert "layer.safetensors" in str(error), error
+    print("refused")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["refused"], (result.returncode, result.stderr[-2000:])
