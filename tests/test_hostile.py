@@ -794,5 +794,50 @@ def test_a_safetensors_header_nested_too_deep_or_with_a_huge_number_names_the_fi
         read_safetensors_header(path)
 
 
+@pytest.mark.parametrize("call", ["set_activation", "dequantize_experts"])
+def test_a_mapped_layer_whose_file_was_truncated_is_named_not_sigbus(tmp_path: Path, call: str) -> None:
+    """kt_ops.set_activation and kt_ops.dequantize_experts of a layer memory-mapped by PackedExperts.load whose file
+    was cut short afterwards: the RuntimeError naming the file that moe_forward raises (both were SIGBUS: the process
+    killed). In a subprocess, so a crash fails the test only."""
+    code = f"""
+import os, torch, kt_ops
+E, H, I = 4, 512, 256
+packed = kt_ops.pack_experts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I), method="BF16")
+path = {str(tmp_path / "layer.safetensors")!r}
+packed.save(path)
+mapped = kt_ops.PackedExperts.load(path)
+os.truncate(path, 4096)
+try:
+    kt_ops.set_activation(mapped, 7.0) if {call!r} == "set_activation" else kt_ops.dequantize_experts(mapped)
+except RuntimeError as error:
+    assert "layer.safetensors" in str(error), error
+    print("refused")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=HERE.parent)
+    assert result.returncode == 0 and result.stdout.split() == ["refused"], (result.returncode, result.stderr[-2000:])
+
+
+@pytest.mark.xfail(strict=True, reason="csrc/ops: only moe_forward (moe_call.cpp) calls check_mapped_file; the "
+                   "dequantize_experts op reads a truncated mapped blob and dies with SIGBUS")
+def test_the_dequantize_op_of_a_truncated_mapped_layer_is_an_error_not_sigbus(tmp_path: Path) -> None:
+    """torch.ops.kt.dequantize_experts called directly (not through kt_ops.dequantize_experts) on a mapped layer whose
+    file was truncated."""
+    code = f"""
+import os, torch, kt_ops
+E, H, I = 4, 512, 256
+packed = kt_ops.pack_experts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I), method="BF16")
+path = {str(tmp_path / "layer.safetensors")!r}
+packed.save(path)
+mapped = kt_ops.PackedExperts.load(path)
+os.truncate(path, 4096)
+try:
+    torch.ops.kt.dequantize_experts(mapped.data, torch.tensor([3]), torch.float32)
+except RuntimeError:
+    print("refused")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=HERE.parent)
+    assert result.returncode == 0 and result.stdout.split() == ["refused"], (result.returncode, result.stderr[-2000:])
+
+
 if __name__ == "__main__":
     sys.exit(globals()[sys.argv[1]]())
