@@ -100,16 +100,18 @@ class LoraExperts(nn.Module):
             getattr(self, name).zero_()
 
     def matrices(self) -> tuple[torch.Tensor, ...]:
-        """The six LoRA tensors as the operator takes them (``A`` masked by dropout while training;
-        fp64 parameters as fp32, the dtype their products run in: the operator takes no fp64)."""
+        """The six LoRA tensors as the operator takes them (``A`` masked by dropout while training, in
+        fp32: kept features scaled by exactly ``1 / (1 - p)``; fp64 parameters as fp32, the dtype their
+        products run in: the operator takes no fp64)."""
         tensors = [getattr(self, name) for name in LORA_NAMES]
         tensors = [t.float() if t.dtype == torch.float64 else t for t in tensors]  # differentiable: fp64 gradients
         if self.training and self.dropout > 0:
             keep = 1.0 - self.dropout
             for index in (0, 2, 4):  # the A of gate, up, down: one mask per (expert, input feature)
                 a = tensors[index]
-                mask = (torch.rand(a.shape[0], 1, a.shape[2], device=a.device) < keep).to(a.dtype) / keep
-                tensors[index] = a * mask
+                # in fp32: a bf16 mask scaled kept features by bf16(1 / keep) and rounded a * mask to bf16
+                mask = (torch.rand(a.shape[0], 1, a.shape[2], device=a.device) < keep).float() / keep
+                tensors[index] = a.float() * mask
         return tuple(tensors)
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

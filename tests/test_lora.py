@@ -134,6 +134,29 @@ def test_dropout_masks_input_features_while_training() -> None:
             kt_ops.LoraExperts(E, H, I, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dropout_scales_half_precision_parameters_by_exactly_one_over_keep(dtype: torch.dtype) -> None:
+    """bf16/fp16 parameters: the kept features of A are A / (1 - p) in fp32, the dtype the products run in.
+    The mask was built in the parameters' dtype: kept features were scaled by bf16(1 / 0.9) = 1.109375, not
+    1.1111 (the training-time LoRA branch 0.16% smaller in expectation than the eval one), and each masked entry
+    rounded to bf16 again (up to 0.5% off). The gradients still reach the parameters in their dtype."""
+    packed = pack("BF16")
+    lora = random_lora(dtype)
+    lora.dropout = 0.1
+    torch.manual_seed(0)
+    mats = lora.matrices()
+    for index in (0, 2, 4):
+        a, want = mats[index], getattr(lora, LORA_NAMES[index]).detach().float() / 0.9
+        kept = a != 0
+        assert 0 < kept.sum() < a.numel()
+        assert rel_err(a[kept], want[kept]) <= 1e-6, LORA_NAMES[index]
+    ids, w = random_routing(6, E, 2)
+    lora(torch.randn(6, H), ids, w, packed).square().sum().backward()
+    for name in LORA_NAMES:
+        grad = getattr(lora, name).grad
+        assert grad is not None and grad.dtype == dtype and grad.abs().sum() > 0, name
+
+
 def test_fp64_lora_parameters_run_as_fp32() -> None:
     """LoraExperts(dtype=torch.float64), which the constructor takes, runs (its products in fp32, as every dtype's):
     the fp32 layer's output, and fp64 gradients equal to the fp32 layer's (its forward was the kernel's TypeError
