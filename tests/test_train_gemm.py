@@ -6,10 +6,16 @@ Both must give the same gradients for every packed format (the panel path decode
 formats straight into its panels and packs the others' decoded rows), over token counts
 that leave experts 1 to 20 rows (every row tile and its remainder) and sizes whose last
 panel is partial; the panel path's rows do not depend on the other rows of the call; a bad
-value of the switch is a ValueError. test_autograd checks the default path of this CPU
+value of the switch is a ValueError; the AVX-512 variants' zmm tile gives the AVX2 tile's
+bits. test_autograd checks the default path of this CPU
 against fp64."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +79,38 @@ def test_panel_gradients_of_a_row_do_not_depend_on_the_other_rows(monkeypatch: p
     part = backward(monkeypatch, "panel", packed, x[:5], ids[:5], w[:5], probe[:5], gate_up[:5].contiguous())
     for p, a in zip(part, whole):
         assert torch.equal(p, a[:5])
+
+
+PANEL_BITS = """
+import os, sys, torch, kt_ops
+os.environ["KT_OPS_TRAIN_GEMM"] = "panel"
+case = torch.load(sys.argv[1])
+grads = torch.ops.kt.moe_backward(case["probe"], case["x"], case["ids"], case["w"], case["packed"])
+torch.save(list(grads), sys.argv[2])
+"""
+
+
+def test_panel_kernel_gives_the_same_bits_on_every_variant(tmp_path: Path) -> None:
+    """kt::moe_backward (g and u recomputed: every weight product on the panel kernel) in a
+    process per CPU variant this machine runs: the AVX-512 variants' 12-row zmm tile and the
+    AVX2 variants' 6-row ymm tile form each element with the same FMA chain, so the gradients
+    are the same bits (H 601: a partial last panel; experts of 1 to ~20 rows: every tile's
+    remainder)."""
+    variants = kt_ops.supported_cpu_variants()
+    if len(variants) < 2 or not any(v.startswith(("avx512", "amx")) for v in variants):
+        pytest.skip("needs an AVX-512 CPU variant beside avx2")
+    experts = make_experts(6, 601, 88, seed=5)
+    x, ids, w, probe = inputs(37, 6, 3, 601, seed=5)
+    torch.save({"packed": experts.packed.data, "x": x, "ids": ids, "w": w, "probe": probe}, tmp_path / "case.pt")
+    results = {}
+    for variant in variants:
+        out = tmp_path / f"{variant}.pt"
+        subprocess.run([sys.executable, "-c", PANEL_BITS, str(tmp_path / "case.pt"), str(out)], check=True,
+                       env={**os.environ, "KT_OPS_CPU_VARIANT": variant}, timeout=300)
+        results[variant] = torch.load(out)
+    for variant, grads in results.items():
+        for name, got, want in zip(("grad_x", "grad_w"), grads, results["avx2"]):
+            assert torch.equal(got, want), f"{variant} {name} differs from avx2's"
 
 
 def test_bad_switch_value_is_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../isa/cpu_variant.h"
+
 namespace kt::cpu {
 namespace {
 
@@ -55,6 +57,42 @@ __attribute__((target("avx2,fma"))) void tile(const float* a, int64_t lda, const
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
+// The same tile with one zmm per row (16 columns), 12 rows: the same FMA chain per element
+// and the same final add, so the same bits as tile<> (each lane of an FMA is rounded alone),
+// at twice the columns per instruction on the AVX-512 variants.
+constexpr int kTileRows512 = 12;
+
+template <int kRows>
+__attribute__((target("avx512f"))) void tile512(const float* a, int64_t lda, const float* panel, int64_t n,
+                                                float* c, int64_t ldc, int64_t width) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 c0 = zero, c1 = zero, c2 = zero, c3 = zero, c4 = zero, c5 = zero;
+  __m512 c6 = zero, c7 = zero, c8 = zero, c9 = zero, c10 = zero, c11 = zero;
+  const float* rows[kTileRows512];
+  for (int i = 0; i < kTileRows512; ++i) rows[i] = a + (i < kRows ? i : 0) * lda;  // past kRows: never read
+  const float *a0 = rows[0], *a1 = rows[1], *a2 = rows[2], *a3 = rows[3], *a4 = rows[4], *a5 = rows[5];
+  const float *a6 = rows[6], *a7 = rows[7], *a8 = rows[8], *a9 = rows[9], *a10 = rows[10], *a11 = rows[11];
+  for (int64_t r = 0; r < n; ++r) {
+    const __m512 b = _mm512_loadu_ps(panel + 16 * r);
+#define KT_PANEL512_ROW(i) \
+  if constexpr (kRows > i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(a##i[r]), b, c##i);
+    KT_PANEL512_ROW(0) KT_PANEL512_ROW(1) KT_PANEL512_ROW(2) KT_PANEL512_ROW(3) KT_PANEL512_ROW(4)
+    KT_PANEL512_ROW(5) KT_PANEL512_ROW(6) KT_PANEL512_ROW(7) KT_PANEL512_ROW(8) KT_PANEL512_ROW(9)
+    KT_PANEL512_ROW(10) KT_PANEL512_ROW(11)
+#undef KT_PANEL512_ROW
+  }
+  const __m512 sums[kTileRows512] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+  const auto mask = static_cast<__mmask16>(width >= kPanelColumns ? 0xFFFF : (1u << width) - 1);
+  for (int i = 0; i < kRows; ++i) {
+    float* row = c + i * ldc;
+    _mm512_mask_storeu_ps(row, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, row), sums[i]));
+  }
+}
+
+constexpr TileFn kTiles512[kTileRows512 + 1] = {nullptr,      tile512<1>,  tile512<2>,  tile512<3>, tile512<4>,
+                                                tile512<5>,   tile512<6>,  tile512<7>,  tile512<8>, tile512<9>,
+                                                tile512<10>,  tile512<11>, tile512<12>};
+
 }  // namespace
 
 __attribute__((target("avx2,fma"))) void pack_panel_rows(const float* src, int64_t ld, int64_t count,
@@ -101,13 +139,17 @@ void pack_panel_transposed(const float* src, int64_t ld, int64_t rows, int64_t c
 void panel_gemm_add(const float* a, int64_t lda, int64_t m, const float* panel, int64_t n, int64_t k, float* c,
                     int64_t ldc) {
   const int64_t panels = (k + kPanelColumns - 1) / kPanelColumns;
+  // The AVX-512 variants take the zmm tile (the same bits: see tile512).
+  const bool wide = active_cpu_variant() >= CpuVariant::kAvx512;
+  const int64_t tile_rows = wide ? kTileRows512 : kTileRows;
+  const TileFn* tiles = wide ? kTiles512 : kTiles;
   // Panel-major: a panel (n x 64 bytes) stays in L1 while every tile of rows reads it.
   for (int64_t j = 0; j < panels; ++j) {
     const float* b = panel + j * n * kPanelColumns;
     const int64_t width = std::min(kPanelColumns, k - j * kPanelColumns);
-    for (int64_t i = 0; i < m; i += kTileRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - i));
-      kTiles[rows](a + i * lda, lda, b, n, c + i * ldc + j * kPanelColumns, ldc, width);
+    for (int64_t i = 0; i < m; i += tile_rows) {
+      const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m - i));
+      tiles[rows](a + i * lda, lda, b, n, c + i * ldc + j * kPanelColumns, ldc, width);
     }
   }
 }
