@@ -106,7 +106,8 @@ class KtKernelDir:
     """The layers of a kt-kernel converted directory: which file holds each key. ``method``
     (``AMXINT4`` / ``AMXINT8``): of a folder holding both ``INT4_...`` and ``INT8_...`` files
     of a tensor (converted twice into one directory), the method's, as kt-kernel reads them.
-    ``layer_idx``: of ``_layer_{L}`` folders, only that layer's are listed."""
+    ``layer_idx``: of ``_layer_{L}`` folders, only that layer's are listed. ``ValueError`` for
+    a tensor stored twice otherwise (in two safetensors files, or in one and a ``.kt`` file)."""
 
     def __init__(self, path: Path, method: str | None = None, layer_idx: int | None = None) -> None:
         self.path = path
@@ -133,6 +134,10 @@ class KtKernelDir:
             if match is None:
                 continue
             layer = int(match.group(1))
+            held = self.files.get(key)
+            if held is not None and held != file:  # two shards (or a shard and a .kt file) of one tensor
+                raise ValueError(f"{path}: {key} is in both {held} and {file} (two conversions in one folder?); "
+                                 "keep one")
             self.files[key] = file
             self.experts.setdefault(layer, set()).add(int(match.group(3)))
             self.parts.setdefault(layer, set()).add(int(match.group(4)))

@@ -399,3 +399,23 @@ except ValueError as error:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["kt-kernel converted directory", "refused"], done.stdout
+
+
+def test_a_key_in_two_shards_is_refused_naming_both(tmp_path: Path) -> None:
+    """A tensor stored in two safetensors shards (two conversions' outputs copied into one
+    folder) was taken silently from the later file, whichever it held; now a ValueError
+    naming the key and both files, when loading, detecting the method and inspecting."""
+    from kt_ops.inspection import inspect_weights
+    from kt_ops.wrappers.kt_moe_wrapper import detect_method
+
+    E, K, H, I = 2, 2, 128, 128
+    write_dir(tmp_path / "int4", 0, weights(E, H, I), "AMXINT4", 1)
+    write_dir(tmp_path, 0, weights(E, H, I), "AMXINT8", 1)
+    (tmp_path / "int4" / "model-00001-of-00001.safetensors").rename(tmp_path / "other.safetensors")
+    pattern = r"blk\.0\.ffn_\w+_exps\.\d\.numa\.0\.\w+ is in both .*model-00001-of-00001\.safetensors and .*other"
+    with pytest.raises(ValueError, match=pattern):
+        KTMoEWrapper(0, E, K, H, I, method="AMXINT8", weight_path=tmp_path).load_weights()
+    with pytest.raises(ValueError, match=pattern):
+        detect_method(tmp_path, 0)
+    with pytest.raises(ValueError, match=pattern):
+        inspect_weights(tmp_path)
