@@ -167,8 +167,10 @@ def test_the_wrong_method_or_part_count_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no kt-kernel experts of layer 5"):
         KTMoEWrapper(5, E, K, H, I, method="AMXINT8", weight_path=tmp_path).load_weights()
     assert KTMoEWrapper(0, E, K, H, I, method=None, weight_path=tmp_path).method == "AMXINT8"  # detected
-    with pytest.raises(ValueError, match="holds 16384 bytes; AMXINT8 \\[256, 128\\] needs 32768"):
+    with pytest.raises(ValueError, match="1 NUMA part\\(s\\) of 128 rows each, not moe_intermediate_size 256"):
         KTMoEWrapper(0, E, K, H, 2 * I, method="AMXINT8", weight_path=tmp_path).load_weights()
+    with pytest.raises(ValueError, match="holds 16384 bytes; AMXINT8 \\[128, 256\\] needs 32768"):
+        KTMoEWrapper(0, E, K, 2 * H, I, method="AMXINT8", weight_path=tmp_path).load_weights()
 
 
 DATA = Path(__file__).parent / "data" / "kt_kernel"
@@ -419,3 +421,17 @@ def test_a_key_in_two_shards_is_refused_naming_both(tmp_path: Path) -> None:
         detect_method(tmp_path, 0)
     with pytest.raises(ValueError, match=pattern):
         inspect_weights(tmp_path)
+
+
+def test_a_missing_last_part_folder_is_not_blamed_on_threadpool_count(tmp_path: Path) -> None:
+    """Of a two-part --no-merge-safetensor layer whose _numa_1 folder is gone, the wrapper said
+    "converted by kt-kernel for 1 NUMA part(s); construct the wrapper with threadpool_count=1",
+    which then failed on the weights' sizes; now it says the parts cover half the layer."""
+    import shutil
+
+    write_kt_files(DATA / "int8_numa2", tmp_path, "AMXINT8")
+    shutil.rmtree(tmp_path / "_layer_1" / "_numa_1")
+    with pytest.raises(ValueError, match=r"1 NUMA part\(s\) of 64 rows.*moe_intermediate_size 128.*missing"):
+        KTMoEWrapper(1, 2, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2).load_weights()
+    with pytest.raises(ValueError, match=r"1 NUMA part\(s\) of 64 rows.*moe_intermediate_size 128.*missing"):
+        KTMoEWrapper(1, 2, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=1).load_weights()

@@ -584,7 +584,16 @@ class KTMoEWrapper:
         if method is None:
             raise ValueError(f"{path} holds kt-kernel's converted AMX weights (AMXINT4 or AMXINT8); method "
                              f"{self.method} cannot read them")
-        logical, parts = KtKernelDir(path, method, self.layer_idx).layer_shape(self.layer_idx)
+        directory = KtKernelDir(path, method, self.layer_idx)
+        try:
+            logical, parts = directory.layer_shape(self.layer_idx)
+            rows = directory.stored_bytes(self.layer_idx, "gate", 0, 0, "scale") // 4  # fp32: one per row of a part
+        finally:
+            directory.close()
+        if parts * rows != self.moe_intermediate_size:  # a part folder or shard missing, or another layer size
+            raise ValueError(f"{path} layer {self.layer_idx} holds {parts} NUMA part(s) of {rows} rows each, "
+                             f"not moe_intermediate_size {self.moe_intermediate_size} (a part missing, or "
+                             "another model's conversion?)")
         if parts != self.threadpool_count:
             raise ValueError(f"{path} was converted by kt-kernel for {parts} NUMA part(s); construct the wrapper with "
                              f"threadpool_count={parts}")
