@@ -6,6 +6,10 @@ forward + backward (kt::moe_lora_forward / kt::moe_lora_backward), per format, o
 bench shapes.
 
     python scripts/bench_train.py [--shape S1] [--tokens 512] [--method BF16 AMXINT8 AMXINT4 Q4_K] [--repeats 5]
+        [--rank 16]
+
+``--method`` takes the bench's methods (``python -m kt_ops.bench --method``), packed as the
+bench packs them (GGUF mixes such as Q4_K_M; on S2 llama.cpp's down type for K-quants).
 
 Prints medians of ``--repeats`` timed calls of each (after one warm-up), the four calls of
 a method interleaved, and the ratio (forward + backward) / forward. Run on an idle machine.
@@ -22,7 +26,8 @@ import time
 import torch
 
 import kt_ops
-from kt_ops.bench.runner import SHAPES
+from kt_ops.bench.runner import ALL_METHODS, GGUF_METHODS, SHAPES, Shape, gguf_types_for, pack_layer
+from kt_ops.packed import PackedExperts
 
 
 def timed(fns: list, repeats: int) -> list[float]:
@@ -39,14 +44,35 @@ def timed(fns: list, repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; bad values are usage errors (exit status 2) before any weights are drawn."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="S1", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--method", nargs="+", default=["BF16", "AMXINT8", "AMXINT4", "Q4_K"])
+    parser.add_argument("--method", nargs="+", choices=ALL_METHODS, default=["BF16", "AMXINT8", "AMXINT4", "Q4_K"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rank", type=int, default=16)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("tokens", "repeats", "rank"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for method in args.method:
+        if method in GGUF_METHODS:
+            try:
+                gguf_types_for(method, SHAPES[args.shape])
+            except ValueError as error:  # Q2_K / Q3_K on S2: llama.cpp's down type is one kt_ops does not compute
+                parser.error(str(error))
+    return args
+
+
+def pack(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, method: str, shape: Shape) -> PackedExperts:
+    """The layer packed as the bench packs ``method`` (GGUF types and mixes such as Q4_K_M with
+    llama.cpp's down type where I is no multiple of 256: S2's Q4_K down is Q5_0)."""
+    return pack_layer(gate, up, down, method, shape)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     shape = SHAPES[args.shape]
     E, K, H, I = shape.num_experts, shape.top_k, shape.hidden, shape.intermediate
     g = torch.Generator().manual_seed(0)
@@ -61,8 +87,7 @@ def main() -> None:
     print(f"{'method':10} {'forward':>10} {'fwd+bwd':>10} {'ratio':>6} {'recompute':>10} {'ratio':>6} "
           f"{'LoRA f+b':>10} {'ratio':>6}")
     for method in args.method:
-        kwargs = {"gguf_type": method} if method.startswith("Q") else {}
-        packed = kt_ops.pack_experts(gate, up, down, method="LLAMAFILE" if kwargs else method, **kwargs)
+        packed = pack(gate, up, down, method, shape)
         lora = kt_ops.LoraExperts(E, H, I, rank=args.rank, dtype=torch.bfloat16)
 
         def forward() -> None:

@@ -465,3 +465,41 @@ def test_threads_above_the_cpu_count_are_noted(capsys: pytest.CaptureFixture[str
     args = parse_args(["--threads", str((os.cpu_count() or 1) + 1), "--json", "rows.json"])
     assert args.layers == 3 and args.repeats == 30
     assert "exceeds this machine's" in capsys.readouterr().err
+
+
+# --- scripts/bench_train.py ------------------------------------------------------------------
+
+
+def load_bench_train():  # type: ignore[no-untyped-def]
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--repeats", "0"], "--repeats must be >= 1"),  # statistics.StatisticsError after the weights were drawn
+    (["--tokens", "0"], "--tokens must be >= 1"),  # ran and printed ratios of empty calls
+    (["--rank", "0"], "--rank must be >= 1"),  # kt_ops' ValueError traceback
+    (["--method", "FOO"], "invalid choice: 'FOO'"),  # kt_ops' ValueError traceback
+])
+def test_bench_train_refuses_bad_arguments(argv: list[str], message: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_bench_train().parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_train_packs_gguf_methods_as_the_bench_does() -> None:
+    """bench_train packed every "Q..." method as gguf_type=method: Q4_K_M (a mix) and any
+    K-quant on S2 (I = 1408, llama.cpp's down fallback) were ValueError tracebacks."""
+    bench_train = load_bench_train()
+    small = Shape("S2-like", 2, 2, 256, runner.SHAPES["S2"].intermediate, "test")
+    weights = random_weights(small, 1)[0]
+    for method in ("Q4_K", "Q4_K_M", "AMXINT4"):
+        packed = bench_train.pack(weights.gate, weights.up, weights.down, method, small)
+        assert packed.format == ("gguf" if method.startswith("Q") else "int4")
