@@ -189,7 +189,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--a-env/--b-env: expected NAME=VALUE, got {item!r}")
     if args.worker:  # validated by the driver; the worker's checkout may predate ALL_METHODS
         return args
-    from kt_ops.bench.runner import ALL_METHODS, SHAPES
+    from kt_ops.bench.runner import ALL_METHODS, GGUF_METHODS, SHAPES, gguf_types_for
 
     for group in args.groups:
         shape, _, method = group.partition(":")
@@ -197,6 +197,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"{group!r}: expected SHAPE:METHOD with SHAPE in {sorted(SHAPES)} and METHOD in {list(ALL_METHODS)}")
     if args.b_method is not None and args.b_method not in ALL_METHODS:
         parser.error(f"--b-method {args.b_method!r}: expected one of {list(ALL_METHODS)}")
+    for group in args.groups:  # a type the workers could not pack (Q2_K / Q3_K on S2), found before they start
+        for side in dict.fromkeys((group, b_group(group, args.b_method))):
+            shape, _, method = side.partition(":")
+            if method in GGUF_METHODS:
+                try:
+                    gguf_types_for(method, SHAPES[shape])
+                except ValueError as error:
+                    parser.error(str(error))
+    if args.json:  # found out now, not after every row was timed
+        target = Path(args.json)
+        folder = target.parent
+        if target.is_dir():
+            parser.error(f"--json {args.json} is a directory; give a file path")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            parser.error(f"--json {args.json}: cannot write into {folder} "
+                         f"({'no such directory' if not folder.is_dir() else 'permission denied'})")
     return args
 
 

@@ -503,3 +503,18 @@ def test_bench_train_packs_gguf_methods_as_the_bench_does() -> None:
     for method in ("Q4_K", "Q4_K_M", "AMXINT4"):
         packed = bench_train.pack(weights.gate, weights.up, weights.down, method, small)
         assert packed.format == ("gguf" if method.startswith("Q") else "int4")
+
+
+@pytest.mark.parametrize("argv,message", [
+    # the workers were started, packed side A's layers, then died on IQ4_NL (a traceback per side)
+    (["S2:Q2_K"], "Q2_K on S2: llama.cpp stores down"),
+    (["S2:Q4_K", "--b-method", "Q3_K"], "Q3_K on S2: llama.cpp stores down"),
+    # written only after every row was timed: a FileNotFoundError traceback that lost the rows
+    (["S1:Q4_K", "--json", "/nonexistent/kt_ops_dir/rows.json"], "cannot write into /nonexistent/kt_ops_dir"),
+    (["S1:Q4_K", "--json", "."], "--json . is a directory"),
+])
+def test_ab_pair_refuses_rows_it_cannot_run_before_starting_workers(argv: list[str], message: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_ab_pair().parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
