@@ -518,3 +518,13 @@ def test_ab_pair_refuses_rows_it_cannot_run_before_starting_workers(argv: list[s
     with pytest.raises(SystemExit) as exit_info:
         load_ab_pair().parse_args(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--model-step", "--repeats", "100"], ["--model-step", "--cold-code"]])
+def test_options_model_step_does_not_use_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """--model-step times 7 rounds of 10 calls and runs no previous layer: --repeats and
+    --cold-code were taken and silently ignored, the rows not what was asked for."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2 and "--model-step" in capsys.readouterr().err
+    assert parse_args(["--model-step", "--layers", "1"]).layers == 1

