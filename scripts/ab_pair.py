@@ -205,6 +205,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     gguf_types_for(method, SHAPES[shape])
                 except ValueError as error:
                     parser.error(str(error))
+    if args.json == "":  # an unset shell variable: every row would run and no JSON be written
+        parser.error("--json needs a file path, got an empty string")
     if args.json:  # found out now, not after every row was timed
         target = Path(args.json)
         folder = target.parent

@@ -451,6 +451,7 @@ def test_model_step_table_stays_aligned_for_long_method_names() -> None:
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--json", "/nonexistent/kt_ops_dir/rows.json"], "cannot write into /nonexistent/kt_ops_dir (no such directory)"),
     (["--json", "."], "--json . is a directory"),
+    (["--json", ""], "--json needs a file path"),  # ran every row and wrote no JSON (an unset $OUT)
     # a torch allocation error (819 GB) after the weights were drawn
     (["--tokens", "1", "100000000", "--shape", "S2"], "--tokens 100000000: a S2 call's activations"),
 ])
@@ -512,6 +513,7 @@ def test_bench_train_packs_gguf_methods_as_the_bench_does() -> None:
     # written only after every row was timed: a FileNotFoundError traceback that lost the rows
     (["S1:Q4_K", "--json", "/nonexistent/kt_ops_dir/rows.json"], "cannot write into /nonexistent/kt_ops_dir"),
     (["S1:Q4_K", "--json", "."], "--json . is a directory"),
+    (["S1:Q4_K", "--json", ""], "--json needs a file path"),
 ])
 def test_ab_pair_refuses_rows_it_cannot_run_before_starting_workers(argv: list[str], message: str,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:

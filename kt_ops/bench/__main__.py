@@ -154,6 +154,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be >= 1, got {value}")
+    if args.json == "":  # an unset shell variable: every row would run and no JSON be written
+        parser.error("--json needs a file path, got an empty string")
     if args.json:  # found out now, not after minutes of timing
         target = Path(args.json)
         if target.is_dir():
