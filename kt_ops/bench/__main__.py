@@ -176,6 +176,11 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens must be >= 1")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for shape in args.shape:  # killed for memory (or torch's allocation error) while drawing them, otherwise
+        need = args.layers * SHAPES[shape].num_experts * SHAPES[shape].expert_bytes(2)
+        if need > ram:
+            parser.error(f"--layers {args.layers}: the {shape} layers' bf16 weights take about {need / 2**30:.0f} GiB, "
+                         f"more than this machine's {ram / 2**30:.0f} GiB of RAM")
     for shape in args.shape:  # a torch allocation error after the weights were drawn, otherwise
         need = activation_bytes(SHAPES[shape], max(args.tokens))
         if need > ram:
