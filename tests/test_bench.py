@@ -532,3 +532,22 @@ def test_options_model_step_does_not_use_are_refused(argv: list[str], capsys: py
         parse_args(argv)
     assert exit_info.value.code == 2 and "--model-step" in capsys.readouterr().err
     assert parse_args(["--model-step", "--layers", "1"]).layers == 1
+
+
+def test_many_repeats_do_not_draw_an_input_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_row and measure_baseline drew one input per timed call (max(repeats, 8)), all
+    held at once: --repeats 100000 at 512 S1 tokens wanted 200 GB before the first call.
+    The inputs are cycled, so a bounded set serves any count."""
+    counts: list[int] = []
+    drawn = runner.timed_inputs
+
+    def timed_inputs(shape: Shape, tokens: int, count: int) -> list:
+        counts.append(count)
+        return drawn(shape, tokens, 2)
+
+    monkeypatch.setattr(runner, "timed_inputs", timed_inputs)
+    monkeypatch.setattr(runner, "time_calls", lambda *args, **kwargs: 1e-3)
+    layers = make_layers(TINY, "BF16", 1)
+    runner.measure_row(TINY, "BF16", 1, layers, 1e-3, repeats=100_000, flush=lambda: None)
+    runner.measure_baseline(TINY, 1, random_weights(TINY, 1), 25_000, lambda: None)
+    assert counts and max(counts) <= runner.MAX_INPUTS

@@ -189,6 +189,14 @@ def random_routing(shape: Shape, tokens: int, generator: torch.Generator) -> tup
 
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x [T, H] bf16, ids [T, k] int32, weights [T, k] fp32
+# Distinct inputs a row cycles through: one per timed call up to this many (all held at once,
+# so not one per call of a large --repeats: 2 MiB each at 512 S1 tokens).
+MAX_INPUTS = 64
+
+
+def input_count(repeats: int) -> int:
+    """How many inputs a row of ``repeats`` timed calls draws (8 ... :data:`MAX_INPUTS`)."""
+    return min(max(repeats, 8), MAX_INPUTS)
 
 
 def timed_inputs(shape: Shape, tokens: int, count: int) -> list[Inputs]:
@@ -238,7 +246,7 @@ def measure_baseline(
     (:func:`previous_shape`). The plain layer does not depend on the method, so the bench
     times it once per (shape, tokens) for all methods' rows."""
     dtype = weights[0].gate.dtype
-    inputs = [(x.to(dtype), ids, w) for x, ids, w in timed_inputs(shape, tokens, max(repeats, 8))]
+    inputs = [(x.to(dtype), ids, w) for x, ids, w in timed_inputs(shape, tokens, input_count(repeats))]
     small_x, small_ids, small_weights = previous_inputs(shape, tokens)
     small_x = small_x.to(dtype)
 
@@ -281,7 +289,7 @@ def measure_row(
     ``min_seconds``), cycling through ``layers``, each call preceded by ``flush()`` and,
     when ``previous`` is given, by the same kind of call on that small layer;
     ``torch_seconds`` is the plain layer's time (:func:`measure_baseline`)."""
-    inputs = timed_inputs(shape, tokens, max(repeats, 8))
+    inputs = timed_inputs(shape, tokens, input_count(repeats))
     small_x, small_ids, small_weights = previous_inputs(shape, tokens)
 
     def ours(i: int) -> object:
