@@ -118,3 +118,29 @@ def test_a_library_that_kills_its_loader_is_unavailable_not_a_crash(tmp_path) ->
     subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
     with pytest.raises(PeerUnavailable, match="kills the process with SIG"):
         peer_module.VllmPeer(library)
+
+
+def test_json_of_a_peer_whose_output_is_nan_is_valid_json(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A peer returning NaN gave an output error of NaN, which json.dump wrote as the bare
+    token NaN: the --json file was no JSON (strict parsers, jq, JavaScript refused it)."""
+    import json
+    import math
+
+    from kt_ops.bench import __main__ as bench_main
+
+    class NanPeer(SlowPeer):
+        def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, prepared: object) -> torch.Tensor:
+            return torch.full_like(super().forward(x, ids, weights, prepared), math.nan)
+
+    monkeypatch.setattr(bench_main, "load_peer", lambda name: NanPeer(0.0))
+    monkeypatch.setattr(bench_main, "flush_bytes", lambda llc, limit: 1 << 20)
+    monkeypatch.setitem(bench_main.SHAPES, "S1", TINY)
+    target = tmp_path / "peer.json"
+    assert main(["--peer", "vllm", "--shape", "S1", "--tokens", "1", "--layers", "1", "--repeats", "4",
+                 "--json", str(target)]) == 1  # the outputs disagree
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"not JSON: {token}")
+
+    data = json.loads(target.read_text(), parse_constant=refuse)
+    assert data["output_errors"] == {"tiny BF16": None}

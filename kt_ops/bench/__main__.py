@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -322,7 +323,9 @@ def peer_main(args: argparse.Namespace, prog: str) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu_variant": kt_ops.cpu_variant(), "threads": kt_ops.get_num_threads(), "peer": peer.description,
-                       "output_errors": errors, "peer_rows": [r.as_dict() for r in rows]}, f, indent=2)
+                       # NaN (a peer's NaN output) as null: json.dump would write the bare token NaN, no JSON
+                       "output_errors": {key: value if math.isfinite(value) else None for key, value in errors.items()},
+                       "peer_rows": [r.as_dict() for r in rows]}, f, indent=2)
     return 1 if mismatched else 0
 
 
