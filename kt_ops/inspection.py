@@ -374,8 +374,8 @@ def _inspect_kt_kernel(root: Path) -> Inspection:
             fmt = "int8" if method == "AMXINT8" else "int4"
             sizes = {name: sum(directory.stored_bytes(L, name, e, p, kind) for e in range(E) for p in range(parts)
                                for kind in ("weight", "scale")) for name in MATRICES}
-            H = directory.stored_bytes(L, "down", 0, 0, "scale") // 4
-            I = parts * (directory.stored_bytes(L, "gate", 0, 0, "scale") // 4)
+            H = directory.scale_count(L, "down", 0, 0)
+            I = parts * directory.scale_count(L, "gate", 0, 0)
             matrices = tuple(MatrixInfo(name, fmt, sizes[name], "") for name in MATRICES)
             layers.append(LayerInfo(L, E, H, I, matrices, sum(sizes.values())))
     finally:

@@ -196,13 +196,28 @@ class KtKernelDir:
             count *= int(n)
         return count * _DTYPE_BYTES.get(view.get_dtype(), 1)
 
+    def scale_count(self, layer: int, projection: str, expert: int, part: int) -> int:
+        """How many scales (one per output row) a stored ``.scale`` tensor holds, from its
+        header: a ``.kt`` file's fp32 bytes / 4, a safetensors tensor's elements (of any float
+        dtype, as :func:`load_layer` reads them)."""
+        key = f"blk.{layer}.ffn_{projection}_exps.{expert}.numa.{part}.scale"
+        file = self.files.get(key)
+        if file is None or file.suffix == ".kt":
+            return self.stored_bytes(layer, projection, expert, part, "scale") // 4
+        if file not in self._handles:
+            self._handles[file] = safe_open(os.fspath(file), framework="pt")
+        count = 1
+        for n in self._handles[file].get_slice(key).get_shape():
+            count *= int(n)
+        return count
+
     def method(self, layer: int) -> str:
         """``AMXINT8`` or ``AMXINT4``, from the sizes of expert 0's gate and down tensors in
         part 0: gate holds ``I/T x H`` levels of 1 byte (INT8) or half a byte (INT4), one
         scale per gate row, and down one scale per row of H."""
         gate = self.stored_bytes(layer, "gate", 0, 0, "weight")
-        rows = self.stored_bytes(layer, "gate", 0, 0, "scale") // 4
-        hidden = self.stored_bytes(layer, "down", 0, 0, "scale") // 4
+        rows = self.scale_count(layer, "gate", 0, 0)
+        hidden = self.scale_count(layer, "down", 0, 0)
         if gate == rows * hidden:
             return "AMXINT8"
         if 2 * gate == rows * hidden:

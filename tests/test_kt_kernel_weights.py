@@ -435,3 +435,25 @@ def test_a_missing_last_part_folder_is_not_blamed_on_threadpool_count(tmp_path: 
         KTMoEWrapper(1, 2, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2).load_weights()
     with pytest.raises(ValueError, match=r"1 NUMA part\(s\) of 64 rows.*moe_intermediate_size 128.*missing"):
         KTMoEWrapper(1, 2, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=1).load_weights()
+
+
+def test_scales_stored_in_another_float_dtype_are_counted_as_values(tmp_path: Path) -> None:
+    """Scales of a safetensors file in bf16 (not kt-kernel's fp32) are read as their values;
+    the part check counted their bytes / 4 (half the rows) and refused the layer, as method=None
+    detection and kt-ops inspect did (H and I halved: "neither AMXINT8 nor AMXINT4")."""
+    from safetensors.torch import load_file
+
+    from kt_ops.inspection import inspect_weights
+
+    write_dir(tmp_path, 0, weights(2, 128, 128), "AMXINT8", 2)
+    file = tmp_path / "model-00001-of-00001.safetensors"
+    tensors = load_file(str(file))
+    for key in [k for k in tensors if k.endswith(".scale")]:
+        tensors[key] = tensors[key].bfloat16()
+    save_file(tensors, str(file))
+    wrapper = KTMoEWrapper(0, 2, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2)
+    wrapper.load_weights()
+    assert wrapper.forward(*inputs(2, 2, 2, 128)).isfinite().all()
+    assert KTMoEWrapper(0, 2, 2, 128, 128, method=None, weight_path=tmp_path, threadpool_count=2).method == "AMXINT8"
+    (layer,) = inspect_weights(tmp_path).layers
+    assert (layer.hidden_size, layer.intermediate_size) == (128, 128)

@@ -587,7 +587,7 @@ class KTMoEWrapper:
         directory = KtKernelDir(path, method, self.layer_idx)
         try:
             logical, parts = directory.layer_shape(self.layer_idx)
-            rows = directory.stored_bytes(self.layer_idx, "gate", 0, 0, "scale") // 4  # fp32: one per row of a part
+            rows = directory.scale_count(self.layer_idx, "gate", 0, 0)  # one per gate row of a part
         finally:
             directory.close()
         if parts * rows != self.moe_intermediate_size:  # a part folder or shard missing, or another layer size
