@@ -107,7 +107,8 @@ class KtKernelDir:
     (``AMXINT4`` / ``AMXINT8``): of a folder holding both ``INT4_...`` and ``INT8_...`` files
     of a tensor (converted twice into one directory), the method's, as kt-kernel reads them.
     ``layer_idx``: of ``_layer_{L}`` folders, only that layer's are listed. ``ValueError`` for
-    a tensor stored twice otherwise (in two safetensors files, or in one and a ``.kt`` file)."""
+    a tensor stored twice otherwise (in two safetensors files, or in one and a ``.kt`` file), and
+    for a ``*.safetensors`` file whose header cannot be read."""
 
     def __init__(self, path: Path, method: str | None = None, layer_idx: int | None = None) -> None:
         self.path = path
@@ -127,8 +128,11 @@ class KtKernelDir:
         for file in sorted(path.glob("*.safetensors")):
             if not file.is_file():  # a FIFO or device: opening it would wait for ever
                 continue
-            with safe_open(os.fspath(file), framework="pt") as handle:
-                keys += [(key, file) for key in handle.keys()]
+            try:
+                with safe_open(os.fspath(file), framework="pt") as handle:
+                    keys += [(key, file) for key in handle.keys()]
+            except Exception as error:  # noqa: BLE001 - safetensors' SafetensorError names no file
+                raise ValueError(f"{file} is not a readable safetensors file ({error}): cut short or damaged?") from None
         for key, file in keys:
             match = _KEY.match(key)
             if match is None:

@@ -457,3 +457,22 @@ def test_scales_stored_in_another_float_dtype_are_counted_as_values(tmp_path: Pa
     assert KTMoEWrapper(0, 2, 2, 128, 128, method=None, weight_path=tmp_path, threadpool_count=2).method == "AMXINT8"
     (layer,) = inspect_weights(tmp_path).layers
     assert (layer.hidden_size, layer.intermediate_size) == (128, 128)
+
+
+def test_a_damaged_shard_is_named(tmp_path: Path) -> None:
+    """A cut-short safetensors file next to kt-kernel's shard raised safetensors' own
+    SafetensorError ("invalid header length"), naming no file; kt-ops inspect printed a
+    traceback. Now a ValueError naming the file."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(DATA / "int8_numa2" / "model.safetensors", tmp_path / "model.safetensors")
+    (tmp_path / "zz.safetensors").write_bytes((DATA / "int8_numa2" / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(ValueError, match="zz.safetensors"):
+        KTMoEWrapper(1, 2, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2).load_weights()
+    with pytest.raises(ValueError, match="zz.safetensors"):
+        KTMoEWrapper(1, 2, 2, 128, 128, method=None, weight_path=tmp_path, threadpool_count=2)
+    done = subprocess.run([sys.executable, "-m", "kt_ops", "inspect", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "zz.safetensors" in done.stderr
