@@ -551,3 +551,15 @@ def test_many_repeats_do_not_draw_an_input_per_call(monkeypatch: pytest.MonkeyPa
     runner.measure_row(TINY, "BF16", 1, layers, 1e-3, repeats=100_000, flush=lambda: None)
     runner.measure_baseline(TINY, 1, random_weights(TINY, 1), 25_000, lambda: None)
     assert counts and max(counts) <= runner.MAX_INPUTS
+
+
+def test_table_columns_stay_aligned_for_a_no_int8_ref_row() -> None:
+    """The bound "no int8 ref" (11 characters, a compute-bound quantized row where torch's int8
+    GEMM is slower than its float one) overflowed the 9-wide column, shifting that row's
+    "of limit" cell off the header's."""
+    limits = limits_of(read_gbs=1000.0, float_gflops=100.0, int8_gflops=50.0)
+    rows = [rate(row_of(m, us=20000.0, flops=1e9), limits) for m in ("BF16", "AMXINT8")]
+    assert [r.bound for r in rows] == ["bf16 gemm", "no int8 ref"]
+    lines = format_table(rows, "bf16").splitlines()
+    header, body = lines[0], lines[2:4]
+    assert all(len(line) == len(header) for line in body), lines

@@ -210,15 +210,16 @@ def format_table(rows: list[Row], torch_dtype: str) -> str:
     ("bf16" or "fp32") names the plain layer's dtype in the header."""
     torch_column = f"torch {torch_dtype} us"
     width = max([7, *(len(r.method) for r in rows)])  # GPTQ_INT4, GGUF_MXFP4, FP8_PERCHANNEL
+    bound_width = max([9, *(len(r.bound) for r in rows)])  # "no int8 ref"
     header = (
         f"{'shape':5} {'method':{width}} {'tokens':>6} {'us/layer':>10} {torch_column:>13} {'speedup':>8} "
-        f"{'GB/s':>7} {'GFLOP/s':>8} {'bound':>9} {'of limit':>8}"
+        f"{'GB/s':>7} {'GFLOP/s':>8} {'bound':>{bound_width}} {'of limit':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r.shape:5} {r.method:{width}} {r.tokens:>6} {r.us:>10.0f} {r.torch_us:>13.0f} {r.speedup:>7.2f}x "
-            f"{r.weight_gbs:>7.1f} {r.gflops:>8.1f} {r.bound:>9} {fraction_text(r):>8}"
+            f"{r.weight_gbs:>7.1f} {r.gflops:>8.1f} {r.bound:>{bound_width}} {fraction_text(r):>8}"
         )
     if any(r.limit_fraction is not None and r.limit_fraction > 1.0 for r in rows):
         lines.append(">100%?: the row ran faster than its limit, so the limit was measured too low (please report it)")
