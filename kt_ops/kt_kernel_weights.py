@@ -132,7 +132,8 @@ class KtKernelDir:
                 with safe_open(os.fspath(file), framework="pt") as handle:
                     keys += [(key, file) for key in handle.keys()]
             except Exception as error:  # noqa: BLE001 - safetensors' SafetensorError names no file
-                raise ValueError(f"{file} is not a readable safetensors file ({error}): cut short or damaged?") from None
+                raise ValueError(f"{file} is not a readable safetensors file ({error}): cut short or "
+                                 "damaged?") from None
         for key, file in keys:
             match = _KEY.match(key)
             if match is None:
