@@ -1,8 +1,8 @@
 """Packed blobs memory-mapped from safetensors files, watched for changes on disk.
 
-A blob mapped from a file reads the file's pages at every call. ``torch.ops.kt.moe_forward``
-(and, through :func:`check_unchanged`, :func:`kt_ops.set_activation`,
-:func:`kt_ops.dequantize_experts` and :mod:`kt_ops.staging`) checks, before it reads a
+A blob mapped from a file reads the file's pages at every call. Every ``torch.ops.kt``
+operator that reads a packed blob (where it reads the header: ``csrc/ops/packed_blob.cpp``),
+and :mod:`kt_ops.staging` through :func:`check_unchanged`, checks, before it reads a
 mapped blob, that each file it came from still has the size,
 inode and modification time it had when it was mapped (one ``fstat`` on a descriptor held
 since then) and raises ``RuntimeError`` naming the file otherwise — a file truncated after

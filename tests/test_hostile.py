@@ -817,11 +817,10 @@ except RuntimeError as error:
     assert result.returncode == 0 and result.stdout.split() == ["refused"], (result.returncode, result.stderr[-2000:])
 
 
-@pytest.mark.xfail(strict=True, reason="csrc/ops: only moe_forward (moe_call.cpp) calls check_mapped_file; the "
-                   "dequantize_experts op reads a truncated mapped blob and dies with SIGBUS")
 def test_the_dequantize_op_of_a_truncated_mapped_layer_is_an_error_not_sigbus(tmp_path: Path) -> None:
     """torch.ops.kt.dequantize_experts called directly (not through kt_ops.dequantize_experts) on a mapped layer whose
-    file was truncated."""
+    file was truncated: every operator checks the mapped file where it reads the blob's header (csrc/ops/packed_blob.cpp
+    read_packed; it was SIGBUS)."""
     code = f"""
 import os, torch, kt_ops
 E, H, I = 4, 512, 256

@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "checks.h"
-#include "mapped_file.h"
 #include "packed_blob.h"
 
 namespace kt::ops {
@@ -66,7 +65,6 @@ cpu::MoeArgs check_moe_call(const at::Tensor& hidden_states, const at::Tensor& t
                     topk_ids.sizes(), "; got ", topk_weights.sizes());
   TORCH_CHECK_VALUE(topk_ids.size(0) == hidden_states.size(0), "topk_ids has ", topk_ids.size(0),
                     " rows but hidden_states has ", hidden_states.size(0), " tokens");
-  check_mapped_file(packed.const_data_ptr());  // before the header is read: a shrunk file would SIGBUS
   const cpu::PackedLayout layout = read_packed(packed, packed_name);
   const int64_t experts = layout.shape.num_experts;
   TORCH_CHECK_VALUE(hidden_states.size(1) == layout.shape.hidden_size, "hidden_states has hidden size ",

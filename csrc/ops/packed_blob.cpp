@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "checks.h"
+#include "mapped_file.h"
 
 namespace kt::ops {
 namespace {
@@ -46,6 +47,9 @@ cpu::PackedLayout read_packed(const at::Tensor& packed, const char* name) {
   check_dtype(packed, name, {at::kByte});
   check_dim(packed, name, 1);
   check_cpu_contiguous(packed, name);
+  // Before the header is read: a blob mapped from a file that shrank since would SIGBUS
+  // (every operator reads its blob through here).
+  check_mapped_file(packed.const_data_ptr());
   return translate_errors([&] {
     return read_header_cached(packed.const_data_ptr<uint8_t>(), static_cast<size_t>(packed.numel()));
   });
