@@ -138,6 +138,41 @@ def test_gpu_mask_and_physical_map(checkpoint, weights, method):
     assert rel_err(want, expected(x, ids, w, weights[1], mask=mask, method=method)) > 0.2
 
 
+def test_kt_kernel_keyword_names(checkpoint, weights):
+    """kt-kernel's keyword names are taken: ``physical_to_logical_map_cpu=`` (load_weights,
+    load_weights_from_tensors: callers pass it by name) and ``capture_bs=``
+    (set_capture_batch_sizes) were a TypeError."""
+    mapping = torch.tensor([3, 0, 7, 1, 6, 2, 5, 4])
+    x, ids, w = inputs()
+    want = expected(x, ids, w, weights[1], mapping)
+    wr = wrapper(checkpoint, 1)
+    wr.load_weights(physical_to_logical_map_cpu=mapping)
+    assert rel_err(wr.forward(x, ids, w), want) <= 1e-2
+    tensors = wrapper(None, 1)
+    tensors.load_weights_from_tensors(gate_proj=weights[1][0], up_proj=weights[1][1], down_proj=weights[1][2],
+                                      physical_to_logical_map_cpu=mapping)
+    assert rel_err(tensors.forward(x, ids, w), want) <= 1e-2
+    with pytest.raises(TypeError, match="not both"):
+        wr.load_weights(mapping, physical_to_logical_map_cpu=mapping)
+    with pytest.raises(TypeError, match="not both"):
+        tensors.load_weights_from_tensors(*weights[1], physical_to_logical_map=mapping,
+                                          physical_to_logical_map_cpu=mapping)
+    try:
+        KTMoEWrapper.set_capture_batch_sizes(capture_bs=[2, 1])
+        assert KTMoEWrapper.get_capture_batch_sizes() == [1, 2]
+    finally:
+        KTMoEWrapper.set_capture_batch_sizes([])
+
+
+def test_num_gpu_experts_attribute():
+    """kt-kernel's wrapper has ``num_gpu_experts`` (the mask's count at construction); it was missing."""
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[[1, 4]] = True
+    assert wrapper(None, 1, gpu_experts_mask=mask).num_gpu_experts == 2
+    assert wrapper(None, 1, num_gpu_experts=3).num_gpu_experts == 3
+    assert wrapper(None, 1).num_gpu_experts == 0
+
+
 @pytest.mark.parametrize("mapping", [
     torch.tensor([3, 0, 7, 1, 6, 2, 5.5, 4]),  # a fraction: truncated it would load expert 5 silently
     torch.tensor([3, 0, 7, 1, 6, 2, float("nan"), 4]),

@@ -102,6 +102,19 @@ def _env_flag(name: str) -> bool:
     return value == "1"
 
 
+_UNSET: object = object()
+
+
+def _kt_kernel_map(physical_to_logical_map: object, physical_to_logical_map_cpu: object) -> object:
+    """The map given positionally / as ``physical_to_logical_map`` or by kt-kernel's keyword
+    ``physical_to_logical_map_cpu`` (SGLang and kt-kernel's own callers pass it by name)."""
+    if physical_to_logical_map_cpu is _UNSET:
+        return physical_to_logical_map
+    if physical_to_logical_map is not None:
+        raise TypeError("give physical_to_logical_map or physical_to_logical_map_cpu (kt-kernel's name), not both")
+    return physical_to_logical_map_cpu
+
+
 def _plain_int(value: object) -> object:
     """``value`` as a Python ``int`` when it is another integer type (numpy's), else as given."""
     return int(value) if is_integral(value) and not isinstance(value, int) else value
@@ -310,6 +323,7 @@ class KTMoEWrapper:
         self.gpu_experts_mask = self._mask(gpu_experts_mask, num_gpu_experts)
         if dynamic_gpu_experts:
             self.gpu_experts_mask = host_copy(self.gpu_experts_mask)  # pinned: graph replays read it live
+        self.num_gpu_experts = int(self.gpu_experts_mask.sum())  # kt-kernel's: the count at construction
         self._mask_at_load = self.gpu_experts_mask.clone()  # the mask the packed slots were chosen with
         self.threadpool_count = threadpool_count
         self.numa_nodes = nodes
@@ -486,13 +500,16 @@ class KTMoEWrapper:
         physical_to_logical_map: torch.Tensor | Sequence[int] | None = None,
         *,
         biases: Biases | None = None,
+        physical_to_logical_map_cpu: torch.Tensor | Sequence[int] | None = _UNSET,  # type: ignore[assignment]
     ) -> None:
         """Packs (quantizes, for INT8/INT4) logical-order ``gate_proj [E', I, H]``,
         ``up_proj [E', I, H]``, ``down_proj [E', H, I]`` (bf16/fp16/fp32) for the CPU slots.
         ``biases``: optional logical-order ``(gate_bias [E', I], up_bias [E', I],
         down_bias [E', H])``, entries may be None (:func:`kt_ops.set_activation`).
         ``RuntimeError`` while a forward is in flight (submitted and not collected, or
-        running on another thread): the weights would change under it."""
+        running on another thread): the weights would change under it.
+        ``physical_to_logical_map_cpu``: kt-kernel's name for the map."""
+        physical_to_logical_map = _kt_kernel_map(physical_to_logical_map, physical_to_logical_map_cpu)
         with self._hold_for_loading("load_weights_from_tensors"):
             self._load_from_tensors(gate_proj, up_proj, down_proj, physical_to_logical_map, biases)
 
@@ -526,14 +543,21 @@ class KTMoEWrapper:
             biases = tuple(None if b is None else b[cpu].cpu() for b in biases)
         self._pack_cpu_experts(gate_proj[cpu].cpu(), up_proj[cpu].cpu(), down_proj[cpu].cpu(), biases)
 
-    def load_weights(self, physical_to_logical_map: torch.Tensor | Sequence[int] | None = None) -> None:
+    def load_weights(
+        self,
+        physical_to_logical_map: torch.Tensor | Sequence[int] | None = None,
+        *,
+        physical_to_logical_map_cpu: torch.Tensor | Sequence[int] | None = _UNSET,  # type: ignore[assignment]
+    ) -> None:
         """Loads this layer from ``weight_path``: a converted directory (memory-mapped), a
         directory written by kt-kernel's converter (``AMXINT4`` / ``AMXINT8``, its levels
         and scales copied: :mod:`kt_ops.kt_kernel_weights`), a GGUF file/directory
         (``LLAMAFILE``, memory-mapped) or a Hugging Face safetensors directory (read one
         layer at a time and packed into ``method``). ``RuntimeError``
         while a forward is in flight (submitted and not collected, or running on another
-        thread): the weights would change under it."""
+        thread): the weights would change under it. ``physical_to_logical_map_cpu``: kt-kernel's
+        name for the map."""
+        physical_to_logical_map = _kt_kernel_map(physical_to_logical_map, physical_to_logical_map_cpu)
         with self._hold_for_loading("load_weights"):
             return self._load_weights(physical_to_logical_map)
 
@@ -1248,13 +1272,17 @@ class KTMoEWrapper:
     # ---- kt-kernel's buffer API ----------------------------------------------------------
 
     @staticmethod
-    def set_capture_batch_sizes(batch_sizes: Sequence[int]) -> None:
+    def set_capture_batch_sizes(batch_sizes: Sequence[int] | None = None, *,
+                                capture_bs: Sequence[int] | None = None) -> None:
         """The batch sizes (tokens per forward) CUDA graphs will be captured at: every
         wrapper, now and constructed later, reserves pinned staging for them on the
         current CUDA device (and on the device of its first CUDA forward), before
         capture, once (shared by layers of the same hidden size and top-k, never
-        reallocated). With no GPU or no CUDA key the sizes are only recorded."""
-        given = list(batch_sizes)
+        reallocated). With no GPU or no CUDA key the sizes are only recorded. ``capture_bs``:
+        kt-kernel's name for ``batch_sizes``."""
+        if (batch_sizes is None) == (capture_bs is None):
+            raise TypeError("give batch_sizes or capture_bs (kt-kernel's name), one of them")
+        given = list(batch_sizes if capture_bs is None else capture_bs)
         sizes: set[int] = set()
         for b in given:  # ints and integer scalars (numpy, 0-d tensors); int() took 2.5 as 2, True as 1, "4" as 4
             try:
