@@ -164,6 +164,11 @@ def test_kt_kernel_keyword_names(checkpoint, weights):
         KTMoEWrapper.set_capture_batch_sizes([])
 
 
+def test_max_deferred_experts_per_token_none_is_zero():
+    """kt-kernel's default for max_deferred_experts_per_token is None (no deferral); None was a ValueError."""
+    assert wrapper(None, 1, max_deferred_experts_per_token=None).max_deferred_experts_per_token == 0
+
+
 def test_num_gpu_experts_attribute():
     """kt-kernel's wrapper has ``num_gpu_experts`` (the mask's count at construction); it was missing."""
     mask = torch.zeros(E, dtype=torch.bool)

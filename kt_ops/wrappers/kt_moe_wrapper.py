@@ -154,7 +154,7 @@ class KTMoEWrapper:
         cpu_save: keep the source tensors (``source_weights``: gate, up and down of the packed
             slots as read, before packing) after packing; each load replaces them, and a load
             of weights that come packed (a converted directory, GGUF) or of no slot leaves None.
-        max_deferred_experts_per_token: d, see the module docstring.
+        max_deferred_experts_per_token: d, see the module docstring (None: 0, as kt-kernel's).
         method: ``BF16``, ``AMXINT8``/``MOE_INT8``, ``AMXINT4``/``MOE_INT4``, ``LLAMAFILE``,
             ``FP8`` (128 x 128 block scales), ``FP8_PERCHANNEL``, ``MXFP8``, ``MXFP4`` (format
             mxfp4: e2m1 with an E8M0 exponent per 32 weights, docs/formats.md; a bf16
@@ -251,7 +251,7 @@ class KTMoEWrapper:
         weight_path: str | os.PathLike[str] | None = None,
         chunked_prefill_size: int | None = None,
         cpu_save: bool = False,
-        max_deferred_experts_per_token: int = 0,
+        max_deferred_experts_per_token: int | None = 0,
         method: str | None = "AMXINT4",
         numa_nodes: Sequence[int] | None = None,
         mode: str = "inference",
@@ -271,6 +271,8 @@ class KTMoEWrapper:
         cpuinfer_threads, threadpool_count, chunked_prefill_size, max_deferred_experts_per_token = map(
             _plain_int, (cpuinfer_threads, threadpool_count, chunked_prefill_size, max_deferred_experts_per_token))
         num_gpu_experts, group_size = _plain_int(num_gpu_experts), _plain_int(group_size)
+        if max_deferred_experts_per_token is None:  # kt-kernel's default: no deferral
+            max_deferred_experts_per_token = 0
         for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),
                             ("num_experts_per_tok", num_experts_per_tok), ("hidden_size", hidden_size),
                             ("moe_intermediate_size", moe_intermediate_size), ("threadpool_count", threadpool_count)):
