@@ -278,6 +278,19 @@ def test_arguments_that_are_not_tensors_are_named(weights) -> None:
     assert rel_err(wr.forward(x, ids, w), expected(x, ids, w, weights[1])) <= 1e-2  # the wrapper is free again
 
 
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_online_quantization_takes_fp16_fp32_and_an_int32_map(weights, method, dtype):
+    """kt-kernel 0.7.2 reads load_weights_from_tensors' tensors as bf16 bytes and its map as
+    int64 (fp16 weights: zeros out, an int32 map: SIGSEGV); kt_ops converts both."""
+    mapping = torch.tensor([3, 1, 0, 2, 7, 6, 5, 4], dtype=torch.int32)
+    x, ids, w = inputs(9, seed=3)
+    wr = wrapper(method=method)
+    wr.load_weights_from_tensors(*(t.to(dtype) for t in weights[1]), physical_to_logical_map=mapping)
+    want = expected(x, ids, w, weights[1], mapping=mapping.long(), method=method)
+    assert rel_err(wr.forward(x, ids, w), want) <= TOL[method]
+
+
 def test_redundant_physical_slots(weights):
     """EPLB-style maps: more physical slots than logical experts, replicas of one expert."""
     mapping = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 2, 5])
