@@ -7,17 +7,18 @@
 kt-kernel (``pip install kt-kernel``, never a kt_ops dependency) runs in its own interpreter
 (``--kt-python``: a virtual environment holding kt-kernel and a torch of the same version).
 Side A is kt_ops' ``KTMoEWrapper``, side B kt-kernel's, each in a worker process: both
-build the same bf16 layers (the bench's shapes and seed; 3 layers cycled) with
-``load_weights_from_tensors`` (kt-kernel quantizes AMXINT8/AMXINT4 online as its converter
-does; kt_ops packs the same method), ``cpuinfer_threads`` = ``--threads``, one NUMA part, and
+build the same bf16 layers (the bench's shapes, weights drawn from fixed seeds; 3 layers
+cycled) — AMXINT8/AMXINT4 with ``load_weights_from_tensors`` (kt-kernel quantizes online as
+its converter does; kt_ops packs the same method), BF16 with ``load_weights`` from a
+safetensors directory the worker writes (kt-kernel's BF16 wrapper reads nothing else) —
+``cpuinfer_threads`` = ``--threads`` (``--kt-threads`` for kt-kernel), one NUMA part, and
 time ``wrapper.forward(x, ids, weights, None)`` (CPU tensors: both wrappers submit and wait)
 on the same bf16 inputs and routing. Before every timed call the caches are flushed (a 256
 MiB read) and a small layer of the same method runs (a model's previous layer: its pool is
 awake). The driver alternates the sides call by call (ABBA) and reports per row the median
 microseconds of each side and the median of the per-pair ratios kt-kernel / kt_ops (above 1:
 kt_ops is faster), and each side's relative error (Frobenius) against the fp32 reference on
-the row's first input. Run it on an
-otherwise idle machine.
+the row's first input. Run it on an otherwise idle machine.
 
 On a CPU-only torch kt-kernel's pinned buffers fail (``pin_memory`` needs CUDA): the worker
 drops that flag (pinning changes how memory is locked, not its contents), and sets
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = []
-    print("group        tokens   kt_ops us   kt-kernel us   kt-kernel/kt_ops (rounds)   error vs fp32: kt_ops  kt-kernel")
+    print("group        tokens   kt_ops us   kt-kernel us   kt-kernel/kt_ops (rounds)   "
+          "error vs fp32: kt_ops  kt-kernel")
     for group in args.group:
         rounds: dict[int, list[dict[str, float]]] = {t: [] for t in args.tokens}
         for _ in range(args.rounds):
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             spread = " ".join(f"{r:.2f}" for r in row["round_ratios"])
             print(f"{group:<12} {tokens:>6} {row['kt_ops_us']:>11.0f} {row['kt_kernel_us']:>14.0f}   "
-                  f"{row['ratio']:>6.2f} ({spread})   {row['kt_ops_error']:.2e}  {row['kt_kernel_error']:.2e}", flush=True)
+                  f"{row['ratio']:>6.2f} ({spread})   {row['kt_ops_error']:.2e}  {row['kt_kernel_error']:.2e}",
+                  flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -15,8 +15,9 @@
 // (row_products.h: a token's bits do not depend on the other tokens), the LoRA weight
 // gradients with ATen — at the g and u the forward saved (moe_forward_train,
 // moe_lora_forward), or at g and u recomputed in fp32 (moe_backward, and
-// moe_lora_backward without gate_up). The activation and biases are the blob header's. For expert e of token t (slot j, weight w, input row x, output gradient G,
-// s = LoRA scaling, A/B that expert's LoRA matrices):
+// moe_lora_backward without gate_up). The activation and biases are the blob header's. For
+// expert e of token t (slot j, weight w, input row x, output gradient G, s = LoRA scaling,
+// A/B that expert's LoRA matrices):
 //   g = x Wg^T + bg + s (x Ag^T) Bg^T     (u likewise)       h = act(g, u)
 //   d = h Wd^T + bd + s (h Ad^T) Bd^T     out[t] += w d
 //   grad_w[t, j] = <G, d> = <G Wd, h> + <G, bd> + s <G Bd, h Ad^T>   (d is not recomputed)
