@@ -1,9 +1,9 @@
 """Packed blobs memory-mapped from safetensors files, watched for changes on disk.
 
 A blob mapped from a file reads the file's pages at every call. Every ``torch.ops.kt``
-operator that reads a packed blob (where it reads the header: ``csrc/ops/packed_blob.cpp``),
-and :mod:`kt_ops.staging` through :func:`check_unchanged`, checks, before it reads a
-mapped blob, that each file it came from still has the size,
+operator that reads a packed blob (where it reads the header: ``csrc/ops/packed_blob.cpp``;
+``kt_ops.PackedExperts``, :mod:`kt_ops.staging` and the Python helpers read it through
+``packed_info``) checks, before it reads a mapped blob, that each file it came from still has the size,
 inode and modification time it had when it was mapped (one ``fstat`` on a descriptor held
 since then) and raises ``RuntimeError`` naming the file otherwise — a file truncated after
 loading would otherwise kill the process with SIGBUS, and one overwritten in place would
@@ -96,18 +96,6 @@ def load_uint8_tensor(path: str | os.PathLike[str], key: str, copy: bool = False
     if read != nbytes:
         raise ValueError(f"{os.fspath(path)!r} is truncated: tensor {key!r} needs {nbytes} bytes, read {read}")
     return data
-
-
-def check_unchanged(tensor: torch.Tensor) -> None:
-    """``RuntimeError`` naming the file when ``tensor`` lies in a mapping of a file that
-    changed on disk since it was mapped (the check ``moe_forward`` makes; reading a
-    truncated file's pages is SIGBUS). Nothing for other tensors, and nothing while
-    ``torch.compile`` traces (fake tensors hold no data)."""
-    if torch.compiler.is_compiling() or tensor.device.type != "cpu":
-        return
-    changed = _C.changed_mapped_file(tensor)
-    if changed:
-        raise RuntimeError(changed)
 
 
 _MADV_DONTNEED = 4

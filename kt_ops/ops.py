@@ -14,7 +14,6 @@ from kt_ops._validate import is_int, is_real, require_bools
 from kt_ops.formats import (CHECKPOINT_METHODS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, default_group_size,
                             format_for_method, format_info)
 from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
-from kt_ops.mapped_files import check_unchanged
 from kt_ops.packed import PackedExperts
 
 MXFP4_TYPE = 39  # GGML_TYPE_MXFP4, the ggml type method "MXFP4" packs
@@ -286,7 +285,6 @@ def set_activation(
             and packed.swiglu_limit == 0 and packed.swiglu_alpha == 0:
         return packed
     gate_bias, up_bias, down_bias = biases if biases is not None else (None, None, None)
-    check_unchanged(packed.data)  # a mapped file truncated since: RuntimeError, not SIGBUS
     return PackedExperts(_C.set_activation(packed.data, float(swiglu_limit), float(swiglu_alpha),
                                            gate_bias, up_bias, down_bias))
 
@@ -478,7 +476,6 @@ def dequantize_experts(
     """
     data = packed.data if isinstance(packed, PackedExperts) else packed
     fakes.refuse_meta_blob(data)  # before PackedExperts(data) reads a header it has not got
-    check_unchanged(data)  # a mapped file truncated since: RuntimeError, not SIGBUS
     if expert_ids is None:
         info = packed if isinstance(packed, PackedExperts) else PackedExperts(data)
         expert_ids = torch.arange(info.num_experts, dtype=torch.int64)

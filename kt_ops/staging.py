@@ -50,7 +50,6 @@ import torch
 
 from kt_ops._native import _C
 from kt_ops._validate import is_integral
-from kt_ops.mapped_files import check_unchanged
 from kt_ops.packed import PackedExperts
 
 Destination = Union[int, torch.Tensor]
@@ -151,7 +150,6 @@ def row_layout(packed: PackedExperts, prefill: bool = False) -> RowLayout:
     INT4 scales as fp32 (exact), and INT8 (int8 rows, fp32 scales per row) and asymmetric
     INT4 layers (fp32 (scale, minimum) pairs) too. ``RuntimeError`` for a layer whose
     mapped file changed on disk."""
-    check_unchanged(packed.data)
     info = _C.packed_info(packed.data)
     fmt, H, I, G = (info[key] for key in ("format", "hidden_size", "intermediate_size", "group_size"))
     if fmt == "gguf" and list(info["gguf_types"]) == ["MXFP4"] * 3:
@@ -170,7 +168,6 @@ def stage_rows_into(packed: PackedExperts, expert: int, outs: list[torch.Tensor]
     """Writes expert ``expert``'s rows into :meth:`RowLayout.buffers` (or one expert's
     slices of them; ``int4_fp32_scales`` as the layout's), on the engine's threads, without
     the GIL. ``RuntimeError`` for a layer whose mapped file changed on disk."""
-    check_unchanged(packed.data)
     num_experts = _C.packed_info(packed.data)["num_experts"]
     if not is_integral(expert) or not 0 <= expert < num_experts:  # True would be expert 1
         raise ValueError(f"expert {expert!r} is not in this layer's {num_experts} packed experts")

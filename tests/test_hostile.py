@@ -794,11 +794,10 @@ def test_a_safetensors_header_nested_too_deep_or_with_a_huge_number_names_the_fi
         read_safetensors_header(path)
 
 
-@pytest.mark.parametrize("call", ["set_activation", "dequantize_experts"])
-def test_a_mapped_layer_whose_file_was_truncated_is_named_not_sigbus(tmp_path: Path, call: str) -> None:
-    """kt_ops.set_activation and kt_ops.dequantize_experts of a layer memory-mapped by PackedExperts.load whose file
-    was cut short afterwards: the RuntimeError naming the file that moe_forward raises (both were SIGBUS: the process
-    killed). In a subprocess, so a crash fails the test only."""
+def refused_on_a_truncated_mapped_layer(tmp_path: Path, call: str) -> None:
+    """Runs ``call`` (Python code using ``mapped``) in a subprocess on a BF16 layer memory-mapped by
+    PackedExperts.load whose file was then cut to 4096 bytes, and checks it raised the RuntimeError naming the file
+    (in a subprocess, so a SIGBUS fails the test only)."""
     code = f"""
 import os, torch, kt_ops
 E, H, I = 4, 512, 256
@@ -808,7 +807,7 @@ packed.save(path)
 mapped = kt_ops.PackedExperts.load(path)
 os.truncate(path, 4096)
 try:
-    kt_ops.set_activation(mapped, 7.0) if {call!r} == "set_activation" else kt_ops.dequantize_experts(mapped)
+    {call}
 except RuntimeError as error:
     assert "layer.safetensors" in str(error), error
     print("refused")
@@ -817,25 +816,15 @@ except RuntimeError as error:
     assert result.returncode == 0 and result.stdout.split() == ["refused"], (result.returncode, result.stderr[-2000:])
 
 
-def test_the_dequantize_op_of_a_truncated_mapped_layer_is_an_error_not_sigbus(tmp_path: Path) -> None:
-    """torch.ops.kt.dequantize_experts called directly (not through kt_ops.dequantize_experts) on a mapped layer whose
-    file was truncated: every operator checks the mapped file where it reads the blob's header (csrc/ops/packed_blob.cpp
-    read_packed; it was SIGBUS)."""
-    code = f"""
-import os, torch, kt_ops
-E, H, I = 4, 512, 256
-packed = kt_ops.pack_experts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I), method="BF16")
-path = {str(tmp_path / "layer.safetensors")!r}
-packed.save(path)
-mapped = kt_ops.PackedExperts.load(path)
-os.truncate(path, 4096)
-try:
-    torch.ops.kt.dequantize_experts(mapped.data, torch.tensor([3]), torch.float32)
-except RuntimeError:
-    print("refused")
-"""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=HERE.parent)
-    assert result.returncode == 0 and result.stdout.split() == ["refused"], (result.returncode, result.stderr[-2000:])
+@pytest.mark.parametrize("call", ["kt_ops.set_activation(mapped, 7.0)", "kt_ops.dequantize_experts(mapped)",
+                                  "torch.ops.kt.dequantize_experts(mapped.data, torch.tensor([3]), torch.float32)"],
+                         ids=["set_activation", "dequantize_experts", "dequantize_experts_op"])
+def test_a_mapped_layer_whose_file_was_truncated_is_named_not_sigbus(tmp_path: Path, call: str) -> None:
+    """kt_ops.set_activation, kt_ops.dequantize_experts and the operator torch.ops.kt.dequantize_experts called
+    directly, on a layer whose mapped file was cut short afterwards: the RuntimeError naming the file that moe_forward
+    raises (all were SIGBUS: the process killed). Every operator checks the file where it reads the blob's header
+    (csrc/ops/packed_blob.cpp read_packed)."""
+    refused_on_a_truncated_mapped_layer(tmp_path, call)
 
 
 if __name__ == "__main__":
