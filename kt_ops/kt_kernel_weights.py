@@ -116,11 +116,14 @@ class KtKernelDir:
         self.experts: dict[int, set[int]] = {}
         self.parts: dict[int, set[int]] = {}
         self._handles: dict[Path, object] = {}
+        self._bits: dict[int, set[str]] = {}  # per layer, the ``INT4`` / ``INT8`` of its .kt file names
         # the layer folders (not their files) for layer_shape's message
         self._folders = {int(m.group(1)) for d in path.glob("_layer_*") if (m := _LAYER_DIR.match(d.name))}
         prefix = None if method is None else method.removeprefix("AMX")
         keys: list[tuple[str, Path]] = []
         for key, file in _kt_files(path, layer_idx):
+            bits = _KT_FILE.match(file.name).group(1)  # type: ignore[union-attr]
+            self._bits.setdefault(int(key.split(".")[1]), set()).add(bits)
             held = self.files.get(key)
             if held is None or _KT_FILE.match(held.name).group(1) != prefix:  # type: ignore[union-attr]
                 self.files[key] = file
@@ -219,7 +222,11 @@ class KtKernelDir:
     def method(self, layer: int) -> str:
         """``AMXINT8`` or ``AMXINT4``, from the sizes of expert 0's gate and down tensors in
         part 0: gate holds ``I/T x H`` levels of 1 byte (INT8) or half a byte (INT4), one
-        scale per gate row, and down one scale per row of H."""
+        scale per gate row, and down one scale per row of H. ``ValueError`` for a layer folder
+        holding both ``INT4_...`` and ``INT8_...`` files (two conversions): the method must be named."""
+        if len(self._bits.get(layer, ())) > 1:
+            raise ValueError(f"{self.path} layer {layer} holds both INT4_ and INT8_ .kt files (converted twice into "
+                             "one folder?); pass method='AMXINT4' or method='AMXINT8'")
         gate = self.stored_bytes(layer, "gate", 0, 0, "weight")
         rows = self.scale_count(layer, "gate", 0, 0)
         hidden = self.scale_count(layer, "down", 0, 0)

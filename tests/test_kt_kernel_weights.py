@@ -318,6 +318,24 @@ def test_int4_and_int8_kt_files_in_one_folder_are_read_by_the_method(tmp_path: P
         assert rel_err(wrapper.forward(x, ids, w), expected(x, ids, w, per_part, quantized=True)) <= 1e-5
 
 
+def test_method_none_on_int4_and_int8_kt_files_in_one_folder_asks_for_the_method(tmp_path: Path) -> None:
+    """method=None on a folder converted twice (INT4_... and INT8_... files of each tensor)
+    silently read the INT8 files (the last listed); now a ValueError asks for the method, and
+    kt-ops inspect says the same."""
+    from kt_ops.inspection import inspect_weights
+
+    E, K, H, I = 2, 2, 128, 256
+    for method in ("AMXINT4", "AMXINT8"):
+        write_dir(tmp_path / method, 0, weights(E, H, I), method, 2)
+        (tmp_path / method / "model-00001-of-00001.safetensors").rename(tmp_path / method / "model.safetensors")
+        write_kt_files(tmp_path / method, tmp_path / "both", method)
+    message = r"both INT4_ and INT8_ \.kt files .*pass method='AMXINT4' or method='AMXINT8'"
+    with pytest.raises(ValueError, match=message):
+        KTMoEWrapper(0, E, K, H, I, method=None, weight_path=tmp_path / "both", threadpool_count=2)
+    with pytest.raises(ValueError, match=message):
+        inspect_weights(tmp_path / "both")
+
+
 def test_loading_a_layer_lists_only_its_kt_folder(tmp_path: Path) -> None:
     """Each layer's load listed every layer's .kt files (three times: ~10^5 files of a model's
     folders per layer, O(layers^2) for the model); now its own folder's, other layers named in
