@@ -169,7 +169,7 @@ def test_the_wrong_method_or_part_count_is_named(tmp_path: Path) -> None:
     assert KTMoEWrapper(0, E, K, H, I, method=None, weight_path=tmp_path).method == "AMXINT8"  # detected
     with pytest.raises(ValueError, match="1 NUMA part\\(s\\) of 128 rows each, not moe_intermediate_size 256"):
         KTMoEWrapper(0, E, K, H, 2 * I, method="AMXINT8", weight_path=tmp_path).load_weights()
-    with pytest.raises(ValueError, match="holds 16384 bytes; AMXINT8 \\[128, 256\\] needs 32768"):
+    with pytest.raises(ValueError, match="down projections of 128 rows, not hidden_size 256"):
         KTMoEWrapper(0, E, K, 2 * H, I, method="AMXINT8", weight_path=tmp_path).load_weights()
 
 
@@ -334,6 +334,15 @@ def test_method_none_on_int4_and_int8_kt_files_in_one_folder_asks_for_the_method
         KTMoEWrapper(0, E, K, H, I, method=None, weight_path=tmp_path / "both", threadpool_count=2)
     with pytest.raises(ValueError, match=message):
         inspect_weights(tmp_path / "both")
+
+
+def test_a_wrong_hidden_size_is_named_not_taken_for_the_other_method() -> None:
+    """An AMXINT8 folder read with hidden_size 2H: its gate's bytes are those of AMXINT4 [I, 2H],
+    and the message said "use method='AMXINT4'"; now it names hidden_size."""
+    with pytest.raises(ValueError, match="down projections of 128 rows, not hidden_size 256") as caught:
+        KTMoEWrapper(1, 2, 2, 256, 128, method="AMXINT8", weight_path=DATA / "int8_numa2",
+                     threadpool_count=2).load_weights()
+    assert "AMXINT4" not in str(caught.value)
 
 
 def test_loading_a_layer_lists_only_its_kt_folder(tmp_path: Path) -> None:

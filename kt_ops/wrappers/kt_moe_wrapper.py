@@ -614,8 +614,12 @@ class KTMoEWrapper:
         try:
             logical, parts = directory.layer_shape(self.layer_idx)
             rows = directory.scale_count(self.layer_idx, "gate", 0, 0)  # one per gate row of a part
+            hidden = directory.scale_count(self.layer_idx, "down", 0, 0)  # one per down row: H
         finally:
             directory.close()
+        if hidden != self.hidden_size:  # (its weights' sizes would have suggested the other method)
+            raise ValueError(f"{path} layer {self.layer_idx} holds down projections of {hidden} rows, not "
+                             f"hidden_size {self.hidden_size} (another model's conversion?)")
         if parts * rows != self.moe_intermediate_size:  # a part folder or shard missing, or another layer size
             raise ValueError(f"{path} layer {self.layer_idx} holds {parts} NUMA part(s) of {rows} rows each, "
                              f"not moe_intermediate_size {self.moe_intermediate_size} (a part missing, or "
