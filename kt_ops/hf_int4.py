@@ -161,7 +161,7 @@ def _unpack_columns(words: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     return out.reshape(words.shape[0], -1)
 
 
-def _check_rawint4_symmetric(checkpoint: HfCheckpoint, stem: str, N: int, K: int, gs: int) -> None:
+def check_rawint4_symmetric(checkpoint: HfCheckpoint, stem: str, N: int, K: int, gs: int) -> None:
     """``ValueError`` naming the tensor when a RAWINT4 matrix has a ``weight_zero_point``
     other than 0 (asymmetric compressed-tensors: packed 8 per int32 along N with 8 added,
     ``[ceil(N/8), K/gs]``, or unpacked ``[N, K/gs]``) or a ``weight_g_idx`` that is not
@@ -203,7 +203,7 @@ def _read_matrix(checkpoint: HfCheckpoint, method: str, stem: str, N: int, K: in
                 raise ValueError(f"{checkpoint.path}: {stem}.weight_shape is {declared}; the layer needs [{N}, {K}]")
         gs = _groups(checkpoint, f"{stem}.weight_scale", K)
         scales = _float(checkpoint, f"{stem}.weight_scale", (N, K // gs))
-        _check_rawint4_symmetric(checkpoint, stem, N, K, gs)
+        check_rawint4_symmetric(checkpoint, stem, N, K, gs)
         nibbles = checkpoint.read_tensor(key).contiguous().view(torch.uint8).reshape(N, K // 2)
         return nibbles, scales, None, gs
     if N % 8:

@@ -20,7 +20,7 @@ from torch import nn
 
 from kt_ops import hf_experts
 from kt_ops.hf_checkpoint import HfCheckpoint, dequantize_fp8
-from kt_ops.hf_int4 import int4_method, load_int4_experts, quantization_config
+from kt_ops.hf_int4 import check_rawint4_symmetric, int4_method, load_int4_experts, quantization_config
 from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_parts
 from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts
 
@@ -115,7 +115,9 @@ def dequantize_linear(checkpoint: HfCheckpoint, name: str, kind: str, out_featur
     """The fp32 ``[out_features, in_features]`` weight of linear layer ``name`` stored
     quantized as ``kind`` (:func:`quantized_linears`). GPTQ's act-order ``g_idx`` is
     honoured (a dense layer is dequantized whole); ``ValueError`` naming the tensor for a
-    shape that does not fit."""
+    shape that does not fit, and for a compressed-tensors layer with zero points other than 0
+    (``weight_zero_point``) or an act-order ``weight_g_idx``, which
+    :func:`kt_ops.reference.dequantize_rawint4` does not apply."""
     from kt_ops import reference
 
     N, K = out_features, in_features
@@ -124,7 +126,10 @@ def dequantize_linear(checkpoint: HfCheckpoint, name: str, kind: str, out_featur
     if kind == "fp8":
         return checkpoint._read(f"{name}.weight", (N, K)).float()
     if kind == "rawint4":
-        weight = reference.dequantize_rawint4(read(f"{name}.weight_packed"), read(f"{name}.weight_scale"))
+        scale = read(f"{name}.weight_scale")
+        if scale.dim() == 2 and 0 < scale.shape[1] <= K and K % scale.shape[1] == 0:  # else: the shape check below
+            check_rawint4_symmetric(checkpoint, name, N, K, K // scale.shape[1])
+        weight = reference.dequantize_rawint4(read(f"{name}.weight_packed"), scale)
     elif kind == "gptq":
         config = quantization_config(checkpoint.path)
         offset = 0 if str(config.get("checkpoint_format", "")).lower() == "gptq_v2" else 1

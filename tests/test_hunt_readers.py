@@ -1,0 +1,48 @@
+"""Checkpoint readers fed published variants they must not misread: each case gives the
+oracle's values or a ValueError naming the tensor, never a silent wrong answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.hf_native import dequantize_linear
+from test_int4_checkpoint import rawint4_tensors
+
+
+@pytest.mark.parametrize("extra,match", [
+    ("weight_zero_point", "weight_zero_point"),
+    ("weight_g_idx", "weight_g_idx"),
+])
+def test_native_rawint4_linear_with_zero_points_or_act_order_is_refused(tmp_path: Path, extra: str,
+                                                                         match: str) -> None:
+    """A compressed-tensors linear layer (attention, shared expert) quantized asymmetrically
+    (``weight_zero_point``) or with act-order (``weight_g_idx``): dequantize_linear read the
+    nibbles as symmetric, in k order, and returned wrong weights silently. Now a ValueError
+    naming the tensor, as the routed experts' reader gives."""
+    N, K, gs = 64, 128, 32
+    tensors = {f"attn.{k}": v for k, v in rawint4_tensors(torch.randn(N, K, generator=torch.Generator().manual_seed(0)),
+                                                         gs).items()}
+    if extra == "weight_zero_point":
+        tensors["attn.weight_zero_point"] = torch.full((N, K // gs), 3, dtype=torch.int8)
+    else:
+        tensors["attn.weight_g_idx"] = torch.randperm(K, generator=torch.Generator().manual_seed(1)).int() // gs
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        dequantize_linear(HfCheckpoint(tmp_path), "attn", "rawint4", N, K)
+
+
+def test_native_rawint4_linear_with_symmetric_zero_points_is_read(tmp_path: Path) -> None:
+    N, K, gs = 64, 128, 32
+    t = rawint4_tensors(torch.randn(N, K, generator=torch.Generator().manual_seed(0)), gs)
+    tensors = {f"attn.{k}": v for k, v in t.items()}
+    tensors["attn.weight_zero_point"] = torch.zeros((N, K // gs), dtype=torch.int8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    from kt_ops import reference
+
+    got = dequantize_linear(HfCheckpoint(tmp_path), "attn", "rawint4", N, K)
+    assert torch.equal(got, reference.dequantize_rawint4(t["weight_packed"], t["weight_scale"]))
