@@ -100,12 +100,17 @@ def repack_to_gguf(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor
 
 
 def find_mxfp4_layer(checkpoint: HfCheckpoint, layer: int) -> Mxfp4Layer | None:
-    """The MXFP4 experts of ``layer`` in either layout, or None if the checkpoint has none there."""
+    """The MXFP4 experts of ``layer`` in either layout, or None if the checkpoint has none there;
+    ``ValueError`` naming the tensor when gpt-oss's ``gate_up_proj_blocks`` is not 4-D."""
     v4_experts: dict[str, int] = {}
     for key in checkpoint.keys():
         match = _GPT_OSS.match(key)
         if match and int(match["layer"]) == layer:
-            return Mxfp4Layer("gpt_oss", match["base"], checkpoint.tensor_info(key)[1][0])
+            shape = checkpoint.tensor_info(key)[1]
+            if len(shape) != 4:  # a 0-d one was IndexError here
+                raise ValueError(f"{checkpoint.path}: {key!r} has shape {list(shape)}; gpt-oss's gate/up codes are "
+                                 "[E, 2I, H/32, 16]")
+            return Mxfp4Layer("gpt_oss", match["base"], shape[0])
         match = _DEEPSEEK_V4.match(key)
         if match and int(match["layer"]) == layer:
             v4_experts[match["base"]] = max(v4_experts.get(match["base"], 0), int(match["e"]) + 1)

@@ -46,3 +46,16 @@ def test_native_rawint4_linear_with_symmetric_zero_points_is_read(tmp_path: Path
 
     got = dequantize_linear(HfCheckpoint(tmp_path), "attn", "rawint4", N, K)
     assert torch.equal(got, reference.dequantize_rawint4(t["weight_packed"], t["weight_scale"]))
+
+
+@pytest.mark.parametrize("shape", [(), (4,), (4, 64, 2)])
+def test_gpt_oss_blocks_of_the_wrong_rank_name_the_tensor(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """A ``gate_up_proj_blocks`` that is not ``[E, 2I, H/32, 16]``: a 0-d one was an
+    IndexError (``tuple index out of range``) in find_mxfp4_layer, before any shape check.
+    Now a ValueError naming the tensor and the shape expected."""
+    from kt_ops.hf_mxfp4 import find_mxfp4_layer
+
+    save_file({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(shape, dtype=torch.uint8)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"gate_up_proj_blocks.*\[E, 2I, H/32, 16\]"):
+        find_mxfp4_layer(HfCheckpoint(tmp_path), 0)
