@@ -120,16 +120,35 @@ def progress_bar(total: int) -> tqdm:
                 bar_format="{desc} |{bar:30}| {n_fmt}/{total_fmt} layers  {rate_fmt}  ETA {remaining}")
 
 
+def config_count(config: dict, keys: tuple[str, ...]) -> int | None:
+    """The first of config.json's ``keys`` that is set (not null, 0 or "") as a positive int
+    (a whole float such as ``128.0`` or a numeric string taken); None when none is set.
+    ``ValueError`` naming the key for any other value (``-1``, ``1.5``, ``"abc"``, ``true``):
+    truncated or negative, it converted the wrong experts or failed later naming nothing."""
+    for key in keys:
+        value = config.get(key)
+        if not value:
+            continue
+        try:
+            count: int | None = int(value)
+        except (TypeError, ValueError, OverflowError):
+            count = None
+        if isinstance(value, bool) or count is None or count < 1 or (isinstance(value, float) and count != value):
+            raise ValueError(f"{key} {value!r} is not a positive whole number")
+        return count
+    return None
+
+
 def model_sizes(checkpoint: HfCheckpoint, config: dict, first: int) -> tuple[int, int, int]:
-    """(E, H, I) from config.json, falling back to the first layer's tensors."""
+    """(E, H, I) from config.json, falling back to the first layer's tensors; ``ValueError``
+    naming the key for a config.json value that is no count (:func:`config_count`)."""
     where = checkpoint.layer(first)
-    experts = int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
-                  or where.num_experts)
+    experts = config_count(config, ("n_routed_experts", "num_experts", "num_local_experts")) or where.num_experts
     if experts < where.num_experts:  # converted as config.json says, but not silently: a router of the file's size
         print(f"note: config.json gives {experts} routed experts but layer {first} of the checkpoint holds "
               f"{where.num_experts}; converting experts 0-{experts - 1} only", file=sys.stderr)
-    hidden = config.get("hidden_size")
-    inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    hidden = config_count(config, ("hidden_size",))
+    inter = config_count(config, ("moe_intermediate_size", "intermediate_size"))
     if (hidden is None or inter is None) and where.suffix != "weight":
         raise UsageError(f"{checkpoint.path}/config.json must give hidden_size and moe_intermediate_size for an "
                          "INT4 checkpoint (its packed tensors do not show them)")
@@ -180,10 +199,11 @@ def with_text_config(config: dict) -> dict:
 
 def mxfp4_sizes(config: dict) -> tuple[int, int, int]:
     """(E, H, I) of an MXFP4 checkpoint from config.json (gpt-oss: num_local_experts,
-    hidden_size, intermediate_size; DeepSeek-V4: n_routed_experts, moe_intermediate_size)."""
-    experts = config.get("n_routed_experts") or config.get("num_local_experts") or config.get("num_experts")
-    hidden = config.get("hidden_size")
-    inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    hidden_size, intermediate_size; DeepSeek-V4: n_routed_experts, moe_intermediate_size); ``ValueError``
+    naming the key for a value that is no count (:func:`config_count`)."""
+    experts = config_count(config, ("n_routed_experts", "num_local_experts", "num_experts"))
+    hidden = config_count(config, ("hidden_size",))
+    inter = config_count(config, ("moe_intermediate_size", "intermediate_size"))
     if experts is None or hidden is None or inter is None:
         raise UsageError("config.json must give the expert count, hidden_size and the experts' intermediate size "
                          "for an MXFP4 checkpoint")

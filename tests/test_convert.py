@@ -468,7 +468,7 @@ def test_command_line_entry_points(tmp_path, checkpoint):
 @pytest.mark.parametrize("text,message", [
     ("garbage", "config.json: not valid JSON"),
     ("[1]", "config.json: not a model config \\(expected a JSON object, got list\\)"),
-    ('{"hidden_size": "abc", "moe_intermediate_size": 64}', "config.json: invalid literal for int"),
+    ('{"hidden_size": "abc", "moe_intermediate_size": 64}', "config.json: hidden_size 'abc' is not a positive"),
 ])
 def test_a_damaged_config_json_exits_2_naming_it(tmp_path, weights, capsys, text, message):
     """A config.json that is not JSON, not an object, or gives a size that is not a
@@ -499,6 +499,24 @@ def test_num_hidden_layers_of_config_json(tmp_path: Path, weights, capsys, value
         return
     assert code == 2
     assert re.search("config.json: .*num_hidden_layers", capsys.readouterr().err.strip().splitlines()[-1])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("key,value", [("num_experts", -1), ("num_experts", 2.5), ("num_experts", True),
+                                       ("hidden_size", -64), ("moe_intermediate_size", 64.5)])
+def test_a_size_of_config_json_that_is_no_count_exits_2_naming_it(tmp_path: Path, weights, capsys, key: str,
+                                                                   value: object) -> None:
+    """config.json's expert count or sizes negative, fractional or a bool: int() truncated
+    2.5 to 2 (two experts of four converted), True to 1, and -1 failed after the manifest
+    was written with "expert weights need E, I, H in [1, 2^31)" (exit 1), naming no key.
+    Now exit 2 naming config.json and the key, with nothing written."""
+    source = write_checkpoint(tmp_path / "model", weights, shards=2, dense_layers=(0,))
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, key: value}))
+    out = tmp_path / "out"
+    assert run("--input-path", source, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 2
+    assert re.search(f"config.json: {key} {value!r} is not a positive whole number",
+                     capsys.readouterr().err.strip().splitlines()[-1])
     assert not out.exists()
 
 
