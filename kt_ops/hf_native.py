@@ -115,7 +115,8 @@ def dequantize_linear(checkpoint: HfCheckpoint, name: str, kind: str, out_featur
     """The fp32 ``[out_features, in_features]`` weight of linear layer ``name`` stored
     quantized as ``kind`` (:func:`quantized_linears`). GPTQ's act-order ``g_idx`` is
     honoured (a dense layer is dequantized whole); ``ValueError`` naming the tensor for a
-    shape that does not fit, and for a compressed-tensors layer with zero points other than 0
+    tensor that is missing or does not fit (its dtype, shape, or a GPTQ ``g_idx`` out of
+    range), and for a compressed-tensors layer with zero points other than 0
     (``weight_zero_point``) or an act-order ``weight_g_idx``, which
     :func:`kt_ops.reference.dequantize_rawint4` does not apply."""
     from kt_ops import reference
@@ -125,11 +126,10 @@ def dequantize_linear(checkpoint: HfCheckpoint, name: str, kind: str, out_featur
     keys = checkpoint.keys()
     if kind == "fp8":
         return checkpoint._read(f"{name}.weight", (N, K)).float()
+    groups = _check_linear(checkpoint, name, kind, N, K)
     if kind == "rawint4":
-        scale = read(f"{name}.weight_scale")
-        if scale.dim() == 2 and 0 < scale.shape[1] <= K and K % scale.shape[1] == 0:  # else: the shape check below
-            check_rawint4_symmetric(checkpoint, name, N, K, K // scale.shape[1])
-        weight = reference.dequantize_rawint4(read(f"{name}.weight_packed"), scale)
+        check_rawint4_symmetric(checkpoint, name, N, K, K // groups)
+        weight = reference.dequantize_rawint4(read(f"{name}.weight_packed"), read(f"{name}.weight_scale"))
     elif kind == "gptq":
         config = quantization_config(checkpoint.path)
         offset = 0 if str(config.get("checkpoint_format", "")).lower() == "gptq_v2" else 1
@@ -144,6 +144,47 @@ def dequantize_linear(checkpoint: HfCheckpoint, name: str, kind: str, out_featur
         raise ValueError(f"{checkpoint.path}: {name}'s {kind} tensors dequantize to {list(weight.shape)}; the model's "
                          f"layer is [{N}, {K}]")
     return weight
+
+
+def _check_linear(checkpoint: HfCheckpoint, name: str, kind: str, N: int, K: int) -> int:
+    """The group count of linear layer ``name`` stored as ``kind`` (``rawint4``, ``gptq``,
+    ``awq``) ``[N, K]``, its tensors checked from the headers (a GPTQ ``g_idx`` read too):
+    ``ValueError`` naming the tensor, its dtype and shape and the ones expected, where the
+    dequantizers would raise IndexError / RuntimeError or read a 0-d ``g_idx`` silently."""
+    keys = checkpoint.keys()
+
+    def info(suffix: str) -> tuple[str, str, tuple[int, ...]]:
+        key = f"{name}.{suffix}"
+        if key not in keys:
+            raise ValueError(f"{checkpoint.path}: tensor {key!r} of the {kind} layer {name} is missing")
+        return (key, *checkpoint.tensor_info(key))
+
+    def expect(key: str, dtype: str, shape: tuple[int, ...], wanted: list[tuple[str, tuple[int, ...]]]) -> None:
+        if (dtype, tuple(shape)) not in wanted:
+            listed = " or ".join(f"{d} {list(s)}" for d, s in wanted)
+            raise ValueError(f"{checkpoint.path}: tensor {key!r} is {dtype} {list(shape)}; the {kind} layer [{N}, {K}] "
+                             f"needs {listed}")
+
+    scale_key, scale_dtype, scale_shape = info("weight_scale" if kind == "rawint4" else "scales")
+    count = (scale_shape[-1] if kind == "rawint4" else scale_shape[0]) if len(scale_shape) == 2 else 0
+    if count < 1 or K % count or (kind != "rawint4" and N % 8) or K % 8:
+        raise ValueError(f"{checkpoint.path}: tensor {scale_key!r} is {scale_dtype} {list(scale_shape)}; the {kind} "
+                         f"layer [{N}, {K}] needs scales {'[N, K/gs]' if kind == 'rawint4' else '[K/gs, N]'} with gs "
+                         f"dividing K (and K{'' if kind == 'rawint4' else ', N'} a multiple of 8)")
+    scale_want = (N, count) if kind == "rawint4" else (count, N)
+    expect(scale_key, scale_dtype, scale_shape, [(dtype, scale_want) for dtype in ("F32", "BF16", "F16")])
+    if kind == "rawint4":
+        expect(*info("weight_packed"), [("I32", (N, K // 8)), ("U8", (N, K // 2))])
+        return count
+    expect(*info("qweight"), [("I32", (K // 8, N) if kind == "gptq" else (K, N // 8))])
+    if kind == "awq" or f"{name}.qzeros" in keys:
+        expect(*info("qzeros"), [("I32", (count, N // 8))])
+    if kind == "gptq" and f"{name}.g_idx" in keys:
+        g_idx = checkpoint.read_tensor(f"{name}.g_idx")
+        if tuple(g_idx.shape) != (K,) or g_idx.is_floating_point() or not bool(((g_idx >= 0) & (g_idx < count)).all()):
+            raise ValueError(f"{checkpoint.path}: tensor '{name}.g_idx' ({list(g_idx.shape)}) must give each of the "
+                             f"{K} inputs a group in [0, {count})")
+    return count
 
 
 def remove_parameters(module: nn.Module, names: tuple[str, ...]) -> None:

@@ -59,3 +59,42 @@ def test_gpt_oss_blocks_of_the_wrong_rank_name_the_tensor(tmp_path: Path, shape:
               str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"gate_up_proj_blocks.*\[E, 2I, H/32, 16\]"):
         find_mxfp4_layer(HfCheckpoint(tmp_path), 0)
+
+
+def _gptq_linear(N: int, K: int) -> dict[str, torch.Tensor]:
+    from test_int4_checkpoint import gptq_tensors
+
+    return gptq_tensors(torch.randn(N, K, generator=torch.Generator().manual_seed(2)))
+
+
+def _awq_linear(N: int, K: int) -> dict[str, torch.Tensor]:
+    from test_int4_checkpoint import awq_tensors
+
+    return awq_tensors(torch.randn(N, K, generator=torch.Generator().manual_seed(3)))
+
+
+def _raw_linear(N: int, K: int) -> dict[str, torch.Tensor]:
+    return rawint4_tensors(torch.randn(N, K, generator=torch.Generator().manual_seed(4)))
+
+
+@pytest.mark.parametrize("kind,make,edit,match", [
+    ("gptq", _gptq_linear, lambda t: t.update(scales=torch.tensor(1.0).half()), r"'attn\.scales' is F16 \[\]"),
+    ("gptq", _gptq_linear, lambda t: t.update(scales=t["scales"][:, :32].contiguous()), r"'attn\.scales' is F16"),
+    ("gptq", _gptq_linear, lambda t: t.update(qzeros=t["qzeros"][:, :2].contiguous()), r"'attn\.qzeros' is I32"),
+    ("gptq", _gptq_linear, lambda t: t.update(g_idx=torch.tensor(0, dtype=torch.int32)), r"'attn\.g_idx'"),
+    ("gptq", _gptq_linear, lambda t: t.update(g_idx=t["g_idx"] + 5), r"'attn\.g_idx'"),
+    ("awq", _awq_linear, lambda t: t.pop("qzeros"), r"'attn\.qzeros'.* is missing"),
+    ("awq", _awq_linear, lambda t: t.update(scales=torch.tensor(1.0).half()), r"'attn\.scales' is F16 \[\]"),
+    ("rawint4", _raw_linear, lambda t: t.update(weight_scale=torch.ones(64)), r"'attn\.weight_scale' is F32 \[64\]"),
+    ("rawint4", _raw_linear, lambda t: t.update(weight_scale=torch.ones(64, 3)), r"'attn\.weight_scale' is F32"),
+])
+def test_native_linear_with_damaged_tensors_names_them(tmp_path: Path, kind: str, make, edit, match: str) -> None:
+    """A quantized linear layer whose tensors do not fit its [N, K]: dequantize_linear raised
+    IndexError / RuntimeError / KeyError from the dequantizers, and a 0-d GPTQ g_idx (every
+    input in group 0) was read silently. Now a ValueError naming the tensor."""
+    N, K = 64, 256
+    tensors = make(N, K)
+    edit(tensors)
+    save_file({f"attn.{k}": v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        dequantize_linear(HfCheckpoint(tmp_path), "attn", kind, N, K)
