@@ -95,7 +95,8 @@ def quantized_linears(model: nn.Module, checkpoint: HfCheckpoint, skip: tuple[st
         if f"{name}.weight_packed" in keys:
             found[name] = "rawint4"
         elif f"{name}.qweight" in keys:
-            found[name] = "awq" if checkpoint.tensor_info(f"{name}.qweight")[1][0] == module.in_features else "gptq"
+            shape = tuple(checkpoint.tensor_info(f"{name}.qweight")[1])  # 0-d: gptq, and dequantize_linear names it
+            found[name] = "awq" if shape[:1] == (module.in_features,) else "gptq"
         elif f"{name}.weight" in keys and checkpoint.tensor_info(f"{name}.weight")[0] in _FP8_DTYPES:
             found[name] = "fp8"
     stems = {key.rsplit(".", 1)[0] for key in keys if key.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES

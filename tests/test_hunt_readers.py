@@ -98,3 +98,21 @@ def test_native_linear_with_damaged_tensors_names_them(tmp_path: Path, kind: str
     save_file({f"attn.{k}": v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=match):
         dequantize_linear(HfCheckpoint(tmp_path), "attn", kind, N, K)
+
+
+def test_native_linear_with_a_0d_qweight_names_it(tmp_path: Path) -> None:
+    """quantized_linears told GPTQ from AWQ by qweight's first dimension: a 0-d qweight
+    was an IndexError (tuple index out of range). Now it is listed as GPTQ and
+    dequantize_linear's ValueError names it."""
+    from kt_ops.hf_native import quantized_linears
+
+    tensors = {f"attn.{k}": v for k, v in _gptq_linear(64, 256).items()}
+    tensors["attn.qweight"] = torch.tensor(1, dtype=torch.int32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = torch.nn.Module()
+    model.attn = torch.nn.Linear(256, 64)
+    checkpoint = HfCheckpoint(tmp_path)
+    found = quantized_linears(model, checkpoint, ())
+    assert found == {"attn": "gptq"}
+    with pytest.raises(ValueError, match=r"'attn\.qweight' is I32 \[\]"):
+        dequantize_linear(checkpoint, "attn", found["attn"], 64, 256)
