@@ -276,7 +276,23 @@ class HfCheckpoint:
                              "reader does not take: convert an MXFP4 gpt-oss checkpoint with --input-type mxfp4, or "
                              "load the model with transformers (experts_implementation=\"kt_ops\" or KtOpsConfig), "
                              "which packs its experts with their activation and biases")
+        self.check_no_biases(where)
         return where
+
+    def check_no_biases(self, where: LayerExperts) -> None:
+        """``ValueError`` naming the tensor when a per-expert layer's linears carry biases
+        (``{stem}.bias``): the readers return weights only, and an expert computed without
+        its biases would be silently wrong."""
+        if where.convention == "fused":
+            return
+        for e in range(where.num_experts):
+            for m in range(3):
+                key = f"{where.stem(m, e)}.bias"
+                if key in self.key_file:
+                    raise ValueError(f"{self.path}: layer {where.layer}'s experts have biases ({key!r}), which kt_ops' "
+                                     "checkpoint readers do not apply; load the model with transformers "
+                                     "(experts_implementation=\"kt_ops\" or KtOpsConfig), whose experts class "
+                                     "carries them")
 
     def _scale(self, key: str, shape: tuple[int, ...]) -> tuple[str, str]:
         """(scale key, FP8 kind) of the FP8 weight ``key`` of ``shape`` (``[N, K]``, fused
@@ -396,7 +412,7 @@ class HfCheckpoint:
         expert tensor and ``ValueError`` for a shape that disagrees with ``hidden_size`` /
         ``intermediate_size``, a bad FP8 scale, an unreadable file or experts of different
         dtypes in one layer (e.g. one F32 tensor among BF16 ones, or FP8 beside BF16:
-        :meth:`dtype`), naming the key.
+        :meth:`dtype`) or expert biases (:meth:`check_no_biases`), naming the key.
         """
         where = self._float_layer(layer)
         self._check_experts(where, experts)
@@ -437,11 +453,12 @@ class HfCheckpoint:
         missing layer or expert tensor; ``ValueError`` naming the tensor for a shape that
         disagrees with ``hidden_size`` / ``intermediate_size``, weights that are not
         F8_E4M3, a missing, misshapen or wrongly typed scale, matrices of different FP8
-        kinds (the loaded ones and the layer's first gate, which :meth:`fp8_kind` reads)
-        or an unreadable file.
+        kinds (the loaded ones and the layer's first gate, which :meth:`fp8_kind` reads),
+        expert biases (:meth:`check_no_biases`) or an unreadable file.
         """
         where = self.layer(layer)
         self._check_experts(where, experts)
+        self.check_no_biases(where)
         H, I, n = hidden_size, intermediate_size, len(experts)
         index = torch.tensor(list(experts), dtype=torch.long)
         first = where.key(0, 0)

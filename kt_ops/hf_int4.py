@@ -253,7 +253,8 @@ def load_int4_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[in
     ``method`` (default: :func:`int4_method`) must match what the layer holds. Raises
     ``ValueError`` naming the tensor for a wrong shape or dtype, a group size that does not
     divide K or is not a multiple of 32, a missing ``qzeros`` for ``sym: false``, an
-    act-order ``g_idx``, a RAWINT4 zero point other than 0, a non-finite scale, or a method the layer does not hold;
+    act-order ``g_idx``, a RAWINT4 zero point other than 0, a non-finite scale, expert biases
+    (:meth:`HfCheckpoint.check_no_biases`), or a method the layer does not hold;
     ``KeyError`` for a missing layer or expert.
     """
     found = int4_method(checkpoint, layer)
@@ -263,6 +264,7 @@ def load_int4_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[in
         raise ValueError(f"{checkpoint.path}: layer {layer} holds {found} experts; method {method!r} cannot read them "
                          f"(use method='{found}')")
     where: LayerExperts = checkpoint.layer(layer)
+    checkpoint.check_no_biases(where)
     for e in experts:
         if not 0 <= e < where.num_experts:
             raise KeyError(f"{checkpoint.path}: layer {layer} has {where.num_experts} experts; expert {e} is missing")

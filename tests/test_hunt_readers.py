@@ -116,3 +116,36 @@ def test_native_linear_with_a_0d_qweight_names_it(tmp_path: Path) -> None:
     assert found == {"attn": "gptq"}
     with pytest.raises(ValueError, match=r"'attn\.qweight' is I32 \[\]"):
         dequantize_linear(checkpoint, "attn", found["attn"], 64, 256)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "gptq"])
+def test_per_expert_biases_are_refused_naming_them(tmp_path: Path, kind: str) -> None:
+    """A per-expert checkpoint whose expert linears carry biases (``experts.{e}.down_proj.bias``):
+    load_experts, load_fp8_experts and load_int4_experts returned the weights alone, and
+    the layer computed without its biases, silently wrong. Now a ValueError naming the bias."""
+    from kt_ops.hf_int4 import load_int4_experts
+    from test_int4_checkpoint import E, H, I, LAYER, write_int4_checkpoint
+
+    bias = f"model.layers.{LAYER}.mlp.experts.{E - 1}.down_proj.bias"
+    if kind == "gptq":
+        path, _ = write_int4_checkpoint(tmp_path, "GPTQ_INT4", edit=lambda t: t.update({bias: torch.zeros(H)}))
+        with pytest.raises(ValueError, match=f"biases.*{bias}"):
+            load_int4_experts(HfCheckpoint(path), LAYER, [0], H, I)
+        return
+    tensors = {}
+    for e in range(E):
+        for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            stem = f"model.layers.{LAYER}.mlp.experts.{e}.{name}"
+            if kind == "fp8":
+                tensors[f"{stem}.weight"] = torch.zeros(shape).to(torch.float8_e4m3fn)
+                tensors[f"{stem}.weight_scale_inv"] = torch.ones(-(-shape[0] // 128), -(-shape[1] // 128))
+            else:
+                tensors[f"{stem}.weight"] = torch.zeros(shape, dtype=torch.bfloat16)
+    tensors[bias] = torch.ones(H, dtype=torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    checkpoint = HfCheckpoint(tmp_path)
+    with pytest.raises(ValueError, match=f"biases.*{bias}"):
+        checkpoint.load_experts(LAYER, [0], H, I)
+    if kind == "fp8":
+        with pytest.raises(ValueError, match=f"biases.*{bias}"):
+            checkpoint.load_fp8_experts(LAYER, [0], H, I)
