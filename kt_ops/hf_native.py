@@ -117,7 +117,8 @@ def dequantize_linear(checkpoint: HfCheckpoint, name: str, kind: str, out_featur
     quantized as ``kind`` (:func:`quantized_linears`). GPTQ's act-order ``g_idx`` is
     honoured (a dense layer is dequantized whole); ``ValueError`` naming the tensor for a
     tensor that is missing or does not fit (its dtype, shape, or a GPTQ ``g_idx`` out of
-    range), and for a compressed-tensors layer with zero points other than 0
+    range; a GPTQ layer without ``qzeros`` where config.json says ``sym: false``), and for a
+    compressed-tensors layer with zero points other than 0
     (``weight_zero_point``) or an act-order ``weight_g_idx``, which
     :func:`kt_ops.reference.dequantize_rawint4` does not apply."""
     from kt_ops import reference
@@ -134,6 +135,9 @@ def dequantize_linear(checkpoint: HfCheckpoint, name: str, kind: str, out_featur
     elif kind == "gptq":
         config = quantization_config(checkpoint.path)
         offset = 0 if str(config.get("checkpoint_format", "")).lower() == "gptq_v2" else 1
+        if f"{name}.qzeros" not in keys and not bool(config.get("sym", True)):  # zero 8 would be read silently
+            raise ValueError(f"{checkpoint.path}: tensor '{name}.qzeros' is missing but config.json says sym: false "
+                             "(asymmetric GPTQ needs its zero points)")
         weight = reference.dequantize_gptq(read(f"{name}.qweight"), read(f"{name}.scales"),
                                            read(f"{name}.qzeros") if f"{name}.qzeros" in keys else None,
                                            read(f"{name}.g_idx") if f"{name}.g_idx" in keys else None, offset)

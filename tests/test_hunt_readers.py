@@ -149,3 +149,17 @@ def test_per_expert_biases_are_refused_naming_them(tmp_path: Path, kind: str) ->
     if kind == "fp8":
         with pytest.raises(ValueError, match=f"biases.*{bias}"):
             checkpoint.load_fp8_experts(LAYER, [0], H, I)
+
+
+def test_native_asymmetric_gptq_linear_without_qzeros_is_refused(tmp_path: Path) -> None:
+    """config.json says ``sym: false`` but a GPTQ linear has no ``qzeros``: dequantize_linear
+    took the zero as 8 (symmetric) and returned wrong weights silently, where the experts'
+    reader refuses. Now a ValueError naming the tensor."""
+    import json
+
+    tensors = {f"attn.{k}": v for k, v in _gptq_linear(64, 256).items() if k != "qzeros"}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq", "bits": 4,
+                                                                               "sym": False}}))
+    with pytest.raises(ValueError, match=r"'attn\.qzeros' is missing.*sym: false"):
+        dequantize_linear(HfCheckpoint(tmp_path), "attn", "gptq", 64, 256)
