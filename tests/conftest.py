@@ -63,6 +63,17 @@ def variant(request: pytest.FixtureRequest):
     kt_ops.set_cpu_variant(previous)
 
 
+@pytest.fixture(autouse=True)
+def _restore_thread_count():
+    """Puts the kernels' thread count back after every test: ``KTMoEWrapper(cpuinfer_threads=)``
+    and ``kt_ops.convert --cpuinfer-threads`` set it process-wide, as documented, and a later
+    test comparing the in-process ``kt_ops.doctor()`` with a subprocess's read the leftover."""
+    previous = kt_ops.get_num_threads()
+    yield
+    if kt_ops.get_num_threads() != previous:
+        kt_ops.set_num_threads(previous)
+
+
 # Variants whose BF16 kernels round activations and the SiLU*up intermediate to bf16
 # (vdpbf16ps, AMX tiles): see tests/test_moe_forward.py's tolerances.
 BF16_ACTIVATION_VARIANTS = ("avx512_bf16", "amx")
