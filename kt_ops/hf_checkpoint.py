@@ -1,11 +1,13 @@
 """Hugging Face safetensors checkpoints: one layer's routed experts at a time.
 
-Three naming conventions are detected per layer (``{base}`` is whatever precedes
-``layers.{L}``, e.g. ``model.layers.3`` or ``model.language_model.layers.3``):
+Four naming conventions are detected per layer (``{base}`` is whatever precedes
+``layers.{L}``, e.g. ``model.layers.3``, ``model.language_model.layers.3`` or ``layers.3``):
 
 - ``per_expert`` (Qwen, DeepSeek): ``{base}.mlp.experts.{e}.{gate,up,down}_proj.weight``
 - ``w123`` (Mixtral, MiniMax): ``{base}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``
   (w1 = gate, w3 = up, w2 = down)
+- ``mistral`` (Mistral's native format, ``consolidated*.safetensors``):
+  ``{base}.experts.{e}.{w1,w3,w2}.weight``, usually without the ``model.`` prefix
 - ``fused`` (transformers v5, Qwen3.5): ``{base}.mlp.experts.gate_up_proj`` ``[E, 2I, H]``
   (gate rows first) and ``{base}.mlp.experts.down_proj`` ``[E, H, I]``
 
@@ -52,6 +54,7 @@ _BYTE_SCALES = ("U8", "F8_E8M0")
 _PATTERNS = {
     "per_expert": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.mlp\.experts\.(?P<e>\d+)\.(?P<m>gate_proj|up_proj|down_proj)\.(?P<suffix>weight|weight_packed|qweight)$"),
     "w123": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<m>w1|w3|w2)\.(?P<suffix>weight|weight_packed|qweight)$"),
+    "mistral": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.experts\.(?P<e>\d+)\.(?P<m>w1|w3|w2)\.(?P<suffix>weight|weight_packed|qweight)$"),
     "fused": re.compile(r"^(?P<base>.*layers\.(?P<layer>\d+))\.mlp\.experts\.(?P<m>gate_up_proj|down_proj)$"),
 }
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
@@ -59,7 +62,9 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 # decoder layers, and numbered from 0 again.
 _MTP = re.compile(r"(?:^|\.)mtp[._]")
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.safetensors$")
-_NAMES = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "w123": ("w1", "w3", "w2")}
+_NAMES = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "w123": ("w1", "w3", "w2"),
+          "mistral": ("w1", "w3", "w2")}
+_BLOCKS = {"per_expert": ".mlp", "w123": ".block_sparse_moe", "mistral": ""}  # between base and .experts
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ class LayerExperts:
     """Where one layer's routed experts are: convention, key prefix and expert count."""
 
     layer: int
-    convention: str  # "per_expert", "w123" or "fused"
+    convention: str  # "per_expert", "w123", "mistral" or "fused"
     base: str  # key prefix up to and including "layers.{layer}"
     num_experts: int  # experts found (per-expert conventions: highest index + 1)
     suffix: str = "weight"  # per-expert weight name: "weight", INT4 "weight_packed" / "qweight"
@@ -95,8 +100,7 @@ class LayerExperts:
     def stem(self, matrix: int, expert: int = 0) -> str:
         """The per-expert module of matrix 0 (gate), 1 (up) or 2 (down), e.g.
         ``model.layers.3.mlp.experts.7.up_proj`` (not for the fused convention)."""
-        block = "mlp" if self.convention == "per_expert" else "block_sparse_moe"
-        return f"{self.base}.{block}.experts.{expert}.{_NAMES[self.convention][matrix]}"
+        return f"{self.base}{_BLOCKS[self.convention]}.experts.{expert}.{_NAMES[self.convention][matrix]}"
 
     def key(self, matrix: int, expert: int = 0) -> str:
         """The tensor key of matrix 0 (gate), 1 (up) or 2 (down); fused: 0/1 -> gate_up_proj."""
@@ -180,7 +184,8 @@ class HfCheckpoint:
             raise KeyError(
                 f"{self.path}: no routed-expert tensors for layer {layer} (looked for "
                 f"'*layers.{layer}.mlp.experts.{{e}}.gate_proj.weight', "
-                f"'*layers.{layer}.block_sparse_moe.experts.{{e}}.w1.weight' and "
+                f"'*layers.{layer}.block_sparse_moe.experts.{{e}}.w1.weight', "
+                f"'*layers.{layer}.experts.{{e}}.w1.weight' and "
                 f"'*layers.{layer}.mlp.experts.gate_up_proj'); layers with experts: {have}"
             )
         return layers[layer]

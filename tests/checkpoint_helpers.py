@@ -80,11 +80,15 @@ def write_checkpoint(
             tensors[f"model.layers.{L}.mlp.experts.gate_up_proj"] = torch.cat((gate, up), dim=1).to(dtype)
             tensors[f"model.layers.{L}.mlp.experts.down_proj"] = down.to(dtype).contiguous()
             continue
-        block, names = (("mlp", ("gate_proj", "up_proj", "down_proj")) if convention == "per_expert"
-                        else ("block_sparse_moe", ("w1", "w3", "w2")))
+        if convention == "mistral":  # Mistral's native naming: no model. prefix, no block name
+            prefix, names = f"layers.{L}", ("w1", "w3", "w2")
+        else:
+            block, names = (("mlp", ("gate_proj", "up_proj", "down_proj")) if convention == "per_expert"
+                            else ("block_sparse_moe", ("w1", "w3", "w2")))
+            prefix = f"model.layers.{L}.{block}"
         for e in range(E):
             for name, w in zip(names, (gate[e], up[e], down[e])):
-                put(f"model.layers.{L}.{block}.experts.{e}.{name}.weight", w)
+                put(f"{prefix}.experts.{e}.{name}.weight", w)
     for key in skip:
         del tensors[key]
     keys = list(tensors)
@@ -97,6 +101,10 @@ def write_checkpoint(
     if index:
         (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     layers = max(list(weights) + list(dense_layers)) + 1
+    if convention == "mistral":  # params.json, as Mistral's native checkpoints carry instead of config.json
+        params = {"dim": H, "n_layers": layers, "moe": {"num_experts": E, "num_experts_per_tok": top_k}}
+        (path / "params.json").write_text(json.dumps(params))
+        return path
     config = {"model_type": "qwen3_moe", "num_hidden_layers": layers, "hidden_size": H, "num_experts_per_tok": top_k}
     if convention == "w123":
         config.update(model_type="mixtral", num_local_experts=E, intermediate_size=I)
@@ -115,6 +123,7 @@ FP8_LAYOUTS = {  # layout: (expert naming convention, key prefix of layer L)
     "vl_per_expert": ("per_expert", "model.language_model.layers.{L}"),  # Qwen3-VL style prefix
     "vl_fused": ("fused", "model.language_model.layers.{L}"),  # Qwen3.5: fused under the VL prefix
     "m3_w123": ("w123", "language_model.model.layers.{L}"),  # MiniMax-M3
+    "mistral": ("mistral", "layers.{L}"),  # Mistral's native consolidated*.safetensors
 }
 SPECIAL_E4M3 = (0x7F, 0xFF, 0x01, 0x81, 0x07, 0x00, 0x80)  # NaN, -NaN, subnormals, +-0
 
@@ -192,11 +201,12 @@ def write_fp8_layer(
             tensors[key] = codes.view(torch.float8_e4m3fn)
             tensors[key + suffix] = _stored_scale(kind, scale, scale_dtype, name == "down")
     else:
-        block, names = (("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}) if convention == "per_expert"
-                        else ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}))
+        block, names = ((".mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+                        if convention == "per_expert" else
+                        ("" if convention == "mistral" else ".block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}))
         for name, (codes, scale) in mats.items():
             for e in range(E):
-                key = f"{base}.{block}.experts.{e}.{names[name]}"
+                key = f"{base}{block}.experts.{e}.{names[name]}"
                 tensors[f"{key}.weight"] = codes[e].view(torch.float8_e4m3fn).contiguous()
                 tensors[f"{key}.{scale_name}"] = _stored_scale(kind, scale[e], scale_dtype, e % 2 == 1)
     path.mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,7 @@ def test_methods_from_hf_checkpoint(checkpoint, weights, method):
 
 
 @pytest.mark.parametrize("convention,index", [("per_expert", False), ("w123", True), ("w123", False),
-                                              ("fused", True), ("fused", False)])
+                                              ("fused", True), ("fused", False), ("mistral", False)])
 def test_naming_conventions(tmp_path, weights, convention, index):
     path = write_checkpoint(tmp_path / "m", weights, convention=convention, shards=2, index=index)
     x, ids, w = inputs()
