@@ -38,10 +38,14 @@ def moe_lora_forward(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_w
     data = packed.data if isinstance(packed, PackedExperts) else packed
     if len(lora) != 6:
         raise ValueError(f"lora must be (gate_a, gate_b, up_a, up_b, down_a, down_b), got {len(lora)} tensors")
-    if not is_real(scaling) or not math.isfinite(scaling):  # NaN made every output NaN; True passed as 1
+    # NaN made every output NaN; True passed as 1. A SymFloat (torch.compile(dynamic=True) traces a
+    # float such as LoraExperts.alpha / rank symbolically) is checked with a comparison dynamo can
+    # trace: math.isfinite of one was a graph break.
+    symbolic = isinstance(scaling, torch.SymFloat)
+    if not (symbolic or is_real(scaling)) or not abs(scaling) < math.inf:
         raise ValueError(f"scaling must be a finite number, got {scaling!r}")
     out, _gate_up = torch.ops.kt.moe_lora_forward(hidden_states, topk_ids, topk_weights, data, *lora,
-                                                  float(scaling), live_tokens)
+                                                  scaling if symbolic else float(scaling), live_tokens)
     return out
 
 

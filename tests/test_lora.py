@@ -250,6 +250,31 @@ def test_compiled_lora_training_step() -> None:
         assert rel_err(got[n], getattr(lora, n).grad) <= 1e-5, n
 
 
+def test_compiled_lora_training_step_with_dynamic_shapes() -> None:
+    """fullgraph=True with dynamic=True: the layer's scaling (alpha / rank) is traced as a
+    SymFloat there, whose math.isfinite check was a graph break; one trace for all batch
+    sizes, gradients those of eager."""
+    packed = pack("BF16")
+    lora = random_lora()
+
+    def step(inp: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return lora(inp, ids, w, packed).square().mean()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for tokens in (3, 6, 11):
+        ids, w = random_routing(tokens, E, 2, seed=tokens)
+        x = torch.randn(tokens, H)
+        lora.zero_grad()
+        with torch._dynamo.config.patch(error_on_recompile=tokens > 3):
+            compiled(x, ids, w).backward()
+        got = {n: getattr(lora, n).grad.clone() for n in LORA_NAMES}
+        lora.zero_grad()
+        step(x, ids, w).backward()
+        for n in LORA_NAMES:
+            assert rel_err(got[n], getattr(lora, n).grad) <= 1e-5, (tokens, n)
+
+
 def test_adamw_steps_fit_a_target() -> None:
     """The base frozen, 20 AdamW steps on the LoRA matrices move the layer toward a target
     made by other LoRA weights (the loss falls by more than half)."""
