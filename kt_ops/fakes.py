@@ -130,6 +130,22 @@ def _check_live_tokens(live_tokens: torch.Tensor | None) -> None:
     )
 
 
+def _moe_call_fake(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   packed: torch.Tensor, live_tokens: torch.Tensor | None, contiguous: bool) -> torch.Tensor:
+    """The checks every MoE operator makes of its call, and its contiguous ``[T, H]``
+    output. ``contiguous``: ``hidden_states``, ``topk_ids`` and ``topk_weights`` must be
+    contiguous (the inference kernels' check: moe_forward, moe_forward_train); the backward
+    and LoRA kernels (moe_train_cpu.cpp) make them contiguous themselves and take any
+    strides."""
+    _check_meta("hidden_states", hidden_states, topk_ids=topk_ids, topk_weights=topk_weights, packed=packed,
+                live_tokens=live_tokens)
+    _check_moe_call(hidden_states, topk_ids, topk_weights, packed)
+    _check_live_tokens(live_tokens)
+    if contiguous:
+        _check_contiguous(hidden_states=hidden_states, topk_ids=topk_ids, topk_weights=topk_weights)
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("kt::moe_forward")
 def _moe_forward_fake(
     hidden_states: torch.Tensor,
@@ -138,12 +154,7 @@ def _moe_forward_fake(
     packed: torch.Tensor,
     live_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    _check_meta("hidden_states", hidden_states, topk_ids=topk_ids, topk_weights=topk_weights, packed=packed,
-                live_tokens=live_tokens)
-    _check_moe_call(hidden_states, topk_ids, topk_weights, packed)
-    _check_live_tokens(live_tokens)
-    _check_contiguous(hidden_states=hidden_states, topk_ids=topk_ids, topk_weights=topk_weights)
-    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+    return _moe_call_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens, contiguous=True)
 
 
 @torch.library.register_fake("kt::moe_forward_parts")
@@ -315,7 +326,7 @@ def _moe_backward_fake(
     live_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_meta("hidden_states", hidden_states, grad_output=grad_output)
-    _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    _moe_call_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens, contiguous=False)
     # The kernel's backward() (moe_train_cpu.cpp): a ValueError for both.
     _check_same_shape(grad_output, "grad_output", hidden_states, "hidden_states")
     _check_tensor(grad_output, "grad_output", _FLOATS, None, ValueError)
@@ -398,7 +409,7 @@ def _moe_lora_forward_fake(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_meta("hidden_states", hidden_states, gate_a=gate_a, gate_b=gate_b, up_a=up_a,
                 up_b=up_b, down_a=down_a, down_b=down_b)
-    out = _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    out = _moe_call_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens, contiguous=False)
     _check_lora_fake(hidden_states, gate_a, gate_b, up_a, up_b, down_a, down_b)
     shape = (hidden_states.shape[0], topk_ids.shape[1], 2 * gate_b.shape[1])
     return out, hidden_states.new_empty(shape, dtype=torch.float32)
@@ -423,7 +434,7 @@ def _moe_lora_backward_fake(
 ) -> tuple[torch.Tensor, ...]:
     _check_meta("hidden_states", hidden_states, gate_a=gate_a, gate_b=gate_b, up_a=up_a,
                 up_b=up_b, down_a=down_a, down_b=down_b, gate_up=gate_up)
-    _moe_forward_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens)
+    _moe_call_fake(hidden_states, topk_ids, topk_weights, packed, live_tokens, contiguous=False)
     _check_lora_fake(hidden_states, gate_a, gate_b, up_a, up_b, down_a, down_b)
     if gate_up is not None:
         _check_slot_rows(gate_up, "gate_up", topk_ids, (torch.float32,), gate_b.shape[1])

@@ -476,6 +476,26 @@ def test_moe_forward_fakes_refuse_strided_activations_as_the_kernels_do(name: st
                                    f"{name} must be contiguous")
 
 
+@pytest.mark.parametrize("name", ["hidden_states", "topk_ids", "topk_weights"])
+@pytest.mark.parametrize("op", ["moe_backward", "moe_train_backward", "moe_lora_forward", "moe_lora_backward"])
+def test_training_fakes_take_strided_activations_as_the_kernels_do(op: str, name: str) -> None:
+    """The backward and LoRA kernels (moe_train_cpu.cpp) make hidden_states, topk_ids and topk_weights contiguous
+    themselves; their fakes refused them as moe_forward's do, so a compiled LoRA layer fed a transposed or sliced
+    hidden_states failed at trace time where eager ran. The fake's outputs are the kernel's, strides included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map_only
+
+    a = _moe_args()
+    a[name] = a[name].t().contiguous().t()
+    assert not a[name].is_contiguous()
+    args = tuple(a[arg] for arg in _ARGUMENTS[op])
+    real = getattr(torch.ops.kt, op).default(*args)
+    with FakeTensorMode() as mode:
+        fake = getattr(torch.ops.kt, op).default(*tree_map_only(torch.Tensor, mode.from_tensor, args))
+    real, fake = (t if isinstance(t, tuple) else (t,) for t in (real, fake))
+    assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
+
+
 DEQUANTIZE_REFUSALS = {
     "ids_2d": (lambda p: (p, torch.tensor([[0, 1]])), "expert_ids must be 1-D"),
     "ids_float": (lambda p: (p, torch.tensor([0.0, 1.0])), "expert_ids must have dtype"),
