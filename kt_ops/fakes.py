@@ -93,8 +93,9 @@ def _check_moe_call(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_we
                     packed: torch.Tensor, packed_name: str = "packed") -> None:
     """The kernel's check_moe_call (moe_call.cpp) as far as shapes and dtypes go, in its
     order: the dtypes (``TypeError``), the ranks, topk_weights' shape and the token count
-    (``ValueError``), then read_packed's uint8 (``TypeError``) and 1-D (``ValueError``)
-    ``packed_name``. H, E and the ids' values are in the blob, which a fake cannot read."""
+    (``ValueError``), then read_packed's uint8 (``TypeError``), 1-D and contiguous
+    (``ValueError``) ``packed_name``. H, E and the ids' values are in the blob, which a fake
+    cannot read."""
     _check_tensor(hidden_states, "hidden_states", _FLOATS, None)
     _check_tensor(topk_ids, "topk_ids", _IDS, None)
     _check_tensor(topk_weights, "topk_weights", _FLOATS, None)
@@ -106,6 +107,7 @@ def _check_moe_call(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_we
         lambda: f"topk_ids has {topk_ids.shape[0]} rows but hidden_states has {hidden_states.shape[0]} tokens",
     )
     _check_tensor(packed, packed_name, (torch.uint8,), 1)
+    _check_contiguous(**{packed_name: packed})
 
 
 def _check_contiguous(**tensors: torch.Tensor) -> None:
@@ -468,6 +470,7 @@ def _dequantize_experts_fake(
     refuse_meta_blob(packed)  # else the meta kernel's get_ctx() says "data-dependent output"
     # The kernel's checks (dequantize_experts_cpu.cpp), the same TypeErrors and ValueErrors.
     _check_tensor(packed, "packed", (torch.uint8,), 1)
+    _check_contiguous(packed=packed)
     _check_tensor(expert_ids, "expert_ids", _IDS, 1)
     out = torch.float32 if dtype is None else dtype
     torch._check_type(out in (torch.float32, torch.bfloat16),

@@ -496,6 +496,23 @@ def test_training_fakes_take_strided_activations_as_the_kernels_do(op: str, name
     assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
 
 
+@pytest.mark.parametrize("op", list(_ARGUMENTS) + ["moe_forward_parts", "dequantize_experts"])
+def test_fakes_refuse_a_strided_blob_as_the_kernels_do(op: str) -> None:
+    """Every kernel refuses a non-contiguous packed blob (read_packed); the fakes returned sizes, so a traced graph
+    failed only when it first ran."""
+    a = _moe_args()
+    spread = torch.zeros(2 * a["packed"].numel(), dtype=torch.uint8)
+    spread[::2] = a["packed"]
+    a["packed"] = spread[::2]
+    if op == "moe_forward_parts":
+        args, match = (a["hidden_states"], a["topk_ids"], a["topk_weights"], [a["packed"]], [0]), r"parts\[0\]"
+    elif op == "dequantize_experts":
+        args, match = (a["packed"], torch.tensor([0, 1])), "packed"
+    else:
+        args, match = tuple(a[arg] for arg in _ARGUMENTS[op]), "packed"
+    fake_and_meta_refuse_like_real(getattr(torch.ops.kt, op).default, args, f"{match} must be contiguous", meta=False)
+
+
 DEQUANTIZE_REFUSALS = {
     "ids_2d": (lambda p: (p, torch.tensor([[0, 1]])), "expert_ids must be 1-D"),
     "ids_float": (lambda p: (p, torch.tensor([0.0, 1.0])), "expert_ids must have dtype"),
