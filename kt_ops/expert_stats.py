@@ -293,12 +293,14 @@ class ExpertStats:
             if bool((counts.abs() >= 2.0**63).any()):  # the int64 cast gave -2**63: "must be non-negative"
                 raise ValueError("expert counts must fit int64 (a float tensor holds counts of 2**63 or more)")
         counts = counts.to(torch.int64)
-        if counts.dim() == 3:
-            counts = counts.sum(dim=0)
-        if counts.shape[1] < 1:
+        if counts.shape[-1] < 1:
             raise ValueError(f"expert counts have no experts: shape {tuple(counts.shape)}")
         if bool((counts < 0).any()):
             raise ValueError("expert counts must be non-negative")
+        if counts.dim() == 3:
+            counts = counts.sum(dim=0)
+            if bool((counts < 0).any()):  # non-negative terms: the sum wrapped around
+                raise ValueError("expert counts summed over the buffer exceed int64")
         stats = cls(num_hidden_layers=int(counts.shape[0]), num_experts=int(counts.shape[1]))
         stats._base = counts.clone()
         return stats

@@ -367,6 +367,8 @@ def test_load_sglang_dumps_and_raw_tensors(tmp_path):
     (torch.full((2, E), 0.5), "whole numbers"),
     (torch.full((2, E), float("nan")), "whole numbers"),
     (torch.full((2, E), 1e30), "int64"),  # cast to int64's minimum: was "must be non-negative"
+    # a buffer whose sum wraps around int64: was "must be non-negative"
+    ({"logical_count": torch.full((2, 1, E), 2**62 + 2**61, dtype=torch.int64)}, "summed over the buffer exceed int64"),
     (torch.zeros(2, E, dtype=torch.bool), "integers"),
     ([1, 2, 3], "expected a tensor"),
 ])
