@@ -682,9 +682,21 @@ def _inspect_hf(root: Path) -> Inspection:
     if floats:
         notes.append(f"packed when loaded, so the kernel is the method's (under {variant}):")
         notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in FORMATS if fmt.k_rule != "ggml_block")
-    num_layers = config.get("num_hidden_layers")
+    num_layers = _config_layer_count(root, config.get("num_hidden_layers"))
     return Inspection(os.fspath(root), "Hugging Face checkpoint", variant, facts,
-                      None if num_layers is None else int(num_layers), tuple(layers), None, tuple(notes))
+                      num_layers, tuple(layers), None, tuple(notes))
+
+
+def _config_layer_count(root: Path, value: object) -> int | None:
+    """config.json's ``num_hidden_layers`` read as the converter reads it (``int()``; None where
+    absent); ``ValueError`` naming the file and the key for a value that is no count."""
+    try:
+        count = None if value is None else int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        count = -1
+    if count is not None and count < 0:
+        raise ValueError(f"{root / 'config.json'}: num_hidden_layers {value!r} is not a layer count")
+    return count
 
 
 # --- text -------------------------------------------------------------------------------------
