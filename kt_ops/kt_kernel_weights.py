@@ -300,7 +300,8 @@ def load_layer(path: Path, layer: int, method: str, experts: list[int], hidden_s
     directory ``path`` as kt_ops parts (one per kt-kernel NUMA part; ``[]`` for no
     experts): ``int8`` for ``AMXINT8``, ``int4`` (groups of 128) for ``AMXINT4``.
     ``ValueError`` naming the tensor for a size that does not fit ``hidden_size`` /
-    ``intermediate_size`` or the method (an AMXINT4 directory read as AMXINT8 ...)."""
+    ``intermediate_size`` or the method (an AMXINT4 directory read as AMXINT8 ...), and for a
+    ``.scale`` tensor of integers (not values kt-kernel writes)."""
     layout = LAYOUTS[method]
     directory = KtKernelDir(path, method, layer)
     count, parts = directory.layer_shape(layer)
@@ -339,6 +340,9 @@ def _load_parts(directory: KtKernelDir, layer: int, method: str, experts: list[i
                     hint = f" (the size of {other} weights: use method='{other}')" if other else ""
                     raise ValueError(f"{key}.weight holds {nbytes} bytes; {method} [{n}, {k}] needs "
                                      f"{layout.row_bytes(n * k)}{hint}")
+                if scale.dtype != torch.uint8 and not scale.dtype.is_floating_point:  # integers: no scales
+                    raise ValueError(f"{key}.scale is {str(scale.dtype).removeprefix('torch.')}; row scales are "
+                                     "float (kt-kernel writes float32)")
                 if scale.dtype == torch.uint8 and scale.numel() % 4:  # (a .kt file): fp32 bytes
                     raise ValueError(f"{key}.scale holds {scale.numel()} bytes, not fp32 scales (4 bytes each)")
                 scale = scale.view(torch.float32) if scale.dtype == torch.uint8 else scale.float()

@@ -301,6 +301,24 @@ def test_scale_bytes_that_are_no_fp32_values_are_named(tmp_path: Path) -> None:
         KTMoEWrapper(0, E, K, H, I, method="AMXINT8", weight_path=tmp_path / "kt").load_weights()
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_a_scale_tensor_of_integers_is_refused_naming_it(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A safetensors .scale tensor stored as integers (its header saying I32 where kt-kernel writes F32): its
+    integer values were converted to float and used as the row scales, a silent wrong layer (1.0's bits read as
+    1065353216). A ValueError naming the tensor and its dtype; float dtypes still load."""
+    from safetensors.torch import load_file, save_file
+
+    E, K, H, I = 2, 2, 128, 128
+    write_dir(tmp_path, 0, weights(E, H, I), "AMXINT8", 1)
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    key = "blk.0.ffn_up_exps.1.numa.0.scale"
+    tensors[key] = tensors[key].view(torch.int32).to(dtype)
+    save_file(tensors, shard)
+    with pytest.raises(ValueError, match=rf"{key} is {str(dtype).removeprefix('torch.')}; .*float"):
+        KTMoEWrapper(0, E, K, H, I, method="AMXINT8", weight_path=tmp_path).load_weights()
+
+
 def test_int4_and_int8_kt_files_in_one_folder_are_read_by_the_method(tmp_path: Path) -> None:
     """A directory converted twice (AMXINT4, then AMXINT8) holds INT4_... and INT8_... .kt files
     of each tensor; kt-kernel reads the method's. AMXINT4 read the INT8 files and was refused
