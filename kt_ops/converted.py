@@ -93,6 +93,9 @@ class Manifest:
         bad += [f"layer {L}" for L in manifest.layers if L < 0][:1]
         if bad:
             raise ValueError(f"{file}: damaged kt_ops manifest ({', '.join(bad)} out of range)")
+        if manifest.intermediate_size % manifest.threadpool_count:  # the converter splits I in equal parts
+            raise ValueError(f"{file}: damaged kt_ops manifest (threadpool_count {manifest.threadpool_count} does "
+                             f"not divide intermediate_size {manifest.intermediate_size})")
         return manifest
 
     def write(self, path: str | os.PathLike[str]) -> None:

@@ -313,15 +313,25 @@ def _inspect_packed_file(path: Path, keys: dict[str, tuple[int | None, int]]) ->
 # --- converted directories -----------------------------------------------------------------
 
 
+def _parts_on_disk(file: Path, layer: int, count: int) -> list[int]:
+    """The part numbers below ``count`` whose key of ``layer`` ``file``'s header holds (a file holds no more
+    parts than keys), or ``[0]`` for a header that cannot be read, so that the caller's reading names the file."""
+    try:
+        keys = read_safetensors_header(file)[0]
+    except ValueError:
+        return [0]
+    return [p for p in range(min(count, len(keys))) if layer_key(layer, p) in keys]
+
+
 def _inspect_converted(root: Path) -> Inspection:
     variant = cpu_variant()
     manifest = Manifest.read(root)
     notes: list[str] = []
     if (root / INDEX).is_file():
         weight_map: dict[str, str] = read_weight_map(root)
-    else:  # an unfinished conversion: only per-layer files so far
-        weight_map = {layer_key(L, p): layer_file(L) for L in manifest.layers for p in range(manifest.threadpool_count)
-                      if (root / layer_file(L)).is_file()}
+    else:  # an unfinished conversion: only per-layer files so far, each holding its layer's parts
+        weight_map = {layer_key(L, p): layer_file(L) for L in manifest.layers if (root / layer_file(L)).is_file()
+                      for p in _parts_on_disk(root / layer_file(L), L, manifest.threadpool_count)}
     by_file: dict[str, list[str]] = defaultdict(list)
     for key, name in weight_map.items():
         by_file[name].append(key)
@@ -337,7 +347,11 @@ def _inspect_converted(root: Path) -> Inspection:
     matrices = tuple(MatrixInfo(name, manifest.format, None, "") for name in MATRICES)
     layers, missing = [], []
     for L in manifest.layers:
-        parts = [key_bytes.get(layer_key(L, p)) for p in range(manifest.threadpool_count)]
+        parts = []
+        for p in range(manifest.threadpool_count):  # up to the first part missing (a count may be huge)
+            parts.append(key_bytes.get(layer_key(L, p)))
+            if parts[-1] is None:
+                break
         if None in parts:
             missing.append(L)
         layers.append(LayerInfo(L, E, H, I, matrices, None if None in parts else sum(parts)))

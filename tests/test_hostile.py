@@ -10,6 +10,7 @@ instead of killing the run.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -592,6 +593,48 @@ def test_a_manifest_value_of_the_wrong_type_is_named(tmp_path: Path, key: str, v
     with pytest.raises(ValueError, match=rf"{MANIFEST}: damaged kt_ops manifest \({key} is "):
         Manifest.read(tmp_path)
 
+
+_HUGE_PARTS = """
+import json, sys
+from pathlib import Path
+import torch
+from kt_ops import pack_experts
+from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_key
+from kt_ops.convert_merge import write_index
+from kt_ops.inspection import inspect_weights
+from safetensors.torch import save_file
+
+root, edit, index = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "index"
+E, H, I = 2, 64, 32
+blob = pack_experts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I), method="BF16")
+shard = root / ("model-00001-of-00001.safetensors" if index else "layer-00000.safetensors")
+save_file({layer_key(0, 0): blob.data}, str(shard), metadata={"producer": "kt_ops"})
+if index:
+    write_index(root, {layer_key(0, 0): shard.name}, shard.stat().st_size)
+Manifest("bf16", "bf16", 0, 1, (0,), E, H, I, 1, True, {}).write(root)
+(root / MANIFEST).write_text(json.dumps({**json.loads((root / MANIFEST).read_text()), **edit}))
+try:
+    print("inspected", inspect_weights(root).layers[0].nbytes)
+except ValueError as error:
+    print("ValueError", error)
+"""
+
+
+@pytest.mark.parametrize("index", ["index", "no-index"])
+@pytest.mark.parametrize("edit,match", [
+    ({"threadpool_count": 2**40}, r"ValueError .*threadpool_count 1099511627776 does not divide intermediate_size 32"),
+    ({"threadpool_count": 3}, r"ValueError .*threadpool_count 3 does not divide intermediate_size 32"),
+    ({"threadpool_count": 2**40, "intermediate_size": 2**40}, r"inspected None"),
+], ids=["huge", "no-divisor", "huge-both"])
+def test_a_manifest_with_a_huge_part_count_is_refused_not_looped_over(tmp_path: Path, edit: dict, match: str,
+                                                                      index: str) -> None:
+    """kt-ops inspect of a converted directory whose manifest says threadpool_count 2^40: it listed the key of
+    every part of every layer (2^40 of them) and hung. The manifest's parts must divide intermediate_size, as
+    the converter makes them; where both are huge, inspect stops at the first part missing from the files."""
+    done = subprocess.run([sys.executable, "-c", _HUGE_PARTS, str(tmp_path), json.dumps(edit), index],
+                          capture_output=True, text=True, timeout=120, cwd=HERE.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(match, done.stdout), done.stdout
 
 @pytest.mark.parametrize("offsets", [None, 5, [0], [0, 4, 8], ["0", "4"]])
 def test_a_converted_shard_with_malformed_data_offsets_is_a_clear_error(tmp_path: Path, offsets: object) -> None:
