@@ -51,7 +51,7 @@ from kt_ops import reference
 from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, missing_layers, save_durably
 from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
-from kt_ops.hf_checkpoint import HfCheckpoint, read_config_json
+from kt_ops.hf_checkpoint import HfCheckpoint, config_layer_count, read_config_json
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
 from kt_ops.hf_mxfp4 import MXFP4_GROUP, Mxfp4Experts, load_mxfp4_experts, mxfp4_layers, pack_mxfp4_parts
 from kt_ops.ops import moe_forward
@@ -346,13 +346,9 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
     try:
         config = with_text_config(read_config_json(source))
         E, H, I = mxfp4_sizes(config) if mxfp4_input else model_sizes(checkpoint, config, layers[0])
-        num_layers = config.get("num_hidden_layers")  # null: not given, as for the sizes
-        try:
-            num_layers = moe_layers[-1] + 1 if num_layers is None else int(num_layers)
-        except (TypeError, ValueError):
-            num_layers = -1
-        if num_layers < 0:
-            raise ValueError(f"{config_file}: num_hidden_layers {config['num_hidden_layers']!r} is not a layer count")
+        num_layers = config_layer_count(config, source)  # null: not given, as for the sizes
+        if num_layers is None:
+            num_layers = moe_layers[-1] + 1
     except (TypeError, ValueError) as error:  # not JSON, or a size that is not a number
         raise UsageError(f"--input-path: {error}" if str(config_file) in str(error) else
                          f"--input-path: {config_file}: {error}") from None

@@ -561,6 +561,22 @@ def read_config_json(folder: str | os.PathLike[str]) -> dict:
     return config
 
 
+def config_layer_count(config: dict, folder: str | os.PathLike[str]) -> int | None:
+    """``num_hidden_layers`` of ``folder``'s config.json (already read: ``config``) as a count;
+    None where it is absent or null. ``ValueError`` naming the file and the key for a value
+    that is no whole non-negative number (``-3``, ``1.5``, ``true``, ``"x"``, ``{}``)."""
+    value = config.get("num_hidden_layers")
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except (TypeError, ValueError, OverflowError):
+        count = -1
+    if isinstance(value, bool) or count < 0 or (isinstance(value, float) and count != value):
+        raise ValueError(f"{Path(folder) / 'config.json'}: num_hidden_layers {value!r} is not a layer count")
+    return count
+
+
 def _read_weight_map(index: Path) -> dict[str, str]:
     """The ``weight_map`` (tensor key -> shard file name) of ``model.safetensors.index.json``;
     ``ValueError`` naming the file when it is not JSON or has no such mapping."""

@@ -36,7 +36,8 @@ from kt_ops.formats import FORMATS, format_info
 from kt_ops.gguf_loader import (OTHER_ACTIVATIONS, check_stored_size, expert_shapes, gguf_files, open_gguf,
                                read_gguf_config)
 from kt_ops.gguf_types import GGML_TYPES
-from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, _check_regular_file, read_config_json
+from kt_ops.hf_checkpoint import (HfCheckpoint, LayerExperts, _check_regular_file, config_layer_count,
+                                  read_config_json)
 from kt_ops.hf_int4 import int4_method, quantization_config
 from kt_ops.hf_mxfp4 import Mxfp4Layer, find_mxfp4_layer, mxfp4_layers
 from kt_ops.kt_kernel_weights import KtKernelDir, is_kt_kernel_dir
@@ -696,21 +697,9 @@ def _inspect_hf(root: Path) -> Inspection:
     if floats:
         notes.append(f"packed when loaded, so the kernel is the method's (under {variant}):")
         notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in FORMATS if fmt.k_rule != "ggml_block")
-    num_layers = _config_layer_count(root, config.get("num_hidden_layers"))
+    num_layers = config_layer_count(config, root)
     return Inspection(os.fspath(root), "Hugging Face checkpoint", variant, facts,
                       num_layers, tuple(layers), None, tuple(notes))
-
-
-def _config_layer_count(root: Path, value: object) -> int | None:
-    """config.json's ``num_hidden_layers`` read as the converter reads it (``int()``; None where
-    absent); ``ValueError`` naming the file and the key for a value that is no count."""
-    try:
-        count = None if value is None else int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        count = -1
-    if count is not None and count < 0:
-        raise ValueError(f"{root / 'config.json'}: num_hidden_layers {value!r} is not a layer count")
-    return count
 
 
 # --- text -------------------------------------------------------------------------------------

@@ -482,13 +482,13 @@ def test_a_damaged_config_json_exits_2_naming_it(tmp_path, weights, capsys, text
     assert not out.exists()
 
 
-@pytest.mark.parametrize("value", [None, "x", -1])
+@pytest.mark.parametrize("value", [None, "x", -1, 1.5, True])
 def test_num_hidden_layers_of_config_json(tmp_path: Path, weights, capsys, value: object) -> None:
     """config.json's num_hidden_layers null, not a number or negative: a TypeError
     traceback (null), exit 1 with a bare "invalid literal for int()" naming no file
     ("x"), or a finished conversion whose manifest reads back as damaged (-1). Now null
     counts as absent, as the sizes' nulls do (the layers seen: 4), and the others exit 2
-    naming config.json, with nothing written."""
+    naming config.json, with nothing written (1.5 and true were read as 1 layer)."""
     source = write_checkpoint(tmp_path / "model", weights, shards=2, dense_layers=(0,))
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": value}))

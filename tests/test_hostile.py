@@ -870,8 +870,8 @@ def test_a_mapped_layer_whose_file_was_truncated_is_named_not_sigbus(tmp_path: P
     refused_on_a_truncated_mapped_layer(tmp_path, call)
 
 
-
-@pytest.mark.parametrize("value", [{}, [], "x", -3], ids=["a-dict", "a-list", "a-word", "negative"])
+@pytest.mark.parametrize("value", [{}, [], "x", -3, 1.5, True],
+                         ids=["a-dict", "a-list", "a-word", "negative", "a-fraction", "a-bool"])
 def test_inspect_of_a_config_with_a_bad_num_hidden_layers_names_it(tmp_path: Path, value: object) -> None:
     """kt-ops inspect of a checkpoint whose config.json has a num_hidden_layers that is not a layer count:
     a ValueError naming the file and the key, as the converter gives (a dict or list was a TypeError from
@@ -884,6 +884,7 @@ def test_inspect_of_a_config_with_a_bad_num_hidden_layers_names_it(tmp_path: Pat
     (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": value}))
     with pytest.raises(ValueError, match=r"config\.json: num_hidden_layers .* is not a layer count"):
         inspect_weights(path)
+
 
 if __name__ == "__main__":
     sys.exit(globals()[sys.argv[1]]())
