@@ -128,12 +128,17 @@ def fake_quantize_activations(x: torch.Tensor, block_size: int = 0) -> torch.Ten
         shape = x.shape
         return fake_quantize_activations(x.reshape(*shape[:-1], shape[-1] // block_size, block_size)).reshape(shape)
     amax = x.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / max|x| correctly rounded, as the kernels' fp32 ``127.0f / amax``: torch computes
+    # ``127.0 / tensor`` as ``127 * (1 / tensor)``, one ulp off for about a quarter of the
+    # values, which flips the level of a value whose x * inv lands next to n + 0.5
+    # (fp16/bf16-valued activations hit such ties)
+    hundred27 = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, hundred27 / amax, torch.zeros_like(amax))
     # max|x| < 127 / FLT_MAX (127 / amax overflows): the kernels take such a row 2^64
     # times (exact) and scale back by 2^-64 (activation_quant.h, tiny_row_levels)
     tiny = torch.isinf(inv)
     up = torch.where(tiny, torch.full_like(amax, 2.0**64), torch.ones_like(amax))
-    inv = torch.where(tiny, 127.0 / (amax * up), inv)
+    inv = torch.where(tiny, hundred27 / (amax * up), inv)
     scale = torch.where(tiny, amax * up / 127.0 * 2.0**-64, amax / 127.0)
     return torch.clamp(torch.round(x * up * inv), -127, 127) * scale
 
