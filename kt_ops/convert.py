@@ -51,7 +51,7 @@ from kt_ops import reference
 from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, missing_layers, save_durably
 from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
-from kt_ops.hf_checkpoint import HfCheckpoint, config_layer_count, read_config_json
+from kt_ops.hf_checkpoint import HfCheckpoint, config_layer_count, read_config_json, whole_number
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
 from kt_ops.hf_mxfp4 import MXFP4_GROUP, Mxfp4Experts, load_mxfp4_experts, mxfp4_layers, pack_mxfp4_parts
 from kt_ops.ops import moe_forward
@@ -129,11 +129,8 @@ def config_count(config: dict, keys: tuple[str, ...]) -> int | None:
         value = config.get(key)
         if not value:
             continue
-        try:
-            count: int | None = int(value)
-        except (TypeError, ValueError, OverflowError):
-            count = None
-        if isinstance(value, bool) or count is None or count < 1 or (isinstance(value, float) and count != value):
+        count = whole_number(value)
+        if count is None or count < 1:
             raise ValueError(f"{key} {value!r} is not a positive whole number")
         return count
     return None

@@ -561,6 +561,18 @@ def read_config_json(folder: str | os.PathLike[str]) -> dict:
     return config
 
 
+def whole_number(value: object) -> int | None:
+    """A config.json value as an int: an int, a whole float (``128.0``) or a numeric string;
+    None for anything else (``1.5``, ``true``, ``"x"``, ``{}``, NaN)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        count = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return None if isinstance(value, float) and count != value else count
+
+
 def config_layer_count(config: dict, folder: str | os.PathLike[str]) -> int | None:
     """``num_hidden_layers`` of ``folder``'s config.json (already read: ``config``) as a count;
     None where it is absent or null. ``ValueError`` naming the file and the key for a value
@@ -568,11 +580,8 @@ def config_layer_count(config: dict, folder: str | os.PathLike[str]) -> int | No
     value = config.get("num_hidden_layers")
     if value is None:
         return None
-    try:
-        count = int(value)
-    except (TypeError, ValueError, OverflowError):
-        count = -1
-    if isinstance(value, bool) or count < 0 or (isinstance(value, float) and count != value):
+    count = whole_number(value)
+    if count is None or count < 0:
         raise ValueError(f"{Path(folder) / 'config.json'}: num_hidden_layers {value!r} is not a layer count")
     return count
 
