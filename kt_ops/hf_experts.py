@@ -394,7 +394,7 @@ def _tensor_versions(module: nn.Module) -> dict[str, tuple[int, int]]:
     versions = {}
     for name in EXPERT_TENSORS:
         t = getattr(module, name, None)
-        if isinstance(t, torch.Tensor) and not t.is_meta:
+        if isinstance(t, torch.Tensor) and not t.is_meta and t.numel():  # released (empty): nothing to pack
             versions[name] = (t.data_ptr(), t._version)
     return versions
 
@@ -404,8 +404,10 @@ def _repack_if_edited(module: nn.Module) -> None:
     tensor it was packed from has been changed in place since: the same storage, its version
     counter moved (``with torch.no_grad(): experts.down_proj.mul_(0.5)``, ``.copy_(...)``,
     an optimizer's step). The blob is a copy: without this the layer kept computing the
-    old weights, silently. A tensor replaced (moved to another device, converted, released)
-    is recorded anew, not packed again: its values are those packed. Edits through ``.data``
+    old weights, silently. A tensor replaced (moved to another device, converted) is recorded
+    anew, not packed again: its values are those packed. A released (empty) tensor is
+    forgotten: it has nothing to pack (its version moved by ``load_state_dict`` or a
+    ``torch.load`` of the model packed it again: an IndexError). Edits through ``.data``
     have a version counter of their own and are not seen. Eager calls only."""
     recorded = module.__dict__.get(_VERSIONS)
     if not recorded:
@@ -413,6 +415,9 @@ def _repack_if_edited(module: nn.Module) -> None:
     edited = False
     for name, was in list(recorded.items()):
         t = getattr(module, name, None)
+        if isinstance(t, torch.Tensor) and not t.is_meta and not t.numel():  # released: the blob computes it
+            del recorded[name]
+            continue
         if not isinstance(t, torch.Tensor) or t.is_meta:
             continue
         now = (t.data_ptr(), t._version)

@@ -303,3 +303,19 @@ def test_an_offloaded_model_is_refused_by_name(experts_interface: bool) -> None:
     with pytest.raises(ValueError, match="meta device.*offloaded"):
         kt_ops.patch_model(model, method="BF16", experts_interface=experts_interface)
     assert not any(isinstance(m, kt_ops.HybridMoE) for m in model.modules())
+
+
+def test_experts_interface_model_survives_torch_save_and_load() -> None:
+    """torch.save(model) + torch.load(weights_only=False) of a model patched behind the experts
+    interface: the loaded model's first call raised IndexError (its released, empty expert
+    tensors were taken for edited experts and packed again)."""
+    import io
+
+    patched = kt_ops.patch_model(fp32_with_bf16_weights("qwen3_moe"), method="BF16", experts_interface=True)
+    expected = logits(patched, TOKENS)
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(logits(loaded, TOKENS), expected, rtol=0, atol=0)
+
