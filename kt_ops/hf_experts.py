@@ -281,14 +281,32 @@ def _untransposed(module: nn.Module, source: dict[str, torch.Tensor]) -> tuple[t
 
 def release_weights(module: nn.Module) -> int:
     """Replaces the module's expert tensors by empty parameters (its packed blob computes
-    them now); returns the bytes they held."""
+    them now); returns the bytes they held. ``load_state_dict`` of a state dict holding
+    them is refused from then on (:func:`_refuse_released_experts`)."""
     released = 0
     for name in EXPERT_TENSORS:
         param = getattr(module, name, None)
         if isinstance(param, torch.Tensor):
             released += param.numel() * param.element_size()
             setattr(module, name, nn.Parameter(param.new_empty(0), requires_grad=False))
+    if not module.__dict__.get("_kt_ops_release_hook"):
+        module.register_load_state_dict_pre_hook(_refuse_released_experts)
+        module.__dict__["_kt_ops_release_hook"] = True
     return released
+
+
+def _refuse_released_experts(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook of a module whose expert tensors were released: the packed
+    experts are a plain attribute, not in any state dict, and the released tensors are empty,
+    so loading one kept the module's own experts, silently (or packed the empty tensors: an
+    IndexError). A ``RuntimeError`` naming the module when ``state_dict`` has its experts."""
+    keys = [prefix + name for name in EXPERT_TENSORS if prefix + name in state_dict]
+    released = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
+    if keys and all(isinstance(t, torch.Tensor) and not t.is_meta and t.numel() == 0 for t in released):
+        raise RuntimeError(f"{prefix.rstrip('.') or type(module).__name__}: its expert tensors were released when "
+                           "kt_ops packed them (patch_model): the packed experts are not part of a state_dict, so "
+                           f"{keys[0]} cannot be loaded here; load the unpatched model's weights before patching, "
+                           "or leave the experts' keys out of the state dict")
 
 
 def module_weights(module: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:

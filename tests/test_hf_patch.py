@@ -319,3 +319,18 @@ def test_experts_interface_model_survives_torch_save_and_load() -> None:
     loaded = torch.load(buffer, weights_only=False)
     torch.testing.assert_close(logits(loaded, TOKENS), expected, rtol=0, atol=0)
 
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_experts_interface_state_dict_without_experts_is_refused(strict: bool) -> None:
+    """The packed experts of a model patched behind the experts interface are not in its
+    state_dict (only the released, empty expert tensors): loading one into another patched
+    model kept that model's experts, silently (logits 7.5 off), or raised IndexError on the
+    next call. Now a RuntimeError naming the module; the state_dict of the unpatched model,
+    loaded before patching, is the way."""
+    source = kt_ops.patch_model(fp32_with_bf16_weights("qwen3_moe"), method="BF16", experts_interface=True)
+    target = kt_ops.patch_model(fp32_with_bf16_weights("qwen3_moe", seed=3), method="BF16", experts_interface=True)
+    with pytest.raises(RuntimeError, match=r"layers\.0\.mlp\.experts.*released"):
+        target.load_state_dict(source.state_dict(), strict=strict)
+    adapter_only = {k: v for k, v in source.state_dict().items() if ".experts." not in k}
+    target.load_state_dict(adapter_only, strict=False)  # the other weights still load
+    torch.testing.assert_close(logits(target, TOKENS), logits(target, TOKENS))
