@@ -289,10 +289,16 @@ def release_weights(module: nn.Module) -> int:
         if isinstance(param, torch.Tensor):
             released += param.numel() * param.element_size()
             setattr(module, name, nn.Parameter(param.new_empty(0), requires_grad=False))
+    refuse_released_on_load(module)
+    return released
+
+
+def refuse_released_on_load(module: nn.Module) -> None:
+    """Registers :func:`_refuse_released_experts` on ``module`` once (its expert tensors are, or
+    are about to be, empty placeholders of its packed blob)."""
     if not module.__dict__.get("_kt_ops_release_hook"):
         module.register_load_state_dict_pre_hook(_refuse_released_experts)
         module.__dict__["_kt_ops_release_hook"] = True
-    return released
 
 
 def _refuse_released_experts(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
@@ -304,7 +310,7 @@ def _refuse_released_experts(module: nn.Module, state_dict: dict, prefix: str, *
     released = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
     if keys and all(isinstance(t, torch.Tensor) and not t.is_meta and t.numel() == 0 for t in released):
         raise RuntimeError(f"{prefix.rstrip('.') or type(module).__name__}: its expert tensors were released when "
-                           "kt_ops packed them (patch_model): the packed experts are not part of a state_dict, so "
+                           "kt_ops packed them (patch_model, KtOpsConfig): the packed experts are not part of a state_dict, so "
                            f"{keys[0]} cannot be loaded here; load the unpatched model's weights before patching, "
                            "or leave the experts' keys out of the state dict")
 

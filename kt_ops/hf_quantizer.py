@@ -454,6 +454,7 @@ class KtOpsHfQuantizer(HfQuantizer):
             mask = torch.arange(experts) < config.num_gpu_experts
         hf_experts.pack_module_experts(module, tensors=tensors, gpu_experts_mask=mask,
                                        dynamic=config.dynamic_gpu_experts, **config.pack_args())
+        hf_experts.refuse_released_on_load(module)  # its expert tensors become empty placeholders (KtOpsPack)
         if self._bar is not None:
             self._bar.update()
 

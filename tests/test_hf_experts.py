@@ -362,6 +362,19 @@ def test_quantization_config_keeps_gpu_experts_in_torch(saved: dict[str, Path]) 
             saved["gpt_oss"], quantization_config=kt_ops.KtOpsConfig(num_gpu_experts=9))
 
 
+def test_quantization_config_model_refuses_a_state_dict_with_its_experts(saved: dict[str, Path]) -> None:
+    """A KtOpsConfig model's expert tensors are empty placeholders (the packed blob is not in
+    its state_dict): load_state_dict of another such model's state dict kept its own
+    experts, silently, and save_pretrained is refused by transformers (not serializable)."""
+    ours, other = (transformers.AutoModelForCausalLM.from_pretrained(
+        saved["qwen3_moe"], dtype=torch.float32, quantization_config=kt_ops.KtOpsConfig(method=method, progress=False))
+        for method in ("BF16", "AMXINT8"))
+    with pytest.raises(RuntimeError, match=r"layers\.0\.mlp\.experts.*released"):
+        ours.load_state_dict(other.state_dict())
+    with pytest.raises(ValueError, match="not serializable"):
+        ours.save_pretrained(saved["qwen3_moe"].parent / "kt_ops_saved")
+
+
 def test_quantization_config_checks_sizes_before_loading(saved: dict[str, Path]) -> None:
     """A method that cannot hold the experts' sizes (AWQ's groups of 128 with H = 64) is a
     ValueError naming the class, before any tensor is read."""
