@@ -310,7 +310,8 @@ def _refuse_released_experts(module: nn.Module, state_dict: dict, prefix: str, *
     released = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
     if keys and all(isinstance(t, torch.Tensor) and not t.is_meta and t.numel() == 0 for t in released):
         raise RuntimeError(f"{prefix.rstrip('.') or type(module).__name__}: its expert tensors were released when "
-                           "kt_ops packed them (patch_model, KtOpsConfig): the packed experts are not part of a state_dict, so "
+                           "kt_ops packed them (patch_model, KtOpsConfig): the packed experts are not part of a "
+                           "state_dict, so "
                            f"{keys[0]} cannot be loaded here; load the unpatched model's weights before patching, "
                            "or leave the experts' keys out of the state dict")
 
