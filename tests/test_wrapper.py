@@ -1082,3 +1082,17 @@ def test_loading_streams_one_layer(tmp_path):
     assert done.returncode == 0, done.stderr
     peak = int(done.stdout.split()[-1])
     assert peak < 4 * layer_bytes < len(layers) * layer_bytes, f"peak {peak / 2**20:.0f} MiB"
+
+
+def test_a_wrapper_says_what_it_is_and_refuses_to_be_copied() -> None:
+    """copy.deepcopy / pickle of a KTMoEWrapper failed deep inside with "cannot pickle
+    '_thread.lock' object", naming no wrapper; its repr was Python's default."""
+    import copy
+    import pickle
+
+    wr = KTMoEWrapper(3, E, 2, H, I, method="AMXINT8", threadpool_count=1)
+    assert repr(wr) == (f"KTMoEWrapper(layer_idx=3, num_experts={E}, num_experts_per_tok=2, hidden_size={H}, "
+                        f"moe_intermediate_size={I}, method='AMXINT8', threadpool_count=1, cpu_parts=0)")
+    for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="a KTMoEWrapper cannot be pickled or copied.*load_weights"):
+            copier(wr)

@@ -23,7 +23,7 @@ from concurrent.futures._base import FINISHED as _FINISHED
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, ClassVar, Iterator, Sequence
+from typing import Callable, ClassVar, Iterator, NoReturn, Sequence
 
 import torch
 
@@ -362,6 +362,23 @@ class KTMoEWrapper:
             set_num_threads(cpuinfer_threads)
         KTMoEWrapper._instances.add(self)
         self._reserve_capture_buffers()
+
+    def __repr__(self) -> str:
+        return (f"KTMoEWrapper(layer_idx={self.layer_idx}, num_experts={self.num_experts}, "
+                f"num_experts_per_tok={self.num_experts_per_tok}, hidden_size={self.hidden_size}, "
+                f"moe_intermediate_size={self.moe_intermediate_size}, method={self.method!r}, "
+                f"threadpool_count={self.threadpool_count}, cpu_parts={len(self._parts)})")
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        raise TypeError("a KTMoEWrapper cannot be pickled or copied (it holds packed weights, possibly mapped from "
+                        "its files, and the deferral and staging state of a running model); construct another "
+                        "with the same arguments and call load_weights()")
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        self.__reduce_ex__(None)
+
+    def __copy__(self) -> NoReturn:
+        self.__reduce_ex__(None)
 
     @classmethod
     def _thread_state(cls) -> threading.local:
