@@ -36,17 +36,24 @@ def pack_parts(
 ) -> list[PackedExperts]:
     """``gate [E, I, H]``, ``up [E, I, H]``, ``down [E, H, I]`` packed as ``parts`` parts
     with :func:`kt_ops.pack_experts` (``pack_args``: group_size, gguf_type, ...). A part the
-    method cannot pack (an INT4 group wider than a part) is a ``ValueError`` naming the split."""
+    method cannot pack (an INT4 group wider than a part) is a ``ValueError`` naming the split.
+    ``biases`` (``pack_args``) hold the whole layer and are split as :func:`activate_parts`
+    splits them: gate and up biases with the parts' rows, down's bias on part 0 only (the
+    parts' outputs are summed); one of another shape is a ``ValueError``."""
     if parts == 1:
         return [pack_experts(gate, up, down, method=method, **pack_args)]
     bounds = part_bounds(int(gate.shape[1]), parts)
+    biases = pack_args.pop("biases", None)
+    if biases is not None:
+        _check_layer_biases(biases, int(gate.shape[0]), int(gate.shape[1]), int(gate.shape[2]))
     if isinstance(method, str) and method.upper() == "MXFP4" and any(a % 32 or b % 32 for a, b in bounds):
         raise ValueError(f"threadpool_count {parts} splits moe_intermediate_size {int(gate.shape[1])} into parts of "
                          f"{bounds[0][1]}; MXFP4 needs each part's bounds to be multiples of 32")
     try:
         return [
-            pack_experts(gate[:, a:b], up[:, a:b], down[:, :, a:b].contiguous(), method=method, **pack_args)
-            for a, b in bounds
+            pack_experts(gate[:, a:b], up[:, a:b], down[:, :, a:b].contiguous(), method=method,
+                         biases=None if biases is None else _part_biases(biases, index, a, b), **pack_args)
+            for index, (a, b) in enumerate(bounds)
         ]
     except ValueError as error:  # it named the part's width as the layer's I ("intermediate_size I = 64")
         raise ValueError(f"threadpool_count {parts} splits moe_intermediate_size {int(gate.shape[1])} into parts of "
@@ -68,15 +75,34 @@ def activate_parts(
     if no_biases and ((swiglu_limit == 0 and swiglu_alpha == 0)
                       or all(holds_activation(part, swiglu_limit, swiglu_alpha) for part in parts)):
         return parts
-    gate, up, down = biases if biases is not None else (None, None, None)
     I = sum(part.intermediate_size for part in parts)
     out = []
     for index, (a, b) in enumerate(part_bounds(I, len(parts))):
-        part_biases = (None if gate is None else gate[:, a:b], None if up is None else up[:, a:b],
-                       down if index == 0 else None)
-        out.append(set_activation(parts[index], swiglu_limit, swiglu_alpha,
-                                  None if all(x is None for x in part_biases) else part_biases))
+        part_biases = None if biases is None else _part_biases(biases, index, a, b)
+        out.append(set_activation(parts[index], swiglu_limit, swiglu_alpha, part_biases))
     return out
+
+
+def _check_layer_biases(biases: object, experts: int, intermediate_size: int, hidden_size: int) -> None:
+    """``ValueError`` unless ``biases`` is a ``(gate [E, I], up [E, I], down [E, H])`` tuple of
+    the whole layer (entries may be None), checked before it is split: a slice of a wider
+    bias would have had a part's shape."""
+    if not isinstance(biases, (tuple, list)) or len(biases) != 3:
+        raise ValueError("biases must be a (gate_bias, up_bias, down_bias) tuple; any entry may be None")
+    for name, bias, width in zip(("gate_bias", "up_bias", "down_bias"), biases,
+                                 (intermediate_size, intermediate_size, hidden_size)):
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (experts, width)):
+            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"{name} must be a tensor [{experts}, {width}] (the whole layer) or None, got {got}")
+
+
+def _part_biases(biases: Biases, index: int, begin: int, end: int) -> Biases | None:
+    """Part ``index``'s share (rows ``[begin, end)``) of the layer's ``biases``: gate and up
+    biases' columns of its rows, down's bias on part 0 only; None when it has none."""
+    gate, up, down = biases
+    part = (None if gate is None else gate[:, begin:end], None if up is None else up[:, begin:end],
+            down if index == 0 else None)
+    return None if all(x is None for x in part) else part
 
 
 def holds_activation(part: PackedExperts, swiglu_limit: float, swiglu_alpha: float) -> bool:

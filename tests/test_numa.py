@@ -164,6 +164,25 @@ def test_a_part_the_method_cannot_pack_names_the_split() -> None:
         wr.load_weights_from_tensors(*layer())
 
 
+@pytest.mark.parametrize("parts", [2, 4])
+def test_pack_parts_splits_the_layers_biases(parts: int) -> None:
+    """pack_parts(..., biases=...) gave every part the whole layer's biases: a down bias
+    alone was added once per part (86 % off for two parts), gate/up biases were refused
+    as if the split were wrong. Gate/up biases split with the rows, down's on part 0."""
+    gate, up, down = layer()
+    g = torch.Generator().manual_seed(3)
+    biases = (torch.randn(E, I, generator=g), torch.randn(E, I, generator=g), torch.randn(E, H, generator=g))
+    x, ids, w = inputs(5)
+    for chosen in ((None, None, biases[2]), biases):
+        whole = pack_parts(gate, up, down, "BF16", 1, biases=chosen, swiglu_limit=7.0)[0]
+        split = pack_parts(gate, up, down, "BF16", parts, biases=chosen, swiglu_limit=7.0)
+        got = kt_ops.ops.moe_forward_parts(x, ids, w, split, [N0] * parts)
+        assert rel_err(got, kt_ops.moe_forward(x, ids, w, whole)) <= 1e-5
+        assert rel_err(got, reference.moe_forward(x, ids, w, gate, up, down, swiglu_limit=7.0, biases=chosen)) <= 1e-2
+    with pytest.raises(ValueError, match=r"gate_bias must be a tensor \[8, 512\] \(the whole layer\)"):
+        pack_parts(gate, up, down, "BF16", parts, biases=(biases[0][:, : I // parts], None, None))
+
+
 @pytest.mark.parametrize("node", [0.7, "0", True], ids=["float", "str", "bool"])
 def test_a_node_id_that_is_not_an_int_is_refused(node) -> None:
     """kt_ops.moe_forward_parts passed int(n) of each node to the operator: 0.7 ran on node
