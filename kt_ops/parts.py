@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kt_ops.ops import Biases, pack_experts, pack_fp8_experts, pack_int4_experts, set_activation
+from kt_ops.ops import (Biases, check_finite, check_pack_arguments, pack_experts, pack_fp8_experts,
+                        pack_int4_experts, set_activation)
 from kt_ops.packed import PackedExperts
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 FP8_KIND_METHODS = {"fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8"}
 _SCALE_GROUP = {"fp8": 128, "mxfp8": 32}  # k per scale column (fp8_perchannel: none)
+_ARGUMENT_KEYS = ("group_size", "zero_point", "scale_search", "gguf_type")  # check_pack_arguments' keywords
 
 
 def part_bounds(intermediate_size: int, parts: int) -> list[tuple[int, int]]:
@@ -39,10 +41,16 @@ def pack_parts(
     method cannot pack (an INT4 group wider than a part) is a ``ValueError`` naming the split.
     ``biases`` (``pack_args``) hold the whole layer and are split as :func:`activate_parts`
     splits them: gate and up biases with the parts' rows, down's bias on part 0 only (the
-    parts' outputs are summed); one of another shape is a ``ValueError``."""
+    parts' outputs are summed); one of another shape is a ``ValueError``. Arguments the
+    method does not take and non-finite weights are refused for the whole layer, as
+    :func:`kt_ops.pack_experts` refuses them (the row named is the layer's, not a part's)."""
     if parts == 1:
         return [pack_experts(gate, up, down, method=method, **pack_args)]
     bounds = part_bounds(int(gate.shape[1]), parts)
+    check_pack_arguments(method, **{k: v for k, v in pack_args.items() if k in _ARGUMENT_KEYS})
+    for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+        if not weight.is_meta:  # (pack_experts names a meta tensor)
+            check_finite(name, weight)
     biases = pack_args.pop("biases", None)
     if biases is not None:
         _check_layer_biases(biases, int(gate.shape[0]), int(gate.shape[1]), int(gate.shape[2]))

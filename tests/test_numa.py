@@ -158,10 +158,23 @@ def test_bad_arguments() -> None:
 
 def test_a_part_the_method_cannot_pack_names_the_split() -> None:
     """An INT4 group wider than a part: the error named the part's width as the layer's I
-    ("intermediate_size I = 128" for a layer of I = 512), not threadpool_count."""
-    wr = kt_ops.KTMoEWrapper(0, E, K, H, I, threadpool_count=4, method="AMXINT4", group_size=256)
-    with pytest.raises(ValueError, match=r"threadpool_count 4 splits moe_intermediate_size 512 into parts of 128"):
+    ("intermediate_size I = 64" for a layer of I = 512), not threadpool_count."""
+    wr = kt_ops.KTMoEWrapper(0, E, K, H, I, threadpool_count=8, method="AMXINT4", group_size=128)
+    with pytest.raises(ValueError, match=r"threadpool_count 8 splits moe_intermediate_size 512 into parts of 64"):
         wr.load_weights_from_tensors(*layer())
+
+
+def test_a_bad_weight_or_argument_is_not_blamed_on_the_split() -> None:
+    """pack_parts named a NaN by its row in the part ("row 36" for the layer's row 100) and
+    blamed the split for it, and for a group size no method takes (256): both are the
+    layer's, refused as pack_experts refuses them."""
+    gate, up, down = layer()
+    gate = gate.clone()
+    gate[1, 300, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"^gate_proj: expert 1, row 300 holds nan"):
+        pack_parts(gate, up, down, "BF16", 2)
+    with pytest.raises(ValueError, match=r"^method 'AMXINT4' needs group_size 32, 64 or 128 \(or None\), got 256"):
+        pack_parts(*layer(), "AMXINT4", 4, group_size=256)
 
 
 @pytest.mark.parametrize("parts", [2, 4])
