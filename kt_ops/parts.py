@@ -7,8 +7,9 @@ intermediate dimension, as kt-kernel splits experts over NUMA nodes).
 
 from __future__ import annotations
 
+import re
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 FP8_KIND_METHODS = {"fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8"}
 _SCALE_GROUP = {"fp8": 128, "mxfp8": 32}  # k per scale column (fp8_perchannel: none)
+_MX_WHERE = re.compile(r"mxfp8 (gate|up|down) scale of expert (\d+), row (\d+), group (\d+)")  # check_mx_exponents
 _ARGUMENT_KEYS = ("group_size", "zero_point", "scale_search", "gguf_type")  # check_pack_arguments' keywords
 
 
@@ -127,15 +129,36 @@ def _rows(scale: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
     return scale.repeat_interleave(128, dim=1)[:, :rows]
 
 
-def pack_fp8_parts(experts: Fp8Experts, parts: int) -> list[PackedExperts]:
+def _in_layer(error: ValueError, begin: int, ids: Sequence[int] | None) -> ValueError:
+    """The packer's error about an mxfp8 exponent of the part starting at intermediate row
+    ``begin``, naming the layer's row (gate/up) or scale group (down) and the expert's id in
+    ``ids`` (None: its position) instead of the part's; other errors as they are."""
+    match = _MX_WHERE.match(str(error))
+    if match is None:
+        return error
+    matrix, expert, row, group = match.group(1), *map(int, match.group(2, 3, 4))
+    if matrix == "down":
+        group += begin // _SCALE_GROUP["mxfp8"]
+    else:
+        row += begin
+    expert = expert if ids is None else int(ids[expert])
+    return ValueError(f"mxfp8 {matrix} scale of expert {expert}, row {row}, group {group}{str(error)[match.end():]}")
+
+
+def pack_fp8_parts(experts: Fp8Experts, parts: int, ids: Sequence[int] | None = None) -> list[PackedExperts]:
     """An FP8 checkpoint's experts (:meth:`kt_ops.hf_checkpoint.HfCheckpoint.load_fp8_experts`)
     packed in place as ``parts`` parts of the intermediate dimension (:func:`part_bounds`).
     A part boundary inside down's k must fall on a scale column (fp8: a multiple of 128,
-    mxfp8: of 32); ``ValueError`` otherwise."""
+    mxfp8: of 32); ``ValueError`` otherwise. An mxfp8 exponent the kernels do not take is
+    named by the layer's row and scale group and by the expert's id in ``ids`` (the
+    checkpoint's expert ids the experts were read from; None: their positions)."""
     method = FP8_KIND_METHODS[experts.kind]
     if parts == 1:
-        return [pack_fp8_experts(experts.gate, experts.up, experts.down, experts.gate_scale, experts.up_scale,
-                                 experts.down_scale, method)]
+        try:
+            return [pack_fp8_experts(experts.gate, experts.up, experts.down, experts.gate_scale, experts.up_scale,
+                                     experts.down_scale, method)]
+        except ValueError as error:
+            raise _in_layer(error, 0, ids) from None
     I = int(experts.gate.shape[1])
     gate_scale, up_scale = (_rows(s, experts.kind, I) for s in (experts.gate_scale, experts.up_scale))
     group = _SCALE_GROUP.get(experts.kind)
@@ -145,8 +168,11 @@ def pack_fp8_parts(experts: Fp8Experts, parts: int) -> list[PackedExperts]:
             raise ValueError(f"threadpool_count {parts} splits down_proj's k (I = {I}) at {a}, inside a {group}-wide "
                              f"{experts.kind} scale group; choose a count that splits I at multiples of {group}")
         down_scale = experts.down_scale if group is None else experts.down_scale[:, :, a // group: -(-b // group)]
-        out.append(pack_fp8_experts(experts.gate[:, a:b], experts.up[:, a:b], experts.down[:, :, a:b].contiguous(),
-                                    gate_scale[:, a:b], up_scale[:, a:b], down_scale.contiguous(), method))
+        try:
+            out.append(pack_fp8_experts(experts.gate[:, a:b], experts.up[:, a:b], experts.down[:, :, a:b].contiguous(),
+                                        gate_scale[:, a:b], up_scale[:, a:b], down_scale.contiguous(), method))
+        except ValueError as error:
+            raise _in_layer(error, a, ids) from None
     return out
 
 

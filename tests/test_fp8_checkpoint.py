@@ -457,3 +457,25 @@ def test_inspect_names_the_fp8_kind_and_counts_its_scales(tmp_path: Path, kind: 
     assert f"method {KINDS[kind]} reads it in place" in stored, stored
     expected = sum(q.numel() + s.numel() * s.element_size() for q, s in mats)
     assert report.layers[0].nbytes == expected
+
+
+@pytest.mark.parametrize("matrix,parts", [("gate", 1), ("gate", 2), ("down", 2)])
+def test_a_bad_mxfp8_exponent_is_named_by_the_layers_row_and_expert(tmp_path: Path, matrix: str, parts: int) -> None:
+    """An exponent code the kernels do not take was named by its position in the part and
+    among the CPU experts: "expert 3, row 8" for the checkpoint's expert 2, row 200 of a
+    layer split in two parts of 192 rows and read with a permuted expert map."""
+    En, Hn, In = 4, 256, 384
+    g = torch.Generator().manual_seed(4)
+    codes = {name: (torch.randn(En, n, k, generator=g) * 2).to(torch.float8_e4m3fn)
+             for name, (n, k) in (("gate", (In, Hn)), ("up", (In, Hn)), ("down", (Hn, In)))}
+    scales = {name: torch.randint(118, 124, (En, c.shape[1], c.shape[2] // 32), generator=g, dtype=torch.uint8)
+              for name, c in codes.items()}
+    codes[matrix][2].view(torch.uint8).bitwise_or_(1)  # nonzero weights throughout (e4m3 code 1: 2^-9)
+    row, group = (200, 3) if matrix == "gate" else (5, 7)  # down's group 7: k 224..255, in part 1
+    scales[matrix][2, row, group] = 0
+    experts = hf.Fp8Experts("mxfp8", codes["gate"][[1, 0, 3, 2]], codes["up"][[1, 0, 3, 2]],
+                            codes["down"][[1, 0, 3, 2]], scales["gate"][[1, 0, 3, 2]], scales["up"][[1, 0, 3, 2]],
+                            scales["down"][[1, 0, 3, 2]])
+    with pytest.raises(ValueError, match=rf"^mxfp8 {matrix} scale of expert 2, row {row}, group {group}: exponent "
+                                         "code 0"):
+        kt_ops.parts.pack_fp8_parts(experts, parts, [1, 0, 3, 2])

@@ -657,7 +657,7 @@ class KTMoEWrapper:
         source = None
         if cpu:
             experts = checkpoint.load_fp8_experts(self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
-            parts = pack_fp8_parts(experts, self.threadpool_count)
+            parts = pack_fp8_parts(experts, self.threadpool_count, cpu)
             source = (experts.gate, experts.up, experts.down)
         self._set_packed(parts, route, source=source)
 
