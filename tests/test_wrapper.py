@@ -1096,3 +1096,17 @@ def test_a_wrapper_says_what_it_is_and_refuses_to_be_copied() -> None:
     for copier in (copy.deepcopy, copy.copy, pickle.dumps):
         with pytest.raises(TypeError, match="a KTMoEWrapper cannot be pickled or copied.*load_weights"):
             copier(wr)
+
+
+@pytest.mark.parametrize("threadpool_count", [1, 2])
+@pytest.mark.parametrize("placement", ["map", "mask"])
+def test_a_non_finite_weight_names_the_weights_expert(threadpool_count: int, placement: str) -> None:
+    """A NaN in expert 5 of the weights given was named by its position among the CPU
+    experts packed ("expert 6" under a reversing map, "expert 2" with three GPU slots)."""
+    g = torch.Generator().manual_seed(2)
+    gate, up, down = (torch.randn(E, *shape, generator=g) * 0.1 for shape in ((I, H), (I, H), (H, I)))
+    gate[5, 40, 3] = float("nan")
+    wr = KTMoEWrapper(0, E, K, H, I, method="BF16", threadpool_count=threadpool_count,
+                      num_gpu_experts=3 if placement == "mask" else None)
+    with pytest.raises(ValueError, match=r"^gate_proj: expert 5, row 40 holds nan"):
+        wr.load_weights_from_tensors(gate, up, down, list(range(E))[::-1] if placement == "map" else None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 import threading
 import warnings
 import weakref
@@ -113,6 +114,20 @@ def _kt_kernel_map(physical_to_logical_map: object, physical_to_logical_map_cpu:
     if physical_to_logical_map is not None:
         raise TypeError("give physical_to_logical_map or physical_to_logical_map_cpu (kt-kernel's name), not both")
     return physical_to_logical_map_cpu
+
+
+_EXPERT_NAMED = re.compile(r"\b(gate_proj|up_proj|down_proj): expert (\d+)\b")  # kt_ops.ops.check_finite's, ...
+
+
+def _named_by_id(error: ValueError, ids: Sequence[int]) -> ValueError:
+    """``error`` of packing the experts ``ids`` (their ids in the weights given, in packed
+    order), naming the expert by its id there instead of its position among them."""
+    text = str(error)
+    match = _EXPERT_NAMED.search(text)
+    if match is None or int(match.group(2)) >= len(ids):
+        return error
+    named = f"{match.group(1)}: expert {int(ids[int(match.group(2))])}"
+    return ValueError(text[:match.start()] + named + text[match.end():])
 
 
 def _plain_int(value: object) -> object:
@@ -500,15 +515,19 @@ class KTMoEWrapper:
         route[slots] = torch.arange(slots.numel())
         return route
 
-    def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+    def _pack_cpu_experts(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, ids: Sequence[int],
                           biases: Biases | None = None) -> None:
-        """Packs the CPU slots' experts (``gate/up/down`` and ``biases`` hold those, in slot order)."""
+        """Packs the CPU slots' experts (``gate/up/down`` and ``biases`` hold those, in slot order;
+        ``ids``: their ids in the weights given, which an error names)."""
         if self.format == "gguf":
             raise ValueError("method LLAMAFILE loads GGUF files (weight_path); online quantization into GGUF "
                              "is kt_ops.pack_experts(..., method='LLAMAFILE', gguf_type=...)")
         pack_args = {"group_size": self.group_size} if self.format in ("int4", "int4_asym") else {}
         route = self._cpu_route()
-        parts = pack_parts(gate, up, down, self.method, self.threadpool_count, **pack_args) if gate.shape[0] else []
+        try:
+            parts = pack_parts(gate, up, down, self.method, self.threadpool_count, **pack_args) if gate.shape[0] else []
+        except ValueError as error:  # "gate_proj: expert 1, row 100 holds nan" for the weights' expert 2
+            raise _named_by_id(error, ids) from None
         self._set_packed(parts, route, biases, (gate, up, down))
 
     def load_weights_from_tensors(
@@ -560,7 +579,7 @@ class KTMoEWrapper:
                 if bias is not None and (bias.dim() != 2 or tuple(bias.shape) != (gate_proj.shape[0], width)):
                     raise ValueError(f"{name} must be [{gate_proj.shape[0]}, {width}], got {tuple(bias.shape)}")
             biases = tuple(None if b is None else b[cpu].cpu() for b in biases)
-        self._pack_cpu_experts(gate_proj[cpu].cpu(), up_proj[cpu].cpu(), down_proj[cpu].cpu(), biases)
+        self._pack_cpu_experts(gate_proj[cpu].cpu(), up_proj[cpu].cpu(), down_proj[cpu].cpu(), cpu.tolist(), biases)
 
     def load_weights(
         self,
@@ -617,7 +636,7 @@ class KTMoEWrapper:
             if kind is not None:  # read in place: the checkpoint's e4m3 bytes and scales
                 return self._load_fp8(checkpoint, cpu)
         gate, up, down = checkpoint.load_experts(self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
-        self._pack_cpu_experts(gate, up, down)
+        self._pack_cpu_experts(gate, up, down, cpu)
 
     def _load_kt_kernel(self, path: Path, physical_to_logical_map: torch.Tensor | Sequence[int] | None) -> None:
         """The CPU slots' experts of a directory written by kt-kernel's converter (AMXINT4 /
