@@ -69,9 +69,10 @@ def test_both_protocols_see_a_slower_peer_and_settle() -> None:
     small = previous_layer(TINY, "BF16")
     row = measure_peer_row(TINY, "BF16", 3, layers, peer, prepared, lambda: flushes.append(1),
                            previous=(small, peer.prepare(small)), calls=4, min_rounds=3, max_rounds=5)
-    # A 20 ms delay on a call of well under a millisecond: far above any target.
-    assert row.alternating_speedup > 5 and row.block_speedup > 5
-    assert row.alternating_peer_us > row.alternating_kt_us and row.block_peer_us > row.block_kt_us
+    # The peer is the same call plus 20 ms: both protocols see the delay (not a ratio: a call of well under a
+    # millisecond idle took 12.5 ms while CI ran beside other tests, and "> 5x" failed at 2.4x).
+    assert row.alternating_peer_us - row.alternating_kt_us > 15_000
+    assert row.block_peer_us - row.block_kt_us > 15_000
     assert 3 <= row.rounds <= 5 and row.target == DECODE_TARGET and row.meets_target
     # Every timed call (and the 2 + 2 warm-up calls) comes after a flush.
     assert len(flushes) == 4 + row.rounds * 4 * 4
