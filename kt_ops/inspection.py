@@ -639,7 +639,8 @@ def _inspect_hf(root: Path) -> Inspection:
     if not moe and not mxfp4:
         raise ValueError(f"{root} holds safetensors files but no routed-expert tensors (per-expert "
                          "'*.mlp.experts.{e}.gate_proj.weight', Mixtral's '*.block_sparse_moe.experts.{e}.w1.weight', "
-                         "Mistral's 'layers.{L}.experts.{e}.w1.weight', fused '*.mlp.experts.gate_up_proj', INT4 '*.qweight' / '*.weight_packed', or MXFP4 "
+                         "Mistral's 'layers.{L}.experts.{e}.w1.weight', fused '*.mlp.experts.gate_up_proj', INT4 "
+                         "'*.qweight' / '*.weight_packed', or MXFP4 "
                          "'*.mlp.experts.gate_up_proj_blocks' / '*.ffn.experts.{e}.w1.weight')")
     int4 = {L: method for L in moe for method in [int4_method(checkpoint, L)] if method is not None}
     floats = {L: where for L, where in moe.items() if L not in int4}

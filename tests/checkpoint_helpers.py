@@ -201,9 +201,9 @@ def write_fp8_layer(
             tensors[key] = codes.view(torch.float8_e4m3fn)
             tensors[key + suffix] = _stored_scale(kind, scale, scale_dtype, name == "down")
     else:
-        block, names = ((".mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
-                        if convention == "per_expert" else
-                        ("" if convention == "mistral" else ".block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}))
+        w123 = {"gate": "w1", "up": "w3", "down": "w2"}
+        block, names = {"per_expert": (".mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+                        "mistral": ("", w123)}.get(convention, (".block_sparse_moe", w123))
         for name, (codes, scale) in mats.items():
             for e in range(E):
                 key = f"{base}{block}.experts.{e}.{names[name]}"
