@@ -50,9 +50,6 @@ def pack_parts(
         return [pack_experts(gate, up, down, method=method, **pack_args)]
     bounds = part_bounds(int(gate.shape[1]), parts)
     check_pack_arguments(method, **{k: v for k, v in pack_args.items() if k in _ARGUMENT_KEYS})
-    for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-        if not weight.is_meta:  # (pack_experts names a meta tensor)
-            check_finite(name, weight)
     biases = pack_args.pop("biases", None)
     if biases is not None:
         _check_layer_biases(biases, int(gate.shape[0]), int(gate.shape[1]), int(gate.shape[2]))
@@ -66,6 +63,11 @@ def pack_parts(
             for index, (a, b) in enumerate(bounds)
         ]
     except ValueError as error:  # it named the part's width as the layer's I ("intermediate_size I = 64")
+        # A non-finite weight is the layer's, named by the layer's row: looked for here, after a part
+        # failed, so that a good layer is not read once more before its parts check their slices.
+        for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            if not weight.is_meta:  # (pack_experts names a meta tensor)
+                check_finite(name, weight)
         raise ValueError(f"threadpool_count {parts} splits moe_intermediate_size {int(gate.shape[1])} into parts of "
                          f"{bounds[0][1]}, each packed as a layer of that intermediate size: {error}") from None
 
