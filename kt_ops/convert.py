@@ -50,6 +50,7 @@ from tqdm import tqdm
 from kt_ops import reference
 from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, missing_layers, save_durably
 from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
+from kt_ops.cpu import max_threads
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint, config_layer_count, read_config_json, whole_number
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
@@ -287,8 +288,8 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
         args.group_size = default_group_size(method)
     if args.threadpool_count < 1:
         raise UsageError(f"--threadpool-count must be >= 1, got {args.threadpool_count}")
-    if args.cpuinfer_threads is not None and args.cpuinfer_threads < 1:
-        raise UsageError(f"--cpuinfer-threads must be >= 1, got {args.cpuinfer_threads}")
+    if args.cpuinfer_threads is not None and not 1 <= args.cpuinfer_threads <= max_threads():
+        raise UsageError(f"--cpuinfer-threads must be 1 ... {max_threads()} (16 per CPU), got {args.cpuinfer_threads}")
     if args.resume_layer is not None and args.resume_layer < 0:
         raise UsageError(f"--resume-layer must be a layer index >= 0, got {args.resume_layer}")
     if sizes and args.group_size not in sizes:

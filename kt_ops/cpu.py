@@ -1,7 +1,7 @@
 """CPU variant selection and the engine's thread count."""
 
 from kt_ops._native import _C
-from kt_ops._validate import is_int
+from kt_ops._validate import is_integral
 
 # In order of preference, oldest first: the best supported one is active by default.
 # avx_vnni (AVX2 + 256-bit vpdpbusd: Intel Core from Alder Lake, Zen 5) is not required by
@@ -38,6 +38,15 @@ def missing_features(name: str) -> str:
     return _C.missing_features(name)
 
 
+def max_threads() -> int:
+    """The most threads :func:`set_num_threads` and ``KT_OPS_NUM_THREADS`` accept: 16 per
+    logical CPU of this machine, at least 1024. Far above any useful count (the default is
+    one per physical core); the bound is there because torch's OpenMP pool crashes the
+    process (a segfault, no exception) when it cannot start the threads it is given:
+    ``torch.set_num_threads(50000)`` then any parallel op, on a 2-core VM with 24 GiB."""
+    return _C.max_threads()
+
+
 def set_num_threads(n: int) -> None:
     """Sets the number of threads the kernels run on.
 
@@ -46,10 +55,15 @@ def set_num_threads(n: int) -> None:
     when set, is applied the same way at import; otherwise torch's default (the physical
     cores) stands. With ``KT_OPS_THREAD_POOL=own`` kt_ops runs its own pool instead: the
     caller plus ``n - 1`` pinned helpers (default ``KT_OPS_NUM_THREADS`` or the physical
-    cores), rebuilt here after any running kernel. Raises ``ValueError`` for ``n < 1``.
+    cores), rebuilt here after any running kernel. Raises ``ValueError`` for ``n < 1`` and
+    for more than :func:`max_threads`.
     """
-    if not is_int(n) or n < 1:
+    if not is_integral(n) or n < 1:  # numpy's integers too, as torch.set_num_threads takes them
         raise ValueError(f"n must be a positive int, got {n!r}")
+    n = int(n)
+    if n > max_threads():
+        raise ValueError(f"{n} threads is more than kt_ops starts (at most {max_threads()}: 16 per CPU); torch's "
+                         "OpenMP pool crashes the process when it cannot start that many")
     _C.set_num_threads(n)
 
 

@@ -143,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
     if args.group_size is not None and args.group_size < 1:  # 0 read as 128, -32 as 4294967264 further down
         raise UsageError(f"--group-size must be 32, 64 or 128, got {args.group_size}")
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        if not 1 <= args.threads <= kt_ops.cpu.max_threads():
+            raise UsageError(f"--threads must be 1 ... {kt_ops.cpu.max_threads()} (16 per CPU), got {args.threads}")
         torch.set_num_threads(args.threads)
     # --gguf-type alone means the GGUF method (the default, native, takes no type).
     native = args.method.lower() == "native"  # as _load_gguf and KtOpsConfig read it: "Native" too

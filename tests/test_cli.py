@@ -134,6 +134,14 @@ def test_generate_refuses_a_group_size_below_1(capsys, hf_checkpoint, size) -> N
     assert status == 2 and last_line(err) == f"kt-ops generate: error: --group-size must be 32, 64 or 128, got {size}"
 
 
+@pytest.mark.parametrize("threads", ["0", "100000"])
+def test_generate_refuses_thread_counts_out_of_range(capsys, hf_checkpoint, threads) -> None:
+    """--threads 100000 went to torch.set_num_threads, whose OpenMP pool segfaulted starting them."""
+    status, _, err = run(capsys, "generate", hf_checkpoint, "--prompt", "hi", "--threads", threads)
+    assert status == 2 and last_line(err).startswith("kt-ops generate: error: --threads must be 1 ... "), err
+    assert last_line(err).endswith(f"(16 per CPU), got {threads}")
+
+
 @pytest.mark.parametrize("kind", ["file", "directory"])
 def test_generate_of_a_path_that_is_no_model_says_so(capsys, tmp_path, kind) -> None:
     """A file that is not .gguf, a directory without config.json or GGUF files: transformers
@@ -199,6 +207,8 @@ def test_bench_and_convert_get_their_arguments_unparsed(capsys, monkeypatch) -> 
     status, _, err = run(capsys, "bench", "--threads", "0")
     assert status == 2 and "usage: kt-ops bench" in err
     assert last_line(err) == "kt-ops bench: error: --threads must be >= 1, got 0"
+    status, _, err = run(capsys, "bench", "--threads", "100000")  # torch's pool would segfault
+    assert status == 2 and last_line(err).startswith("kt-ops bench: error: --threads must be at most ")
     status, _, err = run(capsys, "convert", "--input-path", "/no/such/dir", "--input-type", "bf16", "--output",
                          "/tmp/unused", "--quant-method", "int8")
     assert status == 2 and "usage: kt-ops convert" in err

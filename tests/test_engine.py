@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,6 +40,25 @@ def test_set_and_get(restore_threads) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive int"):
             kt_ops.set_num_threads(bad)
+
+
+def test_absurd_thread_counts_are_refused(restore_threads) -> None:
+    """torch's OpenMP pool segfaults when it cannot start the threads it is given (50000 on a
+    2-core VM): kt_ops refuses more than 16 per CPU (at least 1024) before torch sees them, in
+    Python and in the extension, and the count stays what it was."""
+    limit = kt_ops.cpu.max_threads()
+    assert limit == max(1024, 16 * os.sysconf("SC_NPROCESSORS_CONF"))
+    kt_ops.set_num_threads(2)
+    kt_ops.set_num_threads(np.int64(3))  # as torch.set_num_threads takes it
+    assert kt_ops.get_num_threads() == 3
+    kt_ops.set_num_threads(2)
+    for bad in (limit + 1, 10**6, 2**31, np.int64(2**40)):  # 2**31 was pybind's TypeError
+        with pytest.raises(ValueError, match=f"at most {limit}"):
+            kt_ops.set_num_threads(bad)
+        if bad < 2**31:  # what pybind can pass as an int
+            with pytest.raises(ValueError, match=f"num_threads must be 1 ... {limit}"):
+                kt_ops._native._C.set_num_threads(bad)
+    assert kt_ops.get_num_threads() == 2 == torch.get_num_threads()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -157,7 +177,8 @@ def test_environment_integers_out_of_range_are_refused() -> None:
     positive number of threads"), naming neither the variable nor the value."""
     code = "import kt_ops; print(kt_ops.get_num_threads(), len(kt_ops.numa.topology().nodes))"
     for name in ("KT_OPS_NUMA_SIMULATE", "KT_OPS_NUM_THREADS"):
-        for value in ("4294967298", "2147483648", "99999999999999999999"):
+        # 60000 threads: accepted before, and torch's pool segfaulted starting them
+        for value in ("4294967298", "2147483648", "99999999999999999999") + (("60000",) if "THREADS" in name else ()):
             result = run_python(code, **{name: value})
             assert result.returncode != 0 and name in result.stderr, (name, value, result.stdout, result.stderr[-500:])
 

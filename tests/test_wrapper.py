@@ -952,6 +952,7 @@ def test_capture_batch_sizes_must_be_ints(sizes: list) -> None:
     ({"threadpool_count": 2, "cpuinfer_threads": 1}, "cpuinfer_threads"),
     ({"cpuinfer_threads": True}, "cpuinfer_threads"),  # set torch's threads to 1
     ({"cpuinfer_threads": 2.0}, "cpuinfer_threads"),
+    ({"cpuinfer_threads": 10**6}, "cpuinfer_threads .* must be at most"),  # torch's pool segfaulted starting them
     ({"threadpool_count": 3}, "must divide"),
     ({"numa_nodes": [0, 1]}, "numa_nodes"),
     ({"max_deferred_experts_per_token": 4}, "max_deferred"),

@@ -337,6 +337,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return cpu::missing_features(cpu::parse_cpu_variant(name));
   });
   m.def("get_num_threads", [] { return cpu::Engine::instance().num_threads(); });
+  m.def("max_threads", &cpu::Engine::max_threads);
   m.def("set_num_threads", [](int n) {
     py::gil_scoped_release no_gil;
     cpu::Engine::instance().set_num_threads(n);

@@ -96,6 +96,7 @@ from kt_ops.bench.runner import (
     random_weights,
 )
 from kt_ops.bench.torch_dtype import TorchDtype, choose_torch_dtype
+from kt_ops.cpu import max_threads
 
 
 def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> argparse.Namespace:
@@ -165,6 +166,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             parser.error(f"--json {args.json}: cannot write into {folder} "
                          f"({'no such directory' if not folder.is_dir() else 'permission denied'})")
+    if args.threads is not None and args.threads > max_threads():  # torch's pool would crash the process
+        parser.error(f"--threads must be at most {max_threads()} (16 per CPU), got {args.threads}")
     if args.threads is not None and args.threads > (os.cpu_count() or 1):
         print(f"note: --threads {args.threads} exceeds this machine's {os.cpu_count()} CPUs: the rows time an "
               "oversubscribed machine", file=sys.stderr)

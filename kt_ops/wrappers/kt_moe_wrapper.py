@@ -32,7 +32,7 @@ import kt_ops.cuda
 from kt_ops import _futures, expert_stats, gpu_prefill
 from kt_ops._validate import is_int, is_integral, is_real, require_bools, require_tensors
 from kt_ops.converted import is_converted, load_converted_layer
-from kt_ops.cpu import get_num_threads, set_num_threads
+from kt_ops.cpu import get_num_threads, max_threads, set_num_threads
 from kt_ops.dynamic_experts import host_copy
 from kt_ops.formats import CHECKPOINT_METHODS, default_group_size, format_for_method
 from kt_ops.gguf_loader import (
@@ -305,6 +305,8 @@ class KTMoEWrapper:
         self.format = format_for_method(method)  # ValueError naming the implemented methods
         if cpuinfer_threads is not None and (not is_int(cpuinfer_threads) or cpuinfer_threads < threadpool_count):
             raise ValueError(f"cpuinfer_threads ({cpuinfer_threads}) must be an int >= threadpool_count ({threadpool_count})")
+        if cpuinfer_threads is not None and cpuinfer_threads > max_threads():  # before any weight is read
+            raise ValueError(f"cpuinfer_threads ({cpuinfer_threads}) must be at most {max_threads()} (16 per CPU)")
         nodes = resolve_nodes(numa_nodes, threadpool_count)  # ValueError for a length or id that does not fit
         if not is_int(max_deferred_experts_per_token) or not 0 <= max_deferred_experts_per_token <= num_experts_per_tok:
             raise ValueError(f"max_deferred_experts_per_token must be an int in [0, {num_experts_per_tok}], "

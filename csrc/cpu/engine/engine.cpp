@@ -48,7 +48,7 @@ int64_t env_int(const char* name, int64_t fallback, int64_t max) {
   return value;
 }
 
-constexpr int64_t kMaxEnvCount = 1 << 16;          // threads, simulated nodes
+constexpr int64_t kMaxEnvCount = 1 << 16;          // simulated nodes
 constexpr int64_t kMaxSpinUs = 10 * 1000 * 1000;  // 10 s
 
 // The machine's nodes, or KT_OPS_NUMA_SIMULATE=N simulated ones.
@@ -77,7 +77,7 @@ Engine& Engine::instance() {
 // extension does, at load) never starts their threads unless it runs NUMA parts.
 Engine::Engine()
     : topology_(engine_topology()), spin_ns_(env_int("KT_OPS_SPIN_US", 200, kMaxSpinUs) * 1000) {
-  num_threads_ = static_cast<int>(env_int("KT_OPS_NUM_THREADS", topology_.num_physical_cores(), kMaxEnvCount));
+  num_threads_ = static_cast<int>(env_int("KT_OPS_NUM_THREADS", topology_.num_physical_cores(), max_threads()));
   rebuild_pools_ = true;
   pthread_atfork([] { instance().remember_threads_before_fork(); }, nullptr,
                  [] { instance().forget_threads_after_fork(); });
@@ -120,8 +120,15 @@ int Engine::num_threads() const {
   return num_threads_;
 }
 
+int Engine::max_threads() {
+  const long cpus = sysconf(_SC_NPROCESSORS_CONF);
+  return static_cast<int>(std::max<long>(1024, 16 * std::max<long>(cpus, 1)));
+}
+
 void Engine::set_num_threads(int n) {
-  if (n < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
+  if (n < 1 || n > max_threads())
+    throw std::invalid_argument("num_threads must be 1 ... " + std::to_string(max_threads()) + " (16 per CPU), got " +
+                                std::to_string(n));
   if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return team->set_num_threads(n);
   std::lock_guard<std::mutex> lock(mutex_);
   num_threads_ = n;

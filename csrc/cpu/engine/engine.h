@@ -49,8 +49,12 @@ class Engine {
   // Inside a part of run_on_nodes: that node's threads.
   int num_threads() const;
   // With a team: its thread count (e.g. torch.set_num_threads). Own pools: rebuilds them
-  // with n >= 1 threads; waits for a running parallel_for.
+  // with 1 <= n <= max_threads() threads; waits for a running parallel_for.
   void set_num_threads(int n);
+  // The most threads set_num_threads and KT_OPS_NUM_THREADS accept: 16 per logical CPU, at
+  // least 1024. torch's OpenMP pool segfaults when it cannot start the threads it is given
+  // (50000 on a 2-core VM with 24 GiB), so an absurd count is refused up front.
+  static int max_threads();
 
   // Runs every later parallel_for on `team` (which must outlive the Engine) and drops the
   // own pools; KT_OPS_NUM_THREADS, when set, becomes the team's thread count. nullptr: back
