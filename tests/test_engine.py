@@ -217,6 +217,29 @@ def test_own_pools_on_request() -> None:
     assert " passed" in result.stdout and "failed" not in result.stdout
 
 
+OWN_POOL_THREAD_LIMIT = """
+import resource, kt_ops
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 256 * 2**20, resource.RLIM_INFINITY))  # room for ~30 8 MiB stacks
+try:
+    kt_ops.set_num_threads(200)
+except RuntimeError as error:
+    print("refused:", error)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="C++: WorkerPool's constructor (csrc/cpu/engine/worker_pool.cpp) does not join "
+                   "the helpers it started when a later std::thread fails, so their joinable std::thread objects "
+                   "are destroyed and std::terminate aborts the process")
+def test_own_pools_thread_creation_failure_is_an_error() -> None:
+    """KT_OPS_THREAD_POOL=own: a pool the OS cannot start every helper of (KT_OPS_NUM_THREADS
+    or set_num_threads beyond the process's thread or memory limits) is an exception, not an
+    abort ("terminate called without an active exception", exit code -6)."""
+    result = run_python(OWN_POOL_THREAD_LIMIT, KT_OPS_THREAD_POOL="own")
+    assert result.returncode == 0 and result.stdout.startswith("refused:"), (result.returncode, result.stderr[-500:])
+
+
 OWN_POOL_BACKWARD = """
 import torch, kt_ops
 kt_ops.set_num_threads(2)
