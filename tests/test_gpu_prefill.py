@@ -724,9 +724,11 @@ def test_wrapper_prefill_threshold_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD", "4096")
     assert prefill_wrapper().gpu_prefill_token_threshold == 4096
     assert prefill_wrapper(gpu_prefill_token_threshold=16).gpu_prefill_token_threshold == 16
-    for value in ("many", "-1"):
+    # The error names the variable the value came from: "-1" was refused as gpu_prefill_token_threshold, a
+    # keyword the caller never passed.
+    for value in ("many", "-1", "2.5"):
         monkeypatch.setenv("KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD", value)
-        with pytest.raises(ValueError, match="KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD|gpu_prefill_token_threshold"):
+        with pytest.raises(ValueError, match=f"KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD must be an int >= 0.*'{value}'"):
             prefill_wrapper()
     monkeypatch.delenv("KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD")
     assert prefill_wrapper().gpu_prefill_token_threshold == 0

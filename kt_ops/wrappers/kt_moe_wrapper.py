@@ -337,7 +337,9 @@ class KTMoEWrapper:
             try:
                 gpu_prefill_token_threshold = int(text)
             except ValueError:
-                raise ValueError(f"KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD must be an int >= 0, got {text!r}") from None
+                gpu_prefill_token_threshold = -1
+            if gpu_prefill_token_threshold < 0:  # named as the variable, not as a keyword the caller did not pass
+                raise ValueError(f"KT_OPS_GPU_PREFILL_TOKEN_THRESHOLD must be an int >= 0 (0: off), got {text!r}")
         self.gpu_prefill_token_threshold = gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
         self.gpu_experts_mask = self._mask(gpu_experts_mask, num_gpu_experts)
         if dynamic_gpu_experts:
