@@ -33,8 +33,9 @@ if _ISA_SETTINGS and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _default_inductor_cache() + "_" + "_".join(_ISA_SETTINGS).lower()
 
 # A per-variant CI pass (scripts/test_all_variants.sh) sets KT_OPS_CPU_VARIANT: the
-# `variant` fixture then runs that variant only, the other passes cover the others.
-PINNED_VARIANT = os.environ.get("KT_OPS_CPU_VARIANT") or None
+# `variant` fixture then runs that variant only, the other passes cover the others. The value
+# as kt_ops read it (stripped; blank is unset), not the raw one.
+PINNED_VARIANT = kt_ops._native._requested or None
 
 
 def variant_params(pinned: str | None = None) -> list:

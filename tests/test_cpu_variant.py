@@ -26,7 +26,7 @@ def import_with_variant(value: str) -> subprocess.CompletedProcess:
 def test_active_variant_is_the_best_supported() -> None:
     supported = kt_ops.supported_cpu_variants()
     assert supported, "kt_ops imported on a CPU it cannot run on"
-    if "KT_OPS_CPU_VARIANT" not in os.environ:
+    if not kt_ops._native._requested:  # KT_OPS_CPU_VARIANT unset or blank
         assert kt_ops.cpu_variant() == supported[-1]
     for name in kt_ops.CPU_VARIANTS:
         assert (name in supported) == (kt_ops.missing_features(name) == "")
@@ -38,6 +38,17 @@ def test_environment_forces_each_supported_variant(name: str) -> None:
     result = import_with_variant(name)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == name
+
+
+@pytest.mark.slow
+def test_test_passes_pin_the_variant_kt_ops_forced() -> None:
+    """conftest's pinned variant is the one kt_ops forced: kt_ops strips KT_OPS_CPU_VARIANT (blank: unset),
+    conftest read it raw, so under KT_OPS_CPU_VARIANT=" avx2" or "  " every variant test was skipped."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import conftest; print(repr(conftest.PINNED_VARIANT))"
+    for value, pinned in ((" avx2 ", "'avx2'"), ("  ", "None")):
+        result = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], capture_output=True,
+                                env={**os.environ, "KT_OPS_CPU_VARIANT": value}, text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.strip() == pinned, (value, result.stdout, result.stderr[-500:])
 
 
 def test_unknown_variant_is_an_error() -> None:
