@@ -131,8 +131,14 @@ void Engine::set_num_threads(int n) {
                                 std::to_string(n));
   if (ThreadTeam* team = team_.load(std::memory_order_acquire)) return team->set_num_threads(n);
   std::lock_guard<std::mutex> lock(mutex_);
+  const int before = num_threads_;
   num_threads_ = n;
-  ensure_pools();
+  try {
+    ensure_pools();
+  } catch (...) {
+    num_threads_ = before;  // the next parallel_for builds the pools of the count that worked
+    throw;
+  }
 }
 
 std::vector<NodePlan> Engine::pool_plans() const {
@@ -151,7 +157,13 @@ void Engine::ensure_pools() {
   const int wanted = pool_threads();
   if (!rebuild_pools_ && wanted == pools_threads_) return;
   rebuild_pools_ = false;
-  build_pools(wanted);
+  try {
+    build_pools(wanted);
+  } catch (...) {  // a helper thread the OS refused: no half-built pools, and build them again next time
+    pools_.clear();
+    rebuild_pools_ = true;
+    throw;
+  }
 }
 
 void Engine::build_pools(int num_threads) {

@@ -8,6 +8,9 @@
 
 #include <chrono>
 #include <climits>
+#include <exception>
+#include <stdexcept>
+#include <string>
 
 namespace kt::cpu {
 
@@ -69,14 +72,28 @@ void Job::work() {
 
 WorkerPool::WorkerPool(const std::vector<int>& cpus, int64_t spin_ns) : spin_ns_(spin_ns) {
   threads_.reserve(cpus.size());
-  for (int cpu : cpus) threads_.emplace_back([this, cpu] { helper_loop(cpu); });
+  try {
+    for (int cpu : cpus) threads_.emplace_back([this, cpu] { helper_loop(cpu); });
+  } catch (const std::exception& error) {
+    // The OS refused a thread (its thread or memory limits): the started helpers must be
+    // joined here, as the destructor of a half-built object does not run (a joinable
+    // std::thread destroyed unjoined aborts the process).
+    const size_t started = threads_.size();
+    stop_and_join();
+    throw std::runtime_error("kt_ops could not start helper thread " + std::to_string(started + 1) + " of " +
+                             std::to_string(cpus.size()) + " (" + error.what() +
+                             "): fewer threads (kt_ops.set_num_threads, KT_OPS_NUM_THREADS) or higher process limits");
+  }
 }
 
-WorkerPool::~WorkerPool() {
+WorkerPool::~WorkerPool() { stop_and_join(); }
+
+void WorkerPool::stop_and_join() {
   stopping_.store(true, std::memory_order_seq_cst);
   generation_.fetch_add(1, std::memory_order_seq_cst);
   futex_wake_all(&generation_);
   for (auto& thread : threads_) thread.join();
+  threads_.clear();
 }
 
 void WorkerPool::start(Job* job) {

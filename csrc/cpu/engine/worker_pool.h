@@ -52,6 +52,7 @@ class WorkerPool {
   void start(Job* job);
 
  private:
+  void stop_and_join();  // wakes the helpers to exit and joins them
   void helper_loop(int cpu);
   void wait_for_generation(uint32_t seen);
 
