@@ -43,11 +43,16 @@ def fsync_path(path: Path) -> None:
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """``save_file`` with kt_ops' metadata; a failed write (a full disk) is an ``OSError``
-    naming ``path``, not safetensors' own exception (which names no file)."""
+    naming ``path``, not safetensors' own exception (which names no file). A write that
+    fails or is interrupted (Ctrl-C) midway deletes the part of ``path`` it wrote (the
+    space a full disk needs back; a leftover kept a failed first layer's directory)."""
     try:
         save_file(tensors, os.fspath(path), metadata=METADATA)
-    except SafetensorError as error:
-        raise OSError(f"{path}: cannot write it: {error}") from None
+    except BaseException as error:
+        path.unlink(missing_ok=True)
+        if isinstance(error, SafetensorError):
+            raise OSError(f"{path}: cannot write it: {error}") from None
+        raise
 
 
 def save_durably(tensors: dict[str, torch.Tensor], path: Path) -> None:

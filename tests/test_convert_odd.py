@@ -1,0 +1,57 @@
+"""The converter on odd inputs and interrupted runs: what a failed or interrupted write
+leaves behind, checkpoints with a multi-token-prediction layer, outputs read back."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from checkpoint_helpers import make_weights, write_checkpoint
+from safetensors import SafetensorError
+
+from kt_ops import convert, convert_merge
+
+E, H, I = 4, 64, 64
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("hf") / "model", make_weights([0, 1, 2], E, H, I, seed=5))
+
+
+def run(*args: object) -> int:
+    return convert.main([str(a) for a in args])
+
+
+@pytest.mark.parametrize("error", [SafetensorError("I/O error: No space left on device (os error 28)"),
+                                   KeyboardInterrupt()])
+@pytest.mark.parametrize("where", ["layer-00000", "layer-00001", "model-"])
+def test_a_write_that_fails_midway_leaves_no_partial_file(tmp_path, checkpoint, monkeypatch, error, where) -> None:
+    """A full disk or Ctrl-C while safetensors writes a file leaves the part written under
+    its temporary name: it took the disk space a rerun needs, and a new conversion failing
+    on its first layer kept the output directory it had made (not empty) although the
+    docs say it removes it. The partial temporary is deleted."""
+    real_save = convert_merge.save_file
+
+    def partial_write(tensors, path, metadata=None) -> None:
+        if os.path.basename(path).startswith(where):
+            Path(path).write_bytes(b"\0" * 100)  # what reached the disk
+            raise error
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(convert_merge, "save_file", partial_write)
+    out = tmp_path / "out"
+    args = ("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8")
+    if isinstance(error, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            run(*args)
+    else:
+        assert run(*args) == 1
+    if where == "layer-00000":  # nothing converted: the directory this run made is gone
+        assert not out.exists()
+        return
+    assert not list(out.glob("*.tmp"))
+    monkeypatch.setattr(convert_merge, "save_file", real_save)
+    resume = 3 if where == "model-" else 1
+    assert run(*args, "--resume-layer", resume) == 0
