@@ -390,7 +390,10 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
     # From here to the end no other run may look at or write the directory.
     created = stack.enter_context(output_lock(out))
     if (out / MANIFEST).is_file():
-        old = Manifest.read(out)
+        try:
+            old = Manifest.read(out)
+        except (OSError, ValueError) as error:  # damaged, or another format version: nothing written yet
+            raise UsageError(f"--output {out}: {error}; choose another --output") from None
         if args.resume_layer is None:
             on_disk = layer_sources(out, layers, args.threadpool_count)
             todo_first = next((L for L in layers if L not in on_disk), None)

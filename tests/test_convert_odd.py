@@ -55,3 +55,20 @@ def test_a_write_that_fails_midway_leaves_no_partial_file(tmp_path, checkpoint, 
     monkeypatch.setattr(convert_merge, "save_file", real_save)
     resume = 3 if where == "model-" else 1
     assert run(*args, "--resume-layer", resume) == 0
+
+
+@pytest.mark.parametrize("text", ["garbage", '{"format_version": 2}'])
+@pytest.mark.parametrize("resume", [[], ["--resume-layer", 1]])
+def test_an_output_with_an_unreadable_manifest_exits_2(tmp_path, checkpoint, capsys, text, resume) -> None:
+    """An output whose kt_ops_manifest.json is damaged or of another format version is a bad
+    path found before anything is written: exit 2 with the usage line, as the docs say for an
+    output holding another conversion, not 1 (a failed conversion step)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kt_ops_manifest.json").write_text(text)
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+               *resume) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage:") and "kt_ops_manifest.json" in err.splitlines()[-1]
+    assert sorted(p.name for p in out.iterdir()) == ["kt_ops_manifest.json"]
+    assert (out / "kt_ops_manifest.json").read_text() == text
