@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from kt_ops._validate import regular_file_stat
 from kt_ops.converted import INDEX, entry_path, layer_file, layer_key
 
 METADATA = {"producer": "kt_ops"}
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the names merge_layers gives its shards
 
 
 def fsync_path(path: Path) -> None:
@@ -188,7 +190,9 @@ def index_layer_files(out: Path, layers: list[int], parts: int) -> dict[str, str
 
 def _unmerge(out: Path, layers: list[int], parts: int) -> set[Path]:
     """Gives every layer its layer file back (copied from an earlier run's shard where it
-    has none); returns those shards."""
+    has none); returns the earlier run's shards: those read here and every other shard
+    this module writes that its index names (each layer converted again, none is read, yet
+    they are stale once the new index is in place)."""
     sources = layer_sources(out, layers, parts)
     missing = [layer for layer in layers if layer not in sources]
     if missing:
@@ -196,7 +200,8 @@ def _unmerge(out: Path, layers: list[int], parts: int) -> set[Path]:
     for layer in layers:
         if sources[layer].name != layer_file(layer):
             save_durably(_tensors(sources[layer], layer, parts), out / layer_file(layer))
-    return {path for path in sources.values() if path.name != layer_file_name(path)}
+    named = {out / name for name in _weight_map(out).values() if isinstance(name, str) and SHARD.fullmatch(name)}
+    return {path for path in {*sources.values(), *named} if path.name != layer_file_name(path)}
 
 
 def _clean(out: Path, stale: set[Path]) -> None:

@@ -3,6 +3,7 @@ leaves behind, checkpoints with a multi-token-prediction layer, outputs read bac
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -72,3 +73,25 @@ def test_an_output_with_an_unreadable_manifest_exits_2(tmp_path, checkpoint, cap
     assert err.startswith("usage:") and "kt_ops_manifest.json" in err.splitlines()[-1]
     assert sorted(p.name for p in out.iterdir()) == ["kt_ops_manifest.json"]
     assert (out / "kt_ops_manifest.json").read_text() == text
+
+
+@pytest.mark.parametrize("second", ["no_merge", "more_shards"])
+def test_reconverting_every_layer_leaves_no_stale_shard(tmp_path, checkpoint, monkeypatch, second) -> None:
+    """A rerun over a finished merged conversion that converts every layer again
+    (``--resume-layer 0``) took the old shards for stale only where a layer was still read
+    from one: none was, so shards the new index no longer names stayed on disk (a second
+    copy of the model's experts), with ``--no-merge-safetensor`` or a new shard count."""
+    from kt_ops.converted import INDEX
+
+    out = tmp_path / "out"
+    args = ("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8")
+    assert run(*args) == 0
+    assert [p.name for p in out.glob("model-*")] == ["model-00001-of-00001.safetensors"]
+    extra: tuple[str, ...] = ("--no-merge-safetensor",)
+    if second == "more_shards":
+        monkeypatch.setattr(convert, "MAX_SHARD_BYTES", 1)  # a shard per layer
+        extra = ()
+    assert run(*args, "--resume-layer", 0, *extra) == 0
+    named = set(json.loads((out / INDEX).read_text())["weight_map"].values())
+    on_disk = {p.name for p in out.glob("*.safetensors")}
+    assert on_disk == named
