@@ -358,6 +358,9 @@ def _inspect_converted(root: Path) -> Inspection:
         layers.append(LayerInfo(L, E, H, I, matrices, None if None in parts else sum(parts)))
     if not manifest.complete:
         notes.append("the conversion did not finish (manifest: complete=false); rerun the converter with --resume-layer")
+    elif not (root / INDEX).is_file():  # the layer files above are read, but a load finds no index: it raises
+        notes.append(f"{INDEX} is missing: loading any layer raises; rerun the converter with "
+                     f"--resume-layer {manifest.layers[-1] + 1 if manifest.layers else 0} to write it again")
     if missing:
         notes.append(f"no packed tensors on disk for layers {_ranges(missing)}")
     group = f", group size {manifest.group_size}" if manifest.group_size else ""

@@ -95,3 +95,25 @@ def test_reconverting_every_layer_leaves_no_stale_shard(tmp_path, checkpoint, mo
     named = set(json.loads((out / INDEX).read_text())["weight_map"].values())
     on_disk = {p.name for p in out.glob("*.safetensors")}
     assert on_disk == named
+
+
+def test_inspect_says_a_finished_conversion_without_its_index_cannot_load(tmp_path, checkpoint) -> None:
+    """A finished conversion whose model.safetensors.index.json is gone: every
+    KTMoEWrapper load raises (FileNotFoundError naming the index), but kt-ops inspect read the
+    layer files as an unfinished conversion's and reported nothing amiss."""
+    from kt_ops import KTMoEWrapper
+    from kt_ops.converted import INDEX
+    from kt_ops.inspection import inspect_weights
+
+    out = tmp_path / "out"
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+               "--no-merge-safetensor") == 0
+    (out / INDEX).unlink()
+    with pytest.raises(FileNotFoundError, match=INDEX):
+        KTMoEWrapper(1, E, 2, H, I, weight_path=out, method="AMXINT8").load_weights()
+    notes = " ".join(inspect_weights(out).notes)
+    assert INDEX in notes and "loading" in notes and "--resume-layer 3" in notes
+    assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8",
+               "--no-merge-safetensor", "--resume-layer", 3) == 0  # what the note says to run
+    KTMoEWrapper(1, E, 2, H, I, weight_path=out, method="AMXINT8").load_weights()
+    assert not inspect_weights(out).notes
