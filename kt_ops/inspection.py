@@ -223,6 +223,24 @@ def _layer_count(num_layers: int | None, layers: Sequence[LayerInfo]) -> str:
     return with_experts if num_layers is None else f"{num_layers} in the model, {with_experts}"
 
 
+def _past_the_model(num_layers: int | None, layers: Sequence[LayerInfo], config: dict) -> list[str]:
+    """A note for the layers with experts at or past ``num_layers`` (config.json's
+    ``num_hidden_layers``): DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
+    (``num_nextn_predict_layers``) are stored as ``model.layers.{num_hidden_layers}``, and
+    converted and loaded (as that ``layer_idx``) like any other."""
+    if num_layers is None:
+        return []
+    beyond = [layer.layer for layer in layers if layer.layer is not None and layer.layer >= num_layers]
+    if not beyond:
+        return []
+    nextn = config.get("num_nextn_predict_layers")
+    mtp = isinstance(nextn, int) and not isinstance(nextn, bool) and beyond[-1] < num_layers + nextn
+    what = (f"the multi-token-prediction layer(s) of num_nextn_predict_layers {nextn}" if mtp
+            else "no decoder layer of the model")
+    return [f"layers {_ranges(beyond)}: past num_hidden_layers {num_layers}, {what}; loaded as layer_idx "
+            f"{beyond[0]}{'' if len(beyond) == 1 else ', ...'} like the others"]
+
+
 # --- packed-experts files ------------------------------------------------------------------
 
 
@@ -363,6 +381,11 @@ def _inspect_converted(root: Path) -> Inspection:
                      f"--resume-layer {manifest.layers[-1] + 1 if manifest.layers else 0} to write it again")
     if missing:
         notes.append(f"no packed tensors on disk for layers {_ranges(missing)}")
+    try:
+        config = read_config_json(root)  # the source's, copied when the conversion finished
+    except ValueError:
+        config = {}
+    notes.extend(_past_the_model(manifest.num_layers, layers, config))
     group = f", group size {manifest.group_size}" if manifest.group_size else ""
     source = manifest.source
     facts = (
@@ -696,12 +719,13 @@ def _inspect_hf(root: Path) -> Inspection:
              ("expert tensors", ", ".join(conventions) + " naming"),
              ("stored as", "; ".join(stored_as)),
              ("files", str(len(set(checkpoint.key_file.values())))))
+    num_layers = config_layer_count(config, root)
+    notes.extend(_past_the_model(num_layers, layers, config))
     for label, fmt in in_place.items():
         notes.append(f"{label}: {format_info(fmt).kernels[variant]}")
     if floats:
         notes.append(f"packed when loaded, so the kernel is the method's (under {variant}):")
         notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in FORMATS if fmt.k_rule != "ggml_block")
-    num_layers = config_layer_count(config, root)
     return Inspection(os.fspath(root), "Hugging Face checkpoint", variant, facts,
                       num_layers, tuple(layers), None, tuple(notes))
 

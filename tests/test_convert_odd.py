@@ -117,3 +117,30 @@ def test_inspect_says_a_finished_conversion_without_its_index_cannot_load(tmp_pa
                "--no-merge-safetensor", "--resume-layer", 3) == 0  # what the note says to run
     KTMoEWrapper(1, E, 2, H, I, weight_path=out, method="AMXINT8").load_weights()
     assert not inspect_weights(out).notes
+
+
+def test_a_multi_token_prediction_layer_is_converted_and_named_by_inspect(tmp_path) -> None:
+    """DeepSeek-V3 / GLM-4.5 store their multi-token-prediction layer's experts as
+    ``model.layers.{num_hidden_layers}`` (config.json ``num_nextn_predict_layers``): the
+    converter converts it like any layer (SGLang's draft layer runs it as that layer_idx),
+    reading back as the checkpoint computes; kt-ops inspect printed "3 in the model, 3 with
+    routed experts (1-3)" saying nothing of layer 3 lying past the model's layers."""
+    import torch
+
+    from kt_ops import KTMoEWrapper
+    from kt_ops.inspection import inspect_weights
+
+    src = write_checkpoint(tmp_path / "m", make_weights([1, 2, 3], E, H, I, seed=6), dense_layers=(0,))
+    config = json.loads((src / "config.json").read_text())
+    config.update(num_hidden_layers=3, num_nextn_predict_layers=1, first_k_dense_replace=1)
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert run("--input-path", src, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 0
+    x, ids, w = torch.randn(3, H), torch.tensor([[0, 3], [1, 2], [3, 0]]), torch.rand(3, 2)
+    got = [KTMoEWrapper(3, E, 2, H, I, weight_path=p, method="AMXINT8") for p in (out, src)]
+    for wrapper in got:
+        wrapper.load_weights()
+    assert torch.equal(got[0].forward(x, ids, w), got[1].forward(x, ids, w))
+    for path in (src, out):
+        notes = " ".join(inspect_weights(path).notes)
+        assert "layers 3: past num_hidden_layers 3" in notes and "num_nextn_predict_layers 1" in notes
