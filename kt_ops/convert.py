@@ -394,17 +394,27 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
             old = Manifest.read(out)
         except (OSError, ValueError) as error:  # damaged, or another format version: nothing written yet
             raise UsageError(f"--output {out}: {error}; choose another --output") from None
+        settings = ("format", "group_size", "num_experts", "hidden_size", "intermediate_size", "threadpool_count")
+        changed = [s for s in settings if getattr(old, s) != getattr(manifest, s)]
+        # The layers kept must come from the same model: another checkpoint of the same sizes
+        # would leave a directory mixing two models' experts under one manifest.
+        before = {k: old.source.get(k) for k in ("path", "input_type")}
+        other_source = before["path"] is not None and before != {k: manifest.source[k] for k in before}
         if args.resume_layer is None:
+            kind = "a finished conversion" if old.complete else "an unfinished conversion"
+            if changed or other_source:  # no --resume-layer to suggest: it would be refused below
+                made = (f"different {', '.join(changed)}" if changed else
+                        f"--input-path {before['path']} (--input-type {before['input_type']})")
+                raise UsageError(f"--output {out} already holds {kind} made with {made}, which this run cannot "
+                                 "resume; choose another --output")
             on_disk = layer_sources(out, layers, args.threadpool_count)
             todo_first = next((L for L in layers if L not in on_disk), None)
-            state = ("a finished conversion" if old.complete else "an unfinished conversion") + (
+            state = kind + (
                 f" (layers before {todo_first} written: continue with --resume-layer {todo_first})"
                 if todo_first is not None and todo_first != layers[0] else
                 f" (every layer written: finish it with --resume-layer {layers[-1] + 1})"
                 if todo_first is None and not old.complete else "")
             raise UsageError(f"--output {out} already holds {state}; use --resume-layer L or another --output")
-        settings = ("format", "group_size", "num_experts", "hidden_size", "intermediate_size", "threadpool_count")
-        changed = [s for s in settings if getattr(old, s) != getattr(manifest, s)]
         if changed:
             raise UsageError(f"--output {out}: cannot resume, the earlier run used different {', '.join(changed)}")
         dropped = sorted(layer_sources(out, [L for L in old.layers if L not in layers], old.threadpool_count))
@@ -413,10 +423,7 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
                              f"--layers {args.layers} leaves out; resuming would drop them from the directory: give "
                              f"--layers covering them (e.g. {min(old.layers[0], layers[0])}-"
                              f"{max(old.layers[-1], layers[-1])}) or another --output")
-        # The layers kept must come from the same model: another checkpoint of the same sizes
-        # would leave a directory mixing two models' experts under one manifest.
-        before = {k: old.source.get(k) for k in ("path", "input_type")}
-        if before["path"] is not None and before != {k: manifest.source[k] for k in before}:
+        if other_source:
             raise UsageError(f"--output {out}: cannot resume, the earlier run converted --input-path {before['path']} "
                              f"(--input-type {before['input_type']}), not {manifest.source['path']} "
                              f"(--input-type {args.input_type}); its layers would be mixed with this model's")

@@ -144,3 +144,24 @@ def test_a_multi_token_prediction_layer_is_converted_and_named_by_inspect(tmp_pa
     for path in (src, out):
         notes = " ".join(inspect_weights(path).notes)
         assert "layers 3: past num_hidden_layers 3" in notes and "num_nextn_predict_layers 1" in notes
+
+
+def test_an_unfinished_conversion_of_another_method_is_not_offered_for_resuming(tmp_path, checkpoint,
+                                                                               capsys) -> None:
+    """An output holding an interrupted int8 conversion, a run of another method there: the
+    refusal said "continue with --resume-layer 1", and that run was then refused too (the
+    earlier run used a different format). It now names the earlier run's settings instead."""
+    from kt_ops.converted import Manifest, layer_file
+
+    out = tmp_path / "out"
+    base = ("--input-path", checkpoint, "--input-type", "bf16", "--output", out)
+    assert run(*base, "--quant-method", "int8", "--no-merge-safetensor") == 0
+    (out / layer_file(1)).unlink()  # interrupted while writing layer 1
+    Manifest(**{**Manifest.read(out).__dict__, "complete": False}).write(out)
+    capsys.readouterr()
+    assert run(*base, "--quant-method", "int8") == 2
+    assert "continue with --resume-layer 1" in capsys.readouterr().err
+    for other in (("--quant-method", "int4", "--group-size", 32), ("--quant-method", "int8", "--threadpool-count", 2)):
+        assert run(*base, *other) == 2
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert "--resume-layer 1" not in last and "different" in last, last
