@@ -165,3 +165,12 @@ def test_an_unfinished_conversion_of_another_method_is_not_offered_for_resuming(
         assert run(*base, *other) == 2
         last = capsys.readouterr().err.splitlines()[-1]
         assert "--resume-layer 1" not in last and "different" in last, last
+
+
+def test_layers_matching_no_moe_layer_lists_the_moe_layers_as_they_are(tmp_path, capsys) -> None:
+    """MoE layers 1 and 3 with dense layers between (decoder_sparse_step 2, mlp_only_layers):
+    --layers 2 was refused with "layers with experts: 1-3", as if layer 2 had some."""
+    src = write_checkpoint(tmp_path / "m", make_weights([1, 3], E, H, I, seed=7), dense_layers=(0, 2))
+    assert run("--input-path", src, "--input-type", "bf16", "--output", tmp_path / "o", "--quant-method", "int8",
+               "--layers", 2) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("(layers with experts: 1, 3)")
