@@ -55,7 +55,7 @@ from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_metho
 from kt_ops.hf_checkpoint import HfCheckpoint, config_layer_count, read_config_json, whole_number
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
 from kt_ops.hf_mxfp4 import MXFP4_GROUP, Mxfp4Experts, load_mxfp4_experts, mxfp4_layers, pack_mxfp4_parts
-from kt_ops.inspection import _ranges
+from kt_ops.inspection import layer_ranges
 from kt_ops.ops import moe_forward
 from kt_ops.packed import PackedExperts
 from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_parts
@@ -325,7 +325,7 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
         layers = [L for L in moe_layers if bounds is None or bounds[0] <= L <= bounds[1]]
         if not layers:
             raise UsageError(f"--layers {args.layers}: no layer with experts there (layers with experts: "
-                             f"{_ranges(moe_layers)})")
+                             f"{layer_ranges(moe_layers)})")
         int4 = {layer: None if mxfp4_input else int4_method(checkpoint, layer) for layer in layers}
         stored = {layer: "MXFP4" if mxfp4_input else int4[layer] or checkpoint.dtype(layer) for layer in layers}
     except (FileNotFoundError, KeyError, ValueError) as error:

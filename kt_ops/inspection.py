@@ -206,7 +206,7 @@ def _ggml_nbytes(type_name: str, rows: int, k: int) -> int:
     return rows * (k // block) * block_bytes
 
 
-def _ranges(layers: Iterable[int]) -> str:
+def layer_ranges(layers: Iterable[int]) -> str:
     """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
     runs: list[list[int]] = []
     for layer in layers:
@@ -219,7 +219,7 @@ def _ranges(layers: Iterable[int]) -> str:
 
 def _layer_count(num_layers: int | None, layers: Sequence[LayerInfo]) -> str:
     indices = [layer.layer for layer in layers if layer.layer is not None]
-    with_experts = f"{len(layers)} with routed experts" + (f" ({_ranges(indices)})" if indices else "")
+    with_experts = f"{len(layers)} with routed experts" + (f" ({layer_ranges(indices)})" if indices else "")
     return with_experts if num_layers is None else f"{num_layers} in the model, {with_experts}"
 
 
@@ -237,7 +237,7 @@ def _past_the_model(num_layers: int | None, layers: Sequence[LayerInfo], config:
     mtp = isinstance(nextn, int) and not isinstance(nextn, bool) and beyond[-1] < num_layers + nextn
     what = (f"the multi-token-prediction layer(s) of num_nextn_predict_layers {nextn}" if mtp
             else "no decoder layer of the model")
-    return [f"layers {_ranges(beyond)}: past num_hidden_layers {num_layers}, {what}; loaded as layer_idx "
+    return [f"layers {layer_ranges(beyond)}: past num_hidden_layers {num_layers}, {what}; loaded as layer_idx "
             f"{beyond[0]}{'' if len(beyond) == 1 else ', ...'} like the others"]
 
 
@@ -380,7 +380,7 @@ def _inspect_converted(root: Path) -> Inspection:
         notes.append(f"{INDEX} is missing: loading any layer raises; rerun the converter with "
                      f"--resume-layer {manifest.layers[-1] + 1 if manifest.layers else 0} to write it again")
     if missing:
-        notes.append(f"no packed tensors on disk for layers {_ranges(missing)}")
+        notes.append(f"no packed tensors on disk for layers {layer_ranges(missing)}")
     try:
         config = read_config_json(root)  # the source's, copied when the conversion finished
     except ValueError:
@@ -490,20 +490,20 @@ def _inspect_gguf(path: Path) -> Inspection:
             infos.append(MatrixInfo(name, type_name, nbytes, read))
         layers.append(LayerInfo(L, E, H, I, tuple(infos), sum(m.nbytes or 0 for m in infos)))
     for type_name, where in sorted(not_computed.items()):
-        notes.append(f"kt_ops does not compute {type_name} (layers {_ranges(where)}): loading those layers raises")
+        notes.append(f"kt_ops does not compute {type_name} (layers {layer_ranges(where)}): loading those layers raises")
     if incomplete:
-        notes.append(f"layers {_ranges(incomplete)} lack one of ffn_gate_exps/ffn_up_exps/ffn_down_exps")
+        notes.append(f"layers {layer_ranges(incomplete)} lack one of ffn_gate_exps/ffn_up_exps/ffn_down_exps")
     if duplicated:
-        notes.append(f"layers {_ranges(sorted(duplicated))}: an ffn_*_exps tensor is in two files of the model: "
+        notes.append(f"layers {layer_ranges(sorted(duplicated))}: an ffn_*_exps tensor is in two files of the model: "
                      "loading those layers raises")
     if mistyped - duplicated:
-        notes.append(f"layers {_ranges(sorted(mistyped - duplicated))}: an ffn_*_exps tensor's type disagrees with "
+        notes.append(f"layers {layer_ranges(sorted(mistyped - duplicated))}: an ffn_*_exps tensor's type disagrees with "
                      "the bytes stored (damaged file?): loading those layers raises")
     if beyond:
-        notes.append(f"layers {_ranges(beyond)}: blk.N.ffn_*_exps past the model's {info.num_layers} layers "
+        notes.append(f"layers {layer_ranges(beyond)}: blk.N.ffn_*_exps past the model's {info.num_layers} layers "
                      f"({info.architecture}.block_count): loading those layers raises")
     if misshapen:
-        notes.append(f"layers {_ranges(misshapen)}: ffn_*_exps shapes disagree with the metadata "
+        notes.append(f"layers {layer_ranges(misshapen)}: ffn_*_exps shapes disagree with the metadata "
                      f"(E={info.num_experts}, H={info.hidden_size}, I={info.moe_intermediate_size}): "
                      "loading those layers raises")
     if info.architecture in OTHER_ACTIVATIONS:
@@ -757,7 +757,7 @@ def _rows(layers: Sequence[LayerInfo]) -> list[list[str]]:
     for group in groups:
         first = group[0]
         indices = [layer.layer for layer in group if layer.layer is not None]
-        label = _ranges(indices) if indices else "-"
+        label = layer_ranges(indices) if indices else "-"
         cells = [f"{m.type} ({m.read})" if m.read else m.type for m in first.matrices]
         sizes = [format_bytes(m.nbytes) for m in first.matrices if m.nbytes is not None]
         if len(sizes) == 3:
