@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import fcntl
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,7 +47,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kt_ops import reference
-from kt_ops.convert_merge import index_layer_files, layer_sources, merge_layers, missing_layers, save_durably
+from kt_ops.convert_merge import (index_layer_files, layer_sources, merge_layers, missing_layers, save_durably,
+                                  write_text_durably)
 from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
 from kt_ops.cpu import max_threads
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
@@ -448,8 +448,8 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
         keys = index_layer_files(out, layers, args.threadpool_count)
     else:
         keys = merge_layers(out, layers, args.threadpool_count, MAX_SHARD_BYTES)
-    if config_file.is_file():
-        shutil.copyfile(config_file, out / "config.json")
+    if config_file.is_file():  # under a temporary name too: a crash mid-copy leaves no truncated config.json
+        write_text_durably(out / "config.json", config_file.read_text(encoding="utf-8"))
     Manifest(**{**manifest.__dict__, "complete": True}).write(out)
     return out
 

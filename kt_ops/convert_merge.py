@@ -68,7 +68,7 @@ def save_durably(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def write_text_durably(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     fsync_path(tmp)
     os.replace(tmp, path)
     fsync_path(path.parent)

@@ -174,3 +174,22 @@ def test_layers_matching_no_moe_layer_lists_the_moe_layers_as_they_are(tmp_path,
     assert run("--input-path", src, "--input-type", "bf16", "--output", tmp_path / "o", "--quant-method", "int8",
                "--layers", 2) == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("(layers with experts: 1, 3)")
+
+
+def test_config_json_is_written_durably_and_stale_temporaries_go(tmp_path, checkpoint, monkeypatch) -> None:
+    """config.json was copied straight to its name (a crash mid-copy left a truncated one,
+    though the module says every file goes to disk under a temporary name). The ``.tmp`` an
+    interrupted manifest or config.json write leaves is written over and renamed by the next
+    run's own durable writes."""
+    out = tmp_path / "out"
+    args = ("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8")
+    written: list[str] = []
+    real_replace = os.replace
+    monkeypatch.setattr(convert_merge.os, "replace", lambda a, b: written.append(Path(b).name) or real_replace(a, b))
+    assert run(*args) == 0
+    assert "config.json" in written
+    assert (out / "config.json").read_bytes() == (checkpoint / "config.json").read_bytes()
+    for name in ("kt_ops_manifest.json.tmp", "config.json.tmp"):
+        (out / name).write_text("{")  # what an interrupted write left
+    assert run(*args, "--resume-layer", 3) == 0  # finishes it again (every layer written)
+    assert not list(out.glob("*.tmp"))
