@@ -358,13 +358,7 @@ def _load_parts(directory: KtKernelDir, layer: int, method: str, experts: list[i
             scales[name] = torch.stack(row_scales)
         try:
             out.append(_pack(method, levels, scales))
-        except ValueError as error:  # the kernel's check (INT8 level -128) names no file tensor: find it
-            for name in PROJECTIONS if layout.bits == 8 else ():
-                bad = torch.nonzero((levels[name] == -128).flatten(1).any(1)).reshape(-1)
-                if bad.numel():
-                    key = f"blk.{layer}.ffn_{name}_exps.{experts[int(bad[0])]}.numa.{part}.weight"
-                    raise ValueError(f"{directory.path}: {key} holds the level -128; INT8 levels are "
-                                     "-127 ... 127") from None
+        except ValueError as error:
             raise ValueError(f"{directory.path} layer {layer} NUMA part {part}: {error}") from None
     return out
 

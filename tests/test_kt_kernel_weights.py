@@ -387,19 +387,29 @@ def test_loading_a_layer_lists_only_its_kt_folder(tmp_path: Path) -> None:
     assert torch.equal(wrapper.forward(x, ids, w), reference_wrapper.forward(x, ids, w))
 
 
-def test_an_int8_level_of_minus_128_names_the_file_tensor(tmp_path: Path) -> None:
-    """The kernel's refusal said "down_proj holds the level -128", naming no file, layer, expert or part."""
+def test_an_int8_level_of_minus_128_is_read_as_minus_128(tmp_path: Path) -> None:
+    """kt-kernel's quantizer writes -127 ... 127, but -128 is an int8 level its kernels
+    multiply as such; it was refused as a corrupt file (naming no file tensor, at first)."""
     from safetensors.torch import load_file
 
     write_dir(tmp_path, 0, weights(3, 128, 128), "AMXINT8", 2)
     file = tmp_path / "model-00001-of-00001.safetensors"
     tensors = load_file(str(file))
     key = "blk.0.ffn_down_exps.2.numa.1.weight"
+    before = KTMoEWrapper(0, 3, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2)
+    before.load_weights()
     tensors[key] = tensors[key].clone()
+    old = int(tensors[key][100].to(torch.int8))
     tensors[key][100] = 0x80  # the level -128
     save_file(tensors, str(file))
-    with pytest.raises(ValueError, match=f"{key} holds the level -128"):
-        KTMoEWrapper(0, 3, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2).load_weights()
+    after = KTMoEWrapper(0, 3, 2, 128, 128, method="AMXINT8", weight_path=tmp_path, threadpool_count=2)
+    after.load_weights()
+    dense = [[reference.dequantize(part.data) for part in w._parts] for w in (before, after)]
+    changed = [(dense[1][1][m] - dense[0][1][m]).nonzero().tolist() for m in range(3)]
+    assert changed[0] == changed[1] == [] and len(changed[2]) == 1  # one down weight of part 1
+    e, n, k = changed[2][0]
+    assert e == 2 and old != 0
+    assert torch.isclose(dense[1][1][2][e, n, k], dense[0][1][2][e, n, k] * (-128 / old), rtol=1e-6)
 
 
 def test_inspect_of_layers_of_different_methods_names_no_mixed_method(tmp_path: Path) -> None:

@@ -145,14 +145,6 @@ def test_pack_int8_experts_fake_refuses_what_the_kernel_refuses(case: str) -> No
     fake_and_meta_refuse_like_real(torch.ops.kt.pack_int8_experts.default, build(), match)
 
 
-def test_pack_int8_experts_refuses_the_level_minus_128() -> None:
-    """-128 is no symmetric level (the kernels' |q| <= 127): a corrupt file, refused."""
-    gate = _int8_args()[0].clone()
-    gate[1, 2, 3] = -128
-    with pytest.raises(ValueError, match="gate_proj holds the level -128"):
-        torch.ops.kt.pack_int8_experts(*_int8_args(gate_proj=gate))
-
-
 @pytest.mark.parametrize("method,kwargs", [("BF16", {}), ("AMXINT4", {"group_size": 32, "zero_point": True}),
                                            ("MXFP8", {}), ("LLAMAFILE", {"gguf_type": ("Q4_K", "Q4_K", "Q6_K")})])
 def test_opcheck_dequantize_experts(method: str, kwargs: dict) -> None:

@@ -1,6 +1,6 @@
 // CPU implementation of kt::pack_int8_experts: INT8 levels and per-row scales (kt-kernel's
-// converted AMXINT8 weights, un-tiled by kt_ops/kt_kernel_weights.py) -> packed int8 blob,
-// copied, never re-quantized.
+// converted AMXINT8 weights, un-tiled by kt_ops/kt_kernel_weights.py; W8A8 checkpoints,
+// kt_ops/hf_int8.py) -> packed int8 blob, copied, never re-quantized.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
@@ -52,10 +52,10 @@ at::Tensor pack_int8_experts_cpu(const at::Tensor& gate_proj, const at::Tensor& 
     check_dtype(s, kScaleNames[m], {at::kFloat, at::kBFloat16, at::kHalf});
     TORCH_CHECK_VALUE(s.dim() == 2 && s.size(0) == E && s.size(1) == rows[m], kScaleNames[m], " must be [E, N] = [",
                       E, ", ", rows[m], "] (one scale per row of ", kNames[m], "); got ", s.sizes());
+    // Every int8 level, -128 included: it is the stored byte 0 (q + 128), which every
+    // variant's kernel multiplies as -128 (tests/test_int8_checkpoint.py); kt_ops' own
+    // quantizer writes -127 ... 127, llm-compressor's W8A8 checkpoints also -128.
     levels[m] = weights[m]->contiguous();
-    // -128 has no place in the kernels' symmetric levels (|q| <= 127): a corrupt file.
-    TORCH_CHECK_VALUE(!levels[m].eq(-128).any().item<bool>(), kNames[m],
-                      " holds the level -128; INT8 levels are -127 ... 127 (w = scale * q)");
     scale_values[m] = s.to(at::kFloat).contiguous();
     sources[m].levels = levels[m].const_data_ptr<int8_t>();
     sources[m].scales = scale_values[m].const_data_ptr<float>();

@@ -43,7 +43,7 @@ struct Int4Source {
 void pack_int4_sources(const Int4Source sources[3], const PackedLayout& layout, uint8_t* blob);
 
 // One already-quantized INT8 matrix [E, N, K] (kt-kernel's converted AMXINT8 weights):
-// levels int8 in [-127, 127] [E, N, K], scales fp32 [E, N], w = scale * q.
+// levels int8 in [-128, 127] [E, N, K], scales fp32 [E, N], w = scale * q.
 struct Int8Source {
   const int8_t* levels = nullptr;
   const float* scales = nullptr;
