@@ -54,6 +54,7 @@ from kt_ops.cpu import max_threads
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
 from kt_ops.hf_checkpoint import HfCheckpoint, config_layer_count, read_config_json, whole_number
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
+from kt_ops.hf_int8 import is_int8_layer
 from kt_ops.hf_mxfp4 import MXFP4_GROUP, Mxfp4Experts, load_mxfp4_experts, mxfp4_layers, pack_mxfp4_parts
 from kt_ops.inspection import layer_ranges
 from kt_ops.ops import moe_forward
@@ -327,6 +328,12 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
             raise UsageError(f"--layers {args.layers}: no layer with experts there (layers with experts: "
                              f"{layer_ranges(moe_layers)})")
         int4 = {layer: None if mxfp4_input else int4_method(checkpoint, layer) for layer in layers}
+        int8 = [layer for layer in layers
+                if not mxfp4_input and int4[layer] is None and is_int8_layer(checkpoint, layer)]
+        if int8:
+            raise UsageError(f"--input-path {source}: layer {int8[0]} holds INT8 experts (int8 levels with per-row "
+                             "scales, W8A8), which KTMoEWrapper(method='AMXINT8', weight_path=...) and "
+                             "KtOpsConfig(method='native') read in place as they are; the converter does not take them")
         stored = {layer: "MXFP4" if mxfp4_input else int4[layer] or checkpoint.dtype(layer) for layer in layers}
     except (FileNotFoundError, KeyError, ValueError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error

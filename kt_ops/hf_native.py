@@ -1,15 +1,16 @@
 """``KtOpsConfig(method="native")``: a pre-quantized checkpoint's experts packed as they are stored.
 
 For a checkpoint whose routed experts are FP8 (block, per-channel, MXFP8), INT4
-(compressed-tensors ``RAWINT4``, ``GPTQ_INT4``, ``AWQ_INT4``) or MXFP4 (gpt-oss,
-DeepSeek-V4-Flash), :class:`kt_ops.hf_quantizer.KtOpsHfQuantizer` reads each layer's
-experts straight from the safetensors files with kt_ops' own readers (never widened, as
-:class:`kt_ops.KTMoEWrapper` reads them) before transformers loads the rest: the experts
-modules' parameters are removed first, so transformers neither reads nor holds the
-experts. Non-expert linear layers the checkpoint stores quantized (attention and shared
-experts of FP8 / GPTQ / AWQ checkpoints) are removed the same way and dequantized into
-the model's dtype once the others have loaded (:func:`dequantize_linear`); their names
-must be the model's own (``ValueError`` listing the ones that are not).
+(compressed-tensors ``RAWINT4``, ``GPTQ_INT4``, ``AWQ_INT4``), INT8 (compressed-tensors
+W8A8 / W8A16, as ``AMXINT8``) or MXFP4 (gpt-oss, DeepSeek-V4-Flash),
+:class:`kt_ops.hf_quantizer.KtOpsHfQuantizer` reads each layer's experts straight from the
+safetensors files with kt_ops' own readers (never widened, as :class:`kt_ops.KTMoEWrapper`
+reads them) before transformers loads the rest: the experts modules' parameters are
+removed first, so transformers neither reads nor holds the experts. Non-expert linear
+layers the checkpoint stores quantized (attention and shared experts of FP8 / GPTQ / AWQ /
+W8A8 checkpoints) are removed the same way and dequantized into the model's dtype once the
+others have loaded (:func:`dequantize_linear`); their names must be the model's own
+(``ValueError`` listing the ones that are not).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from torch import nn
 from kt_ops import hf_experts
 from kt_ops.hf_checkpoint import HfCheckpoint, dequantize_fp8
 from kt_ops.hf_int4 import check_rawint4_symmetric, int4_method, load_int4_experts, quantization_config
+from kt_ops.hf_int8 import INT8_DTYPE, is_int8_layer, load_int8_experts, read_int8_linear
 from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_parts
-from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts
+from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_int8_parts
 
 # checkpoint tensor names that only a quantized linear layer has
 _QUANTIZED_SUFFIXES = ("weight_packed", "qweight", "weight_scale_inv", "weight_scale", "blocks", "scales", "qzeros")
@@ -40,13 +42,16 @@ def layer_of(name: str) -> int:
 
 def native_method(checkpoint: HfCheckpoint, layer: int) -> str:
     """The kt_ops method of a layer's experts as stored: ``MXFP4``, ``RAWINT4`` /
-    ``GPTQ_INT4`` / ``AWQ_INT4``, ``FP8`` / ``FP8_PERCHANNEL`` / ``MXFP8``, or ``BF16`` for
-    float experts (bf16, fp16, fp32)."""
+    ``GPTQ_INT4`` / ``AWQ_INT4``, ``AMXINT8`` (int8 levels, W8A8: :mod:`kt_ops.hf_int8`),
+    ``FP8`` / ``FP8_PERCHANNEL`` / ``MXFP8``, or ``BF16`` for float experts (bf16, fp16,
+    fp32)."""
     if find_mxfp4_layer(checkpoint, layer) is not None:
         return "MXFP4"
     int4 = int4_method(checkpoint, layer)
     if int4 is not None:
         return int4
+    if is_int8_layer(checkpoint, layer):
+        return "AMXINT8"
     kind = checkpoint.fp8_kind(layer)
     return FP8_KIND_METHODS[kind] if kind is not None else "BF16"
 
@@ -67,6 +72,8 @@ def pack_native_layer(checkpoint: HfCheckpoint, layer: int, module: nn.Module) -
         parts, biases = pack_mxfp4_parts(mxfp4, 1), mxfp4.biases
     elif method in ("RAWINT4", "GPTQ_INT4", "AWQ_INT4"):
         parts = pack_int4_parts(load_int4_experts(checkpoint, layer, experts, H, I, method), 1)
+    elif method == "AMXINT8":
+        parts = pack_int8_parts(load_int8_experts(checkpoint, layer, experts, H, I), 1)
     elif method != "BF16":
         parts = pack_fp8_parts(checkpoint.load_fp8_experts(layer, experts, H, I), 1)
     else:
@@ -84,7 +91,8 @@ def pack_native_layer(checkpoint: HfCheckpoint, layer: int, module: nn.Module) -
 
 def quantized_linears(model: nn.Module, checkpoint: HfCheckpoint, skip: tuple[str, ...]) -> dict[str, str]:
     """``{module name: kind}`` of the ``nn.Linear`` layers the checkpoint stores quantized
-    (``fp8``: e4m3 weight + scale; ``rawint4`` / ``gptq`` / ``awq``), outside the module
+    (``fp8``: e4m3 weight + scale; ``int8``: int8 weight + row scales; ``rawint4`` / ``gptq`` /
+    ``awq``), outside the module
     names in ``skip``. ``ValueError`` listing quantized checkpoint tensors that belong to no
     linear layer of the model (outside ``skip`` and the routed experts)."""
     keys = checkpoint.keys()
@@ -99,6 +107,8 @@ def quantized_linears(model: nn.Module, checkpoint: HfCheckpoint, skip: tuple[st
             found[name] = "awq" if shape[:1] == (module.in_features,) else "gptq"
         elif f"{name}.weight" in keys and checkpoint.tensor_info(f"{name}.weight")[0] in _FP8_DTYPES:
             found[name] = "fp8"
+        elif f"{name}.weight" in keys and checkpoint.tensor_info(f"{name}.weight")[0] == INT8_DTYPE:
+            found[name] = "int8"
     stems = {key.rsplit(".", 1)[0] for key in keys if key.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES
              or key.endswith(("_blocks", "_scales"))}
     unmatched = sorted(s for s in stems if s not in found and ".experts." not in f".{s}."
@@ -128,6 +138,9 @@ def dequantize_linear(checkpoint: HfCheckpoint, name: str, kind: str, out_featur
     keys = checkpoint.keys()
     if kind == "fp8":
         return checkpoint._read(f"{name}.weight", (N, K)).float()
+    if kind == "int8":
+        levels, scale = read_int8_linear(checkpoint, name, N, K)
+        return levels.float() * scale[:, None]
     groups = _check_linear(checkpoint, name, kind, N, K)
     if kind == "rawint4":
         check_rawint4_symmetric(checkpoint, name, N, K, K // groups)

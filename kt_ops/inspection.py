@@ -39,6 +39,7 @@ from kt_ops.gguf_types import GGML_TYPES
 from kt_ops.hf_checkpoint import (HfCheckpoint, LayerExperts, _check_regular_file, config_layer_count,
                                   read_config_json)
 from kt_ops.hf_int4 import int4_method, quantization_config
+from kt_ops.hf_int8 import is_int8_layer
 from kt_ops.hf_mxfp4 import Mxfp4Layer, find_mxfp4_layer, mxfp4_layers
 from kt_ops.kt_kernel_weights import KtKernelDir, is_kt_kernel_dir
 from kt_ops.mapped_files import read_safetensors_header, safetensors_range
@@ -632,6 +633,18 @@ def _int4_layer(checkpoint: HfCheckpoint, where: LayerExperts, method: str,
         "int4_asym" if zeros else "int4", absent
 
 
+def _int8_layer(checkpoint: HfCheckpoint, where: LayerExperts) -> tuple[LayerInfo, list[str]]:
+    """An INT8 (W8A8) checkpoint's layer from its headers, and its missing level and scale
+    tensors (:mod:`kt_ops.hf_int8` reads and checks the values)."""
+    I, H = checkpoint.tensor_info(where.key(0))[1][:2]  # gate of expert 0: I8 [I, H]
+    keys = [[key for e in range(where.num_experts) for key in (where.key(m, e), f"{where.stem(m, e)}.weight_scale")]
+            for m in range(3)]
+    sizes = [sum(_stored_bytes(checkpoint, key) for key in matrix) for matrix in keys]
+    matrices = tuple(MatrixInfo(name, "int8", size, "") for name, size in zip(MATRICES, sizes))
+    absent = [key for matrix in keys for key in matrix if key not in checkpoint.key_file]
+    return LayerInfo(where.layer, where.num_experts, H, I, matrices, sum(sizes)), absent
+
+
 def _mxfp4_layer(checkpoint: HfCheckpoint, layer: int, where: Mxfp4Layer) -> tuple[LayerInfo, list[str]]:
     """An MXFP4 checkpoint's layer (gpt-oss's fused, interleaved gate/up with biases, or
     DeepSeek-V4's per-expert w1/w3/w2) from its headers, and its missing code and exponent
@@ -669,7 +682,8 @@ def _inspect_hf(root: Path) -> Inspection:
                          "'*.qweight' / '*.weight_packed', or MXFP4 "
                          "'*.mlp.experts.gate_up_proj_blocks' / '*.ffn.experts.{e}.w1.weight')")
     int4 = {L: method for L in moe for method in [int4_method(checkpoint, L)] if method is not None}
-    floats = {L: where for L, where in moe.items() if L not in int4}
+    int8 = [L for L in moe if L not in int4 and is_int8_layer(checkpoint, L)]
+    floats = {L: where for L, where in moe.items() if L not in int4 and L not in int8}
     keys = {L: [where.key(m, e) for m in range(3)
                 for e in ([0] if where.convention == "fused" else range(where.num_experts))]
             for L, where in floats.items()}
@@ -682,11 +696,15 @@ def _inspect_hf(root: Path) -> Inspection:
             notes.append(f"layer {L}: {len(absent)} expert tensor(s) missing, e.g. {absent[0]!r}")
         else:
             layers.append(_hf_layer(where, headers))
-    four_bit: list[tuple[LayerInfo, str, str, str, list[str]]] = []  # layer, label, method, format, absent
+    four_bit: list[tuple[LayerInfo, str, str, str, list[str]]] = []  # layer, label, method, format, absent (int8 too)
     symmetric = bool(quantization_config(checkpoint.path).get("sym", True)) if int4 else True  # read once
     for L, method in int4.items():
         layer, label, fmt, absent = _int4_layer(checkpoint, moe[L], method, symmetric)
         four_bit.append((layer, label, method, fmt, absent))
+    for L in int8:
+        layer, absent = _int8_layer(checkpoint, moe[L])
+        four_bit.append((layer, "int8 (a scale per row, W8A8: method AMXINT8 reads it in place)", "AMXINT8", "int8",
+                         absent))
     for L, where in mxfp4.items():
         if L not in moe:  # a layer of float experts beside MXFP4 blobs keeps its float row
             layer, absent = _mxfp4_layer(checkpoint, L, where)
@@ -710,8 +728,9 @@ def _inspect_hf(root: Path) -> Inspection:
     scales = f" (with {', '.join(scale_names[k] for k in kinds)}: method {', '.join(FP8_KIND_METHODS[k] for k in kinds)}" \
              " reads it in place)" if kinds else ""
     stored_as = [", ".join(dtypes) + scales] if dtypes else []
-    stored_as.extend(dict.fromkeys(stored))  # each 4-bit label once, in layer order
-    conventions = sorted({where.convention for L, where in moe.items() if L not in int4}
+    stored_as.extend(dict.fromkeys(stored))  # each quantized label once, in layer order
+    conventions = sorted({where.convention for L, where in moe.items() if L not in int4 and L not in int8}
+                         | {f"INT8 {moe[L].convention}" for L in int8}
                          | {f"{method} per_expert" for method in int4.values()}
                          | {f"MXFP4 {where.kind}" for L, where in mxfp4.items() if L not in moe})
     facts = (("model type", str(config.get("model_type", "unknown (no config.json)"))),

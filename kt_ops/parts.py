@@ -20,6 +20,7 @@ from kt_ops.packed import PackedExperts
 if TYPE_CHECKING:
     from kt_ops.hf_checkpoint import Fp8Experts
     from kt_ops.hf_int4 import Int4Experts
+    from kt_ops.hf_int8 import Int8Experts
 
 FP8_KIND_METHODS = {"fp8": "FP8", "fp8_perchannel": "FP8_PERCHANNEL", "mxfp8": "MXFP8"}
 _SCALE_GROUP = {"fp8": 128, "mxfp8": 32}  # k per scale column (fp8_perchannel: none)
@@ -205,4 +206,17 @@ def pack_int4_parts(experts: Int4Experts, parts: int) -> list[PackedExperts]:
         part_mins = None if mins is None else (mins[0][:, rows], mins[1][:, rows], mins[2][:, :, a // G: b // G])
         out.append(pack_int4_experts(experts.gate[:, rows], experts.up[:, rows], experts.down[:, :, a // 2: b // 2],
                                      part_scales, part_mins, G))
+    return out
+
+
+def pack_int8_parts(experts: Int8Experts, parts: int) -> list[PackedExperts]:
+    """An INT8 checkpoint's experts (:func:`kt_ops.hf_int8.load_int8_experts`) packed in
+    place (format ``int8``, the levels copied) as ``parts`` parts of the intermediate
+    dimension (:func:`part_bounds`): gate/up rows with their scales, down's columns with
+    down's row scales whole (exact: each part's sums carry the same row scale)."""
+    out = []
+    for a, b in part_bounds(int(experts.gate.shape[1]), parts):
+        scales = (experts.scales[0][:, a:b], experts.scales[1][:, a:b], experts.scales[2])
+        out.append(PackedExperts(torch.ops.kt.pack_int8_experts(
+            experts.gate[:, a:b], experts.up[:, a:b], experts.down[:, :, a:b], *scales)))
     return out

@@ -1,6 +1,6 @@
 """KtOpsConfig(method="native"): pre-quantized checkpoints loaded with transformers'
 ``from_pretrained``, their experts read as stored (FP8 block / per-channel / MXFP8,
-compressed-tensors RAWINT4, GPTQ, AWQ, MXFP4 of gpt-oss and DeepSeek-V4), their quantized
+compressed-tensors RAWINT4 and W8A8 int8, GPTQ, AWQ, MXFP4 of gpt-oss and DeepSeek-V4), their quantized
 attention layers dequantized; compared with transformers eager on the same weights
 dequantized and saved as a float checkpoint."""
 
@@ -24,6 +24,7 @@ from conftest import logits_bound  # noqa: E402
 from hf_models import tiny_model  # noqa: E402
 from kt_ops import hf_experts  # noqa: E402
 from test_int4_checkpoint import awq_tensors, dequantized, gptq_tensors, rawint4_tensors  # noqa: E402
+from test_int8_checkpoint import quantize as quantize_int8  # noqa: E402
 from test_mxfp4_checkpoint import hf_codes, hf_weights  # noqa: E402
 
 Quantize = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
@@ -50,6 +51,12 @@ def mxfp8(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {"weight": q.reshape(w.shape), "weight_scale_inv": codes}, (q.float() * scale[..., None]).reshape(w.shape)
 
 
+def int8(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors W8A8 (llm-compressor's rounding, -128 included)."""
+    q, scale = quantize_int8(w)
+    return {"weight": q, "weight_scale": scale.bfloat16()}, q.float() * scale.bfloat16().float()
+
+
 def int4(method: str, gs: int = 32, asym: bool = True) -> Quantize:
     def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         if method == "RAWINT4":
@@ -67,6 +74,7 @@ QUANT_CONFIGS = {
     "fp8_perchannel": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
     "mxfp8": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [1, 32], "activation_scheme": "dynamic"},
     "RAWINT4": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    "int8": {"quant_method": "compressed-tensors", "format": "int-quantized"},
     "GPTQ_INT4": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": False},
     "AWQ_INT4": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
     "mxfp4": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
@@ -74,7 +82,7 @@ QUANT_CONFIGS = {
 }
 QUANTIZERS: dict[str, Quantize] = {"fp8": fp8, "fp8_perchannel": fp8_perchannel, "mxfp8": mxfp8,
                                    "RAWINT4": int4("RAWINT4"), "GPTQ_INT4": int4("GPTQ_INT4"),
-                                   "AWQ_INT4": int4("AWQ_INT4")}
+                                   "AWQ_INT4": int4("AWQ_INT4"), "int8": int8}
 
 
 def is_expert(key: str) -> bool:
@@ -140,10 +148,12 @@ def compare(ours: torch.nn.Module, float_path: Path) -> float:
 
 
 FORMATS = {"fp8": "fp8", "fp8_perchannel": "fp8_perchannel", "mxfp8": "mxfp8", "RAWINT4": "int4",
-           "GPTQ_INT4": "int4_asym", "AWQ_INT4": "int4_asym"}
-BOUNDS = {"fp8": 1e-2, "fp8_perchannel": 1e-2, "mxfp8": 1e-2, "RAWINT4": 4e-2, "GPTQ_INT4": 4e-2, "AWQ_INT4": 4e-2}
+           "GPTQ_INT4": "int4_asym", "AWQ_INT4": "int4_asym", "int8": "int8"}
+BOUNDS = {"fp8": 1e-2, "fp8_perchannel": 1e-2, "mxfp8": 1e-2, "RAWINT4": 4e-2, "GPTQ_INT4": 4e-2, "AWQ_INT4": 4e-2,
+          "int8": 4e-2}
 CASES = [("qwen3_moe", "fp8", True), ("glm4_moe", "fp8_perchannel", True), ("mixtral", "mxfp8", False),
-         ("qwen3_moe", "RAWINT4", False), ("qwen3_moe", "GPTQ_INT4", True), ("olmoe", "AWQ_INT4", True)]
+         ("qwen3_moe", "RAWINT4", False), ("qwen3_moe", "GPTQ_INT4", True), ("olmoe", "AWQ_INT4", True),
+         ("qwen3_moe", "int8", True)]
 
 
 @pytest.mark.parametrize("arch,kind,attention", CASES, ids=[f"{a}-{k}" for a, k, _ in CASES])

@@ -666,7 +666,7 @@ def test_inspect_of_a_checkpoint_with_a_truncated_shard_names_it(tmp_path: Path)
     shard = path / "model-00001-of-00001.safetensors"
     with open(shard, "r+b") as file:
         file.truncate(shard.stat().st_size // 2)
-    with pytest.raises(ValueError, match="model-00001-of-00001.safetensors: cannot read it"):
+    with pytest.raises(ValueError, match="model-00001-of-00001.safetensors: cannot read (it|the safetensors header)"):
         inspect_weights(path)
 
 

@@ -45,6 +45,7 @@ from kt_ops.gguf_loader import (
 )
 from kt_ops.hf_checkpoint import HfCheckpoint
 from kt_ops.hf_int4 import int4_method, load_int4_experts
+from kt_ops.hf_int8 import is_int8_layer, load_int8_experts
 from kt_ops.hf_mxfp4 import find_mxfp4_layer, gguf_mxfp4_experts, load_mxfp4_experts, pack_mxfp4_parts
 from kt_ops.hf_native import native_method
 from kt_ops.kt_kernel_weights import KtKernelDir, is_kt_kernel_dir
@@ -53,7 +54,7 @@ from kt_ops.numa import place_parts, resolve_nodes
 from kt_ops.packed import PackedExperts
 from kt_ops.ops import Biases, moe_forward
 from kt_ops.parts import (FP8_KIND_METHODS, activate_parts, holds_activation, pack_fp8_parts, pack_int4_parts,
-                          pack_parts, part_bounds)
+                          pack_int8_parts, pack_parts, part_bounds)
 from kt_ops.placement import generate_gpu_experts_masks  # noqa: F401 (its former home; kt_ops.wrappers re-exports it)
 from kt_ops.staging import Destination, write_weight_scale_to_buffer
 from kt_ops.wrappers.wrapper_cuda import (capture_call_sizes, experts_on_device, packed_ids, resolve_stream,
@@ -632,6 +633,12 @@ class KTMoEWrapper:
                 raise ValueError(f"{path} layer {self.layer_idx} holds {int4} experts; method {self.method} cannot "
                                  f"read them: use method='{int4}' (or method=None to detect it)")
             return self._load_int4(checkpoint, cpu)
+        if is_int8_layer(checkpoint, self.layer_idx):
+            if self.format != "int8":
+                raise ValueError(f"{path} layer {self.layer_idx} holds INT8 experts (int8 levels with per-row scales, "
+                                 f"W8A8); method {self.method} cannot read them: use method='AMXINT8' (or "
+                                 "method=None to detect it)")
+            return self._load_int8(checkpoint, cpu)
         if self.format in FP8_KIND_METHODS:
             kind = checkpoint.fp8_kind(self.layer_idx)
             if kind is not None and kind != self.format:
@@ -693,6 +700,17 @@ class KTMoEWrapper:
             experts = load_int4_experts(checkpoint, self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size,
                                         self.method)
             parts = pack_int4_parts(experts, self.threadpool_count)
+            source = (experts.gate, experts.up, experts.down)
+        self._set_packed(parts, route, source=source)
+
+    def _load_int8(self, checkpoint: HfCheckpoint, cpu: list[int]) -> None:
+        """The CPU slots' experts of an INT8 (W8A8) checkpoint, their levels copied."""
+        route = self._cpu_route()
+        parts: list[PackedExperts] = []
+        source = None
+        if cpu:
+            experts = load_int8_experts(checkpoint, self.layer_idx, cpu, self.hidden_size, self.moe_intermediate_size)
+            parts = pack_int8_parts(experts, self.threadpool_count)
             source = (experts.gate, experts.up, experts.down)
         self._set_packed(parts, route, source=source)
 
@@ -1371,7 +1389,7 @@ if hasattr(os, "register_at_fork"):
 def detect_method(path: Path, layer_idx: int) -> str:
     """The method of the weights at ``path`` for ``method=None``: ``LLAMAFILE`` for GGUF,
     ``AMXINT4`` / ``AMXINT8`` for a directory written by kt-kernel's converter (from layer
-    ``layer_idx``'s sizes), an INT4 or FP8 checkpoint's own method, ``BF16`` for float
+    ``layer_idx``'s sizes), an INT4 or FP8 checkpoint's own method, ``AMXINT8`` for an INT8 (W8A8) one, ``BF16`` for float
     safetensors. A directory written by ``kt_ops.convert`` needs its method named
     (``ValueError``)."""
     if not path.exists():

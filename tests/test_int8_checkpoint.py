@@ -1,0 +1,219 @@
+"""INT8 (W8A8 / W8A16, compressed-tensors ``int-quantized``) checkpoints read in place as
+format int8 (``kt_ops.hf_int8``): levels copied, -128 included, every naming, parts,
+method detection, bad files, ``kt-ops inspect``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import kt_ops
+from conftest import random_routing, rel_err
+from kt_ops import reference
+from kt_ops.hf_checkpoint import HfCheckpoint
+from kt_ops.hf_int8 import is_int8_layer, load_int8_experts
+from kt_ops.wrappers import KTMoEWrapper
+
+E, H, I, LAYER = 4, 160, 96, 1  # K not a multiple of 32 nor of 64: the packer pads
+CONFIG = {"quant_method": "compressed-tensors", "format": "int-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"],
+                                        "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                    "strategy": "channel"},
+                                        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                              "dynamic": True, "strategy": "token"}}}}
+_BASES = {"per_expert": (f"model.layers.{LAYER}.mlp", ("gate_proj", "up_proj", "down_proj")),
+          "w123": (f"model.layers.{LAYER}.block_sparse_moe", ("w1", "w3", "w2")),
+          "mistral": (f"layers.{LAYER}", ("w1", "w3", "w2"))}
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llm-compressor's symmetric int8 per channel: scale = max|w| / 127.5, levels rounded
+    to nearest even and clamped to [-128, 127] (a row whose extreme is negative gets -128)."""
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.5
+    return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
+
+
+def write_int8_checkpoint(path: Path, convention: str = "per_expert", scale_shape: str = "column",
+                          scale_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                          edit=None) -> tuple[Path, list[torch.Tensor]]:
+    """A one-layer INT8 checkpoint; returns it and the oracle's [E, N, K] gate, up, down
+    (levels times the stored scales). ``edit(tensors)`` may damage it first."""
+    g = torch.Generator().manual_seed(seed)
+    base, names = _BASES[convention]
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.zeros(4, H, dtype=torch.bfloat16)}
+    expected = []
+    for name, (N, K) in zip(names, ((I, H), (I, H), (H, I))):
+        per_expert = []
+        for e in range(E):
+            q, scale = quantize(torch.randn(N, K, generator=g) * 0.05)
+            scale = scale.to(scale_dtype)
+            per_expert.append(q.float() * scale.float())
+            stem = f"{base}.experts.{e}.{name}"
+            tensors[f"{stem}.weight"] = q
+            tensors[f"{stem}.weight_scale"] = scale if scale_shape == "column" else scale.reshape(N)
+        expected.append(torch.stack(per_expert))
+    if edit is not None:
+        edit(tensors)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"model_type": "test", "hidden_size": H, "moe_intermediate_size": I,
+                                                  "quantization_config": CONFIG}))
+    return path, expected
+
+
+@pytest.mark.parametrize("scale_shape,scale_dtype", [("column", torch.bfloat16), ("vector", torch.float32),
+                                                     ("column", torch.float16)])
+@pytest.mark.parametrize("convention", list(_BASES))
+def test_read_in_place_keeps_the_levels(tmp_path: Path, convention: str, scale_shape: str,
+                                        scale_dtype: torch.dtype) -> None:
+    path, expected = write_int8_checkpoint(tmp_path, convention, scale_shape, scale_dtype)
+    checkpoint = HfCheckpoint(path)
+    every = load_int8_experts(checkpoint, LAYER, range(E), H, I)
+    assert any(bool((q == -128).any()) for q in (every.gate, every.up, every.down))  # llm-compressor's rounding
+    assert is_int8_layer(checkpoint, LAYER)
+    picked = [2, 0, 2]
+    experts = load_int8_experts(checkpoint, LAYER, picked, H, I)
+    packed = kt_ops.PackedExperts(torch.ops.kt.pack_int8_experts(experts.gate, experts.up, experts.down,
+                                                                 *experts.scales))
+    assert packed.format == "int8"
+    for got, want in zip(reference.dequantize(packed.data), expected):
+        torch.testing.assert_close(got[:, :want.shape[1], :want.shape[2]], want[picked], rtol=0, atol=0)
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        stored = sum(f.get_tensor(k).nbytes for k in f.keys() if ".experts." in k)
+    # levels (K padded to 32: 160 -> 160, 96 -> 96) plus fp32 scales, against levels plus bf16/fp32 scales
+    assert packed.nbytes <= 1.15 * stored * len(picked) / E + 4096
+
+
+def test_the_level_minus_128_is_multiplied_as_minus_128(variant: str) -> None:
+    """-128 (byte 0 of the packed offset-binary levels) on every variant, decode and prefill
+    tiles: the output is the oracle's with -128, not with -127 (it was refused before W8A8)."""
+    g = torch.Generator().manual_seed(1)
+    levels = [torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for shape in ((3, 64, 96),) * 2]
+    levels.append(torch.randint(-127, 128, (3, 96, 64), generator=g, dtype=torch.int8))
+    for q in levels:
+        q.view(-1)[::5] = -128
+    scales = [torch.rand(3, q.shape[1], generator=g) * 0.02 + 1e-3 for q in levels]
+    packed = torch.ops.kt.pack_int8_experts(*levels, *scales)
+    dense = [q.float() * s[:, :, None] for q, s in zip(levels, scales)]
+    for got, want in zip(reference.dequantize(packed), dense):
+        assert torch.equal(got[:, :want.shape[1], :want.shape[2]], want)
+    clipped = [q.clamp(min=-127).float() * s[:, :, None] for q, s in zip(levels, scales)]
+    for tokens in (1, 5, 90):  # decode tiles; AMX / prefill tiles at 90 tokens over 3 experts
+        x = torch.randn(tokens, 96, generator=g)
+        ids, weights = random_routing(tokens, 3, 2, seed=tokens)
+        out = kt_ops.moe_forward(x, ids, weights, packed)
+        right = reference.moe_forward(x, ids, weights, *dense, quantize_activations=True)
+        wrong = reference.moe_forward(x, ids, weights, *clipped, quantize_activations=True)
+        assert rel_err(out, right) <= 3e-3 < rel_err(out, wrong), (tokens, rel_err(out, right), rel_err(out, wrong))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_wrapper_matches_the_oracle(tmp_path: Path, parts: int, variant: str) -> None:
+    path, (gate, up, down) = write_int8_checkpoint(tmp_path)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ids, weights = random_routing(9, E, 2, seed=4)
+    outs = []
+    for given in ("AMXINT8", None, "MOE_INT8"):
+        wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method=given, threadpool_count=parts)
+        wrapper.load_weights()
+        assert wrapper.method in ("AMXINT8", "MOE_INT8") and len(wrapper._parts) == parts
+        assert all(part.format == "int8" for part in wrapper._parts)
+        outs.append(wrapper.forward(x, ids, weights))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=parts == 1)
+    assert rel_err(outs[0], ref) <= (3e-3 if parts == 1 else 4e-2)
+
+
+def test_a_method_the_file_does_not_hold_is_refused(tmp_path: Path) -> None:
+    path, _ = write_int8_checkpoint(tmp_path)
+    for method in ("BF16", "AMXINT4", "FP8"):
+        with pytest.raises(ValueError, match=f"holds INT8 experts .* method {method} cannot read them: use "
+                                             "method='AMXINT8'"):
+            KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method=method).load_weights()
+
+
+def _replace(key_end: str, value):
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        key = next(k for k in tensors if k.endswith(key_end))
+        tensors[key] = value(tensors[key])
+    return edit
+
+
+def _add(suffix: str, value: torch.Tensor):
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[f"model.layers.{LAYER}.mlp.experts.1.up_proj.{suffix}"] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_replace("experts.1.up_proj.weight_scale", lambda s: s.expand(-1, 5).contiguous()),
+     r"up_proj.weight_scale' is \[96, 5\]; kt_ops reads per-channel INT8 .*, not group-wise scales"),
+    (_replace("experts.1.up_proj.weight_scale", lambda s: s.to(torch.int32)),
+     r"up_proj.weight_scale' is I32; scales are F32, BF16 or F16"),
+    (_replace("experts.2.down_proj.weight_scale", lambda s: torch.where(s > s.median(), torch.inf, s)),
+     r"down_proj.weight_scale' holds a non-finite scale"),
+    (_replace("experts.0.down_proj.weight", lambda q: q[:, :-1].contiguous()),
+     r"down_proj.weight' is I8 \[160, 95\]; an INT8 layer needs I8 \[160, 96\]"),
+    (lambda tensors: tensors.pop(f"model.layers.{LAYER}.mlp.experts.3.gate_proj.weight_scale"),
+     r"experts.3.gate_proj.weight_scale' is missing: int8 weights need their scales"),
+    (_add("weight_zero_point", torch.ones(I, 1, dtype=torch.int8)),
+     r"up_proj.weight_zero_point' holds zero points other than 0 \(asymmetric INT8\)"),
+    (_add("weight_g_idx", torch.zeros(H, dtype=torch.int32)), r"up_proj.weight_g_idx' \(act-order\) is not read"),
+    (_add("bias", torch.zeros(I, dtype=torch.bfloat16)), r"experts have biases"),
+])
+def test_bad_files_name_the_tensor(tmp_path: Path, edit, match: str) -> None:
+    path, _ = write_int8_checkpoint(tmp_path, edit=edit)
+    with pytest.raises(ValueError, match=match):
+        KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="AMXINT8").load_weights()
+
+
+def test_zero_points_of_zero_are_read(tmp_path: Path) -> None:
+    path, (gate, up, down) = write_int8_checkpoint(tmp_path, edit=_add("weight_zero_point",
+                                                                       torch.zeros(I, 1, dtype=torch.int8)))
+    wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="AMXINT8")
+    wrapper.load_weights()
+    x = torch.randn(3, H)
+    ids, weights = random_routing(3, E, 2, seed=1)
+    ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
+    assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
+
+
+def test_inspect_reads_an_int8_checkpoint(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from kt_ops.formats import format_info
+    from kt_ops.inspection import format_inspection, inspect_weights
+
+    path, _ = write_int8_checkpoint(tmp_path, "w123")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        expected = sum(f.get_tensor(k).nbytes for k in f.keys() if ".experts." in k)
+    report = inspect_weights(path)
+    [layer] = report.layers
+    assert (layer.layer, layer.num_experts, layer.hidden_size, layer.intermediate_size) == (LAYER, E, H, I)
+    assert layer.nbytes == expected and all(m.type == "int8" for m in layer.matrices)
+    facts = dict(report.facts)
+    assert facts["stored as"] == "int8 (a scale per row, W8A8: method AMXINT8 reads it in place)"
+    assert facts["expert tensors"] == "INT8 w123 naming"
+    text = format_inspection(report)
+    assert f"method AMXINT8 (read in place): {format_info('int8').kernels[kt_ops.cpu_variant()]}" in text, text
+    key = f"model.layers.{LAYER}.block_sparse_moe.experts.2.w2.weight_scale"
+    broken, _ = write_int8_checkpoint(tmp_path / "broken", "w123", edit=lambda tensors: tensors.pop(key))
+    report = inspect_weights(broken)
+    assert report.layers == () and f"layer {LAYER}: 1 expert tensor(s) missing, e.g. {key!r}" in report.notes
+
+
+def test_the_converter_points_to_reading_in_place(tmp_path: Path, capsys) -> None:
+    """The converter said only "tensor ... is I8; expert weights must be BF16, F16, F32 or F8_E4M3"."""
+    from kt_ops import convert
+
+    path, _ = write_int8_checkpoint(tmp_path / "model")
+    args = ["--input-path", str(path), "--input-type", "bf16", "--output", str(tmp_path / "out"), "--quant-method",
+            "int4"]
+    assert convert.main(args) == 2 and not (tmp_path / "out").exists()
+    assert f"layer {LAYER} holds INT8 experts" in capsys.readouterr().err
