@@ -1389,9 +1389,9 @@ if hasattr(os, "register_at_fork"):
 def detect_method(path: Path, layer_idx: int) -> str:
     """The method of the weights at ``path`` for ``method=None``: ``LLAMAFILE`` for GGUF,
     ``AMXINT4`` / ``AMXINT8`` for a directory written by kt-kernel's converter (from layer
-    ``layer_idx``'s sizes), an INT4 or FP8 checkpoint's own method, ``AMXINT8`` for an INT8 (W8A8) one, ``BF16`` for float
-    safetensors. A directory written by ``kt_ops.convert`` needs its method named
-    (``ValueError``)."""
+    ``layer_idx``'s sizes), an INT4 or FP8 checkpoint's own method, ``AMXINT8`` for an INT8
+    (W8A8) one, ``BF16`` for float safetensors. A directory written by ``kt_ops.convert``
+    needs its method named (``ValueError``)."""
     if not path.exists():
         raise FileNotFoundError(f"weight_path {path} does not exist")
     if is_converted(path):
