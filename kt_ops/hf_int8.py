@@ -43,9 +43,11 @@ class Int8Experts:
 
 
 def is_int8_layer(checkpoint: HfCheckpoint, layer: int) -> bool:
-    """Whether a layer's routed experts are stored as int8 levels (headers only)."""
+    """Whether a layer's routed experts are stored as int8 levels (the first gate tensor's
+    header; a layer without it is left to the float reader, which names the missing key)."""
     where = checkpoint.layer(layer)
-    return where.suffix == "weight" and checkpoint.tensor_info(where.key(0))[0] == INT8_DTYPE
+    key = where.key(0)
+    return where.suffix == "weight" and key in checkpoint.keys() and checkpoint.tensor_info(key)[0] == INT8_DTYPE
 
 
 def read_int8_linear(checkpoint: HfCheckpoint, stem: str, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
