@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from pathlib import Path
 
 import torch
@@ -29,9 +30,11 @@ from safetensors.torch import save_file
 
 from kt_ops._validate import regular_file_stat
 from kt_ops.converted import INDEX, entry_path, layer_file, layer_key
+from kt_ops.mapped_files import read_safetensors_header, safetensors_range
 
 METADATA = {"producer": "kt_ops"}
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the names merge_layers gives its shards
+_COPY_CHUNK = 16 << 20  # write_shard's buffer
 
 
 def fsync_path(path: Path) -> None:
@@ -53,6 +56,45 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     except BaseException as error:
         path.unlink(missing_ok=True)
         if isinstance(error, SafetensorError):
+            raise OSError(f"{path}: cannot write it: {error}") from None
+        raise
+
+
+def write_shard(path: Path, sources: dict[str, Path]) -> None:
+    """A safetensors file of the 1-D uint8 tensors ``sources`` names (key -> the safetensors
+    file holding it under that key), byte for byte what :func:`save_tensors` writes for
+    them, their bytes copied through one 16 MiB buffer: a merge holds no shard in memory
+    (it held a whole one, up to the 4 GiB cap). Failures as :func:`save_tensors`."""
+    headers: dict[Path, tuple[dict, int]] = {}
+    ranges: dict[str, tuple[int, int]] = {}
+    for key in sorted(sources):  # save_file's order: by name (one dtype)
+        file = sources[key]
+        if file not in headers:
+            headers[file] = read_safetensors_header(file)
+        ranges[key] = safetensors_range(file, key, headers[file])
+    entries: dict[str, object] = {"__metadata__": METADATA}
+    begin = 0
+    for key, (_, nbytes) in ranges.items():
+        entries[key] = {"dtype": "U8", "shape": [nbytes], "data_offsets": [begin, begin + nbytes]}
+        begin += nbytes
+    header = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+    header += b" " * (-len(header) % 8)  # the data 8-byte aligned, as safetensors pads it
+    buffer = memoryview(bytearray(min(_COPY_CHUNK, max(begin, 1))))
+    try:
+        with open(path, "wb") as target:
+            target.write(struct.pack("<Q", len(header)) + header)
+            for key, (offset, nbytes) in ranges.items():
+                with open(sources[key], "rb") as source:
+                    source.seek(offset)
+                    while nbytes:
+                        read = source.readinto(buffer[:min(nbytes, len(buffer))])
+                        if not read:
+                            raise OSError(f"{sources[key]} is truncated: tensor {key!r} ends early")
+                        target.write(buffer[:read])
+                        nbytes -= read
+    except BaseException as error:
+        path.unlink(missing_ok=True)
+        if isinstance(error, OSError):
             raise OSError(f"{path}: cannot write it: {error}") from None
         raise
 
@@ -160,12 +202,10 @@ def merge_layers(out: Path, layers: list[int], parts: int, max_shard_bytes: int)
     names = []
     for i, group in enumerate(groups):  # 2. shards under temporary names, then renamed
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors: dict[str, torch.Tensor] = {}
-        for layer in group:
-            tensors.update(_tensors(out / layer_file(layer), layer, parts))
-        save_tensors(tensors, out / (name + ".tmp"))
+        sources = {layer_key(layer, p): out / layer_file(layer) for layer in group for p in range(parts)}
+        write_shard(out / (name + ".tmp"), sources)
         fsync_path(out / (name + ".tmp"))
-        weight_map.update({key: name for key in tensors})
+        weight_map.update({key: name for key in sources})
         names.append(name)
     for name in names:
         os.replace(out / (name + ".tmp"), out / name)

@@ -5,6 +5,7 @@ quantization of the same checkpoint computes; FP8 input; per-layer files, resume
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -226,7 +227,7 @@ def test_a_crash_in_the_merge_resumes(tmp_path, checkpoint, monkeypatch, capsys,
             return real(*args, **kwargs)
         return wrapped
 
-    target = {"shard_write": (convert_merge, "save_file"), "shard_rename": (os, "replace"),
+    target = {"shard_write": (convert_merge, "write_shard"), "shard_rename": (os, "replace"),
               "index": (convert_merge, "write_text_durably"), "layer_delete": (Path, "unlink")}[crash_at]
     monkeypatch.setattr(convert, "MAX_SHARD_BYTES", 1)  # one shard per layer: steps of several calls
     if crash_at == "index":
@@ -397,7 +398,10 @@ def test_a_failure_after_a_finished_layer_keeps_it_for_resume(tmp_path, checkpoi
 @pytest.mark.parametrize("where", ["layer", "shard"])
 def test_a_full_disk_is_one_error_line_naming_the_file(tmp_path, checkpoint, monkeypatch, capsys, where) -> None:
     """safetensors reports a failed write (a full disk) as its own ``SafetensorError``, which
-    main did not catch: a traceback, naming no file. Now exit 1, one line naming the file."""
+    main did not catch: a traceback, naming no file. Now exit 1, one line naming the file
+    (the shards, copied by write_shard, see the OSError itself)."""
+    import errno
+
     from safetensors import SafetensorError
 
     from kt_ops import convert_merge
@@ -405,11 +409,21 @@ def test_a_full_disk_is_one_error_line_naming_the_file(tmp_path, checkpoint, mon
     real_save = convert_merge.save_file
 
     def full_disk(tensors, path, metadata=None):
-        if ("model-" if where == "shard" else "layer-") in os.fspath(path):
+        if "layer-" in os.fspath(path):
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(convert_merge, "save_file", full_disk)
+    class FullFile(io.BytesIO):
+        def write(self, data) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_open(path, mode="r", *args, **kwargs):
+        return FullFile() if "model-" in os.fspath(path) and "w" in mode else open(path, mode, *args, **kwargs)
+
+    if where == "shard":
+        monkeypatch.setattr(convert_merge, "open", full_open, raising=False)
+    else:
+        monkeypatch.setattr(convert_merge, "save_file", full_disk)
     out = tmp_path / "out"
     assert run("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8") == 1
     err = capsys.readouterr().err

@@ -3,6 +3,8 @@ leaves behind, checkpoints with a multi-token-prediction layer, outputs read bac
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 from pathlib import Path
@@ -32,7 +34,8 @@ def test_a_write_that_fails_midway_leaves_no_partial_file(tmp_path, checkpoint, 
     """A full disk or Ctrl-C while safetensors writes a file leaves the part written under
     its temporary name: it took the disk space a rerun needs, and a new conversion failing
     on its first layer kept the output directory it had made (not empty) although the
-    docs say it removes it. The partial temporary is deleted."""
+    docs say it removes it. The partial temporary is deleted (a shard, copied by
+    write_shard, fails as its file's write: an OSError for a full disk)."""
     real_save = convert_merge.save_file
 
     def partial_write(tensors, path, metadata=None) -> None:
@@ -41,7 +44,20 @@ def test_a_write_that_fails_midway_leaves_no_partial_file(tmp_path, checkpoint, 
             raise error
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(convert_merge, "save_file", partial_write)
+    class PartialFile(io.FileIO):
+        def write(self, data) -> int:
+            super().write(b"\0" * 100)  # what reached the disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if isinstance(error, SafetensorError) else error
+
+    def partial_open(path, mode="r", *args, **kwargs):
+        if os.path.basename(path).startswith(where) and "w" in mode:
+            return PartialFile(path, "wb")
+        return open(path, mode, *args, **kwargs)
+
+    if where == "model-":
+        monkeypatch.setattr(convert_merge, "open", partial_open, raising=False)
+    else:
+        monkeypatch.setattr(convert_merge, "save_file", partial_write)
     out = tmp_path / "out"
     args = ("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8")
     if isinstance(error, KeyboardInterrupt):
@@ -53,7 +69,7 @@ def test_a_write_that_fails_midway_leaves_no_partial_file(tmp_path, checkpoint, 
         assert not out.exists()
         return
     assert not list(out.glob("*.tmp"))
-    monkeypatch.setattr(convert_merge, "save_file", real_save)
+    monkeypatch.undo()
     resume = 3 if where == "model-" else 1
     assert run(*args, "--resume-layer", resume) == 0
 
