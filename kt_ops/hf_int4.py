@@ -281,7 +281,9 @@ def load_int4_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[in
         q = torch.empty((len(experts), N, K // 2), dtype=torch.uint8)
         s = torch.empty((len(experts), N, K // group))
         mins = torch.empty_like(s) if asymmetric else None
-        for i, (nib, scale, zeros, gs) in enumerate(read[m]):
+        matrix, read[m] = read[m][::-1], []
+        for i in range(len(experts)):
+            nib, scale, zeros, gs = matrix.pop()  # each expert's copy dropped once stacked: peak 1.3x, not 2.2x
             q[i].copy_(nib)
             s[i].copy_(scale.repeat_interleave(gs // group, dim=1))
             if mins is not None:
