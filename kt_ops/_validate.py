@@ -20,6 +20,11 @@ def is_integral(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def plain_int(value: object) -> object:
+    """``value`` as a Python ``int`` when it is another integer type (numpy's), else as given."""
+    return int(value) if is_integral(value) and not isinstance(value, int) else value
+
+
 def names_file_inside(name: object) -> bool:
     """Whether ``name``, a file name from an index (``weight_map``), stays inside the
     directory it is relative to: a non-empty string, not absolute, whose ``..`` (after

@@ -12,7 +12,7 @@ from typing import Union
 import gguf
 
 from kt_ops._native import _C
-from kt_ops._validate import is_int
+from kt_ops._validate import is_integral
 
 GgufTypeLike = Union[gguf.GGMLQuantizationType, str, int]
 
@@ -64,9 +64,9 @@ def gguf_type_id(value: GgufTypeLike) -> int:
             qtype = gguf.GGMLQuantizationType[value.upper()]
         except KeyError:
             raise ValueError(f"unknown GGUF type {value!r}; supported: {', '.join(SUPPORTED_TYPES)}") from None
-    elif is_int(value):
+    elif is_integral(value):  # numpy's integers too (a type id read from a GGUF file's array)
         try:
-            qtype = gguf.GGMLQuantizationType(value)
+            qtype = gguf.GGMLQuantizationType(int(value))
         except ValueError:
             raise ValueError(f"{value} is not a ggml type id; supported: {', '.join(SUPPORTED_TYPES)}") from None
     else:

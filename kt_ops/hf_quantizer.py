@@ -36,7 +36,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from kt_ops import hf_experts
-from kt_ops._validate import is_int, require_bools
+from kt_ops._validate import is_int, plain_int, require_bools
 from kt_ops.mapped_files import release_file_pages
 
 QUANT_METHOD = "kt_ops"
@@ -104,8 +104,10 @@ class KtOpsConfig(QuantizationConfigMixin):
             check_pack_arguments(method, group_size, zero_point, scale_search, gguf_type)
         self.quant_method = QUANT_METHOD
         self.method = method
-        self.group_size = group_size
-        self.gguf_type = gguf_type
+        # numpy's integers as ints: both are saved to config.json
+        self.group_size = plain_int(group_size)
+        self.gguf_type = type(gguf_type)(map(plain_int, gguf_type)) if isinstance(gguf_type, (tuple, list)) \
+            else plain_int(gguf_type)
         self.scale_search = scale_search
         self.zero_point = zero_point
         if not is_int(num_gpu_experts) or num_gpu_experts < 0:

@@ -10,7 +10,7 @@ import torch
 
 from kt_ops import autograd, fakes  # noqa: F401  (fakes: registers the fake implementations)
 from kt_ops._native import _C
-from kt_ops._validate import is_int, is_real, require_bools
+from kt_ops._validate import is_integral, is_real, require_bools
 from kt_ops.formats import (CHECKPOINT_METHODS, DEFAULT_GROUP_SIZE, GROUPED_FORMATS, default_group_size,
                             format_for_method, format_info)
 from kt_ops.gguf_types import GgufTypeLike, check_row_lengths, gguf_type_ids
@@ -163,7 +163,7 @@ def check_pack_arguments(
     ``gguf_type`` outside LLAMAFILE, a ``group_size`` for a method without k-groups, a
     ``zero_point`` or ``scale_search`` that is not a bool, ...).
     Needs no tensor: ``KtOpsConfig`` checks its arguments with it before a model loads."""
-    if group_size is not None and not is_int(group_size):  # 64.0 or True reached the operator's schema check
+    if group_size is not None and not is_integral(group_size):  # 64.0 or True reached the operator's schema check
         raise ValueError(f"group_size must be an int (32, 64 or 128) or None, got {group_size!r}")
     require_bools(zero_point=zero_point, scale_search=scale_search)  # zero_point="no" selected int4_asym silently
     fmt = format_for_method(method, zero_point)
@@ -209,6 +209,7 @@ def _pack(
     gguf_type: GgufTypeLike | tuple[GgufTypeLike, GgufTypeLike, GgufTypeLike] | None,
 ) -> PackedExperts:
     fmt = check_pack_arguments(method, group_size, zero_point, scale_search, gguf_type)
+    group_size = None if group_size is None else int(group_size)  # numpy's integers too, as KTMoEWrapper's
     if fmt == "mxfp4":
         for name, size in (("hidden_size", int(gate_proj.shape[-1])), ("intermediate_size", int(down_proj.shape[-1]))):
             if gate_proj.dim() == 3 and down_proj.dim() == 3 and size % 32:

@@ -30,7 +30,7 @@ import torch
 
 import kt_ops.cuda
 from kt_ops import _futures, expert_stats, gpu_prefill
-from kt_ops._validate import is_int, is_integral, is_real, require_bools, require_tensors
+from kt_ops._validate import is_int, is_real, plain_int, require_bools, require_tensors
 from kt_ops.converted import is_converted, load_converted_layer
 from kt_ops.cpu import get_num_threads, max_threads, set_num_threads
 from kt_ops.dynamic_experts import host_copy
@@ -129,11 +129,6 @@ def _named_by_id(error: ValueError, ids: Sequence[int]) -> ValueError:
         return error
     named = f"{match.group(1)}: expert {int(ids[int(match.group(2))])}"
     return ValueError(text[:match.start()] + named + text[match.end():])
-
-
-def _plain_int(value: object) -> object:
-    """``value`` as a Python ``int`` when it is another integer type (numpy's), else as given."""
-    return int(value) if is_integral(value) and not isinstance(value, int) else value
 
 
 class KTMoEWrapper:
@@ -283,10 +278,10 @@ class KTMoEWrapper:
         # numpy's integers (sizes read from an array or a config parsed with numpy) as ints,
         # as kt-kernel takes them; bools, floats and strings stay refused below.
         layer_idx, num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size = map(
-            _plain_int, (layer_idx, num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size))
+            plain_int, (layer_idx, num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size))
         cpuinfer_threads, threadpool_count, chunked_prefill_size, max_deferred_experts_per_token = map(
-            _plain_int, (cpuinfer_threads, threadpool_count, chunked_prefill_size, max_deferred_experts_per_token))
-        num_gpu_experts, group_size = _plain_int(num_gpu_experts), _plain_int(group_size)
+            plain_int, (cpuinfer_threads, threadpool_count, chunked_prefill_size, max_deferred_experts_per_token))
+        num_gpu_experts, group_size = plain_int(num_gpu_experts), plain_int(group_size)
         if max_deferred_experts_per_token is None:  # kt-kernel's default: no deferral
             max_deferred_experts_per_token = 0
         for name, value in (("layer_idx", layer_idx), ("num_experts", num_experts),

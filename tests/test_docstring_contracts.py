@@ -1,0 +1,34 @@
+"""The public API's docstrings taken at their word: each test checks one claim a
+docstring (or a type hint) makes, where the code once disagreed with it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import kt_ops
+from conftest import make_experts
+
+E, H, I = 2, 64, 64
+
+
+def test_pack_experts_takes_numpy_ints_as_its_siblings_do():
+    # group_size: int, as KTMoEWrapper's group_size and pack_int4_experts' (which take numpy's
+    # integers); gguf_type: "its name or integer value". np.int64 was refused by both.
+    ex = make_experts(E, H, I)
+    packed = kt_ops.pack_experts(ex.gate, ex.up, ex.down, "AMXINT4", group_size=np.int64(64))
+    assert packed.group_size == 64
+    gguf = kt_ops.pack_experts(ex.gate, ex.up, ex.down, "LLAMAFILE", gguf_type=np.int64(8))
+    assert gguf.gguf_types == ("Q8_0", "Q8_0", "Q8_0")
+    with pytest.raises(ValueError, match="group_size"):
+        kt_ops.pack_experts(ex.gate, ex.up, ex.down, "AMXINT4", group_size=np.bool_(True))
+
+
+def test_kt_ops_config_takes_numpy_ints_and_saves_them_as_ints():
+    pytest.importorskip("transformers")
+    config = kt_ops.KtOpsConfig(method="LLAMAFILE", gguf_type=(np.int64(8), "Q8_0", 8))
+    assert json.loads(config.to_json_string())["gguf_type"] == [8, "Q8_0", 8]  # np.int64: a TypeError
+    assert type(kt_ops.KtOpsConfig(method="AMXINT4", group_size=np.int64(64)).group_size) is int
