@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kt_ops import autograd  # noqa: F401  (the operators' autograd)
-from kt_ops._validate import is_int, is_real
+from kt_ops._validate import is_int, is_real, plain_int
 from kt_ops.packed import PackedExperts
 
 LORA_NAMES = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
@@ -72,6 +72,9 @@ class LoraExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, rank: int = 16,
                  alpha: float = 32.0, dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        # numpy's integers (sizes read from a config or an array) as ints, as KTMoEWrapper takes them
+        num_experts, hidden_size, intermediate_size, rank = map(plain_int, (num_experts, hidden_size,
+                                                                            intermediate_size, rank))
         for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
                             ("intermediate_size", intermediate_size), ("rank", rank)):
             if not is_int(value) or value < 1:

@@ -32,3 +32,11 @@ def test_kt_ops_config_takes_numpy_ints_and_saves_them_as_ints():
     config = kt_ops.KtOpsConfig(method="LLAMAFILE", gguf_type=(np.int64(8), "Q8_0", 8))
     assert json.loads(config.to_json_string())["gguf_type"] == [8, "Q8_0", 8]  # np.int64: a TypeError
     assert type(kt_ops.KtOpsConfig(method="AMXINT4", group_size=np.int64(64)).group_size) is int
+
+
+def test_lora_experts_takes_numpy_ints_as_kt_moe_wrapper_does():
+    lora = kt_ops.LoraExperts(np.int64(E), np.int64(H), np.int32(I), rank=np.int64(4))
+    assert lora.gate_a.shape == (E, 4, H) and type(lora.rank) is int
+    with pytest.raises(ValueError, match="rank"):
+        kt_ops.LoraExperts(E, H, I, rank=True)
+
