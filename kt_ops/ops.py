@@ -320,6 +320,8 @@ def pack_fp8_experts(
     A NaN or infinite float scale makes its rows' outputs NaN (infinite scales are stored as
     NaN: ``0 * inf`` weights are NaN).
     """
+    if not isinstance(method, str):  # as format_for_method: 3 was an AttributeError (no .upper())
+        raise TypeError(f"method must be a str, got {type(method).__name__}")
     if method.upper() not in FP8_METHODS:
         raise ValueError(f"pack_fp8_experts packs methods {', '.join(FP8_METHODS)}; got {method!r}")
     gate_scale, up_scale, down_scale = (_infinite_scales_as_nan(s) for s in (gate_scale, up_scale, down_scale))

@@ -40,3 +40,9 @@ def test_lora_experts_takes_numpy_ints_as_kt_moe_wrapper_does():
     with pytest.raises(ValueError, match="rank"):
         kt_ops.LoraExperts(E, H, I, rank=True)
 
+
+def test_pack_fp8_experts_refuses_a_method_that_is_not_a_str_as_pack_experts_does():
+    weights = torch.zeros(E, I, H, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(E, 1, 1)
+    with pytest.raises(TypeError, match="method must be a str"):  # was AttributeError: no .upper()
+        kt_ops.pack_fp8_experts(weights, weights, weights, scale, scale, scale, 3)
