@@ -46,3 +46,10 @@ def test_pack_fp8_experts_refuses_a_method_that_is_not_a_str_as_pack_experts_doe
     scale = torch.ones(E, 1, 1)
     with pytest.raises(TypeError, match="method must be a str"):  # was AttributeError: no .upper()
         kt_ops.pack_fp8_experts(weights, weights, weights, scale, scale, scale, 3)
+
+
+@pytest.mark.parametrize("flag", ["norm_topk_prob", "logits_fp32", "weights_in_logits_dtype"])
+def test_routing_refuses_a_switch_that_is_not_a_bool(flag):
+    # documented as switches (bool); "no" is truthy: the weights were renormalised silently
+    with pytest.raises(ValueError, match=flag):
+        kt_ops.Routing(2, **{flag: "no"})

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kt_ops._validate import is_int, is_real
+from kt_ops._validate import is_int, is_real, require_bools
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,9 @@ class Routing:
         for name in ("top_k", "num_groups", "topk_groups"):
             if not is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        # "no" is truthy: it renormalised the weights (or cast them) silently
+        require_bools(norm_topk_prob=self.norm_topk_prob, logits_fp32=self.logits_fp32,
+                      weights_in_logits_dtype=self.weights_in_logits_dtype)
         if not is_real(self.routed_scaling_factor) or not math.isfinite(self.routed_scaling_factor):
             raise ValueError(f"routed_scaling_factor must be a finite number, got {self.routed_scaling_factor!r}")
         if self.top_k < 1:
