@@ -34,8 +34,9 @@ class HybridMoE(nn.Module):
     Args:
         router_weight: ``[E, H]`` router (``gate``) weight.
         gate_proj: ``[E, I, H]``; up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]`` — the
-            routed experts in Hugging Face layout, any float dtype, any device (another rank
-            or shape is a ``ValueError`` naming the tensor).
+            routed experts in Hugging Face layout, bf16, fp16 or fp32 (as :func:`kt_ops.pack_experts`
+            takes them: another dtype is a ``TypeError``), any device (another rank or shape is
+            a ``ValueError`` naming the tensor).
         routing: how experts are chosen (:class:`Routing`); one that cannot choose among E
             experts (:meth:`Routing.check_experts`) is a ``ValueError``.
         method: packing method of the CPU experts (``BF16``, ``AMXINT8``, ``AMXINT4``,
@@ -64,7 +65,7 @@ class HybridMoE(nn.Module):
             :func:`kt_ops.set_gpu_prefill_token_threshold` with ``update_gpu_experts=True``
             also moves a dynamic layer's GPU experts to each such call's most activated.
 
-    ``forward(hidden_states [..., H])`` returns ``[..., H]`` in the input's dtype. The
+    ``forward(hidden_states [..., H])`` (bf16, fp16 or fp32) returns ``[..., H]`` in the input's dtype. The
     GPU experts are computed densely over the batch (every GPU expert sees every token,
     weighted by 0 where not routed): shape-static for ``torch.compile`` and CUDA graphs,
     meant for the few hot experts a mask selects.
