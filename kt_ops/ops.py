@@ -256,8 +256,8 @@ def set_activation(
             before the activation, down's before the routing weight. ``None``: no biases.
 
     Returns:
-        ``packed`` itself when it already holds exactly this (no activation, no biases
-        asked and none held); otherwise a new :class:`PackedExperts` with the same weights
+        ``packed`` itself (a ``data`` tensor: wrapped, not copied) when it already holds
+        exactly this (no activation, no biases asked and none held); otherwise a new :class:`PackedExperts` with the same weights
         (copied; a memory-mapped GGUF layer becomes resident) and the activation in its
         header (version 2: builds before these fields refuse it rather than computing
         plain SwiGLU). Raises ``ValueError`` for negative or non-finite numbers and for a
