@@ -251,8 +251,8 @@ def set_activation(
     Args:
         packed: a layer of any format (a :class:`PackedExperts` or its ``data``).
         swiglu_limit, swiglu_alpha: finite, ``>= 0``.
-        biases: ``(gate_bias [E, I], up_bias [E, I], down_bias [E, H])``, any float dtype
-            (stored as fp32), each may be ``None`` (zero). Gate and up biases are added
+        biases: ``(gate_bias [E, I], up_bias [E, I], down_bias [E, H])``, fp32, bf16, fp16
+            or fp64 (stored as fp32), each may be ``None`` (zero). Gate and up biases are added
             before the activation, down's before the routing weight. ``None``: no biases.
 
     Returns:
@@ -276,7 +276,9 @@ def set_activation(
         for name, bias in zip(("gate_bias", "up_bias", "down_bias"), biases):
             # as pack_experts refuses non-finite weights: a NaN bias made every output of its expert NaN;
             # checked as stored (fp32): a float64 bias beyond fp32's range became inf
-            if isinstance(bias, torch.Tensor) and bias.is_floating_point() and not bias.is_meta \
+            # (a 1-byte float, which isfinite does not take, is refused by the operator as a wrong dtype)
+            if isinstance(bias, torch.Tensor) and bias.is_floating_point() and bias.dtype.itemsize >= 2 \
+                    and not bias.is_meta \
                     and not bool(torch.isfinite(bias.to(torch.float32) if bias.dtype == torch.float64 else bias).all()):
                 raise ValueError(f"{name} holds non-finite values (NaN or infinity are refused, as in the weights; biases are "
                                  "stored as float32, so a float64 value beyond its range counts as infinite)")

@@ -53,3 +53,11 @@ def test_routing_refuses_a_switch_that_is_not_a_bool(flag):
     # documented as switches (bool); "no" is truthy: the weights were renormalised silently
     with pytest.raises(ValueError, match=flag):
         kt_ops.Routing(2, **{flag: "no"})
+
+
+def test_set_activation_refuses_a_float8_bias_with_a_value_error():
+    # "a bias of the wrong dtype" is a ValueError; float8 was a NotImplementedError from isfinite
+    packed = make_experts(E, H, I).packed
+    bias = torch.zeros(E, I).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="gate_bias"):
+        kt_ops.set_activation(packed, biases=(bias, None, None))
