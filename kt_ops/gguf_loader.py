@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kt_ops._native import _C
-from kt_ops._validate import is_int, regular_file_stat
+from kt_ops._validate import is_int, is_integral, regular_file_stat
 from kt_ops.gguf_types import gguf_type_id
 from kt_ops.packed import PackedExperts
 
@@ -195,8 +195,9 @@ def _layer_tensors(path: str | os.PathLike[str], layer_idx: int, suffix: str
     """The model's metadata, the names ``blk.{layer_idx}.ffn_{gate,up,down}_exps.{suffix}``
     and those of them the files hold (name -> (file, tensor)). ``TypeError`` for a layer
     index that is not an int, ``ValueError`` for one outside the model."""
-    if not is_int(layer_idx):
+    if not is_integral(layer_idx):  # numpy's integers too, as KTMoEWrapper's layer_idx
         raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
+    layer_idx = int(layer_idx)
     info = read_gguf_config(path)
     if not 0 <= layer_idx < info.num_layers:
         raise ValueError(f"layer_idx {layer_idx} is outside the model's {info.num_layers} layers")

@@ -697,3 +697,15 @@ def test_negative_zero_huge_and_subnormal_block_scales_match_gguf(variant: str, 
                                       quantize_activations=reference.gguf_activation_blocks(blob))
         assert tight.abs().max() > 0, mode  # the subnormal scales did not all flush to zero
         assert rel_err(out, tight) <= 1e-3, (mode, rel_err(out, tight))
+
+
+def test_a_numpy_layer_index_loads_as_kt_moe_wrapper_takes_it(tmp_path) -> None:
+    """``layer_idx: int``: numpy's integers too (KTMoEWrapper takes them); a bool is refused."""
+    E, H, I = 4, 256, 256
+    layers = model_layers(("Q8_0", "Q8_0", "Q8_0"), 2, E, H, I, seed=5)
+    path = tmp_path / "m.gguf"
+    write_model(path, layers, E, H, I)
+    check_layer_from_file(kt_ops.load_gguf_experts(path, np.int64(1)), layers[1], E, H, I)
+    assert kt_ops.load_gguf_expert_biases(path, np.int32(1)) == (None, None, None)
+    with pytest.raises(TypeError, match="layer_idx must be an int"):
+        kt_ops.load_gguf_experts(path, True)
