@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, plain_int
 
 # The collectors inside whose ``with`` block we are, innermost last; all of them count.
 _ACTIVE: list[ExpertStats] = []
@@ -107,6 +107,8 @@ class ExpertStats:
     """
 
     def __init__(self, num_hidden_layers: int | None = None, num_experts: int | None = None) -> None:
+        # numpy's integers (a config's, an array's) as ints, as placement_masks takes them
+        num_hidden_layers, num_experts = plain_int(num_hidden_layers), plain_int(num_experts)
         _check_size("num_hidden_layers", num_hidden_layers, 0)
         _check_size("num_experts", num_experts, 1)
         self._fixed_layers = num_hidden_layers is not None

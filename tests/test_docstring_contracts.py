@@ -61,3 +61,11 @@ def test_set_activation_refuses_a_float8_bias_with_a_value_error():
     bias = torch.zeros(E, I).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="gate_bias"):
         kt_ops.set_activation(packed, biases=(bias, None, None))
+
+
+def test_expert_stats_takes_numpy_sizes_as_placement_masks_does():
+    # num_hidden_layers: int; placement_masks(num_hidden_layers=np.int64(...)) takes numpy's too
+    stats = kt_ops.ExpertStats(num_hidden_layers=np.int64(3), num_experts=np.int32(8))
+    assert stats.counts.shape == (3, 8) and type(stats.num_hidden_layers) is int
+    with pytest.raises(ValueError, match="num_experts"):
+        kt_ops.ExpertStats(num_experts=True)
