@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kt_ops._native import _C
-from kt_ops._validate import is_int, is_integral, regular_file_stat
+from kt_ops._validate import is_int, is_integral, regular_file_stat, require_bools
 from kt_ops.gguf_types import gguf_type_id
 from kt_ops.packed import PackedExperts
 
@@ -263,11 +263,12 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool =
         blocks (gate, up and down keep their own GGUF types).
 
     Raises:
-        ValueError: no expert tensors for the layer, an unsupported GGUF type (named),
+        ValueError: a ``copy`` that is not a bool, no expert tensors for the layer, an unsupported GGUF type (named),
             shapes that disagree with the metadata, a truncated file, an architecture
             whose experts are not SwiGLU (``OTHER_ACTIVATIONS``: grok).
         TypeError: ``layer_idx`` is not an int.
     """
+    require_bools(copy=copy)  # "no" is truthy: read into RAM instead of mapped
     info, names, found = _layer_tensors(path, layer_idx, "weight")
     if info.architecture in OTHER_ACTIVATIONS:  # the kernels would compute SwiGLU on them: silently wrong
         raise ValueError(f"GGUF model {str(path)!r} ({info.architecture}): its experts use "

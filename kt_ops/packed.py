@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from kt_ops._native import _C
+from kt_ops._validate import require_bools
 from kt_ops.mapped_files import load_uint8_tensor, read_safetensors_header
 
 _TENSOR_KEY = "packed"
@@ -154,7 +155,8 @@ class PackedExperts:
         (see :mod:`kt_ops.mapped_files`). ``copy=True`` reads it into RAM instead.
         ``FileNotFoundError`` / ``IsADirectoryError`` for a missing path or a directory (a
         converted model directory loads with ``KTMoEWrapper(weight_path=...)``),
-        ``ValueError`` for a file that is not a packed-experts file."""
+        ``ValueError`` for a file that is not a packed-experts file (or a ``copy`` that is not a bool)."""
+        require_bools(copy=copy)  # "no" is truthy: read into RAM instead of mapped
         if os.path.isdir(path):
             raise IsADirectoryError(f"{os.fspath(path)!r} is a directory; PackedExperts.load opens one file written "
                                     "by PackedExperts.save (a converted model directory loads with "

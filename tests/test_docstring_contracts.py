@@ -69,3 +69,11 @@ def test_expert_stats_takes_numpy_sizes_as_placement_masks_does():
     assert stats.counts.shape == (3, 8) and type(stats.num_hidden_layers) is int
     with pytest.raises(ValueError, match="num_experts"):
         kt_ops.ExpertStats(num_experts=True)
+
+
+def test_packed_experts_load_refuses_a_copy_switch_that_is_not_a_bool(tmp_path):
+    # copy: bool; "no" is truthy: the file was read into RAM instead of mapped, silently
+    path = tmp_path / "experts.safetensors"
+    make_experts(E, H, I).packed.save(path)
+    with pytest.raises(ValueError, match="copy must be a bool"):
+        kt_ops.PackedExperts.load(path, copy="no")

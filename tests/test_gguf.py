@@ -709,3 +709,12 @@ def test_a_numpy_layer_index_loads_as_kt_moe_wrapper_takes_it(tmp_path) -> None:
     assert kt_ops.load_gguf_expert_biases(path, np.int32(1)) == (None, None, None)
     with pytest.raises(TypeError, match="layer_idx must be an int"):
         kt_ops.load_gguf_experts(path, True)
+
+
+def test_load_gguf_experts_refuses_a_copy_switch_that_is_not_a_bool(tmp_path) -> None:
+    """``copy: bool``; "no" is truthy: the blocks were read into RAM instead of mapped, silently."""
+    E, H, I = 4, 256, 256
+    path = tmp_path / "m.gguf"
+    write_model(path, model_layers(("Q8_0", "Q8_0", "Q8_0"), 1, E, H, I, seed=6), E, H, I)
+    with pytest.raises(ValueError, match="copy must be a bool"):
+        kt_ops.load_gguf_experts(path, 0, copy="no")
