@@ -60,7 +60,7 @@ from typing import Union
 import torch
 
 from kt_ops import _futures, gguf_torch, reference
-from kt_ops._validate import is_int
+from kt_ops._validate import is_integral
 from kt_ops.ops import dequantize_experts
 from kt_ops.packed import PackedExperts
 from kt_ops.staging import RowLayout, stage_rows_into
@@ -565,10 +565,11 @@ def next_layer(module: torch.nn.Module) -> PackedExperts | None:
 
 
 def checked_threshold(tokens: object) -> int:
-    """``gpu_prefill_token_threshold`` validated: an int >= 0 (0: never)."""
-    if not is_int(tokens) or tokens < 0:
+    """``gpu_prefill_token_threshold`` validated: an int >= 0 (0: never); numpy's integers
+    as ints, as KTMoEWrapper's other sizes."""
+    if not is_integral(tokens) or tokens < 0:
         raise ValueError(f"gpu_prefill_token_threshold must be an int >= 0 (0: off), got {tokens!r}")
-    return tokens
+    return int(tokens)
 
 
 def batch_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -77,3 +77,10 @@ def test_packed_experts_load_refuses_a_copy_switch_that_is_not_a_bool(tmp_path):
     make_experts(E, H, I).packed.save(path)
     with pytest.raises(ValueError, match="copy must be a bool"):
         kt_ops.PackedExperts.load(path, copy="no")
+
+
+def test_kt_moe_wrapper_takes_a_numpy_gpu_prefill_threshold_as_its_other_ints():
+    wrapper = kt_ops.KTMoEWrapper(0, np.int64(E), 1, H, I, method="BF16", gpu_prefill_token_threshold=np.int64(64))
+    assert wrapper.gpu_prefill_token_threshold == 64 and type(wrapper.gpu_prefill_token_threshold) is int
+    with pytest.raises(ValueError, match="gpu_prefill_token_threshold"):
+        kt_ops.KTMoEWrapper(0, E, 1, H, I, method="BF16", gpu_prefill_token_threshold=True)
