@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from kt_ops import autograd, expert_stats, gpu_prefill
-from kt_ops._validate import is_int
+from kt_ops._validate import is_int, plain_int, require_bools
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.packed import PackedExperts
 
@@ -352,6 +352,7 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
     :func:`update_local_experts` can change which ones run in torch at run time."""
     from kt_ops.ops import pack_experts
 
+    require_bools(dynamic=dynamic)  # "no" is truthy: every expert packed, host copies kept
     if tensors is None:
         record_shapes(module)
     weights = module_weights(module, tensors)
@@ -472,6 +473,8 @@ def pack_model_experts(model: nn.Module, method: str = "BF16", gpu_experts_mask:
     the model's device; ``dynamic``: they can be moved later (:func:`update_local_experts`,
     :func:`kt_ops.rebalance_gpu_experts`). ``ValueError`` naming the class for experts kt_ops
     cannot compute."""
+    require_bools(dynamic=dynamic)  # "no" is truthy: every expert packed, host copies kept
+    num_gpu_experts = plain_int(num_gpu_experts)  # numpy's integers too, as patch_model's
     set_layer_ids(model)
     modules = [m for m in model.modules() if is_experts_module(m)]
     if gpu_experts_mask is not None and num_gpu_experts is not None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,19 @@ def test_gpu_experts_in_torch(saved: dict[str, Path], arch: str) -> None:
     for count in (1.5, True, -1, 9):  # 1.5 would keep arange(8) < 1.5, two experts, silently
         with pytest.raises(ValueError, match=r"num_gpu_experts must be an int in \[0, 8\]"):
             hf_experts.pack_model_experts(ours, num_gpu_experts=count)
+
+
+def test_pack_model_experts_takes_numpy_counts_and_refuses_a_dynamic_switch_that_is_not_a_bool(
+        saved: dict[str, Path]) -> None:
+    """``num_gpu_experts: int``: numpy's too, as patch_model's; ``dynamic: bool``: "no" is truthy (every
+    expert packed and host copies kept, silently)."""
+    ours = load(saved["qwen3_moe"], "kt_ops")
+    assert hf_experts.pack_model_experts(ours, "BF16", num_gpu_experts=np.int64(3)) == len(experts_modules(ours))
+    assert int(hf_experts.local_experts(experts_modules(ours)[0])[0].numel()) == 3
+    with pytest.raises(ValueError, match="dynamic must be a bool"):
+        hf_experts.pack_model_experts(ours, "BF16", num_gpu_experts=3, dynamic="no")
+    with pytest.raises(ValueError, match="dynamic must be a bool"):
+        hf_experts.pack_module_experts(experts_modules(ours)[0], "BF16", dynamic="no")
 
 
 
