@@ -162,6 +162,8 @@ def fake_quantize(weight: torch.Tensor, format: str, group_size: int = 128) -> t
     significant bits, an integer zero point ``z = clamp(round(-min(min, 0) / scale), 0, 15)``,
     ``w ~ scale * (q - z)``, levels ``q`` in ``[0, 15]``.
     """
+    if format not in ("int8", "int4", "int4_asym"):  # before the grouping reshape, which may not fit
+        raise ValueError(f"fake_quantize: unknown format {format!r}")
     w = weight.float()
     if format == "int8":
         scale = w.abs().amax(dim=-1, keepdim=True) / 127.0

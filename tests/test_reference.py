@@ -367,3 +367,10 @@ def test_weight_corruptions_move_the_oracle_past_the_kernel_bounds() -> None:
     for name, (gt, u, d, b) in corrupted.items():
         err = rel_err(reference.moe_forward(x, ids, weights, gt, u, d, **activation, biases=b), good)
         assert err > 0.1, f"{name}: {err:.3g}"
+
+
+def test_fake_quantize_names_an_unknown_format_whatever_the_row_length() -> None:
+    """``ValueError`` for an unknown format; a row shorter than the group (64 < 128) was a
+    RuntimeError from the grouping reshape before the format was looked at."""
+    with pytest.raises(ValueError, match="unknown format 'int5'"):
+        reference.fake_quantize(torch.randn(2, 64), "int5")
