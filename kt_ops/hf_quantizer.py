@@ -110,6 +110,7 @@ class KtOpsConfig(QuantizationConfigMixin):
             else plain_int(gguf_type)
         self.scale_search = scale_search
         self.zero_point = zero_point
+        num_gpu_experts = plain_int(num_gpu_experts)  # numpy's too, as patch_model's (saved to config.json)
         if not is_int(num_gpu_experts) or num_gpu_experts < 0:
             raise ValueError(f"num_gpu_experts must be an int >= 0, got {num_gpu_experts!r}")
         self.num_gpu_experts = num_gpu_experts

@@ -84,3 +84,9 @@ def test_kt_moe_wrapper_takes_a_numpy_gpu_prefill_threshold_as_its_other_ints():
     assert wrapper.gpu_prefill_token_threshold == 64 and type(wrapper.gpu_prefill_token_threshold) is int
     with pytest.raises(ValueError, match="gpu_prefill_token_threshold"):
         kt_ops.KTMoEWrapper(0, E, 1, H, I, method="BF16", gpu_prefill_token_threshold=True)
+
+
+def test_kt_ops_config_takes_a_numpy_num_gpu_experts_as_patch_model_does():
+    pytest.importorskip("transformers")
+    config = kt_ops.KtOpsConfig(method="BF16", num_gpu_experts=np.int64(2))
+    assert json.loads(config.to_json_string())["num_gpu_experts"] == 2
