@@ -60,7 +60,7 @@ from typing import Union
 import torch
 
 from kt_ops import _futures, gguf_torch, reference
-from kt_ops._validate import is_integral
+from kt_ops._validate import is_integral, require_bools
 from kt_ops.ops import dequantize_experts
 from kt_ops.packed import PackedExperts
 from kt_ops.staging import RowLayout, stage_rows_into
@@ -600,12 +600,15 @@ def set_gpu_prefill_token_threshold(model: torch.nn.Module, tokens: int, update_
     (``scripts/bench_gpu_prefill.py --layers 2``): the staging thread competes for the
     cores with whatever else the host runs. False (or ``tokens = 0``) unlinks them.
 
-    Returns the number of layers set; ``ValueError`` for a bad ``tokens``, a model with no
-    such layer, or ``update_gpu_experts`` with no dynamic layer holding GPU experts."""
+    Returns the number of layers set; ``ValueError`` for a bad ``tokens``, a switch that is
+    not a bool, a model with no such layer, or ``update_gpu_experts`` with no dynamic layer
+    holding GPU experts."""
     from kt_ops import hf_experts
     from kt_ops.wrappers.hybrid_moe import HybridMoE
 
     tokens = checked_threshold(tokens)
+    # "no" is truthy: it moved the GPU experts after each call (or linked the layers), silently
+    require_bools(update_gpu_experts=update_gpu_experts, prefetch_next_layer=prefetch_next_layer)
     count = movable = 0
     layers: list[torch.nn.Module] = []
     for module in model.modules():

@@ -90,3 +90,13 @@ def test_kt_ops_config_takes_a_numpy_num_gpu_experts_as_patch_model_does():
     pytest.importorskip("transformers")
     config = kt_ops.KtOpsConfig(method="BF16", num_gpu_experts=np.int64(2))
     assert json.loads(config.to_json_string())["num_gpu_experts"] == 2
+
+
+@pytest.mark.parametrize("switch", ["update_gpu_experts", "prefetch_next_layer"])
+def test_set_gpu_prefill_token_threshold_refuses_a_switch_that_is_not_a_bool(switch):
+    # "no" is truthy: it moved the GPU experts after each call (or linked the layers), silently
+    ex = make_experts(E, H, I)
+    layer = kt_ops.HybridMoE(torch.randn(E, H), ex.gate, ex.up, ex.down, kt_ops.Routing(1))
+    with pytest.raises(ValueError, match=f"{switch} must be a bool"):
+        kt_ops.set_gpu_prefill_token_threshold(layer, 64, **{switch: "no"})
+    assert layer.gpu_prefill_token_threshold == 0  # refused before any layer changed
