@@ -57,7 +57,8 @@ def pack_experts(
         group_size: INT4 k-group, 32, 64 or 128; None: the method's default (128;
             RAWINT4 32). It must divide H and I (``ValueError`` otherwise). MXFP4 takes
             32 or none (its groups are fixed at 32). Other methods take none; 128, the
-            default that ``HybridMoE`` and ``patch_model`` pass along, is ignored there.
+            default that ``HybridMoE`` and ``patch_model`` pass along, is ignored there
+            (and by MXFP4).
         zero_point: INT4 only: asymmetric groups (``w = scale * q + minimum``).
         scale_search: INT8/INT4 methods only (``ValueError`` for BF16, LLAMAFILE, the FP8
             methods and MXFP4): per row/group, try candidate scales (with a
