@@ -363,8 +363,8 @@ def pack_int4_experts(
             int4_asym: ``w = scale * q + minimum``).
         group_size: 32, 64 or 128, dividing H and I.
 
-    Raises ``ValueError`` naming the tensor for a wrong dtype or shape or a bad group size.
-    A NaN or infinite scale or minimum makes its rows' outputs NaN (infinite ones are stored
+    Raises ``TypeError`` naming the tensor for a wrong dtype (as :func:`pack_experts`), and
+    ``ValueError`` for a wrong shape or a bad group size. A NaN or infinite scale or minimum makes its rows' outputs NaN (infinite ones are stored
     as NaN: ``0 * inf`` weights are NaN).
     """
     gate_min, up_min, down_min = minimums if minimums is not None else (None, None, None)
