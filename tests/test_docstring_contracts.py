@@ -100,3 +100,13 @@ def test_set_gpu_prefill_token_threshold_refuses_a_switch_that_is_not_a_bool(swi
     with pytest.raises(ValueError, match=f"{switch} must be a bool"):
         kt_ops.set_gpu_prefill_token_threshold(layer, 64, **{switch: "no"})
     assert layer.gpu_prefill_token_threshold == 0  # refused before any layer changed
+
+
+def test_hybrid_moe_and_routing_take_numpy_ints_as_kt_moe_wrapper_does():
+    ex = make_experts(E, H, I)
+    routing = kt_ops.Routing(np.int64(1), num_groups=np.int64(1), topk_groups=np.int64(1))
+    assert type(routing.top_k) is int
+    layer = kt_ops.HybridMoE(torch.randn(E, H), ex.gate, ex.up, ex.down, routing, layer_idx=np.int64(3))
+    assert layer.layer_idx == 3 and type(layer.layer_idx) is int
+    with pytest.raises(ValueError, match="top_k must be an int"):
+        kt_ops.Routing(True)

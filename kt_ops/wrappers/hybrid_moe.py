@@ -17,7 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kt_ops import autograd, expert_stats, gpu_prefill
-from kt_ops._validate import is_int, is_integral, require_bools
+from kt_ops._validate import is_int, is_integral, plain_int, require_bools
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
@@ -117,6 +117,7 @@ class HybridMoE(nn.Module):
             # [1] or [1, E] broadcast in Routing.select (one bias for all, silently); [E + 1] failed there
             raise ValueError(f"e_score_correction_bias must be [{experts}] (one per expert), got "
                              f"{tuple(e_score_correction_bias.shape)}")
+        layer_idx = plain_int(layer_idx)  # numpy's integers too, as KTMoEWrapper's
         if layer_idx is not None and (not is_int(layer_idx) or layer_idx < 0):
             raise ValueError(f"layer_idx must be a non-negative int or None, got {layer_idx!r}")
         self.layer_idx = layer_idx

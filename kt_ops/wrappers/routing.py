@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kt_ops._validate import is_int, is_real, require_bools
+from kt_ops._validate import is_int, is_real, plain_int, require_bools
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,10 @@ class Routing:
     weights_in_logits_dtype: bool = False
 
     def __post_init__(self) -> None:
-        # a bool or a fraction passed the comparisons and failed (or picked 1 expert) in topk
+        # a bool or a fraction passed the comparisons and failed (or picked 1 expert) in topk;
+        # numpy's integers (a config's) as ints, as KTMoEWrapper takes them
         for name in ("top_k", "num_groups", "topk_groups"):
+            object.__setattr__(self, name, plain_int(getattr(self, name)))
             if not is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
         # "no" is truthy: it renormalised the weights (or cast them) silently
