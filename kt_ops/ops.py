@@ -251,7 +251,8 @@ def set_activation(
 
     Args:
         packed: a layer of any format (a :class:`PackedExperts` or its ``data``).
-        swiglu_limit, swiglu_alpha: finite, ``>= 0``.
+        swiglu_limit, swiglu_alpha: finite, ``>= 0``, held as float32 in the header: below
+            3e38, and a positive one not 0 there (1e-50 is refused).
         biases: ``(gate_bias [E, I], up_bias [E, I], down_bias [E, H])``, fp32, bf16, fp16
             or fp64 (stored as fp32), each may be ``None`` (zero). Gate and up biases are added
             before the activation, down's before the routing weight. ``None``: no biases.
