@@ -263,9 +263,10 @@ def load_gguf_experts(path: str | os.PathLike[str], layer_idx: int, copy: bool =
         blocks (gate, up and down keep their own GGUF types).
 
     Raises:
-        ValueError: a ``copy`` that is not a bool, no expert tensors for the layer, an unsupported GGUF type (named),
-            shapes that disagree with the metadata, a truncated file, an architecture
-            whose experts are not SwiGLU (``OTHER_ACTIVATIONS``: grok).
+        ValueError: a ``copy`` that is not a bool, no expert tensors for the layer, an
+            unsupported GGUF type (named), shapes that disagree with the metadata, a
+            truncated file, an architecture whose experts are not SwiGLU
+            (``OTHER_ACTIVATIONS``: grok).
         TypeError: ``layer_idx`` is not an int.
     """
     require_bools(copy=copy)  # "no" is truthy: read into RAM instead of mapped

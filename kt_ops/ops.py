@@ -259,9 +259,9 @@ def set_activation(
 
     Returns:
         ``packed`` itself (a ``data`` tensor: wrapped, not copied) when it already holds
-        exactly this (no activation, no biases asked and none held); otherwise a new :class:`PackedExperts` with the same weights
-        (copied; a memory-mapped GGUF layer becomes resident) and the activation in its
-        header (version 2: builds before these fields refuse it rather than computing
+        exactly this (no activation, no biases asked and none held); otherwise a new
+        :class:`PackedExperts` with the same weights (copied; a memory-mapped GGUF layer
+        becomes resident) and the activation in its header (version 2: builds before these fields refuse it rather than computing
         plain SwiGLU). Raises ``ValueError`` for negative or non-finite numbers and for a
         bias of the wrong shape or dtype.
     """
@@ -365,8 +365,9 @@ def pack_int4_experts(
         group_size: 32, 64 or 128, dividing H and I.
 
     Raises ``TypeError`` naming the tensor for a wrong dtype (as :func:`pack_experts`), and
-    ``ValueError`` for a wrong shape or a bad group size. A NaN or infinite scale or minimum makes its rows' outputs NaN (infinite ones are stored
-    as NaN: ``0 * inf`` weights are NaN).
+    ``ValueError`` for a wrong shape or a bad group size. A NaN or infinite scale or minimum
+    makes its rows' outputs NaN (infinite ones are stored as NaN: ``0 * inf`` weights are
+    NaN).
     """
     gate_min, up_min, down_min = minimums if minimums is not None else (None, None, None)
     if isinstance(scales, (tuple, list)):

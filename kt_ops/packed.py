@@ -155,7 +155,8 @@ class PackedExperts:
         (see :mod:`kt_ops.mapped_files`). ``copy=True`` reads it into RAM instead.
         ``FileNotFoundError`` / ``IsADirectoryError`` for a missing path or a directory (a
         converted model directory loads with ``KTMoEWrapper(weight_path=...)``),
-        ``ValueError`` for a file that is not a packed-experts file (or a ``copy`` that is not a bool)."""
+        ``ValueError`` for a file that is not a packed-experts file (or a ``copy`` that is
+        not a bool)."""
         require_bools(copy=copy)  # "no" is truthy: read into RAM instead of mapped
         if os.path.isdir(path):
             raise IsADirectoryError(f"{os.fspath(path)!r} is a directory; PackedExperts.load opens one file written "
