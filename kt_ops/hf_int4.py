@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from kt_ops.hf_checkpoint import HfCheckpoint, LayerExperts, read_config_json
+from kt_ops.hf_int8 import is_packed_int8
 from kt_ops.reference import AWQ_ORDER
 
 INT4_METHODS = ("RAWINT4", "GPTQ_INT4", "AWQ_INT4")
@@ -71,8 +72,11 @@ def quantization_config(path: str | Path) -> dict:
 def int4_method(checkpoint: HfCheckpoint, layer: int) -> str | None:
     """``"RAWINT4"``, ``"GPTQ_INT4"`` or ``"AWQ_INT4"`` for a layer whose experts are INT4
     (from the tensor names, ``config.json``'s ``quant_method`` and the shapes); None when
-    they are not. ``ValueError`` when the config and the shapes disagree."""
+    they are not (8-bit ``weight_packed`` words included: :func:`kt_ops.hf_int8.is_packed_int8`).
+    ``ValueError`` when the config and the shapes disagree."""
     where = checkpoint.layer(layer)
+    if where.suffix == "weight_packed" and is_packed_int8(checkpoint, where.stem(0, 0)):
+        return None
     if where.suffix == "weight_packed":
         scale_key = f"{where.stem(0, 0)}.weight_scale"
         dtype = checkpoint.tensor_info(scale_key)[0] if scale_key in checkpoint.keys() else None

@@ -22,7 +22,7 @@ from torch import nn
 from kt_ops import hf_experts
 from kt_ops.hf_checkpoint import HfCheckpoint, dequantize_fp8
 from kt_ops.hf_int4 import check_rawint4_symmetric, int4_method, load_int4_experts, quantization_config
-from kt_ops.hf_int8 import INT8_DTYPE, is_int8_layer, load_int8_experts, read_int8_linear
+from kt_ops.hf_int8 import INT8_DTYPE, is_int8_layer, is_packed_int8, load_int8_experts, read_int8_linear
 from kt_ops.hf_mxfp4 import find_mxfp4_layer, load_mxfp4_experts, pack_mxfp4_parts
 from kt_ops.parts import FP8_KIND_METHODS, activate_parts, pack_fp8_parts, pack_int4_parts, pack_int8_parts
 
@@ -91,17 +91,17 @@ def pack_native_layer(checkpoint: HfCheckpoint, layer: int, module: nn.Module) -
 
 def quantized_linears(model: nn.Module, checkpoint: HfCheckpoint, skip: tuple[str, ...]) -> dict[str, str]:
     """``{module name: kind}`` of the ``nn.Linear`` layers the checkpoint stores quantized
-    (``fp8``: e4m3 weight + scale; ``int8``: int8 weight + row scales; ``rawint4`` / ``gptq`` /
-    ``awq``), outside the module
-    names in ``skip``. ``ValueError`` listing quantized checkpoint tensors that belong to no
-    linear layer of the model (outside ``skip`` and the routed experts)."""
+    (``fp8``: e4m3 weight + scale; ``int8``: int8 weight, or 8-bit ``weight_packed``, + row
+    scales; ``rawint4`` / ``gptq`` / ``awq``), outside the module names in ``skip``.
+    ``ValueError`` listing quantized checkpoint tensors that belong to no linear layer of
+    the model (outside ``skip`` and the routed experts)."""
     keys = checkpoint.keys()
     found: dict[str, str] = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or any(name == s or name.startswith(f"{s}.") for s in skip):
             continue
         if f"{name}.weight_packed" in keys:
-            found[name] = "rawint4"
+            found[name] = "int8" if is_packed_int8(checkpoint, name) else "rawint4"
         elif f"{name}.qweight" in keys:
             shape = tuple(checkpoint.tensor_info(f"{name}.qweight")[1])  # 0-d: gptq, and dequantize_linear names it
             found[name] = "awq" if shape[:1] == (module.in_features,) else "gptq"

@@ -636,7 +636,10 @@ def _int4_layer(checkpoint: HfCheckpoint, where: LayerExperts, method: str,
 def _int8_layer(checkpoint: HfCheckpoint, where: LayerExperts) -> tuple[LayerInfo, list[str]]:
     """An INT8 (W8A8) checkpoint's layer from its headers, and its missing level and scale
     tensors (:mod:`kt_ops.hf_int8` reads and checks the values)."""
-    I, H = checkpoint.tensor_info(where.key(0))[1][:2]  # gate of expert 0: I8 [I, H]
+    I, H = checkpoint.tensor_info(where.key(0))[1][:2]  # gate of expert 0: I8 [I, H] (packed: I32 [I, H/4])
+    if where.suffix == "weight_packed":
+        H = int(checkpoint.read_tensor(f"{where.stem(0)}.weight_shape").reshape(-1)[1]) \
+            if f"{where.stem(0)}.weight_shape" in checkpoint.key_file else 4 * H
     keys = [[key for e in range(where.num_experts) for key in (where.key(m, e), f"{where.stem(m, e)}.weight_scale")]
             for m in range(3)]
     sizes = [sum(_stored_bytes(checkpoint, key) for key in matrix) for matrix in keys]

@@ -25,6 +25,11 @@ CONFIG = {"quant_method": "compressed-tensors", "format": "int-quantized",
                                                     "strategy": "channel"},
                                         "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
                                                               "dynamic": True, "strategy": "token"}}}}
+# llm-compressor's W8A16 scheme: weight-only 8-bit int is saved pack-quantized (int32 words)
+PACKED_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                 "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                               "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                           "strategy": "channel"}}}}
 _BASES = {"per_expert": (f"model.layers.{LAYER}.mlp", ("gate_proj", "up_proj", "down_proj")),
           "w123": (f"model.layers.{LAYER}.block_sparse_moe", ("w1", "w3", "w2")),
           "mistral": (f"layers.{LAYER}", ("w1", "w3", "w2"))}
@@ -37,11 +42,19 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
 
 
+def pack_int8_words(q: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``pack_to_int32`` for 8 bits (its W8A16 ``pack-quantized`` format):
+    ``q + 128`` as bytes, four consecutive k per int32, the first in the low byte."""
+    return (q.to(torch.int16) + 128).to(torch.uint8).contiguous().view(torch.int32)
+
+
 def write_int8_checkpoint(path: Path, convention: str = "per_expert", scale_shape: str = "column",
                           scale_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                          edit=None) -> tuple[Path, list[torch.Tensor]]:
+                          edit=None, packed: bool = False) -> tuple[Path, list[torch.Tensor]]:
     """A one-layer INT8 checkpoint; returns it and the oracle's [E, N, K] gate, up, down
-    (levels times the stored scales). ``edit(tensors)`` may damage it first."""
+    (levels times the stored scales). ``edit(tensors)`` may damage it first. ``packed``:
+    llm-compressor's W8A16 layout (``pack-quantized``: ``weight_packed`` int32 ``[N, K/4]``
+    and ``weight_shape``) instead of ``int-quantized``'s int8 ``weight``."""
     g = torch.Generator().manual_seed(seed)
     base, names = _BASES[convention]
     tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.zeros(4, H, dtype=torch.bfloat16)}
@@ -53,7 +66,11 @@ def write_int8_checkpoint(path: Path, convention: str = "per_expert", scale_shap
             scale = scale.to(scale_dtype)
             per_expert.append(q.float() * scale.float())
             stem = f"{base}.experts.{e}.{name}"
-            tensors[f"{stem}.weight"] = q
+            if packed:
+                tensors[f"{stem}.weight_packed"] = pack_int8_words(q)
+                tensors[f"{stem}.weight_shape"] = torch.tensor([N, K])
+            else:
+                tensors[f"{stem}.weight"] = q
             tensors[f"{stem}.weight_scale"] = scale if scale_shape == "column" else scale.reshape(N)
         expected.append(torch.stack(per_expert))
     if edit is not None:
@@ -61,7 +78,7 @@ def write_int8_checkpoint(path: Path, convention: str = "per_expert", scale_shap
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({"model_type": "test", "hidden_size": H, "moe_intermediate_size": I,
-                                                  "quantization_config": CONFIG}))
+                                                  "quantization_config": PACKED_CONFIG if packed else CONFIG}))
     return path, expected
 
 
@@ -217,3 +234,50 @@ def test_the_converter_points_to_reading_in_place(tmp_path: Path, capsys) -> Non
             "int4"]
     assert convert.main(args) == 2 and not (tmp_path / "out").exists()
     assert f"layer {LAYER} holds INT8 experts" in capsys.readouterr().err
+
+
+def test_w8a16_pack_quantized_experts_are_read_as_int8(tmp_path: Path, variant: str) -> None:
+    """llm-compressor saves W8A16 (weight-only int8) as ``pack-quantized``: four levels + 128
+    per int32 ``weight_packed [N, K/4]``. It was taken for RAWINT4 (method None detected
+    RAWINT4 and failed on the shape; AMXINT8 was told to use RAWINT4; inspect showed int4
+    with H doubled)."""
+    from kt_ops.inspection import inspect_weights
+
+    path, (gate, up, down) = write_int8_checkpoint(tmp_path, packed=True)
+    checkpoint = HfCheckpoint(path)
+    assert is_int8_layer(checkpoint, LAYER)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(3))
+    ids, weights = random_routing(5, E, 2, seed=4)
+    ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
+    for given in ("AMXINT8", None):
+        wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method=given)
+        wrapper.load_weights()
+        assert wrapper.method == "AMXINT8"
+        assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
+    [layer] = inspect_weights(path).layers
+    assert (layer.hidden_size, layer.intermediate_size) == (H, I) and all(m.type == "int8" for m in layer.matrices)
+
+
+def test_w8a16_pack_quantized_linears_dequantize_as_int8(tmp_path: Path) -> None:
+    """``KtOpsConfig(method="native")``'s non-expert linears of a W8A16 checkpoint (8-bit
+    ``weight_packed``) were taken for RAWINT4 and refused on their shape."""
+    from torch import nn
+
+    from kt_ops.hf_native import dequantize_linear, quantized_linears
+
+    g = torch.Generator().manual_seed(7)
+    q, scale = quantize(torch.randn(24, H, generator=g) * 0.05)
+    name = f"model.layers.{LAYER}.self_attn.q_proj"
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[f"{name}.weight_packed"] = pack_int8_words(q)
+        tensors[f"{name}.weight_shape"] = torch.tensor([24, H])
+        tensors[f"{name}.weight_scale"] = scale.to(torch.bfloat16)
+
+    path, _ = write_int8_checkpoint(tmp_path, packed=True, edit=edit)
+    layers = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleDict({str(LAYER): nn.ModuleDict(
+        {"self_attn": nn.ModuleDict({"q_proj": nn.Linear(H, 24, bias=False)})})})})})
+    checkpoint = HfCheckpoint(path)
+    assert quantized_linears(layers, checkpoint, (f"model.layers.{LAYER}.mlp.experts",)) == {name: "int8"}
+    torch.testing.assert_close(dequantize_linear(checkpoint, name, "int8", 24, H),
+                               q.float() * scale.to(torch.bfloat16).float(), rtol=0, atol=0)
