@@ -7,8 +7,9 @@ the ``*-quantized.w8a8`` Qwen3-MoE checkpoints) stores each expert linear as
 (llm-compressor rounds ``w / (max|w| / 127.5)``, so -128 occurs). That is format ``int8``
 (kt-kernel's ``AMXINT8``) exactly: the levels are copied into the packed blob, never
 re-quantized, and the kernels quantize the activations per token to int8 as the ``A8`` of
-W8A8 does (dynamic, symmetric). Read by ``method="AMXINT8"`` (or ``"MOE_INT8"``); kt-kernel
-reads none of these checkpoints.
+W8A8 does (dynamic, symmetric; a static ``input_scale`` / ``input_zero_point`` is not
+read). Read by ``method="AMXINT8"`` (or ``"MOE_INT8"``); kt-kernel reads none of these
+checkpoints.
 
 Weight-only int8 (llm-compressor's W8A16) is saved ``pack-quantized`` instead:
 ``{stem}.weight_packed`` int32 ``[N, K/4]`` (four consecutive levels plus 128 per word, the

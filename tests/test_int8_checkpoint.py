@@ -281,3 +281,21 @@ def test_w8a16_pack_quantized_linears_dequantize_as_int8(tmp_path: Path) -> None
     assert quantized_linears(layers, checkpoint, (f"model.layers.{LAYER}.mlp.experts",)) == {name: "int8"}
     torch.testing.assert_close(dequantize_linear(checkpoint, name, "int8", 24, H),
                                q.float() * scale.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_static_activation_scales_are_ignored(tmp_path: Path) -> None:
+    """A W8A8 checkpoint calibrated with static activation scales (``input_scale`` /
+    ``input_zero_point`` per tensor beside each linear) runs with the kernels' dynamic
+    per-token int8 activations, as docs/formats.md says: the same output as without them."""
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for stem in [k.removesuffix(".weight") for k in tensors if ".experts." in k and k.endswith(".weight")]:
+            tensors[f"{stem}.input_scale"] = torch.tensor([1e-4])  # would clip every activation if applied
+            tensors[f"{stem}.input_zero_point"] = torch.tensor([3], dtype=torch.int8)
+
+    path, (gate, up, down) = write_int8_checkpoint(tmp_path, edit=edit)
+    wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method=None)
+    wrapper.load_weights()
+    x = torch.randn(4, H)
+    ids, weights = random_routing(4, E, 2, seed=2)
+    ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
+    assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
