@@ -151,8 +151,9 @@ class KTMoEWrapper:
             ``numa_nodes[0]`` when numa_nodes is given, else on all threads.
         weight_path: a Hugging Face safetensors directory (online quantization into
             ``method``; an FP8 checkpoint under its own FP8 method, an INT4 checkpoint
-            under its own INT4 method and an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash)
-            under ``MXFP4`` are read in place, their bytes kept: :mod:`kt_ops.hf_int4`,
+            under its own INT4 method, an INT8 (W8A8 / W8A16) checkpoint under ``AMXINT8``
+            and an MXFP4 checkpoint (gpt-oss, DeepSeek-V4-Flash) under ``MXFP4`` are read in
+            place, their bytes kept: :mod:`kt_ops.hf_int4`, :mod:`kt_ops.hf_int8`,
             :mod:`kt_ops.hf_mxfp4`), a directory written by ``python -m kt_ops.convert``,
             or a GGUF file or directory (``LLAMAFILE``: the file's blocks, memory-mapped, one
             part; ``MXFP4`` for a GGUF whose experts are MXFP4: laid out as format mxfp4, a
@@ -172,7 +173,8 @@ class KTMoEWrapper:
             checkpoint or ``load_weights_from_tensors`` is quantized online), and the INT4
             checkpoint methods ``RAWINT4``, ``GPTQ_INT4``, ``AWQ_INT4`` (:mod:`kt_ops.hf_int4`).
             None: detected from ``weight_path`` (an INT4, MXFP4 or FP8 checkpoint's own
-            method, ``LLAMAFILE`` for GGUF, ``BF16`` for a float checkpoint). A checkpoint
+            method, ``AMXINT8`` for an INT8 checkpoint, ``LLAMAFILE`` for GGUF, ``BF16`` for
+            a float checkpoint). A checkpoint
             whose quantized experts another method cannot read is a ``ValueError`` naming
             its method.
         numa_nodes: the NUMA node *id* of each part (as ``/sys/devices/system/node``
