@@ -1,15 +1,15 @@
 """INT8 checkpoints as published, read in place: W8A8 / W8A16 per-channel int8 experts.
 
-compressed-tensors' ``int-quantized`` format (llm-compressor's W8A8 and W8A16 schemes, e.g.
-the ``*-quantized.w8a8`` Qwen3-MoE checkpoints) stores each expert linear as
-``{stem}.weight`` int8 ``[N, K]`` and ``{stem}.weight_scale`` (fp32/bf16/fp16) ``[N, 1]`` or
-``[N]``: ``W = q * scale``, one scale per output row, symmetric, levels -128 ... 127
-(llm-compressor rounds ``w / (max|w| / 127.5)``, so -128 occurs). That is format ``int8``
-(kt-kernel's ``AMXINT8``) exactly: the levels are copied into the packed blob, never
-re-quantized, and the kernels quantize the activations per token to int8 as the ``A8`` of
-W8A8 does (dynamic, symmetric; a static ``input_scale`` / ``input_zero_point`` is not
-read). Read by ``method="AMXINT8"`` (or ``"MOE_INT8"``); kt-kernel reads none of these
-checkpoints.
+compressed-tensors' ``int-quantized`` format (llm-compressor's W8A8 scheme, e.g. the
+``*-quantized.w8a8`` Qwen3-MoE checkpoints) stores each expert linear as ``{stem}.weight``
+int8 ``[N, K]`` and ``{stem}.weight_scale`` (fp32/bf16/fp16) ``[N, 1]`` or ``[N]`` (the
+``tensor`` strategy: ``[1]``, taken for every row): ``W = q * scale``, one scale per output
+row, symmetric, levels -128 ... 127 (llm-compressor rounds ``w / (max|w| / 127.5)``, so
+-128 occurs). That is format ``int8`` (kt-kernel's ``AMXINT8``) exactly: the levels are
+copied into the packed blob, never re-quantized, and the kernels quantize the activations
+per token to int8 as the ``A8`` of W8A8 does (dynamic, symmetric; a static ``input_scale`` /
+``input_zero_point`` is not read). Read by ``method="AMXINT8"`` (or ``"MOE_INT8"``);
+kt-kernel reads none of these checkpoints.
 
 Weight-only int8 (llm-compressor's W8A16) is saved ``pack-quantized`` instead:
 ``{stem}.weight_packed`` int32 ``[N, K/4]`` (four consecutive levels plus 128 per word, the
@@ -103,10 +103,11 @@ def read_int8_linear(checkpoint: HfCheckpoint, stem: str, N: int, K: int) -> tup
     scale_dtype, scale_shape = checkpoint.tensor_info(scale_key)
     if scale_dtype not in _FLOATS:
         raise ValueError(f"{checkpoint.path}: tensor {scale_key!r} is {scale_dtype}; scales are F32, BF16 or F16")
-    if tuple(scale_shape) not in ((N,), (N, 1)):
+    per_tensor = tuple(scale_shape) in ((), (1,), (1, 1))  # the ``tensor`` strategy: that scale on every row
+    if not per_tensor and tuple(scale_shape) not in ((N,), (N, 1)):
         grouped = len(scale_shape) == 2 and scale_shape[0] == N and scale_shape[1] > 1
         raise ValueError(f"{checkpoint.path}: tensor {scale_key!r} is {list(scale_shape)}; kt_ops reads per-channel "
-                         f"INT8 ([{N}, 1] or [{N}]: one scale per output row)"
+                         f"INT8 ([{N}, 1] or [{N}]: one scale per output row; or one per tensor, [1])"
                          + (", not group-wise scales" if grouped else ""))
     zero_key = f"{stem}.weight_zero_point"
     zeros = checkpoint.read_tensor(zero_key) if zero_key in keys else None
@@ -115,7 +116,7 @@ def read_int8_linear(checkpoint: HfCheckpoint, stem: str, N: int, K: int) -> tup
                          "kt_ops reads symmetric INT8 only")
     if f"{stem}.weight_g_idx" in keys:
         raise ValueError(f"{checkpoint.path}: tensor '{stem}.weight_g_idx' (act-order) is not read for INT8 layers")
-    scale = checkpoint.read_tensor(scale_key).float().reshape(N)
+    scale = checkpoint.read_tensor(scale_key).float().reshape(-1).expand(N).contiguous()
     if not bool(torch.isfinite(scale).all()):
         raise ValueError(f"{checkpoint.path}: tensor {scale_key!r} holds a non-finite scale")
     if packed:  # bytes of the little-endian words in k order, each level + 128

@@ -299,3 +299,26 @@ def test_static_activation_scales_are_ignored(tmp_path: Path) -> None:
     ids, weights = random_routing(4, E, 2, seed=2)
     ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
     assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
+
+
+@pytest.mark.parametrize("shape", [(1,), (), (1, 1)])
+def test_a_per_tensor_scale_is_read_as_one_per_row(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """compressed-tensors' ``tensor`` weight strategy stores one ``weight_scale`` ``[1]`` per
+    linear; it was refused as not per-channel, though it is that scale on every row."""
+    key = f"model.layers.{LAYER}.mlp.experts.1.up_proj.weight_scale"
+    stored: list[torch.Tensor] = []
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        stored.append(tensors[key].amax().reshape(shape))
+        tensors[key] = stored[0]
+
+    path, (gate, up, down) = write_int8_checkpoint(tmp_path, edit=edit)
+    experts = load_int8_experts(HfCheckpoint(path), LAYER, range(E), H, I)
+    assert torch.equal(experts.scales[1][1], stored[0].float().reshape(1).expand(I))
+    up[1] = experts.up[1].float() * stored[0].float().reshape(())
+    wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="AMXINT8")
+    wrapper.load_weights()
+    x = torch.randn(4, H)
+    ids, weights = random_routing(4, E, 2, seed=2)
+    ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
+    assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
