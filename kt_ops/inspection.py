@@ -705,6 +705,10 @@ def _inspect_hf(root: Path) -> Inspection:
         layer, label, fmt, absent = _int4_layer(checkpoint, moe[L], method, symmetric)
         four_bit.append((layer, label, method, fmt, absent))
     for L in int8:
+        if moe[L].convention == "fused":  # as load_int8_experts refuses it: a note, no row
+            notes.append(f"layer {L}: int8 experts are fused ({moe[L].key(0)!r}); kt_ops reads INT8 experts stored "
+                         "per expert")
+            continue
         layer, absent = _int8_layer(checkpoint, moe[L])
         four_bit.append((layer, "int8 (a scale per row, W8A8: method AMXINT8 reads it in place)", "AMXINT8", "int8",
                          absent))

@@ -322,3 +322,20 @@ def test_a_per_tensor_scale_is_read_as_one_per_row(tmp_path: Path, shape: tuple[
     ids, weights = random_routing(4, E, 2, seed=2)
     ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
     assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
+
+
+def test_inspect_names_fused_int8_experts(tmp_path: Path) -> None:
+    """Fused int8 ``gate_up_proj`` (which the loader refuses) crashed ``kt-ops inspect`` with
+    KeyError: 'fused'; it is a note naming the tensor, as the loader's ValueError does."""
+    from kt_ops.inspection import inspect_weights
+
+    base = f"model.layers.{LAYER}.mlp.experts"
+    save_file({f"{base}.gate_up_proj": torch.zeros(E, 2 * I, H, dtype=torch.int8),
+               f"{base}.gate_up_proj_scale": torch.ones(E, 2 * I, 1),
+               f"{base}.down_proj": torch.zeros(E, H, I, dtype=torch.int8),
+               f"{base}.down_proj_scale": torch.ones(E, H, 1)}, str(tmp_path / "model.safetensors"))
+    report = inspect_weights(tmp_path)
+    assert report.layers == ()
+    assert any(f"layer {LAYER}: int8 experts are fused ('{base}.gate_up_proj')" in note for note in report.notes)
+    with pytest.raises(ValueError, match="int8 experts are fused"):
+        KTMoEWrapper(LAYER, E, 2, H, I, weight_path=tmp_path, method=None).load_weights()
