@@ -71,9 +71,9 @@ def is_packed_int8(checkpoint: HfCheckpoint, stem: str) -> bool:
 
 
 def is_int8_layer(checkpoint: HfCheckpoint, layer: int) -> bool:
-    """Whether a layer's routed experts are stored as int8 levels, int8 or 8-bit packed
-    (the first gate tensor's header; a layer without it is left to the float reader, which
-    names the missing key)."""
+    """Whether a layer's routed experts are stored as int8 levels: an int8 ``weight``, or
+    8-bit ``weight_packed`` words (:func:`is_packed_int8`), from the first gate tensor (a
+    layer without it is left to the float reader, which names the missing key)."""
     where = checkpoint.layer(layer)
     key = where.key(0)
     if where.suffix == "weight_packed":
