@@ -710,8 +710,9 @@ def _inspect_hf(root: Path) -> Inspection:
                          "per expert")
             continue
         layer, absent = _int8_layer(checkpoint, moe[L])
-        four_bit.append((layer, "int8 (a scale per row, W8A8: method AMXINT8 reads it in place)", "AMXINT8", "int8",
-                         absent))
+        scheme = "W8A16, packed" if moe[L].suffix == "weight_packed" else "W8A8"
+        four_bit.append((layer, f"int8 (a scale per row, {scheme}: method AMXINT8 reads it in place)", "AMXINT8",
+                         "int8", absent))
     for L, where in mxfp4.items():
         if L not in moe:  # a layer of float experts beside MXFP4 blobs keeps its float row
             layer, absent = _mxfp4_layer(checkpoint, L, where)

@@ -256,8 +256,10 @@ def test_w8a16_pack_quantized_experts_are_read_as_int8(tmp_path: Path, variant: 
         wrapper.load_weights()
         assert wrapper.method == "AMXINT8"
         assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
-    [layer] = inspect_weights(path).layers
+    report = inspect_weights(path)
+    [layer] = report.layers
     assert (layer.hidden_size, layer.intermediate_size) == (H, I) and all(m.type == "int8" for m in layer.matrices)
+    assert dict(report.facts)["stored as"] == "int8 (a scale per row, W8A16, packed: method AMXINT8 reads it in place)"
 
 
 def test_w8a16_pack_quantized_linears_dequantize_as_int8(tmp_path: Path) -> None:
