@@ -9,6 +9,7 @@ with the GPU experts and the shared experts.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Sequence
 
 import torch
@@ -26,6 +27,17 @@ from kt_ops.packed import PackedExperts
 from kt_ops.wrappers.routing import Routing
 
 _HOST_BUFFERS = ("packed",)  # stay in host memory whatever .to()/.cuda() asks
+
+
+def _record_router_logits(logits: torch.Tensor) -> None:
+    """Appends ``logits [T, E]`` to the ``router_logits`` transformers v5 is collecting
+    (``output_router_logits=True``): it records them by hooks on its router modules, which
+    :func:`kt_ops.patch_model` replaced. Nothing while no collection is active."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    collected = None if collector is None else collector.get()
+    if isinstance(collected, dict) and isinstance(collected.get("router_logits"), list):
+        collected["router_logits"].append(logits)
 
 
 class HybridMoE(nn.Module):
@@ -127,6 +139,8 @@ class HybridMoE(nn.Module):
         self.routing = routing
         self.method = method
         self.overlap = True  # CUDA inputs: CPU experts on a side stream (eager only)
+        # router logits into transformers' output_router_logits (patch_model sets it; eager only)
+        self.record_router_logits = False
         self.router_weight = nn.Parameter(router_weight.detach().clone(), requires_grad=False)
         self.register_buffer("e_score_correction_bias",
                              None if e_score_correction_bias is None else e_score_correction_bias.detach().clone())
@@ -215,6 +229,8 @@ class HybridMoE(nn.Module):
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden_states [T, H]`` -> ``(weights [T, K], ids [T, K] int64)``."""
         logits = self.routing.logits(hidden_states, self.router_weight)
+        if self.record_router_logits and not torch.compiler.is_compiling():
+            _record_router_logits(logits)
         return self.routing.select(logits, self.e_score_correction_bias)
 
     def forward(self, hidden_states: torch.Tensor, live_tokens: torch.Tensor | int | None = None) -> torch.Tensor:

@@ -303,6 +303,7 @@ def patch_model(
         )
         # the router trains as in the unpatched model (HybridMoE keeps a detached copy, frozen by default)
         layer.router_weight.requires_grad_(gate_module.weight.requires_grad)
+        layer.record_router_logits = True  # output_router_logits: transformers' hooks were on the router removed
         layer.to(gate_module.weight.device)  # the packed experts stay in host memory
         packed_bytes += layer.packed.numel()
         gpu_bytes += sum(b.numel() * b.element_size() for b in (layer.gpu_gate_up, layer.gpu_down))
