@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kt_ops
-from hf_models import CONFIGS, tiny_model
+from hf_models import CONFIGS, tiny_model, transformers
 from test_hf_patch import TOKENS, rel_error
 
 ARCHS = sorted(CONFIGS)
@@ -35,3 +35,32 @@ def test_output_router_logits_match_the_unpatched_model(arch: str) -> None:
         assert float(actual.aux_loss) == pytest.approx(float(expected.aux_loss), rel=5e-3)
     with torch.no_grad():  # not collected when not asked for
         assert patched(TOKENS, use_cache=False).router_logits is None
+
+
+def test_mixtral_router_jitter_noise_in_training() -> None:
+    """Mixtral multiplies the block's input by uniform noise in [1 - j, 1 + j] in training
+    (router_jitter_noise = j): the patched model ignored it, 30% off, silently."""
+    config = CONFIGS["mixtral"]()
+    config.router_jitter_noise = 0.5
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).float()
+    patched = kt_ops.patch_model(copy.deepcopy(model), method="BF16")
+    model.train()
+    patched.train()
+    with torch.no_grad():
+        torch.manual_seed(7)
+        expected = model(TOKENS, use_cache=False).logits
+        torch.manual_seed(7)
+        actual = patched(TOKENS, use_cache=False).logits
+        assert rel_error(expected, actual) <= 5e-3
+        patched.eval()  # no noise outside training
+        model.eval()
+        assert rel_error(model(TOKENS, use_cache=False).logits, patched(TOKENS, use_cache=False).logits) <= 5e-3
+
+
+@pytest.mark.parametrize("jitter", [-0.1, float("nan"), True, "0.1"])
+def test_a_bad_router_jitter_noise_is_refused(jitter: object) -> None:
+    gate = torch.zeros(4, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        kt_ops.HybridMoE(torch.zeros(4, 16), gate, gate, torch.zeros(4, 16, 8, dtype=torch.bfloat16),
+                         kt_ops.Routing(2), router_jitter_noise=jitter)

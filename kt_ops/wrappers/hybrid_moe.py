@@ -9,6 +9,7 @@ with the GPU experts and the shared experts.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Callable, Sequence
 
@@ -18,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kt_ops import autograd, expert_stats, gpu_prefill
-from kt_ops._validate import is_int, is_integral, plain_int, require_bools
+from kt_ops._validate import is_int, is_integral, is_real, plain_int, require_bools
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.formats import GROUPED_FORMATS, format_for_method
 from kt_ops.gguf_types import GgufTypeLike
@@ -76,6 +77,9 @@ class HybridMoE(nn.Module):
             ``torch.compile`` or CUDA-graph capture). A plain attribute: change it freely.
             :func:`kt_ops.set_gpu_prefill_token_threshold` with ``update_gpu_experts=True``
             also moves a dynamic layer's GPU experts to each such call's most activated.
+        router_jitter_noise: in training, the input (router and experts alike) is
+            multiplied by noise uniform in ``[1 - j, 1 + j]`` drawn as Mixtral draws it
+            (``router_jitter_noise``; 0: none); a finite ``j >= 0``.
 
     ``forward(hidden_states [..., H])`` (bf16, fp16 or fp32) returns ``[..., H]`` in the input's dtype. The
     GPU experts are computed densely over the batch (every GPU expert sees every token,
@@ -102,6 +106,7 @@ class HybridMoE(nn.Module):
         layer_idx: int | None = None,
         dynamic: bool = False,
         gpu_prefill_token_threshold: int = 0,
+        router_jitter_noise: float = 0.0,
     ) -> None:
         super().__init__()
         for name, weight, layout in (("gate_proj", gate_proj, "[E, I, H]"), ("up_proj", up_proj, "[E, I, H]"),
@@ -133,6 +138,9 @@ class HybridMoE(nn.Module):
         if layer_idx is not None and (not is_int(layer_idx) or layer_idx < 0):
             raise ValueError(f"layer_idx must be a non-negative int or None, got {layer_idx!r}")
         self.layer_idx = layer_idx
+        if not is_real(router_jitter_noise) or not math.isfinite(router_jitter_noise) or router_jitter_noise < 0:
+            raise ValueError(f"router_jitter_noise must be a finite number >= 0, got {router_jitter_noise!r}")
+        self.router_jitter_noise = float(router_jitter_noise)
         self.gpu_prefill_token_threshold = gpu_prefill.checked_threshold(gpu_prefill_token_threshold)
         self.gpu_prefill_updates_gpu_experts = False  # kt_ops.set_gpu_prefill_token_threshold(update_gpu_experts=)
         self.num_experts, self.hidden_size, self.intermediate_size = int(experts), int(hidden), int(intermediate)
@@ -251,6 +259,9 @@ class HybridMoE(nn.Module):
             raise ValueError(f"hidden_states must be [..., {self.hidden_size}] (the layer's hidden size "
                              f"{self.hidden_size}), got {tuple(shape)}")
         x = hidden_states.reshape(-1, self.hidden_size)
+        if self.training and self.router_jitter_noise > 0:  # Mixtral's, drawn as it draws it (not in place)
+            jitter = self.router_jitter_noise
+            x = x * torch.empty_like(x).uniform_(1.0 - jitter, 1.0 + jitter)
         if live_tokens is not None and not isinstance(live_tokens, torch.Tensor):
             # an int reached the operator's schema: RuntimeError "Expected a value of type 'Optional[Tensor]'"
             if not is_integral(live_tokens):
