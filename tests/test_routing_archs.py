@@ -64,3 +64,14 @@ def test_a_bad_router_jitter_noise_is_refused(jitter: object) -> None:
     with pytest.raises(ValueError, match="router_jitter_noise"):
         kt_ops.HybridMoE(torch.zeros(4, 16), gate, gate, torch.zeros(4, 16, 8, dtype=torch.bfloat16),
                          kt_ops.Routing(2), router_jitter_noise=jitter)
+
+
+@pytest.mark.slow
+def test_output_router_logits_under_torch_compile() -> None:
+    torch._dynamo.reset()
+    model = tiny_model("qwen3_moe").float()
+    with torch.no_grad():
+        expected = model(TOKENS, output_router_logits=True, use_cache=False).router_logits
+        compiled = torch.compile(kt_ops.patch_model(model, method="BF16"), fullgraph=True)
+        actual = compiled(TOKENS, output_router_logits=True, use_cache=False).router_logits
+    assert len(actual) == 2 and rel_error(expected[0], actual[0]) <= 1e-6 and rel_error(expected[1], actual[1]) <= 5e-3

@@ -147,7 +147,7 @@ class HybridMoE(nn.Module):
         self.routing = routing
         self.method = method
         self.overlap = True  # CUDA inputs: CPU experts on a side stream (eager only)
-        # router logits into transformers' output_router_logits (patch_model sets it; eager only)
+        # router logits into transformers' output_router_logits (patch_model sets it)
         self.record_router_logits = False
         self.router_weight = nn.Parameter(router_weight.detach().clone(), requires_grad=False)
         self.register_buffer("e_score_correction_bias",
@@ -237,7 +237,7 @@ class HybridMoE(nn.Module):
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden_states [T, H]`` -> ``(weights [T, K], ids [T, K] int64)``."""
         logits = self.routing.logits(hidden_states, self.router_weight)
-        if self.record_router_logits and not torch.compiler.is_compiling():
+        if self.record_router_logits:
             _record_router_logits(logits)
         return self.routing.select(logits, self.e_score_correction_bias)
 
