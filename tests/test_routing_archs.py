@@ -75,3 +75,21 @@ def test_output_router_logits_under_torch_compile() -> None:
         compiled = torch.compile(kt_ops.patch_model(model, method="BF16"), fullgraph=True)
         actual = compiled(TOKENS, output_router_logits=True, use_cache=False).router_logits
     assert len(actual) == 2 and rel_error(expected[0], actual[0]) <= 1e-6 and rel_error(expected[1], actual[1]) <= 5e-3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_routing_follows_the_router_modules_not_a_config_edited_after_loading(arch: str) -> None:
+    """transformers' routers copy top-k (and their other settings) from the config when built:
+    a config edited afterwards, or a router edited in place, is what the model computes with.
+    patch_model read the config, so the patched model routed to 4 experts where the model
+    routes to 2 (and to 2 where one layer's router was set to 3), silently."""
+    model = tiny_model(arch).float()
+    model.config.num_experts_per_tok = 4  # no effect on the built model
+    model.model.layers[1].mlp.gate.top_k = 3
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    blocks = [copy.deepcopy(layer.mlp) for layer in model.model.layers]
+    patched = kt_ops.patch_model(model, method="BF16")
+    for block, layer, top_k in zip(blocks, patched.model.layers, (2, 3)):
+        assert layer.mlp.routing.top_k == top_k
+        with torch.no_grad():
+            assert rel_error(block(x), layer.mlp(x)) <= 5e-3

@@ -55,26 +55,39 @@ class PatchReport:
                 f"(host), kept {self.gpu_expert_bytes / mib:.1f} MiB of GPU experts")
 
 
-def _routing(config: object, model_type: str) -> Routing:
-    top_k = int(config.num_experts_per_tok)
+def _setting(block: nn.Module, config: object, *names: str, default: object = None) -> object:
+    """A routing setting as the block computes with it: its router's attribute (transformers
+    copies the config's into the router when it builds it, so a config edited later changes
+    nothing), else the block's (v4 blocks with an ``nn.Linear`` gate), else the config's."""
+    for source in (getattr(block, "gate", None), block, config):
+        for name in names:
+            value = getattr(source, name, None)
+            if value is not None and not isinstance(value, (nn.Module, torch.Tensor)):
+                return value
+    return default
+
+
+def _routing(config: object, model_type: str, block: nn.Module) -> Routing:
+    top_k = int(_setting(block, config, "top_k", "num_experts_per_tok"))
+    norm_topk_prob = bool(_setting(block, config, "norm_topk_prob", default=False))
     if model_type in ("qwen3_moe", "qwen2_moe"):
-        return Routing(top_k, norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
-                       weights_in_logits_dtype=True)
+        return Routing(top_k, norm_topk_prob=norm_topk_prob, weights_in_logits_dtype=True)
     if model_type == "mixtral":
         return Routing(top_k, norm_topk_prob=True)
+    scaling = float(_setting(block, config, "routed_scaling_factor", default=1.0))
+    groups = int(_setting(block, config, "num_group", "n_group", default=1))
+    topk_groups = int(_setting(block, config, "topk_group", default=1))
     if model_type == "deepseek_v3":
-        return Routing(top_k, scoring="sigmoid", norm_topk_prob=bool(config.norm_topk_prob),
-                       num_groups=int(config.n_group or 1), topk_groups=int(config.topk_group or 1),
-                       group_score="top2_sum", routed_scaling_factor=float(config.routed_scaling_factor),
+        return Routing(top_k, scoring="sigmoid", norm_topk_prob=norm_topk_prob, num_groups=groups,
+                       topk_groups=topk_groups, group_score="top2_sum", routed_scaling_factor=scaling,
                        logits_fp32=True)
     # deepseek_v2: softmax; "group_limited_greedy" keeps the groups with the best expert
-    method = getattr(config, "topk_method", "greedy")
+    method = _setting(block, config, "topk_method", default="greedy")
     if method not in ("greedy", "group_limited_greedy"):
         raise ValueError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
     grouped = method == "group_limited_greedy"
-    return Routing(top_k, num_groups=int(config.n_group) if grouped else 1,
-                   topk_groups=int(config.topk_group) if grouped else 1, group_score="max",
-                   routed_scaling_factor=float(config.routed_scaling_factor), logits_fp32=True)
+    return Routing(top_k, num_groups=groups if grouped else 1, topk_groups=topk_groups if grouped else 1,
+                   group_score="max", routed_scaling_factor=scaling, logits_fp32=True)
 
 
 _BLOCKS: dict[str, tuple[str, ...]] = {  # model_type -> MoE block class names (v5, v4)
@@ -274,7 +287,7 @@ def patch_model(
         raise ValueError(f"no {'/'.join(_BLOCKS[model_type])} block found in {type(model).__name__}"
                          + ("; its MoE blocks are kt_ops HybridMoE layers already (patch_model ran on it)"
                             if patched else ""))
-    routing = _routing(config, model_type)
+    routings = [_routing(config, model_type, block) for _, block in blocks]  # refused before any is replaced
     hidden = int(config.hidden_size)
     num_experts = int(blocks[0][1].gate.weight.shape[0])
     if placement is not None:
@@ -294,7 +307,7 @@ def patch_model(
         released += sum(p.numel() * p.element_size() for p in block.experts.parameters())
         gate_module = block.gate
         layer = HybridMoE(
-            gate_module.weight.detach(), gate, up, down, routing, method=method, gpu_experts_mask=mask,
+            gate_module.weight.detach(), gate, up, down, routings[index], method=method, gpu_experts_mask=mask,
             e_score_correction_bias=getattr(gate_module, "e_score_correction_bias", None),
             shared_experts=getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None),
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
