@@ -313,8 +313,8 @@ def patch_model(
             shared_expert_gate=getattr(block, "shared_expert_gate", None),
             group_size=group_size, gguf_type=gguf_type, layer_idx=hf_experts.layer_index(name),
             dynamic=dynamic_gpu_experts, gpu_prefill_token_threshold=gpu_prefill_token_threshold,
-            router_jitter_noise=float(getattr(config, "router_jitter_noise", 0.0) or 0.0) if model_type == "mixtral"
-            else 0.0,
+            router_jitter_noise=float(_setting(block, config, "jitter_noise", "router_jitter_noise", default=0.0))
+            if model_type == "mixtral" else 0.0,
         )
         # the router trains as in the unpatched model (HybridMoE keeps a detached copy, frozen by default)
         layer.router_weight.requires_grad_(gate_module.weight.requires_grad)
