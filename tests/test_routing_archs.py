@@ -94,3 +94,23 @@ def test_routing_follows_the_router_modules_not_a_config_edited_after_loading(ar
         assert layer.mlp.routing.top_k == top_k
         with torch.no_grad():
             assert rel_error(block(x), layer.mlp(x)) <= 5e-3
+
+
+def test_a_layer_pickled_before_the_routing_attributes_still_runs() -> None:
+    """A HybridMoE saved whole (torch.save) before record_router_logits and
+    router_jitter_noise existed has neither in its instance dict; forward read both."""
+    import pickle
+
+    from kt_ops.wrappers.hybrid_moe import HybridMoE
+    from kt_ops.wrappers.routing import Routing
+
+    g = torch.Generator().manual_seed(0)
+    layer = HybridMoE(torch.randn(4, 32, generator=g), torch.randn(4, 16, 32, generator=g),
+                      torch.randn(4, 16, 32, generator=g), torch.randn(4, 32, 16, generator=g), Routing(2))
+    x = torch.randn(3, 32, generator=g)
+    want = layer(x)
+    for name in ("record_router_logits", "router_jitter_noise"):
+        del layer.__dict__[name]
+    old = pickle.loads(pickle.dumps(layer))
+    old.train()
+    assert torch.equal(old(x), want)

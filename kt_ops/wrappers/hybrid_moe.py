@@ -87,6 +87,11 @@ class HybridMoE(nn.Module):
     meant for the few hot experts a mask selects.
     """
 
+    # Defaults for layers pickled (torch.save of a whole model) before these attributes
+    # existed: unpickling restores the instance dict only, and forward reads both.
+    record_router_logits: bool = False
+    router_jitter_noise: float = 0.0
+
     def __init__(
         self,
         router_weight: torch.Tensor,
