@@ -80,7 +80,6 @@ def main() -> None:
     for method in args.method:
         packed = pack_layer(layer.gate, layer.up, layer.down, method, shape)
         chain = [packed] + [pack_layer(w.gate, w.up, w.down, method, shape) for w in others]
-        staged = gpu_prefill.transport(packed)
         for tokens in args.tokens:
             x, ids, weights = (t.to(args.device) for t in timed_inputs(shape, tokens, 1)[0])
             cpu_out = kt_ops.moe_forward(x, ids, weights, packed)
@@ -91,9 +90,7 @@ def main() -> None:
                 cpu_s.append(timed(lambda: kt_ops.moe_forward(x, ids, weights, packed)))
                 gpu_s.append(timed(lambda: gpu_prefill.moe_forward_on_device(x, ids, weights, packed)))
             cpu_ms, gpu_ms = statistics.median(cpu_s) * 1e3, statistics.median(gpu_s) * 1e3
-            routed = int(torch.unique(ids).numel())
-            per_expert = packed.nbytes / E if staged is not None else 3 * H * I * 2
-            copied = routed * per_expert / 1e6
+            copied = copied_bytes(packed, int(torch.unique(ids).numel()), gpu_prefill._compute_dtype(x)) / 1e6
             tail = ""
             if args.breakdown:
                 stage_ms, copy_ms = transfers(packed, ids, x, args.repeats)
@@ -108,6 +105,16 @@ def main() -> None:
                 tail += f" {plain_ms:9.2f} {ahead_ms:9.2f} {ahead_ms / plain_ms:6.3f}"
             print(f"{method:14} {tokens:6d} {cpu_ms:8.2f} {gpu_ms:8.2f} {gpu_ms / cpu_ms:7.2f} {copied:9.1f} "
                   f"{copied / gpu_ms:6.2f} {err:8.1e}{tail}", flush=True)
+
+
+def copied_bytes(packed, routed: int, dtype: torch.dtype) -> int:
+    """Bytes the GPU path copies to the device for ``routed`` experts of ``packed`` in a call
+    in ``dtype``: one expert's host tensors as it stages them (its transport's rows, GGUF
+    blocks, or the weights dequantized to ``dtype``) times ``routed``. Not the blob's bytes
+    per expert: those share out its header, and GGUF MXFP4 travels as format mxfp4's rows
+    (bf16 scales: 18 bytes per 32 weights against the file's 17)."""
+    one = gpu_prefill._host_chunk(packed, [0], gpu_prefill.transport(packed), dtype, False)
+    return routed * sum(t.numel() * t.element_size() for t in one)
 
 
 def transfers(packed, ids: torch.Tensor, x: torch.Tensor, repeats: int) -> tuple[float, float]:
