@@ -11,13 +11,13 @@ active one); ``--b-method`` makes side B pack another method on the same shape a
 weights (e.g. ``S1:MXFP4 --b-method GGUF_MXFP4``: two packings, one build);
 ``--a-env``/``--b-env`` set environment variables in one side's worker only (a run-time
 switch read with ``getenv`` during an experiment: both ways from one build). Both pack the same random layers (seed 0; 3 layers cycled), and time the
-same calls with the bench's protocol: before every timed call the caches are flushed
-(256 MiB stream) and a small layer of the same method runs. The driver alternates the
-sides call by call (ABBA order), so the machine's drift — read bandwidth swinging by a
-third within minutes on shared hosts — hits both alike, and reports per row the median
-microseconds of each side and the median of the per-pair ratios B/A (below 1: B is
-faster). Before each row both workers read every page of their layers (pair_row). Run it
-on an otherwise idle machine: no builds, tests or helpers beside it.
+same calls with the bench's protocol: before every timed call the caches are flushed (a
+stream of 4x the last-level cache, at least 256 MiB, as the bench's) and a small layer of
+the same method runs. The driver alternates the sides call by call (ABBA order), so the
+machine's drift — read bandwidth swinging by a third within minutes on shared hosts —
+hits both alike, and reports per row the median microseconds of each side and the median
+of the per-pair ratios B/A (below 1: B is faster). Before each row both workers read every
+page of their layers (pair_row). Run it on an otherwise idle machine: no builds, tests or helpers beside it.
 A pair of processes can also differ by itself: on the shared Zen 5 host, one build against
 itself (S1 RAWINT4, 1 and 8 tokens, 30 calls, 2026-11-27) gave 0.79 and 0.88 in one run
 and 0.97-1.03 in the next, steady within a run, so the pairing cannot cancel it.
@@ -49,7 +49,6 @@ def worker(group: str, tokens_list: list[int]) -> None:
     import kt_ops.bench.runner as runner
 
     from kt_ops import moe_forward
-    from kt_ops.bench.limits import CacheFlusher, read_buffer
     from kt_ops.bench.runner import SHAPES, make_layers, previous_layer, previous_shape, random_routing
 
     shape_name, method = group.split(":")
@@ -73,7 +72,7 @@ def worker(group: str, tokens_list: list[int]) -> None:
         small_ids, small_weights = random_routing(small, tokens, g)
         data[tokens] = (inputs, small_x, small_ids, small_weights)
         moe_forward(*inputs[0][:3], inputs[0][3].packed)
-    flush = CacheFlusher(read_buffer(256 << 20))
+    flush = flusher()
     print("ready", flush=True)
     i = 0
     for line in sys.stdin:
@@ -92,6 +91,19 @@ def worker(group: str, tokens_list: list[int]) -> None:
         moe_forward(x, ids, weights, layer.packed)
         print((time.perf_counter() - start) * 1e6, flush=True)
         i += 1
+
+
+def flusher():  # type: ignore[no-untyped-def]
+    """The worker's cache flush, the bench's size (:func:`kt_ops.bench.limits.flush_bytes` of
+    its read buffer: 4x the last-level cache, at least 256 MiB); 256 MiB in a checkout that
+    predates it. A fixed 256 MiB evicts nothing where the LLC is larger (480 MiB on a
+    2-core Xeon VM)."""
+    from kt_ops.bench import limits
+
+    if not hasattr(limits, "flush_bytes"):
+        return limits.CacheFlusher(limits.read_buffer(256 << 20))
+    llc = limits.last_level_cache_bytes()
+    return limits.CacheFlusher(limits.read_buffer(limits.flush_bytes(llc, limits.read_buffer_bytes(llc))))
 
 
 class Side:

@@ -51,3 +51,15 @@ def test_gpu_prefill_bench_counts_the_bytes_its_transport_copies(method: str) ->
     expected = routed * staged_expert_bytes(method, SMALL.hidden, SMALL.intermediate)
     assert script.copied_bytes(packed, routed, torch.bfloat16) == expected
 
+
+def test_ab_pair_flushes_as_much_as_the_bench(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ab_pair's workers streamed a fixed 256 MiB before each timed call, the bench 4x the
+    last-level cache (at least 256 MiB): on a machine whose LLC reads 480 MiB (this 2-core
+    Xeon VM's sysfs) the "bench protocol" of the A/B evicted nothing."""
+    from kt_ops.bench import limits
+
+    llc = 480 * limits.MiB
+    monkeypatch.setattr(limits, "last_level_cache_bytes", lambda: llc)
+    monkeypatch.setattr(limits, "read_buffer", lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: 64 * limits.GiB)
+    assert load_script("ab_pair").flusher().buffer.numel() == 4 * llc
