@@ -20,7 +20,8 @@ print "no int8 ref" without a fraction). A row whose
 activated weights fit in the last-level cache is marked (cache) and given no fraction
 of DRAM bandwidth; a row above its limit prints ">100%?" (the limit was measured too
 low). Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE), Q4_K_M their mix in
-llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K); --method also takes the other GGUF
+llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K: the layers where llama.cpp gives down
+more bits, about half; the others' down is Q4_K); --method also takes the other GGUF
 types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K), Q5_K_M (Q5_K, down Q6_K) and GGUF_MXFP4
 (MXFP4 in GGUF's blocks, as LLAMAFILE reads a gpt-oss GGUF; --method MXFP4 is format
 mxfp4). On S2 (I =

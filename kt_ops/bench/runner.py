@@ -47,7 +47,9 @@ FP8_METHODS: tuple[str, ...] = ("FP8", "FP8_PERCHANNEL", "MXFP8")
 CHECKPOINT_METHODS: tuple[str, ...] = ("MXFP4", "RAWINT4", "GPTQ_INT4", "AWQ_INT4")
 ALL_METHODS: tuple[str, ...] = METHODS + EXTRA_METHODS + FP8_METHODS + CHECKPOINT_METHODS
 # GGUF file mixes: (gate and up type, down type), as llama.cpp's Q4_K_M and Q5_K_M store the
-# experts (GGUF_MXFP4: every matrix MXFP4, as gpt-oss GGUFs store them).
+# experts of the layers whose down gets more bits (use_more_bits: the first and last eighth
+# and every third layer between, about half; the other layers' down is Q4_K / Q5_K, as gate
+# and up); GGUF_MXFP4: every matrix MXFP4, as gpt-oss GGUFs store them.
 GGUF_MIXES: dict[str, tuple[str, str]] = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K"),
                                           "GGUF_MXFP4": ("MXFP4", "MXFP4")}
 # Bench methods that are GGUF types or mixes (LLAMAFILE, quantized online with our round-to-nearest).
