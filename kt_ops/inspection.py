@@ -32,7 +32,7 @@ from kt_ops._native import _C
 from kt_ops.converted import INDEX, MANIFEST, Manifest, entry_path, layer_file, layer_key, read_weight_map
 from kt_ops.cpu import cpu_variant
 from kt_ops.diagnostics import methods_label
-from kt_ops.formats import FORMATS, format_info
+from kt_ops.formats import FORMATS, FormatInfo, format_info
 from kt_ops.gguf_loader import (OTHER_ACTIVATIONS, check_stored_size, expert_shapes, gguf_files, open_gguf,
                                read_gguf_config)
 from kt_ops.gguf_types import GGML_TYPES
@@ -673,6 +673,14 @@ def _mxfp4_layer(checkpoint: HfCheckpoint, layer: int, where: Mxfp4Layer) -> tup
     return LayerInfo(layer, E, H, I, matrices, sum(sizes)), [key for key in needed if key not in checkpoint.key_file]
 
 
+def _packing_formats(fp8_kinds: Sequence[str]) -> list[FormatInfo]:
+    """The formats KTMoEWrapper packs float experts into at load: not GGUF's, not
+    int4_asym (the wrapper has no ``zero_point``: only :func:`kt_ops.pack_experts` makes
+    it), and for FP8 experts of ``fp8_kinds`` no other FP8 kind's (those methods refuse them)."""
+    return [fmt for fmt in FORMATS if fmt.k_rule != "ggml_block" and not fmt.zero_point
+            and not (fp8_kinds and fmt.name in FP8_KIND_METHODS and fmt.name not in fp8_kinds)]
+
+
 def _inspect_hf(root: Path) -> Inspection:
     variant = cpu_variant()
     checkpoint = HfCheckpoint(root)
@@ -752,7 +760,7 @@ def _inspect_hf(root: Path) -> Inspection:
         notes.append(f"{label}: {format_info(fmt).kernels[variant]}")
     if floats:
         notes.append(f"packed when loaded, so the kernel is the method's (under {variant}):")
-        notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in FORMATS if fmt.k_rule != "ggml_block")
+        notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in _packing_formats(kinds))
     return Inspection(os.fspath(root), "Hugging Face checkpoint", variant, facts,
                       num_layers, tuple(layers), None, tuple(notes))
 

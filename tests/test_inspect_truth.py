@@ -1,0 +1,50 @@
+"""``kt-ops inspect`` states only facts: every method it names loads the weights it
+inspected, into the format whose kernel it names, and the bytes it counts are the bytes of
+the experts' tensors on disk."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_helpers import make_weights, write_checkpoint
+
+import kt_ops
+from kt_ops import KTMoEWrapper
+from kt_ops.inspection import inspect_weights
+
+E, H, I = 4, 256, 128  # H and I multiples of 128: block FP8 needs whole scale blocks
+
+
+def _named_methods(notes: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(method, format) for each method of the "packed when loaded" lines of a Hugging
+    Face checkpoint's notes (``"  methods AMXINT4, MOE_INT4: int4/amx (...)"``)."""
+    named = []
+    for note in notes:
+        match = re.match(r"^  methods? (?P<methods>[A-Z0-9_, ]+?)(?P<rest> \+ [^:]*)?: (?P<fmt>\w+)/", note)
+        if match:
+            named.extend((method, match["fmt"]) for method in match["methods"].split(", "))
+    return named
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_every_method_named_for_a_float_checkpoint_loads_it(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The notes of a float or FP8 checkpoint listed "methods AMXINT4, MOE_INT4 +
+    zero_point=True: int4_asym" (KTMoEWrapper takes no zero_point: it packs int4) and, for
+    block FP8, methods FP8_PERCHANNEL and MXFP8, which refuse it ("holds FP8 experts")."""
+    path = write_checkpoint(tmp_path, make_weights([1], E, H, I), dtype=dtype)
+    report = inspect_weights(path)
+    named = _named_methods(report.notes)
+    assert {"BF16", "AMXINT8", "AMXINT4", "FP8", "MXFP4"} <= {method for method, _ in named}, report.notes
+    for method, fmt in named:
+        wrapper = KTMoEWrapper(1, E, 2, H, I, method=method, weight_path=path)
+        try:
+            wrapper.load_weights()
+        except ValueError as error:
+            pytest.fail(f"inspect names method {method} for {path}, which refuses it: {error}")
+        assert [part.format for part in wrapper._parts] == [fmt], (method, report.notes)
+    variant = kt_ops.cpu_variant()
+    assert all(note.split(": ", 1)[1].startswith(f"{fmt}/{variant} ") for note in report.notes
+               for method, fmt in _named_methods((note,)))
