@@ -642,7 +642,10 @@ def _int8_layer(checkpoint: HfCheckpoint, where: LayerExperts) -> tuple[LayerInf
             if f"{where.stem(0)}.weight_shape" in checkpoint.key_file else 4 * H
     keys = [[key for e in range(where.num_experts) for key in (where.key(m, e), f"{where.stem(m, e)}.weight_scale")]
             for m in range(3)]
-    sizes = [sum(_stored_bytes(checkpoint, key) for key in matrix) for matrix in keys]
+    # W8A16's weight_shape and zero points (all 0: the loader checks) are bytes of the experts too
+    extra = [[f"{where.stem(m, e)}.{part}" for e in range(where.num_experts)
+              for part in ("weight_shape", "weight_zero_point")] for m in range(3)]
+    sizes = [sum(_stored_bytes(checkpoint, key) for key in matrix + more) for matrix, more in zip(keys, extra)]
     matrices = tuple(MatrixInfo(name, "int8", size, "") for name, size in zip(MATRICES, sizes))
     absent = [key for matrix in keys for key in matrix if key not in checkpoint.key_file]
     return LayerInfo(where.layer, where.num_experts, H, I, matrices, sum(sizes)), absent

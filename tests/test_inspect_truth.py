@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import make_weights, write_checkpoint
+from safetensors import safe_open
 
 import kt_ops
 from kt_ops import KTMoEWrapper
@@ -48,3 +49,28 @@ def test_every_method_named_for_a_float_checkpoint_loads_it(tmp_path: Path, dtyp
     variant = kt_ops.cpu_variant()
     assert all(note.split(": ", 1)[1].startswith(f"{fmt}/{variant} ") for note in report.notes
                for method, fmt in _named_methods((note,)))
+
+
+def _expert_bytes(path: Path) -> int:
+    """Bytes of every ``*.experts.*`` tensor of the checkpoint's safetensors files."""
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            total += sum(handle.get_tensor(key).nbytes
+                         for key in handle.keys() if ".experts." in key)
+    return total
+
+
+@pytest.mark.parametrize("case", ["W8A16", "zero_points"])
+def test_int8_bytes_count_every_expert_tensor(tmp_path: Path, case: str) -> None:
+    """An INT8 layer's bytes left out the W8A16 experts' ``weight_shape`` and the
+    ``weight_zero_point`` tensors (the INT4 layouts count theirs)."""
+    from test_int8_checkpoint import I as I8
+    from test_int8_checkpoint import _add, write_int8_checkpoint
+
+    if case == "W8A16":
+        path, _ = write_int8_checkpoint(tmp_path, packed=True)
+    else:
+        path, _ = write_int8_checkpoint(tmp_path, edit=_add("weight_zero_point", torch.zeros(I8, 1, dtype=torch.int8)))
+    [layer] = inspect_weights(path).layers
+    assert layer.nbytes == _expert_bytes(path) == sum(m.nbytes or 0 for m in layer.matrices)
