@@ -777,7 +777,7 @@ def format_bytes(n: int | None) -> str:
         return "?"
     value, unit = float(n), "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
+        if round(value, 1) < 1024 or unit == "TiB":  # 1023.96 KiB is 1.0 MiB, not "1024.0 KiB"
             break
         value /= 1024
     return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"

@@ -74,3 +74,12 @@ def test_int8_bytes_count_every_expert_tensor(tmp_path: Path, case: str) -> None
         path, _ = write_int8_checkpoint(tmp_path, edit=_add("weight_zero_point", torch.zeros(I8, 1, dtype=torch.int8)))
     [layer] = inspect_weights(path).layers
     assert layer.nbytes == _expert_bytes(path) == sum(m.nbytes or 0 for m in layer.matrices)
+
+
+@pytest.mark.parametrize("n,text", [(1023, "1023 B"), (1024 * 1024 - 1, "1.0 MiB"), (1024**3 - 1, "1.0 GiB"),
+                                    (1024 * 1024 - 60, "1023.9 KiB"), (1536, "1.5 KiB")])
+def test_bytes_round_up_into_the_next_unit(n: int, text: str) -> None:
+    """1,048,575 bytes printed as "1024.0 KiB"."""
+    from kt_ops.inspection import format_bytes
+
+    assert format_bytes(n) == text
