@@ -52,7 +52,7 @@ from kt_ops.convert_merge import (index_layer_files, layer_sources, merge_layers
 from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file, layer_key
 from kt_ops.cpu import max_threads
 from kt_ops.formats import GROUPED_FORMATS, default_group_size, format_for_method, format_info
-from kt_ops.hf_checkpoint import HfCheckpoint, config_layer_count, read_config_json, whole_number
+from kt_ops.hf_checkpoint import HfCheckpoint, config_layer_count, read_config_json, whole_number, with_text_config
 from kt_ops.hf_int4 import Int4Experts, int4_method, load_int4_experts
 from kt_ops.hf_int8 import is_int8_layer
 from kt_ops.hf_mxfp4 import MXFP4_GROUP, Mxfp4Experts, load_mxfp4_experts, mxfp4_layers, pack_mxfp4_parts
@@ -188,13 +188,6 @@ def verify_layer(path: Path, layer: int, parts: list[PackedExperts], gate: torch
     if not err <= bound:
         raise ConversionError(f"layer {layer}: expert {expert} through the kernel is {err:.3g} from the reference "
                               f"(bound {bound}); the written weights are wrong")
-
-
-def with_text_config(config: dict) -> dict:
-    """``config`` with the keys of its ``text_config`` (a multimodal model's language model:
-    Qwen3-VL, Qwen3.5) where the top level has none of its own."""
-    text = config.get("text_config")
-    return {**text, **config} if isinstance(text, dict) else config
 
 
 def mxfp4_sizes(config: dict) -> tuple[int, int, int]:

@@ -561,6 +561,13 @@ def read_config_json(folder: str | os.PathLike[str]) -> dict:
     return config
 
 
+def with_text_config(config: dict) -> dict:
+    """``config`` with the keys of its ``text_config`` (a multimodal model's language model:
+    Qwen3-VL, Qwen3.5) where the top level has none of its own."""
+    text = config.get("text_config")
+    return {**text, **config} if isinstance(text, dict) else config
+
+
 def whole_number(value: object) -> int | None:
     """A config.json value as an int: an int, a whole float (``128.0``) or a numeric string;
     None for anything else (``1.5``, ``true``, ``"x"``, ``{}``, NaN)."""

@@ -37,7 +37,7 @@ from kt_ops.gguf_loader import (OTHER_ACTIVATIONS, check_stored_size, expert_sha
                                read_gguf_config)
 from kt_ops.gguf_types import GGML_TYPES
 from kt_ops.hf_checkpoint import (HfCheckpoint, LayerExperts, _check_regular_file, config_layer_count,
-                                  read_config_json)
+                                  read_config_json, with_text_config)
 from kt_ops.hf_int4 import int4_method, quantization_config
 from kt_ops.hf_int8 import is_int8_layer
 from kt_ops.hf_mxfp4 import Mxfp4Layer, find_mxfp4_layer, mxfp4_layers
@@ -383,7 +383,7 @@ def _inspect_converted(root: Path) -> Inspection:
     if missing:
         notes.append(f"no packed tensors on disk for layers {layer_ranges(missing)}")
     try:
-        config = read_config_json(root)  # the source's, copied when the conversion finished
+        config = with_text_config(read_config_json(root))  # the source's, copied when the conversion finished
     except ValueError:
         config = {}
     notes.extend(_past_the_model(manifest.num_layers, layers, config))
@@ -737,7 +737,7 @@ def _inspect_hf(root: Path) -> Inspection:
         stored.append(label)
         in_place[f"method {method} (read in place)"] = fmt
     layers.sort(key=lambda layer: layer.layer)
-    config = read_config_json(root)
+    config = with_text_config(read_config_json(root))  # a multimodal model's: its language model's keys
     float_layers = {layer.layer for layer in layers if layer.layer in floats}
     dtypes = sorted({m.type for layer in layers if layer.layer in floats for m in layer.matrices})
     kinds = sorted({kind for L in floats if L in float_layers

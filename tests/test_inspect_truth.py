@@ -83,3 +83,20 @@ def test_bytes_round_up_into_the_next_unit(n: int, text: str) -> None:
     from kt_ops.inspection import format_bytes
 
     assert format_bytes(n) == text
+
+
+def test_a_multimodal_config_gives_its_text_models_facts(tmp_path: Path) -> None:
+    """Qwen3-VL's config.json keeps the language model's keys under ``text_config``: inspect
+    said "experts per token: unknown" and left out the model's layer count (the converter
+    reads them there)."""
+    import json
+
+    from checkpoint_helpers import write_fp8_layer
+
+    path, _ = write_fp8_layer(tmp_path, "fp8", "vl_per_expert", E=E, H=H, I=I, layer=1)
+    text = {"num_hidden_layers": 2, "num_experts_per_tok": 2, "hidden_size": H, "moe_intermediate_size": I,
+            "num_experts": E}
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe", "text_config": text}))
+    report = inspect_weights(path)
+    facts = dict(report.facts)
+    assert (facts["model type"], facts["experts per token"], report.num_layers) == ("qwen3_vl_moe", "2", 2)
