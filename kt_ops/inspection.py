@@ -46,7 +46,7 @@ from kt_ops.mapped_files import read_safetensors_header, safetensors_range
 from kt_ops.parts import FP8_KIND_METHODS
 
 MATRICES = ("gate", "up", "down")
-_GGUF_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<m>gate|up|down)_exps\.weight$")
+_GGUF_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<m>gate|up|down)_exps\.(?P<part>weight|bias)$")
 _PACKED_KEY = re.compile(r"^(?:packed|blk\.(?P<layer>\d+)\.part(?P<part>\d+)\.packed)$")
 # safetensors dtype of expert weights -> (name shown, bytes per element)
 _DTYPES = {"BF16": ("bf16", 2), "F16": ("fp16", 2), "F32": ("fp32", 4), "F8_E4M3": ("fp8_e4m3", 1)}
@@ -70,7 +70,8 @@ class MatrixInfo:
     type: str
     """Packed format (``"int4"``), ggml type (``"Q4_K"``) or stored dtype (``"bf16"``)."""
     nbytes: int | None
-    """Bytes of the matrix over all experts (None where the packed layout interleaves them)."""
+    """Bytes of the matrix over all experts, its scales and biases included (None where the packed layout
+    interleaves them)."""
     read: str
     """GGUF: how the kernel reads this type under the variant (``"in place"``: dotted from
     the file's bytes; ``"decoded"``: decoded once per job; ``"not computed"``: kt_ops has
@@ -450,10 +451,13 @@ def _inspect_gguf(path: Path) -> Inspection:
     found: dict[int, dict[str, tuple[str, tuple[int, ...], int]]] = defaultdict(dict)
     duplicated: set[int] = set()  # a tensor in two parts of a split model: load_gguf_experts refuses it
     mistyped: set[int] = set()  # a type that disagrees with the bytes stored: load_gguf_experts refuses it
+    biases: dict[tuple[int, str], int] = {}  # (layer, matrix) -> bytes of its ffn_*_exps.bias
     for file in _progress(files, "reading GGUF tensor infos"):
         for tensor in open_gguf(file).tensors:
             match = _GGUF_TENSOR.match(tensor.name)
-            if match:
+            if match and match["part"] == "bias":  # gpt-oss's: loaded with the layer, so counted with it
+                biases[int(match["layer"]), match["m"]] = int(tensor.n_bytes)
+            elif match:
                 if match["m"] in found[int(match["layer"])]:
                     duplicated.add(int(match["layer"]))
                 type_name = gguf.GGMLQuantizationType(int(tensor.tensor_type)).name
@@ -488,6 +492,8 @@ def _inspect_gguf(path: Path) -> Inspection:
             read = _ggml_read(type_name, variant)
             if read == "not computed":
                 not_computed[type_name].append(L)
+            if info.architecture == "gpt-oss":  # the only architecture whose biases the wrapper loads
+                nbytes += biases.get((L, name), 0)
             infos.append(MatrixInfo(name, type_name, nbytes, read))
         layers.append(LayerInfo(L, E, H, I, tuple(infos), sum(m.nbytes or 0 for m in infos)))
     for type_name, where in sorted(not_computed.items()):

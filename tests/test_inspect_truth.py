@@ -100,3 +100,19 @@ def test_a_multimodal_config_gives_its_text_models_facts(tmp_path: Path) -> None
     report = inspect_weights(path)
     facts = dict(report.facts)
     assert (facts["model type"], facts["experts per token"], report.num_layers) == ("qwen3_vl_moe", "2", 2)
+
+
+def test_gpt_oss_gguf_bytes_count_the_expert_biases(tmp_path: Path) -> None:
+    """A gpt-oss GGUF's ffn_*_exps.bias tensors, which the wrapper loads with the layer, were
+    not counted (a gpt-oss Hugging Face checkpoint's biases are)."""
+    import gguf
+    from test_mxfp4_checkpoint import write_gpt_oss_gguf
+
+    path = tmp_path / "gpt-oss.gguf"
+    write_gpt_oss_gguf(path, torch.Generator().manual_seed(9))
+    stored = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    [layer] = inspect_weights(path).layers
+    for matrix in layer.matrices:
+        key = f"blk.0.ffn_{matrix.name}_exps"
+        assert matrix.nbytes == stored[f"{key}.weight"] + stored[f"{key}.bias"]
+    assert layer.nbytes == sum(stored.values())
