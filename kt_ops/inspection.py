@@ -826,8 +826,9 @@ def format_inspection(result: Inspection) -> str:
         widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
         lines.append("")
         lines.extend("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
+        on_disk = sum(layer.nbytes is not None for layer in result.layers)  # an unfinished conversion's: not all
         lines.append(f"  total: {format_bytes(result.nbytes)} ({result.nbytes:,} bytes) of routed experts "
-                     f"in {len(result.layers)} layer(s)")
+                     f"in {on_disk} layer(s)")
     if result.notes:
         lines.append("")
         lines.extend(f"  {note}" for note in result.notes)

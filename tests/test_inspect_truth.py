@@ -116,3 +116,24 @@ def test_gpt_oss_gguf_bytes_count_the_expert_biases(tmp_path: Path) -> None:
         key = f"blk.0.ffn_{matrix.name}_exps"
         assert matrix.nbytes == stored[f"{key}.weight"] + stored[f"{key}.bias"]
     assert layer.nbytes == sum(stored.values())
+
+
+def test_the_total_counts_only_the_layers_on_disk(tmp_path: Path) -> None:
+    """An unfinished conversion's total said "in 2 layer(s)" over the bytes of the one layer
+    written."""
+    from kt_ops import convert
+    from kt_ops.converted import INDEX, MANIFEST, Manifest, layer_file
+    from kt_ops.inspection import format_inspection
+
+    source = write_checkpoint(tmp_path / "model", make_weights([1, 2], E, H, I))
+    out = tmp_path / "out"
+    assert convert.main(["--input-path", str(source), "--input-type", "bf16", "--output", str(out), "--quant-method",
+                         "int8", "--no-merge-safetensor"]) == 0
+    Manifest(**{**Manifest.read(out).__dict__, "complete": False}).write(out)
+    (out / INDEX).unlink()
+    (out / layer_file(2)).unlink()
+    assert (out / MANIFEST).is_file()
+    report = inspect_weights(out)
+    [written] = [layer for layer in report.layers if layer.nbytes is not None]
+    text = format_inspection(report)
+    assert f"({written.nbytes:,} bytes) of routed experts in 1 layer(s)\n" in text, text
