@@ -344,6 +344,19 @@ def _parts_on_disk(file: Path, layer: int, count: int) -> list[int]:
     return [p for p in range(min(count, len(keys))) if layer_key(layer, p) in keys]
 
 
+def _converted_reader(manifest: Manifest) -> str:
+    """The KTMoEWrapper call that loads a converted directory's layers: the converter's
+    ``--quant-method`` as the wrapper's method (``int8`` -> ``AMXINT8``), its parts, and
+    for AMXINT4 the group size, which the wrapper checks against its own."""
+    from kt_ops.convert import METHODS  # imported here: kt_ops.convert imports this module
+
+    method = METHODS.get(manifest.method, manifest.method.upper())
+    args = f"method='{method}', threadpool_count={manifest.threadpool_count}"
+    if method == "AMXINT4":
+        args += f", group_size={manifest.group_size}"
+    return f"KTMoEWrapper({args}) as format {manifest.format}"
+
+
 def _inspect_converted(root: Path) -> Inspection:
     variant = cpu_variant()
     manifest = Manifest.read(root)
@@ -391,7 +404,7 @@ def _inspect_converted(root: Path) -> Inspection:
     group = f", group size {manifest.group_size}" if manifest.group_size else ""
     source = manifest.source
     facts = (
-        ("method", f"{manifest.method} (format {manifest.format}{group})"),
+        ("method", f"{manifest.method} (format {manifest.format}{group}; read by {_converted_reader(manifest)})"),
         ("parts per layer", f"{manifest.threadpool_count} (threadpool_count)"),
         ("source", f"{source.get('path', '?')} ({source.get('model_type') or 'model type not recorded'}, "
                    f"{source.get('input_type', '?')})"),

@@ -349,7 +349,8 @@ def test_inspect_converted_directory(converted, capsys) -> None:
         assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (E, H, I)
         assert [m.type for m in layer.matrices] == ["int4"] * 3 and layer.nbytes == 2 * part
     assert result.kernel == format_info("int4").kernels[kt_ops.cpu_variant()]
-    assert ("method", "int4 (format int4, group size 32)") in result.facts
+    assert ("method", "int4 (format int4, group size 32; read by KTMoEWrapper(method='AMXINT4', threadpool_count=2, "
+                      "group_size=32) as format int4)") in result.facts
     assert re.search(r"\n  layers: +4 in the model, 3 with routed experts \(1-3\)\n", out)
     assert f"\n  1-3     8  64  64  int4  int4  int4  {format_bytes(2 * part)}\n" in out  # one row for 3 layers
     assert f"total: {format_bytes(6 * part)} ({6 * part:,} bytes) of routed experts in 3 layer(s)" in out

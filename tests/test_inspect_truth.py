@@ -137,3 +137,29 @@ def test_the_total_counts_only_the_layers_on_disk(tmp_path: Path) -> None:
     [written] = [layer for layer in report.layers if layer.nbytes is not None]
     text = format_inspection(report)
     assert f"({written.nbytes:,} bytes) of routed experts in 1 layer(s)\n" in text, text
+
+
+@pytest.mark.parametrize("quant_method,extra", [("int8", ["--threadpool-count", "2"]),
+                                                ("int4", ["--group-size", "32", "--threadpool-count", "2"]),
+                                                ("mxfp8", [])])
+def test_the_wrapper_a_converted_directory_names_loads_it(tmp_path: Path, quant_method: str, extra: list[str]) -> None:
+    """A converted directory's method was the converter's name only ("int8", "int4"), which
+    KTMoEWrapper refuses ("method 'int8' is not available"); the wrapper call it names now
+    (method, threadpool_count, group_size) loads every layer into the format named."""
+    from kt_ops import convert
+
+    source = write_checkpoint(tmp_path / "model", make_weights([1, 2], E, H, I))
+    out = tmp_path / "out"
+    assert convert.main(["--input-path", str(source), "--input-type", "bf16", "--output", str(out), "--quant-method",
+                         quant_method, *extra]) == 0
+    report = inspect_weights(out)
+    stated = dict(report.facts)["method"]
+    call = re.search(r"read by KTMoEWrapper\((?P<args>[^)]*)\) as format (?P<fmt>\w+)", stated)
+    assert call, stated
+    kwargs = {key: value.strip("'") for key, value in (arg.split("=") for arg in call["args"].split(", "))}
+    kwargs = {key: value if key == "method" else int(value) for key, value in kwargs.items()}
+    for layer in report.layers:
+        wrapper = KTMoEWrapper(layer.layer, E, 2, H, I, weight_path=out, **kwargs)
+        wrapper.load_weights()
+        assert {part.format for part in wrapper._parts} == {call["fmt"]} == {m.type for m in layer.matrices}
+        assert sum(part.nbytes for part in wrapper._parts) == layer.nbytes
