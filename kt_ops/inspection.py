@@ -779,7 +779,10 @@ def _inspect_hf(root: Path) -> Inspection:
     num_layers = config_layer_count(config, root)
     notes.extend(_past_the_model(num_layers, layers, config))
     for label, fmt in in_place.items():
-        notes.append(f"{label}: {format_info(fmt).kernels[variant]}")
+        # the loader reads zero points and packs a layer whose are all 8 as int4: the headers cannot tell
+        symmetric_too = f" (a layer whose zero points are all 8 loads as int4: {_kernel('int4', variant)})" \
+            if fmt == "int4_asym" else ""
+        notes.append(f"{label}: {format_info(fmt).kernels[variant]}{symmetric_too}")
     if floats:
         notes.append(f"packed when loaded, so the kernel is the method's (under {variant}):")
         notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in _packing_formats(kinds))

@@ -163,3 +163,28 @@ def test_the_wrapper_a_converted_directory_names_loads_it(tmp_path: Path, quant_
         wrapper.load_weights()
         assert {part.format for part in wrapper._parts} == {call["fmt"]} == {m.type for m in layer.matrices}
         assert sum(part.nbytes for part in wrapper._parts) == layer.nbytes
+
+
+@pytest.mark.parametrize("case", ["AWQ_INT4", "GPTQ_INT4-asym"])
+def test_the_kernel_named_for_zero_points_of_8_is_the_one_loaded(tmp_path: Path, case: str) -> None:
+    """Zero points that are all 8 load as symmetric int4 (hf_int4), which the headers cannot
+    tell: inspect named only int4_asym's kernel for them."""
+    from test_int4_checkpoint import E as E4
+    from test_int4_checkpoint import H as H4
+    from test_int4_checkpoint import I as I4
+    from test_int4_checkpoint import LAYER, write_int4_checkpoint
+
+    from kt_ops.formats import format_info
+
+    def eights(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith(".qzeros")]:
+            # AWQ: the zero itself; GPTQ v1: zero - 1 stored
+            tensors[key] = torch.full_like(tensors[key], 0x77777777 if case.startswith("GPTQ") else -0x77777778)
+
+    path, _ = write_int4_checkpoint(tmp_path, case, edit=eights)
+    method = case.split("-")[0]
+    wrapper = KTMoEWrapper(LAYER, E4, 2, H4, I4, weight_path=path, method=method)
+    wrapper.load_weights()
+    [fmt] = {part.format for part in wrapper._parts}
+    [note] = [note for note in inspect_weights(path).notes if note.startswith(f"method {method} (read in place)")]
+    assert format_info(fmt).kernels[kt_ops.cpu_variant()] in note, (fmt, note)
