@@ -188,3 +188,17 @@ def test_the_kernel_named_for_zero_points_of_8_is_the_one_loaded(tmp_path: Path,
     [fmt] = {part.format for part in wrapper._parts}
     [note] = [note for note in inspect_weights(path).notes if note.startswith(f"method {method} (read in place)")]
     assert format_info(fmt).kernels[kt_ops.cpu_variant()] in note, (fmt, note)
+
+
+def test_the_json_keys_are_the_documented_ones(tmp_path: Path) -> None:
+    """docs/cli.md lists the keys of ``kt-ops inspect --json``; the output has those, no others."""
+    import json
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    paragraph = docs[docs.index("`--json` prints the same"):].split("\n\n")[0]
+    documented = set(re.findall(r"`(\w+)`", paragraph))
+    source = write_checkpoint(tmp_path, make_weights([1], E, H, I))
+    data = json.loads(inspect_weights(source).to_json())
+    [layer] = data["layers"]
+    keys = {*data, *layer, *layer["matrices"], *layer["matrices"]["gate"], "read"}
+    assert keys <= documented, keys - documented
