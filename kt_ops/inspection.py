@@ -774,7 +774,7 @@ def _inspect_hf(root: Path) -> Inspection:
     facts = (("model type", str(config.get("model_type", "unknown (no config.json)"))),
              ("experts per token", str(config.get("num_experts_per_tok", "unknown"))),
              ("expert tensors", ", ".join(conventions) + " naming"),
-             ("stored as", "; ".join(stored_as)),
+             ("stored as", "; ".join(stored_as) or "unknown (no expert layer has all its tensors)"),
              ("files", str(len(set(checkpoint.key_file.values())))))
     num_layers = config_layer_count(config, root)
     notes.extend(_past_the_model(num_layers, layers, config))
@@ -783,7 +783,7 @@ def _inspect_hf(root: Path) -> Inspection:
         symmetric_too = f" (a layer whose zero points are all 8 loads as int4: {_kernel('int4', variant)})" \
             if fmt == "int4_asym" else ""
         notes.append(f"{label}: {format_info(fmt).kernels[variant]}{symmetric_too}")
-    if floats:
+    if float_layers:  # none: every float layer lacks a tensor, and every method refuses it
         notes.append(f"packed when loaded, so the kernel is the method's (under {variant}):")
         notes.extend(f"  {methods_label(fmt)}: {fmt.kernels[variant]}" for fmt in _packing_formats(kinds))
     return Inspection(os.fspath(root), "Hugging Face checkpoint", variant, facts,

@@ -202,3 +202,16 @@ def test_the_json_keys_are_the_documented_ones(tmp_path: Path) -> None:
     [layer] = data["layers"]
     keys = {*data, *layer, *layer["matrices"], *layer["matrices"]["gate"], "read"}
     assert keys <= documented, keys - documented
+
+
+def test_a_checkpoint_without_a_whole_expert_layer_names_no_method(tmp_path: Path) -> None:
+    """Every expert layer lacking a tensor: "stored as" was blank, and the notes still listed
+    the methods that would pack the layers when loaded (each refuses them)."""
+    missing = "model.layers.1.mlp.experts.2.up_proj.weight"
+    path = write_checkpoint(tmp_path, make_weights([1], E, H, I), skip=(missing,))
+    with pytest.raises(KeyError, match="up_proj"):
+        KTMoEWrapper(1, E, 2, H, I, method="BF16", weight_path=path).load_weights()
+    report = inspect_weights(path)
+    assert report.layers == () and all(value for _, value in report.facts), report.facts
+    assert not _named_methods(report.notes), report.notes
+    assert any(missing in note for note in report.notes)
