@@ -727,8 +727,13 @@ def _inspect_hf(root: Path) -> Inspection:
         absent = [key for key in keys[L] if key not in headers]
         if absent:
             notes.append(f"layer {L}: {len(absent)} expert tensor(s) missing, e.g. {absent[0]!r}")
-        else:
-            layers.append(_hf_layer(where, headers))
+            continue
+        try:  # experts with biases (gpt-oss's bf16 layout, per-expert .bias): every method's reader refuses them
+            checkpoint._float_layer(L)
+        except ValueError as error:
+            notes.append(str(error).removeprefix(f"{checkpoint.path}: "))
+            continue
+        layers.append(_hf_layer(where, headers))
     four_bit: list[tuple[LayerInfo, str, str, str, list[str]]] = []  # layer, label, method, format, absent (int8 too)
     symmetric = bool(quantization_config(checkpoint.path).get("sym", True)) if int4 else True  # read once
     for L, method in int4.items():

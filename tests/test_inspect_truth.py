@@ -215,3 +215,34 @@ def test_a_checkpoint_without_a_whole_expert_layer_names_no_method(tmp_path: Pat
     assert report.layers == () and all(value for _, value in report.facts), report.facts
     assert not _named_methods(report.notes), report.notes
     assert any(missing in note for note in report.notes)
+
+
+@pytest.mark.parametrize("layout", ["gpt_oss_bf16", "per_expert_biases"])
+def test_float_experts_with_biases_are_no_row(tmp_path: Path, layout: str) -> None:
+    """The float readers refuse experts with biases (gpt-oss's bf16 fused layout, per-expert
+    ``.bias`` tensors): inspect listed the layer and the methods that would pack it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    if layout == "gpt_oss_bf16":
+        prefix = "model.layers.0.mlp.experts"
+        save_file({f"{prefix}.gate_up_proj": torch.zeros(E, H, 2 * I, dtype=torch.bfloat16),
+                   f"{prefix}.gate_up_proj_bias": torch.zeros(E, 2 * I, dtype=torch.bfloat16),
+                   f"{prefix}.down_proj": torch.zeros(E, I, H, dtype=torch.bfloat16),
+                   f"{prefix}.down_proj_bias": torch.zeros(E, H, dtype=torch.bfloat16)},
+                  str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 1}))
+        path = tmp_path
+    else:
+        path = write_checkpoint(tmp_path / "model", make_weights([0], E, H, I))
+        save_file({"model.layers.0.mlp.experts.1.down_proj.bias": torch.zeros(H, dtype=torch.bfloat16)},
+                  str(path / "model-extra.safetensors"))
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        index["weight_map"]["model.layers.0.mlp.experts.1.down_proj.bias"] = "model-extra.safetensors"
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="bias"):
+        KTMoEWrapper(0, E, 2, H, I, method="BF16", weight_path=path).load_weights()
+    report = inspect_weights(path)
+    assert report.layers == () and not _named_methods(report.notes), report
+    assert any(note.startswith("layer 0") and "bias" in note for note in report.notes), report.notes
