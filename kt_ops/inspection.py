@@ -728,8 +728,8 @@ def _inspect_hf(root: Path) -> Inspection:
         if absent:
             notes.append(f"layer {L}: {len(absent)} expert tensor(s) missing, e.g. {absent[0]!r}")
             continue
-        try:  # experts with biases (gpt-oss's bf16 layout, per-expert .bias): every method's reader refuses them
-            checkpoint._float_layer(L)
+        try:  # experts with biases (gpt-oss's bf16 layout, per-expert .bias), mixed dtypes: every reader refuses them
+            checkpoint.dtype(L)
         except ValueError as error:
             notes.append(str(error).removeprefix(f"{checkpoint.path}: "))
             continue

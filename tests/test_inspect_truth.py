@@ -246,3 +246,21 @@ def test_float_experts_with_biases_are_no_row(tmp_path: Path, layout: str) -> No
     report = inspect_weights(path)
     assert report.layers == () and not _named_methods(report.notes), report
     assert any(note.startswith("layer 0") and "bias" in note for note in report.notes), report.notes
+
+
+def test_a_layer_of_mixed_dtypes_is_no_row(tmp_path: Path) -> None:
+    """One fp16 tensor among a layer's bf16 experts: the readers refuse the layer ("mixes
+    dtypes"); inspect showed it as a bf16 layer the methods would pack."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_checkpoint(tmp_path, make_weights([0], E, H, I))
+    file = path / "model-00001-of-00001.safetensors"
+    tensors = load_file(str(file))
+    key = "model.layers.0.mlp.experts.1.down_proj.weight"
+    tensors[key] = tensors[key].half()
+    save_file(tensors, str(file))
+    with pytest.raises(ValueError, match="mixes dtypes"):
+        KTMoEWrapper(0, E, 2, H, I, method="BF16", weight_path=path).load_weights()
+    report = inspect_weights(path)
+    assert report.layers == () and not _named_methods(report.notes), report
+    assert any(note.startswith("layer 0 mixes dtypes") for note in report.notes), report.notes
