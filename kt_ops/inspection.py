@@ -537,9 +537,15 @@ def _inspect_gguf(path: Path) -> Inspection:
         kind = "GGUF directory"
     else:
         kind = "GGUF file" if len(files) == 1 else "GGUF file (one part of a split model)"
+    method = "LLAMAFILE (the file's blocks, memory-mapped, one part)"
+    if info.architecture in OTHER_ACTIVATIONS:
+        method = "none: every method refuses its experts' activation"
+    elif layers and all(m.type == "MXFP4" for layer in layers for m in layer.matrices):  # gguf_mxfp4_experts' rule
+        method += "; MXFP4 (its blocks copied into format mxfp4, in threadpool_count parts)"
     facts = (
         ("architecture", info.architecture),
         ("experts per token", str(info.num_experts_per_tok)),
+        ("method", method),
         ("files", ", ".join(f.name for f in files) if len(files) <= 3 else f"{len(files)} ({files[0].name}, ...)"),
     )
     return Inspection(os.fspath(path), kind, variant, facts, info.num_layers, tuple(layers),

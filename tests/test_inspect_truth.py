@@ -264,3 +264,30 @@ def test_a_layer_of_mixed_dtypes_is_no_row(tmp_path: Path) -> None:
     report = inspect_weights(path)
     assert report.layers == () and not _named_methods(report.notes), report
     assert any(note.startswith("layer 0 mixes dtypes") for note in report.notes), report.notes
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "mixed"])
+def test_the_methods_a_gguf_names_load_it(tmp_path: Path, experts: str) -> None:
+    """A GGUF's inspection named no method; it names LLAMAFILE, and MXFP4 where every expert
+    matrix is MXFP4 (the only GGUF that method reads), and each loads every layer."""
+    import numpy as np
+    from gguf_helpers import random_blocks, write_model
+    from test_mxfp4_checkpoint import write_gpt_oss_gguf
+
+    path = tmp_path / "m.gguf"
+    if experts == "mxfp4":
+        write_gpt_oss_gguf(path, torch.Generator().manual_seed(9))
+    else:
+        rng = np.random.default_rng(0)
+        shapes = {"ffn_gate_exps": (I, H), "ffn_up_exps": (I, H), "ffn_down_exps": (H, I)}
+        types = dict(zip(shapes, ("Q4_K", "Q8_0", "Q6_K")))
+        write_model(path, [None, {name: (types[name], random_blocks(types[name], E * rows, k, rng).reshape(E, rows, -1))
+                                  for name, (rows, k) in shapes.items()}], E, H, I)
+    report = inspect_weights(path)
+    named = re.findall(r"\b(LLAMAFILE|MXFP4)\b(?= \()", dict(report.facts)["method"])
+    assert named == (["LLAMAFILE", "MXFP4"] if experts == "mxfp4" else ["LLAMAFILE"]), report.facts
+    for method in named:
+        for layer in report.layers:
+            wrapper = KTMoEWrapper(layer.layer, layer.num_experts, 2, layer.hidden_size, layer.intermediate_size,
+                                   method=method, weight_path=path)
+            wrapper.load_weights()

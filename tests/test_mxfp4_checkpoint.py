@@ -262,6 +262,7 @@ def test_a_gguf_of_gelu_experts_is_refused(tmp_path: Path) -> None:
             KTMoEWrapper(0, E, 2, H, I, weight_path=path, method=method).load_weights()
     report = inspect_weights(path)
     assert report.layers == () and any("grok's experts use GELU-gated" in note for note in report.notes)
+    assert dict(report.facts)["method"].startswith("none")
 
 
 @pytest.mark.parametrize("with_weights", [True, False])
