@@ -785,7 +785,7 @@ def _inspect_hf(root: Path) -> Inspection:
     facts = (("model type", str(config.get("model_type", "unknown (no config.json)"))),
              ("experts per token", str(config.get("num_experts_per_tok", "unknown"))),
              ("expert tensors", ", ".join(conventions) + " naming"),
-             ("stored as", "; ".join(stored_as) or "unknown (no expert layer has all its tensors)"),
+             ("stored as", "; ".join(stored_as) or "no expert layer kt_ops reads (the notes say why)"),
              ("files", str(len(set(checkpoint.key_file.values())))))
     num_layers = config_layer_count(config, root)
     notes.extend(_past_the_model(num_layers, layers, config))
