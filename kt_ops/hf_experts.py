@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from kt_ops import autograd, expert_stats, gpu_prefill
+from kt_ops._optional import transformers_problem
 from kt_ops._validate import is_int, plain_int, require_bools
 from kt_ops.dynamic_experts import checked_expert_ids, cpu_route, host_copy, most_activated
 from kt_ops.packed import PackedExperts
@@ -592,7 +593,10 @@ def packed_blob(module: nn.Module) -> torch.Tensor | None:
 
 def register(moe_module: Any = None) -> bool:
     """Registers ``"kt_ops"`` in transformers' experts interface (``moe_module``: the imported
-    ``transformers.integrations.moe``; default: import it). False without transformers."""
+    ``transformers.integrations.moe``; default: import it). False without transformers, or
+    with one older than kt_ops supports (nothing registered: the user's import goes on)."""
+    if not _transformers_supported():
+        return False
     if moe_module is None:
         try:
             import transformers.integrations.moe as moe_module
@@ -642,8 +646,19 @@ def _patch_peft(module: Any) -> None:
     patch(module)
 
 
+def _transformers_supported() -> bool:
+    """Whether transformers is importable and recent enough for kt_ops' integrations (a
+    too old one is left alone; KtOpsConfig and the like then say what is needed)."""
+    try:
+        import transformers
+    except ImportError:
+        return False
+    return transformers_problem(transformers) is None
+
+
 def _register_quantizer(module: Any) -> None:
-    import kt_ops.hf_quantizer  # noqa: F401  (registers the "kt_ops" quantization method)
+    if _transformers_supported():
+        import kt_ops.hf_quantizer  # noqa: F401  (registers the "kt_ops" quantization method)
 
 
 def install() -> None:

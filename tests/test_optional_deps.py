@@ -1,0 +1,49 @@
+"""kt_ops without its optional packages (transformers, PEFT, accelerate, vLLM), or with a
+transformers too old for its integrations: ``import kt_ops`` and the features that do not
+need them work, and those that do fail naming the package and how to install it. Each
+case runs in a subprocess where the package is blocked (``sys.modules[name] = None``, as
+Python reports an absent package) or replaced by a stub of an old version."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, block: tuple[str, ...] = (), path: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with the packages of ``block`` absent and ``path``
+    first on ``sys.path`` (where a stub package shadows the installed one)."""
+    prelude = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in block)
+    prelude += "".join(f"sys.path.insert(0, {str(p)!r})\n" for p in path)
+    prelude += f"sys.path.insert(0, {str(ROOT)!r})\n"
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def old_transformers(root: Path) -> Path:
+    """A stub ``transformers`` 4.0.0 package under ``root`` (with ``modeling_utils``, which
+    every ``from_pretrained`` imports, and none of transformers v5's modules)."""
+    package = root / "transformers"
+    package.mkdir()
+    (package / "__init__.py").write_text('__version__ = "4.0.0"\n')
+    (package / "modeling_utils.py").write_text("PreTrainedModel = object\n")
+    return root
+
+
+@pytest.mark.slow
+def test_old_transformers_keeps_working_after_import_kt_ops(tmp_path: Path) -> None:
+    """kt_ops registers its quantizer when transformers.modeling_utils is imported: with a
+    transformers it cannot serve that is skipped, never an error in the user's import."""
+    result = run_python("""
+        import kt_ops
+        import transformers.modeling_utils
+        print("modeling_utils imported")
+    """, path=(old_transformers(tmp_path),))
+    assert result.returncode == 0, result.stderr
+    assert "modeling_utils imported" in result.stdout
