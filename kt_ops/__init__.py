@@ -54,8 +54,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     """``KtOpsConfig`` (and its quantizer) and ``from_gguf`` import transformers: loaded
-    on first use."""
+    on first use (an ImportError naming what is missing without a transformers v5)."""
     if name == "KtOpsConfig":
+        from kt_ops._optional import require_transformers
+
+        require_transformers("kt_ops.KtOpsConfig")
         from kt_ops.hf_quantizer import KtOpsConfig
 
         return KtOpsConfig

@@ -1,5 +1,5 @@
 """kt_ops' optional packages: imported when a feature first needs them (never by ``import
-kt_ops``)."""
+kt_ops``), with an ``ImportError`` that names the package and how to install it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from types import ModuleType
 # The oldest transformers major version kt_ops' integrations use (fused experts, the
 # experts interface, core_model_loading, transformers.initialization: transformers v5).
 MIN_TRANSFORMERS = 5
+TRANSFORMERS_INSTALL = f"pip install 'transformers>={MIN_TRANSFORMERS}'"
 
 
 def _major(version: str) -> int | None:
@@ -23,3 +24,18 @@ def transformers_problem(module: ModuleType) -> str | None:
     if major is not None and major < MIN_TRANSFORMERS:
         return f"transformers {version} is installed; kt_ops needs transformers >= {MIN_TRANSFORMERS}"
     return None
+
+
+def require_transformers(feature: str) -> ModuleType:
+    """The ``transformers`` module for ``feature`` (e.g. ``"kt_ops.KtOpsConfig"``); an
+    ``ImportError`` naming the feature, what is missing and how to install it otherwise."""
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError(f"{feature} needs transformers, which is not installed: {TRANSFORMERS_INSTALL}",
+                          name="transformers") from error
+    problem = transformers_problem(transformers)
+    if problem is not None:
+        raise ImportError(f"{feature}: {problem}: {TRANSFORMERS_INSTALL}", name="transformers")
+    return transformers
+

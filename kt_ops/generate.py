@@ -134,9 +134,14 @@ class _Timing:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    import transformers
 
     import kt_ops
+    from kt_ops._optional import require_transformers
+
+    try:
+        transformers = require_transformers("generate")  # "PROG: error: generate needs ..."
+    except ImportError as error:
+        raise UsageError(str(error)) from None
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

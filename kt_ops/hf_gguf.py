@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import torch
 
 from kt_ops import hf_experts
+from kt_ops._optional import require_transformers
 from kt_ops.gguf_loader import gguf_files, load_gguf_expert_biases, load_gguf_experts, open_gguf, read_gguf_config
 from kt_ops.ops import set_activation
 
@@ -81,9 +82,9 @@ def from_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16)
 
     ``dtype``: the dequantized non-expert weights' dtype. Raises ``ValueError`` for a GGUF
     transformers cannot read, a split GGUF, or a model without experts kt_ops can compute
-    (naming what is wrong); ``ImportError`` without transformers.
+    (naming what is wrong); ``ImportError`` (naming what to install) without transformers v5.
     """
-    import transformers
+    transformers = require_transformers("kt_ops.from_gguf")
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

@@ -37,6 +37,40 @@ def old_transformers(root: Path) -> Path:
 
 
 @pytest.mark.slow
+def test_transformers_absent_features_name_it() -> None:
+    result = run_python("""
+        import kt_ops
+        assert "transformers" not in sys.modules or sys.modules["transformers"] is None
+        for name, call in (("KtOpsConfig", lambda: kt_ops.KtOpsConfig),
+                           ("from_gguf", lambda: kt_ops.from_gguf("model.gguf"))):
+            try:
+                call()
+            except ImportError as error:
+                print(name, "|", error)
+            else:
+                print(name, "| no error")
+    """, block=("transformers",))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout
+    for line in lines:
+        assert "transformers" in line and "pip install" in line, line
+
+
+@pytest.mark.slow
+def test_generate_without_transformers_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    result = run_python(f"""
+        from kt_ops.cli import main
+        sys.exit(main(["generate", {str(tmp_path)!r}, "--prompt", "hi"]))
+    """, block=("transformers",))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("kt-ops generate: error:") and "transformers" in last and "pip install" in last, last
+
+
+@pytest.mark.slow
 def test_old_transformers_keeps_working_after_import_kt_ops(tmp_path: Path) -> None:
     """kt_ops registers its quantizer when transformers.modeling_utils is imported: with a
     transformers it cannot serve that is skipped, never an error in the user's import."""
@@ -44,6 +78,12 @@ def test_old_transformers_keeps_working_after_import_kt_ops(tmp_path: Path) -> N
         import kt_ops
         import transformers.modeling_utils
         print("modeling_utils imported")
+        try:
+            kt_ops.KtOpsConfig
+        except ImportError as error:
+            print("KtOpsConfig |", error)
     """, path=(old_transformers(tmp_path),))
     assert result.returncode == 0, result.stderr
     assert "modeling_utils imported" in result.stdout
+    line = result.stdout.splitlines()[-1]
+    assert line.startswith("KtOpsConfig |") and "4.0.0" in line and "pip install" in line, line
