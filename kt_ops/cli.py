@@ -23,7 +23,7 @@ from kt_ops import __version__
 PROG = "kt-ops"
 COMMANDS = {
     "doctor": "what runs on this machine and why: CPU variant, every variant's status, AMX, NUMA, huge pages, "
-              "threads, kernels per format",
+              "threads, kernels per format, optional packages",
     "bench": "time the MoE kernels against the machine's limits (python -m kt_ops.bench; "
              "'kt-ops bench --help' lists its options)",
     "convert": "convert a Hugging Face checkpoint's routed experts to packed INT8/INT4/FP8/MXFP4 CPU weights "

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from kt_ops import _native, host, numa
+from kt_ops._optional import integration_lines
 from kt_ops.cpu import (
     CPU_VARIANTS,
     cpu_variant,
@@ -143,7 +144,8 @@ def doctor() -> str:
     simulated ones, the pool of each node and the CPUs it is pinned to, where the packed
     parts of live wrappers lie), huge pages, and for
     every row of the format table the kernel it runs under the active variant (for gguf
-    also the ggml types that variant reads in place)."""
+    also the ggml types that variant reads in place), and which optional packages
+    (transformers, PEFT, accelerate, vLLM) are installed, found without importing them."""
     active = cpu_variant()
     # The variable as kt_ops read it at import (a later os.environ change forces nothing).
     reason = variant_reason(active, supported_cpu_variants(), _native._requested)
@@ -167,4 +169,5 @@ def doctor() -> str:
     read = [f"{method} -> {fmt}" + (" (int4_asym with zero points)" if method == "GPTQ_INT4" else "")
             for method, (fmt, _) in CHECKPOINT_METHODS.items()]
     lines.append(f"4-bit checkpoints read in place: {', '.join(read)}, MXFP4 (gpt-oss, DeepSeek-V4) -> mxfp4")
+    lines += integration_lines()
     return "\n".join(lines)

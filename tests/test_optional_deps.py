@@ -87,3 +87,23 @@ def test_old_transformers_keeps_working_after_import_kt_ops(tmp_path: Path) -> N
     assert "modeling_utils imported" in result.stdout
     line = result.stdout.splitlines()[-1]
     assert line.startswith("KtOpsConfig |") and "4.0.0" in line and "pip install" in line, line
+
+
+@pytest.mark.slow
+def test_doctor_reports_optional_integrations() -> None:
+    result = run_python("""
+        import kt_ops
+        print(kt_ops.doctor())
+    """, block=("transformers", "peft", "vllm"))
+    assert result.returncode == 0, result.stderr
+    assert "optional packages" in result.stdout, result.stdout
+    text = result.stdout.split("optional packages")[1]
+    for name in ("transformers", "peft", "vllm"):
+        assert f"{name}: not installed" in text, text
+    assert "accelerate: " in text and "accelerate: not installed" not in text, text
+    result = run_python("""
+        import kt_ops
+        kt_ops.doctor()
+        print(sorted(m for m in ("transformers", "peft", "accelerate", "vllm") if m in sys.modules))
+    """)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
