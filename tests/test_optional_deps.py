@@ -107,3 +107,20 @@ def test_doctor_reports_optional_integrations() -> None:
         print(sorted(m for m in ("transformers", "peft", "accelerate", "vllm") if m in sys.modules))
     """)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_patch_model_without_transformers_says_it_is_missing() -> None:
+    """Without transformers only the HybridMoE architectures are listed as supported: the
+    refusal says why the others (gpt-oss, GLM-4-MoE, ...) are not."""
+    result = run_python("""
+        import torch, types, kt_ops
+        model = torch.nn.Module()
+        model.config = types.SimpleNamespace(model_type="gpt_oss")
+        try:
+            kt_ops.patch_model(model)
+        except ValueError as error:
+            print(error)
+    """, block=("transformers",))
+    assert result.returncode == 0, result.stderr
+    assert "transformers" in result.stdout and "pip install" in result.stdout, result.stdout

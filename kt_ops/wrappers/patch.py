@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from kt_ops import gpu_prefill, hf_experts
+from kt_ops._optional import require_transformers
 from kt_ops._validate import is_int, is_integral, require_bools
 from kt_ops.gguf_types import GgufTypeLike
 from kt_ops.wrappers.hybrid_moe import HybridMoE
@@ -98,6 +99,16 @@ _BLOCKS: dict[str, tuple[str, ...]] = {  # model_type -> MoE block class names (
     "deepseek_v2": ("DeepseekV2Moe", "DeepseekV2MoE"),
 }
 HYBRID_MODEL_TYPES = tuple(_BLOCKS)
+
+
+def _interface_missing() -> str:
+    """Why :func:`supported_model_types` lists no architecture of transformers' experts
+    interface (``" (... not installed: pip install ...)"``), or ``""`` when it can."""
+    try:
+        require_transformers("patching the architectures of transformers' experts interface")
+    except ImportError as error:
+        return f" ({error})"
+    return ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -264,7 +275,7 @@ def patch_model(
         if not experts:
             raise ValueError(f"kt_ops.patch_model does not support model_type {model_type!r} "
                              f"({type(model).__name__}: no experts class using transformers' experts interface); "
-                             f"supported: {', '.join(supported_model_types())}")
+                             f"supported: {', '.join(supported_model_types())}{_interface_missing()}")
         packed = [name for name, module in experts if hf_experts.packed_blob(module) is not None]
         if packed:
             raise ValueError(f"{packed[0]} (and {len(packed) - 1} more) already runs on packed kt_ops experts "
