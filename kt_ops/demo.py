@@ -21,14 +21,15 @@ from typing import Iterator
 import torch
 
 import kt_ops
+from kt_ops._optional import require_transformers
 
 
 def build_model(layers: int, hidden: int, experts: int, top_k: int, intermediate: int, seed: int) -> torch.nn.Module:
     """A bf16 Qwen3-MoE causal LM with random weights (routers scaled to be decisive)."""
     try:
-        import transformers
+        transformers = require_transformers("kt_ops.demo")
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise SystemExit("kt_ops.demo needs transformers: pip install transformers") from error
+        raise SystemExit(str(error)) from error
     torch.manual_seed(seed)
     config = transformers.Qwen3MoeConfig(
         vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=intermediate,

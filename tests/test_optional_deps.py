@@ -124,3 +124,17 @@ def test_patch_model_without_transformers_says_it_is_missing() -> None:
     """, block=("transformers",))
     assert result.returncode == 0, result.stderr
     assert "transformers" in result.stdout and "pip install" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_demo_names_a_missing_or_old_transformers(tmp_path: Path) -> None:
+    stub = old_transformers(tmp_path)
+    for block, path in ((("transformers",), ()), ((), (stub,))):
+        result = run_python("""
+            from kt_ops.demo import main
+            main([])
+        """, block=block, path=path)
+        assert result.returncode == 1, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert "transformers" in last and "pip install" in last and "Traceback" not in result.stderr, result.stderr
+        assert "4.0.0" in last or not path, last
