@@ -10,6 +10,7 @@ one the CPU supports is chosen at import (:func:`cpu_variant`) unless
 """
 
 from kt_ops import autograd, hf_experts, reference  # noqa: F401  (autograd: kt::moe_forward's backward)
+from kt_ops._optional import transformers_usable
 from kt_ops.cpu import (
     CPU_VARIANTS,
     cpu_variant,
@@ -109,3 +110,5 @@ __all__ = [
     "supported_cpu_variants",
     "thread_source",
 ]
+if not transformers_usable():  # `from kt_ops import *` would fail on them (ImportError naming what is missing)
+    __all__ = [name for name in __all__ if name not in ("KtOpsConfig", "from_gguf")]

@@ -61,15 +61,25 @@ def _installed_version(distributions: tuple[str, ...]) -> str | None:
     return None
 
 
+def _found(name: str) -> bool:
+    """Whether package ``name`` can be imported, found without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent that fails to import, or a module without a spec
+        return False
+
+
+def transformers_usable() -> bool:
+    """Whether a transformers >= :data:`MIN_TRANSFORMERS` is installed, found without importing it."""
+    version = _installed_version(OPTIONAL["transformers"][0]) if _found("transformers") else None
+    return version is not None and (_major(version) or MIN_TRANSFORMERS) >= MIN_TRANSFORMERS
+
+
 def package_status(name: str) -> str:
     """``"5.23.0"``, ``"not installed (pip install peft)"`` or why an installed version does
     not serve kt_ops; found without importing the package."""
     distributions, _, install = OPTIONAL[name]
-    try:
-        found = importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent that fails to import, or a module without a spec
-        found = False
-    if not found:
+    if not _found(name):
         return f"not installed ({install})"
     version = _installed_version(distributions)
     if version is None:

@@ -138,3 +138,15 @@ def test_demo_names_a_missing_or_old_transformers(tmp_path: Path) -> None:
         last = result.stderr.strip().splitlines()[-1]
         assert "transformers" in last and "pip install" in last and "Traceback" not in result.stderr, result.stderr
         assert "4.0.0" in last or not path, last
+
+
+@pytest.mark.slow
+def test_star_import_without_transformers() -> None:
+    """``from kt_ops import *`` needs no transformers (KtOpsConfig and from_gguf, which do,
+    are left out of it then)."""
+    result = run_python("""
+        from kt_ops import *
+        print(moe_forward.__name__, "KtOpsConfig" in globals())
+    """, block=("transformers",))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["moe_forward", "False"], result.stdout
