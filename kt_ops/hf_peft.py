@@ -58,9 +58,17 @@ def _pack_if_kt_ops(wrapper: Any) -> None:
         hf_experts.pack_module_experts(base)
 
 
+# ParamWrapper's methods that patch() replaces or calls.
+_WRAPPER_METHODS = ("_get_in_out_features", "_activate_lora", "merge", "get_delta_factors")
+
+
 def patch(layer_module: Any) -> None:
-    """Patches ``peft.tuners.lora.layer.ParamWrapper`` (once) for packed experts modules."""
-    wrapper = layer_module.ParamWrapper
+    """Patches ``peft.tuners.lora.layer.ParamWrapper`` (once) for packed experts modules. A
+    PEFT without it (or without the methods patched and used here: older than LoRA on
+    parameters) is left alone: the user's ``import peft`` goes on."""
+    wrapper = getattr(layer_module, "ParamWrapper", None)
+    if wrapper is None or not all(hasattr(wrapper, name) for name in _WRAPPER_METHODS):
+        return
     if getattr(wrapper, _PATCHED, False):
         return
     original_features = wrapper._get_in_out_features

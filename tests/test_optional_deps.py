@@ -36,6 +36,18 @@ def old_transformers(root: Path) -> Path:
     return root
 
 
+def old_peft(root: Path) -> Path:
+    """A stub ``peft`` 0.10.0 package under ``root`` whose ``peft.tuners.lora.layer`` (which
+    ``import peft`` imports) has no ``ParamWrapper``, as PEFT before LoRA on parameters."""
+    layer = root / "peft" / "tuners" / "lora"
+    layer.mkdir(parents=True)
+    (root / "peft" / "__init__.py").write_text('__version__ = "0.10.0"\nimport peft.tuners.lora.layer\n')
+    (root / "peft" / "tuners" / "__init__.py").write_text("")
+    (layer / "__init__.py").write_text("")
+    (layer / "layer.py").write_text("class LoraLayer:\n    pass\n")
+    return root
+
+
 @pytest.mark.slow
 def test_transformers_absent_features_name_it() -> None:
     result = run_python("""
@@ -150,3 +162,16 @@ def test_star_import_without_transformers() -> None:
     """, block=("transformers",))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["moe_forward", "False"], result.stdout
+
+
+@pytest.mark.slow
+def test_an_old_peft_keeps_importing_after_import_kt_ops(tmp_path: Path) -> None:
+    """kt_ops teaches PEFT's ParamWrapper about packed experts when PEFT is imported: a PEFT
+    without it is left alone, never an error in the user's ``import peft``."""
+    result = run_python("""
+        import kt_ops
+        import peft
+        print("peft", peft.__version__)
+    """, path=(old_peft(tmp_path),))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["peft", "0.10.0"], result.stdout
