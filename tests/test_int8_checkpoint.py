@@ -82,6 +82,18 @@ def write_int8_checkpoint(path: Path, convention: str = "per_expert", scale_shap
     return path, expected
 
 
+def assert_wrapper_matches_oracle(path: Path, dense: list[torch.Tensor], tokens: int, seed: int,
+                                  method: str | None = "AMXINT8") -> None:
+    """The wrapper's layer read from ``path`` against the oracle on ``dense`` (gate, up,
+    down), with AMXINT8's int8 activations."""
+    wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method=method)
+    wrapper.load_weights()
+    x = torch.randn(tokens, H)
+    ids, weights = random_routing(tokens, E, 2, seed=seed)
+    ref = reference.moe_forward(x, ids, weights, *dense, quantize_activations=True)
+    assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
+
+
 @pytest.mark.parametrize("scale_shape,scale_dtype", [("column", torch.bfloat16), ("vector", torch.float32),
                                                      ("column", torch.float16)])
 @pytest.mark.parametrize("convention", list(_BASES))
@@ -193,14 +205,8 @@ def test_bad_files_name_the_tensor(tmp_path: Path, edit, match: str) -> None:
 
 
 def test_zero_points_of_zero_are_read(tmp_path: Path) -> None:
-    path, (gate, up, down) = write_int8_checkpoint(tmp_path, edit=_add("weight_zero_point",
-                                                                       torch.zeros(I, 1, dtype=torch.int8)))
-    wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="AMXINT8")
-    wrapper.load_weights()
-    x = torch.randn(3, H)
-    ids, weights = random_routing(3, E, 2, seed=1)
-    ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
-    assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
+    path, dense = write_int8_checkpoint(tmp_path, edit=_add("weight_zero_point", torch.zeros(I, 1, dtype=torch.int8)))
+    assert_wrapper_matches_oracle(path, dense, 3, seed=1)
 
 
 def test_inspect_reads_an_int8_checkpoint(tmp_path: Path) -> None:
@@ -296,13 +302,8 @@ def test_static_activation_scales_are_ignored(tmp_path: Path) -> None:
             tensors[f"{stem}.input_scale"] = torch.tensor([1e-4])  # would clip every activation if applied
             tensors[f"{stem}.input_zero_point"] = torch.tensor([3], dtype=torch.int8)
 
-    path, (gate, up, down) = write_int8_checkpoint(tmp_path, edit=edit)
-    wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method=None)
-    wrapper.load_weights()
-    x = torch.randn(4, H)
-    ids, weights = random_routing(4, E, 2, seed=2)
-    ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
-    assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
+    path, dense = write_int8_checkpoint(tmp_path, edit=edit)
+    assert_wrapper_matches_oracle(path, dense, 4, seed=2, method=None)
 
 
 @pytest.mark.parametrize("shape", [(1,), (), (1, 1)])
@@ -320,12 +321,7 @@ def test_a_per_tensor_scale_is_read_as_one_per_row(tmp_path: Path, shape: tuple[
     experts = load_int8_experts(HfCheckpoint(path), LAYER, range(E), H, I)
     assert torch.equal(experts.scales[1][1], stored[0].float().reshape(1).expand(I))
     up[1] = experts.up[1].float() * stored[0].float().reshape(())
-    wrapper = KTMoEWrapper(LAYER, E, 2, H, I, weight_path=path, method="AMXINT8")
-    wrapper.load_weights()
-    x = torch.randn(4, H)
-    ids, weights = random_routing(4, E, 2, seed=2)
-    ref = reference.moe_forward(x, ids, weights, gate, up, down, quantize_activations=True)
-    assert rel_err(wrapper.forward(x, ids, weights), ref) <= 3e-3
+    assert_wrapper_matches_oracle(path, [gate, up, down], 4, seed=2)
 
 
 def test_inspect_names_fused_int8_experts(tmp_path: Path) -> None:
