@@ -137,10 +137,7 @@ def load_int8_experts(checkpoint: HfCheckpoint, layer: int, experts: Sequence[in
         raise ValueError(f"{checkpoint.path}: layer {layer}'s int8 experts are fused ({where.key(0)!r}); kt_ops reads "
                          "INT8 experts stored per expert (gate_proj / up_proj / down_proj or w1 / w3 / w2)")
     checkpoint.check_no_biases(where)
-    for e in experts:
-        if not 0 <= e < where.num_experts:
-            raise KeyError(f"{checkpoint.path}: layer {layer} has {where.num_experts} experts; expert {e} is missing "
-                           f"(e.g. {where.key(0, e)!r})")
+    checkpoint._check_experts(where, experts)  # KeyError naming a missing expert
     H, I, n = hidden_size, intermediate_size, len(experts)
     levels: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []

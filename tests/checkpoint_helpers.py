@@ -251,3 +251,15 @@ def fp8_expected(codes: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.T
         decoded = torch.where(e == 255, torch.full_like(e, float("nan")), 2.0 ** (e - 127)).float()
         per = decoded[..., cols // 32]
     return (e4m3_to_fp32(codes) * per).bfloat16()
+
+
+def save_quantized_layer(path: Path, tensors: dict[str, torch.Tensor], hidden: int, intermediate: int,
+                         quantization_config: dict) -> Path:
+    """Writes ``tensors`` as ``model.safetensors`` and a config.json giving the sizes and
+    ``quantization_config`` (the INT4 / INT8 checkpoint tests' one-layer files)."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"model_type": "test", "hidden_size": hidden,
+                                                  "moe_intermediate_size": intermediate,
+                                                  "quantization_config": quantization_config}))
+    return path

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import kt_ops
+from checkpoint_helpers import save_quantized_layer
 from conftest import random_routing, rel_err
 from kt_ops import _C, reference
 from kt_ops.hf_checkpoint import HfCheckpoint
@@ -129,11 +129,7 @@ def write_int4_checkpoint(path: Path, case: str, convention: str = "per_expert",
         expected.append(torch.stack(per_expert))
     if edit is not None:
         edit(tensors)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({"model_type": "test", "hidden_size": H, "moe_intermediate_size": I,
-                                                  "quantization_config": CONFIGS[case]}))
-    return path, expected
+    return save_quantized_layer(path, tensors, H, I, CONFIGS[case]), expected
 
 
 @pytest.mark.parametrize("convention", ["per_expert", "w123"])

@@ -4,7 +4,6 @@ method detection, bad files, ``kt-ops inspect``."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import kt_ops
+from checkpoint_helpers import save_quantized_layer
 from conftest import random_routing, rel_err
 from kt_ops import reference
 from kt_ops.hf_checkpoint import HfCheckpoint
@@ -75,11 +75,7 @@ def write_int8_checkpoint(path: Path, convention: str = "per_expert", scale_shap
         expected.append(torch.stack(per_expert))
     if edit is not None:
         edit(tensors)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({"model_type": "test", "hidden_size": H, "moe_intermediate_size": I,
-                                                  "quantization_config": PACKED_CONFIG if packed else CONFIG}))
-    return path, expected
+    return save_quantized_layer(path, tensors, H, I, PACKED_CONFIG if packed else CONFIG), expected
 
 
 def assert_wrapper_matches_oracle(path: Path, dense: list[torch.Tensor], tokens: int, seed: int,
