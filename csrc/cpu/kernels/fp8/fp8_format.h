@@ -30,6 +30,7 @@
 #include "../../engine/engine.h"
 #include "../../engine/scratch.h"
 #include "../../formats/fp8_layout.h"
+#include "../../isa/prefetch.h"
 #include "../bf16/bf16_format.h"
 #include "../moe_args.h"
 #include "../moe_driver.h"
@@ -292,6 +293,10 @@ class Fp8Format {
     const Act* row_at[Micro::kMaxRows];
     constexpr int64_t kMxBlockBytes = kMxGroupsPerKBlock * Ops::kMxGroupBytes;
     alignas(64) uint8_t mx[kTileBlocks * kMxBlockBytes];          // mxfp8: the k block's exponents
+    if constexpr (!Store && (kMx || kGroupFlush)) {  // this group's scale rows and the next group's
+      prefetch_scale_rows(w, blocks, dims);
+      prefetch_scale_rows(w + blocks * block_bytes, next_blocks, dims);
+    }
     const float* scales[kTileBlocks];
     auto scales_of = [&](const uint8_t* first, int nb, int64_t g) {
       for (int b = 0; b < nb; ++b)
@@ -304,8 +309,6 @@ class Fp8Format {
       // group's first.
       const uint8_t* next = q1 < pairs ? w + q1 * 32 : next_blocks > 0 ? w + blocks * block_bytes : nullptr;
       const int streamed = q1 < pairs ? blocks : next_blocks;
-      if constexpr (!Store && (kMx || kGroupFlush))
-        if (q1 < pairs) prefetch_scales(w, blocks, dims, q1);
       // Decode, the last k block: prefetches past a block's last code go to the same
       // block of the next group (when it has as many blocks), whose streams then start
       // warm, as the INT8/INT4 decode tiles do (QuantTileArgs::next_tile). Bit-identical;
@@ -467,23 +470,26 @@ class Fp8Format {
     finish_rows(rows, dims, w, blocks, c, ldc, kFp8DecodeScale);
   }
 
-  // Decode: asks for the scales of the k block at pair q of `blocks` blocks at w (fp8,
-  // mxfp8): read at its start (mxfp8's exponents) or its group ends, they would otherwise
-  // wait on memory there (with the longer decode jobs, S1 1 and 8 tokens 0.95-0.96x the
-  // time in a paired run on Zen 5). Only in group_rows<false>: in the prefill instance,
-  // inlined or called, even never run, it changed the code enough to take 512-token S1
-  // fp8 to 1.19x the time. GCC 12.2 compiles it to nothing today (no symbol, no prefetch:
-  // isa/prefetch.h). As assembly (prefetch_l1), paired against this (2-core Zen 4,
-  // avx512_bf16, 2 rounds of 10-12 calls, 2026-12-05), 1 / 8 tokens: two threads S1 FP8
-  // 1.01 / 1.02, MXFP8 1.00 / 0.98, S2 FP8 1.03 / 1.05; one thread S1 FP8 1.01 / 1.02,
-  // MXFP8 1.00 / 0.91 (0.83-1.00): not taken up.
-  __attribute__((noinline)) static void prefetch_scales(const uint8_t* w, int blocks,
-                                                        const fp8_layout::MatrixDims& dims, int64_t q) {
-    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes()), group_pairs = dims.group / 2;
+  // Decode: asks L2 for all the scale rows (fp8's block scales, mxfp8's exponents) of
+  // `blocks` blocks at w (1 KiB a block at K 2048), as group_rows<false> starts a group of
+  // blocks, for that group and the next. Without it each k block's rows were read where
+  // the k block starts (mxfp8's prepare_mx) or a group ends (fp8), and missed there: in a
+  // profile of 1-token S1 MXFP8 (perf, Zen 3, avx2, 2026-12-06) 30% of the decode's samples
+  // sat in group_rows, 70% of those on the first use of the exponent load (14% after). Paired
+  // against the build without it (scripts/ab_pair.py ... --calls 16 --rounds 2, same VM, a
+  // run-time switch removed before commit), 1 / 8 tokens: S1 MXFP8 0.86 / 0.88 of the time
+  // (rounds 0.85-0.86, 0.87-0.90), S2 MXFP8 0.90 / 0.93, S1 FP8 0.98 / 0.98. Only in the
+  // decode instance. The per-k-block prefetch it replaces
+  // (`_mm_prefetch` of the next k block's rows) compiled to nothing with GCC 12.2, and as
+  // assembly measured 0.91-1.05 on a 2-core Zen 4 (avx512_bf16, 2026-12-05); in the
+  // prefill instance, inlined or called, even never run, it had changed the code enough to
+  // take 512-token S1 fp8 to 1.19x the time.
+  static void prefetch_scale_rows(const uint8_t* w, int blocks, const fp8_layout::MatrixDims& dims) {
+    const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
+    const int64_t bytes = dims.groups * kScaleRowBytes;
     for (int b = 0; b < blocks; ++b) {
-      const uint8_t* at = w + b * block_bytes + dims.scales_offset() + q / group_pairs * kScaleRowBytes;
-      for (int64_t line = 0; line < kFp8KBlockPairs / group_pairs * kScaleRowBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
+      const uint8_t* at = w + b * block_bytes + dims.scales_offset();
+      for (int64_t line = 0; line < bytes; line += 64) prefetch_l2(at + line);
     }
   }
 
