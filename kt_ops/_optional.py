@@ -89,7 +89,10 @@ def package_status(name: str) -> str:
     return version
 
 
-def integration_lines() -> list[str]:
-    """:func:`kt_ops.doctor`'s lines on the optional packages: each one's status and what uses it."""
+def integration_lines(notes: dict[str, str] | None = None) -> list[str]:
+    """:func:`kt_ops.doctor`'s lines on the optional packages: each one's status and what uses it,
+    and ``notes[name]`` after it where given (why the package cannot serve this machine)."""
+    notes = notes or {}
     return ["optional packages (imported when a feature needs them):"] + [
-        f"  {name}: {package_status(name)}; for {uses}" for name, (_, uses, _) in OPTIONAL.items()]
+        f"  {name}: {package_status(name)}; for {uses}" + (f"; {notes[name]}" if name in notes else "")
+        for name, (_, uses, _) in OPTIONAL.items()]

