@@ -166,14 +166,11 @@ def test_vnni_variant_is_bit_identical_to_its_base(names: tuple[str, str]) -> No
         kt_ops.set_cpu_variant(previous)
 
 
-@pytest.mark.xfail(strict=True, reason="csrc/cpu/isa/cpu_variant.cpp never reads CPUID.(EAX=7):EBX bit 8 (BMI2), "
-                   "which every variant's target pragma enables: the C++ detection must require it")
 def test_detection_requires_every_feature_the_variants_are_compiled_for() -> None:
     """Each csrc/cpu/kernels/variants/*.cpp is compiled with ``#pragma GCC target(...)``, so the compiler
     may emit any of those instructions; a variant kt_ops reports as supported must therefore have every one
-    of them checked by ``missing_features``. ``bmi2`` is on every pragma (the avx2 INT8/INT4 MoE kernels of
-    this build use ``shlx``) but not checked: on a CPU or VM with AVX2, FMA and F16C and BMI2 masked, kt_ops
-    picks avx2 and dies with SIGILL instead of naming the missing feature."""
+    of them checked by ``missing_features`` (``bmi2``, on every pragma, was not: on a VM with AVX2, FMA and
+    F16C and BMI2 masked, kt_ops picked avx2 and died with SIGILL instead of naming the missing feature)."""
     import re
     from pathlib import Path
 

@@ -12,7 +12,7 @@ namespace kt::cpu {
 namespace {
 
 struct CpuFeatures {
-  bool avx2 = false, fma = false, f16c = false;
+  bool avx2 = false, fma = false, f16c = false, bmi2 = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_bf16 = false, avx512_vnni = false, avx_vnni = false;
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
@@ -48,6 +48,7 @@ CpuFeatures detect() {
   }
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return f;
   f.avx2 = (ebx >> 5) & 1;
+  f.bmi2 = (ebx >> 8) & 1;  // every variant is compiled with it (shlx, sarx)
   f.avx512f = (ebx >> 16) & 1;
   f.avx512dq = (ebx >> 17) & 1;
   f.avx512bw = (ebx >> 30) & 1;
@@ -113,7 +114,7 @@ std::string missing_features(CpuVariant variant) {
   const CpuFeatures& f = features();
   std::string missing;
   const int level = static_cast<int>(variant);
-  require(missing, f.avx2 && f.fma && f.f16c, "avx2+fma+f16c (CPUID)");
+  require(missing, f.avx2 && f.fma && f.f16c && f.bmi2, "avx2+fma+f16c+bmi2 (CPUID)");
   require(missing, f.os_avx, "AVX state (XCR0)");
   if (variant == CpuVariant::kAvxVnni) require(missing, f.avx_vnni, "avx_vnni (CPUID)");
   if (level >= static_cast<int>(CpuVariant::kAvx512)) {
