@@ -111,20 +111,31 @@ def _exit_status(code: object) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``kt-ops`` on ``argv`` (default ``sys.argv[1:]``) and returns its exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    return run_program(lambda: _main(args_list))
+
+
+def _main(args_list: list[str]) -> int:
+    if args_list and args_list[0] in FORWARDED:
+        return FORWARDED[args_list[0]](args_list[1:])
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        print(f"{PROG}: error: a command is required: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return args.run(args)
+
+
+def run_program(run: Callable[[], int], prog: str = PROG) -> int:
+    """``run()``'s exit status as a program's: ``SystemExit``'s code, 130 with one line on
+    stderr (no traceback) on Ctrl-C, 141 when stdout's reader left. The tools' own
+    ``python -m`` entry points go through it too (their ``main`` lets Ctrl-C propagate)."""
     try:
-        if args_list and args_list[0] in FORWARDED:
-            return FORWARDED[args_list[0]](args_list[1:])
-        parser = build_parser()
-        args = parser.parse_args(args_list)
-        if args.command is None:
-            parser.print_help(sys.stderr)
-            print(f"{PROG}: error: a command is required: {', '.join(COMMANDS)}", file=sys.stderr)
-            return 2
-        return args.run(args)
+        return run()
     except SystemExit as exit:
         return _exit_status(exit.code)
     except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `kt-ops doctor | head`: the reader left; say nothing more
         import os

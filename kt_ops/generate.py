@@ -295,5 +295,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m kt_ops.genera
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # Ctrl-C: exit status 130 and one line, no traceback
+    from kt_ops.cli import run_program
+
+    sys.exit(run_program(main, "python -m kt_ops.generate"))

@@ -4,7 +4,8 @@
 
 import sys
 
+from kt_ops.cli import run_program
 from kt_ops.convert import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_program(main, "python -m kt_ops.convert"))

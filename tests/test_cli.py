@@ -586,3 +586,24 @@ def test_python_m_kt_ops(converted, tmp_path) -> None:
     doctor = subprocess.run([sys.executable, "-m", "kt_ops.doctor"], env=env, capture_output=True, text=True,
                             timeout=300)
     assert doctor.returncode == 0 and "active CPU variant:" in doctor.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry,prog", [("kt_ops.convert", "python -m kt_ops.convert"),
+                                        ("kt_ops.bench", "python -m kt_ops.bench"),
+                                        ("kt_ops.generate", "python -m kt_ops.generate"),
+                                        ("kt_ops.doctor", "kt-ops"), ("kt_ops", "kt-ops")])
+def test_ctrl_c_in_each_program_exits_130_with_one_line(entry, prog) -> None:
+    """Ctrl-C (here: while the arguments are parsed) in each tool run as a program exits 130
+    with one stderr line and no traceback; python -m kt_ops.bench/convert/generate printed
+    KeyboardInterrupt's traceback and exited -2."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    code = ("import argparse, runpy, sys\n"
+            "def interrupted(*args, **kwargs):\n"
+            "    raise KeyboardInterrupt\n"
+            "argparse.ArgumentParser.parse_args = interrupted\n"
+            f"runpy.run_module({entry!r}, run_name='__main__', alter_sys=True)\n")
+    done = subprocess.run([sys.executable, "-c", code, "doctor"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
+    assert last_line(done.stderr) == f"{prog}: interrupted"

@@ -7,6 +7,8 @@ import errno
 import io
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +211,49 @@ def test_config_json_is_written_durably_and_stale_temporaries_go(tmp_path, check
         (out / name).write_text("{")  # what an interrupted write left
     assert run(*args, "--resume-layer", 3) == 0  # finishes it again (every layer written)
     assert not list(out.glob("*.tmp"))
+
+
+# Runs a converter entry point as its own program (as __main__), with Ctrl-C pressed while
+# the second layer is written: layer 0 stays done, layer 1 is never written.
+_INTERRUPTED = """
+import runpy, sys
+from pathlib import Path
+from kt_ops import convert_merge
+real = convert_merge.save_durably
+def save_durably(tensors, path):
+    if Path(path).name == "layer-00001.safetensors":
+        raise KeyboardInterrupt
+    real(tensors, path)
+convert_merge.save_durably = save_durably
+entry, sys.argv = sys.argv[1], sys.argv[1:]
+if entry.endswith(".py"):
+    runpy.run_path(entry, run_name="__main__")
+else:
+    runpy.run_module(entry, run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry,args,prog", [
+    ("kt_ops.convert", [], "python -m kt_ops.convert"),
+    ("scripts/convert_cpu_weights.py", [], "python -m kt_ops.convert"),
+    ("kt_ops", ["convert"], "kt-ops"),
+])
+def test_ctrl_c_exits_130_with_one_line_and_stays_resumable(tmp_path, checkpoint, entry, args, prog) -> None:
+    """Ctrl-C in a conversion run as a program exits 130 with one line on stderr, no
+    traceback (python -m kt_ops.convert and scripts/convert_cpu_weights.py printed
+    KeyboardInterrupt's), leaves no temporary file, and the run resumes from the layer it
+    was converting."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+    out = tmp_path / "out"
+    convert_args = ["--input-path", str(checkpoint), "--input-type", "bf16", "--output", str(out),
+                    "--quant-method", "int8"]
+    entry = str(root / entry) if entry.endswith(".py") else entry
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED, entry, *args, *convert_args], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+    assert done.stderr.rstrip("\n").splitlines()[-1] == f"{prog}: interrupted"
+    assert sorted(p.name for p in out.iterdir()) == ["kt_ops_manifest.json", "layer-00000.safetensors"]
+    assert run(*convert_args, "--resume-layer", 1) == 0

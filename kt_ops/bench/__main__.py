@@ -431,5 +431,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m kt_ops.bench") ->
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # Ctrl-C: exit status 130 and one line, no traceback
+    from kt_ops.cli import run_program
+
+    sys.exit(run_program(main, "python -m kt_ops.bench"))
