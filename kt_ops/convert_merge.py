@@ -103,16 +103,29 @@ def save_durably(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """``save_file`` under ``path.tmp``, fsync, rename to ``path``, fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")
     save_tensors(tensors, tmp)
-    fsync_path(tmp)
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+    _rename_durably(tmp, path)
 
 
 def write_text_durably(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    fsync_path(tmp)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _rename_durably(tmp, path)
+
+
+def _rename_durably(tmp: Path, path: Path) -> None:
+    """fsync ``tmp``, rename it to ``path``, fsync the directory. A flush that fails or is
+    interrupted (Ctrl-C during the seconds a GB-sized file takes) deletes ``tmp``: a whole
+    layer's bytes, and a fresh run's output directory no longer empty, were left behind."""
+    try:
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
 
 
@@ -200,15 +213,20 @@ def merge_layers(out: Path, layers: list[int], parts: int, max_shard_bytes: int)
         size += nbytes
     weight_map: dict[str, str] = {}
     names = []
-    for i, group in enumerate(groups):  # 2. shards under temporary names, then renamed
-        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        sources = {layer_key(layer, p): out / layer_file(layer) for layer in group for p in range(parts)}
-        write_shard(out / (name + ".tmp"), sources)
-        fsync_path(out / (name + ".tmp"))
-        weight_map.update({key: name for key in sources})
-        names.append(name)
-    for name in names:
-        os.replace(out / (name + ".tmp"), out / name)
+    try:
+        for i, group in enumerate(groups):  # 2. shards under temporary names, then renamed
+            name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            names.append(name)
+            sources = {layer_key(layer, p): out / layer_file(layer) for layer in group for p in range(parts)}
+            write_shard(out / (name + ".tmp"), sources)
+            fsync_path(out / (name + ".tmp"))
+            weight_map.update({key: name for key in sources})
+        for name in names:
+            os.replace(out / (name + ".tmp"), out / name)
+    except BaseException:  # a failed or interrupted merge (Ctrl-C) leaves no shard-sized temporaries
+        for name in names:
+            (out / (name + ".tmp")).unlink(missing_ok=True)
+        raise
     fsync_path(out)
     nbytes = sum((out / name).stat().st_size for name in names)
     write_index(out, weight_map, nbytes)  # 3.

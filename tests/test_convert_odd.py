@@ -257,3 +257,30 @@ def test_ctrl_c_exits_130_with_one_line_and_stays_resumable(tmp_path, checkpoint
     assert done.stderr.rstrip("\n").splitlines()[-1] == f"{prog}: interrupted"
     assert sorted(p.name for p in out.iterdir()) == ["kt_ops_manifest.json", "layer-00000.safetensors"]
     assert run(*convert_args, "--resume-layer", 1) == 0
+
+
+@pytest.mark.parametrize("where", ["layer-00000", "layer-00001", "model-00001", "config.json", "model.safetensors"])
+def test_ctrl_c_while_a_file_is_flushed_leaves_no_temporary(tmp_path, checkpoint, monkeypatch, where) -> None:
+    """Ctrl-C after a file is written under its temporary name, while it is flushed to disk
+    (fsync of a GB-sized layer or shard takes seconds), left that temporary behind: a whole
+    layer's or shard's bytes, and a fresh run's output directory (no longer empty) although
+    the docs say a conversion failing on its first layer removes it. Each durable write now
+    deletes its temporary when it does not complete."""
+    real_fsync = convert_merge.fsync_path
+
+    def interrupted_fsync(path) -> None:
+        if Path(path).name.startswith(where) and Path(path).name.endswith(".tmp"):
+            raise KeyboardInterrupt
+        real_fsync(path)
+
+    monkeypatch.setattr(convert_merge, "fsync_path", interrupted_fsync)
+    out = tmp_path / "out"
+    args = ("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8")
+    with pytest.raises(KeyboardInterrupt):
+        run(*args)
+    if where == "layer-00000":  # nothing converted: the directory this run made is gone
+        assert not out.exists()
+        return
+    assert not list(out.glob("*.tmp"))
+    monkeypatch.undo()
+    assert run(*args, "--resume-layer", 1 if where == "layer-00001" else 3) == 0
