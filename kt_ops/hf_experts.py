@@ -359,8 +359,10 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
     weights = module_weights(module, tensors)
     gate, up, down = weights.pop("gate_proj"), weights.pop("up_proj"), weights.pop("down_proj")
     E = int(gate.shape[0])
-    for name in _DERIVED:
-        module.__dict__.pop(name, None)
+    # What the module gets besides its blob, set only once the blob is packed: a packing that
+    # fails or is interrupted (Ctrl-C) keeps the module as it was (a new route with the old
+    # blob computed the wrong experts, silently).
+    derived: dict[str, Any] = {}
     if dynamic:
         if gpu_experts_mask is None:
             raise ValueError(f"{type(module).__name__}: dynamic=True needs gpu_experts_mask (the first GPU experts)")
@@ -368,8 +370,8 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
         gate_up_all, down_all = _untransposed(module, source)
         biases_all = [source.get(name) if getattr(module, "has_bias", False) else None
                       for name in ("gate_up_proj_bias", "down_proj_bias")]
-        module.__dict__[_SOURCE] = tuple(None if t is None else host_copy(t)
-                                         for t in (gate_up_all, biases_all[0], down_all, biases_all[1]))
+        derived[_SOURCE] = tuple(None if t is None else host_copy(t)
+                                 for t in (gate_up_all, biases_all[0], down_all, biases_all[1]))
     if gpu_experts_mask is not None:
         mask = torch.as_tensor(gpu_experts_mask).to("cpu")
         if mask.dtype != torch.bool or mask.shape != (E,):
@@ -382,28 +384,32 @@ def pack_module_experts(module: nn.Module, method: str = "BF16", tensors: dict[s
             on = gate_up.device
             bias = source.get("gate_up_proj_bias") if getattr(module, "has_bias", False) else None
             down_bias = source.get("down_proj_bias") if getattr(module, "has_bias", False) else None
-            setattr(module, _LOCAL, (keep.to(on), gate_up[keep.to(on)].contiguous(),
-                                     None if bias is None else bias[keep.to(bias.device)].contiguous(),
-                                     down_local[keep.to(on)].contiguous(),
-                                     None if down_bias is None else down_bias[keep.to(down_bias.device)].contiguous()))
+            derived[_LOCAL] = (keep.to(on), gate_up[keep.to(on)].contiguous(),
+                               None if bias is None else bias[keep.to(bias.device)].contiguous(),
+                               down_local[keep.to(on)].contiguous(),
+                               None if down_bias is None else down_bias[keep.to(down_bias.device)].contiguous())
             if dynamic:  # every expert packed; the route skips the ones in torch
-                setattr(module, _ROUTE, cpu_route(keep, E, torch.long))
+                derived[_ROUTE] = cpu_route(keep, E, torch.long)
             else:
                 cpu = ~mask
                 route = torch.full((E,), -1, dtype=torch.long)
                 route[cpu] = torch.arange(int(cpu.sum()))
-                setattr(module, _ROUTE, route)
+                derived[_ROUTE] = route
                 gate, up, down = gate[cpu], up[cpu], down[cpu]
                 if weights["biases"] is not None:
                     weights["biases"] = tuple(None if b is None else b[cpu] for b in weights["biases"])
-    _repack_on_load(module, dict(method=method, gpu_experts_mask=gpu_experts_mask, dynamic=dynamic, **pack_args))
-    module.__dict__[_VERSIONS] = _tensor_versions(module) if tensors is None else {}
+    versions = _tensor_versions(module) if tensors is None else {}
     if gate.shape[0] == 0:  # every expert kept in torch: nothing for the CPU (an empty blob)
-        setattr(module, _BLOB, torch.empty(0, dtype=torch.uint8))
-        return getattr(module, _BLOB)
-    packed = pack_experts(gate, up, down, method=method, **weights, **pack_args)
-    setattr(module, _BLOB, packed.data)
-    return packed.data
+        blob = torch.empty(0, dtype=torch.uint8)
+    else:
+        blob = pack_experts(gate, up, down, method=method, **weights, **pack_args).data
+    for name in _DERIVED:
+        module.__dict__.pop(name, None)
+    module.__dict__.update(derived)
+    _repack_on_load(module, dict(method=method, gpu_experts_mask=gpu_experts_mask, dynamic=dynamic, **pack_args))
+    module.__dict__[_VERSIONS] = versions
+    setattr(module, _BLOB, blob)
+    return blob
 
 
 def _repack_on_load(module: nn.Module, arguments: dict[str, Any]) -> None:

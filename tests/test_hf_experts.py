@@ -165,6 +165,35 @@ def test_a_skipped_slot_stays_skipped_with_experts_in_torch() -> None:
             hf_experts.experts_forward(module, x, torch.tensor([[0, bad], [2, 3], [1, 0]]), w)
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, MemoryError])
+def test_packing_interrupted_keeps_the_module_as_it_was(monkeypatch, error) -> None:
+    """Ctrl-C (or an error) while a packed module is packed again, here keeping expert 5 in
+    torch: the new route and experts in torch were set before the packing, the old blob kept
+    with them, so the module computed expert 5 twice and the others through the wrong rows,
+    silently. The module changes only once its new blob is packed."""
+    module = experts_modules(tiny_model("qwen3_moe", dtype=torch.float32))[0]
+    E, H = int(module.down_proj.shape[0]), int(module.down_proj.shape[1])
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, H, generator=g), torch.rand(3, 2, generator=g)
+    ids = torch.tensor([[0, 5], [6, 7], [5, 1]])
+    hf_experts.pack_module_experts(module, "BF16")
+    want = hf_experts.experts_forward(module, x, ids, w)
+
+    def interrupted(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(kt_ops.ops, "pack_experts", interrupted)
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[5] = True
+    with pytest.raises(error):
+        hf_experts.pack_module_experts(module, "BF16", gpu_experts_mask=mask)
+    monkeypatch.undo()
+    assert hf_experts.local_experts(module) is None
+    torch.testing.assert_close(hf_experts.experts_forward(module, x, ids, w), want)
+    hf_experts.pack_module_experts(module, "BF16", gpu_experts_mask=mask)  # expert 5 in fp32 now, not bf16
+    torch.testing.assert_close(hf_experts.experts_forward(module, x, ids, w), want, atol=1e-2, rtol=0)
+
+
 @pytest.mark.parametrize("pack", ["first call", "AMXINT8"])
 def test_load_state_dict_after_packing_packs_the_loaded_experts(pack: str) -> None:
     """The blob is a copy of the experts: after load_state_dict the model kept computing the
