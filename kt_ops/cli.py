@@ -8,7 +8,8 @@
 
 Exit status 0 on success, 2 for a bad argument or path (the last stderr line says what is
 wrong; argparse's usage line may precede it), 1 when the work itself fails (e.g. a
-conversion step), 130 on Ctrl-C, 141 when the output pipe closes early (``| head``).
+conversion step), 130 on Ctrl-C, 143 on SIGTERM (both cleaned up after, one stderr line), 141 when the
+output pipe closes early (``| head``).
 User errors print no traceback.
 """
 
@@ -126,19 +127,41 @@ def _main(args_list: list[str]) -> int:
     return args.run(args)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C is, so the same clean-up runs (a
+    conversion's temporaries, a failed first layer's output directory)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def run_program(run: Callable[[], int], prog: str = PROG) -> int:
     """``run()``'s exit status as a program's: ``SystemExit``'s code, 130 with one line on
-    stderr (no traceback) on Ctrl-C, 141 when stdout's reader left. The tools' own
-    ``python -m`` entry points go through it too (their ``main`` lets Ctrl-C propagate)."""
+    stderr (no traceback) on Ctrl-C, 143 likewise on SIGTERM (where its handler is the
+    default one: it ended the process at once, leaving temporaries behind), 141 when
+    stdout's reader left. The tools' own ``python -m`` entry points go through it too
+    (their ``main`` lets Ctrl-C propagate)."""
+    import signal
+    import threading
+
+    handled = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if handled:
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return run()
     except SystemExit as exit:
         return _exit_status(exit.code)
-    except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as error:
+        terminated = isinstance(error, Terminated)
+        print(f"\n{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
     except BrokenPipeError:  # `kt-ops doctor | head`: the reader left; say nothing more
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

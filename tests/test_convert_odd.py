@@ -7,6 +7,7 @@ import errno
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +285,44 @@ def test_ctrl_c_while_a_file_is_flushed_leaves_no_temporary(tmp_path, checkpoint
     assert not list(out.glob("*.tmp"))
     monkeypatch.undo()
     assert run(*args, "--resume-layer", 1 if where == "layer-00001" else 3) == 0
+
+
+# A converter run whose first layer's write stops midway (its part on disk) until a signal comes.
+_STOPPED_WRITE = """
+import runpy, sys, time
+from pathlib import Path
+from kt_ops import convert_merge
+def save_file(tensors, path, metadata=None):
+    Path(path).write_bytes(bytes(100))
+    print("writing", file=sys.stderr, flush=True)
+    time.sleep(120)
+convert_merge.save_file = save_file
+sys.argv = ["kt_ops.convert", *sys.argv[1:]]
+runpy.run_module("kt_ops.convert", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_cleans_up_as_ctrl_c_does(tmp_path, checkpoint) -> None:
+    """SIGTERM (kill, timeout, a job scheduler, docker stop) ended the converter at once:
+    the part of the layer being written stayed under its temporary name, and a fresh run's
+    output directory kept its manifest, so the rerun was refused ("already holds an
+    unfinished conversion"). It now unwinds as Ctrl-C does: exit status 143, one line."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-c", _STOPPED_WRITE, "--input-path", str(checkpoint),
+                                "--input-type", "bf16", "--output", str(out), "--quant-method", "int8"],
+                               env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while "writing" not in (line := process.stderr.readline()):
+            assert line, "".join(lines)
+            lines.append(line)
+        process.send_signal(signal.SIGTERM)
+        err = process.communicate(timeout=60)[1]
+    finally:
+        process.kill()
+    assert process.returncode == 143 and "Traceback" not in err, err
+    assert err.rstrip("\n").splitlines()[-1] == "python -m kt_ops.convert: terminated"
+    assert not out.exists()
