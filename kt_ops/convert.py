@@ -20,7 +20,8 @@ files are merged into ``model-0000i-of-0000N.safetensors`` shards (unless
 and the source ``config.json`` are written; every file goes to disk under a temporary name
 and is renamed, so a crash at any point loses at most the layer being written
 (kt_ops/convert_merge.py). ``--resume-layer L`` keeps the layers below L (in layer files
-or merged shards) and continues from L; a new conversion that fails before its first layer
+or merged shards) and continues from L (a finished conversion so converted again keeps its manifest, and
+loads as before, until the new files are in place); a new conversion that fails before its first layer
 is done removes what it wrote (its manifest, the output directory if it made it), so a
 rerun starts afresh. A run holds an exclusive lock on the output directory (``flock``, released
 by the OS when the run ends, killed or not): a second run on the same ``--output`` meanwhile
@@ -435,7 +436,8 @@ def _convert(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
     if missing:
         raise UsageError(f"--resume-layer {args.resume_layer}: {missing_layers(out, missing)}")
     fresh = not (out / MANIFEST).is_file()
-    manifest.write(out)
+    if fresh or not old.complete:  # a finished conversion's manifest stays until its files are replaced: a run
+        manifest.write(out)        # interrupted before that (Ctrl-C) leaves it loading as it did
     done: list[int] = []
     try:
         _convert_layers(args, checkpoint, out, todo, layers, E, H, I, method, fmt, group, in_place, mxfp4_input,

@@ -326,3 +326,41 @@ def test_sigterm_cleans_up_as_ctrl_c_does(tmp_path, checkpoint) -> None:
     assert process.returncode == 143 and "Traceback" not in err, err
     assert err.rstrip("\n").splitlines()[-1] == "python -m kt_ops.convert: terminated"
     assert not out.exists()
+
+
+@pytest.mark.parametrize("merge", [[], ["--no-merge-safetensor"]])
+def test_a_finished_conversion_resumed_and_interrupted_still_loads(tmp_path, checkpoint, monkeypatch, merge) -> None:
+    """--resume-layer on a finished conversion (layers converted again) rewrote its manifest
+    as unfinished before its first layer: Ctrl-C then left a directory whose every file was
+    intact but which no longer loaded ("the conversion did not finish"). The manifest stays
+    as it was until the new run's files are in place."""
+    import torch
+
+    from kt_ops import KTMoEWrapper
+
+    out = tmp_path / "out"
+    args = ("--input-path", checkpoint, "--input-type", "bf16", "--output", out, "--quant-method", "int8", *merge)
+    assert run(*args) == 0
+
+    def outputs(layer: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(layer)
+        wrapper = KTMoEWrapper(layer, E, 2, H, I, weight_path=out, method="AMXINT8")
+        wrapper.load_weights()
+        return wrapper.forward(torch.randn(3, H, generator=g), torch.tensor([[0, 1], [2, 3], [1, 2]]),
+                               torch.rand(3, 2, generator=g))
+
+    before = [outputs(layer) for layer in (0, 1, 2)]
+    real_save = convert_merge.save_durably
+
+    def interrupted_save(tensors, path) -> None:
+        if path.name == "layer-00002.safetensors":
+            raise KeyboardInterrupt
+        real_save(tensors, path)
+
+    monkeypatch.setattr(convert, "save_durably", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        run(*args, "--resume-layer", 1)
+    assert all(torch.equal(outputs(layer), want) for layer, want in zip((0, 1, 2), before))
+    monkeypatch.undo()
+    assert run(*args, "--resume-layer", 1) == 0
+    assert all(torch.equal(outputs(layer), want) for layer, want in zip((0, 1, 2), before))
