@@ -18,6 +18,7 @@
 #include "../cpu/format_table.h"
 #include "../cpu/formats/expert_staging.h"
 #include "../cpu/formats/gguf_types.h"
+#include "../cpu/isa/cpu_model.h"
 #include "../cpu/isa/cpu_variant.h"
 #include "checks.h"
 #include "gguf_blob.h"
@@ -336,6 +337,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("missing_features", [](const std::string& name) {
     return cpu::missing_features(cpu::parse_cpu_variant(name));
   });
+  m.def("prefetch_l2_fills_l1", &cpu::prefetch_l2_fills_l1);
   m.def("get_num_threads", [] { return cpu::Engine::instance().num_threads(); });
   m.def("max_threads", &cpu::Engine::max_threads);
   m.def("set_num_threads", [](int n) {

@@ -20,6 +20,7 @@
 #include "../../engine/engine.h"
 #include "../../engine/scratch.h"
 #include "../../formats/int_layout.h"
+#include "../../isa/cpu_model.h"
 #include "../moe_args.h"
 #include "../moe_driver.h"
 #include "../moe_plan.h"
@@ -175,9 +176,18 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
     // One token streams all of the job's blocks at once (more streams in flight: 1-token
     // S1 int4 from 17.9 to 19.7 GB/s, int8 23.6 to 25.2); more rows need the registers for their sums.
     const int max_blocks = rows == 1 ? kTileBlocks : Micro::kDecodeBlocks;
+    // Where the next tile's stream (below) lands in L1 itself, the tile's own lines `prefetch`
+    // ahead are there already and the prefetch_ahead requests only duplicate it: CPUs whose
+    // PREFETCHT1 fills L1 (AMD before Zen 4, isa/cpu_model.h) stream without them. Paired
+    // A/B on a 2-core Zen 3 (avx2, scripts/ab_pair.py, a run-time switch in one build, 2
+    // rounds of 12 calls, 2026-12-07; the same bits), 1 / 8 tokens: S1 AMXINT4 0.85 / 0.94
+    // of the time, S1 RAWINT4 0.86 / 0.97, S1 MXFP4 0.88 / 0.93, S1 AMXINT8 0.93 / 0.95,
+    // S2 GPTQ_INT4 0.87 / 0.91, S2 AWQ_INT4 0.93 / 0.96. Keeping them in a job's first tile
+    // (which nothing streams) measured 0.98-1.24 / 0.96-1.04 of the time without any.
+    constexpr bool kStreamNextTile = Micro::R == 2 || Micro::kInt4;
+    const int64_t prefetch = kStreamNextTile && prefetch_l2_fills_l1() ? 0 : kQuantPrefetchLines;
     for (int b0 = 0; b0 < blocks; b0 += max_blocks) {
-      QuantTileArgs t = quant_args<Micro>(dims, w + b0 * block_bytes, 0, K, c + b0 * 16, ldc, false,
-                                          kQuantPrefetchLines);
+      QuantTileArgs t = quant_args<Micro>(dims, w + b0 * block_bytes, 0, K, c + b0 * 16, ldc, false, prefetch);
       t.a = row_at;
       t.a_sums = sums_at;
       const int next_blocks = std::min(max_blocks, blocks - b0 - max_blocks);  // <= 0: last tile
@@ -195,7 +205,6 @@ void quant_gemm_rows(const QuantRows& a, int64_t rows, const int_layout::MatrixD
       // S2 GPTQ_INT4 0.97 / 0.93 / 0.94, S1 RAWINT4 1.01 / 0.97; but S1 AMXINT8 1.04 / 1.04
       // and S2 AMXINT8 1.00-1.45, so int8 streams its own tile alone. Zen 5 and the Intel
       // Xeons were not measured with the 4-bit kinds' streams on AVX-512.
-      constexpr bool kStreamNextTile = Micro::R == 2 || Micro::kInt4;
       if (kStreamNextTile && next_blocks > 0) {
         t.stream = t.next_tile;
         t.stream_blocks = next_blocks;

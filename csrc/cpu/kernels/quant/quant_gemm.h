@@ -386,7 +386,8 @@ struct QuantGemm {
   // 0.83 / 0.92 / 0.91, 512 tokens 0.99-1.01: an L1 prefetch holds a fill buffer until the line
   // arrives, so 4 streams 32 lines ahead kept too few lines in flight. Forced to avx2 it read
   // 0.96-1.04 (AMXINT4 slower, AMXINT8 faster): AVX2 keeps L1. Zen 5 and the Intel Xeons were
-  // not measured with it.
+  // not measured with it. Decode on CPUs whose PREFETCHT1 fills L1 (AMD before Zen 4) asks for
+  // none (t.prefetch 0: quant_format.h's quant_gemm_rows).
   // As inline assembly (isa/prefetch.h): GCC 12.2 dropped the `_mm_prefetch` here from most tile instances
   // (the 1- and 2-block one-token tiles, INT8's 2-4 row decode tiles, int4_asym's 2-4 row
   // ones: no prefetch instruction, t.prefetch never read; only the 1 x 4 tile kept it).
