@@ -216,3 +216,4 @@ def test_prefetch_hint_quirk_matches_the_cpu_model() -> None:
     zen3 = family == 0x19 and (number <= 0x0F or 0x20 <= number <= 0x5F)
     expected = vendor in ("AuthenticAMD", "HygonGenuine") and (family in (0x17, 0x18) or zen3)
     assert _C.prefetch_l2_fills_l1() is expected, model
+    assert ("PREFETCHT1 fills L1 on this CPU" in kt_ops.doctor()) is expected
