@@ -21,16 +21,27 @@ def _read(root: Path, relative: str) -> str | None:
         return None
 
 
-def cpu_flags(root: Path = ROOT) -> frozenset[str] | None:
-    """The first CPU's ``flags`` from ``/proc/cpuinfo`` (e.g. ``"amx_tile"``); None if unreadable."""
+def cpu_fields(root: Path = ROOT) -> dict[str, str] | None:
+    """The first CPU's ``key: value`` lines from ``/proc/cpuinfo`` (``"vendor_id"``,
+    ``"cpu family"``, ``"model"``, ``"flags"`` ...), stripped; None if unreadable."""
     text = _read(root, "proc/cpuinfo")
     if text is None:
         return None
+    fields: dict[str, str] = {}
     for line in text.splitlines():
+        if not line.strip():  # the blank line after the first CPU's block
+            if fields:
+                break
+            continue
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags(root: Path = ROOT) -> frozenset[str] | None:
+    """The first CPU's ``flags`` from ``/proc/cpuinfo`` (e.g. ``"amx_tile"``); None if unreadable."""
+    fields = cpu_fields(root)
+    return None if fields is None else frozenset(fields.get("flags", "").split())
 
 
 def numa_nodes(root: Path = ROOT) -> dict[int, str]:

@@ -312,11 +312,13 @@ def test_host_reads_proc_and_sys(tmp_path) -> None:
     (tmp_path / "sys/kernel/mm/transparent_hugepage").mkdir(parents=True)
     (tmp_path / "sys/kernel/mm/transparent_hugepage/enabled").write_text("always madvise [never]\n")
     assert host.cpu_flags(tmp_path) == {"fpu", "avx2", "amx_tile"}
+    assert host.cpu_fields(tmp_path) == {"processor": "0", "flags": "fpu avx2 amx_tile"}  # the first CPU's
     assert host.numa_nodes(tmp_path) == {0: "0-3,8-11", 1: "4-7,12-15"}
     assert host.transparent_hugepages(tmp_path) == "never"
     assert host.hugepages(tmp_path) == host.HugePages(16, 4, 1048576)
     empty = tmp_path / "empty"
     empty.mkdir()
+    assert host.cpu_fields(empty) is None
     assert (host.cpu_flags(empty), host.numa_nodes(empty), host.transparent_hugepages(empty),
             host.hugepages(empty)) == (None, {}, None, None)
 

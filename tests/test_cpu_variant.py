@@ -187,33 +187,17 @@ def test_detection_requires_every_feature_the_variants_are_compiled_for() -> Non
     assert not unchecked, f"compiled for but never detected: {unchecked}"
 
 
-def _cpuinfo_model() -> tuple[str, int, int] | None:
-    """(vendor_id, cpu family, model) of the first CPU in /proc/cpuinfo, or None."""
-    try:
-        text = open("/proc/cpuinfo", encoding="utf-8").read()
-    except OSError:
-        return None
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            break
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    try:
-        return fields["vendor_id"], int(fields["cpu family"]), int(fields["model"])
-    except (KeyError, ValueError):
-        return None
-
-
 def test_prefetch_hint_quirk_matches_the_cpu_model() -> None:
     """PREFETCHT1 fills L1 on AMD before Zen 4 (cpu_model.h): the int decode drops its L1 prefetch there."""
     from kt_ops._native import _C
+    from kt_ops.host import cpu_fields
 
-    model = _cpuinfo_model()
-    if model is None:
+    fields = cpu_fields() or {}
+    try:
+        vendor, family, number = fields["vendor_id"], int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
         pytest.skip("no vendor_id / cpu family / model in /proc/cpuinfo")
-    vendor, family, number = model
     zen3 = family == 0x19 and (number <= 0x0F or 0x20 <= number <= 0x5F)
     expected = vendor in ("AuthenticAMD", "HygonGenuine") and (family in (0x17, 0x18) or zen3)
-    assert _C.prefetch_l2_fills_l1() is expected, model
+    assert _C.prefetch_l2_fills_l1() is expected, (vendor, family, number)
     assert ("PREFETCHT1 fills L1 on this CPU" in kt_ops.doctor()) is expected
