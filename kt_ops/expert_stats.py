@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from kt_ops._atomic import write_replacing
 from kt_ops._validate import is_int, plain_int
 
 # The collectors inside whose ``with`` block we are, innermost last; all of them count.
@@ -273,8 +274,10 @@ class ExpertStats:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes SGLang's dump format: ``torch.save({"logical_count": counts[None]})``,
-        int64 ``[1, num_hidden_layers, num_experts]``."""
-        torch.save({"logical_count": self.counts[None]}, os.fspath(path))
+        int64 ``[1, num_hidden_layers, num_experts]``, under a temporary name renamed over
+        ``path`` (a file already there stays whole until the new one is complete)."""
+        counts = self.counts[None]
+        write_replacing(path, lambda tmp: torch.save({"logical_count": counts}, tmp), "ExpertStats.save writes one file")
 
     @classmethod
     def from_counts(cls, counts: torch.Tensor) -> ExpertStats:

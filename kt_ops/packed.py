@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
+from kt_ops._atomic import write_replacing
 from kt_ops._native import _C
 from kt_ops._validate import require_bools
 from kt_ops.mapped_files import load_uint8_tensor, read_safetensors_header
@@ -127,24 +128,11 @@ class PackedExperts:
         same directory, renamed over ``path``: an existing file stays whole until the new one
         is complete). ``IsADirectoryError`` when
         ``path`` is a directory, ``FileNotFoundError`` when its directory does not exist."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{path!r} is a directory; PackedExperts.save writes one file (e.g. "
-                                    f"{os.path.join(path, 'experts.safetensors')!r})")
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise FileNotFoundError(f"{path!r}: its directory {parent!r} does not exist")
         # Under a temporary name, then renamed: a crash or a full disk leaves the file that was
         # there intact, and a process with it memory-mapped keeps its weights (the old inode).
-        target = os.path.realpath(path)  # a symlink: its target is written, as before
-        tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{os.getpid()}.tmp")
-        try:
-            save_file(self.to_tensors(), tmp, metadata=_METADATA)
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        example = os.path.join(os.fspath(path), "experts.safetensors")
+        write_replacing(path, lambda tmp: save_file(self.to_tensors(), tmp, metadata=_METADATA),
+                        f"PackedExperts.save writes one file (e.g. {example!r})")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], copy: bool = False) -> PackedExperts:

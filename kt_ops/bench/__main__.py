@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 import kt_ops
+from kt_ops._atomic import write_replacing
 from kt_ops.bench.limits import (
     BandwidthBrackets,
     DTYPE_NAMES,
@@ -201,6 +202,14 @@ def parse_args(argv: list[str] | None, prog: str = "python -m kt_ops.bench") -> 
     return args
 
 
+def write_json(path: str, data: object) -> None:
+    """``data`` as indented JSON at ``path``, whole or not at all (serialized first, then
+    written under a temporary name renamed over ``path``: an earlier run's file stays
+    intact when this one fails or is interrupted)."""
+    text = json.dumps(data, indent=2)
+    write_replacing(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), "give a file path")
+
+
 def progress(message: str) -> None:
     if sys.stderr.isatty():
         sys.stderr.write(f"\r\033[K{message}")
@@ -280,10 +289,9 @@ def model_step_main(args: argparse.Namespace) -> int:
     progress("")
     print(format_steps(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu_variant": kt_ops.cpu_variant(), "threads": kt_ops.get_num_threads(),
-                       "thread_source": kt_ops.thread_source(), "torch_dtype": torch_dtype.name,
-                       "model_step": [r.as_dict() for r in rows]}, f, indent=2)
+        write_json(args.json, {"cpu_variant": kt_ops.cpu_variant(), "threads": kt_ops.get_num_threads(),
+                               "thread_source": kt_ops.thread_source(), "torch_dtype": torch_dtype.name,
+                               "model_step": [r.as_dict() for r in rows]})
     return 0
 
 
@@ -326,11 +334,11 @@ def peer_main(args: argparse.Namespace, prog: str) -> int:
     if mismatched:
         print(f"MISMATCH: the two ops disagree by more than {MISMATCH:.0%} on {', '.join(mismatched)}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu_variant": kt_ops.cpu_variant(), "threads": kt_ops.get_num_threads(), "peer": peer.description,
-                       # NaN (a peer's NaN output) as null: json.dump would write the bare token NaN, no JSON
-                       "output_errors": {key: value if math.isfinite(value) else None for key, value in errors.items()},
-                       "peer_rows": [r.as_dict() for r in rows]}, f, indent=2)
+        write_json(args.json, {
+            "cpu_variant": kt_ops.cpu_variant(), "threads": kt_ops.get_num_threads(), "peer": peer.description,
+            # NaN (a peer's NaN output) as null: json.dumps would write the bare token NaN, no JSON
+            "output_errors": {key: value if math.isfinite(value) else None for key, value in errors.items()},
+            "peer_rows": [r.as_dict() for r in rows]})
     return 1 if mismatched else 0
 
 
@@ -405,29 +413,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m kt_ops.bench") ->
         print("GGUF rows whose gate/up/down types differ from the method (mixes such as Q4_K_M; llama.cpp's down "
               "type where I is not a multiple of 256): " + "; ".join(mixed))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "read_bandwidth_gbs": brackets.best.gbs,
-                    "read_brackets_gbs": [r.by_reader for r in brackets.readings],
-                    "read_buffer_bytes": buffer.numel(),
-                    "flush_bytes": flush.buffer.numel(),
-                    "llc_bytes": llc_bytes,
-                    "gemm": {
-                        kind: {"gflops": g.gflops, "dtype": DTYPE_NAMES[g.dtype], "backend": g.backend, "size": g.size}
-                        for kind, g in (("float", compute.float_gemm), ("int8", compute.int8_gemm))
-                        if g is not None
-                    },
-                    "torch_dtype": torch_dtype.name,
-                    "torch_matmul_gflops": {"bf16": torch_dtype.bf16_gflops, "fp32": torch_dtype.fp32_gflops},
-                    "cpu_variant": kt_ops.cpu_variant(),
-                    "threads": kt_ops.get_num_threads(),
-                    "previous_layer_warm_up": not args.cold_code,
-                    "rows": [r.as_dict() for r in rows],
-                },
-                f,
-                indent=2,
-            )
+        write_json(args.json, {
+            "read_bandwidth_gbs": brackets.best.gbs,
+            "read_brackets_gbs": [r.by_reader for r in brackets.readings],
+            "read_buffer_bytes": buffer.numel(),
+            "flush_bytes": flush.buffer.numel(),
+            "llc_bytes": llc_bytes,
+            "gemm": {
+                kind: {"gflops": g.gflops, "dtype": DTYPE_NAMES[g.dtype], "backend": g.backend, "size": g.size}
+                for kind, g in (("float", compute.float_gemm), ("int8", compute.int8_gemm))
+                if g is not None
+            },
+            "torch_dtype": torch_dtype.name,
+            "torch_matmul_gflops": {"bf16": torch_dtype.bf16_gflops, "fp32": torch_dtype.fp32_gflops},
+            "cpu_variant": kt_ops.cpu_variant(),
+            "threads": kt_ops.get_num_threads(),
+            "previous_layer_warm_up": not args.cold_code,
+            "rows": [r.as_dict() for r in rows],
+        })
     return 0
 
 
