@@ -477,6 +477,7 @@ def test_command_line_entry_points(tmp_path, checkpoint):
     script = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_cpu_weights.py"), "--help"], env=env,
                             capture_output=True, text=True, timeout=300)
     assert script.returncode == 0 and "--no-merge-safetensor" in script.stdout
+    assert script.stdout.startswith("usage: convert_cpu_weights.py ")  # its own name, not python -m's
     bad = subprocess.run([sys.executable, "-m", "kt_ops.convert", "--input-path", tmp_path / "none", "--input-type",
                           "bf16", "--output", tmp_path / "x", "--quant-method", "int8"], env=env, capture_output=True,
                          text=True, timeout=300)

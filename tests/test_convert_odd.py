@@ -237,7 +237,7 @@ else:
 @pytest.mark.slow
 @pytest.mark.parametrize("entry,args,prog", [
     ("kt_ops.convert", [], "python -m kt_ops.convert"),
-    ("scripts/convert_cpu_weights.py", [], "python -m kt_ops.convert"),
+    ("scripts/convert_cpu_weights.py", [], "convert_cpu_weights.py"),
     ("kt_ops", ["convert"], "kt-ops"),
 ])
 def test_ctrl_c_exits_130_with_one_line_and_stays_resumable(tmp_path, checkpoint, entry, args, prog) -> None:
