@@ -275,7 +275,9 @@ class ExpertStats:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes SGLang's dump format: ``torch.save({"logical_count": counts[None]})``,
         int64 ``[1, num_hidden_layers, num_experts]``, under a temporary name renamed over
-        ``path`` (a file already there stays whole until the new one is complete)."""
+        ``path`` (a file already there stays whole until the new one is complete).
+        ``IsADirectoryError`` when ``path`` is a directory, ``FileNotFoundError`` when its
+        directory does not exist."""
         counts = self.counts[None]
         write_replacing(path, lambda tmp: torch.save({"logical_count": counts}, tmp), "ExpertStats.save writes one file")
 
