@@ -11,7 +11,8 @@ def write_replacing(path: str | os.PathLike[str], write: Callable[[str], None], 
     over ``path`` (a symlink's target is replaced): a file already there stays whole until
     the new one is complete, and an error or Ctrl-C inside ``write`` (a full disk, an object
     that does not serialize) deletes the temporary file and leaves ``path`` as it was. A
-    process that has the old file memory-mapped keeps its inode.
+    process that has the old file memory-mapped keeps its inode. A path that exists but is
+    not a regular file (a pipe, ``/dev/stdout``) is written directly.
 
     Raises ``IsADirectoryError`` when ``path`` is a directory (``what`` completes the
     message) and ``FileNotFoundError`` when its directory does not exist.
@@ -23,6 +24,9 @@ def write_replacing(path: str | os.PathLike[str], write: Callable[[str], None], 
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"{path!r}: its directory {parent!r} does not exist")
     target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):  # a pipe or a device (--json /dev/stdout)
+        write(target)
+        return
     tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{os.getpid()}.tmp")
     try:
         write(tmp)

@@ -82,3 +82,19 @@ def test_bench_json_that_cannot_serialize_keeps_the_earlier_file(tmp_path: Path)
         write_json(str(target), {"rows": [object()]})
     assert target.read_text() == earlier
     assert sorted(os.listdir(tmp_path)) == ["bench.json"]
+
+
+def test_a_pipe_or_device_is_written_directly(tmp_path: Path) -> None:
+    """``--json /dev/stdout | jq`` kept working: no temporary beside a device or a pipe."""
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    write_json(str(fifo), {"rows": [1]})
+    reader.join(timeout=30)
+    assert got == [b'{\n  "rows": [\n    1\n  ]\n}']
+    assert sorted(os.listdir(tmp_path)) == ["pipe"] and fifo.is_fifo()
