@@ -43,12 +43,10 @@ struct GgufActs {
   // blocks) as values 0-15 of the 4 blocks, then values 16-31 of the 4 blocks; per int32
   // lane of that layout (8 values: 4 + the 4 sixteen positions later), scale[] the
   // block's scale and bias4[] -128 * their level sum (kp / 8 each, at the start of the
-  // row's kp / 4 entries), and scale[kp / 8 + lane] the block's scale times that level
-  // sum (Q4_1's and Q5_1's minimums multiply it). Per block b, each value 4 times (int32
-  // lanes 4 b .. 4 b + 3, kp / 8 per row): bias4[kp / 8 + 4 b + l] -128 * the block's level
-  // sum (the prefill tile, gguf_block32_tile_avx512.h), and block_min_sums[4 b + l] the
-  // block's scale times that sum (Q4_1's and Q5_1's minimums in both AVX-512 kernels,
-  // which add whole blocks).
+  // row's kp / 4 entries). Per block b, each value 4 times (int32 lanes 4 b .. 4 b + 3,
+  // kp / 8 per row): bias4[kp / 8 + 4 b + l] -128 * the block's level sum (the prefill
+  // tile, gguf_block32_tile_avx512.h), and block_min_sums[4 b + l] the block's scale times
+  // that sum (Q4_1's and Q5_1's minimums in every block-32 kernel, which add whole blocks).
   bool quad32 = false;
   float* block_min_sums = nullptr;  // quad32: [rows, kp / 4], the first kp / 8 used (rows kp bytes apart, as q's)
   int16_t* level_sums = nullptr;
@@ -128,8 +126,6 @@ void gguf_quantize_act_row(const float* x, const GgufActs& acts, int64_t r) {
     }
     // After every group's scales and biases moved down (the upper halves held per-4
     // values until then).
-    for (int64_t lane = 0; lane < kp / 8; ++lane)
-      scale8[kp / 8 + lane] = scale8[lane] * static_cast<float>(bias8[lane] / -128);
     float* block_min = acts.block_min_sums + r * (kp / 4);
     for (int64_t b = 0; b < kp / 32; ++b) {
       const int64_t lane = 16 * (b / 4) + 4 * (b % 4);  // the block's four lanes

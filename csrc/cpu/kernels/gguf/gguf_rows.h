@@ -148,10 +148,10 @@ void in_kept_mode(KeptLevels levels, Run&& run) {
 // The AVX2 block-32 kernel of kType in the mode `levels` (gguf_block32_avx2.h).
 template <class Ops, GgmlType kType, int M>
 void gguf_block32_keeping(KeptLevels levels, const uint8_t* const* rows, int64_t k, const int8_t* const* q,
-                          const float* const* scale4, const int32_t* const* bias4, const float* const* min_sums8,
+                          const float* const* scale4, const int32_t* const* bias4, const float* const* block_min,
                           bool prefetch, float* out, uint8_t* cache) {
   in_kept_mode(levels, [&](auto mode) {
-    gguf_block32_dot_rows4_avx2<Ops, kType, M, decltype(mode)::value>(rows, k, q, scale4, bias4, min_sums8, prefetch,
+    gguf_block32_dot_rows4_avx2<Ops, kType, M, decltype(mode)::value>(rows, k, q, scale4, bias4, block_min, prefetch,
                                                                       out, cache);
   });
 }
@@ -184,7 +184,7 @@ inline int64_t gguf_kept_bytes(GgmlType type, int64_t k) {
     case GgmlType::kQ6_K:
     case GgmlType::kQ2_K:
     case GgmlType::kQ3_K: return (k / 256) * 4 * kGroup16Kept;
-    default: return ggml_block_elems(type) == 32 ? 4 * ((k / 32 + 3) / 4) * kBlock32CacheStep<GgmlType::kQ5_1> : 0;
+    default: return ggml_block_elems(type) == 32 ? ((k / 32 + 3) / 4) * kBlock32CacheStep<GgmlType::kQ5_1> : 0;
   }
 }
 
@@ -230,7 +230,6 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
   const float* scale4[M];
   [[maybe_unused]] const int32_t* bias4[M];
   [[maybe_unused]] const int16_t* level_sums[M];
-  [[maybe_unused]] const float* min_sums8[M];
   [[maybe_unused]] const float* block_min[M];
   for (int j = 0; j < M; ++j) {
     const int64_t a = act_rows != nullptr ? act_rows[p0 + j] : p0 + j;
@@ -238,7 +237,6 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
     scale4[j] = acts.scale + a * (m.kp / 4);
     bias4[j] = acts.bias4 + a * (m.kp / 4);
     level_sums[j] = acts.level_sums + a * (m.kp / 16);
-    min_sums8[j] = scale4[j] + m.kp / 8;  // quad order (gguf_act.h)
     block_min[j] = acts.block_min_sums + a * (m.kp / 4);
   }
   [[maybe_unused]] const int64_t units = m.kp / kGgufSuper;
@@ -247,7 +245,7 @@ void gguf_direct_block(const GgufMatrix& m, const uint8_t* const* rows, const Gg
       gguf_kquant_keeping<Ops, kType, M>(levels, rows, q, scale4, level_sums, units, prefetch, out, cache);
     } else {
       static_assert(M <= kBlock32Avx2Tokens);  // gguf_direct_tokens
-      gguf_block32_keeping<Ops, kType, M>(levels, rows, m.k, q, scale4, bias4, min_sums8, prefetch, out, cache);
+      gguf_block32_keeping<Ops, kType, M>(levels, rows, m.k, q, scale4, bias4, block_min, prefetch, out, cache);
     }
   } else {  // AVX-512: every quantized type
     if constexpr (kType == GgmlType::kQ4_K || kType == GgmlType::kQ5_K)
