@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,31 @@ def test_unknown_variant_is_an_error() -> None:
     assert "unknown CPU variant 'avx9'" in result.stderr
     with pytest.raises(ValueError, match="unknown CPU variant"):
         kt_ops.set_cpu_variant("avx9")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variable,value,says", [
+    ("KT_OPS_CPU_VARIANT", "avx9", "KT_OPS_CPU_VARIANT='avx9': unknown CPU variant 'avx9'; expected one of: avx2"),
+    ("KT_OPS_NUM_THREADS", "abc", "KT_OPS_NUM_THREADS must be a positive integer"),
+], ids=["variant", "threads"])
+def test_commands_say_a_bad_environment_variable_in_one_line(variable: str, value: str, says: str) -> None:
+    """kt_ops' commands report a bad KT_OPS_... setting as they report a bad argument: one stderr line naming it,
+    exit status 2 (it was a 19-line import traceback); imported by other code, kt_ops still raises it."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, variable: value}
+    commands = [([sys.executable, "-m", "kt_ops.bench", "--help"], "python -m kt_ops.bench"),
+                ([sys.executable, "-X", "utf8", "-mkt_ops.convert", "--help"], "python -m kt_ops.convert"),
+                ([sys.executable, str(root / "scripts" / "convert_cpu_weights.py"), "--help"], "convert_cpu_weights.py")]
+    console = Path(sys.executable).with_name("kt-ops")
+    if console.exists():  # pip install -e . put it beside the interpreter
+        commands.append(([str(console), "doctor"], "kt-ops"))
+    for argv, prog in commands:
+        result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and result.stdout == "", (argv, result.returncode, result.stderr[-800:])
+        assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and says in lines[0], (argv, result.stderr[-800:])
+    result = subprocess.run([sys.executable, "-c", "import kt_ops"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" in result.stderr and says in result.stderr, result.stderr[-800:]
 
 
 def test_unsupported_variant_names_what_is_missing() -> None:
