@@ -1,20 +1,21 @@
 // [NOTE] Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 dotted straight from their GGUF bytes on AVX2 and AVX-VNNI:
-// the AVX-512 kernel's arithmetic (gguf_block32_avx512.h) on 256-bit registers, to the same
-// bits. A step of four blocks is two halves of two blocks; each half's levels go in two
-// registers whose 128-bit lane L holds block 2 h + L's weights 0-15 (lo) and 16-31 (hi),
-// matching the same quad-ordered activations, so two dot products leave each int32 lane
-// with 8 products of one block; the four rows' registers of a half are added across their
-// lanes (one register of 8 exact block sums per activation row), and the conversion, the
-// scale product d * da and the fma run once per half and activation row. With 16 registers
-// the kernel dots at most kBlock32Avx2Tokens activation rows per pass over the four rows
-// (the caller repeats the pass); each (row, activation row) result takes the same
-// operations in the same order whatever the number of rows per pass. Q5_0 and Q5_1 add
-// their fifth bits without mask registers: a shuffle spreads each qh byte over 8 bytes, AND
-// and compare with the byte's bit, AND 16. When more passes follow over the same four rows,
-// the first keeps the extracted levels and the step's scales (KeptLevels::kKeep, 1.1-1.3
-// bytes per weight, L1/L2-resident) and the others read them back (kLoad) instead of
-// extracting again: the same values into the same operations, so a result does not depend
-// on the pass.
+// the AVX-512 kernel's arithmetic (gguf_block32_avx512.h) on 256-bit registers: the same
+// integers and float operations in the same order (the two widths' outputs not yet compared
+// bit for bit on one machine). A step of four blocks is two halves of two blocks; each
+// half's levels go in two registers whose 128-bit lane L holds block 2 h + L's weights 0-15
+// (lo) and 16-31 (hi), matching the same quad-ordered activations, so two dot products
+// leave each int32 lane with 8 products of one block; the four rows' registers of a half
+// are added across their lanes (one register of 8 exact block sums per activation row), and
+// the conversion, the scale product d * da and the fma run once per half and activation
+// row. With 16 registers the kernel dots at most kBlock32Avx2Tokens activation rows per
+// pass over the four rows (the caller repeats the pass); each (row, activation row) result
+// takes the same operations in the same order whatever the number of rows per pass. Q5_0
+// and Q5_1 add their fifth bits without mask registers: a shuffle spreads each qh byte over
+// 8 bytes, AND and compare with the byte's bit, AND 16. When more passes follow over the
+// same four rows, the first keeps the extracted levels and the step's scales
+// (KeptLevels::kKeep, 1.1-1.3 bytes per weight, L1/L2-resident) and the others read them
+// back (kLoad) instead of extracting again: the same values into the same operations, so a
+// result does not depend on the pass.
 #pragma once
 
 #include <immintrin.h>
@@ -95,8 +96,8 @@ inline __attribute__((always_inline)) void block32_step_scales_avx2(const uint8_
 // out[4 * j + i] = dot(row i of kType, activation row j) for i < 4, j < M <=
 // kBlock32Avx2Tokens; arguments as gguf_block32_dot_rows4 (block_min: Q4_1's and Q5_1's
 // minimums), plus `cache` (ceil(k / 128) * kBlock32CacheStep bytes, 64-byte aligned) for
-// kKeep and kLoad. The same integers and float operations as gguf_block32_dot_rows4, so the
-// same bits: per half of a step, the 4 rows' int32 lanes are added across rows (lane 4 L +
+// kKeep and kLoad. The same integers and float operations as gguf_block32_dot_rows4: per
+// half of a step, the 4 rows' int32 lanes are added across rows (lane 4 L +
 // i: row i's block 2 h + L, exact block sums), then converted, scaled by d * da and added
 // into the half's accumulator; the result is (acc0 + acc1) folded as block32_lanes_sum.
 // Against the form before (per row: the lanes' partial sums converted and scaled, the
