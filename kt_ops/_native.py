@@ -2,10 +2,11 @@
 
 Importing ``kt_ops._C`` registers the ``torch.ops.kt`` operators. ``KT_OPS_CPU_VARIANT``
 (``avx2``, ``avx_vnni``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``, ``amx``) forces a CPU variant; an unknown or
-unsupported one raises at import, naming what is missing (``KT_OPS_NUM_THREADS`` out of range: an ``ImportError``
-from the extension). When one of kt_ops' own commands started the process (``kt-ops``, ``python -m kt_ops.bench``
-and the other ``python -m kt_ops...`` modules, ``scripts/convert_cpu_weights.py``) such an error is one line on stderr and exit status 2, as the
-commands' argument errors are, instead of an import traceback.
+unsupported one raises at import, naming what is missing (``KT_OPS_NUM_THREADS`` out of range: an
+``ImportError`` from the extension). When one of kt_ops' own commands started the process (``kt-ops``,
+``python -m kt_ops...``, a script of the checkout's ``scripts/`` such as ``convert_cpu_weights.py``) such an
+error is one line on stderr and exit status 2, as the commands' argument errors are, instead of an import
+traceback.
 """
 
 from __future__ import annotations
@@ -17,18 +18,21 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 
 def _command_name() -> str | None:
-    """``kt-ops`` or ``python -m kt_ops...`` when that command started this process, else None.
+    """The name a kt_ops command that started this process goes by (``kt-ops``, ``python -m kt_ops...``,
+    a ``scripts/`` file's name, as each names itself in its usage line), else None.
 
     ``python -m`` sets ``sys.argv[0]`` only once the module is found, after its package (this one) is
     imported, so the module's name is read from ``sys.orig_argv``.
     """
-    script = os.path.basename(sys.argv[0] if sys.argv else "")
-    if script in ("kt-ops", "convert_cpu_weights.py"):  # the console script, scripts/convert_cpu_weights.py
-        return script
+    argv0 = sys.argv[0] if sys.argv else ""
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    in_scripts = os.path.isfile(argv0) and os.path.dirname(os.path.abspath(argv0)) == scripts  # not "-c" run there
+    if os.path.basename(argv0) == "kt-ops" or in_scripts:
+        return os.path.basename(argv0)
     args = list(getattr(sys, "orig_argv", ()))[1:]
     while args:
         arg = args.pop(0)
-        if arg in ("-X", "-W", "-Q"):  # interpreter options that take a value
+        if arg in ("-X", "-W"):  # interpreter options that take a value
             args = args[1:]
             continue
         if arg.startswith("-m"):
