@@ -108,6 +108,32 @@ def test_same_bits_for_any_thread_count(restore_threads) -> None:
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
+@pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4", "FP8", "Q4_0"])
+def test_down_jobs_wait_for_their_experts_gate_up(restore_threads, method: str) -> None:
+    """Gate/up, the intermediate rows' preparation and down run as one parallel region, an
+    expert's down jobs waiting only for its own gate/up jobs (csrc/cpu/kernels/
+    expert_readiness.h): calls routed to 1-3 experts, whose down jobs start while other
+    experts' gate/up jobs still run, give the one-thread bits on 2 and 3 threads (3 on a
+    2-core machine: a waiting thread must not hold up the one it waits for), call after call.
+    Q4_0 (GGUF keeps the phases, with a barrier between them) checks the other path."""
+    experts = make_experts(4, 256, 384, seed=3)
+    kwargs = {"method": "LLAMAFILE", "gguf_type": method} if method == "Q4_0" else {"method": method}
+    packed = kt_ops.pack_experts(experts.gate, experts.up, experts.down, **kwargs)
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for tokens, top_k in ((1, 1), (1, 2), (2, 3), (9, 2)):
+        ids = torch.stack([torch.randperm(4, generator=g)[:top_k] for _ in range(tokens)])
+        cases.append((torch.randn(tokens, 256, generator=g).bfloat16(), ids, torch.rand(tokens, top_k, generator=g)))
+    kt_ops.set_num_threads(1)
+    expected = [kt_ops.moe_forward(x, ids, w, packed) for x, ids, w in cases]
+    for threads in (2, 3):
+        kt_ops.set_num_threads(threads)
+        for _ in range(25):
+            for (x, ids, w), ref in zip(cases, expected):
+                out = kt_ops.moe_forward(x, ids, w, packed)
+                assert torch.equal(out, ref), f"{method}, {threads} threads, ids {ids.tolist()}"
+
+
 def test_concurrent_callers_get_their_own_results() -> None:
     experts = make_experts(6, 96, 64)
     cases = []

@@ -16,6 +16,10 @@
 //   2b.              the format prepares the intermediate rows for down (quantize, pad).
 //   3. down:         jobs (expert, rows of the hidden dimension) -> fp32 [P, H16]; with
 //                    biases, each row is scaled (format's down scale) and biased here.
+//                    Where the format prepares rows one by one (intermediate_by_rows),
+//                    2, 2b and 3 are one parallel region: an expert's down jobs wait for
+//                    its own gate/up jobs only (expert_readiness.h), not for every
+//                    expert's, so no thread idles at a barrier between the phases.
 //   4. combine:      out[t] = sum_j w[t, j] * down_scale[p] * down_out[p], p = pair(t, j).
 // A format policy (bf16/bf16_format.h, quant/quant_format.h, gguf/gguf_format.h) says how
 // its weights are stored and multiplied on one CPU variant:
@@ -38,7 +42,9 @@
 //     GateUpTile gate_up(e, n0, n1, p0, p1); // rows [n0, n1) of gate and up, pairs [p0, p1)
 //     float gate_up_scale(int64_t p) const;  // kScaled only: applied before act()
 //     Inter* intermediate_row(int64_t p);
-//     void prepare_intermediate(Engine&);    // phase 2b
+//     bool intermediate_by_rows() const;     // phase 2b is prepare_intermediate_rows alone
+//     void prepare_intermediate_rows(p0, p1);  // phase 2b, pairs [p0, p1)
+//     void finish_intermediate(Engine&);     // phase 2b, after all rows (!intermediate_by_rows)
 //     void down(e, h0, h1, p0, p1, float* out, int64_t ldo);  // out[(p - p0) ldo + h - h0]
 //     const float* down_scales() const;      // [P] for the combine; nullptr: 1
 //   };
@@ -57,6 +63,7 @@
 #include "../engine/engine.h"
 #include "../engine/scratch.h"
 #include "../isa/vec_math.h"
+#include "expert_readiness.h"
 #include "glu.h"
 #include "moe_args.h"
 #include "moe_driver_common.h"
@@ -87,9 +94,11 @@ void moe_forward(const MoeArgs& args) {
   // Per calling thread, reused across calls. Bound to references so the lambdas below
   // (run on helper threads) capture the caller's objects, not their own thread_locals.
   thread_local MoePlan thread_plan;
-  thread_local std::vector<ExpertTile> thread_tiles;
+  thread_local std::vector<ExpertTile> thread_tiles, thread_down_tiles;
+  thread_local ExpertReadiness thread_readiness;
   MoePlan& plan = thread_plan;
   std::vector<ExpertTile>& tiles = thread_tiles;
+  std::vector<ExpertTile>& down_tiles = thread_down_tiles;
   plan.build(args.topk_ids, args.topk_ids_int64, T, K, E);
   const int64_t P = plan.num_pairs;
   Engine& engine = Engine::instance();
@@ -120,11 +129,14 @@ void moe_forward(const MoeArgs& args) {
   });
   format.prepare_pairs(engine, x);
 
-  // 2. gate + up, then the activation into the intermediate rows.
+  // 2. gate + up, then the activation into the intermediate rows; 2b. those rows prepared
+  // for down; 3. down.
   const int64_t chunk = format.chunk_pairs();
   const bool train = args.gate_up_add != nullptr || args.gate_up_out != nullptr;
   build_tiles(plan.active_experts, ceil_div(I16, 16), tiles, [&](int32_t e) { return format.gate_up_job_rows(e) / 16; });
-  engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
+  build_tiles(plan.active_experts, ceil_div(H16, 16), down_tiles,
+              [&](int32_t e) { return format.down_job_rows(e) / 16; });
+  auto gate_up_job = [&](int64_t job) {
     const int64_t e = tiles[job].expert;
     const int64_t n0 = tiles[job].first_block * int64_t{16}, n1 = std::min(I16, n0 + format.gate_up_job_rows(e));
     const int64_t begin = plan.expert_begin[e], end = plan.expert_begin[e + 1];
@@ -167,16 +179,10 @@ void moe_forward(const MoeArgs& args) {
           }
       }
     }
-  });
-
-  // 2b. The intermediate rows for down.
-  format.prepare_intermediate(engine);
-
-  // 3. down.
-  build_tiles(plan.active_experts, ceil_div(H16, 16), tiles, [&](int32_t e) { return format.down_job_rows(e) / 16; });
-  engine.parallel_for(static_cast<int64_t>(tiles.size()), [&](int64_t job) {
-    const int64_t e = tiles[job].expert;
-    const int64_t h0 = tiles[job].first_block * int64_t{16}, h1 = std::min(H16, h0 + format.down_job_rows(e));
+  };
+  auto down_job = [&](int64_t job) {
+    const int64_t e = down_tiles[job].expert;
+    const int64_t h0 = down_tiles[job].first_block * int64_t{16}, h1 = std::min(H16, h0 + format.down_job_rows(e));
     const int64_t p0 = plan.expert_begin[e], p1 = plan.expert_begin[e + 1];
     format.down(e, h0, h1, p0, p1, down_out + p0 * H16 + h0, H16);
     if (biases.down == nullptr) return;
@@ -187,7 +193,34 @@ void moe_forward(const MoeArgs& args) {
       float* row = down_out + p * H16;
       for (int64_t h = h0; h < h1; h += W) V::store(row + h, V::fma(scale, V::load(row + h), V::load(bias + h)));
     }
-  });
+  };
+  const int64_t gate_up_jobs = static_cast<int64_t>(tiles.size()), down_jobs = static_cast<int64_t>(down_tiles.size());
+  if (format.intermediate_by_rows()) {
+    // One parallel region for all three: the gate/up jobs come first, in job order, and a
+    // down job of expert e waits only for e's gate/up jobs (the thread that finishes the
+    // last of them prepares e's rows), not for every expert's: no barrier between the
+    // phases, whose tails left a thread idle (rows are computed as before: the same bits).
+    ExpertReadiness& ready = thread_readiness;
+    ready.reset(E);
+    for (const ExpertTile& tile : tiles) ready.add_job(tile.expert);
+    engine.parallel_for(gate_up_jobs + down_jobs, [&](int64_t job) {
+      if (job < gate_up_jobs) {
+        const int64_t e = tiles[job].expert;
+        ready.finish_one(e, [&] { gate_up_job(job); },
+                         [&] { format.prepare_intermediate_rows(plan.expert_begin[e], plan.expert_begin[e + 1]); });
+      } else {
+        ready.wait(down_tiles[job - gate_up_jobs].expert);
+        down_job(job - gate_up_jobs);
+      }
+    });
+  } else {
+    engine.parallel_for(gate_up_jobs, gate_up_job);
+    engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
+      format.prepare_intermediate_rows(job * kRowsPerJob, std::min(P, (job + 1) * kRowsPerJob));
+    });
+    format.finish_intermediate(engine);
+    engine.parallel_for(down_jobs, down_job);
+  }
 
   // 4. combine (the down scales already applied where biases were added).
   combine_outputs<V>(args, plan, weights, biases.down != nullptr ? nullptr : format.down_scales(), down_out, H16);

@@ -261,7 +261,9 @@ class Bf16Format {
   }
 
   Inter* intermediate_row(int64_t p) const { return inter_ + p * dims_.intermediate16; }
-  void prepare_intermediate(Engine&) {}
+  bool intermediate_by_rows() const { return true; }
+  void prepare_intermediate_rows(int64_t, int64_t) {}
+  void finish_intermediate(Engine&) {}
 
   void down(int64_t e, int64_t h0, int64_t h1, int64_t p0, int64_t p1, float* out, int64_t ldo) const {
     bf16_gemm_rows<Micro>(inter_ + p0 * dims_.intermediate16, dims_.intermediate16, p1 - p0, down_.block(e, h0 / 16),

@@ -228,19 +228,17 @@ class Fp8Format {
 
   // kScaled: each pair's intermediate row normalized in place (its inverse goes to the
   // combine as the pair's down scale).
-  void prepare_intermediate(Engine& engine) {
-    if constexpr (kScaled) {
-      const int64_t P = plan_.num_pairs;
-      engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
-        for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p) {
-          Act* row = inter_ + p * inter_cols_;
-          const float factor = fp8_row_normalizer<Vec>(row, inter_cols_);
-          fp8_scale_row<Vec>(row, inter_cols_, factor, row);
-          inter_scale_[p] = 1.0f / factor;
-        }
-      });
-    }
+  bool intermediate_by_rows() const { return true; }
+  void prepare_intermediate_rows(int64_t p0, int64_t p1) {
+    if constexpr (kScaled)
+      for (int64_t p = p0; p < p1; ++p) {
+        Act* row = inter_ + p * inter_cols_;
+        const float factor = fp8_row_normalizer<Vec>(row, inter_cols_);
+        fp8_scale_row<Vec>(row, inter_cols_, factor, row);
+        inter_scale_[p] = 1.0f / factor;
+      }
   }
+  void finish_intermediate(Engine&) {}
 
   void down(int64_t e, int64_t h0, int64_t h1, int64_t p0, int64_t p1, float* out, int64_t ldo) const {
     gemm_rows(inter_ + p0 * inter_cols_, inter_cols_, p1 - p0, dims_.down, down_.block(e, h0 / 16),

@@ -157,15 +157,21 @@ class GgufFormat {
   Inter* intermediate_row(int64_t p) const { return gate_f_ + p * down_.kp; }
 
   // Zero past I (act() of rows past I wrote there), quantized for down or packed as B chunks.
-  void prepare_intermediate(Engine& engine) {
-    const int64_t P = plan_.num_pairs, Ip = down_.kp;
-    engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
-      for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p) {
-        std::fill(gate_f_ + p * Ip + intermediate_, gate_f_ + (p + 1) * Ip, 0.0f);
-        if (down_block_ != 0) gguf_quantize_act_row<Vec>(gate_f_ + p * Ip, down_acts_, p);
-      }
-    });
-    if (tile_) pack_chunks(engine, gate_f_, false, Ip, b_down_);
+  // The tile path packs all pairs' rows at once (finish_intermediate). The decode path
+  // could prepare them expert by expert too, but in one region (moe_driver.h) S2 Q4_K
+  // (down Q5_0) took 1.02-1.04x the time at 1 and 8 tokens on a 2-core Zen 3 (avx2,
+  // scripts/ab_pair.py both ways, 2 + 3 rounds of 12 calls, 2026-12-07; S1 Q4_K 0.97-1.01),
+  // cause not found: GGUF keeps the phases.
+  bool intermediate_by_rows() const { return false; }
+  void prepare_intermediate_rows(int64_t p0, int64_t p1) {
+    const int64_t Ip = down_.kp;
+    for (int64_t p = p0; p < p1; ++p) {
+      std::fill(gate_f_ + p * Ip + intermediate_, gate_f_ + (p + 1) * Ip, 0.0f);
+      if (down_block_ != 0) gguf_quantize_act_row<Vec>(gate_f_ + p * Ip, down_acts_, p);
+    }
+  }
+  void finish_intermediate(Engine& engine) {
+    if (tile_) pack_chunks(engine, gate_f_, false, down_.kp, b_down_);
   }
 
   void down(int64_t e, int64_t h0, int64_t h1, int64_t p0, int64_t p1, float* out, int64_t ldo) const {

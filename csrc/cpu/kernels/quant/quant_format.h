@@ -337,14 +337,13 @@ class QuantFormat {
   Inter* intermediate_row(int64_t p) const { return inter_f_ + p * dims_.intermediate16; }
 
   // Each pair's intermediate row to int8 (its scale goes to the combine).
-  void prepare_intermediate(Engine& engine) {
-    const int64_t P = plan_.num_pairs;
-    engine.parallel_for(ceil_div(P, kRowsPerJob), [&](int64_t job) {
-      for (int64_t p = job * kRowsPerJob; p < std::min(P, (job + 1) * kRowsPerJob); ++p)
-        inter_scale_[p] = quantize_activation_row<Vec>(intermediate_row(p), dims_.intermediate, inter_cols_,
-                                                       inter_q_ + p * inter_cols_, inter_sums_p_ + p * inter_sums_);
-    });
+  bool intermediate_by_rows() const { return true; }
+  void prepare_intermediate_rows(int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      inter_scale_[p] = quantize_activation_row<Vec>(intermediate_row(p), dims_.intermediate, inter_cols_,
+                                                     inter_q_ + p * inter_cols_, inter_sums_p_ + p * inter_sums_);
   }
+  void finish_intermediate(Engine&) {}
 
   void down(int64_t e, int64_t h0, int64_t h1, int64_t p0, int64_t p1, float* out, int64_t ldo) const {
     const QuantRows rows{inter_q_ + p0 * inter_cols_, inter_cols_, inter_sums_p_ + p0 * inter_sums_, inter_sums_};
