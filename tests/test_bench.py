@@ -59,6 +59,7 @@ def test_measure_row_on_a_tiny_shape(method: str) -> None:
     row = measure_row(TINY, method, 4, layers, torch_seconds, repeats=3, flush=lambda: flushes.append(1), min_seconds=0.01)
     assert len(flushes) - plain_flushes >= 3 + 1
     assert row.us > 0 and row.torch_us > 0 and row.weight_gbs > 0 and row.gflops > 0
+    assert row.reachable_bytes == pytest.approx(2 * TINY.num_experts * TINY.expert_bytes(expected))
     assert row.arithmetic == ("float" if method == "BF16" else "int8")
     rated = rate(row, limits_of(read_gbs=10.0, float_gflops=100.0, int8_gflops=200.0))
     assert rated.bound in ("bandwidth", "cache", "bf16 gemm", "int8 gemm")
@@ -198,6 +199,16 @@ def test_rows_that_fit_in_the_last_level_cache_get_no_dram_fraction() -> None:
     assert fraction_text(fits) == "(cache)" and "(cache)" in format_table([fits], "bf16")
     streams = rate(row_of(weight_bytes=20e6, us=1000.0), limits_of(llc_bytes=16 * MiB))
     assert streams.bound == "bandwidth" and fraction_text(streams) == "40%"
+
+
+def test_rows_whose_calls_reach_more_than_the_cache_get_a_dram_fraction() -> None:
+    # One call's 20 MB of experts fit in 32 MiB, but the row's calls draw their experts from
+    # 900 MB of layers: each call reads DRAM (the 1-token 4-bit rows of S1, 2026-12-07).
+    row = dataclasses.replace(row_of(weight_bytes=20e6, us=1000.0), reachable_bytes=900e6)
+    spread = rate(row, limits_of(llc_bytes=32 * MiB))
+    assert spread.bound == "bandwidth" and fraction_text(spread) == "40%"
+    small = rate(dataclasses.replace(row, reachable_bytes=30e6), limits_of(llc_bytes=32 * MiB))
+    assert small.bound == "cache" and small.limit_fraction is None
 
 
 def test_compute_bound_rows_use_the_gemm_of_their_arithmetic() -> None:

@@ -17,7 +17,8 @@ before and after the rows, in bf16 or fp32 (the faster, for BF16) and in int8
 (torch._int_mm, for the quantized methods, whose kernels multiply int8; where torch's
 int8 GEMM is slower than its float one it is no reference, and their compute-bound rows
 print "no int8 ref" without a fraction). A row whose
-activated weights fit in the last-level cache is marked (cache) and given no fraction
+reachable weights (every expert of the layers it cycles through: routing draws new
+experts each call) fit in the last-level cache is marked (cache) and given no fraction
 of DRAM bandwidth; a row above its limit prints ">100%?" (the limit was measured too
 low). Q4_K, Q6_K, Q8_0 and Q4_0 are GGUF types (method LLAMAFILE), Q4_K_M their mix in
 llama.cpp's Q4_K_M files (gate/up Q4_K, down Q6_K: the layers where llama.cpp gives down

@@ -37,11 +37,17 @@ def rate(row: Row, limits: MachineLimits) -> Row:
       arithmetic take longer than reading its weights at the read bandwidth;
     - ``no int8 ref`` (no fraction): an int8 row without an int8 reference (see
       :meth:`MachineLimits.gemm_for`) whose FLOPs at the float GEMM's rate take longer;
-    - ``cache``: otherwise, when the activated experts' weights of one call fit in the
-      last-level cache. The bench evicts the caches before each call, but an LLC with a
-      scan-resistant replacement policy (RRIP-like, on current Intel and AMD parts) may
-      keep a small, often reused working set through a streaming flush, so such a row may
-      read from the cache: no fraction of DRAM bandwidth is given (None);
+    - ``cache``: otherwise, when every weight the row's calls can reach fits in the
+      last-level cache (``row.reachable_bytes``: all experts of the layers it cycles
+      through; the activated experts' bytes when unknown). The bench evicts the caches
+      before each call, but an LLC with a scan-resistant replacement policy (RRIP-like, on
+      current Intel and AMD parts) may keep a small, often reused working set through a
+      streaming flush, so such a row may read from the cache: no fraction of DRAM
+      bandwidth is given (None). A call's activated experts alone fitting is not enough:
+      each call routes to newly drawn experts, most of them untouched since several calls
+      and a flush, so they come from DRAM (on a 2-core Zen 4, 2026-12-07, the 1-token S1 rows of the
+      4-bit methods, 17-20 MB per call, read 0.64-0.90 of the mean of their two
+      bandwidth brackets: not at cache speed);
     - ``bandwidth``: otherwise.
 
     The fraction is not clamped: above 1 means the limit was measured too low, and the
@@ -57,13 +63,14 @@ def rate(row: Row, limits: MachineLimits) -> Row:
     if compute_seconds >= bandwidth_seconds:
         bound = f"{DTYPE_NAMES[gemm.dtype]} gemm"
         return dataclasses.replace(row, bound=bound, limit_fraction=compute_seconds / seconds)
-    if row.weight_bytes <= limits.llc_bytes:
+    reachable = row.weight_bytes if row.reachable_bytes is None else row.reachable_bytes
+    if reachable <= limits.llc_bytes:
         return dataclasses.replace(row, bound="cache", limit_fraction=None)
     return dataclasses.replace(row, bound="bandwidth", limit_fraction=bandwidth_seconds / seconds)
 
 
 def fraction_text(row: Row) -> str:
-    """The "of limit" cell: ``87%``; ``(cache)`` for a row whose weights fit in the LLC;
+    """The "of limit" cell: ``87%``; ``(cache)`` for a row whose reachable weights fit in the LLC;
     ``>100%?`` above the limit (a wrong limit: no percentage above 100% is printed);
     ``-`` before :func:`rate`."""
     if row.bound == "cache":

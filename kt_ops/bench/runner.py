@@ -120,6 +120,9 @@ class Row:
     gflops: float  # flops / time
     bound: str = "unrated"  # "bandwidth", "<dtype> gemm" (e.g. "int8 gemm") or "cache" (fits in the LLC)
     limit_fraction: float | None = None  # roofline time / measured time; None for "cache"
+    # Packed weight bytes the row's calls can reach: every expert of every layer it cycles
+    # through (routing draws new experts each call). None: unknown, taken as weight_bytes.
+    reachable_bytes: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -305,7 +308,8 @@ def measure_row(
 
     seconds = time_calls(ours, repeats, min_seconds, before)
     activated = statistics.mean(len(torch.unique(ids)) for _, ids, _ in inputs)
-    weight_bytes = activated * shape.expert_bytes(bytes_per_weight(layers[0].packed, shape))
+    expert_bytes = shape.expert_bytes(bytes_per_weight(layers[0].packed, shape))
+    weight_bytes = activated * expert_bytes
     flops = 2.0 * 3 * tokens * shape.top_k * shape.hidden * shape.intermediate
     return Row(
         shape=shape.name,
@@ -319,4 +323,5 @@ def measure_row(
         arithmetic=arithmetic_of(method),
         weight_gbs=weight_bytes / seconds / 1e9,
         gflops=flops / seconds / 1e9,
+        reachable_bytes=len(layers) * shape.num_experts * expert_bytes,
     )
