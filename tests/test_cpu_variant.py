@@ -192,6 +192,43 @@ def test_vnni_variant_is_bit_identical_to_its_base(names: tuple[str, str]) -> No
         kt_ops.set_cpu_variant(previous)
 
 
+def test_block32_gguf_types_give_the_same_bits_on_avx2_and_avx512() -> None:
+    """The block-32 GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) run the same arithmetic
+    on both widths: exact int32 block sums of four rows added across rows, then one
+    conversion, one product d * da and one fma per block into lane b % 4, and the AVX-512
+    prefill tile the same (docs/formats.md, "GGUF"). Odd block counts (a zero-padded last
+    step), decode and prefill token counts: equal bits. (The K-quants' AVX2 kernels order
+    their float operations otherwise: not compared.)"""
+    from format_cases import format_cases
+
+    for name in ("avx2", "avx512"):
+        if kt_ops.missing_features(name):
+            pytest.skip(f"this CPU lacks {name}: {kt_ops.missing_features(name)}")
+    block32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")
+    cases = [c for c in format_cases() if c.id in {f"gguf-{t}" for t in block32}]
+    assert len(cases) == len(block32), [c.id for c in cases]
+    previous = kt_ops.cpu_variant()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for case in cases:
+            E = 6
+            gate = (torch.randn(E, case.intermediate, case.hidden, generator=generator) * 0.05).bfloat16()
+            up = (torch.randn(E, case.intermediate, case.hidden, generator=generator) * 0.05).bfloat16()
+            down = (torch.randn(E, case.hidden, case.intermediate, generator=generator) * 0.05).bfloat16()
+            packed = case.pack(gate, up, down)
+            for tokens in (1, 3, 9, 40):
+                x = torch.randn(tokens, case.hidden, generator=generator).bfloat16()
+                ids = torch.stack([torch.randperm(E, generator=generator)[:2] for _ in range(tokens)]).int()
+                weights = torch.rand(tokens, 2, generator=generator)
+                outs = []
+                for name in ("avx2", "avx512"):
+                    kt_ops.set_cpu_variant(name)
+                    outs.append(kt_ops.moe_forward(x, ids, weights, packed))
+                assert torch.equal(outs[0], outs[1]), f"{case.id}, {tokens} tokens: avx512 differs from avx2"
+    finally:
+        kt_ops.set_cpu_variant(previous)
+
+
 def test_detection_requires_every_feature_the_variants_are_compiled_for() -> None:
     """Each csrc/cpu/kernels/variants/*.cpp is compiled with ``#pragma GCC target(...)``, so the compiler
     may emit any of those instructions; a variant kt_ops reports as supported must therefore have every one
