@@ -158,22 +158,18 @@ def test_avx512_vnni_runs_vpdpbusd_for_the_integer_formats() -> None:
             assert "vpdpbusd" in kernel and "the avx512 kernel" not in kernel, kernel
 
 
-@pytest.mark.parametrize("names", [("avx2", "avx_vnni"), ("avx512", "avx512_vnni")], ids=lambda n: "-".join(n))
-def test_vnni_variant_is_bit_identical_to_its_base(names: tuple[str, str]) -> None:
-    """vpdpbusd and vpmaddubsw + vpmaddwd give the same exact int32 sums (no int16 pair
-    saturates for the levels and activations the formats use), and the fp32 work around
-    them adds the same values in the same order (avx_vnni and avx2 share that code;
-    avx512_vnni's tiles, avx512_bf16's, accumulate every k block in the order avx512's
-    do): every packing case, decode and prefill token counts, equal bits."""
-    from format_cases import format_cases
-
+def assert_same_bits(cases: list, names: tuple[str, str]) -> None:
+    """Each case packed from random bf16 experts (E = 6, top-2) and called with 1, 3, 9 and
+    40 tokens (decode, and prefill tiles where a variant has them) on variant names[0] and
+    names[1]: equal outputs, or an AssertionError naming the case. Skips where the CPU
+    lacks a variant; the active variant is restored."""
     for name in names:
         if kt_ops.missing_features(name):
             pytest.skip(f"this CPU lacks {name}: {kt_ops.missing_features(name)}")
     previous = kt_ops.cpu_variant()
     generator = torch.Generator().manual_seed(0)
     try:
-        for case in format_cases():
+        for case in cases:
             E = 6
             gate = (torch.randn(E, case.intermediate, case.hidden, generator=generator) * 0.05).bfloat16()
             up = (torch.randn(E, case.intermediate, case.hidden, generator=generator) * 0.05).bfloat16()
@@ -192,6 +188,18 @@ def test_vnni_variant_is_bit_identical_to_its_base(names: tuple[str, str]) -> No
         kt_ops.set_cpu_variant(previous)
 
 
+@pytest.mark.parametrize("names", [("avx2", "avx_vnni"), ("avx512", "avx512_vnni")], ids=lambda n: "-".join(n))
+def test_vnni_variant_is_bit_identical_to_its_base(names: tuple[str, str]) -> None:
+    """vpdpbusd and vpmaddubsw + vpmaddwd give the same exact int32 sums (no int16 pair
+    saturates for the levels and activations the formats use), and the fp32 work around
+    them adds the same values in the same order (avx_vnni and avx2 share that code;
+    avx512_vnni's tiles, avx512_bf16's, accumulate every k block in the order avx512's
+    do): every packing case, decode and prefill token counts, equal bits."""
+    from format_cases import format_cases
+
+    assert_same_bits(format_cases(), names)
+
+
 def test_block32_gguf_types_give_the_same_bits_on_avx2_and_avx512() -> None:
     """The block-32 GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) run the same arithmetic
     on both widths: exact int32 block sums of four rows added across rows, then one
@@ -201,32 +209,10 @@ def test_block32_gguf_types_give_the_same_bits_on_avx2_and_avx512() -> None:
     their float operations otherwise: not compared.)"""
     from format_cases import format_cases
 
-    for name in ("avx2", "avx512"):
-        if kt_ops.missing_features(name):
-            pytest.skip(f"this CPU lacks {name}: {kt_ops.missing_features(name)}")
     block32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")
     cases = [c for c in format_cases() if c.id in {f"gguf-{t}" for t in block32}]
     assert len(cases) == len(block32), [c.id for c in cases]
-    previous = kt_ops.cpu_variant()
-    generator = torch.Generator().manual_seed(0)
-    try:
-        for case in cases:
-            E = 6
-            gate = (torch.randn(E, case.intermediate, case.hidden, generator=generator) * 0.05).bfloat16()
-            up = (torch.randn(E, case.intermediate, case.hidden, generator=generator) * 0.05).bfloat16()
-            down = (torch.randn(E, case.hidden, case.intermediate, generator=generator) * 0.05).bfloat16()
-            packed = case.pack(gate, up, down)
-            for tokens in (1, 3, 9, 40):
-                x = torch.randn(tokens, case.hidden, generator=generator).bfloat16()
-                ids = torch.stack([torch.randperm(E, generator=generator)[:2] for _ in range(tokens)]).int()
-                weights = torch.rand(tokens, 2, generator=generator)
-                outs = []
-                for name in ("avx2", "avx512"):
-                    kt_ops.set_cpu_variant(name)
-                    outs.append(kt_ops.moe_forward(x, ids, weights, packed))
-                assert torch.equal(outs[0], outs[1]), f"{case.id}, {tokens} tokens: avx512 differs from avx2"
-    finally:
-        kt_ops.set_cpu_variant(previous)
+    assert_same_bits(cases, ("avx2", "avx512"))
 
 
 def test_detection_requires_every_feature_the_variants_are_compiled_for() -> None:
