@@ -45,9 +45,9 @@ def rate(row: Row, limits: MachineLimits) -> Row:
       streaming flush, so such a row may read from the cache: no fraction of DRAM
       bandwidth is given (None). A call's activated experts alone fitting is not enough:
       each call routes to newly drawn experts, most of them untouched since several calls
-      and a flush, so they come from DRAM (on a 2-core Zen 4, 2026-12-07, the 1-token S1 rows of the
-      4-bit methods, 17-20 MB per call, read 0.64-0.90 of the mean of their two
-      bandwidth brackets: not at cache speed);
+      and a flush, so they come from DRAM (on a 2-core Zen 4 with a 32 MiB LLC, 2026-12-07,
+      the 1-token S1 rows of the 4-bit methods and Q6_K, 20-31 MB per call, read 0.64-0.90
+      of the mean of their two bandwidth brackets: not at cache speed);
     - ``bandwidth``: otherwise.
 
     The fraction is not clamped: above 1 means the limit was measured too low, and the
