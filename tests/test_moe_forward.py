@@ -21,7 +21,7 @@ import torch
 import kt_ops
 from conftest import long_k_prefill, make_experts, max_err, random_routing, rel_err
 
-FP32_ACTIVATION_VARIANTS = {"avx512", "avx_vnni", "avx2"}
+FP32_ACTIVATION_VARIANTS = {"avx512", "avx512_vnni", "avx_vnni", "avx2"}  # BF16 by fp32 FMA (the avx512 / avx2 kernels)
 
 # (E, top_k, H, I, tokens): H and I off every tile multiple (16 rows, pairs, 4-block
 # tiles, AVX2's 128-pair k blocks; AVX-512's 1024-pair blocks: test_prefill_k_blocks_past_2048),
