@@ -40,11 +40,13 @@ class ExpertReadiness {
       error = std::current_exception();
     }
     if (state_[e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      if (!error) try {
+      if (!error) {
+        try {
           prepare();
         } catch (...) {
           error = std::current_exception();
         }
+      }
       state_[e].store(kReady, std::memory_order_release);
     }
     if (error) std::rethrow_exception(error);
