@@ -27,8 +27,9 @@ from test_quantized import make_weights
 FORMATS = {"FP8": "fp8", "FP8_PERCHANNEL": "fp8_perchannel", "MXFP8": "mxfp8"}
 
 # (E, top_k, H, I, tokens): H and I off 16 rows, 32 k and 128 k; one expert; tokens past
-# one row tile (4 / 6) and past the 96-row chunk; k over several 256-k (decode) blocks
-# (prefill's 2048-k blocks: test_prefill_k_blocks_past_2048); decode
+# one row tile (4 / 6) and past the 96-row chunk; k over several of fp8's 256-k decode
+# blocks (the 2048-k blocks of prefill and of the other formats' decode:
+# test_prefill_k_blocks_past_2048); decode
 # experts (at most 6 tokens) with jobs of several 4-block groups (16 gate/up, 32 down
 # blocks here), the last group partial.
 SHAPES = [
@@ -103,8 +104,8 @@ def test_kernel_matches_reference(variant: str, method: str, fmt: str, E: int, t
 @pytest.mark.parametrize("H,I", [(2200, 48), (48, 2100)], ids=["gate_up_k2200", "down_k2100"])
 @pytest.mark.parametrize("method,fmt", list(FORMATS.items()), ids=list(FORMATS.values()))
 def test_prefill_k_blocks_past_2048(variant: str, method: str, fmt: str, H: int, I: int) -> None:
-    """Prefill runs k in blocks of 2048 (decode: 256): a k of 2200 (gate/up) or 2100 (down)
-    is one whole block and a partial one. Each token's row equals, bit for bit, the row of
+    """Prefill runs k in blocks of 2048 (so does the decode of fp8_perchannel and mxfp8;
+    fp8's: 256): a k of 2200 (gate/up) or 2100 (down) is one whole block and a partial one. Each token's row equals, bit for bit, the row of
     the same token computed alone (the decode path; on amx, where prefill runs on AMX tiles
     that sum in their own order, within AMX_TILE_BOUND), and the layer matches the reference."""
     E, T = 2, 20

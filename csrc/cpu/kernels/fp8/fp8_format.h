@@ -143,6 +143,8 @@ class Fp8Format {
   // normalization) where the ISA has split lines and the k block's exponents allow it.
   static constexpr bool kMxSplit = HasSplitLines<Ops>::value && kMx;
   static constexpr int64_t kScaleRowBytes = kMx ? 16 : 64;  // one group's scales of a block's rows
+  // Decode's k block (fp8_kblock.h): fp8's tiles end at every 128-k group anyway.
+  static constexpr int64_t kDecodeKBlock = kGroupFlush ? kFp8KBlockPairs : kFp8PrefillKBlockPairs;
   // Prefill on AMX tiles (Ops::Tiles, fp8_amx.h) where the micro-kernel set has a tile GEMM.
   static constexpr bool kTiles = HasBf16TileGemm<Micro>::value;
 
@@ -249,7 +251,7 @@ class Fp8Format {
 
  private:
   // c[m][0, 16 blocks) = rows of a x `blocks` blocks starting at w, in groups of
-  // kTileBlocks blocks, each over k blocks of kFp8KBlockPairs pairs (decode) or
+  // kTileBlocks blocks, each over k blocks of kDecodeKBlock pairs (decode) or
   // kFp8PrefillKBlockPairs (prefill). In each k block the first row tile decodes the codes
   // in registers as it streams them (prefetching 2 KiB ahead, as the BF16 decode does) and,
   // when more row tiles follow, stores the BF16 lines for them to read (fp8_line_buffer);
@@ -285,7 +287,7 @@ class Fp8Format {
                          const uint8_t* w, int blocks, int next_blocks, float* c, int64_t ldc) {
     const int64_t pairs = dims.padded_k / 2, group_pairs = dims.group / 2;
     const int64_t block_bytes = static_cast<int64_t>(dims.block_bytes());
-    constexpr int64_t kKBlock = Store ? kFp8PrefillKBlockPairs : kFp8KBlockPairs;
+    constexpr int64_t kKBlock = Store ? kFp8PrefillKBlockPairs : kDecodeKBlock;
     constexpr int64_t kLineStride = kKBlock * 32;  // the k block's BF16 lines: [blocks][kKBlock][32]
     uint16_t* const lines = Store ? fp8_line_buffer() : nullptr;
     const Act* row_at[Micro::kMaxRows];

@@ -11,14 +11,21 @@
 
 namespace kt::cpu {
 
-constexpr int64_t kFp8KBlockPairs = 128;  // decode: 256 k, whole fp8 (128) and mxfp8 (32) groups
+constexpr int64_t kFp8KBlockPairs = 128;  // fp8 decode: 256 k, whole fp8 (128) and mxfp8 (32) groups
 // Prefill: k blocks of 2048 k (all of a 2048-wide layer's), whose BF16 lines the decoding
 // row tile stores for the later ones (4 blocks: 256 KiB, in L2). Bit-identical to 256-k
 // blocks; in one process, both interleaved call by call (Zen 5, avx512_bf16, 2026-11-27,
 // 11-15 calls), 512 tokens: S1 MXFP8 0.90, FP8_PERCHANNEL 0.94 (k blocks of 1024 k), FP8
 // 0.97 of the time; S2 0.90 / 0.92 / 0.97; S1 on avx512 0.93 / 0.96 / 0.98, on avx2 0.96 /
-// 0.98 / 0.98 (Zen 5's 1 MiB L2; Zen 3's 512 KiB not measured). Decode keeps 256 k (2048 k
-// read 1.02-1.03 for MXFP8 at 1 and 8 tokens).
+// 0.98 / 0.98 (Zen 5's 1 MiB L2; Zen 3's 512 KiB not measured).
+// Decode: mxfp8 and fp8_perchannel in these 2048-k blocks too, fp8 (a flush per 128 k
+// whatever the block) in 256-k ones (Fp8Format::kDecodeKBlock). Bit-identical; paired A/B
+// against 256 k (2-core Zen 4, 2026-12-07, scripts/ab_pair.py with a run-time switch in
+// one build, 2 rounds of 10-12 calls), 1 / 8 tokens, avx512_bf16: S1 MXFP8 0.96-0.97 / 1.005,
+// S2 MXFP8 0.92-0.95 / 0.99, S1 FP8_PERCHANNEL 0.93 / 0.99, S2 FP8_PERCHANNEL 0.99 / 0.98,
+// fp8 1.01-1.04 / 0.98-1.01 (so left at 256); forced to avx512 / avx2, S1 MXFP8 0.95 / 0.94
+// at 1 token, 0.99 / 0.97 at 8, FP8_PERCHANNEL 1.00-1.02. (Zen 5 in 2026-11 read 1.02-1.03
+// for 2048-k MXFP8 decode blocks, before the exponents' prefetch per block group.)
 constexpr int64_t kFp8PrefillKBlockPairs = 1024;
 constexpr int64_t kMxGroupPairs = fp8_layout::kMxGroup / 2;
 constexpr int64_t kMxGroupsPerKBlock = kFp8PrefillKBlockPairs / kMxGroupPairs;  // the larger k block's
