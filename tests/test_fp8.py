@@ -105,9 +105,10 @@ def test_kernel_matches_reference(variant: str, method: str, fmt: str, E: int, t
 @pytest.mark.parametrize("method,fmt", list(FORMATS.items()), ids=list(FORMATS.values()))
 def test_prefill_k_blocks_past_2048(variant: str, method: str, fmt: str, H: int, I: int) -> None:
     """Prefill runs k in blocks of 2048 (so does the decode of fp8_perchannel and mxfp8;
-    fp8's: 256): a k of 2200 (gate/up) or 2100 (down) is one whole block and a partial one. Each token's row equals, bit for bit, the row of
-    the same token computed alone (the decode path; on amx, where prefill runs on AMX tiles
-    that sum in their own order, within AMX_TILE_BOUND), and the layer matches the reference."""
+    fp8's: 256): a k of 2200 (gate/up) or 2100 (down) is one whole block and a partial
+    one. Each token's row equals, bit for bit, the row of the same token computed alone
+    (the decode path; on amx, where prefill runs on AMX tiles that sum in their own order,
+    within AMX_TILE_BOUND), and the layer matches the reference."""
     E, T = 2, 20
     gate, up, down = make_weights(E, H, I, seed=H + I)
     packed = kt_ops.pack_experts(gate, up, down, method=method)
